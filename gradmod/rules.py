@@ -1,0 +1,260 @@
+"""Hook rules: select tensors by name, attach their transforms, keep every handle.
+
+A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
+or ``{"modules": glob(s), ...}``. ``params`` selects ``model.named_parameters()`` and
+transforms each parameter's gradient; ``modules`` selects ``model.named_modules()`` and
+transforms the gradient of the module's *output* (the articles' ``x.register_hook``
+inside ``forward``). Several rules on one tensor chain in config order.
+
+Stages (``params`` rules only; ``modules`` rules always run as hooks):
+
+* ``hook``: ``Tensor.register_hook`` on the parameter; sees each backward's local
+  gradient before it is accumulated into ``.grad`` (and before DDP's all-reduce).
+* ``fused``: ``HookSet.after_backward()`` transforms the accumulated ``.grad`` tensors,
+  grouped per transform with ``torch._foreach_*`` ops, once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from gradmod import transforms as T
+
+STAGES = ("hook", "fused")
+RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
+
+# model -> its live HookSet, so attaching again replaces rather than doubles the hooks.
+_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, HookSet]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Target:
+    """One selected tensor and the transforms (in order) a rule applies to it."""
+
+    rule: str
+    kind: str  # "param" | "module"
+    name: str
+    stage: str
+    steps: list[T.Step]
+
+
+def _patterns(rule: str, key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Iterable) or isinstance(value, Mapping) or not value or \
+            not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"hooks.{rule}.{key}: {value!r} must be a glob or a non-empty list of globs")
+    return list(value)
+
+
+def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) -> ValueError:
+    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
+    hint = f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
+    return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {hint}")
+
+
+def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
+    """The names a rule selects, in model order; a pattern matching nothing is an error."""
+    key = "params" if "params" in spec else "modules"
+    chosen: set[str] = set()
+    for pattern in _patterns(rule, key, spec[key]):
+        hits = fnmatch.filter(names, pattern)
+        if not hits:
+            raise _no_match(rule, key, pattern, names, what)
+        chosen.update(hits)
+    if spec.get("exclude") is not None:
+        for pattern in _patterns(rule, "exclude", spec["exclude"]):
+            hits = fnmatch.filter(names, pattern)
+            if not hits:
+                raise _no_match(rule, "exclude", pattern, names, what)
+            chosen.difference_update(hits)
+    if not chosen:
+        raise ValueError(f"hooks.{rule}: exclude removes every {what} the rule selected")
+    return [n for n in names if n in chosen]
+
+
+def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
+                  stage: str = "hook") -> list[Target]:
+    """Check the rules against the model and return what to attach, in config order."""
+    if not isinstance(rules, Mapping) and rules is not None:
+        raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
+    params = [n for n, p in model.named_parameters() if p.requires_grad]
+    modules = [n for n, _ in model.named_modules() if n]
+    targets: list[Target] = []
+    for rule, spec in (rules or {}).items():
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"hooks.{rule}: a rule must be a mapping with params or modules and transforms")
+        unknown = [k for k in spec if k not in RULE_KEYS]
+        if unknown:
+            raise ValueError(f"hooks.{rule}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(RULE_KEYS)}")
+        if ("params" in spec) == ("modules" in spec):
+            raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
+        rule_stage = spec.get("stage") or stage
+        if rule_stage not in STAGES:
+            raise ValueError(f"hooks.{rule}.stage: {rule_stage!r} is not a stage; allowed: {', '.join(STAGES)}")
+        kind = "param" if "params" in spec else "module"
+        if kind == "module" and spec.get("stage") == "fused":
+            raise ValueError(f"hooks.{rule}.stage: 'fused' needs params (accumulated .grad); modules rules run as hooks")
+        transforms = spec.get("transforms")
+        if isinstance(transforms, (str, Mapping)):
+            transforms = [transforms]
+        if not transforms:
+            raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(T.names())}")
+        names = select(rule, spec, params if kind == "param" else modules,
+                       "parameter (see model.named_parameters())" if kind == "param"
+                       else "module (see model.named_modules())")
+        for name in names:
+            try:
+                steps = [T.build(t) for t in transforms]  # per tensor: observers keep own state
+            except ValueError as e:
+                raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+            targets.append(Target(rule, kind, name, "hook" if kind == "module" else rule_stage, steps))
+    return targets
+
+
+def _chain(steps: list[T.Step]):
+    def hook(grad: Tensor) -> Tensor:
+        for step in steps:
+            out = step(grad)
+            if out is not None:
+                grad = out
+        return grad
+
+    return hook
+
+
+class HookSet:
+    """The hooks one ``attach`` call registered. ``remove()`` (or leaving a ``with``
+    block) removes every handle; ``after_backward()`` runs the fused stage."""
+
+    def __init__(self, model: nn.Module, targets: list[Target]):
+        self.targets = targets
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        # One hook per tensor: its transforms from every rule, chained in config order.
+        hooked: dict[tuple[str, str], list[T.Step]] = {}
+        for t in targets:
+            if t.stage == "hook":
+                hooked.setdefault((t.kind, t.name), []).extend(t.steps)
+        for (kind, name), steps in hooked.items():
+            if kind == "param":
+                self._handles.append(params[name].register_hook(_chain(steps)))
+            else:
+                self._handles.append(modules[name].register_forward_hook(_output_hook(_chain(steps))))
+        # Fused groups: (rule, step index) -> (steps, param tensors), applied in config order.
+        self._fused: list[tuple[list[T.Step], list[nn.Parameter]]] = []
+        by_rule: dict[str, list[Target]] = {}
+        for t in targets:
+            if t.stage == "fused":
+                by_rule.setdefault(t.rule, []).append(t)
+        for group in by_rule.values():
+            for i in range(len(group[0].steps)):
+                self._fused.append(([t.steps[i] for t in group], [params[t.name] for t in group]))
+
+    @property
+    def plan(self) -> list[tuple[str, list[str]]]:
+        """(tensor name, transform names) in application order; module outputs as ``name:output``."""
+        out: dict[str, list[str]] = {}
+        for t in self.targets:
+            key = t.name if t.kind == "param" else f"{t.name}:output"
+            out.setdefault(key, []).extend(s.name for s in t.steps)
+        return list(out.items())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The plan with rules, stages and arguments, for printing and saving."""
+        return [{"tensor": t.name if t.kind == "param" else f"{t.name}:output", "rule": t.rule,
+                 "stage": t.stage, "transforms": [str(s) for s in t.steps]} for t in self.targets]
+
+    def format_plan(self) -> str:
+        if not self.targets:
+            return "hook plan: no rules"
+        width = max(len(d["tensor"]) for d in self.describe())
+        lines = [f"  {d['tensor']:<{width}}  {d['stage']:<5}  {d['rule']}: {' -> '.join(d['transforms'])}"
+                 for d in self.describe()]
+        return "hook plan:\n" + "\n".join(lines)
+
+    @property
+    def has_fused(self) -> bool:
+        return bool(self._fused)
+
+    def after_backward(self) -> None:
+        """Run the fused stage on the accumulated gradients (call before optimizer.step)."""
+        for steps, params in self._fused:
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            step = steps[0]
+            if isinstance(step.fn, T.GradStats):  # observers keep one state per tensor
+                for s, p in zip(steps, params):
+                    if p.grad is not None:
+                        s(p.grad)
+            else:
+                step.apply_(grads)
+
+    def observers(self) -> list[tuple[str, T.GradStats]]:
+        """(tensor name, ``log`` accumulator) for every ``log`` transform attached."""
+        return [(t.name if t.kind == "param" else f"{t.name}:output", s.fn)
+                for t in self.targets for s in t.steps if isinstance(s.fn, T.GradStats)]
+
+    def read_stats(self) -> dict[str, dict[str, float]]:
+        """Every ``log`` accumulator's window, read with a single host sync."""
+        pending = []
+        for name, obs in self.observers():
+            calls, acc = obs.take()
+            if acc is not None:
+                key = f"{name}/{obs.label}" if obs.label else name
+                pending.append((key, calls, acc))
+        if not pending:
+            return {}
+        values = torch.stack([acc.to(pending[0][2].device) for _, _, acc in pending]).tolist()
+        return {key: T.GradStats.summarize(calls, v) for (key, calls, _), v in zip(pending, values)}
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._fused.clear()
+
+    def __enter__(self) -> "HookSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _output_hook(chain):
+    def forward_hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(chain)
+
+    return forward_hook
+
+
+def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
+           stage: str = "hook") -> HookSet:
+    """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
+
+    ``stage`` is the default for rules that do not set one. Attaching again to the same
+    model first removes the hooks of the previous call, so hooks never double.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage {stage!r} is not a stage; allowed: {', '.join(STAGES)}")
+    targets = build_targets(model, rules, stage)  # validate everything before touching the model
+    previous = _ATTACHED.get(model)
+    if previous is not None:
+        previous.remove()
+    hooks = HookSet(model, targets)
+    _ATTACHED[model] = hooks
+    return hooks

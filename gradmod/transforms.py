@@ -1,0 +1,278 @@
+"""Gradient transforms: plain functions ``grad -> Tensor | None``, registered by name.
+
+A *factory* takes the transform's arguments and returns the function, so a config
+entry ``{name: clamp, min: -0.01, max: 0.01}`` becomes ``clamp(min=-0.01, max=0.01)``.
+Transforms never modify ``grad`` in place (the tensor-hook contract); returning ``None``
+leaves the gradient as it is (observers such as ``log`` do that).
+
+Each transform may also have an in-place *foreach* form over a list of accumulated
+``.grad`` tensors, used by the ``fused`` stage; without one, the fused stage calls the
+plain function per tensor.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+Transform = Callable[[Tensor], "Tensor | None"]
+Foreach = Callable[[list[Tensor]], None]
+
+_FACTORIES: dict[str, Callable[..., Transform]] = {}
+_FOREACH: dict[str, Callable[..., Foreach]] = {}
+
+
+def register(name: str, factory: Callable[..., Transform] | None = None, *,
+             foreach: Callable[..., Foreach] | None = None, overwrite: bool = False):
+    """Register ``factory(**args) -> transform`` under ``name``; usable as a decorator.
+
+    ``foreach(**args)`` optionally returns an in-place function over a list of gradients
+    for the ``fused`` stage. A name is registered once unless ``overwrite=True``.
+    """
+
+    def add(f):
+        if name in _FACTORIES and not overwrite:
+            raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
+        _FACTORIES[name] = f
+        _FOREACH.pop(name, None)
+        if foreach is not None:
+            _FOREACH[name] = foreach
+        return f
+
+    return add(factory) if factory is not None else add
+
+
+def names() -> list[str]:
+    """The registered transform names."""
+    return sorted(_FACTORIES)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One configured transform: its name, arguments and function."""
+
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+    fn: Transform = field(default=None, repr=False, compare=False)
+
+    def __call__(self, grad: Tensor) -> Tensor | None:
+        return self.fn(grad)
+
+    def apply_(self, grads: list[Tensor]) -> None:
+        """Apply in place to accumulated gradients (the fused stage)."""
+        foreach = _FOREACH.get(self.name)
+        if foreach is not None:
+            foreach(**self.args)(grads)
+            return
+        for g in grads:
+            out = self.fn(g)
+            if out is not None:
+                g.copy_(out)
+
+    def __str__(self) -> str:
+        if not self.args:
+            return self.name
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.args.items())})"
+
+
+def parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``"zero"`` or ``{"name": "clamp", "min": ..., "max": ...}`` -> (name, args)."""
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+        args = {str(k): v for k, v in spec.items() if k != "name"}
+        return spec["name"], args
+    raise ValueError(f"a transform must be a name or a mapping with 'name' and its arguments, got {spec!r}")
+
+
+def build(spec: str | Mapping[str, Any]) -> Step:
+    """Build a transform from its config entry; bad names or arguments are a ValueError."""
+    name, args = parse_spec(spec)
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown transform {name!r}; allowed: {', '.join(names())}")
+    params = inspect.signature(factory).parameters
+    unknown = [k for k in args if k not in params]
+    if unknown:
+        allowed = ", ".join(params) or "no arguments"
+        raise ValueError(f"transform {name!r} got unknown argument(s) {', '.join(unknown)}; allowed: {allowed}")
+    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in args]
+    if missing:
+        raise ValueError(f"transform {name!r} needs argument(s) {', '.join(missing)}")
+    return Step(name, args, factory(**args))
+
+
+def _number(transform: str, arg: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be a number")
+    return float(value)
+
+
+def _positive(transform: str, arg: str, value: Any, *, allow_zero: bool = True) -> float:
+    v = _number(transform, arg, value)
+    if v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be {bound}")
+    return v
+
+
+# --- value transforms ------------------------------------------------------------------
+
+
+def _clamp_bounds(min: float | None, max: float | None) -> tuple[float | None, float | None]:
+    lo = None if min is None else _number("clamp", "min", min)
+    hi = None if max is None else _number("clamp", "max", max)
+    if lo is None and hi is None:
+        raise ValueError("transform 'clamp' needs min, max or both")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"transform 'clamp': min={min} is greater than max={max}; need min <= max")
+    return lo, hi
+
+
+def clamp(min: float | None = None, max: float | None = None) -> Transform:
+    lo, hi = _clamp_bounds(min, max)
+    return lambda grad: grad.clamp(lo, hi)
+
+
+def _clamp_foreach(min: float | None = None, max: float | None = None) -> Foreach:
+    lo, hi = _clamp_bounds(min, max)
+
+    def apply(grads: list[Tensor]) -> None:
+        if lo is not None:
+            torch._foreach_clamp_min_(grads, lo)
+        if hi is not None:
+            torch._foreach_clamp_max_(grads, hi)
+
+    return apply
+
+
+def zero() -> Transform:
+    return torch.zeros_like
+
+
+def min_zero() -> Transform:
+    return lambda grad: grad.clamp(min=0)
+
+
+def scale(factor: float) -> Transform:
+    f = _number("scale", "factor", factor)
+    return lambda grad: grad * f
+
+
+def sign() -> Transform:
+    return torch.sign
+
+
+def centralize() -> Transform:
+    """Gradient centralisation: subtract the mean over all dims but the first (output units)."""
+
+    def apply(grad: Tensor) -> Tensor:
+        if grad.dim() < 2:
+            return grad
+        return grad - grad.mean(dim=tuple(range(1, grad.dim())), keepdim=True)
+
+    return apply
+
+
+def norm_clip(max_norm: float) -> Transform:
+    """Rescale this tensor's gradient so its L2 norm is at most ``max_norm``."""
+    m = _positive("norm_clip", "max_norm", max_norm, allow_zero=False)
+
+    def apply(grad: Tensor) -> Tensor:
+        norm = torch.linalg.vector_norm(grad)
+        # clamp_max keeps this on the device: no host sync to compare norm with m.
+        return grad * (m / (norm + 1e-6)).clamp_max(1.0)
+
+    return apply
+
+
+def noise(std: float, decay: float = 0.55) -> Transform:
+    """Add Gaussian noise with std ``std / (1 + t) ** decay`` at call ``t`` (annealed)."""
+    s = _positive("noise", "std", std)
+    d = _positive("noise", "decay", decay)
+    calls = 0
+
+    def apply(grad: Tensor) -> Tensor:
+        nonlocal calls
+        sigma = s / (1 + calls) ** d
+        calls += 1
+        return grad + sigma * torch.randn_like(grad)
+
+    return apply
+
+
+register("clamp", clamp, foreach=_clamp_foreach)
+register("zero", zero, foreach=lambda: torch._foreach_zero_)
+register("min_zero", min_zero, foreach=lambda: lambda grads: torch._foreach_clamp_min_(grads, 0.0))
+register("scale", scale, foreach=lambda factor: lambda grads: torch._foreach_mul_(grads, _number("scale", "factor", factor)))
+register("sign", sign, foreach=lambda: torch._foreach_sign_)
+register("centralize", centralize)
+register("norm_clip", norm_clip)
+register("noise", noise)
+
+
+# --- observation -----------------------------------------------------------------------
+
+
+class GradStats:
+    """The ``log`` transform: statistics of every gradient it sees, accumulated on the
+    gradient's device so that observing costs no host sync. ``read()`` syncs once.
+
+    Per window (the calls since the last read): mean L2 norm, smallest and largest value,
+    mean of the means, mean fraction of negative entries, total count of non-finite
+    entries, and ``any_negative`` (the articles' "are there gradients below zero?").
+    """
+
+    FIELDS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite")
+
+    def __init__(self, label: str | None = None):
+        self.label = label
+        self.calls = 0
+        self._sum: Tensor | None = None
+
+    def __call__(self, grad: Tensor) -> None:
+        g = grad.detach().float()
+        s = torch.stack([
+            torch.linalg.vector_norm(g), g.min(), g.max(), g.mean(),
+            (g < 0).float().mean(), (~torch.isfinite(g)).sum().float(),
+        ])
+        if self._sum is None:
+            self._sum = s.clone()
+        else:
+            lo = torch.minimum(self._sum[1], s[1])
+            hi = torch.maximum(self._sum[2], s[2])
+            self._sum += s
+            self._sum[1], self._sum[2] = lo, hi
+        self.calls += 1
+        return None
+
+    def take(self) -> tuple[int, Tensor | None]:
+        """The pending window (calls, device tensor) and a fresh start; no sync."""
+        out = (self.calls, self._sum)
+        self.calls, self._sum = 0, None
+        return out
+
+    @staticmethod
+    def summarize(calls: int, values: list[float]) -> dict[str, float]:
+        norm, lo, hi, mean, neg, nonfinite = values
+        return {
+            "norm": norm / calls, "min": lo, "max": hi, "mean": mean / calls,
+            "frac_negative": neg / calls, "nonfinite": int(nonfinite),
+            "any_negative": bool(lo < 0), "calls": calls,
+        }
+
+    def read(self) -> dict[str, float] | None:
+        calls, acc = self.take()
+        return None if acc is None else self.summarize(calls, acc.tolist())
+
+
+def log(label: str | None = None) -> Transform:
+    return GradStats(label)
+
+
+register("log", log)

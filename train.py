@@ -1,0 +1,15 @@
+"""Train with gradient hooks from Hydra configs: ``python train.py +hooks=clip``."""
+
+import hydra
+from omegaconf import DictConfig
+
+from gradmod.cli import job
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    return job(cfg)["test_accuracy"]
+
+
+if __name__ == "__main__":
+    main()
