@@ -20,8 +20,10 @@ from tqdm.auto import tqdm
 
 from gradmod.data import as_float, load_data
 from gradmod.init import apply_init
+from gradmod.loader import host_batches, placement
 from gradmod.models import build_model
 from gradmod.rules import HookSet, attach
+from gradmod.speed import SyncCheck, compile_model, flag, to_channels_last
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def batches(x: Tensor, y: Tensor, batch_size: int,
-            generator: torch.Generator | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
+            device: torch.device | None = None, loader_workers: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
-    shuffled by ``generator`` (a CPU generator) when one is given."""
+    shuffled by ``generator`` (a CPU generator) when one is given. With ``loader_workers``
+    set, a DataLoader gathers them in host memory and copies them to ``device`` instead."""
+    if loader_workers is not None:
+        yield from host_batches(x, y, batch_size, generator, x.device if device is None else device, loader_workers)
+        return
     if generator is None:
         for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
             yield as_float(xb), yb
@@ -62,17 +68,19 @@ def batches(x: Tensor, y: Tensor, batch_size: int,
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
                 batch_size: int, generator: torch.Generator, hooks: HookSet | None = None,
-                on_step: Callable[[int], None] | None = None, progress: bool = False) -> float:
+                on_step: Callable[[int], None] | None = None, progress: bool = False,
+                device: torch.device | None = None, loader_workers: int | None = None) -> float:
     """One pass over (x, y) in shuffled batches; returns the mean training loss.
 
     The loss is summed on the device and read once at the end: no per-step host sync.
     ``on_step(i)`` runs after each optimizer step (``i`` counts from 1 in this epoch).
     """
     model.train()
-    total = torch.zeros((), device=y.device)
+    device = y.device if device is None else device
+    total = torch.zeros((), device=device)
     n = 0
     steps = (len(y) + batch_size - 1) // batch_size
-    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator), total=steps, leave=False,
+    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator, device, loader_workers), total=steps, leave=False,
                                       desc="train", disable=not progress), start=1):
         loss = F.cross_entropy(model(xb), yb)
         optimizer.zero_grad(set_to_none=True)
@@ -88,12 +96,14 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000) -> tuple[float, float]:
+def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
+             device: torch.device | None = None, loader_workers: int | None = None) -> tuple[float, float]:
     """Batched evaluation: (mean loss, accuracy), read from the device once."""
     model.eval()
-    loss = torch.zeros((), device=y.device)
-    correct = torch.zeros((), device=y.device, dtype=torch.long)
-    for xb, yb in batches(x, y, batch_size):
+    device = y.device if device is None else device
+    loss = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    for xb, yb in batches(x, y, batch_size, None, device, loader_workers):
         out = model(xb)
         loss += F.cross_entropy(out, yb, reduction="sum")
         correct += (out.argmax(1) == yb).sum()
@@ -131,25 +141,38 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     batch_size = int(data_cfg.pop("batch_size"))
     data = load_data(data_cfg.pop("name"), data_dir=str(cfg.data_dir), seed=int(cfg.seed),
                      fallback=bool(data_cfg.pop("fallback", True)), n_test=int(data_cfg.pop("n_test", 1000)),
-                     **data_cfg).to(device)
+                     **data_cfg)
+    loader_workers = None  # None: batches indexed on the device; else a DataLoader's workers
+    if placement(str(trainer.get("data_placement", "auto")), data, device) == "device":
+        data = data.to(device)
+    else:
+        loader_workers = int(trainer.get("loader_workers", 0))
+        if loader_workers < 0:
+            raise ValueError(f"trainer.loader_workers={loader_workers} must be >= 0")
     model = build_model(cfg.model.name, in_channels=data.in_channels, num_classes=data.num_classes,
                         image_size=data.image_size)
     apply_init(model, cfg.init.name)
     model.to(device)
+    if flag("trainer.channels_last", trainer.get("channels_last", False)):
+        to_channels_last(model)
     rules = OmegaConf.to_container(cfg.get("hooks") or {}, resolve=True)
     hooks = attach(model, rules, stage=str(trainer.hook_stage))
     try:
-        return _fit(cfg, model, data, hooks, device, batch_size, out, start)
+        return _fit(cfg, model, data, hooks, device, batch_size, out, start, loader_workers)
     finally:
         hooks.remove()
 
 
-def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, Any]:
+def _fit(cfg, model, data, hooks, device, batch_size, out, start, loader_workers=None) -> dict[str, Any]:
     trainer = cfg.trainer
     log.info("%s", hooks.format_plan())
     plan = hooks.describe()
     _write_json(out / "hook_plan.json", plan)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
+    # Hooks are attached to `model` already; the compiled module shares its parameters.
+    net = compile_model(model) if flag("trainer.compile", trainer.get("compile", False)) else model
+    sync_check = SyncCheck(flag("trainer.sync_check", trainer.get("sync_check", False)), device)
+    steps_per_epoch = (len(data.train_y) + batch_size - 1) // batch_size
     generator = torch.Generator().manual_seed(int(cfg.seed))
     progress = _progress_enabled(trainer.progress)
     log_every = int(trainer.log_every)
@@ -172,14 +195,21 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
                 nonlocal step
                 step += 1
                 if step % log_every == 0:
+                    sync_check.allow()
                     flush_stats(epoch)
+                # Steps up to the next log point must not sync; the epoch's end reads the loss.
+                if i < steps_per_epoch:
+                    sync_check.forbid()
+                else:
+                    sync_check.allow()
 
             t0 = time.perf_counter()
-            train_loss = train_epoch(model, optimizer, data.train_x, data.train_y, batch_size=batch_size,
-                                     generator=generator, hooks=hooks, on_step=on_step, progress=progress)
+            train_loss = train_epoch(net, optimizer, data.train_x, data.train_y, batch_size=batch_size,
+                                     generator=generator, hooks=hooks, on_step=on_step, progress=progress,
+                                     device=device, loader_workers=loader_workers)
             t1 = time.perf_counter()
-            test_loss, test_accuracy = evaluate(model, data.test_x, data.test_y,
-                                                batch_size=int(trainer.eval_batch_size))
+            test_loss, test_accuracy = evaluate(net, data.test_x, data.test_y, batch_size=int(trainer.eval_batch_size),
+                                                device=device, loader_workers=loader_workers)
             t2 = time.perf_counter()
             record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
                       "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
@@ -193,6 +223,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
             log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
                      epoch, epochs, train_loss, test_loss, test_accuracy, t2 - t0)
     finally:
+        sync_check.allow()
         metrics_file.close()
         if stats_file is not None:
             stats_file.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Mapping
 
 import torch
@@ -63,11 +64,16 @@ class Step:
     def __call__(self, grad: Tensor) -> Tensor | None:
         return self.fn(grad)
 
+    @cached_property
+    def inplace(self) -> Foreach | None:
+        """The in-place foreach form, built once (the fused stage calls it every step)."""
+        foreach = _FOREACH.get(self.name)
+        return None if foreach is None else foreach(**self.args)
+
     def apply_(self, grads: list[Tensor]) -> None:
         """Apply in place to accumulated gradients (the fused stage)."""
-        foreach = _FOREACH.get(self.name)
-        if foreach is not None:
-            foreach(**self.args)(grads)
+        if self.inplace is not None:
+            self.inplace(grads)
             return
         for g in grads:
             out = self.fn(g)
@@ -229,32 +235,41 @@ class GradStats:
     """
 
     FIELDS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite")
+    COMPACT_AT = 256  # pending rows folded into one on the device, so memory stays bounded
 
     def __init__(self, label: str | None = None):
         self.label = label
         self.calls = 0
-        self._sum: Tensor | None = None
+        self._rows: list[Tensor] = []  # per call (or folded window): sum norm, min, max, sum mean, ...
 
     def __call__(self, grad: Tensor) -> None:
+        # About 9 kernels per call (was 27 ops): aminmax is one pass, isnan(g * 0) flags
+        # inf and nan (isfinite decomposes into four ops), and nothing is accumulated
+        # here: rows are kept and reduced when read.
         g = grad.detach().float()
-        s = torch.stack([
-            torch.linalg.vector_norm(g), g.min(), g.max(), g.mean(),
-            (g < 0).float().mean(), (~torch.isfinite(g)).sum().float(),
-        ])
-        if self._sum is None:
-            self._sum = s.clone()
-        else:
-            lo = torch.minimum(self._sum[1], s[1])
-            hi = torch.maximum(self._sum[2], s[2])
-            self._sum += s
-            self._sum[1], self._sum[2] = lo, hi
+        lo, hi = torch.aminmax(g)
+        self._rows.append(torch.stack([
+            torch.linalg.vector_norm(g), lo, hi, g.mean(),
+            (g < 0).mean(dtype=torch.float32), (g * 0).isnan().sum(),
+        ]))
         self.calls += 1
+        if len(self._rows) >= self.COMPACT_AT:
+            self._rows = [self._fold()]
         return None
+
+    def _fold(self) -> Tensor:
+        """The pending rows as one row: sums, except min (column 1) and max (column 2)."""
+        if len(self._rows) == 1:
+            return self._rows[0]
+        rows = torch.stack(self._rows)
+        out = rows.sum(0)
+        out[1:3] = torch.stack([rows[:, 1].min(), rows[:, 2].max()])
+        return out
 
     def take(self) -> tuple[int, Tensor | None]:
         """The pending window (calls, device tensor) and a fresh start; no sync."""
-        out = (self.calls, self._sum)
-        self.calls, self._sum = 0, None
+        out = (self.calls, self._fold() if self._rows else None)
+        self.calls, self._rows = 0, []
         return out
 
     @staticmethod
