@@ -155,7 +155,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     model.to(device)
     if flag("trainer.channels_last", trainer.get("channels_last", False)):
         to_channels_last(model)
-    rules = OmegaConf.to_container(cfg.get("hooks") or {}, resolve=True)
+    rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}
     hooks = attach(model, rules, stage=str(trainer.hook_stage))
     try:
         return _fit(cfg, model, data, hooks, device, batch_size, out, start, loader_workers)
