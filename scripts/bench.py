@@ -1,0 +1,368 @@
+"""Benchmark: gradmod's training and evaluation against the article's pipeline and the bare model.
+
+    python scripts/bench.py              # a few minutes on 2 CPU cores; table + outputs/bench/bench.json
+    python scripts/bench.py --quick      # a smoke run in seconds (numbers meaningless)
+    python scripts/bench.py --device cuda --full --epochs 10   # full MNIST size (60,000 images) on a GPU
+
+Everything runs in one process. Each repeat runs every contender once, in an order that
+rotates from repeat to repeat (so slow drifts of the machine hit all of them alike); the
+table shows medians, and each ratio divides two medians measured in this same process.
+Every contender starts from the same initial weights and a fresh Adam (lr 1e-3, the
+article's), and trains on the same images in batches of 100.
+
+Sections:
+  epoch  one training epoch with the article's clip hook (clamp to [-0.01, 0.01]):
+         article  torchvision MNIST (the bundled sample written in MNIST's file format),
+                  DataLoader(batch 100, shuffle) with Resize(28) + ToTensor, loss.item() per step
+         gradmod  gradmod.train.train_epoch on device-resident data, clip rule (hook stage)
+         floor    forward, backward, optimizer step on batches already in memory, no hooks
+  eval   article's batch-size-1 loop (DataLoader + ToTensor, .item() per image) against
+         gradmod.train.evaluate (batched, trainer.eval_batch_size)
+  step   one epoch of gradmod.train.train_epoch with: no hooks; clip as hook stage; clip as
+         fused stage; torch.nn.utils.clip_grad_value_ after backward; log read every step;
+         log read every 50 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
+from gradmod.models import MnistCNN  # noqa: E402
+from gradmod.rules import attach  # noqa: E402
+from gradmod.speed import compile_model  # noqa: E402
+from gradmod.train import evaluate, resolve_device, train_epoch  # noqa: E402
+
+BATCH = 100  # the article's batch size
+CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
+LOG = {"log": {"params": "*", "transforms": ["log"]}}
+SECTIONS = ("epoch", "eval", "step")
+
+# (name, numerator, denominator, target description, test on the value); a ratio is
+# median(numerator) / median(denominator). "cuda" targets apply only on a GPU.
+RATIOS = [
+    ("epoch_speedup_vs_article", "epoch.article", "epoch.gradmod", "> 1 (faster than the article)", lambda r: r > 1),
+    ("epoch_gradmod_over_floor", "epoch.gradmod", "epoch.floor", "<= 1.10", lambda r: r <= 1.10),
+    ("eval_speedup_vs_article", "eval.article", "eval.gradmod", ">= 2", lambda r: r >= 2),
+    ("hook_overhead", "step.clip_hook", "step.none", "<= 1.05", lambda r: r <= 1.05),
+    ("fused_over_none", "step.clip_fused", "step.none", None, None),
+    ("clip_grad_value_over_none", "step.clip_grad_value_", "step.none", None, None),
+    ("log_every_step_over_none", "step.log_every_step", "step.none", None, None),
+    ("log_every_50_over_none", "step.log_every_50", "step.none", None, None),
+    ("none_over_floor", "step.none", "epoch.floor", None, None),
+    ("compiled_speedup", "epoch.gradmod", "epoch.gradmod_compiled", None, None),
+]
+GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | auto (default: cpu)")
+    p.add_argument("--repeats", type=int, default=9, help="timed runs of every contender (default 9)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of every contender first (default 1)")
+    p.add_argument("--train-size", type=int, default=4000,
+                   help="training images: the sample's 4,000-image train split, tiled or cut (default 4000)")
+    p.add_argument("--test-size", type=int, default=1000, help="test images, the 1,000-image split tiled or cut")
+    p.add_argument("--full", action="store_true", help="MNIST's size: --train-size 60000 --test-size 10000")
+    p.add_argument("--epochs", type=int, default=1, help="epochs per timed run in the epoch section (default 1)")
+    p.add_argument("--eval-batch-size", type=int, default=1000, help="gradmod's evaluation batch (default 1000)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--compile", action="store_true", help="also time gradmod's epoch with torch.compile (slow to compile)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", default="outputs/bench/bench.json", help="where to write the results")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run: 200/50 images, 1 repeat, no warm-up")
+    args = p.parse_args(argv)
+    if args.full:
+        args.train_size, args.test_size = 60_000, 10_000
+    if args.quick:
+        args.train_size, args.test_size, args.repeats, args.warmup = 200, 50, 1, 0
+    sections = [s for s in args.sections.split(",") if s]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad or not sections:
+        p.error(f"--sections: {','.join(bad) or 'empty'} not allowed; allowed: {','.join(SECTIONS)}")
+    args.sections = sections
+    for key in ("repeats", "train_size", "test_size", "epochs", "eval_batch_size"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be >= 1")
+    return args
+
+
+def tile(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` items: ``t`` repeated as often as needed, then cut."""
+    reps = -(-n // len(t))
+    return t.repeat(reps, *([1] * (t.dim() - 1)))[:n]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Bench:
+    """The data, the initial weights and every contender's set-up (untimed) and run (timed)."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, raw_root: str):
+        self.args, self.device = args, device
+        x, y, tx, ty = load_mnist_sample(seed=0, n_test=1000)
+        self.cpu = (tile(x, args.train_size), tile(y, args.train_size), tile(tx, args.test_size), tile(ty, args.test_size))
+        self.train_x, self.train_y, self.test_x, self.test_y = (t.to(device) for t in self.cpu)
+        write_mnist_raw(raw_root, self.cpu[0], self.cpu[1], train=True)
+        write_mnist_raw(raw_root, self.cpu[2], self.cpu[3], train=False)
+        self.raw_root = raw_root
+        torch.manual_seed(1234)
+        self.init = copy.deepcopy(MnistCNN().state_dict())
+        self.steps = -(-args.train_size // BATCH)
+
+    def model(self, rules=None, stage="hook"):
+        model = MnistCNN().to(self.device)
+        model.load_state_dict(self.init)
+        hooks = attach(model, rules or {}, stage=stage)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3), hooks
+
+    # --- the article's pipeline -------------------------------------------------------
+
+    def _article_dataset(self, train: bool):
+        from torchvision import transforms
+        from torchvision.datasets import MNIST
+
+        tf = transforms.Compose([transforms.Resize(28), transforms.ToTensor()])
+        return MNIST(self.raw_root, train=train, download=False, transform=tf)
+
+    def article_epoch(self) -> Callable[[], None]:
+        model, opt, _ = self.model()
+        for p in model.parameters():  # the article's gradient_clipper, hooks registered by hand
+            p.register_hook(lambda grad: torch.clamp(grad, -0.01, 0.01))
+        loader = torch.utils.data.DataLoader(self._article_dataset(True), batch_size=BATCH, shuffle=True)
+        device = self.device
+
+        def run():
+            for _ in range(self.args.epochs):
+                model.train()
+                running = 0.0
+                for data, target in loader:
+                    data, target = data.to(device), target.to(device)
+                    opt.zero_grad()
+                    loss = F.cross_entropy(model(data), target)
+                    loss.backward()
+                    opt.step()
+                    running += loss.item()
+        return run
+
+    def article_eval(self) -> Callable[[], None]:
+        model, _, _ = self.model()
+        loader = torch.utils.data.DataLoader(self._article_dataset(False), batch_size=1, shuffle=False)
+        device = self.device
+
+        def run():
+            model.eval()
+            correct = 0
+            with torch.no_grad():
+                for data, target in loader:
+                    data, target = data.to(device), target.to(device)
+                    correct += (model(data).argmax(1) == target).sum().item()
+        return run
+
+    # --- gradmod ----------------------------------------------------------------------
+
+    def gradmod_epoch(self, rules=CLIP, stage="hook", epochs=1, compiled=False,
+                      read_every: int | None = None) -> Callable[[], None]:
+        model, opt, hooks = self.model(rules, stage)
+        net = compile_model(model) if compiled else model
+        gen = torch.Generator().manual_seed(0)
+        on_step = None
+        if read_every is not None:
+            def on_step(i: int) -> None:
+                if i % read_every == 0:
+                    hooks.read_stats()
+
+        def run():
+            for _ in range(epochs):
+                train_epoch(net, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen,
+                            hooks=hooks, on_step=on_step)
+                if read_every is not None:
+                    hooks.read_stats()  # the trainer reads the rest of the window at the epoch's end
+        return run
+
+    def clip_grad_value(self) -> Callable[[], None]:
+        model, opt, _ = self.model()
+        params = list(model.parameters())
+
+        class AfterBackward:  # what train_epoch calls between backward and the optimizer step
+            has_fused = True
+
+            @staticmethod
+            def after_backward():
+                torch.nn.utils.clip_grad_value_(params, 0.01)
+
+        gen = torch.Generator().manual_seed(0)
+
+        def run():
+            train_epoch(model, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen, hooks=AfterBackward)
+        return run
+
+    def floor(self) -> Callable[[], None]:
+        model, opt, _ = self.model()
+        order = torch.randperm(len(self.train_y), generator=torch.Generator().manual_seed(0)).to(self.device)
+        ready = [(as_float(self.train_x[i]), self.train_y[i]) for i in order.split(BATCH)]
+
+        def run():
+            for _ in range(self.args.epochs):
+                for xb, yb in ready:
+                    loss = F.cross_entropy(model(xb), yb)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+        return run
+
+    def gradmod_eval(self) -> Callable[[], None]:
+        model, _, _ = self.model()
+        return lambda: evaluate(model, self.test_x, self.test_y, batch_size=self.args.eval_batch_size)
+
+    def contenders(self) -> dict[str, tuple[Callable[[], Callable[[], None]], int, str]]:
+        """name -> (set-up returning the timed run, items per run, item unit)."""
+        n, e, t = self.args.train_size, self.args.epochs, self.args.test_size
+        table = {
+            "epoch.article": (self.article_epoch, n * e, "image"),
+            "epoch.gradmod": (lambda: self.gradmod_epoch(epochs=e), n * e, "image"),
+            "epoch.floor": (self.floor, n * e, "image"),
+            "eval.article": (self.article_eval, t, "image"),
+            "eval.gradmod": (self.gradmod_eval, t, "image"),
+            "step.none": (lambda: self.gradmod_epoch(rules={}), self.steps, "step"),
+            "step.clip_hook": (lambda: self.gradmod_epoch(rules=CLIP, stage="hook"), self.steps, "step"),
+            "step.clip_fused": (lambda: self.gradmod_epoch(rules=CLIP, stage="fused"), self.steps, "step"),
+            "step.clip_grad_value_": (self.clip_grad_value, self.steps, "step"),
+            "step.log_every_step": (lambda: self.gradmod_epoch(rules=LOG, read_every=1), self.steps, "step"),
+            "step.log_every_50": (lambda: self.gradmod_epoch(rules=LOG, read_every=50), self.steps, "step"),
+        }
+        if self.args.compile:
+            table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
+        return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
+
+
+def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dict]:
+    contenders = bench.contenders()
+    runs = {name: setup() for name, (setup, _, _) in contenders.items()}
+    gc.collect()
+    gc.freeze()  # set-up objects out of the collector's way: collecting before each run is then cheap
+    names = list(runs)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(-warmup, repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:  # rotate the order each repeat
+            gc.collect()
+            sync(bench.device)
+            t0 = time.perf_counter()
+            runs[name]()
+            sync(bench.device)
+            if r >= 0:
+                seconds[name].append(time.perf_counter() - t0)
+        log(f"  {'warm-up' if r < 0 else f'repeat {r + 1}/{repeats}'} done", flush=True)
+    gc.unfreeze()
+    results = {}
+    for name, s in seconds.items():
+        _, items, unit = contenders[name]
+        med = statistics.median(s)
+        results[name] = {"section": name.split(".")[0], "seconds": s, "median_s": med, "min_s": min(s),
+                         "max_s": max(s), "items": items, "unit": unit, "per_item_ms": 1000 * med / items}
+    return results
+
+
+def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:
+    out = {}
+    for name, num, den, target, test in RATIOS:
+        if num not in results or den not in results:
+            continue
+        value = results[num]["median_s"] / results[den]["median_s"]
+        entry = {"value": value, "numerator": num, "denominator": den}
+        if target is not None:
+            entry.update(target=target, met=bool(test(value)))
+        out[name] = entry
+    if device.type == "cuda" and GPU_TARGET[0] in out:
+        out[GPU_TARGET[0]].update(target=GPU_TARGET[1], met=bool(GPU_TARGET[2](out[GPU_TARGET[0]]["value"])))
+    return out
+
+
+def machine(device: torch.device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torchvision
+
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "torchvision": torchvision.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def table(results: dict[str, dict], rat: dict[str, dict]) -> str:
+    base = {"epoch": "epoch.floor", "eval": "eval.gradmod", "step": "step.none"}
+    lines = [f"{'contender':<24} {'median s':>9} {'min s':>8} {'max s':>8} {'per item':>14} {'x base':>7}"]
+    for name, r in results.items():
+        b = results.get(base[r["section"]])
+        x = f"{r['median_s'] / b['median_s']:.3f}" if b else "-"
+        lines.append(f"{name:<24} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} "
+                     f"{r['per_item_ms']:>8.3f} ms/{r['unit']:<5} {x:>7}")
+    lines.append("")
+    lines.append(f"{'ratio':<28} {'value':>7}  target")
+    for name, r in rat.items():
+        verdict = "" if "target" not in r else f"{r['target']}: {'met' if r['met'] else 'NOT met'}"
+        lines.append(f"{name:<28} {r['value']:>7.3f}  {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="gradmod-bench-") as raw_root:
+        bench = Bench(args, device, raw_root)
+        print(f"bench: {args.train_size} train / {args.test_size} test images on {device}, "
+              f"{args.repeats} repeats (+{args.warmup} warm-up), sections {','.join(args.sections)}", flush=True)
+        results = measure(bench, args.repeats, args.warmup)
+    rat = ratios(results, device)
+    report = {
+        "machine": {**machine(device), "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
+        "settings": {k: v for k, v in vars(args).items() if k != "json"} | {"batch_size": BATCH, "steps_per_epoch": bench.steps},
+        "command": " ".join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+        "results": results,
+        "ratios": rat,
+    }
+    print(table(results, rat))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

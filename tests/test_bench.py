@@ -1,0 +1,55 @@
+"""scripts/bench.py --quick: the JSON report's structure (no timed assertions)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_script", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    report = _bench().main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    expected = {"epoch.article", "epoch.gradmod", "epoch.floor", "eval.article", "eval.gradmod", "step.none",
+                "step.clip_hook", "step.clip_fused", "step.clip_grad_value_", "step.log_every_step",
+                "step.log_every_50"}
+    assert set(report["results"]) == expected
+    for name, r in report["results"].items():
+        assert r["section"] == name.split(".")[0]
+        assert len(r["seconds"]) == report["settings"]["repeats"] == 1
+        assert all(s > 0 and math.isfinite(s) for s in r["seconds"])
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["items"] == {"epoch": 200, "eval": 50, "step": 2}[r["section"]]
+    targets = {"epoch_speedup_vs_article", "epoch_gradmod_over_floor", "eval_speedup_vs_article", "hook_overhead"}
+    assert targets <= set(report["ratios"])
+    for name, r in report["ratios"].items():
+        assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
+        num, den = report["results"][r["numerator"]], report["results"][r["denominator"]]
+        assert r["value"] == pytest.approx(num["median_s"] / den["median_s"])
+        assert ("target" in r) == (name in targets) and (name not in targets or isinstance(r["met"], bool))
+    m = report["machine"]
+    assert m["cores"] >= 1 and m["torch"] and m["device"] == "cpu" and len(m["load_average_before"]) == 3
+    table = capsys.readouterr().out
+    assert "epoch.article" in table and "hook_overhead" in table and str(out) in table
+
+
+def test_bench_flags(tmp_path):
+    bench = _bench()
+    args = bench.parse_args(["--full", "--device", "cuda", "--epochs", "10"])
+    assert (args.train_size, args.test_size, args.epochs) == (60_000, 10_000, 10)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sections", "epoch,nope"])
+    assert bench.tile(bench.torch.arange(3), 7).tolist() == [0, 1, 2, 0, 1, 2, 0]
