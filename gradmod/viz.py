@@ -76,3 +76,13 @@ def plot_image(image: Any, path: str | Path, *, cmap: str | None = None, title: 
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
+
+
+def plot_gradcam(images: Any, cams: Any, path: str | Path, *, cols: int = 8,
+                 titles: Sequence[str] | None = None, title: str | None = None) -> Path:
+    """Images (N x 1 x H x W in [0, 1]) half and half with their maps (N x H x W, from
+    `gradmod.capture.grad_cam`), each map divided by its maximum."""
+    images, cams = images.detach().float().cpu(), cams.detach().float().cpu()
+    peak = cams.amax(dim=(1, 2), keepdim=True).clamp_min(1e-12)  # an all-zero map stays zero
+    blended = 0.5 * images.reshape(cams.shape) + 0.5 * cams / peak
+    return plot_grid(blended, path, cols=cols, cmap="jet", titles=titles, title=title)
