@@ -3,7 +3,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from gradmod.cli import job
+from gradmod.cli import job, main as cli_main
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -12,4 +12,4 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    cli_main(main)  # config errors: one line on stderr, exit 2

@@ -1,6 +1,6 @@
 """gradmod: gradient manipulation through PyTorch hooks, driven by Hydra configs."""
 
-from gradmod import transforms
+from gradmod import config, transforms
 from gradmod.rules import HookSet, attach
 
 __all__ = ["HookSet", "attach", "transforms"]

@@ -1,31 +1,77 @@
 """The command-line job behind ``train.py``: one Hydra job -> one training run.
 
-Bad input (a ``ValueError`` from checking the config against the model and data) is one
-line on stderr and exit status 2; ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+Bad input, whether Hydra finds it while composing (an unknown option or key, a wrong
+type) or ``gradmod`` finds it before training (a ``ValueError``), is one line on stderr
+and exit status 2; a run stopped by non-finite gradients (``trainer.nonfinite=raise``) is
+one line and exit status 3. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from gradmod.config import one_line
+from gradmod.nonfinite import NonFiniteError
 from gradmod.train import run
 
 log = logging.getLogger("gradmod")
+
+_USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
 def job(cfg: DictConfig) -> dict[str, Any]:
     out_dir = HydraConfig.get().runtime.output_dir
     try:
         return run(cfg, out_dir)
-    except ValueError as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except (ValueError, NonFiniteError) as e:
+        if _USER_FULL_ERROR:
             raise
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(3 if isinstance(e, NonFiniteError) else 2)
+
+
+def describe(e: BaseException) -> str:
+    """One line for a config error from Hydra or OmegaConf."""
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options is not None:
+        group, _, name = e.missing_cfg_file.rpartition("/")
+        options = [o for o in e.options if not o.startswith("schema_")]
+        return f"{group}={name}: no such option; allowed: {', '.join(options)}"
+    cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    if isinstance(cause, ConfigKeyError) and dataclasses.is_dataclass(cause.object_type):
+        allowed = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
+        return f"unknown key {cause.full_key}; allowed there: {allowed}"
+    if isinstance(cause, OmegaConfBaseException):
+        return one_line(cause)
+    lines = [ln.strip() for ln in str(e).splitlines()
+             if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
+    return "; ".join(lines)
+
+
+def main(hydra_main: Callable[[], Any]) -> None:
+    """Run a ``@hydra.main`` function so that config errors are one line and exit 2.
+
+    Hydra prints composition errors over several lines (some with a traceback) unless
+    ``HYDRA_FULL_ERROR=1``; setting it makes Hydra raise, and this reports them instead.
+    Other exceptions are bugs and keep their traceback.
+    """
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        if _USER_FULL_ERROR:
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        if not _USER_FULL_ERROR:
+            os.environ.pop("HYDRA_FULL_ERROR", None)

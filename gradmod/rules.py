@@ -119,13 +119,26 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
     return targets
 
 
-def _chain(steps: list[T.Step]):
+def _chain(steps: list[T.Step], hooks: "HookSet", key: str):
+    """One tensor's hook: count the raw gradient's non-finite entries (before a transform
+    such as clamp can turn inf into a number), then apply the steps in order. Under fp16
+    (``hooks.grad_scale`` set) the steps see the unscaled gradient, as in fp32, and the
+    result is scaled back for GradScaler; scales are powers of two, so this is exact."""
+
     def hook(grad: Tensor) -> Tensor:
+        bad = (~torch.isfinite(grad)).sum()
+        prev = hooks._raw.get(key)
+        hooks._raw[key] = bad if prev is None else prev + bad
+        scale = hooks.grad_scale
+        g = grad if scale is None else grad.float() * scale.reciprocal()
+        changed = False
         for step in steps:
-            out = step(grad)
+            out = step(g)
             if out is not None:
-                grad = out
-        return grad
+                g, changed = out, True
+        if not changed:
+            return grad
+        return g if scale is None else (g * scale).to(grad.dtype)
 
     return hook
 
@@ -137,6 +150,8 @@ class HookSet:
     def __init__(self, model: nn.Module, targets: list[Target]):
         self.targets = targets
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
+        self._raw: dict[str, Tensor] = {}  # tensor -> non-finite raw entries since take_raw()
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         # One hook per tensor: its transforms from every rule, chained in config order.
@@ -146,9 +161,11 @@ class HookSet:
                 hooked.setdefault((t.kind, t.name), []).extend(t.steps)
         for (kind, name), steps in hooked.items():
             if kind == "param":
-                self._handles.append(params[name].register_hook(_chain(steps)))
+                self._handles.append(params[name].register_hook(_chain(steps, self, name)))
             else:
-                self._handles.append(modules[name].register_forward_hook(_output_hook(_chain(steps))))
+                chain = _chain(steps, self, f"{name}:output")
+                self._handles.append(modules[name].register_forward_hook(_output_hook(chain)))
+        self.hooked_params = {name for kind, name in hooked if kind == "param"}
         # Fused groups: (rule, step index) -> (steps, param tensors), applied in config order.
         self._fused: list[tuple[list[T.Step], list[nn.Parameter]]] = []
         by_rule: dict[str, list[Target]] = {}
@@ -217,6 +234,13 @@ class HookSet:
         values = torch.stack([acc.to(pending[0][2].device) for _, _, acc in pending]).tolist()
         return {key: T.GradStats.summarize(calls, v) for (key, calls, _), v in zip(pending, values)}
 
+    def take_raw(self) -> list[tuple[str, Tensor]]:
+        """(tensor name, device count of non-finite raw gradient entries) seen by the hooks
+        since the last call, and a fresh start; no host sync."""
+        out = list(self._raw.items())
+        self._raw.clear()
+        return out
+
     def __len__(self) -> int:
         return len(self._handles)
 
@@ -225,6 +249,7 @@ class HookSet:
             h.remove()
         self._handles.clear()
         self._fused.clear()
+        self._raw.clear()
 
     def __enter__(self) -> "HookSet":
         return self

@@ -18,9 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gradmod import checkpoint as ckpt
+from gradmod.config import validate
 from gradmod.data import as_float, load_data
 from gradmod.init import apply_init
 from gradmod.models import build_model
+from gradmod.nonfinite import NonFiniteGuard
+from gradmod.precision import Precision, check_precision
 from gradmod.rules import HookSet, attach
 
 log = logging.getLogger(__name__)
@@ -47,39 +51,50 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def batches(x: Tensor, y: Tensor, batch_size: int,
-            generator: torch.Generator | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
+            start: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
-    shuffled by ``generator`` (a CPU generator) when one is given."""
+    shuffled by ``generator`` (a CPU generator) when one is given. ``start`` skips that
+    many batches of the order (resuming mid-epoch)."""
     if generator is None:
         for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
             yield as_float(xb), yb
         return
     order = torch.randperm(len(y), generator=generator).to(y.device)
-    for idx in order.split(batch_size):
+    for idx in order.split(batch_size)[start:]:
         yield as_float(x[idx]), y[idx]
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
                 batch_size: int, generator: torch.Generator, hooks: HookSet | None = None,
-                on_step: Callable[[int], None] | None = None, progress: bool = False) -> float:
+                on_step: Callable[[int], None] | None = None, progress: bool = False,
+                amp: Precision | None = None, guard: NonFiniteGuard | None = None,
+                start: int = 0, total: Tensor | None = None) -> float:
     """One pass over (x, y) in shuffled batches; returns the mean training loss.
 
     The loss is summed on the device and read once at the end: no per-step host sync.
     ``on_step(i)`` runs after each optimizer step (``i`` counts from 1 in this epoch).
+    ``amp`` sets the precision (fp32 without it); ``guard`` counts non-finite gradients and
+    may skip a step. Resuming: ``start`` batches are done, their loss summed in ``total``.
     """
     model.train()
-    total = torch.zeros((), device=y.device)
-    n = 0
+    amp = amp or Precision("fp32", y.device)
+    total = torch.zeros((), device=y.device) if total is None else total
+    n = start
     steps = (len(y) + batch_size - 1) // batch_size
-    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator), total=steps, leave=False,
-                                      desc="train", disable=not progress), start=1):
-        loss = F.cross_entropy(model(xb), yb)
+    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator, start), total=steps, initial=start,
+                                      leave=False, desc="train", disable=not progress), start=start + 1):
+        with amp.autocast():
+            loss = F.cross_entropy(model(xb), yb)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        amp.backward(loss, hooks)
+        if guard is not None:
+            guard.observe()  # raw .grad of what no hook saw, before the fused stage
+        amp.unscale_(optimizer)  # the fused stage sees unscaled gradients
         if hooks is not None and hooks.has_fused:
             hooks.after_backward()
-        optimizer.step()
+        skip = guard is not None and guard.check(amp.scale())
+        amp.step(optimizer, skip)
         total += loss.detach()
         n += 1
         if on_step is not None:
@@ -113,6 +128,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says and write the run folder; returns the summary."""
+    validate(cfg)  # schemas and values, before anything is built
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,6 +139,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     if int(cfg.data.batch_size) < 1:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} must be >= 1")
     device = resolve_device(str(trainer.device))
+    check_precision(str(trainer.get("precision", "fp32")), device)
     if trainer.get("threads"):
         torch.set_num_threads(int(trainer.threads))
     seed_everything(int(cfg.seed))
@@ -136,7 +153,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                         image_size=data.image_size)
     apply_init(model, cfg.init.name)
     model.to(device)
-    rules = OmegaConf.to_container(cfg.get("hooks") or {}, resolve=True)
+    rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}
     hooks = attach(model, rules, stage=str(trainer.hook_stage))
     try:
         return _fit(cfg, model, data, hooks, device, batch_size, out, start)
@@ -151,13 +168,20 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     _write_json(out / "hook_plan.json", plan)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     generator = torch.Generator().manual_seed(int(cfg.seed))
+    amp = Precision(str(trainer.get("precision", "fp32")), device)
+    guard = NonFiniteGuard(model, hooks, str(trainer.get("nonfinite", "skip")))
+    saver = _Saver(cfg, out / "checkpoints", model, optimizer, amp, guard, plan)
+    pos, resumed_from = saver.resume(trainer.get("resume"))
     progress = _progress_enabled(trainer.progress)
     log_every = int(trainer.log_every)
     epochs = int(trainer.epochs)
-    history: list[dict[str, Any]] = []
-    step = 0
+    history: list[dict[str, Any]] = pos.history
+    step = pos.step
     metrics_file = open(out / "metrics.jsonl", "w")
-    stats_file = open(out / "grad_stats.jsonl", "w") if hooks.observers() else None
+    for record in history:  # resumed: what the checkpoint knew; later lines were redone
+        metrics_file.write(json.dumps(record) + "\n")
+    stats_file = _open_stats(out / "grad_stats.jsonl", pos.step if resumed_from else None) \
+        if hooks.observers() else None
 
     def flush_stats(epoch: int) -> dict[str, Any]:
         stats = hooks.read_stats()
@@ -166,30 +190,46 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
             stats_file.flush()
         return stats
 
+    every_epochs, every_steps = int(trainer.get("checkpoint_every", 0)), int(trainer.get("checkpoint_every_steps", 0))
     try:
-        for epoch in tqdm(range(1, epochs + 1), desc="epochs", disable=not progress):
+        for epoch in tqdm(range(pos.epoch, epochs + 1), desc="epochs", disable=not progress):
+            resuming = epoch == pos.epoch and resumed_from is not None
+            if resuming:
+                generator.set_state(pos.generator)
+            epoch_order = generator.get_state()  # with the batch index, the data-order position
+            total = torch.tensor(pos.loss_sum if resuming else 0.0, device=device)
+            skipped_before = guard.skipped
+
             def on_step(i: int) -> None:
                 nonlocal step
                 step += 1
                 if step % log_every == 0:
                     flush_stats(epoch)
+                    guard.flush()
+                if every_steps and step % every_steps == 0:
+                    saver.save(ckpt.Position(epoch, i, step, epoch_order, total.item(), history))
+                ckpt.kill_point("step", step)
 
             t0 = time.perf_counter()
             train_loss = train_epoch(model, optimizer, data.train_x, data.train_y, batch_size=batch_size,
-                                     generator=generator, hooks=hooks, on_step=on_step, progress=progress)
+                                     generator=generator, hooks=hooks, on_step=on_step, progress=progress,
+                                     amp=amp, guard=guard, start=pos.batch if resuming else 0, total=total)
+            guard.flush()
             t1 = time.perf_counter()
             test_loss, test_accuracy = evaluate(model, data.test_x, data.test_y,
                                                 batch_size=int(trainer.eval_batch_size))
             t2 = time.perf_counter()
             record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
                       "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
-                      "eval_seconds": t2 - t1}
+                      "eval_seconds": t2 - t1, "skipped_steps": guard.skipped - skipped_before}
             stats = flush_stats(epoch)
             if stats:
                 record["grad_stats"] = stats
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             history.append(record)
+            if every_epochs and (epoch % every_epochs == 0 or epoch == epochs):
+                saver.save(ckpt.Position(epoch + 1, 0, step, generator.get_state(), 0.0, history))
             log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
                      epoch, epochs, train_loss, test_loss, test_accuracy, t2 - t0)
     finally:
@@ -217,9 +257,62 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
         "steps": step,
         "seed": int(cfg.seed),
         "hook_plan": plan,
+        "skipped_steps": guard.skipped,
+        "nonfinite_steps": guard.bad_steps,
+        "nonfinite": guard.nonfinite,
+        "precision": amp.name,
+        "resumed_from": str(resumed_from) if resumed_from else None,
         "seconds": time.perf_counter() - start,
     }
     _write_json(out / "summary.json", summary)
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
              summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
     return summary
+
+
+def _open_stats(path: Path, resumed_step: int | None):
+    """grad_stats.jsonl; resumed: keep the lines up to the checkpoint's step, then append."""
+    if resumed_step is None or not path.exists():
+        return open(path, "w")
+    kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resumed_step]
+    f = open(path, "w")
+    f.write("".join(ln + "\n" for ln in kept))
+    return f
+
+
+class _Saver:
+    """Writes and restores checkpoints of one run (``gradmod.checkpoint`` does the files)."""
+
+    def __init__(self, cfg, folder, model, optimizer, amp, guard, plan):
+        self.cfg, self.folder, self.model, self.optimizer = cfg, folder, model, optimizer
+        self.amp, self.guard, self.plan = amp, guard, plan
+        self.keep = int(cfg.trainer.get("checkpoint_keep", 2))
+
+    def save(self, pos: ckpt.Position) -> None:
+        state = {"format": 1, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.amp.state_dict(), "guard": self.guard.state_dict(),
+                 "epoch": pos.epoch, "batch": pos.batch, "step": pos.step, "generator": pos.generator,
+                 "loss_sum": pos.loss_sum, "history": pos.history, "rng": ckpt.rng_state(),
+                 "config": OmegaConf.to_yaml(self.cfg), "hook_plan": self.plan}
+        path = ckpt.save(self.folder, state, self.keep)
+        log.debug("checkpoint %s (epoch %d, batch %d)", path, pos.epoch, pos.batch)
+
+    def resume(self, resume: str | None) -> tuple[ckpt.Position, Path | None]:
+        found = ckpt.find(resume, self.folder)
+        if found is None:
+            return ckpt.Position(), None
+        path, state = found
+        if state.get("hook_plan") != self.plan:
+            log.warning("resuming from %s, whose hook plan differs from this run's", path)
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ValueError(f"trainer.resume: {path} does not fit this model/optimizer "
+                             f"({str(e).strip().splitlines()[0]})") from None
+        self.amp.load_state_dict(state["scaler"])
+        self.guard.load_state_dict(state["guard"])
+        ckpt.set_rng_state(state["rng"])
+        log.info("resumed from %s: epoch %d, batch %d, step %d", path, state["epoch"], state["batch"], state["step"])
+        return ckpt.Position(state["epoch"], state["batch"], state["step"], state["generator"],
+                             state["loss_sum"], list(state["history"])), path
