@@ -17,7 +17,7 @@ from typing import Any, Callable
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradmod.config import one_line
 from gradmod.nonfinite import NonFiniteError
@@ -47,7 +47,7 @@ def describe(e: BaseException) -> str:
         options = [o for o in e.options if not o.startswith("schema_")]
         return f"{group}={name}: no such option; allowed: {', '.join(options)}"
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
-    if isinstance(cause, ConfigKeyError) and dataclasses.is_dataclass(cause.object_type):
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
         allowed = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
         return f"unknown key {cause.full_key}; allowed there: {allowed}"
     if isinstance(cause, OmegaConfBaseException):

@@ -226,7 +226,7 @@ def _unknown_keys(node: DictConfig, path: str) -> None:
 
 def one_line(e: OmegaConfBaseException) -> str:
     """OmegaConf's multi-line messages as ``full_key: message``."""
-    msg = " ".join(str(getattr(e, "msg", None) or e).split())
+    msg = str(getattr(e, "msg", None) or e).strip().splitlines()[0]  # later lines: full_key, types
     key = getattr(e, "full_key", None)
     return f"{key}: {msg}" if key and key not in msg else msg
 

@@ -170,7 +170,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     generator = torch.Generator().manual_seed(int(cfg.seed))
     amp = Precision(str(trainer.get("precision", "fp32")), device)
     guard = NonFiniteGuard(model, hooks, str(trainer.get("nonfinite", "skip")))
-    saver = _Saver(cfg, out / "checkpoints", model, optimizer, amp, guard, plan)
+    saver = _Saver(cfg, out / "checkpoints", model, optimizer, amp, guard, hooks)
     pos, resumed_from = saver.resume(trainer.get("resume"))
     progress = _progress_enabled(trainer.progress)
     log_every = int(trainer.log_every)
@@ -283,9 +283,9 @@ def _open_stats(path: Path, resumed_step: int | None):
 class _Saver:
     """Writes and restores checkpoints of one run (``gradmod.checkpoint`` does the files)."""
 
-    def __init__(self, cfg, folder, model, optimizer, amp, guard, plan):
+    def __init__(self, cfg, folder, model, optimizer, amp, guard, hooks):
         self.cfg, self.folder, self.model, self.optimizer = cfg, folder, model, optimizer
-        self.amp, self.guard, self.plan = amp, guard, plan
+        self.amp, self.guard, self.hooks, self.plan = amp, guard, hooks, hooks.describe()
         self.keep = int(cfg.trainer.get("checkpoint_keep", 2))
 
     def save(self, pos: ckpt.Position) -> None:
@@ -293,7 +293,8 @@ class _Saver:
                  "scaler": self.amp.state_dict(), "guard": self.guard.state_dict(),
                  "epoch": pos.epoch, "batch": pos.batch, "step": pos.step, "generator": pos.generator,
                  "loss_sum": pos.loss_sum, "history": pos.history, "rng": ckpt.rng_state(),
-                 "config": OmegaConf.to_yaml(self.cfg), "hook_plan": self.plan}
+                 "config": OmegaConf.to_yaml(self.cfg), "hook_plan": self.plan,
+                 "log_windows": [(obs.calls, obs._sum) for _, obs in self.hooks.observers()]}
         path = ckpt.save(self.folder, state, self.keep)
         log.debug("checkpoint %s (epoch %d, batch %d)", path, pos.epoch, pos.batch)
 
@@ -312,6 +313,10 @@ class _Saver:
                              f"({str(e).strip().splitlines()[0]})") from None
         self.amp.load_state_dict(state["scaler"])
         self.guard.load_state_dict(state["guard"])
+        observers = self.hooks.observers()
+        if len(observers) == len(state["log_windows"]):  # the `log` windows in progress
+            for (_, obs), (calls, acc) in zip(observers, state["log_windows"]):
+                obs.calls, obs._sum = calls, None if acc is None else acc.to(next(self.model.parameters()).device)
         ckpt.set_rng_state(state["rng"])
         log.info("resumed from %s: epoch %d, batch %d, step %d", path, state["epoch"], state["batch"], state["step"])
         return ckpt.Position(state["epoch"], state["batch"], state["step"], state["generator"],
