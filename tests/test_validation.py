@@ -98,7 +98,7 @@ def test_every_bad_input_is_one_line(tmp_path):
     assert not list(tmp_path.glob("*/metrics.jsonl"))
 
 
-@pytest.mark.parametrize("overrides,words", [CASES[0], CASES[4], CASES[13], CASES[34]])
+@pytest.mark.parametrize("overrides,words", [CASES[0], CASES[34]])  # a compose error, a ValueError
 def test_bad_input_as_its_own_process(tmp_path, overrides, words):
     proc = run_train(tmp_path, *BASE, *overrides, check=False, env={"HYDRA_FULL_ERROR": ""})
     assert proc.returncode == 2
