@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -42,10 +44,14 @@ def job(cfg: DictConfig) -> dict[str, Any]:
 
 def describe(e: BaseException) -> str:
     """One line for a config error from Hydra or OmegaConf."""
-    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options is not None:
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")
-        options = [o for o in e.options if not o.startswith("schema_")]
-        return f"{group}={name}: no such option; allowed: {', '.join(options)}"
+        options = e.options if e.options is not None else _group_options(group, str(e))
+        if options is not None:
+            options = [o for o in options if not o.startswith("schema_")]
+            return f"{group}={name}: no such option; allowed: {', '.join(options)}"
+    if isinstance(e, OverrideParseException):
+        return f"cannot parse override {e.override!r}: {str(e).splitlines()[0]}"
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
         allowed = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
@@ -55,6 +61,13 @@ def describe(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines()
              if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     return "; ".join(lines)
+
+
+def _group_options(group: str, message: str) -> list[str] | None:
+    """The options of a config group, from the main config folder Hydra's message names."""
+    m = re.search(r"provider=main, path=file://(\S+)", message)
+    folder = Path(m.group(1)) / group if m else None
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder and folder.is_dir() else None
 
 
 def main(hydra_main: Callable[[], Any]) -> None:

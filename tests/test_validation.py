@@ -43,6 +43,8 @@ CASES = [
     (["optimizer=nope"], ["optimizer=nope", "allowed", "adam", "sgd"]),
     (["init=nope"], ["init=nope", "allowed", "xavier"]),
     (["+hooks=nope"], ["hooks=nope", "allowed", "clip"]),
+    (["+hooks=[clip,nope]"], ["hooks=nope", "allowed", "clip", "min_zero"]),
+    (["foo=[1"], ["foo=[1", "parse"]),
     (["optimizer._target_=torch.optim.Nope"], ["optimizer._target_", "torch.optim.Nope", "torch.optim.Adam"]),
     (["optimizer.lr=-1"], ["optimizer.lr=-1", ">= 0"]),
     (["optimizer.betas=[0.9,1.5]"], ["optimizer.betas", "1.5", "[0, 1)"]),
