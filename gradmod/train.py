@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from gradmod.data import as_float, load_data
 from gradmod.init import apply_init
 from gradmod.models import build_model
+from gradmod.observe import RunWatch
 from gradmod.rules import HookSet, attach
 
 log = logging.getLogger(__name__)
@@ -156,11 +157,12 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     epochs = int(trainer.epochs)
     history: list[dict[str, Any]] = []
     step = 0
+    watch = RunWatch(cfg, out, hooks, data, device)  # logger, plots, Grad-CAM (gradmod/observe.py)
     metrics_file = open(out / "metrics.jsonl", "w")
     stats_file = open(out / "grad_stats.jsonl", "w") if hooks.observers() else None
 
     def flush_stats(epoch: int) -> dict[str, Any]:
-        stats = hooks.read_stats()
+        stats = watch.on_stats(epoch, step, hooks.read_stats())
         if stats and stats_file is not None:
             stats_file.write(json.dumps({"epoch": epoch, "step": step, "stats": stats}) + "\n")
             stats_file.flush()
@@ -173,6 +175,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
                 step += 1
                 if step % log_every == 0:
                     flush_stats(epoch)
+                watch.before_step(step + 1)
 
             t0 = time.perf_counter()
             train_loss = train_epoch(model, optimizer, data.train_x, data.train_y, batch_size=batch_size,
@@ -190,17 +193,20 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             history.append(record)
+            watch.on_epoch(record, model)
             log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
                      epoch, epochs, train_loss, test_loss, test_accuracy, t2 - t0)
     finally:
         metrics_file.close()
         if stats_file is not None:
             stats_file.close()
+        watch.close()
 
     torch.save(model.state_dict(), out / "model.pt")
     from gradmod.viz import plot_curves
 
     plot_curves(history, out / "curves.png")
+    watch.finish(model)
     last = history[-1]
     summary = {
         "status": "ok",
