@@ -161,9 +161,13 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     metrics_file = open(out / "metrics.jsonl", "w")
     stats_file = open(out / "grad_stats.jsonl", "w") if hooks.observers() else None
 
+    last_stats: dict[str, Any] = {}
+
     def flush_stats(epoch: int) -> dict[str, Any]:
+        nonlocal last_stats
         stats = watch.on_stats(epoch, step, hooks.read_stats())
         if stats and stats_file is not None:
+            last_stats = stats
             stats_file.write(json.dumps({"epoch": epoch, "step": step, "stats": stats}) + "\n")
             stats_file.flush()
         return stats
@@ -187,7 +191,8 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
             record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
                       "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
                       "eval_seconds": t2 - t1}
-            stats = flush_stats(epoch)
+            # The latest window of `log` statistics: what is pending now, else the last read.
+            stats = flush_stats(epoch) or last_stats
             if stats:
                 record["grad_stats"] = stats
             metrics_file.write(json.dumps(record) + "\n")
