@@ -137,7 +137,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                         image_size=data.image_size)
     apply_init(model, cfg.init.name)
     model.to(device)
-    rules = OmegaConf.to_container(cfg.get("hooks") or {}, resolve=True)
+    rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}  # an empty DictConfig is falsy
     hooks = attach(model, rules, stage=str(trainer.hook_stage))
     try:
         return _fit(cfg, model, data, hooks, device, batch_size, out, start)

@@ -164,3 +164,16 @@ def test_host_reads_grow_by_one_per_log_point_not_per_step(tmp_path, monkeypatch
     assert dense - sparse == 4
     assert sparse < 20  # a read per step would make it at least 20
     assert len(open(tmp_path / "dense" / "grad_stats.jsonl").readlines()) == 5
+
+
+def test_run_without_hooks_writes_csv_and_gradcam_but_no_gradient_plots(tmp_path):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            *FAST, "data=fake", "data.image_size=28", "data.channels=1", "data.train_size=40",
+            "data.test_size=20", "data.batch_size=10", "capture.gradcam=true", "capture.gradcam_images=3",
+            "trainer.threads=1"])
+    GlobalHydra.instance().clear()
+    run(cfg, tmp_path)  # no hooks at all: an empty `hooks` config must work
+    assert (tmp_path / "gradcam.png").stat().st_size > 0 and (tmp_path / "metrics.csv").exists()
+    assert not (tmp_path / "grad_norms.png").exists() and not (tmp_path / "tensorboard").exists()
