@@ -13,6 +13,7 @@ import difflib
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
@@ -66,10 +67,10 @@ class GradCamProbe:
         if self.x.shape[1] > 1:  # colour input: show the mean over channels
             images = self.x.mean(1)
         n, h, w = cams.shape
-        flat = torch.cat([images.flatten(), cams.flatten().float(), self.y.float(), preds.float()]).cpu().numpy()
-        return {"images": flat[:n * h * w].reshape(n, h, w), "cams": flat[n * h * w:2 * n * h * w].reshape(n, h, w),
-                "labels": flat[2 * n * h * w:2 * n * h * w + n].astype(int).tolist(),
-                "preds": flat[2 * n * h * w + n:].astype(int).tolist()}
+        host = torch.cat([images.flatten(), cams.flatten().float(), self.y.float(), preds.float()]).cpu().numpy()
+        images, cams, labels, preds = np.split(host, np.cumsum([n * h * w, n * h * w, n]))  # one read
+        return {"images": images.reshape(n, h, w), "cams": cams.reshape(n, h, w),
+                "labels": labels.astype(int).tolist(), "preds": preds.astype(int).tolist()}
 
 
 def _section(cfg: DictConfig, key: str) -> dict[str, Any]:
