@@ -128,8 +128,10 @@ class RunWatch:
                 written.append(plot_frac_clipped(self.rows, self.out / "frac_clipped.png"))
         if self.cam is not None:
             cam = self.cam(model)
-            written.append(plot_gradcam(cam["images"], cam["cams"], cam["labels"], cam["preds"],
-                                        self.out / "gradcam.png", title=f"Grad-CAM of {self.cam.layer}"))
+            titles = [f"{y}/{p}" for y, p in zip(cam["labels"], cam["preds"])]
+            written.append(plot_gradcam(torch.from_numpy(cam["images"]), torch.from_numpy(cam["cams"]),
+                                        self.out / "gradcam.png", titles=titles,
+                                        title=f"Grad-CAM of {self.cam.layer} (label/prediction)"))
         return written
 
     def close(self) -> None:

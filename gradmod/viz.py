@@ -29,7 +29,66 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
     return Path(path)
 
 
-# --- gradient statistics and Grad-CAM (issue 7) ------------------------------------------
+# --- capture figures: feature maps, gradients, overlays (scripts/mnist_gradcam.py) -----
+
+
+def plot_grid(images: Any, path: str | Path, *, cols: int = 8, cmap: str = "gray",
+              titles: Sequence[str] | None = None, title: str | None = None) -> Path:
+    """Images (N x H x W, or N x 1 x H x W) in rows of ``cols``, each on its own colour scale.
+
+    Drawn as one mosaic on one axes: each tile is scaled to its own min..max, as a separate
+    ``imshow`` would, but 32 axes would make saving the figure many times slower.
+    """
+    import numpy as np  # local: the top of this module is the curves' section
+
+    tiles = [im.detach().float().cpu().reshape(im.shape[-2:]).numpy() for im in images]
+    h, w = tiles[0].shape
+    rows = -(-len(tiles) // cols)
+    gap, top = max(1, h // 10), (h // 3 if titles is not None else max(1, h // 10))
+    mosaic = np.full((rows * (h + top), cols * (w + gap)), np.nan)  # NaN: background
+    for i, tile in enumerate(tiles):
+        r, c = divmod(i, cols)
+        span = tile.max() - tile.min()
+        y, x = r * (h + top) + top, c * (w + gap)
+        mosaic[y:y + h, x:x + w] = (tile - tile.min()) / span if span > 0 else 0.0
+    scale = 1.6 / max(h, w)
+    fig, ax = plt.subplots(figsize=(mosaic.shape[1] * scale, mosaic.shape[0] * scale + (0.5 if title else 0)))
+    ax.imshow(mosaic, cmap=plt.get_cmap(cmap).with_extremes(bad="white"), vmin=0, vmax=1, interpolation="nearest")
+    for i, text in enumerate(titles or []):
+        r, c = divmod(i, cols)
+        ax.text(c * (w + gap) + w / 2, r * (h + top) + top - 1, text, ha="center", va="bottom", fontsize=8)
+    ax.axis("off")
+    if title:
+        ax.set_title(title)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_image(image: Any, path: str | Path, *, cmap: str | None = None, title: str | None = None) -> Path:
+    """One H x W map (or 1 x H x W image) with a colour bar."""
+    fig, ax = plt.subplots(figsize=(4, 4))
+    shown = ax.imshow(image.detach().cpu().reshape(image.shape[-2:]).numpy(), cmap=cmap)
+    fig.colorbar(shown, ax=ax, fraction=0.046)
+    ax.axis("off")
+    if title:
+        ax.set_title(title)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_gradcam(images: Any, cams: Any, path: str | Path, *, cols: int = 8,
+                 titles: Sequence[str] | None = None, title: str | None = None) -> Path:
+    """Images (N x 1 x H x W in [0, 1]) half and half with their maps (N x H x W, from
+    `gradmod.capture.grad_cam`), each map divided by its maximum."""
+    images, cams = images.detach().float().cpu(), cams.detach().float().cpu()
+    peak = cams.amax(dim=(1, 2), keepdim=True).clamp_min(1e-12)  # an all-zero map stays zero
+    blended = 0.5 * images.reshape(cams.shape) + 0.5 * cams / peak
+    return plot_grid(blended, path, cols=cols, cmap="jet", titles=titles, title=title)
+
+
+# --- gradient statistics over a run, Grad-CAM for TensorBoard (gradmod/observe.py) ------
 
 _LINESTYLE = {"pre": "-", "post": "--"}
 
@@ -102,22 +161,3 @@ def gradcam_overlay(images, cams, alpha: float = 0.5):
     peak = cams.reshape(len(cams), -1).max(axis=1).reshape(-1, 1, 1)
     heat = plt.get_cmap("jet")(cams / np.where(peak > 0, peak, 1.0))[..., :3]
     return np.clip((1 - alpha) * images[..., None] + alpha * heat, 0.0, 1.0)
-
-
-def plot_gradcam(images, cams, labels, preds, path: str | Path, title: str = "Grad-CAM") -> Path:
-    """A row of Grad-CAM overlays titled with each digit's label and prediction."""
-    overlay = gradcam_overlay(images, cams)
-    n = len(overlay)
-    cols = min(n, 8)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.8 * rows + 0.4), squeeze=False)
-    for i, ax in enumerate(axes.flat):
-        ax.axis("off")
-        if i < n:
-            ax.imshow(overlay[i])
-            ax.set_title(f"label {labels[i]} / pred {preds[i]}", fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
