@@ -149,7 +149,8 @@ class Recorder:
     The article's `SaveOutput`, done right: tensors are detached copies (no graph kept
     alive, immune to later in-place ops), moved to `device` (None: stay where they are),
     and each layer keeps only the last `keep` of each in a deque, so memory stays flat
-    over a long run. `outputs[name][-1]` / `grads[name][-1]` are the newest.
+    over a long run. `outputs[name][-1]` / `grads[name][-1]` are the newest. A layer
+    called twice in one forward adds two entries (its gradients arrive in reverse order).
     """
 
     def __init__(self, model: nn.Module, layers: Iterable[str], keep: int = 1, device="cpu"):

@@ -6,7 +6,7 @@ composes. ``validate(cfg)`` then builds the dataclasses (``OmegaConf.to_object``
 ``__post_init__`` checks values, and checks what a schema cannot: keys added with ``+``,
 the optimizer's arguments, the data folder. Every failure is a one-line ``ValueError``.
 
-Data and optimizer options differ in their keys, so each option file names its schema
+Data, optimizer and logger options differ in their keys, so each option file names its schema
 (``defaults: [schema_fake]``); the schemas are subclasses of the root's field type.
 """
 
@@ -162,11 +162,15 @@ class InitConfig:
 @dataclass
 class LoggerConfig:
     name: str = "csv"
-    histograms: bool = False
-    gradcam: bool = False
 
     def __post_init__(self):
         choice("logger.name", self.name, LOGGERS)
+
+
+@dataclass
+class TensorBoardLoggerConfig(LoggerConfig):
+    name: str = "tensorboard"
+    histograms: bool = True
 
 
 @dataclass
@@ -201,6 +205,7 @@ def register() -> None:
     cs.store(group="data", name="schema_fake", node=FakeDataConfig)
     cs.store(group="optimizer", name="schema_adam", node=AdamConfig)
     cs.store(group="optimizer", name="schema_sgd", node=SGDConfig)
+    cs.store(group="logger", name="schema_tensorboard", node=TensorBoardLoggerConfig)
 
 
 register()

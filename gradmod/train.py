@@ -25,6 +25,7 @@ from gradmod.init import apply_init
 from gradmod.models import build_model
 from gradmod.nonfinite import NonFiniteGuard
 from gradmod.precision import Precision, check_precision
+from gradmod.observe import RunWatch
 from gradmod.rules import HookSet, attach
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                         image_size=data.image_size)
     apply_init(model, cfg.init.name)
     model.to(device)
-    rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}
+    rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}  # an empty DictConfig is falsy
     hooks = attach(model, rules, stage=str(trainer.hook_stage))
     try:
         return _fit(cfg, model, data, hooks, device, batch_size, out, start)
@@ -177,6 +178,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     epochs = int(trainer.epochs)
     history: list[dict[str, Any]] = pos.history
     step = pos.step
+    watch = RunWatch(cfg, out, hooks, data, device)  # logger, plots, Grad-CAM (gradmod/observe.py)
     metrics_file = open(out / "metrics.jsonl", "w")
     for record in history:  # resumed: what the checkpoint knew; later lines were redone
         metrics_file.write(json.dumps(record) + "\n")
@@ -187,7 +189,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
 
     def flush_stats(epoch: int) -> dict[str, Any]:
         nonlocal last_stats
-        stats = hooks.read_stats()
+        stats = watch.on_stats(epoch, step, hooks.read_stats())
         if stats and stats_file is not None:
             last_stats = stats
             stats_file.write(json.dumps({"epoch": epoch, "step": step, "stats": stats}) + "\n")
@@ -212,6 +214,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
                     guard.flush()
                 if every_steps and step % every_steps == 0:
                     saver.save(ckpt.Position(epoch, i, step, epoch_order, total.item(), history))
+                watch.before_step(step + 1)
                 ckpt.kill_point("step", step)
 
             t0 = time.perf_counter()
@@ -233,6 +236,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             history.append(record)
+            watch.on_epoch(record, model)
             if every_epochs and (epoch % every_epochs == 0 or epoch == epochs):
                 saver.save(ckpt.Position(epoch + 1, 0, step, generator.get_state(), 0.0, history))
             log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
@@ -241,11 +245,13 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
         metrics_file.close()
         if stats_file is not None:
             stats_file.close()
+        watch.close()
 
     torch.save(model.state_dict(), out / "model.pt")
     from gradmod.viz import plot_curves
 
     plot_curves(history, out / "curves.png")
+    watch.finish(model)
     last = history[-1]
     summary = {
         "status": "ok",

@@ -46,7 +46,7 @@ from gradmod.capture import Recorder, grad_cam
 from gradmod.data import load_mnist_sample
 from gradmod.models import MnistCNN
 from gradmod.train import evaluate, train_epoch
-from gradmod.viz import plot_grid, plot_image
+from gradmod.viz import plot_gradcam, plot_grid, plot_image
 
 
 def gradient_overlay(images: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,9 +124,8 @@ def main(argv=None) -> dict:
           f"gradients stored by the recorder: {stored}")
 
     cams = grad_cam(model, "conv2", imgs)
-    shown = 0.5 * imgs[:, 0].cpu() + 0.5 * cams.cpu() / cams.amax(dim=(1, 2), keepdim=True).clamp_min(1e-12).cpu()
-    figures.append(plot_grid(shown, out / "gradcam_32.png", cmap="jet", titles=titles,
-                             title="Grad-CAM of conv2 (predicted class) over the digit"))
+    figures.append(plot_gradcam(imgs, cams, out / "gradcam_32.png", titles=titles,
+                                title="Grad-CAM of conv2 (predicted class) over the digit"))
     for path in figures:
         print("wrote", path)
     return {"losses": losses, "accuracy": accuracy, "grads": grads, "images": imgs.cpu(),
