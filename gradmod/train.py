@@ -180,10 +180,11 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     step = pos.step
     watch = RunWatch(cfg, out, hooks, data, device)  # logger, plots, Grad-CAM (gradmod/observe.py)
     metrics_file = open(out / "metrics.jsonl", "w")
+    stats_file = _open_stats(out / "grad_stats.jsonl", pos.step if resumed_from else None, watch) \
+        if hooks.observers() else None
     for record in history:  # resumed: what the checkpoint knew; later lines were redone
         metrics_file.write(json.dumps(record) + "\n")
-    stats_file = _open_stats(out / "grad_stats.jsonl", pos.step if resumed_from else None) \
-        if hooks.observers() else None
+        watch.logger.log_metrics(int(record["step"]), record)
 
     last_stats: dict[str, Any] = {}
 
@@ -281,13 +282,17 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     return summary
 
 
-def _open_stats(path: Path, resumed_step: int | None):
-    """grad_stats.jsonl; resumed: keep the lines up to the checkpoint's step, then append."""
+def _open_stats(path: Path, resumed_step: int | None, watch):
+    """grad_stats.jsonl; resumed: keep the lines up to the checkpoint's step (and pass them
+    to the logger and plots again, whose files start afresh), then append."""
     if resumed_step is None or not path.exists():
         return open(path, "w")
     kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resumed_step]
     f = open(path, "w")
     f.write("".join(ln + "\n" for ln in kept))
+    for ln in kept:
+        rec = json.loads(ln)
+        watch.on_stats(rec["epoch"], rec["step"], rec["stats"])
     return f
 
 

@@ -104,6 +104,8 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, compose_cfg, reference
     strip = lambda text: [{k: v for k, v in __import__("json").loads(ln).items() if "seconds" not in k}
                           for ln in text.splitlines()]
     assert strip((tmp_path / "metrics.jsonl").read_text()) == strip(ref_metrics)
+    # the CSV logger's files start afresh on resume and are refilled from the checkpoint's history
+    assert (tmp_path / "metrics.csv").read_text().count("\n") == 3  # header + 2 epochs
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous(tmp_path, compose_cfg, reference, caplog):
