@@ -134,7 +134,7 @@ class TrainerConfig:
     checkpoint_every_steps: int = 0
     checkpoint_keep: int = 2
     resume: Optional[str] = None
-    nonfinite: str = "skip"
+    nonfinite: str = "warn"
 
     def __post_init__(self):
         for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):

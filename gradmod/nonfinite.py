@@ -5,12 +5,13 @@ before any transform runs, and, for parameters no hook sees, their ``.grad`` rig
 after backward (before the fused stage). A last check on the final ``.grad`` catches a
 transform that *makes* a gradient non-finite (``scale`` by inf).
 
-* ``skip`` (default): the optimizer step is not taken, so parameters and optimizer state
-  stay as they were. One non-finite step written into Adam's moments poisons every later
-  step; skipping costs one host read of a few counts per step.
+* ``warn`` (default): step anyway; counts stay on the device and are read, and warned
+  about, once per epoch: no per-step host sync, the rule every other per-step statistic
+  in gradmod follows.
+* ``skip``: the optimizer step is not taken, so parameters and optimizer state stay as
+  they were (one non-finite step written into Adam's moments poisons every later step);
+  costs one host read of a few counts per step.
 * ``raise``: stop with ``NonFiniteError`` naming the tensors (also one read per step).
-* ``warn``: step anyway; counts stay on the device and are read, and warned about, at
-  log points (``trainer.log_every``) and epoch ends: no per-step sync.
 
 Under fp16 a non-finite step is routine overflow: GradScaler skips it and halves the
 scale whatever the policy. ``raise``/``warn`` apply once the scale is <= 1, where no
@@ -35,7 +36,7 @@ class NonFiniteError(RuntimeError):
 
 
 class NonFiniteGuard:
-    def __init__(self, model: nn.Module, hooks=None, policy: str = "skip"):
+    def __init__(self, model: nn.Module, hooks=None, policy: str = "warn"):
         if policy not in POLICIES:
             raise ValueError(f"trainer.nonfinite={policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
         self.policy = policy
@@ -118,7 +119,8 @@ class NonFiniteGuard:
             return
         names, counts, bad = self._pending
         self._pending = None
-        values, steps = counts.tolist(), int(bad.item())
+        host = torch.cat([counts, bad.reshape(1).to(counts.device)]).tolist()  # one host read
+        values, steps = host[:-1], int(host[-1])
         if not steps:
             return
         self.bad_steps += steps

@@ -170,7 +170,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     generator = torch.Generator().manual_seed(int(cfg.seed))
     amp = Precision(str(trainer.get("precision", "fp32")), device)
-    guard = NonFiniteGuard(model, hooks, str(trainer.get("nonfinite", "skip")))
+    guard = NonFiniteGuard(model, hooks, str(trainer.get("nonfinite", "warn")))
     saver = _Saver(cfg, out / "checkpoints", model, optimizer, amp, guard, hooks)
     pos, resumed_from = saver.resume(trainer.get("resume"))
     progress = _progress_enabled(trainer.progress)
@@ -212,7 +212,6 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
                 step += 1
                 if step % log_every == 0:
                     flush_stats(epoch)
-                    guard.flush()
                 if every_steps and step % every_steps == 0:
                     saver.save(ckpt.Position(epoch, i, step, epoch_order, total.item(), history))
                 watch.before_step(step + 1)

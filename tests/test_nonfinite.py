@@ -116,7 +116,7 @@ def test_transform_made_inf_is_caught_after_transforms():
 def test_run_counts_skipped_steps_in_metrics_and_summary(compose_cfg, tmp_path):
     cfg = compose_cfg("data=fake", "data.image_size=28", "data.channels=1", "data.train_size=30",
                       "data.test_size=10", "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu",
-                      "trainer.progress=false", "trainer.checkpoint_every=0", "+hooks=clip",
+                      "trainer.progress=false", "trainer.checkpoint_every=0", "trainer.nonfinite=skip", "+hooks=clip",
                       "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: inf}]}")
     summary = run(cfg, tmp_path)
     assert summary["skipped_steps"] == 6 and summary["nonfinite_steps"] == 6 and summary["nonfinite"] > 0
