@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import random
 import sys
 import time
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradmod.data import as_float, load_data
+from gradmod.distributed import Dist, no_sync, unwrap
 from gradmod.init import apply_init
 from gradmod.models import build_model
 from gradmod.rules import HookSet, attach
@@ -47,43 +50,56 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def batches(x: Tensor, y: Tensor, batch_size: int,
-            generator: torch.Generator | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
+            shard: tuple[int, int] = (0, 1)) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
-    shuffled by ``generator`` (a CPU generator) when one is given."""
+    shuffled by ``generator`` (a CPU generator) when one is given. ``shard=(rank, world)``
+    keeps this rank's share of the shuffled order."""
     if generator is None:
         for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
             yield as_float(xb), yb
         return
     order = torch.randperm(len(y), generator=generator).to(y.device)
+    rank, world = shard
+    if world > 1:  # every rank draws the same permutation: rank r takes every world-th index,
+        order = order[rank:len(order) - len(order) % world:world]  # all ranks the same count
     for idx in order.split(batch_size):
         yield as_float(x[idx]), y[idx]
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
                 batch_size: int, generator: torch.Generator, hooks: HookSet | None = None,
-                on_step: Callable[[int], None] | None = None, progress: bool = False) -> float:
+                on_step: Callable[[int], None] | None = None, progress: bool = False,
+                accumulate: int = 1, shard: tuple[int, int] = (0, 1)) -> float:
     """One pass over (x, y) in shuffled batches; returns the mean training loss.
 
     The loss is summed on the device and read once at the end: no per-step host sync.
     ``on_step(i)`` runs after each optimizer step (``i`` counts from 1 in this epoch).
+    ``accumulate=k``: k batches (micro-batches) per optimizer step, each loss divided by
+    the number in its step; under DDP only the last one all-reduces. ``shard``: see ``batches``.
     """
     model.train()
     total = torch.zeros((), device=y.device)
     n = 0
-    steps = (len(y) + batch_size - 1) // batch_size
-    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator), total=steps, leave=False,
+    steps = (len(y) // shard[1] + batch_size - 1) // batch_size
+    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator, shard), total=steps, leave=False,
                                       desc="train", disable=not progress), start=1):
-        loss = F.cross_entropy(model(xb), yb)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        last = i % accumulate == 0 or i == steps  # the micro-batch that ends an optimizer step
+        if (i - 1) % accumulate == 0:
+            optimizer.zero_grad(set_to_none=True)
+            group = min(accumulate, steps - i + 1)  # micro-batches in this step (fewer at the end)
+        with no_sync(model, not last):
+            loss = F.cross_entropy(model(xb), yb)
+            (loss / group).backward()
+        total += loss.detach()
+        n += 1
+        if not last:
+            continue
         if hooks is not None and hooks.has_fused:
             hooks.after_backward()
         optimizer.step()
-        total += loss.detach()
-        n += 1
         if on_step is not None:
-            on_step(i)
+            on_step(math.ceil(i / accumulate))
     return total.item() / max(n, 1)
 
 
@@ -117,12 +133,13 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
-    for key in ("epochs", "log_every", "eval_batch_size"):
+    for key in ("epochs", "log_every", "eval_batch_size", "accumulate"):
         if int(trainer[key]) < 1:
             raise ValueError(f"trainer.{key}={trainer[key]} must be >= 1")
     if int(cfg.data.batch_size) < 1:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} must be >= 1")
-    device = resolve_device(str(trainer.device))
+    dist = Dist.from_env(str(trainer.strategy), resolve_device(str(trainer.device)))
+    device = dist.device  # under DDP on GPUs: cuda:LOCAL_RANK
     if trainer.get("threads"):
         torch.set_num_threads(int(trainer.threads))
     seed_everything(int(cfg.seed))
@@ -137,18 +154,20 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     apply_init(model, cfg.init.name)
     model.to(device)
     rules = OmegaConf.to_container(cfg.get("hooks") or {}, resolve=True)
-    hooks = attach(model, rules, stage=str(trainer.hook_stage))
+    hooks = attach(model, rules, stage=str(trainer.hook_stage))  # before DDP: names without "module."
     try:
-        return _fit(cfg, model, data, hooks, device, batch_size, out, start)
+        return _fit(cfg, dist.wrap(model), data, hooks, device, batch_size, out, start, dist)
     finally:
         hooks.remove()
+        dist.close()
 
 
-def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, Any]:
+def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist()) -> dict[str, Any]:
     trainer = cfg.trainer
     log.info("%s", hooks.format_plan())
     plan = hooks.describe()
-    _write_json(out / "hook_plan.json", plan)
+    if dist.is_main:  # rank 0 alone writes the run folder; other ranks write to os.devnull
+        _write_json(out / "hook_plan.json", plan)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     generator = torch.Generator().manual_seed(int(cfg.seed))
     progress = _progress_enabled(trainer.progress)
@@ -156,8 +175,8 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
     epochs = int(trainer.epochs)
     history: list[dict[str, Any]] = []
     step = 0
-    metrics_file = open(out / "metrics.jsonl", "w")
-    stats_file = open(out / "grad_stats.jsonl", "w") if hooks.observers() else None
+    metrics_file = open(out / "metrics.jsonl" if dist.is_main else os.devnull, "w")
+    stats_file = open(out / "grad_stats.jsonl" if dist.is_main else os.devnull, "w") if hooks.observers() else None
 
     def flush_stats(epoch: int) -> dict[str, Any]:
         stats = hooks.read_stats()
@@ -176,10 +195,14 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
 
             t0 = time.perf_counter()
             train_loss = train_epoch(model, optimizer, data.train_x, data.train_y, batch_size=batch_size,
-                                     generator=generator, hooks=hooks, on_step=on_step, progress=progress)
+                                     generator=generator, hooks=hooks, on_step=on_step, progress=progress,
+                                     accumulate=int(trainer.accumulate), shard=(dist.rank, dist.world_size))
             t1 = time.perf_counter()
-            test_loss, test_accuracy = evaluate(model, data.test_x, data.test_y,
+            test_y = data.test_y[dist.shard]  # each rank its share; the means are combined
+            test_loss, test_accuracy = evaluate(unwrap(model), data.test_x[dist.shard], test_y,
                                                 batch_size=int(trainer.eval_batch_size))
+            test_loss, test_accuracy = dist.mean([test_loss, test_accuracy], weight=len(test_y))
+            train_loss, = dist.mean([train_loss])
             t2 = time.perf_counter()
             record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
                       "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
@@ -197,10 +220,11 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
         if stats_file is not None:
             stats_file.close()
 
-    torch.save(model.state_dict(), out / "model.pt")
-    from gradmod.viz import plot_curves
+    if dist.is_main:
+        torch.save(unwrap(model).state_dict(), out / "model.pt")
+        from gradmod.viz import plot_curves
 
-    plot_curves(history, out / "curves.png")
+        plot_curves(history, out / "curves.png")
     last = history[-1]
     summary = {
         "status": "ok",
@@ -216,10 +240,13 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
         "epochs": len(history),
         "steps": step,
         "seed": int(cfg.seed),
+        "world_size": dist.world_size,
+        "threads": torch.get_num_threads(),
         "hook_plan": plan,
         "seconds": time.perf_counter() - start,
     }
-    _write_json(out / "summary.json", summary)
+    if dist.is_main:
+        _write_json(out / "summary.json", summary)
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
              summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
     return summary
