@@ -150,13 +150,17 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _setting(overrides: list[str]) -> str:
+    return " ".join(o for o in overrides if not o.startswith("seed=")) or "(all)"
+
+
 def by_setting(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean and spread of the final test accuracy over seeds, per setting (the overrides
     other than ``seed=``); only settings with at least one finished job."""
     groups: dict[str, list[dict[str, Any]]] = {}
     _, varying = _varying(rows)
     for row, own in zip(rows, varying):
-        key = " ".join(o for o in own if not o.startswith("seed=")) or "(all)"
+        key = _setting(own)
         groups.setdefault(key, []).append(row)
     out = []
     for key, group in groups.items():
@@ -206,14 +210,20 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     _, varying = _varying(rows)
+    settings = list(dict.fromkeys(_setting(own) for own in varying))  # one colour per setting:
+    colors = plt.get_cmap("tab10" if len(settings) <= 10 else "tab20").colors  # seeds share it
     fig, ax = plt.subplots(figsize=(9, 5))
     for r, own in zip(rows, varying):
         if r["curve"]:
             epochs, acc = zip(*r["curve"])
             label = f"{r['job']}: {' '.join(own)}" + ("" if r["status"] == "ok" else f" ({r['status']})")
-            ax.plot(epochs, acc, marker="o", linestyle="-" if r["status"] == "ok" else ":", label=label)
+            ax.plot(epochs, acc, marker="o", linestyle="-" if r["status"] == "ok" else ":", label=label,
+                    color=colors[settings.index(_setting(own)) % len(colors)])
     ax.set(xlabel="epoch", ylabel="test accuracy", title=f"test accuracy per job ({len(rows)} jobs)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if ax.lines:
         ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
@@ -182,7 +180,7 @@ def test_experiment_article_resnet_clip(compose_cfg):
     assert model.fc.out_features == 1000
 
 
-def test_optuna_example_composes(compose_cfg):
+def test_optuna_example_composes():
     GlobalHydra.instance().clear()
     from hydra import compose, initialize_config_dir
 
