@@ -8,6 +8,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -24,6 +25,7 @@ from gradmod.data import as_float, load_data
 from gradmod.distributed import Dist, no_sync, unwrap
 from gradmod.init import apply_init
 from gradmod.models import build_model
+from gradmod.observe import RunWatch
 from gradmod.rules import HookSet, attach
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                         image_size=data.image_size)
     apply_init(model, cfg.init.name)
     model.to(device)
-    rules = OmegaConf.to_container(cfg.get("hooks") or {}, resolve=True)
+    rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}  # an empty DictConfig is falsy
     hooks = attach(model, rules, stage=str(trainer.hook_stage))  # before DDP: names without "module."
     try:
         return _fit(cfg, dist.wrap(model), data, hooks, device, batch_size, out, start, dist)
@@ -175,12 +177,19 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist()) -
     epochs = int(trainer.epochs)
     history: list[dict[str, Any]] = []
     step = 0
+    # logger, plots, Grad-CAM (gradmod/observe.py); ranks > 0 give it a scratch folder
+    scratch = None if dist.is_main else tempfile.TemporaryDirectory()
+    watch = RunWatch(cfg, out if scratch is None else Path(scratch.name), hooks, data, device)
     metrics_file = open(out / "metrics.jsonl" if dist.is_main else os.devnull, "w")
     stats_file = open(out / "grad_stats.jsonl" if dist.is_main else os.devnull, "w") if hooks.observers() else None
 
+    last_stats: dict[str, Any] = {}
+
     def flush_stats(epoch: int) -> dict[str, Any]:
-        stats = hooks.read_stats()
+        nonlocal last_stats
+        stats = watch.on_stats(epoch, step, hooks.read_stats())
         if stats and stats_file is not None:
+            last_stats = stats
             stats_file.write(json.dumps({"epoch": epoch, "step": step, "stats": stats}) + "\n")
             stats_file.flush()
         return stats
@@ -192,6 +201,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist()) -
                 step += 1
                 if step % log_every == 0:
                     flush_stats(epoch)
+                watch.before_step(step + 1)
 
             t0 = time.perf_counter()
             train_loss = train_epoch(model, optimizer, data.train_x, data.train_y, batch_size=batch_size,
@@ -207,24 +217,30 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist()) -
             record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
                       "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
                       "eval_seconds": t2 - t1}
-            stats = flush_stats(epoch)
+            # The latest window of `log` statistics: what is pending now, else the last read.
+            stats = flush_stats(epoch) or last_stats
             if stats:
                 record["grad_stats"] = stats
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             history.append(record)
+            watch.on_epoch(record, unwrap(model))
             log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
                      epoch, epochs, train_loss, test_loss, test_accuracy, t2 - t0)
     finally:
         metrics_file.close()
         if stats_file is not None:
             stats_file.close()
+        watch.close()
+        if scratch is not None:
+            scratch.cleanup()
 
     if dist.is_main:
         torch.save(unwrap(model).state_dict(), out / "model.pt")
         from gradmod.viz import plot_curves
 
         plot_curves(history, out / "curves.png")
+        watch.finish(unwrap(model))
     last = history[-1]
     summary = {
         "status": "ok",

@@ -27,3 +27,137 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+# --- capture figures: feature maps, gradients, overlays (scripts/mnist_gradcam.py) -----
+
+
+def plot_grid(images: Any, path: str | Path, *, cols: int = 8, cmap: str = "gray",
+              titles: Sequence[str] | None = None, title: str | None = None) -> Path:
+    """Images (N x H x W, or N x 1 x H x W) in rows of ``cols``, each on its own colour scale.
+
+    Drawn as one mosaic on one axes: each tile is scaled to its own min..max, as a separate
+    ``imshow`` would, but 32 axes would make saving the figure many times slower.
+    """
+    import numpy as np  # local: the top of this module is the curves' section
+
+    tiles = [im.detach().float().cpu().reshape(im.shape[-2:]).numpy() for im in images]
+    h, w = tiles[0].shape
+    rows = -(-len(tiles) // cols)
+    gap, top = max(1, h // 10), (h // 3 if titles is not None else max(1, h // 10))
+    mosaic = np.full((rows * (h + top), cols * (w + gap)), np.nan)  # NaN: background
+    for i, tile in enumerate(tiles):
+        r, c = divmod(i, cols)
+        span = tile.max() - tile.min()
+        y, x = r * (h + top) + top, c * (w + gap)
+        mosaic[y:y + h, x:x + w] = (tile - tile.min()) / span if span > 0 else 0.0
+    scale = 1.6 / max(h, w)
+    fig, ax = plt.subplots(figsize=(mosaic.shape[1] * scale, mosaic.shape[0] * scale + (0.5 if title else 0)))
+    ax.imshow(mosaic, cmap=plt.get_cmap(cmap).with_extremes(bad="white"), vmin=0, vmax=1, interpolation="nearest")
+    for i, text in enumerate(titles or []):
+        r, c = divmod(i, cols)
+        ax.text(c * (w + gap) + w / 2, r * (h + top) + top - 1, text, ha="center", va="bottom", fontsize=8)
+    ax.axis("off")
+    if title:
+        ax.set_title(title)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_image(image: Any, path: str | Path, *, cmap: str | None = None, title: str | None = None) -> Path:
+    """One H x W map (or 1 x H x W image) with a colour bar."""
+    fig, ax = plt.subplots(figsize=(4, 4))
+    shown = ax.imshow(image.detach().cpu().reshape(image.shape[-2:]).numpy(), cmap=cmap)
+    fig.colorbar(shown, ax=ax, fraction=0.046)
+    ax.axis("off")
+    if title:
+        ax.set_title(title)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_gradcam(images: Any, cams: Any, path: str | Path, *, cols: int = 8,
+                 titles: Sequence[str] | None = None, title: str | None = None) -> Path:
+    """Images (N x 1 x H x W in [0, 1]) half and half with their maps (N x H x W, from
+    `gradmod.capture.grad_cam`), each map divided by its maximum."""
+    images, cams = images.detach().float().cpu(), cams.detach().float().cpu()
+    peak = cams.amax(dim=(1, 2), keepdim=True).clamp_min(1e-12)  # an all-zero map stays zero
+    blended = 0.5 * images.reshape(cams.shape) + 0.5 * cams / peak
+    return plot_grid(blended, path, cols=cols, cmap="jet", titles=titles, title=title)
+
+
+# --- gradient statistics over a run, Grad-CAM for TensorBoard (gradmod/observe.py) ------
+
+_LINESTYLE = {"pre": "-", "post": "--"}
+
+
+def _series(rows: Sequence[tuple[int, dict[str, Any]]], field: str) -> dict[str, tuple[list, list]]:
+    """key -> (steps, values) of one statistic over the reads that have it."""
+    out: dict[str, tuple[list, list]] = {}
+    for step, stats in rows:
+        for key, s in stats.items():
+            if field in s:
+                xs, ys = out.setdefault(key, ([], []))
+                xs.append(step)
+                ys.append(s[field])
+    return out
+
+
+def _tensor_colors(keys) -> dict[str, Any]:
+    tensors = list(dict.fromkeys(k.partition("/")[0] for k in keys))
+    cmap = plt.get_cmap("tab10" if len(tensors) <= 10 else "tab20")
+    return {t: cmap(i % cmap.N) for i, t in enumerate(tensors)}
+
+
+def _finish(fig, ax, n_lines: int, path: str | Path) -> Path:
+    if n_lines <= 16:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path) -> Path:
+    """Per-tensor gradient L2 norm (mean over each read's window) against the step;
+    one color per tensor, ``pre`` solid and ``post`` dashed. ``rows``: (step, stats) as
+    ``HookSet.read_stats`` returns them."""
+    series = _series(rows, "norm")
+    colors = _tensor_colors(series)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for key, (xs, ys) in series.items():
+        tensor, _, label = key.partition("/")
+        ax.plot(xs, ys, _LINESTYLE.get(label, "-"), color=colors[tensor], label=key, marker="." if len(xs) < 3 else None)
+    if series and all(y > 0 for _, ys in series.values() for y in ys):
+        ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="gradient L2 norm", title="gradient norm per tensor (pre solid, post dashed)")
+    return _finish(fig, ax, len(series), path)
+
+
+def plot_frac_clipped(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path) -> Path:
+    """Per-tensor fraction of gradient elements the transforms between ``pre`` and
+    ``post`` changed (for ``clamp``: clipped), against the step."""
+    series = _series(rows, "frac_clipped")
+    colors = _tensor_colors(series)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for key, (xs, ys) in series.items():
+        tensor = key.partition("/")[0]
+        ax.plot(xs, ys, color=colors[tensor], label=tensor, marker="." if len(xs) < 3 else None)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set(xlabel="optimizer step", ylabel="fraction of elements", title="fraction clipped per tensor")
+    return _finish(fig, ax, len(series), path)
+
+
+def gradcam_overlay(images, cams, alpha: float = 0.5):
+    """N x H x W grey images in [0, 1] and N x H x W Grad-CAM maps -> N x H x W x 3 RGB in
+    [0, 1]: each map scaled to its own maximum, in the ``jet`` colormap over the image."""
+    import numpy as np
+
+    images = np.asarray(images, dtype=np.float32)
+    cams = np.asarray(cams, dtype=np.float32)
+    peak = cams.reshape(len(cams), -1).max(axis=1).reshape(-1, 1, 1)
+    heat = plt.get_cmap("jet")(cams / np.where(peak > 0, peak, 1.0))[..., :3]
+    return np.clip((1 - alpha) * images[..., None] + alpha * heat, 0.0, 1.0)
