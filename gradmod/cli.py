@@ -4,6 +4,10 @@ Bad input, whether Hydra finds it while composing (an unknown option or key, a w
 type) or ``gradmod`` finds it before training (a ``ValueError``), is one line on stderr
 and exit status 2; a run stopped by non-finite gradients (``trainer.nonfinite=raise``) is
 one line and exit status 3. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+
+In a multirun (``-m``) a job that raises must not end the sweep: its folder gets a
+``summary.json`` with ``status: failed`` and the error, its log the traceback, and the
+sweep goes on; the sweep report (``gradmod.sweep.SweepReport``) exits non-zero at the end.
 """
 
 from __future__ import annotations
@@ -13,30 +17,50 @@ import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradmod.config import one_line
 from gradmod.nonfinite import NonFiniteError
+from gradmod.sweep import failed_summary, format_exception, launcher_threads
 from gradmod.train import run
 
 log = logging.getLogger("gradmod")
 
 _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
 
+# ${negate:x} in configs: a symmetric clamp from one tuned bound (conf/experiment/clip_optuna.yaml).
+OmegaConf.register_new_resolver("negate", lambda x: -x, replace=True)
+
 
 def job(cfg: DictConfig) -> dict[str, Any]:
-    out_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    out_dir = hydra_cfg.runtime.output_dir
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if multirun and not cfg.trainer.get("threads"):
+        # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
+        threads = launcher_threads(hydra_cfg.launcher)
+        if threads:
+            cfg.trainer.threads = threads
+    start = time.perf_counter()
     try:
         return run(cfg, out_dir)
-    except (ValueError, NonFiniteError) as e:
-        if _USER_FULL_ERROR:
+    except Exception as e:
+        bad_input = isinstance(e, (ValueError, NonFiniteError))
+        if not multirun and (not bad_input or _USER_FULL_ERROR):  # cli.main sets HYDRA_FULL_ERROR itself
             raise
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+        summary = failed_summary(out_dir if rank == 0 else None, e, time.perf_counter() - start)
+        if multirun:
+            log.error("job failed, the sweep goes on: %s\n%s", e, format_exception(e))
+            return summary
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3 if isinstance(e, NonFiniteError) else 2)

@@ -195,6 +195,7 @@ class Config:
     seed: int = 1234
     data_dir: str = "data"
     hooks: Dict[str, Any] = field(default_factory=dict)  # rules, checked by gradmod.rules.build_targets
+    clip_bound: Optional[float] = None  # the tuned clamp bound of conf/experiment/clip_optuna.yaml
 
 
 def register() -> None:

@@ -36,10 +36,13 @@ class NonFiniteError(RuntimeError):
 
 
 class NonFiniteGuard:
-    def __init__(self, model: nn.Module, hooks=None, policy: str = "warn"):
+    def __init__(self, model: nn.Module, hooks=None, policy: str = "warn", world_sum=None):
         if policy not in POLICIES:
             raise ValueError(f"trainer.nonfinite={policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
         self.policy = policy
+        # DDP: hook-stage counts are local (before the all-reduce), so every rank must take
+        # the same skip decision: ``world_sum`` sums a tensor over the ranks.
+        self.world_sum = world_sum
         self.hooks = hooks
         hooked = hooks.hooked_params if hooks is not None else set()
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -80,7 +83,14 @@ class NonFiniteGuard:
         if self.policy == "warn" and scale is None:
             self._accumulate(names, counts)
             return False
+        if self.world_sum is not None:
+            counts = torch.cat([counts, self.world_sum(counts.sum().reshape(1))])
         values = counts.tolist()  # the one host read per step
+        if self.world_sum is not None:
+            anywhere, values = values[-1], values[:-1]
+            if anywhere and not any(values):  # only another rank saw it: skip with it
+                self.skipped += 1
+                return True
         if not any(values):
             return False
         self.bad_steps += 1

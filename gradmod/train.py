@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,6 +24,7 @@ from tqdm.auto import tqdm
 from gradmod import checkpoint as ckpt
 from gradmod.config import validate
 from gradmod.data import as_float, load_data
+from gradmod.distributed import Dist, no_sync, unwrap
 from gradmod.init import apply_init
 from gradmod.models import build_model
 from gradmod.nonfinite import NonFiniteGuard
@@ -53,15 +57,19 @@ def seed_everything(seed: int) -> None:
 
 
 def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
-            start: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
+            shard: tuple[int, int] = (0, 1), start: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
-    shuffled by ``generator`` (a CPU generator) when one is given. ``start`` skips that
-    many batches of the order (resuming mid-epoch)."""
+    shuffled by ``generator`` (a CPU generator) when one is given. ``shard=(rank, world)``
+    keeps this rank's share of the shuffled order; ``start`` skips that many batches of it
+    (resuming mid-epoch)."""
     if generator is None:
         for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
             yield as_float(xb), yb
         return
     order = torch.randperm(len(y), generator=generator).to(y.device)
+    rank, world = shard
+    if world > 1:  # every rank draws the same permutation: rank r takes every world-th index,
+        order = order[rank:len(order) - len(order) % world:world]  # all ranks the same count
     for idx in order.split(batch_size)[start:]:
         yield as_float(x[idx]), y[idx]
 
@@ -69,26 +77,39 @@ def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
                 batch_size: int, generator: torch.Generator, hooks: HookSet | None = None,
                 on_step: Callable[[int], None] | None = None, progress: bool = False,
+                accumulate: int = 1, shard: tuple[int, int] = (0, 1),
                 amp: Precision | None = None, guard: NonFiniteGuard | None = None,
                 start: int = 0, total: Tensor | None = None) -> float:
     """One pass over (x, y) in shuffled batches; returns the mean training loss.
 
     The loss is summed on the device and read once at the end: no per-step host sync.
     ``on_step(i)`` runs after each optimizer step (``i`` counts from 1 in this epoch).
+    ``accumulate=k``: k batches (micro-batches) per optimizer step, each loss divided by
+    the number in its step; under DDP only the last one all-reduces. ``shard``: see ``batches``.
     ``amp`` sets the precision (fp32 without it); ``guard`` counts non-finite gradients and
-    may skip a step. Resuming: ``start`` batches are done, their loss summed in ``total``.
+    may skip a step. Resuming: ``start`` batches (a whole number of optimizer steps) are
+    done, their loss summed in ``total``.
     """
     model.train()
     amp = amp or Precision("fp32", y.device)
     total = torch.zeros((), device=y.device) if total is None else total
     n = start
-    steps = (len(y) + batch_size - 1) // batch_size
-    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator, start), total=steps, initial=start,
-                                      leave=False, desc="train", disable=not progress), start=start + 1):
-        with amp.autocast():
-            loss = F.cross_entropy(model(xb), yb)
-        optimizer.zero_grad(set_to_none=True)
-        amp.backward(loss, hooks)
+    steps = (len(y) // shard[1] + batch_size - 1) // batch_size
+    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator, shard, start=start), total=steps,
+                                      initial=start, leave=False, desc="train", disable=not progress),
+                                 start=start + 1):
+        last = i % accumulate == 0 or i == steps  # the micro-batch that ends an optimizer step
+        if (i - 1) % accumulate == 0:
+            optimizer.zero_grad(set_to_none=True)
+            group = min(accumulate, steps - i + 1)  # micro-batches in this step (fewer at the end)
+        with no_sync(model, not last):
+            with amp.autocast():
+                loss = F.cross_entropy(model(xb), yb)
+            amp.backward(loss / group, hooks)
+        total += loss.detach()
+        n += 1
+        if not last:
+            continue
         if guard is not None:
             guard.observe()  # raw .grad of what no hook saw, before the fused stage
         amp.unscale_(optimizer)  # the fused stage sees unscaled gradients
@@ -96,10 +117,8 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y
             hooks.after_backward()
         skip = guard is not None and guard.check(amp.scale())
         amp.step(optimizer, skip)
-        total += loss.detach()
-        n += 1
         if on_step is not None:
-            on_step(i)
+            on_step(math.ceil(i / accumulate))
     return total.item() / max(n, 1)
 
 
@@ -134,13 +153,17 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
-    for key in ("epochs", "log_every", "eval_batch_size"):
+    for key in ("epochs", "log_every", "eval_batch_size", "accumulate"):
         if int(trainer[key]) < 1:
             raise ValueError(f"trainer.{key}={trainer[key]} must be >= 1")
     if int(cfg.data.batch_size) < 1:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} must be >= 1")
-    device = resolve_device(str(trainer.device))
+    dist = Dist.from_env(str(trainer.strategy), resolve_device(str(trainer.device)))
+    device = dist.device  # under DDP on GPUs: cuda:LOCAL_RANK
     check_precision(str(trainer.get("precision", "fp32")), device)
+    if dist.world_size > 1 and trainer.get("resume"):
+        raise ValueError("trainer.resume with trainer.strategy=ddp is not supported yet (ranks > 0 have no "
+                         "run folder to find checkpoints in); resume with strategy=single")
     if trainer.get("threads"):
         torch.set_num_threads(int(trainer.threads))
     seed_everything(int(cfg.seed))
@@ -155,33 +178,38 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     apply_init(model, cfg.init.name)
     model.to(device)
     rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}  # an empty DictConfig is falsy
-    hooks = attach(model, rules, stage=str(trainer.hook_stage))
+    hooks = attach(model, rules, stage=str(trainer.hook_stage))  # before DDP: names without "module."
     try:
-        return _fit(cfg, model, data, hooks, device, batch_size, out, start)
+        return _fit(cfg, dist.wrap(model), data, hooks, device, batch_size, out, start, dist)
     finally:
         hooks.remove()
+        dist.close()
 
 
-def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, Any]:
+def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist()) -> dict[str, Any]:
     trainer = cfg.trainer
     log.info("%s", hooks.format_plan())
     plan = hooks.describe()
-    _write_json(out / "hook_plan.json", plan)
+    if dist.is_main:  # rank 0 alone writes the run folder; other ranks write to os.devnull
+        _write_json(out / "hook_plan.json", plan)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
     generator = torch.Generator().manual_seed(int(cfg.seed))
     amp = Precision(str(trainer.get("precision", "fp32")), device)
-    guard = NonFiniteGuard(model, hooks, str(trainer.get("nonfinite", "warn")))
-    saver = _Saver(cfg, out / "checkpoints", model, optimizer, amp, guard, hooks)
+    guard = NonFiniteGuard(unwrap(model), hooks, str(trainer.get("nonfinite", "warn")),
+                           world_sum=_world_sum if dist.world_size > 1 else None)
+    saver = _Saver(cfg, out / "checkpoints", unwrap(model), optimizer, amp, guard, hooks, dist.is_main)
     pos, resumed_from = saver.resume(trainer.get("resume"))
     progress = _progress_enabled(trainer.progress)
     log_every = int(trainer.log_every)
     epochs = int(trainer.epochs)
     history: list[dict[str, Any]] = pos.history
     step = pos.step
-    watch = RunWatch(cfg, out, hooks, data, device)  # logger, plots, Grad-CAM (gradmod/observe.py)
-    metrics_file = open(out / "metrics.jsonl", "w")
-    stats_file = _open_stats(out / "grad_stats.jsonl", pos.step if resumed_from else None, watch) \
-        if hooks.observers() else None
+    # logger, plots, Grad-CAM (gradmod/observe.py); ranks > 0 give it a scratch folder
+    scratch = None if dist.is_main else tempfile.TemporaryDirectory()
+    watch = RunWatch(cfg, out if scratch is None else Path(scratch.name), hooks, data, device)
+    metrics_file = open(out / "metrics.jsonl" if dist.is_main else os.devnull, "w")
+    stats_file = (_open_stats(out / "grad_stats.jsonl", pos.step if resumed_from else None, watch)
+                  if dist.is_main else open(os.devnull, "w")) if hooks.observers() else None
     for record in history:  # resumed: what the checkpoint knew; later lines were redone
         metrics_file.write(json.dumps(record) + "\n")
         watch.logger.log_metrics(int(record["step"]), record)
@@ -197,6 +225,8 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
             stats_file.flush()
         return stats
 
+    accumulate = int(trainer.accumulate)
+    n_batches = (len(data.train_y) // dist.world_size + batch_size - 1) // batch_size
     every_epochs, every_steps = int(trainer.get("checkpoint_every", 0)), int(trainer.get("checkpoint_every_steps", 0))
     try:
         for epoch in tqdm(range(pos.epoch, epochs + 1), desc="epochs", disable=not progress):
@@ -213,18 +243,23 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
                 if step % log_every == 0:
                     flush_stats(epoch)
                 if every_steps and step % every_steps == 0:
-                    saver.save(ckpt.Position(epoch, i, step, epoch_order, total.item(), history))
+                    done = min(i * accumulate, n_batches)  # batches behind optimizer step i
+                    saver.save(ckpt.Position(epoch, done, step, epoch_order, total.item(), history))
                 watch.before_step(step + 1)
                 ckpt.kill_point("step", step)
 
             t0 = time.perf_counter()
             train_loss = train_epoch(model, optimizer, data.train_x, data.train_y, batch_size=batch_size,
                                      generator=generator, hooks=hooks, on_step=on_step, progress=progress,
+                                     accumulate=accumulate, shard=(dist.rank, dist.world_size),
                                      amp=amp, guard=guard, start=pos.batch if resuming else 0, total=total)
             guard.flush()
             t1 = time.perf_counter()
-            test_loss, test_accuracy = evaluate(model, data.test_x, data.test_y,
+            test_y = data.test_y[dist.shard]  # each rank its share; the means are combined
+            test_loss, test_accuracy = evaluate(unwrap(model), data.test_x[dist.shard], test_y,
                                                 batch_size=int(trainer.eval_batch_size))
+            test_loss, test_accuracy = dist.mean([test_loss, test_accuracy], weight=len(test_y))
+            train_loss, = dist.mean([train_loss])
             t2 = time.perf_counter()
             record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
                       "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
@@ -236,7 +271,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             history.append(record)
-            watch.on_epoch(record, model)
+            watch.on_epoch(record, unwrap(model))
             if every_epochs and (epoch % every_epochs == 0 or epoch == epochs):
                 saver.save(ckpt.Position(epoch + 1, 0, step, generator.get_state(), 0.0, history))
             log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
@@ -246,12 +281,15 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
         if stats_file is not None:
             stats_file.close()
         watch.close()
+        if scratch is not None:
+            scratch.cleanup()
 
-    torch.save(model.state_dict(), out / "model.pt")
-    from gradmod.viz import plot_curves
+    if dist.is_main:
+        torch.save(unwrap(model).state_dict(), out / "model.pt")
+        from gradmod.viz import plot_curves
 
-    plot_curves(history, out / "curves.png")
-    watch.finish(model)
+        plot_curves(history, out / "curves.png")
+        watch.finish(unwrap(model))
     last = history[-1]
     summary = {
         "status": "ok",
@@ -267,6 +305,8 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
         "epochs": len(history),
         "steps": step,
         "seed": int(cfg.seed),
+        "world_size": dist.world_size,
+        "threads": torch.get_num_threads(),
         "hook_plan": plan,
         "skipped_steps": guard.skipped,
         "nonfinite_steps": guard.bad_steps,
@@ -275,10 +315,16 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start) -> dict[str, A
         "resumed_from": str(resumed_from) if resumed_from else None,
         "seconds": time.perf_counter() - start,
     }
-    _write_json(out / "summary.json", summary)
+    if dist.is_main:
+        _write_json(out / "summary.json", summary)
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
              summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
     return summary
+
+
+def _world_sum(t: Tensor) -> Tensor:
+    torch.distributed.all_reduce(t)
+    return t
 
 
 def _open_stats(path: Path, resumed_step: int | None, watch):
@@ -298,12 +344,14 @@ def _open_stats(path: Path, resumed_step: int | None, watch):
 class _Saver:
     """Writes and restores checkpoints of one run (``gradmod.checkpoint`` does the files)."""
 
-    def __init__(self, cfg, folder, model, optimizer, amp, guard, hooks):
-        self.cfg, self.folder, self.model, self.optimizer = cfg, folder, model, optimizer
+    def __init__(self, cfg, folder, model, optimizer, amp, guard, hooks, writes: bool = True):
+        self.cfg, self.folder, self.model, self.optimizer, self.writes = cfg, folder, model, optimizer, writes
         self.amp, self.guard, self.hooks, self.plan = amp, guard, hooks, hooks.describe()
         self.keep = int(cfg.trainer.get("checkpoint_keep", 2))
 
     def save(self, pos: ckpt.Position) -> None:
+        if not self.writes:  # DDP: rank 0 writes; the others hold the same state
+            return
         state = {"format": 1, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scaler": self.amp.state_dict(), "guard": self.guard.state_dict(),
                  "epoch": pos.epoch, "batch": pos.batch, "step": pos.step, "generator": pos.generator,
