@@ -123,3 +123,15 @@ def test_kill_during_checkpoint_write_keeps_the_previous(tmp_path, compose_cfg, 
     assert summary["resumed_from"].endswith("step-000000006.pt")
     _same_params(torch.load(tmp_path / "model.pt"), reference[0])
     assert not list(folder.glob(".*.tmp"))  # the stale temp file was cleaned up
+
+
+def test_resume_from_a_path_mid_epoch_with_accumulation(tmp_path, compose_cfg):
+    # 6 batches per epoch, 2 per optimizer step: 3 steps per epoch; a checkpoint every 2 steps.
+    over = [*TINY, "trainer.accumulate=2", "trainer.checkpoint_every_steps=2", "trainer.checkpoint_keep=10"]
+    full = tmp_path / "full"
+    run(compose_cfg(*over), full)
+    first = full / "checkpoints" / "step-000000002.pt"
+    assert ckpt.load(first)["batch"] == 4  # two optimizer steps = four micro-batches into epoch 1
+    summary = run(compose_cfg(*over, f"trainer.resume={first}"), tmp_path / "resumed")
+    assert summary["resumed_from"] == str(first) and summary["steps"] == 6
+    _same_params(torch.load(tmp_path / "resumed" / "model.pt"), torch.load(full / "model.pt"))
