@@ -1,9 +1,12 @@
 """Train with gradient hooks from Hydra configs: ``python train.py +hooks=clip``."""
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from gradmod.cli import job
+from gradmod.cli import job, main as cli_main
+from gradmod.distributed import follower_overrides
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -12,4 +15,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
+    cli_main(main)  # config errors: one line on stderr, exit 2

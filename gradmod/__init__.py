@@ -1,6 +1,6 @@
 """gradmod: gradient manipulation through PyTorch hooks, driven by Hydra configs."""
 
-from gradmod import transforms
+from gradmod import config, transforms
 from gradmod.capture import FeatureExtractor, Recorder, grad_cam, list_hooks, summary, trace_shapes
 from gradmod.init import apply_init
 from gradmod.rules import HookSet, attach

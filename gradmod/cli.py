@@ -1,31 +1,114 @@
 """The command-line job behind ``train.py``: one Hydra job -> one training run.
 
-Bad input (a ``ValueError`` from checking the config against the model and data) is one
-line on stderr and exit status 2; ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+Bad input, whether Hydra finds it while composing (an unknown option or key, a wrong
+type) or ``gradmod`` finds it before training (a ``ValueError``), is one line on stderr
+and exit status 2; a run stopped by non-finite gradients (``trainer.nonfinite=raise``) is
+one line and exit status 3. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+
+In a multirun (``-m``) a job that raises must not end the sweep: its folder gets a
+``summary.json`` with ``status: failed`` and the error, its log the traceback, and the
+sweep goes on; the sweep report (``gradmod.sweep.SweepReport``) exits non-zero at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import re
 import sys
-from typing import Any
+import time
+from pathlib import Path
+from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from gradmod.config import one_line
+from gradmod.nonfinite import NonFiniteError
+from gradmod.sweep import failed_summary, format_exception, launcher_threads
 from gradmod.train import run
 
 log = logging.getLogger("gradmod")
 
+_USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+# ${negate:x} in configs: a symmetric clamp from one tuned bound (conf/experiment/clip_optuna.yaml).
+OmegaConf.register_new_resolver("negate", lambda x: -x, replace=True)
+
 
 def job(cfg: DictConfig) -> dict[str, Any]:
-    out_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    out_dir = hydra_cfg.runtime.output_dir
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if multirun and not cfg.trainer.get("threads"):
+        # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
+        threads = launcher_threads(hydra_cfg.launcher)
+        if threads:
+            cfg.trainer.threads = threads
+    start = time.perf_counter()
     try:
         return run(cfg, out_dir)
-    except ValueError as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except Exception as e:
+        bad_input = isinstance(e, (ValueError, NonFiniteError))
+        if not multirun and (not bad_input or _USER_FULL_ERROR):  # cli.main sets HYDRA_FULL_ERROR itself
             raise
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+        summary = failed_summary(out_dir if rank == 0 else None, e, time.perf_counter() - start)
+        if multirun:
+            log.error("job failed, the sweep goes on: %s\n%s", e, format_exception(e))
+            return summary
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(3 if isinstance(e, NonFiniteError) else 2)
+
+
+def describe(e: BaseException) -> str:
+    """One line for a config error from Hydra or OmegaConf."""
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file:
+        group, _, name = e.missing_cfg_file.rpartition("/")
+        options = e.options if e.options is not None else _group_options(group, str(e))
+        if options is not None:
+            options = [o for o in options if not o.startswith("schema_")]
+            return f"{group}={name}: no such option; allowed: {', '.join(options)}"
+    if isinstance(e, OverrideParseException):
+        return f"cannot parse override {e.override!r}: {str(e).splitlines()[0]}"
+    cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
+        allowed = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
+        return f"unknown key {cause.full_key}; allowed there: {allowed}"
+    if isinstance(cause, OmegaConfBaseException):
+        return one_line(cause)
+    lines = [ln.strip() for ln in str(e).splitlines()
+             if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
+    return "; ".join(lines)
+
+
+def _group_options(group: str, message: str) -> list[str] | None:
+    """The options of a config group, from the main config folder Hydra's message names."""
+    m = re.search(r"provider=main, path=file://(\S+)", message)
+    folder = Path(m.group(1)) / group if m else None
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder and folder.is_dir() else None
+
+
+def main(hydra_main: Callable[[], Any]) -> None:
+    """Run a ``@hydra.main`` function so that config errors are one line and exit 2.
+
+    Hydra prints composition errors over several lines (some with a traceback) unless
+    ``HYDRA_FULL_ERROR=1``; setting it makes Hydra raise, and this reports them instead.
+    Other exceptions are bugs and keep their traceback.
+    """
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        if _USER_FULL_ERROR:
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        if not _USER_FULL_ERROR:
+            os.environ.pop("HYDRA_FULL_ERROR", None)

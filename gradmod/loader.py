@@ -36,14 +36,12 @@ class _IndexedBatches(Dataset):
         return self.x[idx], self.y[idx]
 
 
-def host_batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None,
-                 device: torch.device, workers: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
-    """Batches of (float images, labels) on ``device`` from host tensors ``x``, ``y``;
-    shuffled by ``generator`` exactly as ``gradmod.train.batches`` shuffles."""
-    order = torch.randperm(len(y), generator=generator) if generator is not None else torch.arange(len(y))
+def host_batches(x: Tensor, y: Tensor, index: Sequence[Tensor], device: torch.device,
+                 workers: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
+    """Batches of (float images, labels) on ``device`` from host tensors ``x``, ``y``: batch
+    ``i`` is ``index[i]`` (CPU index tensors; ``gradmod.train.batches`` draws them)."""
     cuda = device.type == "cuda"
-    loader = DataLoader(_IndexedBatches(x, y, order.split(batch_size)), batch_size=None,
-                        num_workers=workers, pin_memory=cuda)
+    loader = DataLoader(_IndexedBatches(x, y, index), batch_size=None, num_workers=workers, pin_memory=cuda)
     for xb, yb in loader:
         # From pinned memory the copies are asynchronous: the next batch is gathered meanwhile.
         yield as_float(xb.to(device, non_blocking=cuda)), yb.to(device, non_blocking=cuda)

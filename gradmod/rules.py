@@ -115,17 +115,69 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
                 steps = [T.build(t) for t in transforms]  # per tensor: observers keep own state
             except ValueError as e:
                 raise ValueError(f"hooks.{rule}.transforms: {e}") from None
-            targets.append(Target(rule, kind, name, "hook" if kind == "module" else rule_stage, steps))
+            target_stage = "hook" if kind == "module" else rule_stage
+            targets.append(Target(rule, kind, name, target_stage, _label_observers(steps, target_stage)))
+    _check_observer_keys(targets)
     return targets
 
 
-def _chain(steps: list[T.Step]):
+def _label_observers(steps: list[T.Step], stage: str) -> list[T.Step]:
+    """``log`` first in a chain of several steps is ``pre``, last is ``post`` (an explicit
+    ``label`` wins); a chain that starts and ends with ``log`` pairs the two, so ``post``
+    reports the fraction of elements the transforms between them changed."""
+    if len(steps) < 2:
+        return steps
+    out = list(steps)
+    for i, label in ((0, "pre"), (len(out) - 1, "post")):
+        step = out[i]
+        if isinstance(step.fn, T.GradStats) and step.fn.label is None:
+            out[i] = T.build({"name": step.name, **step.args, "label": label})
+    first, last = out[0].fn, out[-1].fn
+    if isinstance(first, T.GradStats) and isinstance(last, T.GradStats):
+        last.pre = first
+        # The fused stage transforms .grad in place, so pre must keep a copy.
+        first.keep = "clone" if stage == "fused" else "ref"
+    return out
+
+
+def observer_key(target: Target, obs: T.GradStats) -> str:
+    """The key of an observer's statistics: ``tensor`` or ``tensor/label``."""
+    name = target.name if target.kind == "param" else f"{target.name}:output"
+    return f"{name}/{obs.label}" if obs.label else name
+
+
+def _check_observer_keys(targets: list[Target]) -> None:
+    seen: dict[str, str] = {}
+    for t in targets:
+        for s in t.steps:
+            if isinstance(s.fn, T.GradStats):
+                key = observer_key(t, s.fn)
+                if key in seen:
+                    raise ValueError(f"hooks.{t.rule}: its log of {key!r} has the same key as one in rule "
+                                     f"{seen[key]!r}; give one of them a distinct label, e.g. {{name: log, label: {t.rule}}}")
+                seen[key] = t.rule
+
+
+def _chain(steps: list[T.Step], hooks: "HookSet", key: str):
+    """One tensor's hook: count the raw gradient's non-finite entries (before a transform
+    such as clamp can turn inf into a number), then apply the steps in order. Under fp16
+    (``hooks.grad_scale`` set) the steps see the unscaled gradient, as in fp32, and the
+    result is scaled back for GradScaler; scales are powers of two, so this is exact."""
+
     def hook(grad: Tensor) -> Tensor:
+        bad = (~torch.isfinite(grad)).sum()
+        prev = hooks._raw.get(key)
+        hooks._raw[key] = bad if prev is None else prev + bad
+        scale = hooks.grad_scale
+        g = grad if scale is None else grad.float() * scale.reciprocal()
+        changed = False
         for step in steps:
-            out = step(grad)
+            out = step(g)
             if out is not None:
-                grad = out
-        return grad
+                g, changed = out, True
+        if not changed:
+            return grad
+        return g if scale is None else (g * scale).to(grad.dtype)
 
     return hook
 
@@ -137,6 +189,8 @@ class HookSet:
     def __init__(self, model: nn.Module, targets: list[Target]):
         self.targets = targets
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
+        self._raw: dict[str, Tensor] = {}  # tensor -> non-finite raw entries since take_raw()
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         # One hook per tensor: its transforms from every rule, chained in config order.
@@ -146,9 +200,11 @@ class HookSet:
                 hooked.setdefault((t.kind, t.name), []).extend(t.steps)
         for (kind, name), steps in hooked.items():
             if kind == "param":
-                self._handles.append(params[name].register_hook(_chain(steps)))
+                self._handles.append(params[name].register_hook(_chain(steps, self, name)))
             else:
-                self._handles.append(modules[name].register_forward_hook(_output_hook(_chain(steps))))
+                chain = _chain(steps, self, f"{name}:output")
+                self._handles.append(modules[name].register_forward_hook(_output_hook(chain)))
+        self.hooked_params = {name for kind, name in hooked if kind == "param"}
         # Fused groups: (rule, step index) -> (steps, param tensors), applied in config order.
         self._fused: list[tuple[list[T.Step], list[nn.Parameter]]] = []
         by_rule: dict[str, list[Target]] = {}
@@ -204,18 +260,37 @@ class HookSet:
         return [(t.name if t.kind == "param" else f"{t.name}:output", s.fn)
                 for t in self.targets for s in t.steps if isinstance(s.fn, T.GradStats)]
 
-    def read_stats(self) -> dict[str, dict[str, float]]:
-        """Every ``log`` accumulator's window, read with a single host sync."""
+    def read_stats(self) -> dict[str, dict[str, Any]]:
+        """Every ``log`` accumulator's window (and histogram, if one was taken), read
+        with a single host sync."""
         pending = []
-        for name, obs in self.observers():
-            calls, acc = obs.take()
-            if acc is not None:
-                key = f"{name}/{obs.label}" if obs.label else name
-                pending.append((key, calls, acc))
+        for t in self.targets:
+            for s in t.steps:
+                if isinstance(s.fn, T.GradStats):
+                    calls, acc = s.fn.take()
+                    if acc is not None:
+                        pending.append((observer_key(t, s.fn), calls, acc, s.fn.pre is not None))
         if not pending:
             return {}
-        values = torch.stack([acc.to(pending[0][2].device) for _, _, acc in pending]).tolist()
-        return {key: T.GradStats.summarize(calls, v) for (key, calls, _), v in zip(pending, values)}
+        device = pending[0][2].device
+        flat = torch.cat([acc.to(device) for _, _, acc, _ in pending]).tolist()
+        out, i = {}, 0
+        for key, calls, acc, paired in pending:
+            out[key] = T.GradStats.summarize(calls, flat[i:i + len(acc)], paired)
+            i += len(acc)
+        return out
+
+    def set_histograms(self, on: bool) -> None:
+        """Bin the gradients of the next calls on the device (for the step before a read)."""
+        for _, obs in self.observers():
+            obs.histogram = on
+
+    def take_raw(self) -> list[tuple[str, Tensor]]:
+        """(tensor name, device count of non-finite raw gradient entries) seen by the hooks
+        since the last call, and a fresh start; no host sync."""
+        out = list(self._raw.items())
+        self._raw.clear()
+        return out
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -225,6 +300,7 @@ class HookSet:
             h.remove()
         self._handles.clear()
         self._fused.clear()
+        self._raw.clear()
 
     def __enter__(self) -> "HookSet":
         return self

@@ -12,17 +12,10 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
-
-
-def flag(key: str, value: Any) -> bool:
-    """A config boolean; anything but true/false is a ValueError naming the key."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{key}={value!r} must be true or false")
-    return value
 
 
 def to_channels_last(model: nn.Module) -> nn.Module:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -18,12 +21,18 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from gradmod import checkpoint as ckpt
+from gradmod.config import validate
 from gradmod.data import as_float, load_data
+from gradmod.distributed import Dist, no_sync, unwrap
 from gradmod.init import apply_init
 from gradmod.loader import host_batches, placement
 from gradmod.models import build_model
+from gradmod.nonfinite import NonFiniteGuard
+from gradmod.precision import Precision, check_precision
+from gradmod.observe import RunWatch
 from gradmod.rules import HookSet, attach
-from gradmod.speed import SyncCheck, compile_model, flag, to_channels_last
+from gradmod.speed import SyncCheck, compile_model, to_channels_last
 
 log = logging.getLogger(__name__)
 
@@ -50,48 +59,79 @@ def seed_everything(seed: int) -> None:
 
 
 def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
-            device: torch.device | None = None, loader_workers: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+            shard: tuple[int, int] = (0, 1), start: int = 0, device: torch.device | None = None,
+            loader_workers: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
-    shuffled by ``generator`` (a CPU generator) when one is given. With ``loader_workers``
-    set, a DataLoader gathers them in host memory and copies them to ``device`` instead."""
-    if loader_workers is not None:
-        yield from host_batches(x, y, batch_size, generator, x.device if device is None else device, loader_workers)
-        return
+    shuffled by ``generator`` (a CPU generator) when one is given. ``shard=(rank, world)``
+    keeps this rank's share of the shuffled order; ``start`` skips that many batches of it
+    (resuming mid-epoch). With ``loader_workers`` set, a DataLoader gathers the same
+    batches from host memory and copies them to ``device`` (``gradmod.loader``)."""
+    device = x.device if device is None else device
     if generator is None:
+        if loader_workers is not None:
+            yield from host_batches(x, y, torch.arange(len(y)).split(batch_size), device, loader_workers)
+            return
         for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
             yield as_float(xb), yb
         return
-    order = torch.randperm(len(y), generator=generator).to(y.device)
-    for idx in order.split(batch_size):
+    order = torch.randperm(len(y), generator=generator)
+    rank, world = shard
+    if world > 1:  # every rank draws the same permutation: rank r takes every world-th index,
+        order = order[rank:len(order) - len(order) % world:world]  # all ranks the same count
+    if loader_workers is not None:
+        yield from host_batches(x, y, order.split(batch_size)[start:], device, loader_workers)
+        return
+    for idx in order.to(y.device).split(batch_size)[start:]:
         yield as_float(x[idx]), y[idx]
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
                 batch_size: int, generator: torch.Generator, hooks: HookSet | None = None,
                 on_step: Callable[[int], None] | None = None, progress: bool = False,
-                device: torch.device | None = None, loader_workers: int | None = None) -> float:
+                accumulate: int = 1, shard: tuple[int, int] = (0, 1),
+                amp: Precision | None = None, guard: NonFiniteGuard | None = None,
+                start: int = 0, total: Tensor | None = None, device: torch.device | None = None,
+                loader_workers: int | None = None) -> float:
     """One pass over (x, y) in shuffled batches; returns the mean training loss.
 
     The loss is summed on the device and read once at the end: no per-step host sync.
     ``on_step(i)`` runs after each optimizer step (``i`` counts from 1 in this epoch).
+    ``accumulate=k``: k batches (micro-batches) per optimizer step, each loss divided by
+    the number in its step; under DDP only the last one all-reduces. ``shard``: see ``batches``.
+    ``amp`` sets the precision (fp32 without it); ``guard`` counts non-finite gradients and
+    may skip a step. Resuming: ``start`` batches (a whole number of optimizer steps) are
+    done, their loss summed in ``total``. ``device``, ``loader_workers``: see ``batches``.
     """
     model.train()
     device = y.device if device is None else device
-    total = torch.zeros((), device=device)
-    n = 0
-    steps = (len(y) + batch_size - 1) // batch_size
-    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator, device, loader_workers), total=steps, leave=False,
-                                      desc="train", disable=not progress), start=1):
-        loss = F.cross_entropy(model(xb), yb)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if hooks is not None and hooks.has_fused:
-            hooks.after_backward()
-        optimizer.step()
+    amp = amp or Precision("fp32", device)
+    total = torch.zeros((), device=device) if total is None else total
+    n = start
+    steps = (len(y) // shard[1] + batch_size - 1) // batch_size
+    for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator, shard, start, device, loader_workers), total=steps,
+                                      initial=start, leave=False, desc="train", disable=not progress),
+                                 start=start + 1):
+        last = i % accumulate == 0 or i == steps  # the micro-batch that ends an optimizer step
+        if (i - 1) % accumulate == 0:
+            optimizer.zero_grad(set_to_none=True)
+            group = min(accumulate, steps - i + 1)  # micro-batches in this step (fewer at the end)
+        with no_sync(model, not last):
+            with amp.autocast():
+                loss = F.cross_entropy(model(xb), yb)
+            amp.backward(loss / group, hooks)
         total += loss.detach()
         n += 1
+        if not last:
+            continue
+        if guard is not None:
+            guard.observe()  # raw .grad of what no hook saw, before the fused stage
+        amp.unscale_(optimizer)  # the fused stage sees unscaled gradients
+        if hooks is not None and hooks.has_fused:
+            hooks.after_backward()
+        skip = guard is not None and guard.check(amp.scale())
+        amp.step(optimizer, skip)
         if on_step is not None:
-            on_step(i)
+            on_step(math.ceil(i / accumulate))
     return total.item() / max(n, 1)
 
 
@@ -103,7 +143,7 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
     device = y.device if device is None else device
     loss = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
-    for xb, yb in batches(x, y, batch_size, None, device, loader_workers):
+    for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers):
         out = model(xb)
         loss += F.cross_entropy(out, yb, reduction="sum")
         correct += (out.argmax(1) == yb).sum()
@@ -123,16 +163,22 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says and write the run folder; returns the summary."""
+    validate(cfg)  # schemas and values, before anything is built
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
-    for key in ("epochs", "log_every", "eval_batch_size"):
+    for key in ("epochs", "log_every", "eval_batch_size", "accumulate"):
         if int(trainer[key]) < 1:
             raise ValueError(f"trainer.{key}={trainer[key]} must be >= 1")
     if int(cfg.data.batch_size) < 1:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} must be >= 1")
-    device = resolve_device(str(trainer.device))
+    dist = Dist.from_env(str(trainer.strategy), resolve_device(str(trainer.device)))
+    device = dist.device  # under DDP on GPUs: cuda:LOCAL_RANK
+    check_precision(str(trainer.get("precision", "fp32")), device)
+    if dist.world_size > 1 and trainer.get("resume"):
+        raise ValueError("trainer.resume with trainer.strategy=ddp is not supported yet (ranks > 0 have no "
+                         "run folder to find checkpoints in); resume with strategy=single")
     if trainer.get("threads"):
         torch.set_num_threads(int(trainer.threads))
     seed_everything(int(cfg.seed))
@@ -153,71 +199,105 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
                         image_size=data.image_size)
     apply_init(model, cfg.init.name)
     model.to(device)
-    if flag("trainer.channels_last", trainer.get("channels_last", False)):
-        to_channels_last(model)
-    rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}
-    hooks = attach(model, rules, stage=str(trainer.hook_stage))
+    if trainer.get("channels_last"):
+        to_channels_last(model)  # same Parameter objects: attach before or after is the same
+    rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}  # an empty DictConfig is falsy
+    hooks = attach(model, rules, stage=str(trainer.hook_stage))  # before DDP: names without "module."
     try:
-        return _fit(cfg, model, data, hooks, device, batch_size, out, start, loader_workers)
+        return _fit(cfg, dist.wrap(model), data, hooks, device, batch_size, out, start, dist, loader_workers)
     finally:
         hooks.remove()
+        dist.close()
 
 
-def _fit(cfg, model, data, hooks, device, batch_size, out, start, loader_workers=None) -> dict[str, Any]:
+def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist(),
+         loader_workers: int | None = None) -> dict[str, Any]:
     trainer = cfg.trainer
     log.info("%s", hooks.format_plan())
     plan = hooks.describe()
-    _write_json(out / "hook_plan.json", plan)
+    if dist.is_main:  # rank 0 alone writes the run folder; other ranks write to os.devnull
+        _write_json(out / "hook_plan.json", plan)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
-    # Hooks are attached to `model` already; the compiled module shares its parameters.
-    net = compile_model(model) if flag("trainer.compile", trainer.get("compile", False)) else model
-    sync_check = SyncCheck(flag("trainer.sync_check", trainer.get("sync_check", False)), device)
-    steps_per_epoch = (len(data.train_y) + batch_size - 1) // batch_size
+    # Hooks are attached to the plain model already; the compiled module shares its parameters.
+    net = compile_model(model) if trainer.get("compile") else model
+    sync_check = SyncCheck(bool(trainer.get("sync_check", False)), device)
     generator = torch.Generator().manual_seed(int(cfg.seed))
+    amp = Precision(str(trainer.get("precision", "fp32")), device)
+    guard = NonFiniteGuard(unwrap(model), hooks, str(trainer.get("nonfinite", "warn")),
+                           world_sum=_world_sum if dist.world_size > 1 else None)
+    saver = _Saver(cfg, out / "checkpoints", unwrap(model), optimizer, amp, guard, hooks, dist.is_main)
+    pos, resumed_from = saver.resume(trainer.get("resume"))
     progress = _progress_enabled(trainer.progress)
     log_every = int(trainer.log_every)
     epochs = int(trainer.epochs)
-    history: list[dict[str, Any]] = []
-    step = 0
-    metrics_file = open(out / "metrics.jsonl", "w")
-    stats_file = open(out / "grad_stats.jsonl", "w") if hooks.observers() else None
+    history: list[dict[str, Any]] = pos.history
+    step = pos.step
+    # logger, plots, Grad-CAM (gradmod/observe.py); ranks > 0 give it a scratch folder
+    scratch = None if dist.is_main else tempfile.TemporaryDirectory()
+    watch = RunWatch(cfg, out if scratch is None else Path(scratch.name), hooks, data, device)
+    metrics_file = open(out / "metrics.jsonl" if dist.is_main else os.devnull, "w")
+    stats_file = (_open_stats(out / "grad_stats.jsonl", pos.step if resumed_from else None, watch)
+                  if dist.is_main else open(os.devnull, "w")) if hooks.observers() else None
+    for record in history:  # resumed: what the checkpoint knew; later lines were redone
+        metrics_file.write(json.dumps(record) + "\n")
+        watch.logger.log_metrics(int(record["step"]), record)
 
     last_stats: dict[str, Any] = {}
 
     def flush_stats(epoch: int) -> dict[str, Any]:
         nonlocal last_stats
-        stats = hooks.read_stats()
+        stats = watch.on_stats(epoch, step, hooks.read_stats())
         if stats and stats_file is not None:
             last_stats = stats
             stats_file.write(json.dumps({"epoch": epoch, "step": step, "stats": stats}) + "\n")
             stats_file.flush()
         return stats
 
+    accumulate = int(trainer.accumulate)
+    n_batches = (len(data.train_y) // dist.world_size + batch_size - 1) // batch_size
+    every_epochs, every_steps = int(trainer.get("checkpoint_every", 0)), int(trainer.get("checkpoint_every_steps", 0))
+    steps_per_epoch = math.ceil(n_batches / accumulate)
     try:
-        for epoch in tqdm(range(1, epochs + 1), desc="epochs", disable=not progress):
+        for epoch in tqdm(range(pos.epoch, epochs + 1), desc="epochs", disable=not progress):
+            resuming = epoch == pos.epoch and resumed_from is not None
+            if resuming:
+                generator.set_state(pos.generator)
+            epoch_order = generator.get_state()  # with the batch index, the data-order position
+            total = torch.tensor(pos.loss_sum if resuming else 0.0, device=device)
+            skipped_before = guard.skipped
+
             def on_step(i: int) -> None:
                 nonlocal step
+                sync_check.allow()  # reads, checkpoints and the epoch's end may sync
                 step += 1
                 if step % log_every == 0:
-                    sync_check.allow()
                     flush_stats(epoch)
-                # Steps up to the next log point must not sync; the epoch's end reads the loss.
-                if i < steps_per_epoch:
+                if every_steps and step % every_steps == 0:
+                    done = min(i * accumulate, n_batches)  # batches behind optimizer step i
+                    saver.save(ckpt.Position(epoch, done, step, epoch_order, total.item(), history))
+                watch.before_step(step + 1)
+                ckpt.kill_point("step", step)
+                if i < steps_per_epoch:  # the steps up to the next log point must not sync
                     sync_check.forbid()
-                else:
-                    sync_check.allow()
 
             t0 = time.perf_counter()
             train_loss = train_epoch(net, optimizer, data.train_x, data.train_y, batch_size=batch_size,
                                      generator=generator, hooks=hooks, on_step=on_step, progress=progress,
+                                     accumulate=accumulate, shard=(dist.rank, dist.world_size),
+                                     amp=amp, guard=guard, start=pos.batch if resuming else 0, total=total,
                                      device=device, loader_workers=loader_workers)
+            guard.flush()
             t1 = time.perf_counter()
-            test_loss, test_accuracy = evaluate(net, data.test_x, data.test_y, batch_size=int(trainer.eval_batch_size),
-                                                device=device, loader_workers=loader_workers)
+            test_y = data.test_y[dist.shard]  # each rank its share; the means are combined
+            test_loss, test_accuracy = evaluate(unwrap(model) if net is model else net, data.test_x[dist.shard],
+                                                test_y, batch_size=int(trainer.eval_batch_size), device=device,
+                                                loader_workers=loader_workers)
+            test_loss, test_accuracy = dist.mean([test_loss, test_accuracy], weight=len(test_y))
+            train_loss, = dist.mean([train_loss])
             t2 = time.perf_counter()
             record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
                       "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
-                      "eval_seconds": t2 - t1}
+                      "eval_seconds": t2 - t1, "skipped_steps": guard.skipped - skipped_before}
             # The latest window of `log` statistics: what is pending now, else the last read.
             stats = flush_stats(epoch) or last_stats
             if stats:
@@ -225,6 +305,9 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, loader_workers
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
             history.append(record)
+            watch.on_epoch(record, unwrap(model))
+            if every_epochs and (epoch % every_epochs == 0 or epoch == epochs):
+                saver.save(ckpt.Position(epoch + 1, 0, step, generator.get_state(), 0.0, history))
             log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
                      epoch, epochs, train_loss, test_loss, test_accuracy, t2 - t0)
     finally:
@@ -232,11 +315,16 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, loader_workers
         metrics_file.close()
         if stats_file is not None:
             stats_file.close()
+        watch.close()
+        if scratch is not None:
+            scratch.cleanup()
 
-    torch.save(model.state_dict(), out / "model.pt")
-    from gradmod.viz import plot_curves
+    if dist.is_main:
+        torch.save(unwrap(model).state_dict(), out / "model.pt")
+        from gradmod.viz import plot_curves
 
-    plot_curves(history, out / "curves.png")
+        plot_curves(history, out / "curves.png")
+        watch.finish(unwrap(model))
     last = history[-1]
     summary = {
         "status": "ok",
@@ -252,10 +340,82 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, loader_workers
         "epochs": len(history),
         "steps": step,
         "seed": int(cfg.seed),
+        "world_size": dist.world_size,
+        "threads": torch.get_num_threads(),
         "hook_plan": plan,
+        "skipped_steps": guard.skipped,
+        "nonfinite_steps": guard.bad_steps,
+        "nonfinite": guard.nonfinite,
+        "precision": amp.name,
+        "resumed_from": str(resumed_from) if resumed_from else None,
         "seconds": time.perf_counter() - start,
     }
-    _write_json(out / "summary.json", summary)
+    if dist.is_main:
+        _write_json(out / "summary.json", summary)
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
              summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
     return summary
+
+
+def _world_sum(t: Tensor) -> Tensor:
+    torch.distributed.all_reduce(t)
+    return t
+
+
+def _open_stats(path: Path, resumed_step: int | None, watch):
+    """grad_stats.jsonl; resumed: keep the lines up to the checkpoint's step (and pass them
+    to the logger and plots again, whose files start afresh), then append."""
+    if resumed_step is None or not path.exists():
+        return open(path, "w")
+    kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resumed_step]
+    f = open(path, "w")
+    f.write("".join(ln + "\n" for ln in kept))
+    for ln in kept:
+        rec = json.loads(ln)
+        watch.on_stats(rec["epoch"], rec["step"], rec["stats"])
+    return f
+
+
+class _Saver:
+    """Writes and restores checkpoints of one run (``gradmod.checkpoint`` does the files)."""
+
+    def __init__(self, cfg, folder, model, optimizer, amp, guard, hooks, writes: bool = True):
+        self.cfg, self.folder, self.model, self.optimizer, self.writes = cfg, folder, model, optimizer, writes
+        self.amp, self.guard, self.hooks, self.plan = amp, guard, hooks, hooks.describe()
+        self.keep = int(cfg.trainer.get("checkpoint_keep", 2))
+
+    def save(self, pos: ckpt.Position) -> None:
+        if not self.writes:  # DDP: rank 0 writes; the others hold the same state
+            return
+        state = {"format": 1, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.amp.state_dict(), "guard": self.guard.state_dict(),
+                 "epoch": pos.epoch, "batch": pos.batch, "step": pos.step, "generator": pos.generator,
+                 "loss_sum": pos.loss_sum, "history": pos.history, "rng": ckpt.rng_state(),
+                 "config": OmegaConf.to_yaml(self.cfg), "hook_plan": self.plan,
+                 "log_windows": [(obs.calls, obs._sum) for _, obs in self.hooks.observers()]}
+        path = ckpt.save(self.folder, state, self.keep)
+        log.debug("checkpoint %s (epoch %d, batch %d)", path, pos.epoch, pos.batch)
+
+    def resume(self, resume: str | None) -> tuple[ckpt.Position, Path | None]:
+        found = ckpt.find(resume, self.folder)
+        if found is None:
+            return ckpt.Position(), None
+        path, state = found
+        if state.get("hook_plan") != self.plan:
+            log.warning("resuming from %s, whose hook plan differs from this run's", path)
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ValueError(f"trainer.resume: {path} does not fit this model/optimizer "
+                             f"({str(e).strip().splitlines()[0]})") from None
+        self.amp.load_state_dict(state["scaler"])
+        self.guard.load_state_dict(state["guard"])
+        observers = self.hooks.observers()
+        if len(observers) == len(state["log_windows"]):  # the `log` windows in progress
+            for (_, obs), (calls, acc) in zip(observers, state["log_windows"]):
+                obs.calls, obs._sum = calls, None if acc is None else acc.to(next(self.model.parameters()).device)
+        ckpt.set_rng_state(state["rng"])
+        log.info("resumed from %s: epoch %d, batch %d, step %d", path, state["epoch"], state["batch"], state["step"])
+        return ckpt.Position(state["epoch"], state["batch"], state["step"], state["generator"],
+                             state["loss_sum"], list(state["history"])), path

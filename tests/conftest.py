@@ -11,6 +11,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+import gradmod.config  # noqa: F401  (registers the schemas the YAMLs build on)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 

@@ -1,0 +1,162 @@
+"""Checkpoints: written atomically, the newest k kept, broken ones skipped on resume.
+
+A checkpoint is one file ``<run>/checkpoints/step-000000150.pt``: a header line with the
+SHA-256 of the rest, then a ``torch.save`` payload (``load`` reads it; ``torch.load``
+does not, because of the header). The payload holds the model, optimizer and GradScaler
+states, the position in the data order (the epoch in progress, the batches done in it and
+the batch-order generator's state at that epoch's start), the RNG states (python, numpy,
+torch, CUDA), the run's history and counters, the config and the hook plan.
+
+Writing goes to a temporary file in the same folder, is flushed and fsynced, then renamed
+over the final name (``os.replace`` is atomic), so a crash leaves either the old set of
+checkpoints or the new one, never a half-written ``step-*.pt``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import random
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"gradmod-checkpoint v1 sha256="
+_writes = 0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is not complete or not a gradmod checkpoint."""
+
+
+@dataclass
+class Position:
+    """Where training stands: ``batch`` batches of ``epoch`` (1-based) are done, and
+    ``generator`` is the batch-order generator's state at that epoch's start."""
+
+    epoch: int = 1
+    batch: int = 0
+    step: int = 0
+    generator: torch.Tensor | None = None
+    loss_sum: float = 0.0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def kill_point(event: str, n: int) -> None:
+    """Testing aid: ``GRADMOD_KILL_AT=step:N`` SIGKILLs the process after optimizer step N,
+    ``GRADMOD_KILL_AT=write:N`` during the N-th checkpoint write (after the temporary file
+    is written, before the rename)."""
+    if os.environ.get("GRADMOD_KILL_AT") == f"{event}:{n}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` is never seen half-written."""
+    global _writes
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    _writes += 1
+    kill_point("write", _writes)
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """Complete-looking checkpoint files in ``folder``, oldest first (names sort by step)."""
+    return sorted(Path(folder).glob("step-*.pt"))
+
+
+def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write ``state`` (with its ``step``) as the newest checkpoint; keep the newest ``keep``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    path = folder / f"step-{int(state['step']):09d}.pt"
+    write_atomic(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
+    for old in checkpoints(folder)[:-keep]:
+        old.unlink(missing_ok=True)
+    for stale in folder.glob(".step-*.tmp"):  # left by a run killed mid-write
+        if not stale.name.endswith(f".{os.getpid()}.tmp"):
+            stale.unlink(missing_ok=True)
+    return path
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read and verify a checkpoint; a ``CheckpointError`` when it is truncated or corrupt."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: cannot read ({e.strerror})") from None
+    head, sep, payload = data.partition(b"\n")
+    if not head.startswith(MAGIC) or not sep:
+        raise CheckpointError(f"checkpoint {path}: not a gradmod checkpoint (no header)")
+    if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC):]:
+        raise CheckpointError(f"checkpoint {path}: truncated or corrupt (checksum mismatch)")
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # the checksum matched, so this is an incompatible payload
+        raise CheckpointError(f"checkpoint {path}: unreadable payload ({str(e).splitlines()[0]})") from None
+
+
+def latest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in ``folder`` that verifies; broken ones are skipped with a warning."""
+    for path in reversed(checkpoints(folder)):
+        try:
+            return path, load(path)
+        except CheckpointError as e:
+            log.warning("skipping %s", e)
+    return None
+
+
+def find(resume: str | None, folder: Path) -> tuple[Path, dict[str, Any]] | None:
+    """``trainer.resume``: None -> start fresh; ``auto`` -> the newest good checkpoint in
+    ``folder`` (fresh when there is none); a path -> that file, which must verify."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = latest(folder)
+        if found is None:
+            log.info("trainer.resume=auto: no complete checkpoint in %s; starting fresh", folder)
+        return found
+    try:
+        return Path(resume), load(resume)
+    except CheckpointError as e:
+        raise ValueError(f"trainer.resume={resume}: {e}") from None
+
+
+def rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,148 @@
+"""Where a run's numbers go besides ``metrics.jsonl``: the ``logger`` config group.
+
+The trainer always writes ``metrics.jsonl`` and ``grad_stats.jsonl``; a logger adds a
+view of the same numbers. ``csv`` (the default, no extra dependency) writes
+``metrics.csv`` and ``grad_stats.csv``; ``tensorboard`` (the optional extra) writes event
+files under ``<run folder>/tensorboard``: scalars, gradient histograms, the hook plan as
+text and Grad-CAM images.
+
+Statistics keys are ``tensor`` or ``tensor/label`` (``label`` is ``pre``/``post`` for a
+``log`` first and last in a rule), as ``HookSet.read_stats`` returns them.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+LOGGERS = ("csv", "tensorboard")
+STAT_COLUMNS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite", "frac_clipped", "calls")
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """``"conv1.weight/pre"`` -> ``("conv1.weight", "pre")``; no label -> ``""``."""
+    tensor, _, label = key.partition("/")
+    return tensor, label
+
+
+class Logger:
+    """The calls the trainer makes; every method may do nothing."""
+
+    wants_histograms = False  # ask the observers to bin gradients at log steps
+    wants_images = False  # Grad-CAM images per epoch
+
+    def log_plan(self, plan: list[dict[str, Any]], text: str) -> None:
+        pass
+
+    def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
+        pass
+
+    def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
+        pass
+
+    def log_images(self, tag: str, step: int, images: np.ndarray) -> None:
+        """``images``: N x H x W x 3 floats in [0, 1]."""
+
+    def close(self) -> None:
+        pass
+
+
+class CSVLogger(Logger):
+    """``metrics.csv`` (one row per epoch, the scalar metrics) and ``grad_stats.csv``
+    (one row per observed tensor per read), for spreadsheets and pandas."""
+
+    def __init__(self, out: Path):
+        self._metrics_file = open(out / "metrics.csv", "w", newline="")
+        self._stats_file = open(out / "grad_stats.csv", "w", newline="")
+        self._metrics: csv.DictWriter | None = None
+        self._stats = csv.DictWriter(self._stats_file, ["epoch", "step", "tensor", "label", *STAT_COLUMNS],
+                                     extrasaction="ignore")
+        self._stats.writeheader()
+
+    def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
+        if self._metrics is None:  # columns: the scalars of the first record
+            columns = [k for k, v in record.items() if isinstance(v, (int, float, str))]
+            self._metrics = csv.DictWriter(self._metrics_file, columns, extrasaction="ignore")
+            self._metrics.writeheader()
+        self._metrics.writerow(dict(record))
+        self._metrics_file.flush()
+
+    def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
+        for key, s in stats.items():
+            tensor, label = split_key(key)
+            self._stats.writerow({"epoch": epoch, "step": step, "tensor": tensor, "label": label, **s})
+        self._stats_file.flush()
+
+    def close(self) -> None:
+        self._metrics_file.close()
+        self._stats_file.close()
+
+
+class TensorBoardLogger(Logger):
+    """Event files under ``<run folder>/tensorboard`` (``tensorboard --logdir outputs``).
+
+    Tags: ``loss/train``, ``loss/test``, ``accuracy/test``; ``grad_norm/<key>`` and
+    ``frac_clipped/<tensor>`` (from ``post``); histograms ``grad/<key>``; text
+    ``hook_plan``; images ``gradcam``. The step axis is the optimizer step.
+    """
+
+    wants_images = True
+
+    def __init__(self, out: Path, histograms: bool = True):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ValueError("logger.name=tensorboard needs the tensorboard package, which is not installed; "
+                             "pip install 'gradmod[tensorboard]', or use logger=csv") from None
+        self.wants_histograms = bool(histograms)
+        self.log_dir = out / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log_plan(self, plan: list[dict[str, Any]], text: str) -> None:
+        # Indented lines are a code block in TensorBoard's markdown: columns stay aligned.
+        self.writer.add_text("hook_plan", "\n".join("    " + line for line in text.splitlines()), 0)
+
+    def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
+        for field, tag in (("train_loss", "loss/train"), ("test_loss", "loss/test"),
+                           ("test_accuracy", "accuracy/test")):
+            if field in record:
+                self.writer.add_scalar(tag, record[field], step)
+        self.writer.flush()
+
+    def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
+        for key, s in stats.items():
+            self.writer.add_scalar(f"grad_norm/{key}", s["norm"], step)
+            if "frac_clipped" in s:
+                self.writer.add_scalar(f"frac_clipped/{split_key(key)[0]}", s["frac_clipped"], step)
+            h = s.get("histogram")
+            if h is not None:
+                self.writer.add_histogram_raw(f"grad/{key}", h["min"], h["max"], h["num"], h["sum"],
+                                              h["sum_squares"], h["bucket_limits"], h["bucket_counts"], step)
+
+    def log_images(self, tag: str, step: int, images: np.ndarray) -> None:
+        self.writer.add_images(tag, images, step, dataformats="NHWC")
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def make_logger(cfg: Mapping[str, Any] | None, out: str | Path) -> Logger:
+    """The logger a ``logger`` config names (``None``: ``csv``)."""
+    cfg = dict(cfg or {"name": "csv"})
+    name = cfg.pop("name", "csv")
+    out = Path(out)
+    if name == "csv":
+        allowed: tuple[str, ...] = ()
+    elif name == "tensorboard":
+        allowed = ("histograms",)
+    else:
+        raise ValueError(f"logger.name={name!r} is not a logger; allowed: {', '.join(LOGGERS)}")
+    unknown = [k for k in cfg if k not in allowed]
+    if unknown:
+        raise ValueError(f"logger={name} got unknown key(s) {', '.join(map(str, unknown))}; "
+                         f"allowed: {', '.join(('name',) + allowed)}")
+    return CSVLogger(out) if name == "csv" else TensorBoardLogger(out, **cfg)

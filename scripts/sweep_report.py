@@ -1,0 +1,29 @@
+"""Rebuild a sweep's report: ``python scripts/sweep_report.py multirun/2024-01-01/12-00-00``.
+
+Writes ``sweep.csv``, ``sweep.md`` and ``sweep_accuracy.png`` into the sweep folder (as the
+callback does at the end of a multirun) and prints the Markdown table. Works on a sweep
+that is still running or was killed: jobs without a summary are listed as incomplete.
+"""
+
+import argparse
+import sys
+
+from gradmod.sweep import markdown, write_report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="the sweep folder (Hydra's hydra.sweep.dir)")
+    args = parser.parse_args()
+    try:
+        paths, rows = write_report(args.path)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(rows, args.path))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Checkpoints: atomic files, the newest k kept, broken ones skipped, exact resume."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_train
+from gradmod import checkpoint as ckpt
+from gradmod.train import run
+
+# A tiny run: 60 fake 28x28 images in batches of 10 -> 6 steps per epoch.
+TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
+        "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
+        "trainer.threads=1", "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
+
+
+def test_save_load_and_keep_last(tmp_path):
+    for step in (1, 2, 3, 4):
+        ckpt.save(tmp_path, {"step": step, "w": torch.full((3,), float(step))}, keep=2)
+    files = ckpt.checkpoints(tmp_path)
+    assert [f.name for f in files] == ["step-000000003.pt", "step-000000004.pt"]
+    assert torch.equal(ckpt.load(files[-1])["w"], torch.full((3,), 4.0))
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "not_a_checkpoint"])
+def test_broken_newest_is_skipped_with_a_warning(tmp_path, caplog, damage):
+    ckpt.save(tmp_path, {"step": 1, "w": torch.ones(100)}, keep=5)
+    good = ckpt.save(tmp_path, {"step": 2, "w": torch.ones(100) * 2}, keep=5)
+    bad = tmp_path / "step-000000003.pt"
+    data = good.read_bytes()
+    if damage == "truncate":
+        bad.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":  # one byte inside the tensor data: only the checksum notices
+        b = bytearray(data)
+        b[-200] ^= 0x01
+        bad.write_bytes(bytes(b))
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    else:
+        torch.save({"step": 3}, bad)
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load(bad)
+    with caplog.at_level(logging.WARNING, logger="gradmod.checkpoint"):
+        path, state = ckpt.latest(tmp_path)
+    assert path == good and state["step"] == 2
+    assert "skipping" in caplog.text and bad.name in caplog.text
+    with pytest.raises(ValueError, match="trainer.resume"):  # a file named explicitly must verify
+        ckpt.find(str(bad), tmp_path)
+
+
+def test_rng_state_round_trip():
+    state = ckpt.rng_state()
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.set_rng_state(state)
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted tiny run (in this process): its final parameters and metrics."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from conftest import CONF
+
+    out = tmp_path_factory.mktemp("reference")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=TINY)
+    GlobalHydra.instance().clear()
+    summary = run(cfg, out)
+    return torch.load(out / "model.pt"), summary, (out / "metrics.jsonl").read_text()
+
+
+def _same_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _resume(compose_cfg, out: Path):
+    return run(compose_cfg(*TINY, "trainer.resume=auto"), out)
+
+
+def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, compose_cfg, reference):
+    # Killed (SIGKILL, no cleanup) after step 9 of 12: mid epoch 2; the newest checkpoint is step 8.
+    proc = run_train(tmp_path, *TINY, check=False, env={"GRADMOD_KILL_AT": "step:9"})
+    assert proc.returncode == -9, proc.stderr
+    assert not (tmp_path / "summary.json").exists()
+    assert ckpt.latest(tmp_path / "checkpoints")[1]["batch"] == 2  # mid-epoch position
+    summary = _resume(compose_cfg, tmp_path)
+    params, ref_summary, ref_metrics = reference
+    _same_params(torch.load(tmp_path / "model.pt"), params)
+    assert summary["resumed_from"].endswith("step-000000008.pt")
+    assert summary["train_loss"] == ref_summary["train_loss"] and summary["steps"] == 12
+    strip = lambda text: [{k: v for k, v in __import__("json").loads(ln).items() if "seconds" not in k}
+                          for ln in text.splitlines()]
+    assert strip((tmp_path / "metrics.jsonl").read_text()) == strip(ref_metrics)
+    # the CSV logger's files start afresh on resume and are refilled from the checkpoint's history
+    assert (tmp_path / "metrics.csv").read_text().count("\n") == 3  # header + 2 epochs
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous(tmp_path, compose_cfg, reference, caplog):
+    # Writes: step 4, epoch 1 (step 6), step 8 <- killed between temp file and rename.
+    proc = run_train(tmp_path, *TINY, check=False, env={"GRADMOD_KILL_AT": "write:3"})
+    assert proc.returncode == -9, proc.stderr
+    folder = tmp_path / "checkpoints"
+    assert [p.name for p in ckpt.checkpoints(folder)] == ["step-000000004.pt", "step-000000006.pt"]
+    assert len(list(folder.glob(".step-000000008.pt.*.tmp"))) == 1  # the unfinished write
+    # and a truncated newer file, as a crash without the atomic rename would leave
+    (folder / "step-000000010.pt").write_bytes((folder / "step-000000006.pt").read_bytes()[:5000])
+    with caplog.at_level(logging.WARNING):
+        summary = _resume(compose_cfg, tmp_path)
+    assert "step-000000010.pt" in caplog.text and "truncated or corrupt" in caplog.text
+    assert summary["resumed_from"].endswith("step-000000006.pt")
+    _same_params(torch.load(tmp_path / "model.pt"), reference[0])
+    assert not list(folder.glob(".*.tmp"))  # the stale temp file was cleaned up
+
+
+def test_resume_from_a_path_mid_epoch_with_accumulation(tmp_path, compose_cfg):
+    # 6 batches per epoch, 2 per optimizer step: 3 steps per epoch; a checkpoint every 2 steps.
+    over = [*TINY, "trainer.accumulate=2", "trainer.checkpoint_every_steps=2", "trainer.checkpoint_keep=10"]
+    full = tmp_path / "full"
+    run(compose_cfg(*over), full)
+    first = full / "checkpoints" / "step-000000002.pt"
+    assert ckpt.load(first)["batch"] == 4  # two optimizer steps = four micro-batches into epoch 1
+    summary = run(compose_cfg(*over, f"trainer.resume={first}"), tmp_path / "resumed")
+    assert summary["resumed_from"] == str(first) and summary["steps"] == 6
+    _same_params(torch.load(tmp_path / "resumed" / "model.pt"), torch.load(full / "model.pt"))
