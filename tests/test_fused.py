@@ -176,7 +176,7 @@ def test_log_statistics_survive_folding_against_hand_computation():
     for v in finite:
         again(v)
     s = again.read()
-    assert s["norm"] == pytest.approx(sum(v.norm().item() for v in finite) / len(finite), rel=1e-6)
-    assert s["mean"] == pytest.approx(sum(v.mean().item() for v in finite) / len(finite), rel=1e-6)
+    assert s["norm"] == pytest.approx(sum(v.norm().item() for v in finite) / len(finite), rel=1e-5)  # float32 sums
+    assert s["mean"] == pytest.approx(sum(v.mean().item() for v in finite) / len(finite), rel=1e-5)  # float32 sums
     assert (s["min"], s["max"], s["nonfinite"]) == (-1.0, float(calls - 1), 0)
     assert obs.read() is None  # the window was taken
