@@ -11,7 +11,8 @@ Stages (``params`` rules only; ``modules`` rules always run as hooks):
 * ``hook``: ``Tensor.register_hook`` on the parameter; sees each backward's local
   gradient before it is accumulated into ``.grad`` (and before DDP's all-reduce).
 * ``fused``: ``HookSet.after_backward()`` transforms the accumulated ``.grad`` tensors,
-  grouped per transform with ``torch._foreach_*`` ops, once per optimizer step.
+  grouped per transform with ``torch._foreach_*`` ops, once per optimizer step; a
+  transform without a foreach form runs per tensor, each with its own state.
 """
 
 from __future__ import annotations
@@ -247,13 +248,16 @@ class HookSet:
             grads = [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue
-            step = steps[0]
-            if isinstance(step.fn, T.GradStats):  # observers keep one state per tensor
-                for s, p in zip(steps, params):
-                    if p.grad is not None:
-                        s(p.grad)
-            else:
-                step.apply_(grads)
+            if steps[0].inplace is not None:  # one grouped foreach call (stateless forms)
+                steps[0].inplace(grads)
+                continue
+            # Per tensor with its own step: observers and stateful transforms (noise's
+            # annealing counter) keep one state per tensor, as in the hook stage.
+            for s, p in zip(steps, params):
+                if p.grad is not None:
+                    out = s(p.grad)
+                    if out is not None:
+                        p.grad.copy_(out)
 
     def observers(self) -> list[tuple[str, T.GradStats]]:
         """(tensor name, ``log`` accumulator) for every ``log`` transform attached."""

@@ -135,6 +135,30 @@ def test_log_statistics_are_the_same_in_both_stages():
     assert stats["hook"]["l1.weight"]["max"] == pytest.approx(0.003)  # log sees the clipped gradient
 
 
+def test_stateful_transform_keeps_one_state_per_tensor_in_both_stages():
+    """`noise` anneals with its own call count per tensor. With decay=50 only a tensor's
+    first call adds noise of order std (later calls: std / 2**50 and less), so after one
+    step every tensor has noise and after the next none has more, in either stage."""
+    torch.manual_seed(5)
+    model = MnistCNN()
+    plain = _grads(model, {}, "hook")
+    rules = {"noisy": {"params": "*", "transforms": [{"name": "noise", "std": 1.0, "decay": 50.0}]}}
+    for stage in ("hook", "fused"):
+        m = copy.deepcopy(model)
+        with attach(m, rules, stage=stage) as hooks:
+            for call in range(3):
+                m.zero_grad(set_to_none=True)
+                x, y = _batch()
+                F.cross_entropy(m(x), y).backward()
+                hooks.after_backward()
+                for n, p in m.named_parameters():
+                    added = (p.grad - plain[n]).abs().max().item()
+                    if call == 0:
+                        assert added > 1e-2, f"{stage}: {n} got no noise on its first call"
+                    else:
+                        assert added < 1e-6, f"{stage}: {n} got noise of std {added} on call {call + 1}"
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
