@@ -367,13 +367,25 @@ def _open_stats(path: Path, resumed_step: int | None, watch):
     to the logger and plots again, whose files start afresh), then append."""
     if resumed_step is None or not path.exists():
         return open(path, "w")
-    kept = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resumed_step]
+    kept = [(ln, rec) for ln, rec in _stats_lines(path) if rec["step"] <= resumed_step]
     f = open(path, "w")
-    f.write("".join(ln + "\n" for ln in kept))
-    for ln in kept:
-        rec = json.loads(ln)
+    f.write("".join(ln + "\n" for ln, _ in kept))
+    for _, rec in kept:
         watch.on_stats(rec["epoch"], rec["step"], rec["stats"])
     return f
+
+
+def _stats_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of grad_stats.jsonl; a line cut short (a run killed mid-write) is dropped."""
+    out = []
+    for ln in path.read_text().splitlines():
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and {"epoch", "step", "stats"} <= rec.keys():
+            out.append((ln, rec))
+    return out
 
 
 class _Saver:

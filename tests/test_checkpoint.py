@@ -135,3 +135,16 @@ def test_resume_from_a_path_mid_epoch_with_accumulation(tmp_path, compose_cfg):
     summary = run(compose_cfg(*over, f"trainer.resume={first}"), tmp_path / "resumed")
     assert summary["resumed_from"] == str(first) and summary["steps"] == 6
     _same_params(torch.load(tmp_path / "resumed" / "model.pt"), torch.load(full / "model.pt"))
+
+
+def test_resume_drops_a_truncated_last_line_of_grad_stats(tmp_path, compose_cfg):
+    # A run killed while writing grad_stats.jsonl leaves a cut-short last line; resuming
+    # keeps the whole lines up to the checkpoint and drops the broken one.
+    run(compose_cfg(*TINY), tmp_path)
+    path = tmp_path / "grad_stats.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2  # one read at the end of each epoch (steps 6 and 12)
+    path.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
+    summary = _resume(compose_cfg, tmp_path)
+    assert summary["resumed_from"].endswith("step-000000012.pt")
+    assert path.read_text().splitlines() == [lines[0]]
