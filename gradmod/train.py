@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -228,105 +229,96 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist(),
     saver = _Saver(cfg, out / "checkpoints", unwrap(model), optimizer, amp, guard, hooks, dist.is_main)
     pos, resumed_from = saver.resume(trainer.get("resume"))
     progress = _progress_enabled(trainer.progress)
-    log_every = int(trainer.log_every)
-    epochs = int(trainer.epochs)
+    log_every, epochs, accumulate = int(trainer.log_every), int(trainer.epochs), int(trainer.accumulate)
     history: list[dict[str, Any]] = pos.history
     step = pos.step
-    # logger, plots, Grad-CAM (gradmod/observe.py); ranks > 0 give it a scratch folder
-    scratch = None if dist.is_main else tempfile.TemporaryDirectory()
-    watch = RunWatch(cfg, out if scratch is None else Path(scratch.name), hooks, data, device)
-    metrics_file = open(out / "metrics.jsonl" if dist.is_main else os.devnull, "w")
-    stats_file = (_open_stats(out / "grad_stats.jsonl", pos.step if resumed_from else None, watch)
-                  if dist.is_main else open(os.devnull, "w")) if hooks.observers() else None
-    for record in history:  # resumed: what the checkpoint knew; later lines were redone
-        metrics_file.write(json.dumps(record) + "\n")
-        watch.logger.log_metrics(int(record["step"]), record)
-
-    last_stats: dict[str, Any] = {}
-
-    def flush_stats(epoch: int) -> dict[str, Any]:
-        nonlocal last_stats
-        stats = watch.on_stats(epoch, step, hooks.read_stats())
-        if stats and stats_file is not None:
-            last_stats = stats
-            stats_file.write(json.dumps({"epoch": epoch, "step": step, "stats": stats}) + "\n")
-            stats_file.flush()
-        return stats
-
-    accumulate = int(trainer.accumulate)
     n_batches = (len(data.train_y) // dist.world_size + batch_size - 1) // batch_size
     every_epochs, every_steps = int(trainer.get("checkpoint_every", 0)), int(trainer.get("checkpoint_every_steps", 0))
     steps_per_epoch = math.ceil(n_batches / accumulate)
-    try:
-        for epoch in tqdm(range(pos.epoch, epochs + 1), desc="epochs", disable=not progress):
-            resuming = epoch == pos.epoch and resumed_from is not None
-            if resuming:
-                generator.set_state(pos.generator)
-            epoch_order = generator.get_state()  # with the batch index, the data-order position
-            total = torch.tensor(pos.loss_sum if resuming else 0.0, device=device)
-            skipped_before = guard.skipped
+    with _RunFiles(cfg, out, hooks, data, device, dist.is_main, pos.step if resumed_from else None) as files:
+        files.replay(history)  # resumed: what the checkpoint knew; later lines are redone
+        try:
+            for epoch in tqdm(range(pos.epoch, epochs + 1), desc="epochs", disable=not progress):
+                resuming = epoch == pos.epoch and resumed_from is not None
+                if resuming:
+                    generator.set_state(pos.generator)
+                epoch_order = generator.get_state()  # with the batch index, the data-order position
+                total = torch.tensor(pos.loss_sum if resuming else 0.0, device=device)
+                skipped_before = guard.skipped
 
-            def on_step(i: int) -> None:
-                nonlocal step
-                sync_check.allow()  # reads, checkpoints and the epoch's end may sync
-                step += 1
-                if step % log_every == 0:
-                    flush_stats(epoch)
-                if every_steps and step % every_steps == 0:
-                    done = min(i * accumulate, n_batches)  # batches behind optimizer step i
-                    saver.save(ckpt.Position(epoch, done, step, epoch_order, total.item(), history))
-                watch.before_step(step + 1)
-                ckpt.kill_point("step", step)
-                if i < steps_per_epoch:  # the steps up to the next log point must not sync
-                    sync_check.forbid()
+                def on_step(i: int) -> None:
+                    nonlocal step
+                    sync_check.allow()  # reads, checkpoints and the epoch's end may sync
+                    step += 1
+                    if step % log_every == 0:
+                        files.flush_stats(epoch, step)
+                    if every_steps and step % every_steps == 0:
+                        done = min(i * accumulate, n_batches)  # batches behind optimizer step i
+                        saver.save(ckpt.Position(epoch, done, step, epoch_order, total.item(), history))
+                    files.watch.before_step(step + 1)
+                    ckpt.kill_point("step", step)
+                    if i < steps_per_epoch:  # the steps up to the next log point must not sync
+                        sync_check.forbid()
 
-            t0 = time.perf_counter()
-            train_loss = train_epoch(net, optimizer, data.train_x, data.train_y, batch_size=batch_size,
-                                     generator=generator, hooks=hooks, on_step=on_step, progress=progress,
-                                     accumulate=accumulate, shard=(dist.rank, dist.world_size),
-                                     amp=amp, guard=guard, start=pos.batch if resuming else 0, total=total,
-                                     device=device, loader_workers=loader_workers)
-            guard.flush()
-            t1 = time.perf_counter()
-            test_y = data.test_y[dist.shard]  # each rank its share; the means are combined
-            test_loss, test_accuracy = evaluate(unwrap(model) if net is model else net, data.test_x[dist.shard],
-                                                test_y, batch_size=int(trainer.eval_batch_size), device=device,
-                                                loader_workers=loader_workers)
-            test_loss, test_accuracy = dist.mean([test_loss, test_accuracy], weight=len(test_y))
-            train_loss, = dist.mean([train_loss])
-            t2 = time.perf_counter()
-            record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
-                      "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
-                      "eval_seconds": t2 - t1, "skipped_steps": guard.skipped - skipped_before}
-            # The latest window of `log` statistics: what is pending now, else the last read.
-            stats = flush_stats(epoch) or last_stats
-            if stats:
-                record["grad_stats"] = stats
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            history.append(record)
-            watch.on_epoch(record, unwrap(model))
-            if every_epochs and (epoch % every_epochs == 0 or epoch == epochs):
-                saver.save(ckpt.Position(epoch + 1, 0, step, generator.get_state(), 0.0, history))
-            log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
-                     epoch, epochs, train_loss, test_loss, test_accuracy, t2 - t0)
-    finally:
-        sync_check.allow()
-        metrics_file.close()
-        if stats_file is not None:
-            stats_file.close()
-        watch.close()
-        if scratch is not None:
-            scratch.cleanup()
+                t0 = time.perf_counter()
+                train_loss = train_epoch(net, optimizer, data.train_x, data.train_y, batch_size=batch_size,
+                                         generator=generator, hooks=hooks, on_step=on_step, progress=progress,
+                                         accumulate=accumulate, shard=(dist.rank, dist.world_size),
+                                         amp=amp, guard=guard, start=pos.batch if resuming else 0, total=total,
+                                         device=device, loader_workers=loader_workers)
+                guard.flush()
+                t1 = time.perf_counter()
+                test_loss, test_accuracy = _test_metrics(unwrap(model) if net is model else net, data, dist,
+                                                         int(trainer.eval_batch_size), device, loader_workers)
+                train_loss, = dist.mean([train_loss])
+                t2 = time.perf_counter()
+                record = {"epoch": epoch, "step": step, "train_loss": train_loss, "test_loss": test_loss,
+                          "test_accuracy": test_accuracy, "seconds": t2 - t0, "train_seconds": t1 - t0,
+                          "eval_seconds": t2 - t1, "skipped_steps": guard.skipped - skipped_before}
+                # The latest window of `log` statistics: what is pending now, else the last read.
+                stats = files.flush_stats(epoch, step) or files.last_stats
+                if stats:
+                    record["grad_stats"] = stats
+                files.write_record(record)
+                history.append(record)
+                files.watch.on_epoch(record, unwrap(model))
+                if every_epochs and (epoch % every_epochs == 0 or epoch == epochs):
+                    saver.save(ckpt.Position(epoch + 1, 0, step, generator.get_state(), 0.0, history))
+                log.info("epoch %d/%d  train_loss %.4f  test_loss %.4f  test_accuracy %.4f  (%.1fs)",
+                         epoch, epochs, train_loss, test_loss, test_accuracy, t2 - t0)
+        finally:
+            sync_check.allow()
 
     if dist.is_main:
         torch.save(unwrap(model).state_dict(), out / "model.pt")
         from gradmod.viz import plot_curves
 
         plot_curves(history, out / "curves.png")
-        watch.finish(unwrap(model))
+        files.watch.finish(unwrap(model))
+    summary = _summary(cfg, data, model, device, dist, history, step, plan, guard, amp, resumed_from,
+                       time.perf_counter() - start)
+    if dist.is_main:
+        _write_json(out / "summary.json", summary)
+    log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
+             summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
+    return summary
+
+
+def _test_metrics(model: nn.Module, data, dist: Dist, batch_size: int, device: torch.device,
+                  loader_workers: int | None) -> tuple[float, float]:
+    """(test loss, test accuracy): each rank evaluates its share, the means are combined."""
+    test_y = data.test_y[dist.shard]
+    loss, accuracy = evaluate(model, data.test_x[dist.shard], test_y, batch_size=batch_size, device=device,
+                              loader_workers=loader_workers)
+    loss, accuracy = dist.mean([loss, accuracy], weight=len(test_y))
+    return loss, accuracy
+
+
+def _summary(cfg, data, model, device, dist, history, step, plan, guard, amp, resumed_from,
+             seconds: float) -> dict[str, Any]:
+    """summary.json: the last epoch's numbers and what the run was."""
     last = history[-1]
-    summary = {
+    return {
         "status": "ok",
         "test_accuracy": last["test_accuracy"],
         "test_loss": last["test_loss"],
@@ -348,13 +340,64 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist(),
         "nonfinite": guard.nonfinite,
         "precision": amp.name,
         "resumed_from": str(resumed_from) if resumed_from else None,
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
     }
-    if dist.is_main:
-        _write_json(out / "summary.json", summary)
-    log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
-             summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
-    return summary
+
+
+class _RunFiles:
+    """What a run keeps open in its folder: the logger, plots and Grad-CAM (``RunWatch``),
+    metrics.jsonl, grad_stats.jsonl (when a ``log`` is attached) and, on ranks > 0, a
+    scratch folder standing in for the run folder. Use as a ``with`` block: whatever was
+    opened is closed however the run ends, also when opening a later one fails."""
+
+    def __init__(self, cfg, out: Path, hooks: HookSet, data, device: torch.device, is_main: bool,
+                 resumed_step: int | None):
+        self.hooks = hooks
+        self.last_stats: dict[str, Any] = {}  # the latest non-empty read
+        self._stack = contextlib.ExitStack()
+        try:
+            folder = out
+            if not is_main:  # rank 0 alone writes the run folder
+                folder = Path(self._stack.enter_context(tempfile.TemporaryDirectory()))
+            self.watch = RunWatch(cfg, folder, hooks, data, device)
+            self._stack.callback(self.watch.close)
+            self.metrics = self._stack.enter_context(open(out / "metrics.jsonl" if is_main else os.devnull, "w"))
+            self.stats = None
+            if hooks.observers():
+                self.stats = self._stack.enter_context(
+                    _open_stats(out / "grad_stats.jsonl", resumed_step, self.watch) if is_main
+                    else open(os.devnull, "w"))
+        except BaseException:
+            self.close()
+            raise
+
+    def replay(self, history: list[dict[str, Any]]) -> None:
+        """Resumed: write the checkpoint's epoch records again (the logger starts afresh)."""
+        for record in history:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.watch.logger.log_metrics(int(record["step"]), record)
+
+    def flush_stats(self, epoch: int, step: int) -> dict[str, Any]:
+        """Read the `log` windows (one host sync), pass them to the logger and write them."""
+        stats = self.watch.on_stats(epoch, step, self.hooks.read_stats())
+        if stats and self.stats is not None:
+            self.last_stats = stats
+            self.stats.write(json.dumps({"epoch": epoch, "step": step, "stats": stats}) + "\n")
+            self.stats.flush()
+        return stats
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "_RunFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _world_sum(t: Tensor) -> Tensor:

@@ -129,3 +129,20 @@ def test_default_clip_run_reaches_95_percent(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["epochs"] == 10 and summary["dataset"] == "mnist_sample"
     assert summary["test_accuracy"] >= 0.95
+
+
+def test_what_a_run_opened_is_closed_when_opening_a_later_file_fails(compose_cfg, tmp_path, monkeypatch):
+    import gradmod.train as train_mod
+
+    closed = []
+
+    class Watch(train_mod.RunWatch):
+        def close(self):
+            closed.append(self.out)
+            super().close()
+
+    monkeypatch.setattr(train_mod, "RunWatch", Watch)
+    (tmp_path / "grad_stats.jsonl").mkdir()  # opening the statistics file fails...
+    with pytest.raises(IsADirectoryError):
+        run(compose_cfg(*FAST, "+hooks=log", f"data_dir={tmp_path / 'data'}"), tmp_path)
+    assert closed == [tmp_path]  # ...after the logger was opened: it was closed again
