@@ -50,6 +50,7 @@ class NonFiniteGuard:
         self.skipped = 0     # optimizer steps not taken
         self.bad_steps = 0   # steps with a non-finite raw (or final) gradient
         self.nonfinite = 0   # non-finite raw gradient entries, summed over steps
+        self.steps = 0       # optimizer steps checked (the run's step count; messages name it)
         self._unhooked: dict[str, Tensor] = {}
         self._pending: tuple[list[str], Tensor, Tensor] | None = None  # warn: names, counts, bad steps
 
@@ -74,9 +75,10 @@ class NonFiniteGuard:
         device = parts[0].device
         return [n for n, _ in raw] + ([AFTER] if grads else []), torch.cat([p.to(device) for p in parts])
 
-    def check(self, scale: float | None = None, step: int | None = None) -> bool:
-        """Call before the optimizer step; True when the step must be skipped.
+    def check(self, scale: float | None = None) -> bool:
+        """Call before each optimizer step; True when the step must be skipped.
         ``scale`` is GradScaler's scale under fp16, else None."""
+        self.steps += 1
         names, counts = self._collect()
         if counts is None:
             return False
@@ -96,7 +98,7 @@ class NonFiniteGuard:
         self.bad_steps += 1
         self.nonfinite += int(sum(v for n, v in zip(names, values) if n != AFTER))
         where = _where(names, values)
-        at = f" at step {step}" if step is not None else ""
+        at = f" at step {self.steps}"
         if scale is not None and scale > 1:  # fp16 overflow: GradScaler's routine
             self.skipped += 1
             return True
@@ -140,10 +142,12 @@ class NonFiniteGuard:
 
     def state_dict(self) -> dict:
         self.flush()
-        return {"skipped": self.skipped, "bad_steps": self.bad_steps, "nonfinite": self.nonfinite}
+        return {"skipped": self.skipped, "bad_steps": self.bad_steps, "nonfinite": self.nonfinite,
+                "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped, self.bad_steps, self.nonfinite = state["skipped"], state["bad_steps"], state["nonfinite"]
+        self.steps = state["steps"]
 
 
 def _where(names: list[str], values: list[float]) -> str:

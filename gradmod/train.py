@@ -465,7 +465,7 @@ class _Saver:
             raise ValueError(f"trainer.resume: {path} does not fit this model/optimizer "
                              f"({str(e).strip().splitlines()[0]})") from None
         self.amp.load_state_dict(state["scaler"])
-        self.guard.load_state_dict(state["guard"])
+        self.guard.load_state_dict({"steps": state["step"], **state["guard"]})  # older files lack guard steps
         observers = self.hooks.observers()
         if len(observers) == len(state["log_windows"]):  # the `log` windows in progress
             for (_, obs), (calls, acc) in zip(observers, state["log_windows"]):

@@ -88,6 +88,23 @@ def test_raise_names_the_parameters():
         _epoch(model, opt, x, y, guard=guard)
 
 
+def test_raise_names_the_step_and_counts_on_from_a_checkpoint():
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data()
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1))  # _epoch's batch order
+    x[order[25], 0] = float("inf")  # a sample of the third batch of 10
+    fresh = NonFiniteGuard(model, None, "raise")
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient at step 3 in .*fc.weight"):
+        _epoch(model, opt, x, y, guard=fresh)
+    resumed = NonFiniteGuard(model, None, "raise")
+    resumed.load_state_dict({**fresh.state_dict(), "steps": 10})  # as if 10 steps were done before
+    with pytest.raises(NonFiniteError, match=r"at step 13 in"):
+        _epoch(model, opt, x, y, guard=resumed)
+    assert resumed.state_dict()["steps"] == 13
+
+
 def test_warn_steps_anyway_and_reports_at_flush(caplog):
     torch.manual_seed(0)
     model = Tiny()
