@@ -150,6 +150,10 @@ class TrainerConfig:
         choice("trainer.strategy", self.strategy, STRATEGIES)
         choice("trainer.nonfinite", self.nonfinite, NONFINITE)
         choice("trainer.data_placement", self.data_placement, PLACEMENTS)
+        if self.sync_check and (self.precision == "fp16" or self.nonfinite != "warn"):
+            other = "trainer.precision=fp16" if self.precision == "fp16" else f"trainer.nonfinite={self.nonfinite}"
+            raise ValueError(f"trainer.sync_check=true with {other}: that reads the host every step, which sync_check "
+                             "forbids; use trainer.sync_check=false, or precision fp32|bf16 and nonfinite=warn")
         if self.resume not in (None, "auto") and not Path(self.resume).is_file():
             raise ValueError(f"trainer.resume={self.resume!r}: no such file; allowed: auto, null or a checkpoint file")
 

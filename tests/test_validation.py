@@ -70,6 +70,10 @@ CASES = [
     (["+hooks.r={modules: conv9, transforms: [zero]}"], ["hooks.r.modules", "conv9", "close names", "conv2"]),
     (["+hooks.r={params: '*', transforms: [zero], stage: nope}"], ["hooks.r.stage", "nope", "hook, fused"]),
     (["+hooks.r={params: '*', prams: x, transforms: [zero]}"], ["hooks.r", "prams", "allowed", "params"]),
+    (["trainer.sync_check=true", "trainer.precision=fp16"], ["trainer.sync_check=true", "trainer.precision=fp16",
+                                                             "every step", "sync_check=false"]),
+    (["trainer.sync_check=true", "trainer.nonfinite=skip"], ["trainer.sync_check=true", "trainer.nonfinite=skip",
+                                                             "every step", "nonfinite=warn"]),
 ]
 if not torch.cuda.is_available():
     CASES.append((["trainer.device=cuda"], ["trainer.device", "cuda", "not available", "cpu"]))
