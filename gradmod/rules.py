@@ -4,7 +4,8 @@ A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage"
 or ``{"modules": glob(s), ...}``. ``params`` selects ``model.named_parameters()`` and
 transforms each parameter's gradient; ``modules`` selects ``model.named_modules()`` and
 transforms the gradient of the module's *output* (the articles' ``x.register_hook``
-inside ``forward``). Several rules on one tensor chain in config order.
+inside ``forward``). Several rules on one tensor chain in config order within a stage;
+hook-stage transforms run before fused ones (``HookSet.plan`` lists that order).
 
 Stages (``params`` rules only; ``modules`` rules always run as hooks):
 
@@ -216,19 +217,24 @@ class HookSet:
             for i in range(len(group[0].steps)):
                 self._fused.append(([t.steps[i] for t in group], [params[t.name] for t in group]))
 
+    def _in_order(self) -> list[Target]:
+        """The targets in application order: hook-stage ones (they run during backward)
+        before fused ones (after it), each in config order."""
+        return [t for stage in ("hook", "fused") for t in self.targets if t.stage == stage]
+
     @property
     def plan(self) -> list[tuple[str, list[str]]]:
         """(tensor name, transform names) in application order; module outputs as ``name:output``."""
         out: dict[str, list[str]] = {}
-        for t in self.targets:
+        for t in self._in_order():
             key = t.name if t.kind == "param" else f"{t.name}:output"
             out.setdefault(key, []).extend(s.name for s in t.steps)
         return list(out.items())
 
     def describe(self) -> list[dict[str, Any]]:
-        """The plan with rules, stages and arguments, for printing and saving."""
+        """The plan with rules, stages and arguments, for printing and saving (application order)."""
         return [{"tensor": t.name if t.kind == "param" else f"{t.name}:output", "rule": t.rule,
-                 "stage": t.stage, "transforms": [str(s) for s in t.steps]} for t in self.targets]
+                 "stage": t.stage, "transforms": [str(s) for s in t.steps]} for t in self._in_order()]
 
     def format_plan(self) -> str:
         if not self.targets:

@@ -164,6 +164,26 @@ def test_describe_and_format_plan():
     hooks.remove()
 
 
+def test_plan_lists_hook_stage_before_fused_as_they_run(batch):
+    """A fused rule first in the config still runs after a hook rule on the same tensor
+    (hooks run during backward, the fused stage after it): the plan says so."""
+    model = Small()
+    plain = grads(model, *batch)
+    rules = {"clip": {"params": "fc1.weight", "stage": "fused", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]},
+             "triple": {"params": "fc1.*", "transforms": [{"name": "scale", "factor": 3.0}]}}
+    with gradmod.attach(model, rules) as hooks:
+        grads(model, *batch)
+        hooks.after_backward()
+        assert dict(hooks.plan)["fc1.weight"] == ["scale", "clamp"]
+        assert [(d["tensor"], d["rule"]) for d in hooks.describe()] == [
+            ("fc1.weight", "triple"), ("fc1.bias", "triple"), ("fc1.weight", "clip")]
+        lines = hooks.format_plan().splitlines()[1:]
+        assert "triple: scale" in lines[0] and "clip: clamp" in lines[2]
+        got = model.fc1.weight.grad
+    assert torch.equal(got, (3 * plain["fc1.weight"]).clamp(-0.01, 0.01))  # the order the plan lists
+    assert not torch.equal(got, 3 * plain["fc1.weight"].clamp(-0.01, 0.01))  # not config order
+
+
 @pytest.mark.parametrize("rules, message", [
     ({"r": {"params": "fc.weight", "transforms": ["zero"]}},
      "hooks.r.params: 'fc.weight' matches no parameter (see model.named_parameters()); close names: fc1.weight"),
