@@ -166,7 +166,14 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says and write the run folder; returns the summary."""
     validate(cfg)  # schemas and values, before anything is built
     start = time.perf_counter()
-    out = Path(out_dir)
+    threads = torch.get_num_threads()  # trainer.threads holds for this run only (in-process sweeps)
+    try:
+        return _run(cfg, Path(out_dir), start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
     for key in ("epochs", "log_every", "eval_batch_size", "accumulate"):

@@ -146,3 +146,15 @@ def test_what_a_run_opened_is_closed_when_opening_a_later_file_fails(compose_cfg
     with pytest.raises(IsADirectoryError):
         run(compose_cfg(*FAST, "+hooks=log", f"data_dir={tmp_path / 'data'}"), tmp_path)
     assert closed == [tmp_path]  # ...after the logger was opened: it was closed again
+
+
+def test_trainer_threads_holds_for_the_run_only(compose_cfg, tmp_path):
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        summary = run(compose_cfg(*FAST, "trainer.threads=1", "data.n_test=4000", f"data_dir={tmp_path / 'data'}"),
+                      tmp_path)
+        assert summary["threads"] == 1
+        assert torch.get_num_threads() == 3  # the next job of an in-process sweep gets the old count
+    finally:
+        torch.set_num_threads(before)
