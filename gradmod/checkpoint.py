@@ -128,13 +128,15 @@ def latest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
 
 def find(resume: str | None, folder: Path) -> tuple[Path, dict[str, Any]] | None:
     """``trainer.resume``: None -> start fresh; ``auto`` -> the newest good checkpoint in
-    ``folder`` (fresh when there is none); a path -> that file, which must verify."""
+    ``folder`` (fresh, with a warning, when there is none); a path -> that file, which must verify."""
     if resume is None:
         return None
     if resume == "auto":
         found = latest(folder)
         if found is None:
-            log.info("trainer.resume=auto: no complete checkpoint in %s; starting fresh", folder)
+            # Each run gets a new folder unless told otherwise, so this is usually a mistake.
+            log.warning("trainer.resume=auto: no complete checkpoint in %s; starting fresh. To resume an "
+                        "earlier run, pass hydra.run.dir=<the earlier run folder>", folder)
         return found
     try:
         return Path(resume), load(resume)

@@ -55,6 +55,14 @@ def test_broken_newest_is_skipped_with_a_warning(tmp_path, caplog, damage):
         ckpt.find(str(bad), tmp_path)
 
 
+def test_auto_without_a_checkpoint_warns_where_it_looked(tmp_path, caplog):
+    folder = tmp_path / "run" / "checkpoints"
+    with caplog.at_level(logging.WARNING, logger="gradmod.checkpoint"):
+        assert ckpt.find("auto", folder) is None
+    [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert str(folder) in record.getMessage() and "hydra.run.dir=<the earlier run folder>" in record.getMessage()
+
+
 def test_rng_state_round_trip():
     state = ckpt.rng_state()
     a = (random.random(), np.random.rand(), torch.rand(3))
