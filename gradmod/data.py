@@ -16,7 +16,6 @@ import struct
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -49,16 +48,6 @@ class Data:
     def to(self, device: torch.device | str) -> "Data":
         return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
                        test_x=self.test_x.to(device), test_y=self.test_y.to(device))
-
-    def train_batches(self, batch_size: int, generator: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
-        """Shuffled training batches; ``generator`` (on the CPU) fixes the order."""
-        order = torch.randperm(len(self.train_y), generator=generator).to(self.train_y.device)
-        for idx in order.split(batch_size):
-            yield as_float(self.train_x[idx]), self.train_y[idx]
-
-    def test_batches(self, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
-        for x, y in zip(self.test_x.split(batch_size), self.test_y.split(batch_size)):
-            yield as_float(x), y
 
 
 def as_float(x: Tensor) -> Tensor:
