@@ -165,15 +165,15 @@ def _write_json(path: Path, obj: Any) -> None:
 def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says and write the run folder; returns the summary."""
     validate(cfg)  # schemas and values, before anything is built
-    start = time.perf_counter()
+    t_start = time.perf_counter()
     threads = torch.get_num_threads()  # trainer.threads holds for this run only (in-process sweeps)
     try:
-        return _run(cfg, Path(out_dir), start)
+        return _run(cfg, Path(out_dir), t_start)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
+def _run(cfg: DictConfig, out: Path, t_start: float) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     trainer = cfg.trainer
     for key in ("epochs", "log_every", "eval_batch_size", "accumulate"):
@@ -212,14 +212,14 @@ def _run(cfg: DictConfig, out: Path, start: float) -> dict[str, Any]:
     rules = OmegaConf.to_container(cfg.hooks, resolve=True) if cfg.get("hooks") else {}  # an empty DictConfig is falsy
     hooks = attach(model, rules, stage=str(trainer.hook_stage))  # before DDP: names without "module."
     try:
-        return _fit(cfg, dist.wrap(model), data, hooks, device, batch_size, out, start, dist, loader_workers)
+        return _fit(cfg, dist.wrap(model), data, hooks, device, batch_size, out, t_start, dist, loader_workers)
     finally:
         hooks.remove()
         dist.close()
 
 
-def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist(),
-         loader_workers: int | None = None) -> dict[str, Any]:
+def _fit(cfg, model, data, hooks, device, batch_size, out, t_start: float, dist: Dist,
+         loader_workers: int | None) -> dict[str, Any]:
     trainer = cfg.trainer
     log.info("%s", hooks.format_plan())
     plan = hooks.describe()
@@ -303,7 +303,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, start, dist=Dist(),
         plot_curves(history, out / "curves.png")
         files.watch.finish(unwrap(model))
     summary = _summary(cfg, data, model, device, dist, history, step, plan, guard, amp, resumed_from,
-                       time.perf_counter() - start)
+                       time.perf_counter() - t_start)
     if dist.is_main:
         _write_json(out / "summary.json", summary)
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
