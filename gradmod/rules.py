@@ -46,6 +46,11 @@ class Target:
     stage: str
     steps: list[T.Step]
 
+    @property
+    def key(self) -> str:
+        """The tensor's name in plans and statistics: a module's output is ``name:output``."""
+        return self.name if self.kind == "param" else f"{self.name}:output"
+
 
 def _patterns(rule: str, key: str, value: Any) -> list[str]:
     if isinstance(value, str):
@@ -144,8 +149,7 @@ def _label_observers(steps: list[T.Step], stage: str) -> list[T.Step]:
 
 def observer_key(target: Target, obs: T.GradStats) -> str:
     """The key of an observer's statistics: ``tensor`` or ``tensor/label``."""
-    name = target.name if target.kind == "param" else f"{target.name}:output"
-    return f"{name}/{obs.label}" if obs.label else name
+    return f"{target.key}/{obs.label}" if obs.label else target.key
 
 
 def _check_observer_keys(targets: list[Target]) -> None:
@@ -196,17 +200,16 @@ class HookSet:
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         # One hook per tensor: its transforms from every rule, chained in config order.
-        hooked: dict[tuple[str, str], list[T.Step]] = {}
+        hooked: dict[str, tuple[Target, list[T.Step]]] = {}
         for t in targets:
             if t.stage == "hook":
-                hooked.setdefault((t.kind, t.name), []).extend(t.steps)
-        for (kind, name), steps in hooked.items():
-            if kind == "param":
-                self._handles.append(params[name].register_hook(_chain(steps, self, name)))
+                hooked.setdefault(t.key, (t, []))[1].extend(t.steps)
+        for key, (t, steps) in hooked.items():
+            if t.kind == "param":
+                self._handles.append(params[t.name].register_hook(_chain(steps, self, key)))
             else:
-                chain = _chain(steps, self, f"{name}:output")
-                self._handles.append(modules[name].register_forward_hook(_output_hook(chain)))
-        self.hooked_params = {name for kind, name in hooked if kind == "param"}
+                self._handles.append(modules[t.name].register_forward_hook(_output_hook(_chain(steps, self, key))))
+        self.hooked_params = {t.name for t, _ in hooked.values() if t.kind == "param"}
         # Fused groups: (rule, step index) -> (steps, param tensors), applied in config order.
         self._fused: list[tuple[list[T.Step], list[nn.Parameter]]] = []
         by_rule: dict[str, list[Target]] = {}
@@ -227,14 +230,13 @@ class HookSet:
         """(tensor name, transform names) in application order; module outputs as ``name:output``."""
         out: dict[str, list[str]] = {}
         for t in self._in_order():
-            key = t.name if t.kind == "param" else f"{t.name}:output"
-            out.setdefault(key, []).extend(s.name for s in t.steps)
+            out.setdefault(t.key, []).extend(s.name for s in t.steps)
         return list(out.items())
 
     def describe(self) -> list[dict[str, Any]]:
         """The plan with rules, stages and arguments, for printing and saving (application order)."""
-        return [{"tensor": t.name if t.kind == "param" else f"{t.name}:output", "rule": t.rule,
-                 "stage": t.stage, "transforms": [str(s) for s in t.steps]} for t in self._in_order()]
+        return [{"tensor": t.key, "rule": t.rule, "stage": t.stage, "transforms": [str(s) for s in t.steps]}
+                for t in self._in_order()]
 
     def format_plan(self) -> str:
         if not self.targets:
@@ -267,8 +269,7 @@ class HookSet:
 
     def observers(self) -> list[tuple[str, T.GradStats]]:
         """(tensor name, ``log`` accumulator) for every ``log`` transform attached."""
-        return [(t.name if t.kind == "param" else f"{t.name}:output", s.fn)
-                for t in self.targets for s in t.steps if isinstance(s.fn, T.GradStats)]
+        return [(t.key, s.fn) for t in self.targets for s in t.steps if isinstance(s.fn, T.GradStats)]
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
