@@ -22,12 +22,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-STRATEGIES = ("single", "ddp")
-NONFINITE = ("skip", "raise", "warn")
-HOOK_STAGES = ("hook", "fused")
-PLACEMENTS = ("auto", "device", "loader")  # gradmod.loader.PLACEMENTS
-LOGGERS = ("csv", "tensorboard")
+# The allowed values live with the code that implements them.
+from gradmod.distributed import STRATEGIES
+from gradmod.loader import PLACEMENTS
+from gradmod.loggers import LOGGERS
+from gradmod.nonfinite import POLICIES as NONFINITE
+from gradmod.precision import DTYPES
+from gradmod.rules import STAGES as HOOK_STAGES
+
+PRECISIONS = tuple(DTYPES)
 
 
 def choice(key: str, value: Any, allowed) -> None:
