@@ -454,7 +454,7 @@ class _Saver:
                  "epoch": pos.epoch, "batch": pos.batch, "step": pos.step, "generator": pos.generator,
                  "loss_sum": pos.loss_sum, "history": pos.history, "rng": ckpt.rng_state(),
                  "config": OmegaConf.to_yaml(self.cfg), "hook_plan": self.plan,
-                 "log_windows": [(obs.calls, obs._sum) for _, obs in self.hooks.observers()]}
+                 "log_windows": [obs.state_dict() for _, obs in self.hooks.observers()]}
         path = ckpt.save(self.folder, state, self.keep)
         log.debug("checkpoint %s (epoch %d, batch %d)", path, pos.epoch, pos.batch)
 
@@ -475,8 +475,11 @@ class _Saver:
         self.guard.load_state_dict({"steps": state["step"], **state["guard"]})  # older files lack guard steps
         observers = self.hooks.observers()
         if len(observers) == len(state["log_windows"]):  # the `log` windows in progress
-            for (_, obs), (calls, acc) in zip(observers, state["log_windows"]):
-                obs.calls, obs._sum = calls, None if acc is None else acc.to(next(self.model.parameters()).device)
+            device = next(self.model.parameters()).device
+            for (_, obs), saved in zip(observers, state["log_windows"]):
+                if isinstance(saved, (tuple, list)):  # written before GradStats.state_dict: (calls, row)
+                    saved = {"calls": saved[0], "window": saved[1]}
+                obs.load_state_dict(saved, device)
         ckpt.set_rng_state(state["rng"])
         log.info("resumed from %s: epoch %d, batch %d, step %d", path, state["epoch"], state["batch"], state["step"])
         return ckpt.Position(state["epoch"], state["batch"], state["step"], state["generator"],

@@ -288,12 +288,18 @@ class GradStats:
 
     @property
     def _sum(self) -> Tensor | None:
-        """The pending window as one row (checkpoints save and restore it)."""
+        """The pending window as one row (None when empty)."""
         return self._fold() if self._rows else None
 
-    @_sum.setter
-    def _sum(self, row: Tensor | None) -> None:
-        self._rows = [] if row is None else [row]
+    def state_dict(self) -> dict[str, Any]:
+        """The window in progress (calls and its row), for checkpoints."""
+        return {"calls": self.calls, "window": self._sum}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        """Continue the saved window; ``device``: where this run's gradients are."""
+        window = state["window"]
+        self.calls = state["calls"]
+        self._rows = [] if window is None else [window if device is None else window.to(device)]
 
     def _fold(self) -> Tensor:
         """The pending rows as one row: sums, except min (column 1) and max (column 2)."""

@@ -204,3 +204,22 @@ def test_log_statistics_survive_folding_against_hand_computation():
     assert s["mean"] == pytest.approx(sum(v.mean().item() for v in finite) / len(finite), rel=1e-5)  # float32 sums
     assert (s["min"], s["max"], s["nonfinite"]) == (-1.0, float(calls - 1), 0)
     assert obs.read() is None  # the window was taken
+
+
+def test_log_window_continues_exactly_through_state_dict():
+    """A checkpoint saves the window in progress; a restored observer reads the same numbers."""
+    values = [torch.randn(5, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    whole, first = T.build("log").fn, T.build("log").fn
+    for v in values:
+        whole(v)
+    for v in values[:4]:
+        first(v)
+    resumed = T.build("log").fn
+    resumed.load_state_dict(first.state_dict(), torch.device("cpu"))
+    for v in values[4:]:
+        resumed(v)
+    assert resumed.read() == whole.read()
+    empty = T.build("log").fn
+    assert empty.state_dict() == {"calls": 0, "window": None}
+    empty.load_state_dict(empty.state_dict())
+    assert empty.read() is None
