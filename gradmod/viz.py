@@ -32,6 +32,16 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
 # --- capture figures: feature maps, gradients, overlays (scripts/mnist_gradcam.py) -----
 
 
+def _save_image(fig, ax, path: str | Path, title: str | None) -> Path:
+    """Save a figure of images: no axes, optional title, tight bounding box."""
+    ax.axis("off")
+    if title:
+        ax.set_title(title)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
+
+
 def plot_grid(images: Any, path: str | Path, *, cols: int = 8, cmap: str = "gray",
               titles: Sequence[str] | None = None, title: str | None = None) -> Path:
     """Images (N x H x W, or N x 1 x H x W) in rows of ``cols``, each on its own colour scale.
@@ -57,12 +67,7 @@ def plot_grid(images: Any, path: str | Path, *, cols: int = 8, cmap: str = "gray
     for i, text in enumerate(titles or []):
         r, c = divmod(i, cols)
         ax.text(c * (w + gap) + w / 2, r * (h + top) + top - 1, text, ha="center", va="bottom", fontsize=8)
-    ax.axis("off")
-    if title:
-        ax.set_title(title)
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    return Path(path)
+    return _save_image(fig, ax, path, title)
 
 
 def plot_image(image: Any, path: str | Path, *, cmap: str | None = None, title: str | None = None) -> Path:
@@ -70,12 +75,7 @@ def plot_image(image: Any, path: str | Path, *, cmap: str | None = None, title: 
     fig, ax = plt.subplots(figsize=(4, 4))
     shown = ax.imshow(image.detach().cpu().reshape(image.shape[-2:]).numpy(), cmap=cmap)
     fig.colorbar(shown, ax=ax, fraction=0.046)
-    ax.axis("off")
-    if title:
-        ax.set_title(title)
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    return Path(path)
+    return _save_image(fig, ax, path, title)
 
 
 def plot_gradcam(images: Any, cams: Any, path: str | Path, *, cols: int = 8,
