@@ -70,6 +70,18 @@ def _eval_mode(model: nn.Module):
             m.training = training
 
 
+def _probe(model: nn.Module, hooks: list[tuple[nn.Module, Callable]], inputs) -> None:
+    """One forward pass (no grad, eval mode) with temporary forward hooks, removed even
+    when the forward fails."""
+    handles = [m.register_forward_hook(fn) for m, fn in hooks]
+    try:
+        with torch.no_grad(), _eval_mode(model):
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def trace_shapes(model: nn.Module, *inputs, leaves: bool = False, print_fn: Callable | None = print):
     """One forward pass (no grad, eval mode) printing and returning each layer's output shape.
 
@@ -92,13 +104,7 @@ def trace_shapes(model: nn.Module, *inputs, leaves: bool = False, print_fn: Call
 
         return hook
 
-    handles = [m.register_forward_hook(hook_for(n)) for n, m in layers]
-    try:
-        with torch.no_grad(), _eval_mode(model):
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    _probe(model, [(m, hook_for(n)) for n, m in layers], inputs)
     return shapes
 
 
@@ -277,15 +283,9 @@ def summary_rows(model: nn.Module, input_size, batch_size: int = -1, dtype=torch
         ))
 
     leaves = [m for m in model.modules() if not any(m.children()) and m is not model]
-    handles = [m.register_forward_hook(hook) for m in leaves]
-    try:
-        # Batch of 2, as torchsummary, so BatchNorm accepts it.
-        inputs = [torch.rand(2, *s, dtype=dtype, device=device) for s in sizes]
-        with torch.no_grad(), _eval_mode(model):
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    # Batch of 2, as torchsummary, so BatchNorm accepts it.
+    inputs = [torch.rand(2, *s, dtype=dtype, device=device) for s in sizes]
+    _probe(model, [(m, hook) for m in leaves], inputs)
     return rows
 
 
