@@ -268,19 +268,18 @@ class HookSet:
                         p.grad.copy_(out)
 
     def observers(self) -> list[tuple[str, T.GradStats]]:
-        """(tensor name, ``log`` accumulator) for every ``log`` transform attached."""
-        return [(t.key, s.fn) for t in self.targets for s in t.steps if isinstance(s.fn, T.GradStats)]
+        """(statistics key, ``log`` accumulator) for every ``log`` transform attached."""
+        return [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps
+                if isinstance(s.fn, T.GradStats)]
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
         with a single host sync."""
         pending = []
-        for t in self.targets:
-            for s in t.steps:
-                if isinstance(s.fn, T.GradStats):
-                    calls, acc = s.fn.take()
-                    if acc is not None:
-                        pending.append((observer_key(t, s.fn), calls, acc, s.fn.pre is not None))
+        for key, obs in self.observers():
+            calls, acc = obs.take()
+            if acc is not None:
+                pending.append((key, calls, acc, obs.pre is not None))
         if not pending:
             return {}
         device = pending[0][2].device
