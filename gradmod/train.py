@@ -86,6 +86,11 @@ def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | 
         yield as_float(x[idx]), y[idx]
 
 
+def batches_per_epoch(n: int, batch_size: int, world: int = 1) -> int:
+    """Batches in one rank's share of an epoch (``batches`` gives each rank n // world items)."""
+    return math.ceil(n // world / batch_size)
+
+
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
                 batch_size: int, generator: torch.Generator, hooks: HookSet | None = None,
                 on_step: Callable[[int], None] | None = None, progress: bool = False,
@@ -108,7 +113,7 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y
     amp = amp or Precision("fp32", device)
     total = torch.zeros((), device=device) if total is None else total
     n = start
-    steps = (len(y) // shard[1] + batch_size - 1) // batch_size
+    steps = batches_per_epoch(len(y), batch_size, shard[1])
     for i, (xb, yb) in enumerate(tqdm(batches(x, y, batch_size, generator, shard, start, device, loader_workers), total=steps,
                                       initial=start, leave=False, desc="train", disable=not progress),
                                  start=start + 1):
@@ -239,7 +244,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, t_start: float, dist:
     log_every, epochs, accumulate = int(trainer.log_every), int(trainer.epochs), int(trainer.accumulate)
     history: list[dict[str, Any]] = pos.history
     step = pos.step
-    n_batches = (len(data.train_y) // dist.world_size + batch_size - 1) // batch_size
+    n_batches = batches_per_epoch(len(data.train_y), batch_size, dist.world_size)
     every_epochs, every_steps = int(trainer.get("checkpoint_every", 0)), int(trainer.get("checkpoint_every_steps", 0))
     steps_per_epoch = math.ceil(n_batches / accumulate)
     with _RunFiles(cfg, out, hooks, data, device, dist.is_main, pos.step if resumed_from else None) as files:
