@@ -5,8 +5,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from gradmod.cli import job, main as cli_main
-from gradmod.distributed import follower_overrides
+from gradmod.app.cli import job, main as cli_main
+from gradmod.training.distributed import follower_overrides
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -11,7 +11,7 @@
 4. ``module.apply`` visits in post-order: for the tree 1(2(4,5),3(6)) it prints
    ``4, 5, 2, 6, 3, 1``.
 5. ``MyModel`` (``linear1 = Linear(10, 20)``, ``linear2 = Linear(20, 30)``) initialised
-   with `gradmod.init.apply_init(model, "xavier")`: xavier-uniform weights inside
+   with `gradmod.weight_init.apply_init(model, "xavier")`: xavier-uniform weights inside
    +-sqrt(6 / (fan_in + fan_out)) and zero biases (``conf/init/xavier.yaml`` for training).
 
 Where the article is wrong: it says a forward hook runs *before* the forward pass (that is
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from gradmod.capture import list_hooks
-from gradmod.init import apply_init
+from gradmod.weight_init import apply_init
 
 
 class Node(nn.Module):

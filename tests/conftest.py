@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import gradmod.config  # noqa: F401  (registers the schemas the YAMLs build on)
+import gradmod.app.config  # noqa: F401  (registers the schemas the YAMLs build on)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -39,7 +39,7 @@ def run_train(tmp_path: Path, *overrides: str, multirun: bool = False, check: bo
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     cmd = [sys.executable, str(ROOT / "train.py"), *(["-m"] if multirun else []),
            f"{dir_key}={tmp_path}", f"data_dir={tmp_path / 'data'}", *overrides]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

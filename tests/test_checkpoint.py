@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import run_train
-from gradmod import checkpoint as ckpt
-from gradmod.train import run
+from gradmod.training import checkpoint as ckpt
+from gradmod.training.trainer import run
 
 # A tiny run: 60 fake 28x28 images in batches of 10 -> 6 steps per epoch.
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
@@ -47,7 +47,7 @@ def test_broken_newest_is_skipped_with_a_warning(tmp_path, caplog, damage):
         torch.save({"step": 3}, bad)
     with pytest.raises(ckpt.CheckpointError):
         ckpt.load(bad)
-    with caplog.at_level(logging.WARNING, logger="gradmod.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gradmod.training.checkpoint"):
         path, state = ckpt.latest(tmp_path)
     assert path == good and state["step"] == 2
     assert "skipping" in caplog.text and bad.name in caplog.text
@@ -57,7 +57,7 @@ def test_broken_newest_is_skipped_with_a_warning(tmp_path, caplog, damage):
 
 def test_auto_without_a_checkpoint_warns_where_it_looked(tmp_path, caplog):
     folder = tmp_path / "run" / "checkpoints"
-    with caplog.at_level(logging.WARNING, logger="gradmod.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="gradmod.training.checkpoint"):
         assert ckpt.find("auto", folder) is None
     [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert str(folder) in record.getMessage() and "hydra.run.dir=<the earlier run folder>" in record.getMessage()

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradmod import transforms as T
+from gradmod.hooks import transforms as T
+from gradmod.hooks.stats import GradStats
 from gradmod.models import MnistCNN
-from gradmod.rules import attach
-from gradmod.train import train_epoch
+from gradmod.hooks.rules import attach
+from gradmod.training.trainer import train_epoch
 
 
 def _batch(n: int = 8, seed: int = 0):
@@ -183,12 +184,12 @@ def test_log_costs_few_ops_per_call():
 def test_log_statistics_survive_folding_against_hand_computation():
     """More calls than COMPACT_AT fold rows on the device; the result is still exact."""
     obs = T.build("log").fn
-    calls = T.GradStats.COMPACT_AT * 2 + 7
+    calls = GradStats.COMPACT_AT * 2 + 7
     values = [torch.tensor([float(i), -1.0, 0.5, 2.0]) for i in range(calls)]
     values[5] = torch.tensor([math.inf, -math.inf, math.nan, -3.0])
     for v in values:
         obs(v)
-    assert len(obs._rows) <= T.GradStats.COMPACT_AT
+    assert len(obs._rows) <= GradStats.COMPACT_AT
     s = obs.read()
     finite = [v for i, v in enumerate(values) if i != 5]
     assert s["calls"] == calls

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gradmod.train as train_mod
+import gradmod.training.trainer as train_mod
 from conftest import run_train
-from gradmod.nonfinite import NonFiniteError
-from gradmod.rules import attach
+from gradmod.training.nonfinite import NonFiniteError
+from gradmod.hooks.rules import attach
 
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=20", "data.test_size=10",
         "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",

@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from gradmod.init import INITS, apply_init
+from gradmod.weight_init import INITS, apply_init
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "init"
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmod.nonfinite import NonFiniteError, NonFiniteGuard
-from gradmod.rules import attach
-from gradmod.train import run, train_epoch
+from gradmod.training.nonfinite import NonFiniteError, NonFiniteGuard
+from gradmod.hooks.rules import attach
+from gradmod.training.trainer import run, train_epoch
 
 INF_AT_CONV2 = {"boom": {"modules": "conv2", "transforms": [{"name": "scale", "factor": float("inf")}]}}
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
@@ -114,7 +114,7 @@ def test_warn_steps_anyway_and_reports_at_flush(caplog):
     guard = NonFiniteGuard(model, None, "warn")
     _epoch(model, opt, x, y, guard=guard)
     assert guard.bad_steps == 0  # nothing read yet: no per-step sync
-    with caplog.at_level(logging.WARNING, logger="gradmod.nonfinite"):
+    with caplog.at_level(logging.WARNING, logger="gradmod.training.nonfinite"):
         guard.flush()
     assert guard.skipped == 0 and guard.bad_steps >= 1 and "stepped anyway" in caplog.text
     assert not torch.isfinite(model.fc.weight).all()

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from gradmod import transforms as T
+from gradmod.hooks.stats import GradStats
 from gradmod.data import Data
-from gradmod.loggers import CSVLogger, make_logger
-from gradmod.observe import GradCamProbe, pick_digits
-from gradmod.rules import attach, build_targets
+from gradmod.reporting.loggers import CSVLogger, make_logger
+from gradmod.reporting.observe import GradCamProbe, pick_digits
+from gradmod.hooks.rules import attach, build_targets
 
 CLIP = 0.01
 LOGGED = {"c": {"params": "*", "transforms": ["log", {"name": "clamp", "min": -CLIP, "max": CLIP}, "log"]}}
@@ -29,7 +29,7 @@ class Tiny(nn.Module):
 
 
 def _labels(rules):
-    return [[s.fn.label if isinstance(s.fn, T.GradStats) else s.name for s in t.steps]
+    return [[s.fn.label if isinstance(s.fn, GradStats) else s.name for s in t.steps]
             for t in build_targets(Tiny(), rules)][0]
 
 
@@ -93,13 +93,13 @@ def test_fraction_changed_by_min_zero_counts_negatives_not_zeros():
 
 def test_histogram_on_the_device_equals_numpy():
     rng = np.random.default_rng(1)
-    lo, hi, bins = -1.0, 2.0, T.GradStats.BINS
+    lo, hi, bins = -1.0, 2.0, GradStats.BINS
     edges = np.linspace(lo, hi, bins + 1)
     x = rng.uniform(lo, hi, 5000)
     x = x[np.min(np.abs(x[:, None] - edges[None, :]), axis=1) > 1e-4]  # float32 rounding at edges
     values = np.concatenate([[lo, hi], x]).astype(np.float32)
     g = torch.from_numpy(np.concatenate([values, [np.nan, np.inf, -np.inf]]).astype(np.float32))
-    out = T.GradStats.summarize(1, [0.0] * 7 + T.GradStats.bin(g).tolist())["histogram"]
+    out = GradStats.summarize(1, [0.0] * 7 + GradStats.bin(g).tolist())["histogram"]
     counts, _ = np.histogram(values, edges)
     assert out["bucket_counts"] == counts.tolist()
     np.testing.assert_allclose(out["bucket_limits"], edges[1:], rtol=1e-6)

@@ -15,9 +15,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import gradmod.train as train_mod
+import gradmod.training.trainer as train_mod
 from conftest import CONF, FAST
-from gradmod.train import run
+from gradmod.training.trainer import run
 
 CLIP = 0.01
 # 1000 training digits in batches of 100: 10 steps. One thread: the test machines are

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmod.nonfinite import NonFiniteGuard
-from gradmod.precision import Precision
-from gradmod.rules import attach
-from gradmod.train import run
+from gradmod.training.nonfinite import NonFiniteGuard
+from gradmod.training.precision import Precision
+from gradmod.hooks.rules import attach
+from gradmod.training.trainer import run
 
 CPU = torch.device("cpu")
 CLAMP = [{"name": "clamp", "min": -0.01, "max": 0.01}]

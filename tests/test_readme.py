@@ -3,7 +3,7 @@
 import re
 
 from conftest import ROOT
-from gradmod import transforms
+from gradmod.hooks import transforms
 
 
 def test_readme_python_example_runs(capsys):

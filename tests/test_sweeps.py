@@ -13,11 +13,11 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import gradmod.cli  # noqa: F401  (registers the ${negate:} resolver the Optuna example uses)
+import gradmod.app.cli  # noqa: F401  (registers the ${negate:} resolver the Optuna example uses)
 from conftest import FAST, ROOT, run_train
-from gradmod import sweep
+from gradmod.reporting import sweep
 from gradmod.models import build_model
-from gradmod.rules import attach
+from gradmod.hooks.rules import attach
 
 # Tiny random 28x28 images: a job costs well under a second once Python is up.
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=64", "data.test_size=32",

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from gradmod import transforms as T
+from gradmod.hooks import transforms as T
 
 G = torch.tensor([-0.5, -0.005, 0.0, 0.003, 2.0])
 

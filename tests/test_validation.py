@@ -96,7 +96,7 @@ def test_every_bad_input_is_one_line(tmp_path):
     """All cases through train.py's __main__, in one process."""
     lines = "".join(json.dumps([f"hydra.run.dir={tmp_path / str(i)}", f"data_dir={tmp_path / 'data'}", *BASE, *ov])
                     + "\n" for i, (ov, _) in enumerate(CASES))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_driver.py")], input=lines, cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=900)

@@ -19,9 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
-from gradmod.loggers import make_logger
+from gradmod.reporting.loggers import make_logger
 from gradmod.models import build_model
-from gradmod.rules import HookSet
+from gradmod.hooks.rules import HookSet
 
 
 def pick_digits(labels: Tensor, n: int) -> list[int]:
@@ -112,14 +112,14 @@ class RunWatch:
     def on_epoch(self, record: Mapping[str, Any], model: nn.Module) -> None:
         self.logger.log_metrics(int(record["step"]), record)
         if self.cam is not None and self.logger.wants_images:
-            from gradmod.viz import gradcam_overlay
+            from gradmod.reporting.plots import gradcam_overlay
 
             cam = self.cam(model)
             self.logger.log_images("gradcam", int(record["step"]), gradcam_overlay(cam["images"], cam["cams"]))
 
     def finish(self, model: nn.Module) -> list[Path]:
         """End-of-run PNGs: gradient norms, fraction clipped, Grad-CAM (those that apply)."""
-        from gradmod.viz import plot_frac_clipped, plot_grad_norms, plot_gradcam
+        from gradmod.reporting.plots import plot_frac_clipped, plot_grad_norms, plot_gradcam
 
         written = []
         if self.rows:

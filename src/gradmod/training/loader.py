@@ -1,7 +1,7 @@
 """Where the dataset lives: on the training device, or in host memory behind a DataLoader.
 
 ``device`` (MNIST and anything that fits): one tensor on the device, batches indexed from
-it (``gradmod.train.batches``). ``loader``: the tensors stay in host memory and a
+it (``gradmod.training.trainer.batches``). ``loader``: the tensors stay in host memory and a
 ``DataLoader`` gathers each batch in worker processes, pins it and copies it to the device
 without blocking, for datasets too big for the device. Both paths draw the same seeded
 permutation, so they give the same batches in the same order.
@@ -39,7 +39,7 @@ class _IndexedBatches(Dataset):
 def host_batches(x: Tensor, y: Tensor, index: Sequence[Tensor], device: torch.device,
                  workers: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) on ``device`` from host tensors ``x``, ``y``: batch
-    ``i`` is ``index[i]`` (CPU index tensors; ``gradmod.train.batches`` draws them)."""
+    ``i`` is ``index[i]`` (CPU index tensors; ``gradmod.training.trainer.batches`` draws them)."""
     cuda = device.type == "cuda"
     loader = DataLoader(_IndexedBatches(x, y, index), batch_size=None, num_workers=workers, pin_memory=cuda)
     for xb, yb in loader:

@@ -23,12 +23,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 # The allowed values live with the code that implements them.
-from gradmod.distributed import STRATEGIES
-from gradmod.loader import PLACEMENTS
-from gradmod.loggers import LOGGERS
-from gradmod.nonfinite import POLICIES as NONFINITE
-from gradmod.precision import DTYPES
-from gradmod.rules import STAGES as HOOK_STAGES
+from gradmod.training.distributed import STRATEGIES
+from gradmod.training.loader import PLACEMENTS
+from gradmod.reporting.loggers import LOGGERS
+from gradmod.training.nonfinite import POLICIES as NONFINITE
+from gradmod.training.precision import DTYPES
+from gradmod.hooks.rules import STAGES as HOOK_STAGES
 
 PRECISIONS = tuple(DTYPES)
 
@@ -166,7 +166,7 @@ class InitConfig:
     name: str = "default"
 
     def __post_init__(self):
-        from gradmod.init import INITS
+        from gradmod.weight_init import INITS
 
         choice("init.name", self.name, INITS)
 
@@ -206,7 +206,7 @@ class Config:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     seed: int = 1234
     data_dir: str = "data"
-    hooks: Dict[str, Any] = field(default_factory=dict)  # rules, checked by gradmod.rules.build_targets
+    hooks: Dict[str, Any] = field(default_factory=dict)  # rules, checked by gradmod.hooks.rules.build_targets
     clip_bound: Optional[float] = None  # the tuned clamp bound of conf/experiment/clip_optuna.yaml
 
 

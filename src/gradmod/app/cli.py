@@ -7,7 +7,7 @@ one line and exit status 3. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
 
 In a multirun (``-m``) a job that raises must not end the sweep: its folder gets a
 ``summary.json`` with ``status: failed`` and the error, its log the traceback, and the
-sweep goes on; the sweep report (``gradmod.sweep.SweepReport``) exits non-zero at the end.
+sweep goes on; the sweep report (``gradmod.app.sweep.SweepReport``) exits non-zero at the end.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradmod.config import one_line
-from gradmod.nonfinite import NonFiniteError
-from gradmod.sweep import failed_summary, format_exception, launcher_threads
-from gradmod.train import run
+from gradmod.app.config import one_line
+from gradmod.training.nonfinite import NonFiniteError
+from gradmod.reporting.sweep import failed_summary, format_exception, launcher_threads
+from gradmod.training.trainer import run
 
 log = logging.getLogger("gradmod")
 

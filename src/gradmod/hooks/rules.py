@@ -27,7 +27,8 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from gradmod import transforms as T
+from gradmod.hooks import transforms as T
+from gradmod.hooks.stats import GradStats
 
 STAGES = ("hook", "fused")
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
@@ -137,17 +138,17 @@ def _label_observers(steps: list[T.Step], stage: str) -> list[T.Step]:
     out = list(steps)
     for i, label in ((0, "pre"), (len(out) - 1, "post")):
         step = out[i]
-        if isinstance(step.fn, T.GradStats) and step.fn.label is None:
+        if isinstance(step.fn, GradStats) and step.fn.label is None:
             out[i] = T.build({"name": step.name, **step.args, "label": label})
     first, last = out[0].fn, out[-1].fn
-    if isinstance(first, T.GradStats) and isinstance(last, T.GradStats):
+    if isinstance(first, GradStats) and isinstance(last, GradStats):
         last.pre = first
         # The fused stage transforms .grad in place, so pre must keep a copy.
         first.keep = "clone" if stage == "fused" else "ref"
     return out
 
 
-def observer_key(target: Target, obs: T.GradStats) -> str:
+def observer_key(target: Target, obs: GradStats) -> str:
     """The key of an observer's statistics: ``tensor`` or ``tensor/label``."""
     return f"{target.key}/{obs.label}" if obs.label else target.key
 
@@ -156,7 +157,7 @@ def _check_observer_keys(targets: list[Target]) -> None:
     seen: dict[str, str] = {}
     for t in targets:
         for s in t.steps:
-            if isinstance(s.fn, T.GradStats):
+            if isinstance(s.fn, GradStats):
                 key = observer_key(t, s.fn)
                 if key in seen:
                     raise ValueError(f"hooks.{t.rule}: its log of {key!r} has the same key as one in rule "
@@ -267,10 +268,10 @@ class HookSet:
                     if out is not None:
                         p.grad.copy_(out)
 
-    def observers(self) -> list[tuple[str, T.GradStats]]:
+    def observers(self) -> list[tuple[str, GradStats]]:
         """(statistics key, ``log`` accumulator) for every ``log`` transform attached."""
         return [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps
-                if isinstance(s.fn, T.GradStats)]
+                if isinstance(s.fn, GradStats)]
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
@@ -286,9 +287,22 @@ class HookSet:
         flat = torch.cat([acc.to(device) for _, _, acc, _ in pending]).tolist()
         out, i = {}, 0
         for key, calls, acc, paired in pending:
-            out[key] = T.GradStats.summarize(calls, flat[i:i + len(acc)], paired)
+            out[key] = GradStats.summarize(calls, flat[i:i + len(acc)], paired)
             i += len(acc)
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the hooks carry from step to step (the ``log`` windows in progress), for
+        checkpoints: resuming with ``load_state_dict`` continues bit for bit."""
+        return {"log_windows": {key: obs.state_dict() for key, obs in self.observers()}}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        """Restore ``state_dict()``'s windows; ``device``: where this run's gradients are.
+        Windows of tensors this HookSet does not observe are ignored."""
+        windows = state.get("log_windows", {})
+        for key, obs in self.observers():
+            if key in windows:
+                obs.load_state_dict(windows[key], device)
 
     def set_histograms(self, on: bool) -> None:
         """Bin the gradients of the next calls on the device (for the step before a read)."""

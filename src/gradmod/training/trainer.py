@@ -22,18 +22,18 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from gradmod import checkpoint as ckpt
-from gradmod.config import validate
+from gradmod.training import checkpoint as ckpt
+from gradmod.app.config import validate
 from gradmod.data import as_float, load_data
-from gradmod.distributed import Dist, no_sync, unwrap
-from gradmod.init import apply_init
-from gradmod.loader import host_batches, placement
+from gradmod.training.distributed import Dist, no_sync, unwrap
+from gradmod.weight_init import apply_init
+from gradmod.training.loader import host_batches, placement
 from gradmod.models import build_model
-from gradmod.nonfinite import NonFiniteGuard
-from gradmod.precision import Precision, check_precision
-from gradmod.observe import RunWatch
-from gradmod.rules import HookSet, attach
-from gradmod.speed import SyncCheck, compile_model, to_channels_last
+from gradmod.training.nonfinite import NonFiniteGuard
+from gradmod.training.precision import Precision, check_precision
+from gradmod.reporting.observe import RunWatch
+from gradmod.hooks.rules import HookSet, attach
+from gradmod.training.speed import SyncCheck, compile_model, to_channels_last
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | 
     shuffled by ``generator`` (a CPU generator) when one is given. ``shard=(rank, world)``
     keeps this rank's share of the shuffled order; ``start`` skips that many batches of it
     (resuming mid-epoch). With ``loader_workers`` set, a DataLoader gathers the same
-    batches from host memory and copies them to ``device`` (``gradmod.loader``)."""
+    batches from host memory and copies them to ``device`` (``gradmod.training.loader``)."""
     device = x.device if device is None else device
     if generator is None:
         if loader_workers is not None:
@@ -303,7 +303,7 @@ def _fit(cfg, model, data, hooks, device, batch_size, out, t_start: float, dist:
 
     if dist.is_main:
         torch.save(unwrap(model).state_dict(), out / "model.pt")
-        from gradmod.viz import plot_curves
+        from gradmod.reporting.plots import plot_curves
 
         plot_curves(history, out / "curves.png")
         files.watch.finish(unwrap(model))
@@ -444,7 +444,7 @@ def _stats_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 class _Saver:
-    """Writes and restores checkpoints of one run (``gradmod.checkpoint`` does the files)."""
+    """Writes and restores checkpoints of one run (``gradmod.training.checkpoint`` does the files)."""
 
     def __init__(self, cfg, folder, model, optimizer, amp, guard, hooks, writes: bool = True):
         self.cfg, self.folder, self.model, self.optimizer, self.writes = cfg, folder, model, optimizer, writes
@@ -459,7 +459,7 @@ class _Saver:
                  "epoch": pos.epoch, "batch": pos.batch, "step": pos.step, "generator": pos.generator,
                  "loss_sum": pos.loss_sum, "history": pos.history, "rng": ckpt.rng_state(),
                  "config": OmegaConf.to_yaml(self.cfg), "hook_plan": self.plan,
-                 "log_windows": [obs.state_dict() for _, obs in self.hooks.observers()]}
+                 "hooks": self.hooks.state_dict()}
         path = ckpt.save(self.folder, state, self.keep)
         log.debug("checkpoint %s (epoch %d, batch %d)", path, pos.epoch, pos.batch)
 
@@ -478,13 +478,8 @@ class _Saver:
                              f"({str(e).strip().splitlines()[0]})") from None
         self.amp.load_state_dict(state["scaler"])
         self.guard.load_state_dict({"steps": state["step"], **state["guard"]})  # older files lack guard steps
-        observers = self.hooks.observers()
-        if len(observers) == len(state["log_windows"]):  # the `log` windows in progress
-            device = next(self.model.parameters()).device
-            for (_, obs), saved in zip(observers, state["log_windows"]):
-                if isinstance(saved, (tuple, list)):  # written before GradStats.state_dict: (calls, row)
-                    saved = {"calls": saved[0], "window": saved[1]}
-                obs.load_state_dict(saved, device)
+        if "hooks" in state:  # the `log` windows in progress (and any other hook state)
+            self.hooks.load_state_dict(state["hooks"], next(self.model.parameters()).device)
         ckpt.set_rng_state(state["rng"])
         log.info("resumed from %s: epoch %d, batch %d, step %d", path, state["epoch"], state["batch"], state["step"])
         return ckpt.Position(state["epoch"], state["batch"], state["step"], state["generator"],

@@ -1,7 +1,7 @@
 """Sweeps: the report a multirun leaves in its folder, and the pieces jobs need for it.
 
-At the end of ``python train.py -m ...`` the ``SweepReport`` callback (registered in
-``conf/config.yaml`` under ``hydra.callbacks``) reads every job folder of the sweep and
+At the end of ``python train.py -m ...`` the ``SweepReport`` callback (``gradmod.app.sweep``,
+registered in ``conf/config.yaml`` under ``hydra.callbacks``) reads every job folder of the sweep and
 writes, into the sweep folder:
 
 * ``sweep.csv``: one row per job: job, overrides, status, test_accuracy, test_loss,
@@ -22,13 +22,11 @@ import csv
 import json
 import logging
 import statistics
-import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+import yaml
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +49,7 @@ def failed_summary(out_dir: str | Path | None, error: BaseException, seconds: fl
     return summary
 
 
-def launcher_threads(launcher: DictConfig | dict | None, cores: int | None = None) -> int:
+def launcher_threads(launcher: Mapping[str, Any] | None, cores: int | None = None) -> int:
     """Torch threads for one job of a sweep: ``cores // n_jobs`` under the joblib launcher
     (which runs ``n_jobs`` jobs at once; -1 is every core, -2 all but one, as in joblib),
     0 (torch's default) for launchers that run one job at a time on this machine."""
@@ -103,7 +101,7 @@ def _read_json(path: Path) -> Any:
 def read_job(job_dir: Path, root: Path) -> dict[str, Any]:
     """One job's row plus its accuracy curve (``curve``: [(epoch, test_accuracy)])."""
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
-    overrides = [str(o) for o in OmegaConf.load(overrides_file)] if overrides_file.exists() else []
+    overrides = [str(o) for o in yaml.safe_load(overrides_file.read_text()) or []] if overrides_file.exists() else []
     summary = _read_json(job_dir / "summary.json")
     curve = []
     metrics = job_dir / "metrics.jsonl"
@@ -246,18 +244,3 @@ def write_report(sweep_dir: str | Path) -> tuple[dict[str, Path], list[dict[str,
     paths["md"].write_text(markdown(rows, root))
     plot_accuracy(rows, paths["png"])
     return paths, rows
-
-
-class SweepReport(Callback):
-    """Hydra callback: write the sweep's report when a multirun ends, then exit with
-    status 1 if any job failed (each job's own failure was recorded, not raised)."""
-
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        paths, rows = write_report(config.hydra.sweep.dir)
-        bad = [r for r in rows if r["status"] != "ok"]
-        log.info("sweep report: %s, %s, %s", *paths.values())
-        if bad:
-            print(f"error: {len(bad)} of {len(rows)} jobs failed: "
-                  + "; ".join(f"job {r['job']}: {r['error']}" for r in bad[:3])
-                  + ("; ..." if len(bad) > 3 else "") + f" (see {paths['md']})", file=sys.stderr)
-            raise SystemExit(1)
