@@ -14,11 +14,11 @@ Sections:
   epoch  one training epoch with the article's clip hook (clamp to [-0.01, 0.01]):
          article  torchvision MNIST (the bundled sample written in MNIST's file format),
                   DataLoader(batch 100, shuffle) with Resize(28) + ToTensor, loss.item() per step
-         gradmod  gradmod.training.trainer.train_epoch on device-resident data, clip rule (hook stage)
+         gradmod  gradmod.training.loop.train_epoch on device-resident data, clip rule (hook stage)
          floor    forward, backward, optimizer step on batches already in memory, no hooks
   eval   article's batch-size-1 loop (DataLoader + ToTensor, .item() per image) against
-         gradmod.training.trainer.evaluate (batched, trainer.eval_batch_size)
-  step   one epoch of gradmod.training.trainer.train_epoch with: no hooks; clip as hook stage; clip as
+         gradmod.training.loop.evaluate (batched, trainer.eval_batch_size)
+  step   one epoch of gradmod.training.loop.train_epoch with: no hooks; clip as hook stage; clip as
          fused stage; torch.nn.utils.clip_grad_value_ after backward; log read every step;
          log read every 50 steps
 """
@@ -47,7 +47,8 @@ from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E
 from gradmod.models import MnistCNN  # noqa: E402
 from gradmod.hooks.rules import attach  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402
-from gradmod.training.trainer import evaluate, resolve_device, train_epoch  # noqa: E402
+from gradmod.training.loop import evaluate, train_epoch  # noqa: E402
+from gradmod.training.run import resolve_device  # noqa: E402
 
 BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}

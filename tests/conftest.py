@@ -37,7 +37,8 @@ def run_train(tmp_path: Path, *overrides: str, multirun: bool = False, check: bo
               env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python train.py`` in a subprocess with its outputs under ``tmp_path``."""
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    cmd = [sys.executable, str(ROOT / "train.py"), *(["-m"] if multirun else []),
+    entry = "tests/kill_driver.py" if "GRADMOD_KILL_AT" in (env or {}) else "train.py"  # see kill_driver
+    cmd = [sys.executable, str(ROOT / entry), *(["-m"] if multirun else []),
            f"{dir_key}={tmp_path}", f"data_dir={tmp_path / 'data'}", *overrides]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)

@@ -12,7 +12,7 @@ import torch
 
 from conftest import run_train
 from gradmod.training import checkpoint as ckpt
-from gradmod.training.trainer import run
+from gradmod.app.cli import run
 
 # A tiny run: 60 fake 28x28 images in batches of 10 -> 6 steps per epoch.
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
@@ -103,7 +103,7 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, compose_cfg, reference
     proc = run_train(tmp_path, *TINY, check=False, env={"GRADMOD_KILL_AT": "step:9"})
     assert proc.returncode == -9, proc.stderr
     assert not (tmp_path / "summary.json").exists()
-    assert ckpt.latest(tmp_path / "checkpoints")[1]["batch"] == 2  # mid-epoch position
+    assert ckpt.latest(tmp_path / "checkpoints")[1]["trainer"]["batch"] == 2  # mid-epoch position
     summary = _resume(compose_cfg, tmp_path)
     params, ref_summary, ref_metrics = reference
     _same_params(torch.load(tmp_path / "model.pt"), params)
@@ -139,7 +139,7 @@ def test_resume_from_a_path_mid_epoch_with_accumulation(tmp_path, compose_cfg):
     full = tmp_path / "full"
     run(compose_cfg(*over), full)
     first = full / "checkpoints" / "step-000000002.pt"
-    assert ckpt.load(first)["batch"] == 4  # two optimizer steps = four micro-batches into epoch 1
+    assert ckpt.load(first)["trainer"]["batch"] == 4  # two optimizer steps = four micro-batches into epoch 1
     summary = run(compose_cfg(*over, f"trainer.resume={first}"), tmp_path / "resumed")
     assert summary["resumed_from"] == str(first) and summary["steps"] == 6
     _same_params(torch.load(tmp_path / "resumed" / "model.pt"), torch.load(full / "model.pt"))

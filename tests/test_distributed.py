@@ -24,7 +24,7 @@ from torch import nn
 
 from gradmod.training.distributed import Dist, follower_overrides, unwrap
 from gradmod.hooks.rules import attach
-from gradmod.training.trainer import train_epoch
+from gradmod.training.loop import train_epoch
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = 0.05  # small enough that the clamp bites on some entries and not on others

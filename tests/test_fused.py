@@ -15,7 +15,7 @@ from gradmod.hooks import transforms as T
 from gradmod.hooks.stats import GradStats
 from gradmod.models import MnistCNN
 from gradmod.hooks.rules import attach
-from gradmod.training.trainer import train_epoch
+from gradmod.training.loop import train_epoch
 
 
 def _batch(n: int = 8, seed: int = 0):

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gradmod.training.trainer as train_mod
+import gradmod.training.run as train_mod
+from gradmod.app.cli import run
 from conftest import run_train
 from gradmod.training.nonfinite import NonFiniteError
 from gradmod.hooks.rules import attach
@@ -55,7 +56,7 @@ def test_a_failing_run_removes_its_hooks(compose_cfg, tmp_path, monkeypatch):
     cfg = compose_cfg(*TINY, "trainer.nonfinite=raise", "+hooks=[clip,log]",
                       "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: inf}]}")
     with pytest.raises(NonFiniteError):
-        train_mod.run(cfg, tmp_path)
+        run(cfg, tmp_path)
     assert _hook_count(seen[0]) == 0
 
 

@@ -15,9 +15,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import gradmod.training.trainer as train_mod
+import gradmod.training.run as train_mod
 from conftest import CONF, FAST
-from gradmod.training.trainer import run
+from gradmod.app.cli import run
 
 CLIP = 0.01
 # 1000 training digits in batches of 100: 10 steps. One thread: the test machines are

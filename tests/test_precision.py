@@ -13,7 +13,7 @@ from torch import nn
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision
 from gradmod.hooks.rules import attach
-from gradmod.training.trainer import run
+from gradmod.app.cli import run
 
 CPU = torch.device("cpu")
 CLAMP = [{"name": "clamp", "min": -0.01, "max": 0.01}]

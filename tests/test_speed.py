@@ -9,14 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradmod.training import trainer as train_mod
+from gradmod.training import run as train_mod
 from gradmod.hooks import transforms as T
 from gradmod.data import Data, load_mnist_sample
 from gradmod.training.loader import placement
 from gradmod.models import MnistCNN
 from gradmod.hooks.rules import attach
 from gradmod.training.speed import compile_model, forbid_syncs, to_channels_last
-from gradmod.training.trainer import batches, run, train_epoch
+from gradmod.app.cli import run
+from gradmod.training.loop import batches, train_epoch
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode only "

@@ -9,7 +9,7 @@ import torch
 from conftest import CONF, FAST, run_train
 from gradmod.models import build_model
 from gradmod.hooks.rules import attach
-from gradmod.training.trainer import run
+from gradmod.app.cli import run
 
 HOOK_FILES = sorted(p.stem for p in (CONF / "hooks").glob("*.yaml"))
 MODEL_FILES = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -132,20 +132,21 @@ def test_default_clip_run_reaches_95_percent(tmp_path):
 
 
 def test_what_a_run_opened_is_closed_when_opening_a_later_file_fails(compose_cfg, tmp_path, monkeypatch):
-    import gradmod.training.trainer as train_mod
+    import gradmod.training.run as run_mod
 
     closed = []
 
-    class Watch(train_mod.RunWatch):
+    class Files(run_mod.RunFiles):
         def close(self):
             closed.append(self.out)
             super().close()
 
-    monkeypatch.setattr(train_mod, "RunWatch", Watch)
+    monkeypatch.setattr(run_mod, "RunFiles", Files)
     (tmp_path / "grad_stats.jsonl").mkdir()  # opening the statistics file fails...
     with pytest.raises(IsADirectoryError):
         run(compose_cfg(*FAST, "+hooks=log", f"data_dir={tmp_path / 'data'}"), tmp_path)
-    assert closed == [tmp_path]  # ...after the logger was opened: it was closed again
+    assert closed == [tmp_path]  # ...after metrics.jsonl was opened: it was closed again
+    assert (tmp_path / "metrics.jsonl").exists()
 
 
 def test_trainer_threads_holds_for_the_run_only(compose_cfg, tmp_path):

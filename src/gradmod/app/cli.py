@@ -27,10 +27,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradmod.app.config import one_line
+from gradmod.app.config import one_line, validate
 from gradmod.training.nonfinite import NonFiniteError
 from gradmod.reporting.sweep import failed_summary, format_exception, launcher_threads
-from gradmod.training.trainer import run
+from gradmod.training import run as training
 
 log = logging.getLogger("gradmod")
 
@@ -40,11 +40,16 @@ _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
 OmegaConf.register_new_resolver("negate", lambda x: -x, replace=True)
 
 
+def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
+    """Check a composed config, then train as it says into ``out_dir``; returns the summary."""
+    return training.run(validate(cfg), out_dir)
+
+
 def job(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     out_dir = hydra_cfg.runtime.output_dir
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    if multirun and not cfg.trainer.get("threads"):
+    if multirun and not cfg.trainer.threads:
         # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
         threads = launcher_threads(hydra_cfg.launcher)
         if threads:

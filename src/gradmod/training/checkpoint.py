@@ -19,7 +19,6 @@ import io
 import logging
 import os
 import random
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ import torch
 log = logging.getLogger(__name__)
 
 MAGIC = b"gradmod-checkpoint v1 sha256="
-_writes = 0
 
 
 class CheckpointError(ValueError):
@@ -50,24 +48,13 @@ class Position:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def kill_point(event: str, n: int) -> None:
-    """Testing aid: ``GRADMOD_KILL_AT=step:N`` SIGKILLs the process after optimizer step N,
-    ``GRADMOD_KILL_AT=write:N`` during the N-th checkpoint write (after the temporary file
-    is written, before the rename)."""
-    if os.environ.get("GRADMOD_KILL_AT") == f"{event}:{n}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that ``path`` is never seen half-written."""
-    global _writes
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    _writes += 1
-    kill_point("write", _writes)
     os.replace(tmp, path)
     fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:

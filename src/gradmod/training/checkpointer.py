@@ -1,0 +1,82 @@
+"""The checkpoint callback: save every N epochs and/or steps, restore before ``fit``.
+
+A checkpoint holds the model, the Trainer's state (position in the data order, optimizer,
+GradScaler, history), the hooks' state (``log`` windows in progress), every callback's
+``state_dict`` under its key, the RNG states, the config and the hook plan.
+``gradmod.training.checkpoint`` writes and verifies the files.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from gradmod.training import checkpoint as ckpt
+from gradmod.training.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+FORMAT = 2
+
+
+class Checkpointer(Callback):
+    """Writes ``folder/step-*.pt`` every ``every_epochs`` epochs (and at the last) and every
+    ``every_steps`` optimizer steps, keeping the newest ``keep``. ``writes=False`` (DDP
+    ranks > 0) saves nothing: rank 0 holds the same state. ``config``: text saved with
+    each checkpoint."""
+
+    def __init__(self, folder: Path, *, every_epochs: int = 1, every_steps: int = 0, keep: int = 2,
+                 epochs: int = 0, config: str = "", plan: Any = None, writes: bool = True):
+        self.folder, self.every_epochs, self.every_steps, self.keep = Path(folder), every_epochs, every_steps, keep
+        self.epochs, self.config, self.plan, self.writes = epochs, config, plan, writes
+
+    def on_step_end(self, trainer) -> None:
+        if self.every_steps and trainer.step % self.every_steps == 0:
+            self.save(trainer)
+
+    def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
+        epoch = record["epoch"]
+        if self.every_epochs and (epoch % self.every_epochs == 0 or epoch == self.epochs):
+            self.save(trainer)
+
+    def save(self, trainer) -> Path | None:
+        if not self.writes:
+            return None
+        state = {"format": FORMAT, "model": trainer.model.state_dict(), "trainer": trainer.state_dict(),
+                 "hooks": trainer.hooks.state_dict() if trainer.hooks is not None else {},
+                 "callbacks": {cb.key: cb.state_dict() for cb in trainer.callbacks},
+                 "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan}
+        state["step"] = state["trainer"]["step"]
+        path = ckpt.save(self.folder, state, self.keep)
+        log.debug("checkpoint %s (epoch %d, batch %d)", path, state["trainer"]["epoch"], state["trainer"]["batch"])
+        return path
+
+    def restore(self, trainer, resume: str | None) -> Path | None:
+        """Load ``trainer.resume`` (None, ``auto`` or a path) into ``trainer`` and its
+        callbacks; returns the checkpoint's path, or None when starting fresh."""
+        found = ckpt.find(resume, self.folder)
+        if found is None:
+            return None
+        path, state = found
+        if state.get("format") != FORMAT:
+            raise ValueError(f"trainer.resume: {path} was written by another gradmod version "
+                             f"(format {state.get('format')}, this one reads {FORMAT}); start a new run")
+        if state.get("hook_plan") != self.plan:
+            log.warning("resuming from %s, whose hook plan differs from this run's", path)
+        try:
+            trainer.model.load_state_dict(state["model"])
+            trainer.load_state_dict(state["trainer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ValueError(f"trainer.resume: {path} does not fit this model/optimizer "
+                             f"({str(e).strip().splitlines()[0]})") from None
+        if trainer.hooks is not None:
+            trainer.hooks.load_state_dict(state["hooks"], trainer.device)
+        for cb in trainer.callbacks:
+            if cb.key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.key])
+        ckpt.set_rng_state(state["rng"])
+        trainer.resumed_from = path
+        pos = state["trainer"]
+        log.info("resumed from %s: epoch %d, batch %d, step %d", path, pos["epoch"], pos["batch"], pos["step"])
+        return path

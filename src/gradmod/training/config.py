@@ -1,0 +1,201 @@
+"""The typed config of a run: dataclasses, the one source of every default.
+
+Plain dataclasses (no Hydra, no OmegaConf): ``gradmod.app`` registers them as Hydra
+structured configs, so a typo fails while composing, and builds them with
+``OmegaConf.to_object``; ``__post_init__`` checks values, so a bad one fails before any
+work. Python users can build them directly: ``Config(model=ModelConfig("mnist_cnn"), ...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from gradmod.hooks.rules import STAGES as HOOK_STAGES
+from gradmod.reporting.loggers import LOGGERS
+from gradmod.training.distributed import STRATEGIES
+from gradmod.training.loader import PLACEMENTS
+from gradmod.training.nonfinite import POLICIES as NONFINITE
+from gradmod.training.precision import DTYPES
+
+MISSING: Any = "???"  # OmegaConf's mark for a value that must be given
+
+PRECISIONS = tuple(DTYPES)
+
+
+def choice(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
+
+
+def at_least(key: str, value: Any, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{key}={value} must be >= {low}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+
+    def __post_init__(self):
+        from gradmod.models import MODELS
+
+        choice("model.name", self.name, MODELS)
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    batch_size: int = 100
+    fallback: bool = True  # mnist offline: use the bundled sample instead of failing
+    n_test: int = 1000
+
+    def __post_init__(self):
+        from gradmod.data import DATASETS
+
+        choice("data.name", self.name, DATASETS)
+        at_least("data.batch_size", self.batch_size, 1)
+        at_least("data.n_test", self.n_test, 1)
+
+
+@dataclass
+class FakeDataConfig(DataConfig):
+    train_size: int = 256
+    test_size: int = 64
+    image_size: int = 224
+    channels: int = 3
+    num_classes: int = 10
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key in ("train_size", "test_size", "image_size", "channels"):
+            at_least(f"data.{key}", getattr(self, key), 1)
+        at_least("data.num_classes", self.num_classes, 2)
+
+
+@dataclass
+class OptimizerConfig:
+    _target_: str = MISSING
+    _partial_: bool = True  # the parameters come later, from the built model
+    lr: float = 0.001
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if self.lr < 0 or self.weight_decay < 0:
+            key, value = ("lr", self.lr) if self.lr < 0 else ("weight_decay", self.weight_decay)
+            raise ValueError(f"optimizer.{key}={value} must be >= 0")
+
+
+@dataclass
+class AdamConfig(OptimizerConfig):
+    _target_: str = "torch.optim.Adam"
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        super().__post_init__()
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas={list(self.betas)} must be two numbers in [0, 1)")
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    _target_: str = "torch.optim.SGD"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        at_least("optimizer.momentum", self.momentum, 0)
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    device: str = "auto"
+    progress: bool = True
+    log_every: int = 50
+    eval_batch_size: int = 1000
+    hook_stage: str = "hook"
+    threads: int = 0
+    precision: str = "fp32"
+    compile: bool = False
+    channels_last: bool = False
+    accumulate: int = 1
+    strategy: str = "single"
+    checkpoint_every: int = 1
+    checkpoint_every_steps: int = 0
+    checkpoint_keep: int = 2
+    resume: Optional[str] = None
+    nonfinite: str = "warn"
+    data_placement: str = "auto"
+    loader_workers: int = 2
+    sync_check: bool = False
+
+    def __post_init__(self):
+        for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):
+            at_least(f"trainer.{key}", getattr(self, key), 1)
+        for key in ("threads", "checkpoint_every", "checkpoint_every_steps", "loader_workers"):
+            at_least(f"trainer.{key}", getattr(self, key), 0)
+        choice("trainer.hook_stage", self.hook_stage, HOOK_STAGES)
+        choice("trainer.precision", self.precision, PRECISIONS)
+        choice("trainer.strategy", self.strategy, STRATEGIES)
+        choice("trainer.nonfinite", self.nonfinite, NONFINITE)
+        choice("trainer.data_placement", self.data_placement, PLACEMENTS)
+        if self.sync_check and (self.precision == "fp16" or self.nonfinite != "warn"):
+            other = "trainer.precision=fp16" if self.precision == "fp16" else f"trainer.nonfinite={self.nonfinite}"
+            raise ValueError(f"trainer.sync_check=true with {other}: that reads the host every step, which sync_check "
+                             "forbids; use trainer.sync_check=false, or precision fp32|bf16 and nonfinite=warn")
+        if self.resume not in (None, "auto") and not Path(self.resume).is_file():
+            raise ValueError(f"trainer.resume={self.resume!r}: no such file; allowed: auto, null or a checkpoint file")
+
+
+@dataclass
+class InitConfig:
+    name: str = "default"
+
+    def __post_init__(self):
+        from gradmod.weight_init import INITS
+
+        choice("init.name", self.name, INITS)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "csv"
+
+    def __post_init__(self):
+        choice("logger.name", self.name, LOGGERS)
+
+
+@dataclass
+class TensorBoardLoggerConfig(LoggerConfig):
+    name: str = "tensorboard"
+    histograms: bool = True
+
+
+@dataclass
+class CaptureConfig:
+    gradcam: bool = False
+    gradcam_layer: str = "conv2"
+    gradcam_images: int = 8
+
+    def __post_init__(self):
+        at_least("capture.gradcam_images", self.gradcam_images, 1)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    seed: int = 1234
+    data_dir: str = "data"
+    hooks: Dict[str, Any] = field(default_factory=dict)  # rules, checked by gradmod.hooks.rules.build_targets
+    clip_bound: Optional[float] = None  # the tuned clamp bound of conf/experiment/clip_optuna.yaml

@@ -1,0 +1,55 @@
+"""Run train.py, SIGKILLed at a point named by GRADMOD_KILL_AT (the soak and resume tests).
+
+``step:N``: right after optimizer step N (its step-end callbacks done, as a crash between
+steps). ``write:N``: during the N-th checkpoint write, after the temporary file is written
+and before the rename.
+"""
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+from gradmod.training import checkpoint
+from gradmod.training.callbacks import Callback
+from gradmod.training.trainer import Trainer
+
+event, n = os.environ["GRADMOD_KILL_AT"].split(":")
+n = int(n)
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAfterStep(Callback):
+    def on_step_end(self, trainer) -> None:
+        if trainer.step == n:
+            die()
+
+
+if event == "step":
+    init = Trainer.__init__
+
+    def with_killer(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.callbacks.append(KillAfterStep())
+
+    Trainer.__init__ = with_killer
+else:
+    replace, writes = checkpoint.os.replace, [0]
+
+    def replace_or_die(src, dst):
+        if Path(src).name.startswith(".step-"):  # a checkpoint, not another run file
+            writes[0] += 1
+            if writes[0] == n:
+                die()
+        replace(src, dst)
+
+    checkpoint.os.replace = replace_or_die
+
+root = Path(__file__).resolve().parents[1]
+sys.argv = [str(root / "train.py"), *sys.argv[1:]]
+sys.path.insert(0, str(root))
+runpy.run_path(str(root / "train.py"), run_name="__main__")
