@@ -1,0 +1,289 @@
+"""Group transforms (global_norm_clip, agc, zclip) against independent computations:
+torch.nn.utils.clip_grad_norm_, a unit-by-unit loop, a float-by-float ZClip reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradmod.hooks import attach
+from gradmod.hooks.group import ZClip
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5), nn.Linear(5, 3))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 1, 6, 6, generator=g) * 3, torch.randint(0, 3, (8,), generator=g)
+
+
+def rule(transform: dict, **extra) -> dict:
+    return {"g": {"params": "*", "transforms": [transform], **extra}}
+
+
+def backward(model: nn.Module, step: int) -> None:
+    model.zero_grad(set_to_none=True)
+    x, y = batch(step)
+    F.cross_entropy(model(x), y).backward()
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, "inf", 1.0])
+def test_global_norm_clip_is_clip_grad_norm(norm_type):
+    model, ref = tiny_model(), tiny_model()
+    hooks = attach(model, rule({"name": "global_norm_clip", "max_norm": 0.5, "norm_type": norm_type}), stage="fused")
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    totals = []
+    for step in range(5):
+        backward(model, step)
+        backward(ref, step)
+        assert hooks.after_backward() is False
+        totals.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type=float(norm_type)))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        opt.step()
+        ref_opt.step()
+    stats = hooks.read_stats()["g/global_norm_clip"]
+    totals = torch.stack(totals)
+    assert stats["calls"] == 5
+    assert stats["norm"] == pytest.approx(totals.mean().item(), rel=1e-6)
+    assert stats["norm_max"] == pytest.approx(totals.max().item(), rel=1e-6)
+    coefs = (0.5 / (totals + 1e-6)).clamp(max=1)
+    assert stats["clip_coef_min"] == pytest.approx(coefs.min().item(), rel=1e-6)
+    assert stats["frac_clipped"] == pytest.approx((coefs < 1).float().mean().item())
+    assert 0 < stats["frac_clipped"]  # the bound bites
+    hooks.remove()
+
+
+def test_log_around_a_group_transform_reports_before_and_after():
+    model = tiny_model()
+    rules = {"g": {"params": "*", "transforms": ["log", {"name": "global_norm_clip", "max_norm": 0.2}, "log"]}}
+    hooks = attach(model, rules, stage="fused")
+    backward(model, 0)
+    before = {n: p.grad.norm().item() for n, p in model.named_parameters()}
+    total = math.sqrt(sum(v * v for v in before.values()))
+    hooks.after_backward()
+    stats = hooks.read_stats()
+    coef = min(1.0, 0.2 / (total + 1e-6))
+    assert stats["g/global_norm_clip"]["clip_coef"] == pytest.approx(coef, rel=1e-5)
+    for name, norm in before.items():
+        assert stats[f"{name}/pre"]["norm"] == pytest.approx(norm, rel=1e-5)
+        assert stats[f"{name}/post"]["norm"] == pytest.approx(norm * coef, rel=1e-5)
+    hooks.remove()
+
+
+def test_global_norm_clip_chains_in_config_order():
+    model, ref = tiny_model(), tiny_model()
+    rules = {"g": {"params": "*", "transforms": [{"name": "scale", "factor": 3.0},
+                                                 {"name": "global_norm_clip", "max_norm": 0.3},
+                                                 {"name": "clamp", "min": -0.01, "max": 0.01}]}}
+    hooks = attach(model, rules, stage="fused")
+    backward(model, 1)
+    backward(ref, 1)
+    hooks.after_backward()
+    for p in ref.parameters():
+        p.grad.mul_(3.0)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    hooks.remove()
+
+
+def test_global_norm_clip_fp16_autocast_gradscaler_unscaled():
+    model, ref = tiny_model(), tiny_model()
+    hooks = attach(model, rule({"name": "global_norm_clip", "max_norm": 0.5}), stage="fused")
+    runs = []
+    for net, clip in ((model, hooks.after_backward),
+                      (ref, lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            x, y = batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(net(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # the clip sees unscaled gradients
+            clip()
+            scaler.step(opt)
+            scaler.update()
+        runs.append([p.detach().clone() for p in net.parameters()])
+    for p, q in zip(*runs):
+        assert torch.equal(p, q)
+    assert hooks.read_stats()["g/global_norm_clip"]["calls"] == 3
+    hooks.remove()
+
+
+def agc_reference(model: nn.Module, grads: dict, clip_factor: float, eps: float) -> dict:
+    """Unit by unit in float64: row i of a weight (all dims but the first) is one unit."""
+    out = {}
+    for name, p in model.named_parameters():
+        w, g = p.detach().double(), grads[name].double()
+        units = [(w, g)] if p.dim() <= 1 else [(w[i], g[i]) for i in range(p.shape[0])]
+        rows = []
+        for wu, gu in units:
+            limit = clip_factor * max(wu.norm().item(), eps)
+            n = gu.norm().item()
+            rows.append(gu * (limit / n) if n > limit else gu)
+        out[name] = rows[0] if p.dim() <= 1 else torch.stack(rows)
+    return out
+
+
+def test_agc_matches_a_unit_by_unit_computation():
+    model = tiny_model()
+    with torch.no_grad():
+        model[0].weight[1].zero_()  # a unit whose weights are all zero: eps bounds it
+    hooks = attach(model, rule({"name": "agc", "clip_factor": 0.6, "eps": 1e-3}), stage="fused")
+    backward(model, 2)
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    hooks.after_backward()
+    expected = agc_reference(model, raw, 0.6, 1e-3)
+    same = []  # per unit: left as it was?
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), expected[name], rtol=1e-5, atol=1e-9, msg=name)
+        units = zip(p.grad, raw[name]) if p.dim() > 1 else [(p.grad, raw[name])]
+        same += [torch.equal(a, b) for a, b in units]
+    assert not all(same) and any(same)  # the clip bites on some units, not all
+    hooks.remove()
+
+
+def test_agc_config_leaves_the_classifier_out():
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+    from gradmod.models import MnistCNN
+
+    rules = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "hooks" / "agc.yaml"))
+    hooks = attach(MnistCNN(), rules)
+    names = {d["tensor"] for d in hooks.describe()}
+    assert names == {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"}
+    assert {d["stage"] for d in hooks.describe()} == {"fused"}
+    hooks.remove()
+
+
+def zclip_reference(norms, alpha, z, warmup):
+    """Float-by-float ZClip: the clipped norms and the indices of the spikes."""
+    mean = var = None
+    out, spikes = [], []
+    for t, g in enumerate(norms):
+        if t < warmup:
+            out.append(g)
+            if t == warmup - 1:
+                mean = sum(norms[:warmup]) / warmup
+                var = sum(v * v for v in norms[:warmup]) / warmup - mean * mean
+            continue
+        std = math.sqrt(var)
+        if (g - mean) / (std + 1e-6) > z:
+            g = mean + z * std
+            spikes.append(t)
+        out.append(g)
+        mean = alpha * mean + (1 - alpha) * g
+        var = alpha * var + (1 - alpha) * (g - mean) ** 2
+    return out, spikes
+
+
+def norm_series(n: int, spikes: dict[int, float]) -> list[float]:
+    g = torch.Generator().manual_seed(3)
+    base = (1.0 + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)).tolist()
+    return [spikes.get(t, v) for t, v in enumerate(base)]
+
+
+@pytest.mark.parametrize("on_spike", ["clip", "skip"])
+def test_zclip_matches_a_reference_on_planted_spikes(on_spike):
+    planted = {30: 5.0, 31: 3.0, 45: 10.0, 60: 2.0}
+    norms = norm_series(80, planted)
+    expected, spikes = zclip_reference(norms, 0.97, 2.5, 25)
+    assert set(planted) <= set(spikes) and len(spikes) <= len(planted) + 1  # the spikes, hardly more
+    p = nn.Parameter(torch.zeros(3, 4))
+    holder = nn.Module()
+    holder.p = p
+    direction = torch.randn(3, 4, generator=torch.Generator().manual_seed(4))
+    direction /= direction.norm()
+    hooks = attach(holder, {"z": {"params": "p", "transforms": [{"name": "zclip", "on_spike": on_spike}]}})
+    skipped = []
+    for t, g in enumerate(norms):
+        p.grad = direction * g
+        if hooks.after_backward():
+            skipped.append(t)
+        assert p.grad.norm().item() == pytest.approx(expected[t], rel=1e-5), t
+    assert skipped == (spikes if on_spike == "skip" else [])
+    stats = hooks.read_stats()["z/zclip"]
+    assert stats["frac_clipped"] == pytest.approx(len(spikes) / len(norms))
+    hooks.remove()
+
+
+def test_zclip_resumes_bit_identically():
+    rules = rule({"name": "zclip", "warmup_steps": 3, "z_threshold": 1.0})
+
+    def train(model, hooks, steps):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in steps:
+            backward(model, step)
+            hooks.after_backward()
+            opt.step()
+
+    whole = tiny_model()
+    hooks = attach(whole, rules, stage="fused")
+    train(whole, hooks, range(10))
+    assert hooks.read_stats()["g/zclip"]["frac_clipped"] > 0  # the threshold bites
+    first = tiny_model()
+    hooks_a = attach(first, rules, stage="fused")
+    train(first, hooks_a, range(6))
+    state, weights = copy.deepcopy(hooks_a.state_dict()), copy.deepcopy(first.state_dict())
+    assert state["group"]["g/zclip"]["steps"] == 6
+    second = tiny_model(seed=9)
+    second.load_state_dict(weights)
+    hooks_b = attach(second, rules, stage="fused")
+    hooks_b.load_state_dict(state)
+    train(second, hooks_b, range(6, 10))
+    for p, q in zip(whole.parameters(), second.parameters()):
+        assert torch.equal(p, q)
+    fresh = tiny_model()  # without the state the run differs: the test can fail
+    fresh.load_state_dict(weights)
+    train(fresh, attach(fresh, rules, stage="fused"), range(6, 10))
+    assert any(not torch.equal(p, q) for p, q in zip(whole.parameters(), fresh.parameters()))
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"name": "global_norm_clip", "max_norm": 0}, ["max_norm=0", "> 0"]),
+    ({"name": "global_norm_clip", "max_norm": 1, "norm_type": 0.5}, ["norm_type=0.5", "inf"]),
+    ({"name": "agc", "clip_factor": -1}, ["clip_factor=-1", "> 0"]),
+    ({"name": "zclip", "alpha": 1.5}, ["alpha=1.5", "(0, 1)"]),
+    ({"name": "zclip", "warmup_steps": 0}, ["warmup_steps=0", ">= 1"]),
+    ({"name": "zclip", "on_spike": "drop"}, ["on_spike='drop'", "clip, skip"]),
+])
+def test_bad_arguments_are_one_line(spec, words):
+    with pytest.raises(ValueError) as e:
+        attach(tiny_model(), rule(spec), stage="fused")
+    assert "\n" not in str(e.value) and "hooks.g.transforms" in str(e.value)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_group_transform_at_the_hook_stage_is_refused():
+    with pytest.raises(ValueError, match=r"hooks.g.stage: group transform 'agc' .* 'fused' only"):
+        attach(tiny_model(), rule({"name": "agc"}, stage="hook"))
+    with pytest.raises(ValueError, match="needs params"):
+        attach(tiny_model(), {"m": {"modules": "0", "transforms": [{"name": "global_norm_clip", "max_norm": 1}]}})
+    with pytest.raises(TypeError, match="group transform"):
+        ZClip()(torch.ones(2))
+
+
+def test_zclip_state_round_trips_through_hookset_state_dict():
+    model = tiny_model()
+    hooks = attach(model, rule({"name": "zclip", "warmup_steps": 2}))
+    for step in range(4):
+        backward(model, step)
+        hooks.after_backward()
+    state = hooks.state_dict()["group"]["g/zclip"]
+    zclip = hooks._groups[0][1]
+    assert state["steps"] == 4 and torch.equal(state["mean"], zclip.mean) and torch.equal(state["var"], zclip.var)
+    hooks.remove()
