@@ -287,3 +287,162 @@ def test_zclip_state_round_trips_through_hookset_state_dict():
     zclip = hooks._groups[0][1]
     assert state["steps"] == 4 and torch.equal(state["mean"], zclip.mean) and torch.equal(state["var"], zclip.var)
     hooks.remove()
+
+
+# --- attach bookkeeping, register, fused-stage result checks -----------------------------
+
+SCALE2 = {"s": {"params": "*", "transforms": [{"name": "scale", "factor": 2.0}]}}
+
+
+def test_attach_through_another_root_is_refused():
+    model = tiny_model()
+    hooks = attach(model, SCALE2)
+    with pytest.raises(ValueError, match=r"attach: 0\.0\.weight, 0\.0\.bias, 0\.3\.weight, 0\.3\.bias, 0\.4\.weight and 1 more already carry"):
+        attach(nn.Sequential(model), {"s": {"params": "*", "transforms": ["zero"]}})
+    sub = tiny_model()
+    sub_hooks = attach(sub[3], SCALE2)
+    with pytest.raises(ValueError, match=r"attach: 3.weight, 3.bias already carry") as e:
+        attach(sub, SCALE2)
+    assert "\n" not in str(e.value)
+    # The refused calls left the first hooks alone: scale 2 applied once, not twice.
+    ref = tiny_model()
+    backward(model, 0)
+    backward(ref, 0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, 2 * q.grad)
+    # Attaching again to the same model replaces; removing frees the tensors.
+    again = attach(model, SCALE2)
+    assert len(hooks) == 0 and len(again) == 6
+    again.remove()
+    wrapped = attach(nn.Sequential(model), SCALE2)
+    wrapped.remove()
+    sub_hooks.remove()
+    attach(sub, SCALE2).remove()
+
+
+def test_modules_rules_overlap_is_refused():
+    model = tiny_model()
+    hooks = attach(model, {"m": {"modules": "3", "transforms": ["log"]}})
+    with pytest.raises(ValueError, match=r"attach: 0.3:output already carry"):
+        attach(nn.Sequential(model), {"m": {"modules": "0.3", "transforms": ["log"]}})
+    hooks.remove()
+    attach(nn.Sequential(model), {"m": {"modules": "0.3", "transforms": ["log"]}}).remove()
+
+
+def test_register_checks_its_arguments_at_once():
+    from gradmod.hooks import transforms as T
+
+    for args, kwargs, words in [((42,), {}, "name must be a non-empty str"),
+                                (("",), {}, "name must be a non-empty str"),
+                                (("bad_factory", 5), {}, "factory must be callable"),
+                                (("bad_foreach", lambda: None), {"foreach": 3}, "foreach must be callable")]:
+        with pytest.raises(TypeError, match=words):
+            T.register(*args, **kwargs)
+    with pytest.raises(TypeError, match="factory must be callable"):
+        T.register("bad_decorated")(7)
+    assert not {"bad_factory", "bad_foreach", "bad_decorated"} & set(T.names())
+
+
+@pytest.mark.parametrize("result, words", [
+    ("shape", ["shape (1,)", "needs shape (4, 1, 3, 3)"]),
+    ("dtype", ["dtype torch.float64", "dtype torch.float32"]),
+    ("list", ["returned list"]),
+])
+def test_fused_result_is_checked_on_the_first_call(result, words):
+    from gradmod.hooks import transforms as T
+
+    make = {"shape": lambda g: g.sum().reshape(1), "dtype": lambda g: g.double(), "list": lambda g: [g]}[result]
+    T.register(f"bad_{result}", lambda: make, overwrite=True)
+    model = tiny_model()
+    hooks = attach(model, {"r": {"params": "0.weight", "transforms": [f"bad_{result}"]}}, stage="fused")
+    backward(model, 0)
+    with pytest.raises(ValueError) as e:
+        hooks.after_backward()
+    for w in ["hooks.r", f"'bad_{result}'", "'0.weight'", *words]:
+        assert w in str(e.value)
+    hooks.remove()
+
+
+# --- cost: aten ops per step, counted (deterministic, unlike timings) --------------------
+
+class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def counted_step(model, opt, hooks=None) -> list[str]:
+    x, y = batch(0)
+    with CountOps() as count:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        if hooks is not None:
+            hooks.after_backward()
+        opt.step()
+    return count.ops
+
+
+def test_global_norm_clip_step_costs_a_few_ops_and_no_host_sync():
+    bare, clipped = tiny_model(), tiny_model()
+    hooks = attach(clipped, rule({"name": "global_norm_clip", "max_norm": 0.5}), stage="fused")
+    bare_opt = torch.optim.SGD(bare.parameters(), lr=0.1, foreach=True)
+    clip_opt = torch.optim.SGD(clipped.parameters(), lr=0.1, foreach=True)
+    counted_step(bare, bare_opt), counted_step(clipped, clip_opt, hooks)  # first steps build state
+    base, ops = counted_step(bare, bare_opt), counted_step(clipped, clip_opt, hooks)
+    extra = list(ops)
+    for op in base:
+        extra.remove(op)
+    # _foreach_norm, stack, linalg_vector_norm, add, reciprocal, mul, clamp, _foreach_mul_, stack (record)
+    assert len(ops) - len(base) == len(extra) <= 10, extra
+    assert extra.count("_foreach_norm") == 1 and extra.count("_foreach_mul_") == 1, extra
+    assert "_local_scalar_dense" not in ops and "item" not in ops  # no host sync
+    hooks.remove()
+
+
+# --- DDP: the fused stage sees the all-reduced (averaged) gradient -----------------------
+
+def _ddp_clip_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = tiny_model()
+        hooks = attach(model, rule({"name": "global_norm_clip", "max_norm": 0.5}), stage="fused")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        x, y = batch(0)
+        F.cross_entropy(ddp(x[rank::world]), y[rank::world]).backward()
+        hooks.after_backward()
+        torch.save({n: p.grad for n, p in model.named_parameters()}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_global_norm_clip_under_ddp_clips_the_averaged_gradient(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_clip_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    # Reference: each rank's local gradient, averaged (DDP's all-reduce), then clip_grad_norm_.
+    ref = tiny_model()
+    x, y = batch(0)
+    local = [torch.autograd.grad(F.cross_entropy(ref(x[r::2]), y[r::2]), list(ref.parameters())) for r in range(2)]
+    for p, gs in zip(ref.parameters(), zip(*local)):
+        p.grad = (gs[0] + gs[1]) / 2
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    for r in range(2):
+        grads = torch.load(tmp_path / f"rank{r}.pt")
+        for (name, q) in ref.named_parameters():
+            torch.testing.assert_close(grads[name], q.grad, rtol=1e-5, atol=1e-7, msg=name)
