@@ -19,7 +19,8 @@ Sections:
   eval   article's batch-size-1 loop (DataLoader + ToTensor, .item() per image) against
          gradmod.training.loop.evaluate (batched, trainer.eval_batch_size)
   step   one epoch of gradmod.training.loop.train_epoch with: no hooks; clip as hook stage; clip as
-         fused stage; torch.nn.utils.clip_grad_value_ after backward; log read every step;
+         fused stage; torch.nn.utils.clip_grad_value_ after backward; global_norm_clip (fused);
+         log read every step;
          log read every 50 steps
 """
 
@@ -53,6 +54,7 @@ from gradmod.training.run import resolve_device  # noqa: E402
 BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
+NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 SECTIONS = ("epoch", "eval", "step")
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
@@ -65,6 +67,7 @@ RATIOS = [
     ("hook_overhead", "step.clip_hook", "step.none", "<= 1.05", lambda r: r <= 1.05),
     ("fused_over_none", "step.clip_fused", "step.none", None, None),
     ("clip_grad_value_over_none", "step.clip_grad_value_", "step.none", None, None),
+    ("norm_fused_over_none", "step.norm_fused", "step.none", None, None),
     ("log_every_step_over_none", "step.log_every_step", "step.none", None, None),
     ("log_every_50_over_none", "step.log_every_50", "step.none", None, None),
     ("none_over_floor", "step.none", "epoch.floor", None, None),
@@ -251,6 +254,7 @@ class Bench:
             "step.clip_hook": (lambda: self.gradmod_epoch(rules=CLIP, stage="hook"), self.steps, "step"),
             "step.clip_fused": (lambda: self.gradmod_epoch(rules=CLIP, stage="fused"), self.steps, "step"),
             "step.clip_grad_value_": (self.clip_grad_value, self.steps, "step"),
+            "step.norm_fused": (lambda: self.gradmod_epoch(rules=NORM, stage="fused"), self.steps, "step"),
             "step.log_every_step": (lambda: self.gradmod_epoch(rules=LOG, read_every=1), self.steps, "step"),
             "step.log_every_50": (lambda: self.gradmod_epoch(rules=LOG, read_every=50), self.steps, "step"),
         }

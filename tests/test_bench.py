@@ -24,7 +24,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     report = _bench().main(["--quick", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     expected = {"epoch.article", "epoch.gradmod", "epoch.floor", "eval.article", "eval.gradmod", "eval.gradmod_b100", "step.none",
-                "step.clip_hook", "step.clip_fused", "step.clip_grad_value_", "step.log_every_step",
+                "step.clip_hook", "step.clip_fused", "step.clip_grad_value_", "step.norm_fused", "step.log_every_step",
                 "step.log_every_50"}
     assert set(report["results"]) == expected
     for name, r in report["results"].items():

@@ -27,7 +27,11 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from torch.utils.weak import WeakIdKeyDictionary
+
+from gradmod.hooks import group as _group  # noqa: F401  (registers the group transforms)
 from gradmod.hooks import transforms as T
+from gradmod.hooks.fused import fused_steps, run_fused
 from gradmod.hooks.stats import GradStats
 
 STAGES = ("hook", "fused")
@@ -35,6 +39,8 @@ RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
 
 # model -> its live HookSet, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, HookSet]" = weakref.WeakKeyDictionary()
+# hooked parameter or module -> the live HookSet holding its hooks, whatever root reached it.
+_OWNERS = WeakIdKeyDictionary()
 
 
 @dataclass
@@ -104,28 +110,54 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
             raise ValueError(f"hooks.{rule}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(RULE_KEYS)}")
         if ("params" in spec) == ("modules" in spec):
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
-        rule_stage = spec.get("stage") or stage
-        if rule_stage not in STAGES:
-            raise ValueError(f"hooks.{rule}.stage: {rule_stage!r} is not a stage; allowed: {', '.join(STAGES)}")
-        kind = "param" if "params" in spec else "module"
-        if kind == "module" and spec.get("stage") == "fused":
-            raise ValueError(f"hooks.{rule}.stage: 'fused' needs params (accumulated .grad); modules rules run as hooks")
-        transforms = spec.get("transforms")
-        if isinstance(transforms, (str, Mapping)):
-            transforms = [transforms]
-        if not transforms:
-            raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(T.names())}")
-        names = select(rule, spec, params if kind == "param" else modules,
-                       "parameter (see model.named_parameters())" if kind == "param"
-                       else "module (see model.named_modules())")
-        for name in names:
-            try:
-                steps = [T.build(t) for t in transforms]  # per tensor: observers keep own state
-            except ValueError as e:
-                raise ValueError(f"hooks.{rule}.transforms: {e}") from None
-            target_stage = "hook" if kind == "module" else rule_stage
-            targets.append(Target(rule, kind, name, target_stage, _label_observers(steps, target_stage)))
+        targets.extend(_rule_targets(rule, spec, params, modules, stage))
     _check_observer_keys(targets)
+    return targets
+
+
+def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list, default: str) -> str:
+    """The rule's stage: its own, else the default; a rule with a group transform runs
+    fused (the only stage where all its gradients are there at once)."""
+    rule_stage = spec.get("stage") or default
+    if rule_stage not in STAGES:
+        raise ValueError(f"hooks.{rule}.stage: {rule_stage!r} is not a stage; allowed: {', '.join(STAGES)}")
+    if kind == "module" and spec.get("stage") == "fused":
+        raise ValueError(f"hooks.{rule}.stage: 'fused' needs params (accumulated .grad); modules rules run as hooks")
+    try:
+        groups = [n for n in (T.parse_spec(t)[0] for t in transforms) if T.is_group(n)]
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+    if not groups:
+        return "hook" if kind == "module" else rule_stage
+    if kind == "module":
+        raise ValueError(f"hooks.{rule}: group transform {groups[0]!r} needs params (accumulated .grad), not modules")
+    if spec.get("stage") == "hook":
+        raise ValueError(f"hooks.{rule}.stage: group transform {groups[0]!r} acts on all the rule's gradients "
+                         "after backward; it runs at stage 'fused' only")
+    return "fused"
+
+
+def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str],
+                  default_stage: str) -> list[Target]:
+    kind = "param" if "params" in spec else "module"
+    transforms = spec.get("transforms")
+    if isinstance(transforms, (str, Mapping)):
+        transforms = [transforms]
+    if not transforms:
+        raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(T.names())}")
+    stage = _rule_stage(rule, spec, kind, transforms, default_stage)
+    names = select(rule, spec, params if kind == "param" else modules,
+                   "parameter (see model.named_parameters())" if kind == "param"
+                   else "module (see model.named_modules())")
+    shared: dict[int, T.Step] = {}  # a group transform: one instance for all the rule's tensors
+    targets = []
+    for name in names:
+        try:  # per tensor: observers and stateful transforms keep their own state
+            steps = [shared.get(i) or T.build(t) for i, t in enumerate(transforms)]
+        except ValueError as e:
+            raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+        shared.update((i, st) for i, st in enumerate(steps) if st.group)
+        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage)))
     return targets
 
 
@@ -155,6 +187,11 @@ def observer_key(target: Target, obs: GradStats) -> str:
 
 def _check_observer_keys(targets: list[Target]) -> None:
     seen: dict[str, str] = {}
+    for key, rule, _ in _group_steps(targets):
+        if key in seen:
+            raise ValueError(f"hooks.{rule}: transform {key.partition('/')[2]!r} appears twice in the rule; "
+                             "give it once (its statistics are keyed by rule and transform)")
+        seen[key] = rule
     for t in targets:
         for s in t.steps:
             if isinstance(s.fn, GradStats):
@@ -189,6 +226,17 @@ def _chain(steps: list[T.Step], hooks: "HookSet", key: str):
     return hook
 
 
+def _group_steps(targets: list[Target]) -> list[tuple[str, str, T.Step]]:
+    """(``rule/transform``, rule, step) of every group transform, once each, in config order."""
+    out, seen = [], set()
+    for t in targets:
+        for s in t.steps:
+            if s.group and id(s) not in seen:
+                seen.add(id(s))
+                out.append((f"{t.rule}/{s.name}", t.rule, s))
+    return out
+
+
 class HookSet:
     """The hooks one ``attach`` call registered. ``remove()`` (or leaving a ``with``
     block) removes every handle; ``after_backward()`` runs the fused stage."""
@@ -211,15 +259,12 @@ class HookSet:
             else:
                 self._handles.append(modules[t.name].register_forward_hook(_output_hook(_chain(steps, self, key))))
         self.hooked_params = {t.name for t, _ in hooked.values() if t.kind == "param"}
-        # Fused groups: (rule, step index) -> (steps, param tensors), applied in config order.
-        self._fused: list[tuple[list[T.Step], list[nn.Parameter]]] = []
-        by_rule: dict[str, list[Target]] = {}
-        for t in targets:
-            if t.stage == "fused":
-                by_rule.setdefault(t.rule, []).append(t)
-        for group in by_rule.values():
-            for i in range(len(group[0].steps)):
-                self._fused.append(([t.steps[i] for t in group], [params[t.name] for t in group]))
+        self._fused = fused_steps(targets, params)  # (rule, step index) groups in config order
+        self._groups = [(key, s.fn) for key, _, s in _group_steps(targets)]
+        # Every tensor this set transforms, so another attach call cannot hook it twice.
+        self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
+        for obj in self.owned:
+            _OWNERS[obj] = self
 
     def _in_order(self) -> list[Target]:
         """The targets in application order: hook-stage ones (they run during backward)
@@ -251,27 +296,19 @@ class HookSet:
     def has_fused(self) -> bool:
         return bool(self._fused)
 
-    def after_backward(self) -> None:
-        """Run the fused stage on the accumulated gradients (call before optimizer.step)."""
-        for steps, params in self._fused:
-            grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            if steps[0].inplace is not None:  # one grouped foreach call (stateless forms)
-                steps[0].inplace(grads)
-                continue
-            # Per tensor with its own step: observers and stateful transforms (noise's
-            # annealing counter) keep one state per tensor, as in the hook stage.
-            for s, p in zip(steps, params):
-                if p.grad is not None:
-                    out = s(p.grad)
-                    if out is not None:
-                        p.grad.copy_(out)
+    def after_backward(self) -> bool:
+        """Run the fused stage on the accumulated gradients (call before optimizer.step).
+        Returns True when the optimizer step must be skipped (``zclip(on_spike="skip")``
+        saw a spike: only then is the host read), False otherwise."""
+        return run_fused(self._fused)
 
-    def observers(self) -> list[tuple[str, GradStats]]:
-        """(statistics key, ``log`` accumulator) for every ``log`` transform attached."""
-        return [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps
+    def observers(self) -> list[tuple[str, Any]]:
+        """(statistics key, accumulator) for every ``log`` transform attached (key
+        ``tensor`` or ``tensor/label``), then every group transform's ``NormRecord``
+        (key ``rule/transform``: total norm before it, clip coefficient)."""
+        logs = [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps
                 if isinstance(s.fn, GradStats)]
+        return logs + [(key, fn.record) for key, fn in self._groups]
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
@@ -280,21 +317,23 @@ class HookSet:
         for key, obs in self.observers():
             calls, acc = obs.take()
             if acc is not None:
-                pending.append((key, calls, acc, obs.pre is not None))
+                pending.append((key, obs, calls, acc, obs.pre is not None))
         if not pending:
             return {}
-        device = pending[0][2].device
-        flat = torch.cat([acc.to(device) for _, _, acc, _ in pending]).tolist()
+        device = pending[0][3].device
+        flat = torch.cat([acc.to(device) for _, _, _, acc, _ in pending]).tolist()
         out, i = {}, 0
-        for key, calls, acc, paired in pending:
-            out[key] = GradStats.summarize(calls, flat[i:i + len(acc)], paired)
+        for key, obs, calls, acc, paired in pending:
+            out[key] = obs.summarize(calls, flat[i:i + len(acc)], paired)
             i += len(acc)
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """What the hooks carry from step to step (the ``log`` windows in progress), for
+        """What the hooks carry from step to step (the ``log`` windows in progress, the
+        group transforms' state such as zclip's running mean and variance), for
         checkpoints: resuming with ``load_state_dict`` continues bit for bit."""
-        return {"log_windows": {key: obs.state_dict() for key, obs in self.observers()}}
+        return {"log_windows": {key: obs.state_dict() for key, obs in self.observers()},
+                "group": {key: fn.state_dict() for key, fn in self._groups}}
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         """Restore ``state_dict()``'s windows; ``device``: where this run's gradients are.
@@ -303,6 +342,10 @@ class HookSet:
         for key, obs in self.observers():
             if key in windows:
                 obs.load_state_dict(windows[key], device)
+        groups = state.get("group", {})
+        for key, fn in self._groups:
+            if key in groups:
+                fn.load_state_dict(groups[key], device)
 
     def set_histograms(self, on: bool) -> None:
         """Bin the gradients of the next calls on the device (for the step before a read)."""
@@ -325,6 +368,10 @@ class HookSet:
         self._handles.clear()
         self._fused.clear()
         self._raw.clear()
+        for obj in self.owned:  # free the tensors for another attach call
+            if _OWNERS.get(obj) is self:
+                del _OWNERS[obj]
+        self.owned = []
 
     def __enter__(self) -> "HookSet":
         return self
@@ -346,15 +393,32 @@ def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
            stage: str = "hook") -> HookSet:
     """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
 
-    ``stage`` is the default for rules that do not set one. Attaching again to the same
-    model first removes the hooks of the previous call, so hooks never double.
+    ``stage`` is the default for rules that do not set one (a rule with a group
+    transform runs fused). Attaching again to the same model first removes the hooks of
+    the previous call, so hooks never double; tensors that carry a live HookSet attached
+    through another module (a wrapper, a submodule) are refused: remove that one first.
     """
     if stage not in STAGES:
         raise ValueError(f"stage {stage!r} is not a stage; allowed: {', '.join(STAGES)}")
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
     previous = _ATTACHED.get(model)
+    _refuse_overlap(model, targets, previous)
     if previous is not None:
         previous.remove()
     hooks = HookSet(model, targets)
     _ATTACHED[model] = hooks
     return hooks
+
+
+def _refuse_overlap(model: nn.Module, targets: list[Target], previous: HookSet | None) -> None:
+    """A one-line error naming the tensors another live HookSet already transforms."""
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    taken = []
+    for t in targets:
+        owner = _OWNERS.get(params[t.name] if t.kind == "param" else modules[t.name])
+        if owner is not None and owner is not previous and t.key not in taken:
+            taken.append(t.key)
+    if taken:
+        shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
+        raise ValueError(f"attach: {shown} already carry hooks from another attach call (through another "
+                         "module); call remove() on that HookSet first, or attach once to the outer model")

@@ -26,26 +26,49 @@ Foreach = Callable[[list[Tensor]], None]
 
 _FACTORIES: dict[str, Callable[..., Transform]] = {}
 _FOREACH: dict[str, Callable[..., Foreach]] = {}
+_GROUP: set[str] = set()  # names of group transforms (see gradmod.hooks.group)
 
 
 def register(name: str, factory: Callable[..., Transform] | None = None, *,
-             foreach: Callable[..., Foreach] | None = None, overwrite: bool = False):
+             foreach: Callable[..., Foreach] | None = None, group: bool = False,
+             overwrite: bool = False):
     """Register ``factory(**args) -> transform`` under ``name``; usable as a decorator.
 
     ``foreach(**args)`` optionally returns an in-place function over a list of gradients
-    for the ``fused`` stage. A name is registered once unless ``overwrite=True``.
+    for the ``fused`` stage. ``group=True``: the factory builds a group transform, one per
+    rule, that acts on all the rule's gradients together (fused stage only; see
+    ``gradmod.hooks.group``). A name is registered once unless ``overwrite=True``.
+    Bad arguments fail here, not when a rule is attached.
     """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"transforms.register: name must be a non-empty str, got {name!r}")
+    if factory is not None and not callable(factory):
+        raise TypeError(f"transforms.register({name!r}): factory must be callable, got {type(factory).__name__}")
+    if foreach is not None and not callable(foreach):
+        raise TypeError(f"transforms.register({name!r}): foreach must be callable or None, got {type(foreach).__name__}")
+    if group and foreach is not None:
+        raise ValueError(f"transforms.register({name!r}): a group transform has no foreach form")
 
     def add(f):
+        if not callable(f):
+            raise TypeError(f"transforms.register({name!r}): factory must be callable, got {type(f).__name__}")
         if name in _FACTORIES and not overwrite:
             raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
         _FACTORIES[name] = f
         _FOREACH.pop(name, None)
+        _GROUP.discard(name)
         if foreach is not None:
             _FOREACH[name] = foreach
+        if group:
+            _GROUP.add(name)
         return f
 
     return add(factory) if factory is not None else add
+
+
+def is_group(name: str) -> bool:
+    """Whether ``name`` is a group transform (acts on all of a rule's gradients together)."""
+    return name in _GROUP
 
 
 def names() -> list[str]:
@@ -63,6 +86,11 @@ class Step:
 
     def __call__(self, grad: Tensor) -> Tensor | None:
         return self.fn(grad)
+
+    @property
+    def group(self) -> bool:
+        """A group transform: ``fn`` acts on all of a rule's gradients at the fused stage."""
+        return is_group(self.name)
 
     @cached_property
     def inplace(self) -> Foreach | None:

@@ -19,7 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 
 LOGGERS = ("csv", "tensorboard")
-STAT_COLUMNS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite", "frac_clipped", "calls")
+STAT_COLUMNS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite", "frac_clipped", "calls",
+                "norm_max", "clip_coef", "clip_coef_min")  # the last three: group transforms (rule/transform)
 
 
 def split_key(key: str) -> tuple[str, str]:

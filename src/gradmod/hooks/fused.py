@@ -1,0 +1,79 @@
+"""The fused stage: transforms applied in place to the accumulated ``.grad`` tensors after
+backward, once per optimizer step, each rule's steps in config order.
+
+A step of a rule is applied to all the rule's gradients at once: a group transform
+(``gradmod.hooks.group``) gets them all; a transform with a foreach form makes one
+grouped call; any other runs per tensor, each tensor with its own instance (observers
+and stateful transforms keep one state per tensor, as in the hook stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from gradmod.hooks import transforms as T
+
+
+@dataclass
+class FusedStep:
+    """One transform of one rule over the rule's tensors (names and parameters in model order)."""
+
+    rule: str
+    steps: list[T.Step]  # per tensor; for a group transform the same Step every time
+    names: list[str]
+    params: list[nn.Parameter]
+    checked: bool = field(default=False)
+
+    def run(self) -> Tensor | None:
+        """Apply in place; a group transform may answer a device bool "skip the step"."""
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not live:
+            return None
+        first = self.steps[0]
+        grads = [self.params[i].grad for i in live]
+        if first.group:
+            return first.fn.apply_([self.params[i] for i in live], grads)
+        if first.inplace is not None:  # one grouped foreach call (stateless forms)
+            first.inplace(grads)
+            return None
+        for i, g in zip(live, grads):
+            out = self.steps[i](g)
+            if out is not None:
+                if not self.checked:
+                    self._check(self.steps[i].name, self.names[i], g, out)
+                g.copy_(out)
+        self.checked = True
+        return None
+
+    def _check(self, transform: str, tensor: str, grad: Tensor, out) -> None:
+        """A result written into ``.grad`` must be a tensor just like it (checked on the
+        first call only, so a step pays nothing for it)."""
+        if isinstance(out, Tensor) and out.shape == grad.shape and out.dtype == grad.dtype \
+                and out.device == grad.device:
+            return
+        got = (f"shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}" if isinstance(out, Tensor)
+               else type(out).__name__)
+        raise ValueError(f"hooks.{self.rule}: transform {transform!r} returned {got} for {tensor!r}; the fused "
+                         f"stage needs shape {tuple(grad.shape)}, dtype {grad.dtype}, device {grad.device} (or None)")
+
+
+def fused_steps(targets, params: dict[str, nn.Parameter]) -> list[FusedStep]:
+    """The fused-stage targets as (rule, step index) groups, in config order."""
+    by_rule: dict[str, list] = {}
+    for t in targets:
+        if t.stage == "fused":
+            by_rule.setdefault(t.rule, []).append(t)
+    return [FusedStep(rule, [t.steps[i] for t in group], [t.name for t in group], [params[t.name] for t in group])
+            for rule, group in by_rule.items() for i in range(len(group[0].steps))]
+
+
+def run_fused(steps: list[FusedStep]) -> bool:
+    """Run every step; True when a group transform asks to skip the optimizer step. The
+    host reads that answer only when such a transform is configured to give one."""
+    answers = [a for a in (s.run() for s in steps) if a is not None]
+    if not answers:
+        return False
+    return bool(torch.stack(answers).any())

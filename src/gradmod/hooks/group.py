@@ -1,0 +1,241 @@
+"""Group transforms: act on all the gradients one rule selects, together.
+
+``global_norm_clip`` (``torch.nn.utils.clip_grad_norm_`` over the rule's parameters),
+``agc`` (adaptive, unit-wise clipping, Brock et al. 2021) and ``zclip`` (clipping of
+statistical spikes of the gradient norm, Kumar et al. 2025). They need every gradient of
+the rule after backward, so they run at the fused stage only, in place on the accumulated
+``.grad`` tensors, chained in config order with the rule's other transforms.
+
+Each keeps a ``NormRecord`` on the device: per call the total L2 norm before the
+transform and the clip coefficient it applied, read at log points by
+``HookSet.read_stats`` under the key ``<rule>/<transform>``. No host sync per step,
+except ``zclip(on_spike="skip")``, whose answer the loop must read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from gradmod.hooks.transforms import _number, _positive, register
+
+EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
+
+
+def total_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The norm of all ``grads`` as one vector: one ``_foreach_norm``, then the norm of the norms."""
+    norms = torch._foreach_norm(grads, norm_type)
+    device = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+
+
+class NormRecord:
+    """Per call: total norm before the transform and clip coefficient, kept on the device;
+    read like a ``log`` window (``take``, ``summarize``, ``state_dict``)."""
+
+    COMPACT_AT = 256  # pending rows folded into one summary, so memory stays bounded
+    label = None
+    pre = None  # never paired with a ``log`` observer
+    histogram = False  # set by HookSet.set_histograms; a record takes none
+
+    def __init__(self):
+        self.calls = 0
+        self._rows: list[Tensor] = []
+        self._summary: Tensor | None = None  # [norm sum, norm max, coef sum, coef min, clipped calls]
+
+    def add(self, norm: Tensor, coef: Tensor) -> None:
+        self._rows.append(torch.stack([norm.float(), coef.float()]))
+        self.calls += 1
+        if len(self._rows) >= self.COMPACT_AT:
+            self._summary, self._rows = self._fold(), []
+
+    def _fold(self) -> Tensor | None:
+        parts = [] if self._summary is None else [self._summary]
+        if self._rows:
+            r = torch.stack(self._rows)
+            n, c = r[:, 0], r[:, 1]
+            parts.append(torch.stack([n.sum(), n.max(), c.sum(), c.min(), (c < 1).sum().float()]))
+        if len(parts) < 2:
+            return parts[0] if parts else None
+        a, b = parts
+        return torch.stack([a[0] + b[0], torch.maximum(a[1], b[1]), a[2] + b[2],
+                            torch.minimum(a[3], b[3]), a[4] + b[4]])
+
+    def take(self) -> tuple[int, Tensor | None]:
+        out, calls = self._fold(), self.calls
+        self.calls, self._rows, self._summary = 0, [], None
+        return calls, out
+
+    @staticmethod
+    def summarize(calls: int, values: list[float], paired: bool = False) -> dict[str, Any]:
+        norm_sum, norm_max, coef_sum, coef_min, clipped = values[:5]
+        return {"norm": norm_sum / calls, "norm_max": norm_max, "clip_coef": coef_sum / calls,
+                "clip_coef_min": coef_min, "frac_clipped": clipped / calls, "calls": calls}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "window": self._fold()}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        window = state["window"]
+        self.calls, self._rows = state["calls"], []
+        self._summary = window if window is None or device is None else window.to(device)
+
+
+class GroupTransform:
+    """Base of the group transforms: ``apply_(params, grads)`` changes ``grads`` in place
+    and returns a device bool "skip this step", or None."""
+
+    name = "group"
+
+    def __init__(self):
+        self.record = NormRecord()
+
+    def apply_(self, params: list[Tensor], grads: list[Tensor]) -> Tensor | None:
+        raise NotImplementedError
+
+    def __call__(self, grad: Tensor) -> Tensor | None:
+        raise TypeError(f"{self.name!r} is a group transform: it runs at the fused stage over all "
+                        "of a rule's gradients (HookSet.after_backward), not on one tensor")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        pass
+
+
+class GlobalNormClip(GroupTransform):
+    """Scale all gradients by ``min(1, max_norm / (total_norm + 1e-6))``: ``clip_grad_norm_``."""
+
+    name = "global_norm_clip"
+
+    def __init__(self, max_norm: float, norm_type: float = 2.0):
+        super().__init__()
+        self.max_norm = _positive(self.name, "max_norm", max_norm, allow_zero=False)
+        self.norm_type = _norm_type(self.name, norm_type)
+
+    def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        norm = total_norm(grads, self.norm_type)
+        coef = (self.max_norm / (norm + EPS)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef)
+        self.record.add(norm, coef)
+
+
+def _norm_type(transform: str, value: Any) -> float:
+    if isinstance(value, str) and value.lower() in ("inf", "infinity"):
+        return math.inf
+    v = _number(transform, "norm_type", value)
+    if not (v >= 1):
+        raise ValueError(f"transform {transform!r}: norm_type={value!r} must be >= 1 or 'inf'")
+    return v
+
+
+def unit_norms(x: Tensor) -> Tensor:
+    """L2 norm per output unit (over every dim but the first, kept for broadcasting);
+    a vector or scalar as a whole."""
+    if x.dim() <= 1:
+        return torch.linalg.vector_norm(x)
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
+
+
+class AGC(GroupTransform):
+    """Adaptive gradient clipping: each unit's gradient norm is capped at ``clip_factor``
+    times its weights' norm (at least ``eps``), so a step changes a unit's weights by a
+    bounded fraction. Leave the classifier out of the rule (Brock et al. 2021)."""
+
+    name = "agc"
+
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3):
+        super().__init__()
+        self.clip_factor = _positive(self.name, "clip_factor", clip_factor, allow_zero=False)
+        self.eps = _positive(self.name, "eps", eps, allow_zero=False)
+
+    def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        before = total_norm(grads)
+        for p, g in zip(params, grads):  # unit-wise norms have no foreach form
+            limit = unit_norms(p.detach()).clamp_min(self.eps).mul_(self.clip_factor)
+            g.mul_((limit / unit_norms(g).clamp_min(EPS)).clamp_max(1.0))
+        self.record.add(before, total_norm(grads) / (before + EPS))
+
+
+class ZClip(GroupTransform):
+    """Clip spikes of the total L2 norm ``g``. After ``warmup_steps`` calls that only
+    gather ``g`` (mean and variance start from them), a call with
+    ``z = (g - mean) / (std + 1e-6) > z_threshold`` scales the gradients down to the norm
+    ``mean + z_threshold * std``. Then ``mean <- alpha * mean + (1 - alpha) * g'`` and
+    ``var <- alpha * var + (1 - alpha) * (g' - mean)^2`` with the new mean and the clipped
+    norm ``g'`` (non-finite norms leave them unchanged). ``on_spike="skip"``: clip too, and
+    ``HookSet.after_backward()`` answers True so the loop skips the optimizer step.
+    """
+
+    name = "zclip"
+    ON_SPIKE = ("clip", "skip")
+
+    def __init__(self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25,
+                 on_spike: str = "clip"):
+        super().__init__()
+        self.alpha = _number(self.name, "alpha", alpha)
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"transform 'zclip': alpha={alpha!r} must be in (0, 1)")
+        self.z_threshold = _positive(self.name, "z_threshold", z_threshold, allow_zero=False)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"transform 'zclip': warmup_steps={warmup_steps!r} must be an int >= 1")
+        self.warmup_steps = warmup_steps
+        if on_spike not in self.ON_SPIKE:
+            raise ValueError(f"transform 'zclip': on_spike={on_spike!r}; allowed: {', '.join(self.ON_SPIKE)}")
+        self.skip = on_spike == "skip"
+        self.steps = 0  # calls so far (host counter: no sync to know the phase)
+        self.mean: Tensor | None = None  # during warm-up: sum of finite norms
+        self.var: Tensor | None = None  # during warm-up: sum of their squares
+        self.count: Tensor | None = None  # during warm-up: how many were finite
+
+    def apply_(self, params: list[Tensor], grads: list[Tensor]) -> Tensor | None:
+        norm = total_norm(grads).float()
+        self.steps += 1
+        if self.steps <= self.warmup_steps:
+            self._gather(norm)
+            self.record.add(norm, torch.ones_like(norm))
+            return None
+        std = self.var.sqrt()
+        spike = (norm - self.mean) / (std + EPS) > self.z_threshold
+        limit = self.mean + self.z_threshold * std
+        coef = torch.where(spike, limit / (norm + EPS), 1.0)
+        torch._foreach_mul_(grads, coef)
+        self._update(torch.where(spike, limit, norm))
+        self.record.add(norm, coef)
+        return spike if self.skip else None
+
+    def _gather(self, norm: Tensor) -> None:
+        finite = torch.isfinite(norm)
+        g = torch.where(finite, norm, 0.0)
+        if self.mean is None:
+            self.mean, self.var, self.count = g, g * g, finite.float()
+        else:
+            self.mean, self.var, self.count = self.mean + g, self.var + g * g, self.count + finite.float()
+        if self.steps == self.warmup_steps:
+            n = self.count.clamp_min(1.0)
+            self.mean = self.mean / n
+            self.var = (self.var / n - self.mean * self.mean).clamp_min(0.0)
+
+    def _update(self, norm: Tensor) -> None:
+        finite = torch.isfinite(norm)
+        mean = self.alpha * self.mean + (1 - self.alpha) * norm
+        var = self.alpha * self.var + (1 - self.alpha) * (norm - mean) ** 2
+        self.mean = torch.where(finite, mean, self.mean)
+        self.var = torch.where(finite, var, self.var)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        self.steps = int(state["steps"])
+        move = (lambda t: t) if device is None else (lambda t: t.to(device))
+        self.mean, self.var, self.count = (None if state[k] is None else move(state[k]) for k in ("mean", "var", "count"))
+
+
+register("global_norm_clip", GlobalNormClip, group=True)
+register("agc", AGC, group=True)
+register("zclip", ZClip, group=True)
