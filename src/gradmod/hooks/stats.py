@@ -1,4 +1,12 @@
-"""The ``log`` transform: gradient statistics accumulated on the device, read at log points."""
+"""The ``log`` transform: gradient statistics accumulated on the device, read at log points.
+
+At the hook stage the chain does not call an observer per tensor: it hands the gradient
+to ``HookSet``, which computes the rows of every observer of one backward together
+(``batch_rows``: a few ops for all tensors, plus two per tensor), so ``log`` costs few
+kernel launches however many tensors it watches. Called directly (the fused stage, a
+histogram step, your own code), an observer computes its row at once; both give the
+same numbers.
+"""
 
 from __future__ import annotations
 
@@ -115,6 +123,13 @@ class GradStats:
         head = torch.stack([lo, hi, finite.sum().float(), vals.sum(), (vals * vals).sum()])
         return torch.cat([head, counts])
 
+    def add_row(self, row: Tensor) -> None:
+        """A row computed elsewhere (``batch_rows``) for one call."""
+        self._rows.append(row)
+        self.calls += 1
+        if len(self._rows) >= self.COMPACT_AT:
+            self._rows = [self._fold()]
+
     def take(self) -> tuple[int, Tensor | None]:
         """The pending window (calls, device tensor) and a fresh start; no sync. The
         tensor is the FIELDS, then ``bin()``'s values when a histogram was taken."""
@@ -148,6 +163,46 @@ class GradStats:
     def read(self) -> dict[str, Any] | None:
         calls, acc = self.take()
         return None if acc is None else self.summarize(calls, acc.tolist(), self.pre is not None)
+
+
+_SEGMENTS: dict[tuple, tuple[Tensor, Tensor]] = {}  # (sizes, device) -> (lengths, sizes as float)
+
+
+def _segments(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The segment lengths and element counts of one layout, built once per layout."""
+    key = (sizes, str(device))
+    if key not in _SEGMENTS:
+        if len(_SEGMENTS) > 64:  # layouts change only with the batch size of module outputs
+            _SEGMENTS.clear()
+        n = torch.tensor(sizes, device=device)
+        _SEGMENTS[key] = (n, n.float())
+    return _SEGMENTS[key]
+
+
+def batch_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
+    """``GradStats`` rows (FIELDS) of many gradients in one go: a handful of ops for all
+    of them plus two per tensor (a flattening view and ``aminmax``, whose NaN semantics
+    match the per-call path). The first ``paired`` tensors are ``pre`` observations and
+    the next ``paired`` their ``post`` partners (same shapes), whose rows get
+    ``frac_clipped``; every other row gets 0 there."""
+    gf = [t.detach().float() for t in tensors]
+    sizes = tuple(t.numel() for t in gf)
+    lengths, count = _segments(sizes, gf[0].device)
+    flat = torch.cat([t.reshape(-1) for t in gf])
+    nonfinite = (flat * 0).isnan()  # inf * 0 and nan * 0 are nan: one flag for both
+    sums = torch.segment_reduce(torch.stack([flat, flat < 0, nonfinite], 1), "sum", lengths=lengths, axis=0)
+    extremes = torch.stack([x for t in gf for x in torch.aminmax(t)]).view(-1, 2)
+    clipped = torch.zeros(len(gf), device=flat.device)
+    if paired:
+        split = sum(sizes[:paired])
+        before, after = flat[:split], flat[split:2 * split]
+        changed = (after != before) & ~((after != after) & (before != before))  # nan -> nan is no change
+        per_pair = torch.segment_reduce(changed.float(), "sum", lengths=lengths[paired:2 * paired])
+        clipped[paired:2 * paired] = per_pair / count[paired:2 * paired]
+    means = sums[:, :2] / count[:, None]
+    rows = torch.stack([torch.stack(torch._foreach_norm(gf)), extremes[:, 0], extremes[:, 1],
+                        means[:, 0], means[:, 1], sums[:, 2], clipped], 1)
+    return list(rows.unbind(0))
 
 
 def log(label: str | None = None) -> Transform:
