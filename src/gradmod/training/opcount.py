@@ -15,16 +15,16 @@ from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Ops that only describe a tensor (no kernel, no host work worth counting) are left out,
-# so the count tracks launches; everything else that reaches the dispatcher counts.
-_FREE = frozenset({"aten.detach.default", "aten.alias.default"})
+# Every op that reaches the dispatcher counts (views too: each costs host time);
+# pass free_ops to leave some out.
+_FREE: frozenset[str] = frozenset()
 
 
 class OpCounter(TorchDispatchMode):
     """A ``TorchDispatchMode`` that counts every aten op dispatched inside it.
 
-    ``count``: the total; ``by_op``: a ``Counter`` of op name -> calls. Views such as
-    ``detach`` and ``alias`` are not counted (no kernel); ``free_ops=()`` counts them too.
+    ``count``: the total; ``by_op``: a ``Counter`` of op name -> calls; ``free_ops``:
+    op names (e.g. ``"aten.detach.default"``) left out of both.
     """
 
     def __init__(self, free_ops=_FREE):
