@@ -20,8 +20,9 @@ Sections:
          gradmod.training.loop.evaluate (batched, trainer.eval_batch_size)
   step   one epoch of gradmod.training.loop.train_epoch with: no hooks; clip as hook stage; clip as
          fused stage; torch.nn.utils.clip_grad_value_ after backward; global_norm_clip (fused);
-         log read every step;
-         log read every 50 steps
+         log read every step; log read every 50 steps; clip_logged (log, clamp, log) read every 50 steps
+  ops    aten ops dispatched in one optimizer step of each contender (gradmod.training.opcount.OpCounter),
+         with the trainer's non-finite guard; deterministic, so the same on every machine
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
 from gradmod.hooks.rules import attach  # noqa: E402
+from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
+from gradmod.training.opcount import OpCounter  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402
 from gradmod.training.loop import evaluate, train_epoch  # noqa: E402
 from gradmod.training.run import resolve_device  # noqa: E402
@@ -55,7 +58,8 @@ BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
-SECTIONS = ("epoch", "eval", "step")
+CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
+SECTIONS = ("epoch", "eval", "step", "ops")
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
 # median(numerator) / median(denominator). "cuda" targets apply only on a GPU.
@@ -69,7 +73,8 @@ RATIOS = [
     ("clip_grad_value_over_none", "step.clip_grad_value_", "step.none", None, None),
     ("norm_fused_over_none", "step.norm_fused", "step.none", None, None),
     ("log_every_step_over_none", "step.log_every_step", "step.none", None, None),
-    ("log_every_50_over_none", "step.log_every_50", "step.none", None, None),
+    ("log_every_50_over_none", "step.log_every_50", "step.none", "<= 1.25", lambda r: r <= 1.25),
+    ("clip_logged_over_none", "step.clip_logged", "step.none", None, None),
     ("none_over_floor", "step.none", "epoch.floor", None, None),
     ("compiled_speedup", "epoch.gradmod", "epoch.gradmod_compiled", None, None),
 ]
@@ -257,6 +262,7 @@ class Bench:
             "step.norm_fused": (lambda: self.gradmod_epoch(rules=NORM, stage="fused"), self.steps, "step"),
             "step.log_every_step": (lambda: self.gradmod_epoch(rules=LOG, read_every=1), self.steps, "step"),
             "step.log_every_50": (lambda: self.gradmod_epoch(rules=LOG, read_every=50), self.steps, "step"),
+            "step.clip_logged": (lambda: self.gradmod_epoch(rules=CLIP_LOGGED, read_every=50), self.steps, "step"),
         }
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
@@ -286,9 +292,58 @@ def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dic
     for name, s in seconds.items():
         _, items, unit = contenders[name]
         med = statistics.median(s)
+        images = items * (BATCH if unit == "step" else 1)
         results[name] = {"section": name.split(".")[0], "seconds": s, "median_s": med, "min_s": min(s),
-                         "max_s": max(s), "items": items, "unit": unit, "per_item_ms": 1000 * med / items}
+                         "max_s": max(s), "items": items, "unit": unit, "per_item_ms": 1000 * med / items,
+                         "images_per_s": images / med}
     return results
+
+
+OP_CONTENDERS = {  # name -> (rules, stage, non-finite guard); "bare" is the base of the budgets
+    "bare": ({}, "hook", False), "none": ({}, "hook", True), "clip_hook": (CLIP, "hook", True),
+    "clip_fused": (CLIP, "fused", True), "log": (LOG, "hook", True), "clip_logged": (CLIP_LOGGED, "hook", True),
+    "norm_fused": (NORM, "fused", True),
+}
+
+
+def op_counts(bench: Bench) -> dict[str, dict]:
+    """Aten ops of one optimizer step (batch 100) per contender, after one warm-up step.
+    ``floor``: forward, backward and Adam's step in a plain loop; ``bare``: train_epoch
+    without hooks or non-finite guard; the others run with the trainer's guard (warn).
+    ``over_bare``: ops beyond ``bare``, the measure the op budgets use."""
+    xb, yb = bench.train_x[:BATCH], bench.train_y[:BATCH]
+    model, opt, _ = bench.model()
+    floor = []
+    for _ in range(2):
+        with OpCounter() as ops:
+            loss = F.cross_entropy(model(as_float(xb)), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        floor.append(ops.count)
+    out = {"floor": {"ops": floor[-1]}}
+    for name, (rules, stage, guard) in OP_CONTENDERS.items():
+        model, opt, hooks = bench.model(rules, stage)
+        kw = dict(batch_size=BATCH, generator=torch.Generator().manual_seed(0), hooks=hooks,
+                  guard=NonFiniteGuard(model, hooks, "warn") if guard else None)
+        train_epoch(model, opt, xb, yb, **kw)
+        with OpCounter() as ops:
+            train_epoch(model, opt, xb, yb, **kw)
+        hooks.remove()
+        tensors = len(list(model.parameters()))
+        bare = out.get("bare", {"ops": ops.count})["ops"]
+        out[name] = {"ops": ops.count, "over_bare": ops.count - bare, "tensors": tensors,
+                     "over_bare_per_tensor": (ops.count - bare) / tensors}
+    return out
+
+
+def ops_table(ops: dict[str, dict]) -> str:
+    lines = [f"{'ops per step':<16} {'ops':>5} {'over bare':>10} {'per tensor':>11}"]
+    for name, r in ops.items():
+        over = f"{r['over_bare']}" if "tensors" in r else "-"
+        per = f"{r['over_bare_per_tensor']:.2f}" if "tensors" in r else "-"
+        lines.append(f"{name:<16} {r['ops']:>5} {over:>10} {per:>11}")
+    return "\n".join(lines)
 
 
 def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:
@@ -327,12 +382,12 @@ def machine(device: torch.device) -> dict:
 
 def table(results: dict[str, dict], rat: dict[str, dict]) -> str:
     base = {"epoch": "epoch.floor", "eval": "eval.gradmod", "step": "step.none"}
-    lines = [f"{'contender':<24} {'median s':>9} {'min s':>8} {'max s':>8} {'per item':>14} {'x base':>7}"]
+    lines = [f"{'contender':<24} {'median s':>9} {'min s':>8} {'max s':>8} {'per item':>14} {'images/s':>9} {'x base':>7}"]
     for name, r in results.items():
         b = results.get(base[r["section"]])
         x = f"{r['median_s'] / b['median_s']:.3f}" if b else "-"
         lines.append(f"{name:<24} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} "
-                     f"{r['per_item_ms']:>8.3f} ms/{r['unit']:<5} {x:>7}")
+                     f"{r['per_item_ms']:>8.3f} ms/{r['unit']:<5} {r['images_per_s']:>9.0f} {x:>7}")
     lines.append("")
     lines.append(f"{'ratio':<28} {'value':>7}  target")
     for name, r in rat.items():
@@ -355,7 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
         bench = Bench(args, device, raw_root)
         print(f"bench: {args.train_size} train / {args.test_size} test images on {device}, "
               f"{args.repeats} repeats (+{args.warmup} warm-up), sections {','.join(args.sections)}", flush=True)
-        results = measure(bench, args.repeats, args.warmup)
+        ops = op_counts(bench) if "ops" in args.sections else {}
+        timed = any(s != "ops" for s in args.sections)
+        results = measure(bench, args.repeats, args.warmup) if timed else {}
     rat = ratios(results, device)
     report = {
         "machine": {**machine(device), "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
@@ -363,8 +420,11 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
         "results": results,
         "ratios": rat,
+        "ops": ops,
     }
     print(table(results, rat))
+    if ops:
+        print(ops_table(ops))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

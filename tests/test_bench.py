@@ -25,7 +25,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     expected = {"epoch.article", "epoch.gradmod", "epoch.floor", "eval.article", "eval.gradmod", "eval.gradmod_b100", "step.none",
                 "step.clip_hook", "step.clip_fused", "step.clip_grad_value_", "step.norm_fused", "step.log_every_step",
-                "step.log_every_50"}
+                "step.log_every_50", "step.clip_logged"}
     assert set(report["results"]) == expected
     for name, r in report["results"].items():
         assert r["section"] == name.split(".")[0]
@@ -33,7 +33,8 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         assert all(s > 0 and math.isfinite(s) for s in r["seconds"])
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["items"] == {"epoch": 200, "eval": 50, "step": 2}[r["section"]]
-    targets = {"epoch_speedup_vs_article", "epoch_gradmod_over_floor", "eval_speedup_vs_article", "hook_overhead"}
+    targets = {"epoch_speedup_vs_article", "epoch_gradmod_over_floor", "eval_speedup_vs_article", "hook_overhead",
+               "log_every_50_over_none"}
     assert targets <= set(report["ratios"])
     for name, r in report["ratios"].items():
         assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
@@ -42,8 +43,13 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         assert ("target" in r) == (name in targets) and (name not in targets or isinstance(r["met"], bool))
     m = report["machine"]
     assert m["cores"] >= 1 and m["torch"] and m["device"] == "cpu" and len(m["load_average_before"]) == 3
+    ops = report["ops"]
+    assert set(ops) == {"floor", "bare", "none", "clip_hook", "clip_fused", "log", "clip_logged"}
+    assert ops["floor"]["ops"] < ops["bare"]["ops"] <= ops["none"]["ops"] < ops["clip_hook"]["ops"] < ops["clip_logged"]["ops"]
+    assert ops["clip_hook"]["over_bare"] <= 2 * ops["clip_hook"]["tensors"] + 4
+    assert ops["clip_logged"]["over_bare"] <= 12 * ops["clip_logged"]["tensors"]
     table = capsys.readouterr().out
-    assert "epoch.article" in table and "hook_overhead" in table and str(out) in table
+    assert "epoch.article" in table and "hook_overhead" in table and str(out) in table and "ops per step" in table
 
 
 def test_bench_flags(tmp_path):

@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradmod.hooks import group as _group  # noqa: F401  (registers the group transforms)
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused import fused_steps, run_fused
-from gradmod.hooks.stats import GradStats
+from gradmod.hooks.stats import GradStats, batch_rows
 
 STAGES = ("hook", "fused")
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
@@ -202,26 +202,53 @@ def _check_observer_keys(targets: list[Target]) -> None:
                 seen[key] = t.rule
 
 
-def _chain(steps: list[T.Step], hooks: "HookSet", key: str):
-    """One tensor's hook: count the raw gradient's non-finite entries (before a transform
-    such as clamp can turn inf into a number), then apply the steps in order. Under fp16
-    (``hooks.grad_scale`` set) the steps see the unscaled gradient, as in fp32, and the
-    result is scaled back for GradScaler; scales are powers of two, so this is exact."""
+def _checked(rule: str, step: T.Step, key: str, g: Tensor) -> Tensor | None:
+    """Run a step and check what it did: the first call of each hook only, so that the
+    check costs nothing afterwards (the version counter shows an in-place change)."""
+    version = g._version
+    out = step(g)
+    where = f"hooks.{rule}: transform {step.name!r} on {key!r}"
+    if g._version != version:
+        raise ValueError(f"{where} modified the gradient in place; a transform must return a new tensor "
+                         "(e.g. grad.clamp(...), not grad.clamp_(...))")
+    if out is None:
+        return None
+    if not isinstance(out, Tensor):
+        raise ValueError(f"{where} returned {type(out).__name__}; a transform returns a Tensor or None")
+    got, want = (tuple(out.shape), out.dtype, out.device), (tuple(g.shape), g.dtype, g.device)
+    if got != want:
+        raise ValueError(f"{where} returned shape/dtype/device {got}, the gradient has {want}; "
+                         "a transform must keep all three")
+    return out
+
+
+def _chain(steps: list[tuple[str, T.Step]], hooks: "HookSet", key: str, param: nn.Parameter | None):
+    """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
+    handed to ``hooks`` (computed for all tensors together at the end of backward).
+    A chain that replaces the gradient leaves the raw one with ``hooks`` for the
+    non-finite count (before a transform such as clamp can turn inf into a number).
+    Under fp16 (``hooks.grad_scale`` set) the steps see the unscaled gradient, as in
+    fp32, and the result is scaled back for GradScaler; scales are powers of two, so
+    this is exact."""
+    first = True
 
     def hook(grad: Tensor) -> Tensor:
-        bad = (~torch.isfinite(grad)).sum()
-        prev = hooks._raw.get(key)
-        hooks._raw[key] = bad if prev is None else prev + bad
+        nonlocal first
         scale = hooks.grad_scale
         g = grad if scale is None else grad.float() * scale.reciprocal()
+        seen: list[tuple[GradStats, Tensor]] = []
         changed = False
-        for step in steps:
-            out = step(g)
+        for rule, step in steps:
+            if isinstance(step.fn, GradStats) and not step.fn.histogram:
+                seen.append((step.fn, g))
+                continue
+            out = _checked(rule, step, key, g) if first else step(g)
             if out is not None:
                 g, changed = out, True
-        if not changed:
-            return grad
-        return g if scale is None else (g * scale).to(grad.dtype)
+        first = False
+        result = grad if not changed else g if scale is None else (g * scale).to(grad.dtype)
+        hooks._after_chain(key, grad, result, seen, param)
+        return result
 
     return hook
 
@@ -245,19 +272,23 @@ class HookSet:
         self.targets = targets
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
-        self._raw: dict[str, Tensor] = {}  # tensor -> non-finite raw entries since take_raw()
+        self._raw: list[tuple[str, Tensor]] = []  # (tensor, raw gradient a chain replaced) since take_raw()
+        self._raw_counts: list[tuple[str, Tensor]] = []  # (module output, its count of non-finite entries)
+        self.replaced: set[str] = set()  # parameters whose chain replaced the gradient since take_raw()
+        self._pending: list[tuple[GradStats, Any]] = []  # log observations of this backward
+        self._pairs: list[tuple[GradStats, Any, GradStats, Any]] = []  # (pre, its source, post, its source)
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         # One hook per tensor: its transforms from every rule, chained in config order.
-        hooked: dict[str, tuple[Target, list[T.Step]]] = {}
+        hooked: dict[str, tuple[Target, list[tuple[str, T.Step]]]] = {}
         for t in targets:
             if t.stage == "hook":
-                hooked.setdefault(t.key, (t, []))[1].extend(t.steps)
+                hooked.setdefault(t.key, (t, []))[1].extend((t.rule, s) for s in t.steps)
         for key, (t, steps) in hooked.items():
             if t.kind == "param":
-                self._handles.append(params[t.name].register_hook(_chain(steps, self, key)))
+                self._handles.append(params[t.name].register_hook(_chain(steps, self, key, params[t.name])))
             else:
-                self._handles.append(modules[t.name].register_forward_hook(_output_hook(_chain(steps, self, key))))
+                self._handles.append(modules[t.name].register_forward_hook(_output_hook(_chain(steps, self, key, None))))
         self.hooked_params = {t.name for t, _ in hooked.values() if t.kind == "param"}
         self._fused = fused_steps(targets, params)  # (rule, step index) groups in config order
         self._groups = [(key, s.fn) for key, _, s in _group_steps(targets)]
@@ -301,6 +332,45 @@ class HookSet:
         Returns True when the optimizer step must be skipped (``zclip(on_spike="skip")``
         saw a spike: only then is the host read), False otherwise."""
         return run_fused(self._fused)
+
+    def _after_chain(self, key: str, raw: Tensor, result: Tensor, seen: list[tuple[GradStats, Tensor]],
+                     param: nn.Parameter | None) -> None:
+        """Keep what one chain call leaves for later: the raw gradient it replaced (for the
+        non-finite count) and its ``log`` observations (for the end of backward)."""
+        if param is None:  # a module output: count now rather than keep activation gradients alive
+            self._raw_counts.append((key, torch.count_nonzero(raw * 0)))
+        elif result is not raw:
+            self._raw.append((key, raw))
+            self.replaced.add(key)
+        if not seen:
+            return
+        if not self._pending and not self._pairs:
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush_logs)
+        # Holding the tensor autograd is about to store in an empty .grad would make it copy
+        # the tensor; read that one from .grad at the end of backward instead.
+        steal = param is not None and param.grad is None and not _distributed()
+        sources = [(obs, param if steal and t is result else t) for obs, t in seen]
+        waiting: dict[int, tuple[GradStats, Any]] = {}  # pre observers of this call, until their post
+        for obs, src in sources:
+            if obs.pre is not None and id(obs.pre) in waiting:
+                self._pairs.append((*waiting.pop(id(obs.pre)), obs, src))
+            elif obs.keep is not None:
+                waiting[id(obs)] = (obs, src)
+            else:
+                self._pending.append((obs, src))
+        self._pending.extend(waiting.values())
+
+    def _flush_logs(self) -> None:
+        """End of backward: the rows of every pending ``log`` observation, computed together."""
+        pairs, singles = self._pairs, self._pending
+        self._pairs, self._pending = [], []
+        order = [p for p, _, _, _ in pairs] + [q for _, _, q, _ in pairs] + [o for o, _ in singles]
+        sources = [s for _, s, _, _ in pairs] + [s for _, _, _, s in pairs] + [s for _, s in singles]
+        tensors = [s.grad if isinstance(s, nn.Parameter) else s for s in sources]
+        if not tensors:
+            return
+        for obs, row in zip(order, batch_rows(tensors, len(pairs))):
+            obs.add_row(row)
 
     def observers(self) -> list[tuple[str, Any]]:
         """(statistics key, accumulator) for every ``log`` transform attached (key
@@ -352,12 +422,25 @@ class HookSet:
         for _, obs in self.observers():
             obs.histogram = on
 
-    def take_raw(self) -> list[tuple[str, Tensor]]:
-        """(tensor name, device count of non-finite raw gradient entries) seen by the hooks
-        since the last call, and a fresh start; no host sync."""
-        out = list(self._raw.items())
-        self._raw.clear()
+    def take_raw_parts(self) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[str]]:
+        """What the hooks kept since the last call, and a fresh start: (tensor name, raw
+        gradient to count) for chains that replaced a parameter's gradient, (module
+        output, count) already counted, and the parameters whose raw gradient is not in
+        their ``.grad``. ``NonFiniteGuard`` counts the tensors together with the rest."""
+        out = (self._raw, self._raw_counts, self.replaced)
+        self._raw, self._raw_counts, self.replaced = [], [], set()
         return out
+
+    def take_raw(self) -> list[tuple[str, Tensor]]:
+        """(tensor name, device count of non-finite raw gradient entries) the hooks saw
+        replaced since the last call (summed per name), and a fresh start; no host sync.
+        Gradients a chain left unchanged are in ``.grad``, counted there."""
+        raw, counted, _ = self.take_raw_parts()
+        counts = torch._foreach_norm(torch._foreach_mul([t for _, t in raw], 0), 0) if raw else []
+        out: dict[str, Tensor] = {}
+        for name, c in [(n, c) for (n, _), c in zip(raw, counts)] + counted:
+            out[name] = c if name not in out else out[name] + c
+        return list(out.items())
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -367,7 +450,8 @@ class HookSet:
             h.remove()
         self._handles.clear()
         self._fused.clear()
-        self._raw.clear()
+        self.take_raw_parts()
+        self._pairs, self._pending = [], []
         for obj in self.owned:  # free the tensors for another attach call
             if _OWNERS.get(obj) is self:
                 del _OWNERS[obj]
@@ -378,6 +462,10 @@ class HookSet:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _output_hook(chain):

@@ -1,4 +1,12 @@
-"""The ``log`` transform: gradient statistics accumulated on the device, read at log points."""
+"""The ``log`` transform: gradient statistics accumulated on the device, read at log points.
+
+At the hook stage the chain does not call an observer per tensor: it hands the gradient
+to ``HookSet``, which computes the rows of every observer of one backward together
+(``batch_rows``: a few ops for all tensors, plus two per tensor), so ``log`` costs few
+kernel launches however many tensors it watches. Called directly (the fused stage, a
+histogram step, your own code), an observer computes its row at once; both give the
+same numbers.
+"""
 
 from __future__ import annotations
 
@@ -45,31 +53,18 @@ class GradStats:
         self._hist: Tensor | None = None
 
     def __call__(self, grad: Tensor) -> None:
-        # About 9 kernels per unpaired call (was 27 ops): aminmax is one pass, isnan(g * 0)
-        # flags inf and nan (isfinite decomposes into four ops), and nothing is summed
-        # here: rows are kept and reduced when read.
+        # The same arithmetic as the batched hook-stage path (batch_rows), so both stages
+        # report the same bits.
         g = grad.detach()
-        gf = g.float()
+        before = None
         if self.pre is not None and self.pre._seen is not None:
             before, self.pre._seen = self.pre._seen, None
-            changed = (g != before) & ~(g.isnan() & before.isnan())
-            clipped = changed.mean(dtype=torch.float32)
-        else:
-            if self._zero is None or self._zero.device != g.device:
-                self._zero = torch.zeros((), device=g.device)
-            clipped = self._zero
         if self.keep is not None:
             self._seen = g.clone() if self.keep == "clone" else g
-        lo, hi = torch.aminmax(gf)
-        self._rows.append(torch.stack([
-            torch.linalg.vector_norm(gf), lo, hi, gf.mean(),
-            (gf < 0).mean(dtype=torch.float32), (gf * 0).isnan().sum(), clipped,
-        ]))
+        row = batch_rows([g], 0)[0] if before is None else batch_rows([before, g], 1)[1]
         if self.histogram:
-            self._hist = self.bin(gf)
-        self.calls += 1
-        if len(self._rows) >= self.COMPACT_AT:
-            self._rows = [self._fold()]
+            self._hist = self.bin(g.float())
+        self.add_row(row)
         return None
 
     @property
@@ -115,6 +110,13 @@ class GradStats:
         head = torch.stack([lo, hi, finite.sum().float(), vals.sum(), (vals * vals).sum()])
         return torch.cat([head, counts])
 
+    def add_row(self, row: Tensor) -> None:
+        """A row computed elsewhere (``batch_rows``) for one call."""
+        self._rows.append(row)
+        self.calls += 1
+        if len(self._rows) >= self.COMPACT_AT:
+            self._rows = [self._fold()]
+
     def take(self) -> tuple[int, Tensor | None]:
         """The pending window (calls, device tensor) and a fresh start; no sync. The
         tensor is the FIELDS, then ``bin()``'s values when a histogram was taken."""
@@ -148,6 +150,48 @@ class GradStats:
     def read(self) -> dict[str, Any] | None:
         calls, acc = self.take()
         return None if acc is None else self.summarize(calls, acc.tolist(), self.pre is not None)
+
+
+_SEGMENTS: dict[tuple, tuple[Tensor, Tensor]] = {}  # (sizes, device) -> (lengths, sizes as float)
+
+
+def _segments(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The segment lengths and element counts of one layout, built once per layout."""
+    key = (sizes, str(device))
+    if key not in _SEGMENTS:
+        if len(_SEGMENTS) > 64:  # layouts change only with the batch size of module outputs
+            _SEGMENTS.clear()
+        n = torch.tensor(sizes, device=device)
+        _SEGMENTS[key] = (n, n.float())
+    return _SEGMENTS[key]
+
+
+def batch_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
+    """``GradStats`` rows (FIELDS) of many gradients in one go: a handful of ops for all
+    of them plus one per tensor (a flattening view); NaN propagates into min and max
+    as in the per-call path. The first ``paired`` tensors are ``pre`` observations and
+    the next ``paired`` their ``post`` partners (same shapes), whose rows get
+    ``frac_clipped``; every other row gets 0 there."""
+    gf = [t.detach().float() for t in tensors]
+    sizes = tuple(t.numel() for t in gf)
+    lengths, count = _segments(sizes, gf[0].device)
+    flat = torch.cat([t.reshape(-1) for t in gf])
+    nonfinite = (flat * 0).isnan()  # inf * 0 and nan * 0 are nan: one flag for both
+    sums = torch.segment_reduce(torch.stack([flat, flat < 0, nonfinite], 1), "sum", lengths=lengths, axis=0)
+    # max of (x, -x) per tensor: the largest and minus the smallest entry; NaN propagates.
+    extremes = torch.segment_reduce(torch.stack([flat, -flat], 1), "max", lengths=lengths, axis=0)
+    clipped = torch.zeros(len(gf), device=flat.device)
+    if paired:
+        split = sum(sizes[:paired])
+        before, after = flat[:split], flat[split:2 * split]
+        changed = (after != before) & ~((after != after) & (before != before))  # nan -> nan is no change
+        per_pair = torch.segment_reduce(changed.float(), "sum", lengths=lengths[paired:2 * paired])
+        clipped[paired:2 * paired] = per_pair / count[paired:2 * paired]
+    means = sums / count[:, None]
+    lo, hi = (-extremes).unbind(1)[1], extremes.unbind(1)[0]
+    mean, negative, _ = means.unbind(1)
+    rows = torch.stack([torch.stack(torch._foreach_norm(gf)), lo, hi, mean, negative, sums.unbind(1)[2], clipped], 1)
+    return list(rows.unbind(0))
 
 
 def log(label: str | None = None) -> Transform:

@@ -1,9 +1,17 @@
 """Non-finite gradients: count them on the raw gradient and act as ``trainer.nonfinite`` says.
 
-Raw counts come from two places: the hook chains (``HookSet.take_raw``), which count
-before any transform runs, and, for parameters no hook sees, their ``.grad`` right
-after backward (before the fused stage). A last check on the final ``.grad`` catches a
-transform that *makes* a gradient non-finite (``scale`` by inf).
+What is counted is non-finite *entries* (inf, -inf, nan), never a norm that overflows:
+a step whose entries are all finite but huge (lr 1e10) is not a non-finite step. Counting
+is batched: each step, one ``torch._foreach_mul`` by 0 (inf * 0 and nan * 0 are nan) and
+one ``torch._foreach_norm(ord=0)`` (the count of nonzero, i.e. nan, entries) cover every
+tensor at once, whatever the number of parameters.
+
+Raw gradients are the hook chains' inputs where a chain replaced the gradient
+(``HookSet.take_raw_parts``), and ``.grad`` elsewhere: right after backward (``observe``)
+when a fused stage will transform it, else at ``check``. A last count on the final ``.grad``
+of every transformed tensor catches a transform that *makes* a gradient non-finite (``scale``
+by inf); those entries are reported as ``(after transforms)`` and mark the step, but are not
+raw entries, so ``nonfinite`` leaves them out.
 
 * ``warn`` (default): step anyway; counts stay on the device and are read, and warned
   about, once per epoch: no per-step host sync, the rule every other per-step statistic
@@ -28,7 +36,16 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 POLICIES = ("skip", "raise", "warn")
-AFTER = "(after transforms)"  # the name of the final-.grad check in reports
+AFTER = "(after transforms)"  # marks the final-.grad counts in reports
+FOLD_AT = 256  # warn: pending per-step counts folded into one row on the device, so memory stays bounded
+
+
+def count_nonfinite(tensors: list[Tensor]) -> list[Tensor]:
+    """The number of non-finite entries of each tensor (0-d device tensors, float): two
+    ops for the whole list, no host sync."""
+    if not tensors:
+        return []
+    return list(torch._foreach_norm(torch._foreach_mul(tensors, 0), 0))
 
 
 class NonFiniteError(RuntimeError):
@@ -44,46 +61,50 @@ class NonFiniteGuard:
         # the same skip decision: ``world_sum`` sums a tensor over the ranks.
         self.world_sum = world_sum
         self.hooks = hooks
-        hooked = hooks.hooked_params if hooks is not None else set()
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.unhooked = [(n, p) for n, p in self.params if n not in hooked]
+        # Parameters whose .grad the fused stage transforms in place: counted before it.
+        self.fused = {t.name for t in hooks.targets if t.stage == "fused"} if hooks is not None else set()
         self.skipped = 0     # optimizer steps not taken
         self.bad_steps = 0   # steps with a non-finite raw (or final) gradient
         self.nonfinite = 0   # non-finite raw gradient entries, summed over steps
         self.steps = 0       # optimizer steps checked (the run's step count; messages name it)
-        self._unhooked: dict[str, Tensor] = {}
-        self._pending: tuple[list[str], Tensor, Tensor] | None = None  # warn: names, counts, bad steps
+        self._early: list[tuple[str, Tensor]] = []  # observe()'s counts for this step
+        self._pending: _Pending | None = None  # warn: the counts of the steps since the last flush
 
     def observe(self) -> None:
-        """Count the raw ``.grad`` of parameters no hook sees; call right after backward."""
-        for n, p in self.unhooked:
-            if p.grad is not None:
-                bad = (~torch.isfinite(p.grad)).sum()
-                prev = self._unhooked.get(n)
-                self._unhooked[n] = bad if prev is None else prev + bad
+        """Right after backward, before a fused stage changes ``.grad``: count the raw
+        ``.grad`` of the parameters the fused stage will transform (else ``check`` does)."""
+        if not self.fused:
+            return
+        replaced = self.hooks.replaced if self.hooks is not None else set()
+        named = [(n, p.grad) for n, p in self.params
+                 if p.grad is not None and n in self.fused and n not in replaced]
+        self._early.extend(zip([n for n, _ in named], count_nonfinite([g for _, g in named])))
 
-    def _collect(self) -> tuple[list[str], Tensor | None]:
-        raw = (self.hooks.take_raw() if self.hooks is not None else []) + list(self._unhooked.items())
-        self._unhooked = {}
-        grads = [p.grad for _, p in self.params if p.grad is not None]
-        if not raw and not grads:
-            return [], None
-        parts = [torch.stack([c.float() for _, c in raw])] if raw else []
-        if grads:  # one fused norm per tensor: inf or nan iff the tensor has non-finite entries
-            norms = torch.stack(torch._foreach_norm(grads))
-            parts.append((~torch.isfinite(norms)).sum().float().reshape(1).to(norms.device))
-        device = parts[0].device
-        return [n for n, _ in raw] + ([AFTER] if grads else []), torch.cat([p.to(device) for p in parts])
+    def _collect(self) -> tuple[list[str], list[bool], Tensor | None]:
+        """(names, which are after-transform counts, the counts as one device vector)."""
+        raw, counted, replaced = self.hooks.take_raw_parts() if self.hooks is not None else ([], [], set())
+        early, self._early = self._early, []
+        seen = {n for n, _ in early} | replaced
+        from_grad = [(n, p.grad) for n, p in self.params if p.grad is not None and n not in seen]
+        after = [(n, p.grad) for n, p in self.params if p.grad is not None and (n in replaced or n in self.fused)]
+        named = raw + from_grad + after
+        counts = count_nonfinite([t for _, t in named]) + [c for _, c in early + counted]
+        if not counts:
+            return [], [], None
+        names = [n for n, _ in raw + from_grad] + [f"{n} {AFTER}" for n, _ in after] + [n for n, _ in early + counted]
+        is_after = [False] * len(raw + from_grad) + [True] * len(after) + [False] * len(early + counted)
+        return names, is_after, torch.stack(counts)
 
     def check(self, scale: float | None = None) -> bool:
         """Call before each optimizer step; True when the step must be skipped.
         ``scale`` is GradScaler's scale under fp16, else None."""
         self.steps += 1
-        names, counts = self._collect()
+        names, is_after, counts = self._collect()
         if counts is None:
             return False
         if self.policy == "warn" and scale is None:
-            self._accumulate(names, counts)
+            self._accumulate(names, is_after, counts)
             return False
         if self.world_sum is not None:
             counts = torch.cat([counts, self.world_sum(counts.sum().reshape(1))])
@@ -96,8 +117,10 @@ class NonFiniteGuard:
         if not any(values):
             return False
         self.bad_steps += 1
-        self.nonfinite += int(sum(v for n, v in zip(names, values) if n != AFTER))
-        where = _where(names, values)
+        self.nonfinite += _raw_total(values, is_after)
+        return self._act(_where(names, values), scale)
+
+    def _act(self, where: str, scale: float | None) -> bool:
         at = f" at step {self.steps}"
         if scale is not None and scale > 1:  # fp16 overflow: GradScaler's routine
             self.skipped += 1
@@ -105,40 +128,33 @@ class NonFiniteGuard:
         if self.policy == "raise":
             raise NonFiniteError(f"trainer.nonfinite=raise: non-finite gradient{at} in {where}; "
                                  "use trainer.nonfinite=skip to skip such steps")
+        self.skipped += 1
         if self.policy == "warn":
             log.warning("non-finite gradient%s in %s (fp16: step skipped by GradScaler)", at, where)
-            self.skipped += 1
-            return True
-        self.skipped += 1
-        if self.skipped <= 10 or self.skipped % 100 == 0:
+        elif self.skipped <= 10 or self.skipped % 100 == 0:
             log.warning("skipped optimizer step%s: non-finite gradient in %s (%d skipped so far)",
                         at, where, self.skipped)
         return True
 
-    def _accumulate(self, names: list[str], counts: Tensor) -> None:
-        if self._pending is not None and self._pending[0] != names:
+    def _accumulate(self, names: list[str], is_after: list[bool], counts: Tensor) -> None:
+        if self._pending is not None and self._pending.names != names:
             self.flush()
-        bad = (counts > 0).any().float()
         if self._pending is None:
-            self._pending = (names, counts.clone(), bad)
-        else:
-            self._pending[1].add_(counts)
-            self._pending[2].add_(bad)
+            self._pending = _Pending(names, is_after)
+        self._pending.add(counts)
 
     def flush(self) -> None:
         """``warn``: read the pending counts (one host sync) and warn about them."""
         if self._pending is None:
             return
-        names, counts, bad = self._pending
-        self._pending = None
-        host = torch.cat([counts, bad.reshape(1).to(counts.device)]).tolist()  # one host read
-        values, steps = host[:-1], int(host[-1])
+        pending, self._pending = self._pending, None
+        values, steps = pending.read()
         if not steps:
             return
         self.bad_steps += steps
-        self.nonfinite += int(sum(v for n, v in zip(names, values) if n != AFTER))
+        self.nonfinite += _raw_total(values, pending.is_after)
         log.warning("non-finite gradients in %d step(s), stepped anyway (trainer.nonfinite=warn): %s",
-                    steps, _where(names, values))
+                    steps, _where(pending.names, values))
 
     def state_dict(self) -> dict:
         self.flush()
@@ -150,7 +166,37 @@ class NonFiniteGuard:
         self.steps = state["steps"]
 
 
+class _Pending:
+    """``warn``: per-step count vectors kept on the device (no op per step), folded every
+    ``FOLD_AT`` steps into totals and a count of steps with any non-finite entry."""
+
+    def __init__(self, names: list[str], is_after: list[bool]):
+        self.names, self.is_after = names, is_after
+        self.rows: list[Tensor] = []
+        self.folded: Tensor | None = None  # [totals..., bad steps], float64
+
+    def add(self, counts: Tensor) -> None:
+        self.rows.append(counts)
+        if len(self.rows) >= FOLD_AT:
+            self.folded, self.rows = self._fold(), []
+
+    def _fold(self) -> Tensor:
+        m = torch.stack(self.rows).double()
+        row = torch.cat([m.sum(0), (m.amax(1) > 0).sum().double().reshape(1)])
+        return row if self.folded is None else self.folded + row
+
+    def read(self) -> tuple[list[float], int]:
+        """(total per name, steps with any non-finite entry): one host read."""
+        host = self._fold().tolist() if self.rows else self.folded.tolist()
+        return host[:-1], int(host[-1])
+
+
+def _raw_total(values: list[float], is_after: list[bool]) -> int:
+    """Non-finite raw entries: the after-transform counts re-count transformed tensors."""
+    return int(sum(v for v, after in zip(values, is_after) if not after))
+
+
 def _where(names: list[str], values: list[float]) -> str:
-    bad = [f"{n} ({int(v)})" if n != AFTER else n for n, v in zip(names, values) if v]
+    bad = [f"{n} ({int(v)})" for n, v in zip(names, values) if v]
     more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
     return ", ".join(bad[:5]) + more
