@@ -44,7 +44,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     m = report["machine"]
     assert m["cores"] >= 1 and m["torch"] and m["device"] == "cpu" and len(m["load_average_before"]) == 3
     ops = report["ops"]
-    assert set(ops) == {"floor", "bare", "none", "clip_hook", "clip_fused", "log", "clip_logged"}
+    assert set(ops) == {"floor", "bare", "none", "clip_hook", "clip_fused", "log", "clip_logged", "norm_fused"}
     assert ops["floor"]["ops"] < ops["bare"]["ops"] <= ops["none"]["ops"] < ops["clip_hook"]["ops"] < ops["clip_logged"]["ops"]
     assert ops["clip_hook"]["over_bare"] <= 2 * ops["clip_hook"]["tensors"] + 4
     assert ops["clip_logged"]["over_bare"] <= 12 * ops["clip_logged"]["tensors"]
