@@ -77,7 +77,6 @@ def describe(e: BaseException) -> str:
         group, _, name = e.missing_cfg_file.rpartition("/")
         options = e.options if e.options is not None else _group_options(group, str(e))
         if options is not None:
-            options = [o for o in options if not o.startswith("schema_")]
             return f"{group}={name}: no such option; allowed: {', '.join(options)}"
     if isinstance(e, OverrideParseException):
         return f"cannot parse override {e.override!r}: {str(e).splitlines()[0]}"

@@ -151,6 +151,7 @@ class GradStats:
 
 
 def log(label: str | None = None) -> Transform:
+    """Leave the gradient unchanged; accumulate its statistics on the device."""
     return GradStats(label)
 
 
