@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradmod.data import Data, load_data
 from gradmod.hooks.rules import HookSet, attach
@@ -171,6 +172,8 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
                           progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
                           generator=torch.Generator().manual_seed(cfg.seed))
         saver.restore(trainer, t.resume)
+        if trainer.progress:
+            stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
         trainer.fit(data, t.epochs)
     summary = _summary(cfg, data, trainer, guard, plan, time.perf_counter() - t_start)
     if dist.is_main:
