@@ -1,11 +1,13 @@
 """Train with gradient hooks from Hydra configs: ``python train.py +hooks=clip``."""
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from gradmod.app.cli import job, main as cli_main
+from gradmod.app.help import register_help
 from gradmod.training.distributed import follower_overrides
 
 
@@ -15,5 +17,6 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    register_help(Path(__file__).parent / "conf")  # python train.py --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
     cli_main(main)  # config errors: one line on stderr, exit 2

@@ -216,7 +216,7 @@ def test_follower_overrides():
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_end_to_end(tmp_path):
-    """The issue's command on 2 gloo ranks: rank 0 alone writes the run folder."""
+    """The documented DDP command on 2 gloo ranks: rank 0 alone writes the run folder."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
            str(ROOT / "train.py"), "trainer.strategy=ddp", "+hooks=clip", f"hydra.run.dir={run_dir}",

@@ -236,7 +236,7 @@ def test_slurm_preset_runs_the_local_task_function(tmp_path, monkeypatch):
     assert read_csv(tmp_path / "sweep.csv")[0]["status"] == "ok"
 
 
-# --- slow: the sweep and a short Optuna study ---------------------------------------
+# --- slow: the documented 12-job sweep and a short Optuna study ---------------------------------------
 
 
 @pytest.mark.slow

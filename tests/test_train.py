@@ -124,7 +124,7 @@ def test_multirun_sweeps_hook_configs(tmp_path):
 
 @pytest.mark.slow
 def test_default_clip_run_reaches_95_percent(tmp_path):
-    """The issue's bar: `python train.py +hooks=clip` with its defaults, >= 95% on the sample."""
+    """The README's promise: `python train.py +hooks=clip` with its defaults, >= 95% on the sample."""
     run_train(tmp_path, "+hooks=clip", "trainer.progress=false")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["epochs"] == 10 and summary["dataset"] == "mnist_sample"

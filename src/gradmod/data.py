@@ -127,6 +127,12 @@ def _fake(seed: int, train_size: int, test_size: int, image_size: int, channels:
     return Data("fake", *tensors(train_size, seed), *tensors(test_size, seed + train_size), num_classes)
 
 
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """torchvision's download error spreads its reason (one per mirror) over several lines."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: bool = True,
               n_test: int = 1000, **fake: int) -> Data:
     """Load a dataset by name (``mnist``, ``mnist_sample``, ``fake``) on the CPU."""
@@ -134,7 +140,7 @@ def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: boo
         try:
             return _mnist(data_dir)
         except (RuntimeError, OSError) as e:
-            reason = str(e).strip().splitlines()[0]
+            reason = _one_line(e)
             if not fallback:
                 raise ValueError(f"data=mnist: MNIST is not under data_dir={data_dir!r} and could not be "
                                  f"downloaded ({reason}); set data.fallback=true or use data=mnist_sample") from None

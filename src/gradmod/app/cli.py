@@ -66,9 +66,17 @@ def job(cfg: DictConfig) -> dict[str, Any]:
         if multirun:
             log.error("job failed, the sweep goes on: %s\n%s", e, format_exception(e))
             return summary
-        log.error("%s", e)
+        _to_log_files(logging.ERROR, str(e))  # train.log keeps it; the terminal gets it once, below
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3 if isinstance(e, NonFiniteError) else 2)
+
+
+def _to_log_files(level: int, message: str) -> None:
+    """Write a record to the run's log files only (the console gets the one-line error)."""
+    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def describe(e: BaseException) -> str:
@@ -77,7 +85,6 @@ def describe(e: BaseException) -> str:
         group, _, name = e.missing_cfg_file.rpartition("/")
         options = e.options if e.options is not None else _group_options(group, str(e))
         if options is not None:
-            options = [o for o in options if not o.startswith("schema_")]
             return f"{group}={name}: no such option; allowed: {', '.join(options)}"
     if isinstance(e, OverrideParseException):
         return f"cannot parse override {e.override!r}: {str(e).splitlines()[0]}"

@@ -6,8 +6,9 @@ composes. ``validate(cfg)`` then builds the dataclasses (``OmegaConf.to_object``
 ``__post_init__`` checks values, and checks what a schema cannot: keys added with ``+``,
 the optimizer's arguments, the data folder. Every failure is a one-line ``ValueError``.
 
-Data, optimizer and logger options differ in their keys, so each option file names its schema
-(``defaults: [schema_fake]``); the schemas are subclasses of the root's field type.
+Data, optimizer and logger options differ in their keys, so each option file extends its schema
+(``defaults: [/schema/data/fake@_here_]``); the schemas are subclasses of the root's field type,
+kept in the ``schema/`` group so that they are never offered as options (``optimizer=...``).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ def register() -> None:
     """Put the schemas in Hydra's ConfigStore (done on import; harmless to repeat)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
-    cs.store(group="data", name="schema_data", node=DataConfig)
-    cs.store(group="data", name="schema_fake", node=FakeDataConfig)
-    cs.store(group="optimizer", name="schema_adam", node=AdamConfig)
-    cs.store(group="optimizer", name="schema_sgd", node=SGDConfig)
-    cs.store(group="logger", name="schema_tensorboard", node=TensorBoardLoggerConfig)
+    cs.store(group="schema/data", name="mnist", node=DataConfig)
+    cs.store(group="schema/data", name="fake", node=FakeDataConfig)
+    cs.store(group="schema/optimizer", name="adam", node=AdamConfig)
+    cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
+    cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)
 
 
 register()

@@ -195,6 +195,7 @@ def batch_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
 
 
 def log(label: str | None = None) -> Transform:
+    """Leave the gradient unchanged; accumulate its statistics on the device."""
     return GradStats(label)
 
 

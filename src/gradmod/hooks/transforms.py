@@ -76,6 +76,13 @@ def names() -> list[str]:
     return sorted(_FACTORIES)
 
 
+def factory(name: str) -> Callable[..., Transform]:
+    """The factory registered under ``name`` (its signature lists the transform's arguments)."""
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown transform {name!r}; allowed: {', '.join(names())}")
+    return _FACTORIES[name]
+
+
 @dataclass(frozen=True)
 class Step:
     """One configured transform: its name, arguments and function."""
@@ -169,6 +176,7 @@ def _clamp_bounds(min: float | None, max: float | None) -> tuple[float | None, f
 
 
 def clamp(min: float | None = None, max: float | None = None) -> Transform:
+    """Clamp each element to [min, max] (either bound may be left out)."""
     lo, hi = _clamp_bounds(min, max)
     return lambda grad: grad.clamp(lo, hi)
 
@@ -186,19 +194,23 @@ def _clamp_foreach(min: float | None = None, max: float | None = None) -> Foreac
 
 
 def zero() -> Transform:
+    """Replace the gradient with zeros."""
     return torch.zeros_like
 
 
 def min_zero() -> Transform:
+    """Drop negative elements: clamp(min=0)."""
     return lambda grad: grad.clamp(min=0)
 
 
 def scale(factor: float) -> Transform:
+    """Multiply the gradient by ``factor``."""
     f = _number("scale", "factor", factor)
     return lambda grad: grad * f
 
 
 def sign() -> Transform:
+    """Keep only the sign of each element (-1, 0, 1)."""
     return torch.sign
 
 

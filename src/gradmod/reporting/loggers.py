@@ -56,12 +56,19 @@ class CSVLogger(Logger):
     (one row per observed tensor per read), for spreadsheets and pandas."""
 
     def __init__(self, out: Path):
+        self._out = out
         self._metrics_file = open(out / "metrics.csv", "w", newline="")
-        self._stats_file = open(out / "grad_stats.csv", "w", newline="")
         self._metrics: csv.DictWriter | None = None
-        self._stats = csv.DictWriter(self._stats_file, ["epoch", "step", "tensor", "label", *STAT_COLUMNS],
-                                     extrasaction="ignore")
-        self._stats.writeheader()
+        self._stats_file = None  # opened at the first statistics: runs without `log` get no grad_stats.csv
+        self._stats: csv.DictWriter | None = None
+
+    def _stats_writer(self) -> csv.DictWriter:
+        if self._stats is None:
+            self._stats_file = open(self._out / "grad_stats.csv", "w", newline="")
+            self._stats = csv.DictWriter(self._stats_file, ["epoch", "step", "tensor", "label", *STAT_COLUMNS],
+                                         extrasaction="ignore")
+            self._stats.writeheader()
+        return self._stats
 
     def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
         if self._metrics is None:  # columns: the scalars of the first record
@@ -72,14 +79,18 @@ class CSVLogger(Logger):
         self._metrics_file.flush()
 
     def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
+        if not stats:
+            return
+        writer = self._stats_writer()
         for key, s in stats.items():
             tensor, label = split_key(key)
-            self._stats.writerow({"epoch": epoch, "step": step, "tensor": tensor, "label": label, **s})
+            writer.writerow({"epoch": epoch, "step": step, "tensor": tensor, "label": label, **s})
         self._stats_file.flush()
 
     def close(self) -> None:
         self._metrics_file.close()
-        self._stats_file.close()
+        if self._stats_file is not None:
+            self._stats_file.close()
 
 
 class TensorBoardLogger(Logger):

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -23,6 +24,7 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -133,7 +135,9 @@ def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path
         ax.plot(xs, ys, _LINESTYLE.get(label, "-"), color=colors[tensor], label=key, marker="." if len(xs) < 3 else None)
     if series and all(y > 0 for _, ys in series.values() for y in ys):
         ax.set_yscale("log")
-    ax.set(xlabel="optimizer step", ylabel="gradient L2 norm", title="gradient norm per tensor (pre solid, post dashed)")
+    paired = {k.partition("/")[2] for k in series} >= {"pre", "post"}
+    title = "gradient norm per tensor" + (" (pre solid, post dashed)" if paired else "")
+    ax.set(xlabel="optimizer step", ylabel="gradient L2 norm", title=title)
     return _finish(fig, ax, len(series), path)
 
 

@@ -198,4 +198,5 @@ class Config:
     seed: int = 1234
     data_dir: str = "data"
     hooks: Dict[str, Any] = field(default_factory=dict)  # rules, checked by gradmod.hooks.rules.build_targets
+    plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built
     clip_bound: Optional[float] = None  # the tuned clamp bound of conf/experiment/clip_optuna.yaml

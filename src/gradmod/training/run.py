@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,12 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradmod.data import Data, load_data
 from gradmod.hooks.rules import HookSet, attach
 from gradmod.models import build_model
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
+from gradmod.reporting.plan import summarize_plan
 from gradmod.training.build import build_optimizer
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
 from gradmod.training.checkpointer import Checkpointer
@@ -57,6 +61,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def import_plugins(modules: list[str]) -> None:
+    """Import the user's modules named in ``plugins`` (from the current folder, PYTHONPATH or installed)."""
+    cwd = str(Path.cwd())
+    if modules and cwd not in sys.path:
+        sys.path.append(cwd)  # python train.py puts train.py's folder first, not the user's
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ValueError(f"plugins: cannot import {name!r} ({e}); a plugin is a module importable from "
+                             "the current folder, PYTHONPATH or an installed package, e.g. my_pkg.transforms") from None
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -70,6 +87,7 @@ def run(cfg: Config, out: str | Path) -> dict[str, Any]:
     try:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
+        import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
         dist = _place(cfg)
         data, loader_workers = _load(cfg, dist.device)
         model = _model(cfg, data, dist.device)
@@ -120,7 +138,7 @@ def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
          out: Path, t_start: float) -> dict[str, Any]:
     t = cfg.trainer
-    log.info("%s", hooks.format_plan())
+    log.info("%s", summarize_plan(hooks.describe(), cfg.hooks))  # the full plan goes to hook_plan.json
     plan = hooks.describe()
     if dist.is_main:  # rank 0 alone writes the run folder
         _write_json(out / "hook_plan.json", plan)
@@ -154,6 +172,8 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
                           progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
                           generator=torch.Generator().manual_seed(cfg.seed))
         saver.restore(trainer, t.resume)
+        if trainer.progress:
+            stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
         trainer.fit(data, t.epochs)
     summary = _summary(cfg, data, trainer, guard, plan, time.perf_counter() - t_start)
     if dist.is_main:
@@ -181,8 +201,6 @@ def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, p
 
 
 def _stderr_is_terminal() -> bool:
-    import sys
-
     return sys.stderr.isatty()
 
 
