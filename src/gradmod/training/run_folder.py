@@ -43,6 +43,26 @@ def has_results(out: str | Path) -> list[str]:
     return found
 
 
+def in_use(out: str | Path) -> bool:
+    """Whether a run holds the folder's lock now."""
+    path = Path(out) / ".gradmod" / "lock"
+    if not path.is_file():
+        return False
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
+def may_write(out: str | Path) -> bool:
+    """Whether a run that never owned ``out`` may leave its summary there: not over an
+    earlier run's results, nor into a folder another run holds."""
+    return not (has_results(out) or in_use(out))
+
+
 def restore_kept(out: str | Path) -> None:
     """Put back the owning run's copy of ``.hydra`` (a refused run's Hydra overwrote it)."""
     copy = Path(out) / ".gradmod" / "hydra"
