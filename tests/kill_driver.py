@@ -1,8 +1,8 @@
-"""Run train.py, SIGKILLed at a point named by GRADMOD_KILL_AT (the soak and resume tests).
+"""Run train.py, signalled at a point named by GRADMOD_KILL_AT (the soak and resume tests).
 
 ``step:N``: right after optimizer step N (its step-end callbacks done, as a crash between
 steps). ``write:N``: during the N-th checkpoint write, after the temporary file is written
-and before the rename.
+and before the rename. ``GRADMOD_KILL_SIGNAL``: KILL (default), TERM or INT.
 """
 
 import os
@@ -19,8 +19,11 @@ event, n = os.environ["GRADMOD_KILL_AT"].split(":")
 n = int(n)
 
 
+SIGNAL = signal.Signals["SIG" + os.environ.get("GRADMOD_KILL_SIGNAL", "KILL")]
+
+
 def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), SIGNAL)
 
 
 class KillAfterStep(Callback):

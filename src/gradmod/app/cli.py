@@ -31,6 +31,9 @@ from gradmod.app.config import one_line, validate
 from gradmod.training.nonfinite import NonFiniteError
 from gradmod.reporting.sweep import failed_summary, format_exception, launcher_threads
 from gradmod.training import run as training
+from gradmod.training import run_folder
+from gradmod.training.interrupt import Interrupted
+from gradmod.training.run import describe_os_error
 
 log = logging.getLogger("gradmod")
 
@@ -57,18 +60,39 @@ def job(cfg: DictConfig) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         return run(cfg, out_dir)
+    except Interrupted as e:  # SIGINT/SIGTERM: the run wrote its checkpoint and summary
+        log.warning("%s", e)
+        print(str(e), file=sys.stderr)
+        sys.exit(e.exit_code)
     except Exception as e:
-        bad_input = isinstance(e, (ValueError, NonFiniteError))
+        bad_input = isinstance(e, (ValueError, NonFiniteError, OSError))
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+        summary = _failed_ending(out_dir if rank == 0 else None, e, time.perf_counter() - start)
         if not multirun and (not bad_input or _USER_FULL_ERROR):  # cli.main sets HYDRA_FULL_ERROR itself
             raise
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-        summary = failed_summary(out_dir if rank == 0 else None, e, time.perf_counter() - start)
         if multirun:
             log.error("job failed, the sweep goes on: %s\n%s", e, format_exception(e))
             return summary
-        _to_log_files(logging.ERROR, str(e))  # train.log keeps it; the terminal gets it once, below
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(3 if isinstance(e, NonFiniteError) else 2)
+        message = describe_os_error(e) if isinstance(e, OSError) else str(e)
+        _to_log_files(logging.ERROR, message)  # train.log keeps it; the terminal gets it once, below
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(3 if isinstance(e, NonFiniteError) else 1 if isinstance(e, OSError) else 2)
+
+
+def _failed_ending(out_dir: str | None, e: BaseException, seconds: float) -> dict[str, Any]:
+    """The failed summary: the run's own when it owned its folder; else written only where
+    it replaces no earlier run's files (a refused run also puts back that run's .hydra)."""
+    if hasattr(e, "gradmod_summary"):
+        return e.gradmod_summary
+    if out_dir is None:
+        return failed_summary(None, e, seconds)
+    if not run_folder.may_write(out_dir):
+        run_folder.restore_kept(out_dir)
+        return failed_summary(None, e, seconds)
+    try:
+        return failed_summary(out_dir, e, seconds)
+    except OSError:  # the folder itself is the problem (a file, read-only): the error says so
+        return failed_summary(None, e, seconds)
 
 
 def _to_log_files(level: int, message: str) -> None:
@@ -121,6 +145,11 @@ def main(hydra_main: Callable[[], Any]) -> None:
             raise
         print(f"error: {describe(e)}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # Hydra could not make the run folder (a file there, a read-only parent)
+        if _USER_FULL_ERROR:
+            raise
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        sys.exit(1)
     finally:
         if not _USER_FULL_ERROR:
             os.environ.pop("HYDRA_FULL_ERROR", None)

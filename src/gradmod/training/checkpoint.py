@@ -9,7 +9,12 @@ torch, CUDA), the run's history and counters, the config and the hook plan.
 
 Writing goes to a temporary file in the same folder, is flushed and fsynced, then renamed
 over the final name (``os.replace`` is atomic), so a crash leaves either the old set of
-checkpoints or the new one, never a half-written ``step-*.pt``.
+checkpoints or the new one, never a half-written ``step-*.pt``. A write that fails (disk
+full, no permission) removes its temporary file and raises an ``OSError`` naming the
+checkpoint; the earlier checkpoints are untouched.
+
+The header also names the run that wrote the file (`` run=<id>``): pruning and
+``resume=auto`` look only at the files of one run, ordered by the step in their name.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import io
 import logging
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 MAGIC = b"gradmod-checkpoint v1 sha256="
+RUN_FIELD = b" run="
+_STEP = re.compile(r"step-(\d+)\.pt")
 
 
 class CheckpointError(ValueError):
@@ -49,13 +57,18 @@ class Position:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is never seen half-written."""
+    """Write ``data`` to ``path`` so that ``path`` is never seen half-written; on failure
+    the temporary file is removed and the ``OSError`` names ``path``."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
     fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:
         os.fsync(fd)
@@ -63,21 +76,45 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def checkpoints(folder: Path) -> list[Path]:
-    """Complete-looking checkpoint files in ``folder``, oldest first (names sort by step)."""
-    return sorted(Path(folder).glob("step-*.pt"))
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's file name (``step-000000150.pt`` -> 150)."""
+    return int(_STEP.fullmatch(Path(path).name).group(1))
 
 
-def save(folder: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` (with its ``step``) as the newest checkpoint; keep the newest ``keep``."""
+def run_of(path: Path) -> str | None:
+    """The run id in a checkpoint's header; None for files without one (or unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.readline(256)
+    except OSError:
+        return None
+    _, sep, run = head.rstrip(b"\n").partition(RUN_FIELD)
+    return run.decode(errors="replace") if sep else None
+
+
+def checkpoints(folder: Path, run: str | None = None) -> list[Path]:
+    """Checkpoint files in ``folder``, oldest first by step; with ``run``, only that run's."""
+    found = [p for p in Path(folder).glob("step-*.pt") if _STEP.fullmatch(p.name)]
+    if run is not None:
+        found = [p for p in found if run_of(p) == run]
+    return sorted(found, key=step_of)
+
+
+def save(folder: Path, state: dict[str, Any], keep: int, run: str | None = None) -> Path:
+    """Write ``state`` (with its ``step``) as the newest checkpoint of ``run``; keep that
+    run's newest ``keep`` (other runs' files are never touched)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(folder)) from None
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
     path = folder / f"step-{int(state['step']):09d}.pt"
-    write_atomic(path, MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
-    for old in checkpoints(folder)[:-keep]:
+    head = MAGIC + hashlib.sha256(payload).hexdigest().encode() + (RUN_FIELD + run.encode() if run else b"")
+    write_atomic(path, head + b"\n" + payload)
+    for old in checkpoints(folder, run)[:-keep]:
         old.unlink(missing_ok=True)
     for stale in folder.glob(".step-*.tmp"):  # left by a run killed mid-write
         if not stale.name.endswith(f".{os.getpid()}.tmp"):
@@ -95,7 +132,7 @@ def load(path: str | Path) -> dict[str, Any]:
     head, sep, payload = data.partition(b"\n")
     if not head.startswith(MAGIC) or not sep:
         raise CheckpointError(f"checkpoint {path}: not a gradmod checkpoint (no header)")
-    if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC):]:
+    if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC):].partition(RUN_FIELD)[0]:
         raise CheckpointError(f"checkpoint {path}: truncated or corrupt (checksum mismatch)")
     try:
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
@@ -103,9 +140,10 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable payload ({str(e).splitlines()[0]})") from None
 
 
-def latest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in ``folder`` that verifies; broken ones are skipped with a warning."""
-    for path in reversed(checkpoints(folder)):
+def latest(folder: Path, run: str | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint (of ``run``, when given) in ``folder`` that verifies; broken
+    ones are skipped with a warning."""
+    for path in reversed(checkpoints(folder, run)):
         try:
             return path, load(path)
         except CheckpointError as e:
@@ -113,13 +151,14 @@ def latest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def find(resume: str | None, folder: Path) -> tuple[Path, dict[str, Any]] | None:
-    """``trainer.resume``: None -> start fresh; ``auto`` -> the newest good checkpoint in
-    ``folder`` (fresh, with a warning, when there is none); a path -> that file, which must verify."""
+def find(resume: str | None, folder: Path, run: str | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """``trainer.resume``: None -> start fresh; ``auto`` -> the newest good checkpoint of
+    ``run`` in ``folder`` (fresh, with a warning, when there is none); a path -> that file,
+    which must verify."""
     if resume is None:
         return None
     if resume == "auto":
-        found = latest(folder)
+        found = latest(folder, run)
         if found is None:
             # Each run gets a new folder unless told otherwise, so this is usually a mistake.
             log.warning("trainer.resume=auto: no complete checkpoint in %s; starting fresh. To resume an "

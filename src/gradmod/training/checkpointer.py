@@ -23,13 +23,16 @@ FORMAT = 2
 class Checkpointer(Callback):
     """Writes ``folder/step-*.pt`` every ``every_epochs`` epochs (and at the last) and every
     ``every_steps`` optimizer steps, keeping the newest ``keep``. ``writes=False`` (DDP
-    ranks > 0) saves nothing: rank 0 holds the same state. ``config``: text saved with
-    each checkpoint."""
+    ranks > 0) saves nothing: rank 0 holds the same state. ``config``: the run's config
+    (a dict) saved with each checkpoint; ``run``: the run id in each file's header, so that
+    pruning keeps this run's newest ``keep`` and never touches another run's files."""
 
     def __init__(self, folder: Path, *, every_epochs: int = 1, every_steps: int = 0, keep: int = 2,
-                 epochs: int = 0, config: str = "", plan: Any = None, writes: bool = True):
+                 epochs: int = 0, config: Any = "", plan: Any = None, writes: bool = True, run: str | None = None):
         self.folder, self.every_epochs, self.every_steps, self.keep = Path(folder), every_epochs, every_steps, keep
-        self.epochs, self.config, self.plan, self.writes = epochs, config, plan, writes
+        self.epochs, self.config, self.plan, self.writes, self.run = epochs, config, plan, writes, run
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
+        self.last_path: Path | None = None
 
     def on_step_end(self, trainer) -> None:
         if self.every_steps and trainer.step % self.every_steps == 0:
@@ -48,14 +51,18 @@ class Checkpointer(Callback):
                  "callbacks": {cb.key: cb.state_dict() for cb in trainer.callbacks},
                  "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan}
         state["step"] = state["trainer"]["step"]
-        path = ckpt.save(self.folder, state, self.keep)
+        path = ckpt.save(self.folder, state, self.keep, run=self.run)
+        self.saved_step, self.last_path = state["step"], path
         log.debug("checkpoint %s (epoch %d, batch %d)", path, state["trainer"]["epoch"], state["trainer"]["batch"])
         return path
 
     def restore(self, trainer, resume: str | None) -> Path | None:
         """Load ``trainer.resume`` (None, ``auto`` or a path) into ``trainer`` and its
         callbacks; returns the checkpoint's path, or None when starting fresh."""
-        found = ckpt.find(resume, self.folder)
+        return self.restore_from(trainer, ckpt.find(resume, self.folder, self.run))
+
+    def restore_from(self, trainer, found: tuple[Path, dict[str, Any]] | None) -> Path | None:
+        """Load a checkpoint ``(path, state)`` found by ``checkpoint.find``; None: start fresh."""
         if found is None:
             return None
         path, state = found

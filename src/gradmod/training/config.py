@@ -129,6 +129,8 @@ class TrainerConfig:
     checkpoint_every_steps: int = 0
     checkpoint_keep: int = 2
     resume: Optional[str] = None
+    resume_accept: List[str] = field(default_factory=list)  # must-match keys a resume may change anyway
+    start_over: bool = False  # replace an earlier run's results in the run folder
     nonfinite: str = "warn"
     data_placement: str = "auto"
     loader_workers: int = 2

@@ -2,7 +2,9 @@
 
 ``run(cfg, out)`` reads as its steps: place the process (device, DDP rank, threads, seed),
 load the data, build the model, attach the hook rules, build the Trainer and its callbacks,
-restore a checkpoint if asked, fit, and write ``summary.json``.
+restore a checkpoint if asked, fit, and write ``summary.json``. Before any of it the run
+claims its folder (lock, no mixing with an earlier run, resume checks: see ``run_folder``
+and ``resume_check``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import random
 import sys
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -32,13 +35,19 @@ from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
 from gradmod.training.build import build_optimizer
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
+from gradmod.reporting.sweep import failed_summary
+from gradmod.training import checkpoint as ckpt
 from gradmod.training.checkpointer import Checkpointer
 from gradmod.training.config import Config
 from gradmod.training.distributed import Dist
+from gradmod.training.interrupt import Interrupted, StopOnSignal
 from gradmod.training.loader import placement
+from gradmod.training.loop import batches_per_epoch
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision, check_precision
+from gradmod.training.resume_check import apply_optimizer, compare
 from gradmod.training.run_files import GradCamCallback, RunFiles
+from gradmod.training.run_folder import RunFolder, has_results
 from gradmod.training.speed import SyncCheck, compile_model, to_channels_last
 from gradmod.training.trainer import Trainer
 from gradmod.weight_init import apply_init
@@ -81,24 +90,81 @@ def seed_everything(seed: int) -> None:
 
 
 def run(cfg: Config, out: str | Path) -> dict[str, Any]:
-    """Train as ``cfg`` says and write the run folder ``out``; returns the summary."""
+    """Train as ``cfg`` says and write the run folder ``out``; returns the summary.
+
+    The run owns ``out`` (``gradmod.training.run_folder``) from the checks on: every ending
+    after that writes ``summary.json`` (ok, failed, interrupted); a run refused before
+    writes nothing there."""
     t_start = time.perf_counter()
     threads = torch.get_num_threads()  # trainer.threads holds for this run only (in-process sweeps)
+    folder = RunFolder(out)
     try:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
         import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
         dist = _place(cfg)
-        data, loader_workers = _load(cfg, dist.device)
-        model = _model(cfg, data, dist.device)
-        hooks = attach(model, cfg.hooks, stage=cfg.trainer.hook_stage)  # before DDP: names without "module."
         try:
-            return _fit(cfg, model, data, hooks, dist, loader_workers, out, t_start)
+            resume = _claim(cfg, folder) if dist.is_main else (None, {})
+            data, loader_workers = _load(cfg, dist.device)
+            _warn_sizes(cfg, data, dist.world_size)
+            model = _model(cfg, data, dist.device)
+            hooks = attach(model, cfg.hooks, stage=cfg.trainer.hook_stage)  # before DDP: names without "module."
+            try:
+                return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, t_start)
+            finally:
+                hooks.remove()
+        except BaseException as e:
+            if folder.owned:
+                _write_ending(folder.out, e, time.perf_counter() - t_start)
+            raise
         finally:
-            hooks.remove()
             dist.close()
+            folder.release()
     finally:
         torch.set_num_threads(threads)
+
+
+def _claim(cfg: Config, folder: RunFolder) -> tuple[Any, dict[str, Any]]:
+    """Lock the folder, find the checkpoint to resume and check its config; only then own it."""
+    t = cfg.trainer
+    run_id = folder.claim(resume=t.resume, start_over=t.start_over)
+    found = ckpt.find(t.resume, folder.out / "checkpoints", folder.resume_run)
+    diffs = compare(found[1].get("config"), dataclasses.asdict(cfg), t.resume_accept) if found else {}
+    if found is None and t.resume is not None and has_results(folder.out):
+        log.warning("trainer.resume=%s found nothing to resume in %s; its earlier results are replaced",
+                    t.resume, folder.out)
+        folder.remove_outputs()
+    folder.take_ownership(run_id)
+    return found, diffs
+
+
+def _write_ending(out: Path, error: BaseException, seconds: float) -> None:
+    """summary.json for a run that raised: failed (with the one-line error) or interrupted."""
+    summary = failed_summary(None, error, seconds)
+    if isinstance(error, Interrupted):
+        summary.update(status="interrupted", error=str(error), signal=signal.Signals(error.signum).name,
+                       steps=error.step, checkpoint=str(error.checkpoint) if error.checkpoint else None)
+    elif isinstance(error, OSError):
+        summary["error"] = describe_os_error(error)
+    with contextlib.suppress(OSError):  # a full disk or a lost folder: the error itself says so
+        _write_json(out / "summary.json", summary)
+    error.gradmod_summary = summary  # the command line writes none of its own
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for a failed file operation, naming the path."""
+    where = f" {e.filename}" if e.filename else ""
+    return f"cannot write{where}: {e.strerror or e}"
+
+
+def _warn_sizes(cfg: Config, data: Data, world_size: int) -> None:
+    """Sizes that train, but not as the user probably meant."""
+    n, bs = len(data.train_y), cfg.data.batch_size
+    if bs > n:
+        log.warning("data.batch_size=%d is larger than the training set (%d images): each epoch is one batch of %d",
+                    bs, n, n)
+    per_epoch = batches_per_epoch(n, bs, world_size)
+    if cfg.trainer.accumulate > per_epoch:
+        log.warning("trainer.accumulate=%d is more than the %d batches of an epoch: each epoch is one optimizer "
+                    "step over %d batches", cfg.trainer.accumulate, per_epoch, per_epoch)
 
 
 def _place(cfg: Config) -> Dist:
@@ -136,8 +202,8 @@ def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
 
 
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
-         out: Path, t_start: float) -> dict[str, Any]:
-    t = cfg.trainer
+         run_folder: RunFolder, resume: tuple[Any, dict[str, Any]], t_start: float) -> dict[str, Any]:
+    t, out = cfg.trainer, run_folder.out
     log.info("%s", summarize_plan(hooks.describe(), cfg.hooks))  # the full plan goes to hook_plan.json
     plan = hooks.describe()
     if dist.is_main:  # rank 0 alone writes the run folder
@@ -157,13 +223,15 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
         stack.callback(files.close)
         saver = Checkpointer(out / "checkpoints", every_epochs=t.checkpoint_every, every_steps=t.checkpoint_every_steps,
                              keep=t.checkpoint_keep, epochs=t.epochs, config=dataclasses.asdict(cfg), plan=plan,
-                             writes=dist.is_main)
+                             writes=dist.is_main, run=run_folder.run_id)
         callbacks = [NonFiniteCallback(guard), saver, files]
         if cfg.capture.gradcam:
             probe = GradCamProbe(cfg.model.name, data, cfg.capture.gradcam_layer, cfg.capture.gradcam_images,
                                  dist.device)
             callbacks.append(GradCamCallback(probe, logger, folder))
-        callbacks.append(SyncCheckCallback(sync))  # last: see SyncCheckCallback
+        callbacks.append(SyncCheckCallback(sync))  # last but one: see SyncCheckCallback
+        stop = StopOnSignal(saver)
+        callbacks.append(stop)  # last: the step's other callbacks are done when it stops the run
         stack.callback(sync.allow)
         trainer = Trainer(model, build_optimizer(cfg.optimizer, wrapped.parameters()), hooks=hooks, amp=amp,
                           callbacks=callbacks, dist=dist, net=net, eval_net=model if net is wrapped else net,
@@ -171,10 +239,13 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
                           eval_batch_size=t.eval_batch_size, log_every=t.log_every,
                           progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
                           generator=torch.Generator().manual_seed(cfg.seed))
-        saver.restore(trainer, t.resume)
+        found, diffs = resume
+        if saver.restore_from(trainer, found):
+            apply_optimizer(trainer.optimizer, diffs)  # lr and the like may change on resume
         if trainer.progress:
             stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
-        trainer.fit(data, t.epochs)
+        with stop.install():
+            trainer.fit(data, t.epochs)
     summary = _summary(cfg, data, trainer, guard, plan, time.perf_counter() - t_start)
     if dist.is_main:
         _write_json(out / "summary.json", summary)

@@ -1,0 +1,72 @@
+"""SIGINT and SIGTERM end a run cleanly: the step in progress finishes, a checkpoint is
+written, and ``Interrupted`` carries the signal out (``summary.json`` status
+``interrupted``; the command line exits 128 + the signal's number: 130, 143).
+A second Ctrl-C stops at once (``KeyboardInterrupt``)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from gradmod.training.callbacks import Callback
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """A run stopped by a signal after ``step`` steps; ``checkpoint`` continues it."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        where = f"checkpoint {checkpoint}; continue with trainer.resume=auto" if checkpoint else "no checkpoint"
+        super().__init__(f"interrupted by {signal.Signals(signum).name} after step {step}; {where}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopOnSignal(Callback):
+    """Notes SIGINT/SIGTERM (``install``) and stops at the next step's end (or epoch's end),
+    after a checkpoint through ``saver`` (a ``Checkpointer``, or None for none)."""
+
+    def __init__(self, saver=None):
+        self.saver, self.signum = saver, None
+
+    @contextlib.contextmanager
+    def install(self) -> Iterator[None]:
+        """Handle the signals while the block runs (main thread only: elsewhere, nothing)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self._note) for s in SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _note(self, signum: int, frame) -> None:
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # asked twice: stop now
+        self.signum = signum
+
+    def on_fit_start(self, trainer) -> None:
+        self._stop_if_asked(trainer, save=False)
+
+    def on_step_end(self, trainer) -> None:
+        self._stop_if_asked(trainer)
+
+    def on_epoch_end(self, trainer, record) -> None:
+        self._stop_if_asked(trainer)
+
+    def _stop_if_asked(self, trainer, save: bool = True) -> None:
+        if self.signum is None:
+            return
+        path = None
+        if save and self.saver is not None and self.saver.writes:
+            path = self.saver.save(trainer)  # the same step again is an atomic replace
+        raise Interrupted(self.signum, trainer.step, path)
