@@ -66,7 +66,7 @@ def _tensors(target: str, part: Any, split: str) -> tuple[Tensor, Tensor]:
         if not all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
             raise ValueError(f"{where} holds {_describe(items[0])}, not (input, label) pairs")
         x = torch.stack([torch.as_tensor(it[0]) for it in items])
-        y = torch.as_tensor([int(it[1]) for it in items])
+        y = torch.as_tensor([torch.as_tensor(it[1]).item() for it in items])
     else:
         raise ValueError(f"{where} is {_describe(part)}")
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
