@@ -6,7 +6,6 @@ import dataclasses
 import difflib
 import fnmatch
 import importlib
-import inspect
 from typing import Any, Iterable
 
 import torch
@@ -81,8 +80,3 @@ def build_optimizer(cfg: Any, params: Iterable[Any], device: torch.device | str 
     return cls(params, **kwargs)
 
 
-def accepts(fn: Any, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
