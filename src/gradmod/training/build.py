@@ -78,5 +78,3 @@ def build_optimizer(cfg: Any, params: Iterable[Any], device: torch.device | str 
         if value is not None:
             kwargs[key] = value
     return cls(params, **kwargs)
-
-
