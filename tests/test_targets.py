@@ -102,3 +102,23 @@ def test_build_loss_matches_torch():
     assert torch.equal(smooth(out, y), F.cross_entropy(out, y, label_smoothing=0.1))
     nll = build_loss(LossConfig("torch.nn.functional.nll_loss", _partial_=True, args={"reduction": "sum"}))
     assert torch.equal(nll(out.log_softmax(1), y), F.nll_loss(out.log_softmax(1), y, reduction="sum"))
+
+
+def test_gradcam_builds_its_copy_of_a_target_model():
+    from gradmod.data import Data
+    from gradmod.models import MnistCNN
+    from gradmod.reporting.observe import GradCamProbe
+    from gradmod.training.config import ModelConfig
+    from gradmod.training.targets import model_factory
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(256, (20, 1, 28, 28), generator=g, dtype=torch.uint8), torch.arange(20) % 10
+    data = Data("t", x, y, x, y)
+    cfg = ModelConfig(_target_="gradmod.models.MnistCNN", args={"num_classes": 10})
+    model = model_factory(cfg, data)()
+    probe = GradCamProbe(model_factory(cfg, data), data, "conv2", 4, torch.device("cpu"))
+    assert isinstance(probe.model, MnistCNN) and probe.model is not model
+    cam = probe(model)
+    assert cam["cams"].shape == (4, 28, 28) and cam["labels"] == [0, 1, 2, 3]
+    with torch.no_grad():  # the copy carries the run's weights
+        assert cam["preds"] == model(x[:4].float() / 255).argmax(1).tolist()

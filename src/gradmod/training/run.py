@@ -144,8 +144,8 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
         schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
         callbacks = [NonFiniteCallback(guard), schedule, saver, files]  # schedule before saver: see SchedulerCallback
         if cfg.capture.gradcam:
-            probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer, cfg.capture.gradcam_images,
-                                 dist.device)
+            probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
+                                 cfg.capture.gradcam_images, dist.device)
             callbacks.append(GradCamCallback(probe, logger, folder))
         callbacks.append(SyncCheckCallback(sync))  # last: see SyncCheckCallback
         stack.callback(sync.allow)
