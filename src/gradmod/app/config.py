@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from gradmod.training.config import (AdamConfig, Config, DataConfig, FakeDataConfig, SGDConfig,
@@ -56,6 +56,27 @@ def _unknown_keys(node: DictConfig, path: str) -> None:
                 _unknown_keys(child, f"{path}{key}.")
 
 
+TARGET_NODES = ("model", "data", "optimizer")  # a _target_ here takes the node's extra keys as arguments
+
+
+def _target_arguments(cfg: DictConfig) -> None:
+    """``model._target_=X +model.width=64``: the extra keys of a ``_target_`` node are the
+    target's arguments (its ``args``); without a ``_target_`` they stay unknown keys."""
+    for key in TARGET_NODES:
+        node = cfg._get_node(key)
+        if not isinstance(node, DictConfig) or node._is_missing() or node._is_none() or not node.get("_target_"):
+            continue
+        cls = OmegaConf.get_type(node)
+        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        extra = [k for k in node.keys() if k not in names]
+        with open_dict(node):
+            for k in extra:
+                value = node._get_node(k)
+                node.args[k] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) \
+                    or OmegaConf.is_list(value) else node[k]
+                del node[k]
+
+
 def one_line(e: OmegaConfBaseException) -> str:
     """OmegaConf's multi-line messages as ``full_key: message``."""
     msg = str(getattr(e, "msg", None) or e).strip().splitlines()[0]  # later lines: full_key, types
@@ -84,7 +105,7 @@ def _check_optimizer(opt) -> None:
 
 
 def _check_data_dir(cfg: DictConfig) -> None:
-    if cfg.data.name != "mnist":
+    if cfg.data.name != "mnist" or cfg.data.get("_target_"):
         return
     path = Path(str(cfg.data_dir))
     if path.exists() and (not path.is_dir() or not os.access(path, os.R_OK | os.X_OK)):
@@ -96,6 +117,7 @@ def validate(cfg: DictConfig) -> Config:
     """Check ``cfg`` against the schemas and its values; a ``ValueError`` names the key."""
     if OmegaConf.get_type(cfg) is not Config:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)  # a hand-built config gets the schema
+    _target_arguments(cfg)
     _unknown_keys(cfg, "")
     try:
         obj = OmegaConf.to_object(cfg)

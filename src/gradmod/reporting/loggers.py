@@ -119,7 +119,7 @@ class TensorBoardLogger(Logger):
 
     def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
         for field, tag in (("train_loss", "loss/train"), ("test_loss", "loss/test"),
-                           ("test_accuracy", "accuracy/test")):
+                           ("test_accuracy", "accuracy/test"), ("lr", "lr")):
             if field in record:
                 self.writer.add_scalar(tag, record[field], step)
         self.writer.flush()

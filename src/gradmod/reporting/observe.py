@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -29,11 +30,17 @@ class GradCamProbe:
     """Grad-CAM of fixed test digits, computed on a hook-free copy of the model: the
     run's ``modules`` hooks and ``log`` observers must not see Grad-CAM's backward."""
 
-    def __init__(self, model_name: str, data: Data, layer: str, n: int, device: torch.device):
+    def __init__(self, model_name: str | Callable[[], nn.Module], data: Data, layer: str, n: int,
+                 device: torch.device):
+        """``model_name``: a shipped model's name, or a function building a fresh model (a
+        ``_target_`` model: ``gradmod.training.targets.model_factory``)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"capture.gradcam_images={n!r} must be an integer >= 1")
-        self.model = build_model(model_name, in_channels=data.in_channels, num_classes=data.num_classes,
-                                 image_size=data.image_size).to(device).eval()
+        build = model_name if callable(model_name) else functools.partial(
+            build_model, model_name, in_channels=data.in_channels, num_classes=data.num_classes,
+            image_size=data.image_size)
+        model_name = model_name if isinstance(model_name, str) else "(the model._target_)"
+        self.model = build().to(device).eval()
         modules = [name for name, _ in self.model.named_modules() if name]
         if layer not in modules:
             close = difflib.get_close_matches(str(layer), modules, n=5, cutoff=0.4)

@@ -34,27 +34,48 @@ def at_least(key: str, value: Any, low: int) -> None:
         raise ValueError(f"{key}={value} must be >= {low}")
 
 
+def target_or_choice(key: str, cfg: Any, allowed) -> None:
+    """A ``_target_`` node is the user's object (``name`` becomes the target's path, for
+    summaries); else ``name`` is a shipped one."""
+    if cfg._target_ is not None:
+        if not isinstance(cfg._target_, str) or "." not in cfg._target_:
+            raise ValueError(f"{key}._target_={cfg._target_!r} must be a dotted path, e.g. my_pkg.module.Name")
+        cfg.name = cfg._target_
+    else:
+        choice(f"{key}.name", cfg.name, allowed)
+
+
 @dataclass
 class ModelConfig:
+    """A shipped model by ``name``, or ``_target_`` called with ``args`` (on the command line:
+    the node's own extra keys, ``+model.width=64``) and nothing else."""
+
     name: str = MISSING
+    _target_: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         from gradmod.models import MODELS
 
-        choice("model.name", self.name, MODELS)
+        target_or_choice("model", self, MODELS)
 
 
 @dataclass
 class DataConfig:
+    """A shipped dataset by ``name``, or ``_target_`` called with ``args`` returning
+    ``(train, test)`` (``gradmod.training.targets.build_data``)."""
+
     name: str = MISSING
     batch_size: int = 100
     fallback: bool = True  # mnist offline: use the bundled sample instead of failing
     n_test: int = 1000
+    _target_: Optional[str] = None
+    args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         from gradmod.data import DATASETS
 
-        choice("data.name", self.name, DATASETS)
+        target_or_choice("data", self, DATASETS)
         at_least("data.batch_size", self.batch_size, 1)
         at_least("data.n_test", self.n_test, 1)
 
@@ -80,8 +101,14 @@ class OptimizerConfig:
     _partial_: bool = True  # the parameters come later, from the built model
     lr: float = 0.001
     weight_decay: float = 0.0
+    no_decay: List[str] = field(default_factory=list)  # globs over parameter names: weight_decay 0 for these
+    fused: Optional[bool] = None  # None: fused on CUDA where torch has it (build.default_fused), else torch's default
+    foreach: Optional[bool] = None  # None: torch's default
+    args: Dict[str, Any] = field(default_factory=dict)  # a user optimizer's other arguments (+optimizer.KEY=...)
 
     def __post_init__(self):
+        if self.fused and self.foreach:
+            raise ValueError("optimizer.fused=true with optimizer.foreach=true: torch allows one of them; set the other null")
         if self.lr < 0 or self.weight_decay < 0:
             key, value = ("lr", self.lr) if self.lr < 0 else ("weight_decay", self.weight_decay)
             raise ValueError(f"optimizer.{key}={value} must be >= 0")
@@ -188,6 +215,37 @@ class CaptureConfig:
         at_least("capture.gradcam_images", self.gradcam_images, 1)
 
 
+def _target_node(key: str, node: Any, cls: type) -> Any:
+    """A mapping from the config (``_target_``, ``_partial_`` and the call's arguments) as ``cls``."""
+    if node is None or isinstance(node, cls):
+        return node
+    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        raise ValueError(f"{key} must be a mapping with a _target_ (a dotted path) and its arguments, got {node!r}")
+    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args")}
+    return cls(_target_=node["_target_"], _partial_=bool(node.get("_partial_", cls._partial_)),
+               args={**rest, **(node.get("args") or {})})
+
+
+@dataclass
+class LossConfig:
+    """``_target_`` called with ``args`` gives ``loss(output, target)``; with ``_partial_``,
+    the target itself is the loss (``functools.partial`` over ``args``)."""
+
+    _target_: str = "torch.nn.CrossEntropyLoss"
+    _partial_: bool = False
+    args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    """``_target_(optimizer, **args)``, stepped once per optimizer step. A ``T_max``,
+    ``total_steps`` or ``total_iters`` left null is the run's number of optimizer steps."""
+
+    _target_: str = MISSING
+    _partial_: bool = True  # the optimizer comes later
+    args: Dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Config:
     model: ModelConfig = MISSING
@@ -202,3 +260,9 @@ class Config:
     hooks: Dict[str, Any] = field(default_factory=dict)  # rules, checked by gradmod.hooks.rules.build_targets
     plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built
     clip_bound: Optional[float] = None  # the tuned clamp bound of conf/experiment/clip_optuna.yaml
+    loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
+    scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
+
+    def __post_init__(self):
+        self.loss = _target_node("loss", self.loss, LossConfig) or LossConfig()
+        self.scheduler = _target_node("scheduler", self.scheduler or None, SchedulerConfig)

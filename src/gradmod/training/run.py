@@ -27,13 +27,12 @@ import torch
 from torch import Tensor, nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from gradmod.data import Data, load_data
+from gradmod.data import Data
 from gradmod.hooks.rules import HookSet, attach
-from gradmod.models import build_model
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
-from gradmod.training.build import build_optimizer
+from gradmod.training.build import build_optimizer, param_groups
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
 from gradmod.reporting.sweep import failed_summary
 from gradmod.training import checkpoint as ckpt
@@ -48,7 +47,9 @@ from gradmod.training.precision import Precision, check_precision
 from gradmod.training.resume_check import apply_optimizer, compare
 from gradmod.training.run_files import GradCamCallback, RunFiles
 from gradmod.training.run_folder import RunFolder, has_results
+from gradmod.training.schedule import SchedulerCallback, build_scheduler
 from gradmod.training.speed import SyncCheck, compile_model, to_channels_last
+from gradmod.training.targets import build_data, build_loss, model_factory
 from gradmod.training.trainer import Trainer
 from gradmod.weight_init import apply_init
 
@@ -182,18 +183,14 @@ def _place(cfg: Config) -> Dist:
 
 def _load(cfg: Config, device: torch.device) -> tuple[Data, int | None]:
     """The dataset, on the device when it fits (else a DataLoader's worker count)."""
-    extra = {k: v for k, v in dataclasses.asdict(cfg.data).items()
-             if k not in ("name", "batch_size", "fallback", "n_test")}
-    data = load_data(cfg.data.name, data_dir=cfg.data_dir, seed=cfg.seed, fallback=cfg.data.fallback,
-                     n_test=cfg.data.n_test, **extra)
+    data = build_data(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
     if placement(cfg.trainer.data_placement, data, device) == "device":
         return data.to(device), None  # batches indexed on the device
     return data, cfg.trainer.loader_workers
 
 
 def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
-    model = build_model(cfg.model.name, in_channels=data.in_channels, num_classes=data.num_classes,
-                        image_size=data.image_size)
+    model = model_factory(cfg.model, data)()
     apply_init(model, cfg.init.name)
     model.to(device)
     if cfg.trainer.channels_last:
@@ -224,16 +221,20 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
         saver = Checkpointer(out / "checkpoints", every_epochs=t.checkpoint_every, every_steps=t.checkpoint_every_steps,
                              keep=t.checkpoint_keep, epochs=t.epochs, config=dataclasses.asdict(cfg), plan=plan,
                              writes=dist.is_main, run=run_folder.run_id)
-        callbacks = [NonFiniteCallback(guard), saver, files]
+        optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
+                                    dist.device)
+        steps = -(-batches_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size) // t.accumulate)
+        schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
+        callbacks = [NonFiniteCallback(guard), schedule, saver, files]  # schedule before saver: see SchedulerCallback
         if cfg.capture.gradcam:
-            probe = GradCamProbe(cfg.model.name, data, cfg.capture.gradcam_layer, cfg.capture.gradcam_images,
-                                 dist.device)
+            probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
+                                 cfg.capture.gradcam_images, dist.device)
             callbacks.append(GradCamCallback(probe, logger, folder))
         callbacks.append(SyncCheckCallback(sync))  # last but one: see SyncCheckCallback
         stop = StopOnSignal(saver)
         callbacks.append(stop)  # last: the step's other callbacks are done when it stops the run
         stack.callback(sync.allow)
-        trainer = Trainer(model, build_optimizer(cfg.optimizer, wrapped.parameters()), hooks=hooks, amp=amp,
+        trainer = Trainer(model, optimizer, hooks=hooks, amp=amp, loss_fn=build_loss(cfg.loss),
                           callbacks=callbacks, dist=dist, net=net, eval_net=model if net is wrapped else net,
                           accumulate=t.accumulate, batch_size=cfg.data.batch_size,
                           eval_batch_size=t.eval_batch_size, log_every=t.log_every,

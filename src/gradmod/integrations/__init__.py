@@ -1,0 +1,1 @@
+"""gradmod's rules inside other training loops (``gradmod.integrations.lightning``)."""

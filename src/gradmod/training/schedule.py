@@ -1,0 +1,70 @@
+"""Learning-rate schedules: ``torch.optim.lr_scheduler`` objects from ``scheduler._target_``,
+stepped once per optimizer step, saved in checkpoints, their rate in the metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim import lr_scheduler
+
+from gradmod.training.build import call_target
+from gradmod.training.callbacks import Callback
+from gradmod.training.config import SchedulerConfig
+
+TOTAL_KEYS = ("T_max", "total_steps", "total_iters")  # null: the run's number of optimizer steps
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                  start_factor: float = 0.01, eta_min: float = 0.0) -> lr_scheduler.LRScheduler:
+    """Linear warm-up from ``start_factor * lr`` over ``warmup_steps``, then cosine to ``eta_min``."""
+    if not 0 < warmup_steps < total_steps:
+        raise ValueError(f"warmup_steps={warmup_steps} must be between 1 and total_steps-1={total_steps - 1}")
+    warm = lr_scheduler.LinearLR(optimizer, start_factor=start_factor, end_factor=1.0, total_iters=warmup_steps)
+    cosine = lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=eta_min)
+    return lr_scheduler.SequentialLR(optimizer, [warm, cosine], milestones=[warmup_steps])
+
+
+def build_scheduler(cfg: SchedulerConfig | None, optimizer: torch.optim.Optimizer,
+                    total_steps: int) -> lr_scheduler.LRScheduler | None:
+    """``cfg._target_(optimizer, **args)``, with null ``T_max``/``total_steps``/``total_iters``
+    filled in as ``total_steps``; None without a scheduler."""
+    if cfg is None:
+        return None
+    args = {k: (total_steps if k in TOTAL_KEYS and v is None else v) for k, v in cfg.args.items()}
+    filled = SchedulerConfig(_target_=cfg._target_, _partial_=cfg._partial_, args=args)
+    made = call_target("scheduler", filled, optimizer)
+    if not hasattr(made, "step") or not hasattr(made, "state_dict"):
+        raise ValueError(f"scheduler._target_={cfg._target_} returned a {type(made).__name__}, "
+                         "not a torch.optim.lr_scheduler object (no step/state_dict)")
+    return made
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+class SchedulerCallback(Callback):
+    """Steps ``scheduler`` after every optimizer step (skipped steps too, so the schedule
+    follows the step count) and puts the rate into each epoch's record (``lr``: the
+    rate of the first parameter group for the next step), so metrics and loggers get it. Put it before the checkpointer: a checkpoint
+    then holds the schedule's state after the step it records."""
+
+    key = "scheduler"
+
+    def __init__(self, scheduler: lr_scheduler.LRScheduler | None):
+        self.scheduler = scheduler
+
+    def on_step_end(self, trainer) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
+        record["lr"] = learning_rate(trainer.optimizer)  # the rate the next step will use
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict() if self.scheduler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scheduler is not None and state:
+            self.scheduler.load_state_dict(state)

@@ -1,0 +1,113 @@
+"""gradmod's rules inside a real ``lightning.Trainer``: equal to gradmod's own Trainer and to
+Lightning's ``gradient_clip_val``; ``log`` statistics reach the Lightning logger."""
+
+from __future__ import annotations
+
+import copy
+import csv
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning as L  # the optional extra gradmod[lightning], part of gradmod[dev]
+
+import gradmod
+from gradmod.hooks.rules import attach
+from gradmod.integrations.lightning import GradmodCallback
+from gradmod.training.loop import train_epoch
+
+N, BATCH, SEED, BOUND = 64, 8, 3, 0.01
+CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}
+
+
+class Module(L.LightningModule):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(N, 6, generator=g) * 4, torch.randint(3, (N,), generator=g)
+
+
+def _lightning(tmp_path, callbacks=(), **trainer_args) -> dict[str, torch.Tensor]:
+    x, y = _data()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED)).tolist()  # gradmod's epoch order
+    module = Module(_net())
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=trainer_args.pop("logger", False),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=list(callbacks), **trainer_args)
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order))
+    return {k: v.clone() for k, v in module.net.state_dict().items()}
+
+
+def _gradmod(rules, stage: str) -> dict[str, torch.Tensor]:
+    x, y = _data()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    with attach(net, rules, stage=stage) as hooks:
+        train_epoch(net, opt, x, y, batch_size=BATCH, generator=torch.Generator().manual_seed(SEED), hooks=hooks)
+    return net.state_dict()
+
+
+def _equal(a, b) -> None:
+    assert a.keys() == {f"net.{k}" for k in b} or a.keys() == b.keys()
+    for k, v in a.items():
+        assert torch.equal(v, b[k.removeprefix("net.")] if k not in b else b[k]), k
+
+
+@pytest.mark.parametrize("stage", ["hook", "fused"])
+def test_clip_equals_gradmods_trainer_and_gradient_clip_val(tmp_path, stage):
+    ours = _lightning(tmp_path, [GradmodCallback(CLIP, stage=stage)])
+    _equal(ours, _gradmod(CLIP, stage))
+    _equal(ours, _lightning(tmp_path, gradient_clip_val=BOUND, gradient_clip_algorithm="value"))
+    plain = _lightning(tmp_path)
+    assert any(not torch.equal(plain[k], ours[k]) for k in ours)  # the clip really acted
+
+
+def test_global_norm_clip_equals_gradient_clip_val_norm(tmp_path):
+    max_norm = 0.5
+    rules = {"gnc": {"params": "*", "stage": "fused", "transforms": [{"name": "global_norm_clip", "max_norm": max_norm}]}}
+    if "global_norm_clip" not in gradmod.transforms.names():  # the group transform is not in this build:
+        with pytest.raises(ValueError, match="global_norm_clip"):  # then the rule is refused by name
+            _lightning(tmp_path, [GradmodCallback(rules)])
+        return
+    ours = _lightning(tmp_path, [GradmodCallback(rules)])
+    ref = _lightning(tmp_path, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+    for k in ours:
+        torch.testing.assert_close(ours[k], ref[k], rtol=0, atol=1e-6)
+
+
+def test_rules_from_a_hook_file_and_log_statistics_reach_the_logger(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from conftest import CONF
+
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    callback = GradmodCallback(CONF / "hooks" / "log.yaml", log_every=4)
+    _lightning(tmp_path, [callback], logger=logger)
+    rows = list(csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")))
+    logged = [r for r in rows if r.get("grad/net.0.weight/norm")]
+    assert [int(r["step"]) for r in logged] == [4, 8]  # 8 steps of 8 images: a read every 4
+    assert all(float(r["grad/net.0.weight/calls"]) == 4 for r in logged)  # each read covers its 4 steps
+    assert all(float(r["grad/net.2.bias/norm"]) > 0 for r in logged)
+    assert callback.hooks is None  # removed at the end of fit
