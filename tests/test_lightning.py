@@ -3,7 +3,6 @@ Lightning's ``gradient_clip_val``; ``log`` statistics reach the Lightning logger
 
 from __future__ import annotations
 
-import copy
 import csv
 
 import pytest

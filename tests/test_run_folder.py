@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import run_train
 from gradmod.app.cli import run

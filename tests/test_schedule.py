@@ -11,7 +11,7 @@ from torch import nn
 from gradmod.app.cli import run
 from gradmod.training import checkpoint as ckpt
 from gradmod.training.build import build_optimizer, default_fused, param_groups
-from gradmod.training.config import AdamConfig, SchedulerConfig, SGDConfig
+from gradmod.training.config import AdamConfig, SGDConfig
 from gradmod.training.schedule import build_scheduler
 
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
