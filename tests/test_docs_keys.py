@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from conftest import ROOT
 
 TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-GROUP_KEY = re.compile(r"(?<![\w/.])(trainer|data|optimizer|capture|logger|init|model)\.([a-z_]+)\b(?![(\w/])")
+GROUP_KEY = re.compile(r"(?<![\w/.+])(trainer|data|optimizer|capture|logger|init|model)\.([a-z_]+)\b(?![(\w/])")  # +key: an added argument
 HOOK_NAME = re.compile(r"(?:\+hooks=\[?|conf/hooks/|hooks=)([a-z_]+(?:,[a-z_]+)*)")
 CONF_PATH = re.compile(r"(?<![\w/])(conf/[a-z_/.-]+\.yaml)")  # NAME.yaml is a placeholder
 TYPO_EXAMPLES = {"trainer.epoch"}  # the docs' example of a typo and its one-line error
