@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gradmod.training import run as train_mod
+from gradmod.training import targets as targets_mod
 from gradmod.hooks import transforms as T
 from gradmod.data import Data, load_mnist_sample
 from gradmod.training.loader import placement
@@ -79,7 +80,7 @@ def test_trainer_compile_trains_the_compiled_model_with_hooks(compose_cfg, tmp_p
         return compile_model(model, backend="aot_eager")
 
     monkeypatch.setattr(train_mod, "compile_model", fake_compile)
-    monkeypatch.setattr(train_mod, "load_data", lambda *a, **k: _small_data())
+    monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data())
     cfg = compose_cfg("data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",
                       "trainer.compile=true", "trainer.log_every=1000", "+hooks=[clip,log]", "data.batch_size=16")
     summary = run(cfg, tmp_path)
@@ -149,7 +150,7 @@ def test_placement():
 
 
 def test_trainer_loader_placement_runs(compose_cfg, tmp_path, monkeypatch):
-    monkeypatch.setattr(train_mod, "load_data", lambda *a, **k: _small_data())
+    monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data())
     cfg = compose_cfg("data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",
                       "trainer.data_placement=loader", "trainer.loader_workers=0", "data.batch_size=16")
     assert run(cfg, tmp_path)["steps"] == 4
@@ -172,7 +173,7 @@ def _syncing_transform():
 def test_training_steps_between_log_points_never_sync(compose_cfg, tmp_path, monkeypatch):
     """trainer.sync_check=true sets sync debug mode 'error' between log points: a run with
     clip (hook), clip (fused) and log hooks finishes, so none of those steps synced."""
-    monkeypatch.setattr(train_mod, "load_data", lambda *a, **k: _small_data(256, 64))
+    monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data(256, 64))
     cfg = compose_cfg("data=mnist_sample", "trainer.epochs=2", "trainer.device=cuda", "trainer.progress=false",
                       "trainer.sync_check=true", "trainer.log_every=5", "+hooks=[clip,log]", "data.batch_size=16",
                       "+hooks.fclip={params: 'l1.*', stage: fused, transforms: [{name: clamp, min: -0.001, max: 0.001}]}")
@@ -184,7 +185,7 @@ def test_training_steps_between_log_points_never_sync(compose_cfg, tmp_path, mon
 def test_sync_check_catches_a_syncing_transform(compose_cfg, tmp_path, monkeypatch):
     """The negative control: the same check raises when a transform reads a value."""
     T.register("test_sync_item", _syncing_transform, overwrite=True)
-    monkeypatch.setattr(train_mod, "load_data", lambda *a, **k: _small_data(64, 16))
+    monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data(64, 16))
     cfg = compose_cfg("data=mnist_sample", "trainer.epochs=1", "trainer.device=cuda", "trainer.progress=false",
                       "trainer.sync_check=true", "data.batch_size=16",
                       "+hooks.bad={params: 'l1.bias', transforms: [test_sync_item]}")
