@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -18,19 +19,48 @@ CONF = ROOT / "conf"
 
 # A tiny, fast run on the bundled sample: the overrides most end-to-end tests start from.
 FAST = ["data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
+# Two epochs of 6 steps on 28x28 FakeData, a checkpoint every 4 steps: the resume tests' run.
+RESUMABLE = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
+             "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
+             "trainer.threads=1", "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
+
+
+def compose_config(*overrides: str):
+    """The real config with ``overrides``, as train.py would see it."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@pytest.fixture(autouse=True)
+def _transform_registry():
+    """A transform a test registers lives for that test only (the help page lists the registry)."""
+    from gradmod.hooks import transforms
+
+    saved = [(reg, reg.copy()) for reg in (transforms._FACTORIES, transforms._FOREACH, transforms._GROUP)]
+    yield
+    for reg, copy in saved:
+        reg.clear()
+        reg.update(copy)
 
 
 @pytest.fixture
 def compose_cfg():
-    """compose_cfg(*overrides) -> the real config, as train.py would see it."""
+    """compose_cfg(*overrides) -> the real config (a fixture, for tests that take it as one)."""
+    return compose_config
 
-    def _compose(*overrides: str):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
 
-    yield _compose
-    GlobalHydra.instance().clear()
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """An uninterrupted RESUMABLE run (in this process): final parameters, summary, metrics.jsonl."""
+    from gradmod.app.cli import run
+
+    out = tmp_path_factory.mktemp("reference")
+    summary = run(compose_config(*RESUMABLE), out)
+    return torch.load(out / "model.pt"), summary, (out / "metrics.jsonl").read_text()
 
 
 def run_train(tmp_path: Path, *overrides: str, multirun: bool = False, check: bool = True,

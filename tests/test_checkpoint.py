@@ -10,14 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_train
+from conftest import RESUMABLE, run_train
 from gradmod.training import checkpoint as ckpt
 from gradmod.app.cli import run
 
 # A tiny run: 60 fake 28x28 images in batches of 10 -> 6 steps per epoch.
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
-        "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
-        "trainer.threads=1", "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
 
 
 def test_save_load_and_keep_last(tmp_path):
@@ -71,23 +68,6 @@ def test_rng_state_round_trip():
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted tiny run (in this process): its final parameters and metrics."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from conftest import CONF
-
-    out = tmp_path_factory.mktemp("reference")
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=TINY)
-    GlobalHydra.instance().clear()
-    summary = run(cfg, out)
-    return torch.load(out / "model.pt"), summary, (out / "metrics.jsonl").read_text()
-
-
 def _same_params(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
@@ -95,12 +75,12 @@ def _same_params(a: dict, b: dict) -> None:
 
 
 def _resume(compose_cfg, out: Path):
-    return run(compose_cfg(*TINY, "trainer.resume=auto"), out)
+    return run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), out)
 
 
 def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, compose_cfg, reference):
     # Killed (SIGKILL, no cleanup) after step 9 of 12: mid epoch 2; the newest checkpoint is step 8.
-    proc = run_train(tmp_path, *TINY, check=False, env={"GRADMOD_KILL_AT": "step:9"})
+    proc = run_train(tmp_path, *RESUMABLE, check=False, env={"GRADMOD_KILL_AT": "step:9"})
     assert proc.returncode == -9, proc.stderr
     assert not (tmp_path / "summary.json").exists()
     assert ckpt.latest(tmp_path / "checkpoints")[1]["trainer"]["batch"] == 2  # mid-epoch position
@@ -118,7 +98,7 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, compose_cfg, reference
 
 def test_kill_during_checkpoint_write_keeps_the_previous(tmp_path, compose_cfg, reference, caplog):
     # Writes: step 4, epoch 1 (step 6), step 8 <- killed between temp file and rename.
-    proc = run_train(tmp_path, *TINY, check=False, env={"GRADMOD_KILL_AT": "write:3"})
+    proc = run_train(tmp_path, *RESUMABLE, check=False, env={"GRADMOD_KILL_AT": "write:3"})
     assert proc.returncode == -9, proc.stderr
     folder = tmp_path / "checkpoints"
     assert [p.name for p in ckpt.checkpoints(folder)] == ["step-000000004.pt", "step-000000006.pt"]
@@ -135,7 +115,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous(tmp_path, compose_cfg, 
 
 def test_resume_from_a_path_mid_epoch_with_accumulation(tmp_path, compose_cfg):
     # 6 batches per epoch, 2 per optimizer step: 3 steps per epoch; a checkpoint every 2 steps.
-    over = [*TINY, "trainer.accumulate=2", "trainer.checkpoint_every_steps=2", "trainer.checkpoint_keep=10"]
+    over = [*RESUMABLE, "trainer.accumulate=2", "trainer.checkpoint_every_steps=2", "trainer.checkpoint_keep=10"]
     full = tmp_path / "full"
     run(compose_cfg(*over), full)
     first = full / "checkpoints" / "step-000000002.pt"
@@ -148,7 +128,7 @@ def test_resume_from_a_path_mid_epoch_with_accumulation(tmp_path, compose_cfg):
 def test_resume_drops_a_truncated_last_line_of_grad_stats(tmp_path, compose_cfg):
     # A run killed while writing grad_stats.jsonl leaves a cut-short last line; resuming
     # keeps the whole lines up to the checkpoint and drops the broken one.
-    run(compose_cfg(*TINY), tmp_path)
+    run(compose_cfg(*RESUMABLE), tmp_path)
     path = tmp_path / "grad_stats.jsonl"
     lines = path.read_text().splitlines()
     assert len(lines) == 2  # one read at the end of each epoch (steps 6 and 12)

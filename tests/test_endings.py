@@ -12,14 +12,10 @@ import signal
 import pytest
 import torch
 
-from conftest import run_train
+from conftest import RESUMABLE, run_train
 from gradmod.app.cli import run
 from gradmod.training import checkpoint as ckpt
 from gradmod.training.resume_check import apply_optimizer, compare
-
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
-        "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
-        "trainer.threads=1", "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
 
 
 @pytest.mark.parametrize("change, named", [
@@ -30,25 +26,25 @@ TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=6
     (["seed=3", "data.train_size=40"], ["seed: 1234 -> 3", "data.train_size: 60 -> 40"]),
 ])
 def test_resume_refuses_what_must_match_naming_each(tmp_path, compose_cfg, change, named):
-    run(compose_cfg(*TINY), tmp_path)
+    run(compose_cfg(*RESUMABLE), tmp_path)
     before = (tmp_path / "summary.json").read_bytes()
     with pytest.raises(ValueError, match="must match") as info:
-        run(compose_cfg(*TINY, "trainer.resume=auto", *change), tmp_path)
+        run(compose_cfg(*RESUMABLE, "trainer.resume=auto", *change), tmp_path)
     for text in named:
         assert text in str(info.value)
     assert (tmp_path / "summary.json").read_bytes() == before
 
 
 def test_resume_accept_lets_a_named_difference_through(tmp_path, compose_cfg):
-    run(compose_cfg(*TINY, "trainer.epochs=1"), tmp_path)
-    summary = run(compose_cfg(*TINY, "trainer.resume=auto", "seed=3", "trainer.resume_accept=[seed]"), tmp_path)
+    run(compose_cfg(*RESUMABLE, "trainer.epochs=1"), tmp_path)
+    summary = run(compose_cfg(*RESUMABLE, "trainer.resume=auto", "seed=3", "trainer.resume_accept=[seed]"), tmp_path)
     assert summary["status"] == "ok" and summary["epochs"] == 2
 
 
 def test_resume_applies_a_new_lr_to_the_optimizer_and_logs_it(tmp_path, compose_cfg, caplog):
-    run(compose_cfg(*TINY, "trainer.epochs=1"), tmp_path)
+    run(compose_cfg(*RESUMABLE, "trainer.epochs=1"), tmp_path)
     with caplog.at_level(logging.INFO, logger="gradmod.training.resume_check"):
-        run(compose_cfg(*TINY, "trainer.resume=auto", "optimizer.lr=0.5", "trainer.log_every=3"), tmp_path)
+        run(compose_cfg(*RESUMABLE, "trainer.resume=auto", "optimizer.lr=0.5", "trainer.log_every=3"), tmp_path)
     assert "optimizer.lr 0.001 -> 0.5" in caplog.text and "trainer.log_every 50 -> 3" in caplog.text
     state = ckpt.latest(tmp_path / "checkpoints")[1]
     assert [g["lr"] for g in state["trainer"]["optimizer"]["param_groups"]] == [0.5]
@@ -73,7 +69,7 @@ def test_disk_full_while_checkpointing_is_a_failed_summary_naming_the_path(tmp_p
 
     monkeypatch.setattr(ckpt.os, "fsync", full_on_the_second)
     with pytest.raises(OSError) as info:
-        run(compose_cfg(*TINY), tmp_path)
+        run(compose_cfg(*RESUMABLE), tmp_path)
     path = tmp_path / "checkpoints" / "step-000000006.pt"
     assert info.value.filename == str(path) and info.value.errno == errno.ENOSPC
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -85,7 +81,7 @@ def test_disk_full_while_checkpointing_is_a_failed_summary_naming_the_path(tmp_p
 
 def test_an_unusable_checkpoint_folder_is_one_line_and_a_failed_summary(tmp_path):
     (tmp_path / "checkpoints").write_text("in the way")  # as root, chmod cannot stand in for this
-    proc = run_train(tmp_path, *TINY, check=False)
+    proc = run_train(tmp_path, *RESUMABLE, check=False)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and str(tmp_path / "checkpoints") in lines[0], proc.stderr
@@ -93,41 +89,25 @@ def test_an_unusable_checkpoint_folder_is_one_line_and_a_failed_summary(tmp_path
 
 
 def test_sizes_that_train_but_surprise_warn(tmp_path, compose_cfg, caplog):
-    over = [*TINY, "trainer.epochs=1", "data.batch_size=100", "trainer.accumulate=3"]
+    over = [*RESUMABLE, "trainer.epochs=1", "data.batch_size=100", "trainer.accumulate=3"]
     with caplog.at_level(logging.WARNING, logger="gradmod.training.run"):
         run(compose_cfg(*over), tmp_path)
     assert "data.batch_size=100 is larger than the training set (60 images)" in caplog.text
     assert "trainer.accumulate=3 is more than the 1 batches of an epoch" in caplog.text
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from conftest import CONF
-
-    out = tmp_path_factory.mktemp("reference")
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=TINY)
-    GlobalHydra.instance().clear()
-    run(cfg, out)
-    return torch.load(out / "model.pt")
-
-
 @pytest.mark.parametrize("name, code", [("TERM", 143), ("INT", 130)])
 def test_a_signal_finishes_the_step_checkpoints_and_exits_with_one_line(tmp_path, compose_cfg, reference, name, code):
-    proc = run_train(tmp_path, *TINY, check=False, env={"GRADMOD_KILL_AT": "step:7", "GRADMOD_KILL_SIGNAL": name})
+    proc = run_train(tmp_path, *RESUMABLE, check=False, env={"GRADMOD_KILL_AT": "step:7", "GRADMOD_KILL_SIGNAL": name})
     assert proc.returncode == code, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"interrupted by SIG{name} after step 8; checkpoint "
                                                 f"{tmp_path / 'checkpoints' / 'step-000000008.pt'}; "
                                                 "continue with trainer.resume=auto"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == f"SIG{name}" and summary["steps"] == 8
-    resumed = run(compose_cfg(*TINY, "trainer.resume=auto"), tmp_path)
+    resumed = run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), tmp_path)
     assert resumed["status"] == "ok" and resumed["resumed_from"].endswith("step-000000008.pt")
-    _same_params(torch.load(tmp_path / "model.pt"), reference)
+    _same_params(torch.load(tmp_path / "model.pt"), reference[0])
 
 
 def _same_params(a, b) -> None:
@@ -139,12 +119,12 @@ def _soak(tmp_path, compose_cfg, reference, runs: int, seed: int) -> None:
     for i in range(runs):
         out = tmp_path / f"run{i}"
         step, name = rng.randint(1, 11), rng.choice(["KILL", "TERM", "INT"])
-        proc = run_train(out, *TINY, check=False, env={"GRADMOD_KILL_AT": f"step:{step}", "GRADMOD_KILL_SIGNAL": name})
+        proc = run_train(out, *RESUMABLE, check=False, env={"GRADMOD_KILL_AT": f"step:{step}", "GRADMOD_KILL_SIGNAL": name})
         expected = -9 if name == "KILL" else 128 + signal.Signals["SIG" + name]
         assert proc.returncode == expected, (i, step, name, proc.stderr)
-        summary = run(compose_cfg(*TINY, "trainer.resume=auto"), out)
+        summary = run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), out)
         assert summary["status"] == "ok" and summary["steps"] == 12, (i, step, name)
-        _same_params(torch.load(out / "model.pt"), reference)
+        _same_params(torch.load(out / "model.pt"), reference[0])
         assert json.loads((out / "summary.json").read_text())["status"] == "ok"
         assert [json.loads(ln)["epoch"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
         run_id = json.loads((out / ".gradmod" / "run.json").read_text())["run_id"]

@@ -12,11 +12,9 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 import gradmod.training.run as train_mod
-from conftest import CONF, FAST
+from conftest import FAST, compose_config
 from gradmod.app.cli import run
 
 CLIP = 0.01
@@ -34,12 +32,7 @@ def _restore_threads():
 
 
 def _cfg(*overrides):
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose(config_name="config", overrides=[*SMALL, *overrides])
-    finally:
-        GlobalHydra.instance().clear()
+    return compose_config(*SMALL, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -170,13 +163,9 @@ def test_host_reads_grow_by_one_per_log_point_not_per_step(tmp_path, monkeypatch
 
 
 def test_run_without_hooks_writes_csv_and_gradcam_but_no_gradient_plots(tmp_path):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            *FAST, "data=fake", "data.image_size=28", "data.channels=1", "data.train_size=40",
-            "data.test_size=20", "data.batch_size=10", "capture.gradcam=true", "capture.gradcam_images=3",
-            "trainer.threads=1"])
-    GlobalHydra.instance().clear()
+    cfg = compose_config(*FAST, "data=fake", "data.image_size=28", "data.channels=1", "data.train_size=40",
+                         "data.test_size=20", "data.batch_size=10", "capture.gradcam=true",
+                         "capture.gradcam_images=3", "trainer.threads=1")
     run(cfg, tmp_path)  # no hooks at all: an empty `hooks` config must work
     assert (tmp_path / "gradcam.png").stat().st_size > 0 and (tmp_path / "metrics.csv").exists()
     assert not (tmp_path / "grad_norms.png").exists() and not (tmp_path / "tensorboard").exists()

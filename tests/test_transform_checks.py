@@ -18,8 +18,13 @@ BAD = {
     "wrong_dtype": (lambda: lambda g: g.double(), "dtype"),
     "not_a_tensor": (lambda: lambda g: 0.5, "returned float"),
 }
-for _name, (_factory, _) in BAD.items():
-    T.register(f"test_{_name}", _factory, overwrite=True)
+
+
+@pytest.fixture(autouse=True)
+def _bad_transforms():
+    """Registered for each test (conftest restores the registry after it)."""
+    for name, (factory, _) in BAD.items():
+        T.register(f"test_{name}", factory, overwrite=True)
 
 
 def _model():

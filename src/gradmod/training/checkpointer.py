@@ -31,8 +31,6 @@ class Checkpointer(Callback):
                  epochs: int = 0, config: Any = "", plan: Any = None, writes: bool = True, run: str | None = None):
         self.folder, self.every_epochs, self.every_steps, self.keep = Path(folder), every_epochs, every_steps, keep
         self.epochs, self.config, self.plan, self.writes, self.run = epochs, config, plan, writes, run
-        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote
-        self.last_path: Path | None = None
 
     def on_step_end(self, trainer) -> None:
         if self.every_steps and trainer.step % self.every_steps == 0:
@@ -52,14 +50,8 @@ class Checkpointer(Callback):
                  "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan}
         state["step"] = state["trainer"]["step"]
         path = ckpt.save(self.folder, state, self.keep, run=self.run)
-        self.saved_step, self.last_path = state["step"], path
         log.debug("checkpoint %s (epoch %d, batch %d)", path, state["trainer"]["epoch"], state["trainer"]["batch"])
         return path
-
-    def restore(self, trainer, resume: str | None) -> Path | None:
-        """Load ``trainer.resume`` (None, ``auto`` or a path) into ``trainer`` and its
-        callbacks; returns the checkpoint's path, or None when starting fresh."""
-        return self.restore_from(trainer, ckpt.find(resume, self.folder, self.run))
 
     def restore_from(self, trainer, found: tuple[Path, dict[str, Any]] | None) -> Path | None:
         """Load a checkpoint ``(path, state)`` found by ``checkpoint.find``; None: start fresh."""

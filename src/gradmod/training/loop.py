@@ -49,6 +49,11 @@ def batches_per_epoch(n: int, batch_size: int, world: int = 1) -> int:
     return math.ceil(n // world / batch_size)
 
 
+def steps_per_epoch(n: int, batch_size: int, world: int = 1, accumulate: int = 1) -> int:
+    """Optimizer steps in one rank's epoch: its batches in groups of ``accumulate`` (the last may be short)."""
+    return math.ceil(batches_per_epoch(n, batch_size, world) / accumulate)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
              device: torch.device | None = None, loader_workers: int | None = None) -> tuple[float, float]:

@@ -44,7 +44,7 @@ class RunFiles(Callback):
 
     def on_log(self, trainer, stats: dict[str, Any]) -> None:
         self.logger.log_stats(trainer.epoch, trainer.step, stats)
-        lean = {k: {f: v for f, v in s.items() if f != "histogram"} for k, s in stats.items()}
+        lean = trainer.last_stats  # this read, without histograms
         self.rows.append((trainer.step, lean))
         if self.stats is not None:
             self._write(self.stats, {"epoch": trainer.epoch, "step": trainer.step, "stats": lean})

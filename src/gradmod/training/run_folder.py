@@ -111,7 +111,7 @@ class RunFolder:
     def take_ownership(self, run_id: str) -> None:
         """From here the run's files replace the folder's: record the run and keep its config."""
         self.run_id, self.owned = run_id, True
-        _write_text(self.meta / "run.json", json.dumps({"run_id": run_id, "pid": os.getpid()}) + "\n")
+        replace_text(self.meta / "run.json", json.dumps({"run_id": run_id, "pid": os.getpid()}) + "\n")
         if (self.out / KEPT).is_dir():
             shutil.copytree(self.out / KEPT, self.meta / "hydra", dirs_exist_ok=True)
 
@@ -156,7 +156,8 @@ class RunFolder:
             path.unlink()
 
 
-def _write_text(path: Path, text: str) -> None:
+def replace_text(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary file, so a reader never sees it half-written."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)

@@ -10,7 +10,6 @@ lives in callbacks (``gradmod.training.callbacks``), each with its own ``state_d
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -146,8 +145,8 @@ class Trainer:
         stats = self.hooks.read_stats() if self.hooks is not None else {}
         if not stats:
             return {}
-        self._call("on_log", stats)
         self.last_stats = {k: {f: v for f, v in s.items() if f != "histogram"} for k, s in stats.items()}
+        self._call("on_log", stats)  # with histograms; ``last_stats`` holds the same without
         return self.last_stats
 
     def test(self, data: Data) -> tuple[float, float]:
@@ -178,9 +177,6 @@ class Trainer:
             self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
         else:
             self.generator.set_state(state["generator"])
-
-    def steps_per_epoch(self, n: int) -> int:
-        return math.ceil(batches_per_epoch(n, self.batch_size, self.dist.world_size) / self.accumulate)
 
     def _call(self, moment: str, *args: Any) -> None:
         for cb in self.callbacks:
