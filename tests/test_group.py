@@ -156,12 +156,11 @@ def test_agc_matches_a_unit_by_unit_computation():
 
 
 def test_agc_config_leaves_the_classifier_out():
-    from omegaconf import OmegaConf
-
     from conftest import ROOT
+    from gradmod.hooks.rules import load_rules
     from gradmod.models import MnistCNN
 
-    rules = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "hooks" / "agc.yaml"))
+    rules = load_rules(ROOT / "conf" / "hooks" / "agc.yaml")
     hooks = attach(MnistCNN(), rules)
     names = {d["tensor"] for d in hooks.describe()}
     assert names == {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"}

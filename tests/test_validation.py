@@ -77,6 +77,13 @@ CASES = [
                                                              "every step", "sync_check=false"]),
     (["trainer.sync_check=true", "trainer.nonfinite=skip"], ["trainer.sync_check=true", "trainer.nonfinite=skip",
                                                              "every step", "nonfinite=warn"]),
+    (["trainer.epoch=3"], ["trainer.epoch", "did you mean trainer.epochs?", "allowed"]),
+    (["+trainer.epoch=3"], ["trainer.epoch", "did you mean trainer.epochs?", "allowed"]),
+    (["+hooks=clip", "hooks.clip.stag=fused"], ["hooks.clip.stag", "did you mean hooks.clip.stage?"]),
+    (["hooks.mine.params=x"], ["hooks.mine", "to append to your config use +hooks.mine.params=x"]),
+    (["+hooks=clip", "+hooks=zero"], ["+hooks", "+hooks=[clip,zero]"]),
+    (["seed=-1"], ["seed=-1", ">= 0"]),
+    (["trainer.device=cpu:1"], ["trainer.device", "cpu:1", "auto, cpu, cuda"]),
 ]
 if not torch.cuda.is_available():
     CASES.append((["trainer.device=cuda"], ["trainer.device", "cuda", "not available", "cpu"]))

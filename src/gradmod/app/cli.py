@@ -27,7 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradmod.app.config import one_line, validate
+from gradmod.app.config import one_line, unknown_key, validate
 from gradmod.training.nonfinite import NonFiniteError
 from gradmod.reporting.sweep import failed_summary, format_exception, launcher_threads
 from gradmod.training import run as training
@@ -112,15 +112,25 @@ def describe(e: BaseException) -> str:
             return f"{group}={name}: no such option; allowed: {', '.join(options)}"
     if isinstance(e, OverrideParseException):
         return f"cannot parse override {e.override!r}: {str(e).splitlines()[0]}"
+    if str(e).startswith("Multiple values for hooks"):
+        return _hooks_twice()
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
-        allowed = ", ".join(f.name for f in dataclasses.fields(cause.object_type))
-        return f"unknown key {cause.full_key}; allowed there: {allowed}"
+        return unknown_key(cause.full_key, [f.name for f in dataclasses.fields(cause.object_type)])
+    hint = re.search(r"To append to your config use (\S+)", str(e))  # Hydra's hint, where adding can work
+    more = f"; to append to your config use {hint.group(1)}" if hint else ""
     if isinstance(cause, OmegaConfBaseException):
-        return one_line(cause)
+        return one_line(cause) + more
     lines = [ln.strip() for ln in str(e).splitlines()
              if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     return "; ".join(lines)
+
+
+def _hooks_twice() -> str:
+    """``+hooks=clip +hooks=zero``: Hydra takes one value per group; hook configs combine in a list."""
+    names = [n for a in sys.argv[1:] if a.startswith("+hooks=") for n in a[7:].strip("[]").split(",") if n]
+    return (f"+hooks is given {sum(a.startswith('+hooks=') for a in sys.argv[1:])} times; hook configs combine "
+            f"in one list: +hooks=[{','.join(names) or 'clip,log'}]")
 
 
 def _group_options(group: str, message: str) -> list[str] | None:

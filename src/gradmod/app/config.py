@@ -14,6 +14,7 @@ kept in the ``schema/`` group so that they are never offered as options (``optim
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from gradmod.training.config import (AdamConfig, Config, DataConfig, FakeDataConfig, SGDConfig,
+from gradmod.training.config import (AdamConfig, Config, DataConfig, FakeDataConfig, RuleConfig, SGDConfig,
                                      TensorBoardLoggerConfig)
+
 
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore (done on import; harmless to repeat)."""
@@ -33,20 +35,36 @@ def register() -> None:
     cs.store(group="schema/optimizer", name="adam", node=AdamConfig)
     cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)
+    cs.store(group="schema", name="rule", node=RuleConfig)  # a hook file's rules: defaults [/schema/rule@NAME]
 
 
 register()
+
+
+def _extra_keys(node: DictConfig) -> tuple[list[str], list[str]]:
+    """(the schema's field names, the node's keys outside them); no schema: ([], [])."""
+    cls = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(cls):
+        return [], []
+    names = [f.name for f in dataclasses.fields(cls)]
+    return names, [k for k in node.keys() if k not in names]
+
+
+def unknown_key(key: str, names: list[str]) -> str:
+    """One line for a key a schema does not have: the closest allowed name, then all of them."""
+    parent, _, last = key.rpartition(".")
+    close = difflib.get_close_matches(last, names, n=1)
+    guess = f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+    return f"unknown key {key}{guess}; allowed there: {', '.join(names)}"
 
 
 def _unknown_keys(node: DictConfig, path: str) -> None:
     """``+key=value`` bypasses a schema's closed set of keys: check them here."""
     cls = OmegaConf.get_type(node)
     if dataclasses.is_dataclass(cls):
-        names = [f.name for f in dataclasses.fields(cls)]
-        extra = [k for k in node.keys() if k not in names]
+        names, extra = _extra_keys(node)
         if extra:
-            where = path or "the config"
-            raise ValueError(f"unknown key {path}{extra[0]} in {where.rstrip('.')}; allowed: {', '.join(names)}")
+            raise ValueError(unknown_key(f"{path}{extra[0]}", names))
     if cls is dict or dataclasses.is_dataclass(cls):
         for key in node.keys():
             if key == "hooks" and not path:
@@ -66,9 +84,7 @@ def _target_arguments(cfg: DictConfig) -> None:
         node = cfg._get_node(key)
         if not isinstance(node, DictConfig) or node._is_missing() or node._is_none() or not node.get("_target_"):
             continue
-        cls = OmegaConf.get_type(node)
-        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-        extra = [k for k in node.keys() if k not in names]
+        _, extra = _extra_keys(node)
         with open_dict(node):
             for k in extra:
                 value = node._get_node(k)

@@ -22,6 +22,7 @@ import difflib
 import fnmatch
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -68,10 +69,14 @@ def _patterns(rule: str, key: str, value: Any) -> list[str]:
     return list(value)
 
 
-def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) -> ValueError:
+def name_hint(pattern: str, names: list[str]) -> str:
+    """What to say after a name or glob matched nothing: the close names, else a few real ones."""
     close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
-    hint = f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
-    return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {hint}")
+    return f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
+
+
+def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) -> ValueError:
+    return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {name_hint(pattern, names)}")
 
 
 def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
@@ -105,6 +110,7 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
     for rule, spec in (rules or {}).items():
         if not isinstance(spec, Mapping):
             raise ValueError(f"hooks.{rule}: a rule must be a mapping with params or modules and transforms")
+        spec = {k: v for k, v in spec.items() if v is not None}  # a null key is an unset one
         unknown = [k for k in spec if k not in RULE_KEYS]
         if unknown:
             raise ValueError(f"hooks.{rule}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(RULE_KEYS)}")
@@ -475,6 +481,20 @@ def _output_hook(chain):
                 t.register_hook(chain)
 
     return forward_hook
+
+
+def load_rules(rules: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """Rules from a mapping or a hook config file (``conf/hooks/clip.yaml``). A file's
+    ``defaults`` list is Hydra's composition (it gives each rule every key), not a rule."""
+    if isinstance(rules, (str, Path)):
+        import yaml  # only for files: the core needs no YAML otherwise
+
+        rules = yaml.safe_load(Path(rules).read_text()) or {}
+        if isinstance(rules, Mapping):
+            rules = {k: v for k, v in rules.items() if k != "defaults"}
+    if not isinstance(rules, Mapping):
+        raise ValueError(f"rules must be a mapping of rule name to rule or a hook config file, got {type(rules).__name__}")
+    return dict(rules)
 
 
 def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,

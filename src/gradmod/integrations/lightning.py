@@ -12,23 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from gradmod.hooks.rules import HookSet, attach
+from gradmod.hooks.rules import HookSet, attach, load_rules
 
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError as e:  # the optional extra is missing
     raise ImportError('gradmod.integrations.lightning needs Lightning: pip install "gradmod[lightning]"') from e
-
-
-def load_rules(rules: Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    """Rules from a mapping or a hook config file (``conf/hooks/clip.yaml``)."""
-    if isinstance(rules, (str, Path)):
-        import yaml
-
-        rules = yaml.safe_load(Path(rules).read_text()) or {}
-    if not isinstance(rules, Mapping):
-        raise ValueError(f"rules must be a mapping of rule name to rule or a hook config file, got {type(rules).__name__}")
-    return dict(rules)
 
 
 class GradmodCallback(Callback):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
 import importlib
 from typing import Any, Iterable
 
 import torch
 from torch import nn
+
+from gradmod.hooks.rules import name_hint
 
 # Optimizers with a fused CUDA implementation that gives the same updates (torch's docs).
 FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")
@@ -58,9 +59,7 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], no_decay: list[str])
     for pattern in no_decay:
         hits = fnmatch.filter(names, pattern)
         if not hits:
-            close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
-            hint = f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
-            raise ValueError(f"optimizer.no_decay: {pattern!r} matches no parameter; {hint}")
+            raise ValueError(f"optimizer.no_decay: {pattern!r} matches no parameter; {name_hint(pattern, names)}")
         exempt.update(hits)
     groups = [{"params": [p for n, p in named if n not in exempt]},
               {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]

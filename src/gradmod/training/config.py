@@ -247,6 +247,23 @@ class SchedulerConfig:
 
 
 @dataclass
+class RuleConfig:
+    """One hook rule as the config holds it: every key present (None when unset), so each can
+    be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
+    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
+
+    params: Any = None
+    modules: Any = None
+    exclude: Any = None
+    transforms: Any = None
+    stage: Optional[str] = None
+
+    def as_rule(self) -> Dict[str, Any]:
+        """The rule as ``attach`` takes it: the keys that are set."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -257,12 +274,14 @@ class Config:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     seed: int = 1234
     data_dir: str = "data"
-    hooks: Dict[str, Any] = field(default_factory=dict)  # rules, checked by gradmod.hooks.rules.build_targets
+    hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule (a RuleConfig or a mapping)
     plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built
     clip_bound: Optional[float] = None  # the tuned clamp bound of conf/experiment/clip_optuna.yaml
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 
     def __post_init__(self):
+        at_least("seed", self.seed, 0)
+        self.hooks = {name: r.as_rule() if isinstance(r, RuleConfig) else r for name, r in self.hooks.items()}
         self.loss = _target_node("loss", self.loss, LossConfig) or LossConfig()
         self.scheduler = _target_node("scheduler", self.scheduler or None, SchedulerConfig)

@@ -15,8 +15,8 @@ import importlib
 import json
 import logging
 import random
-import sys
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,21 +32,21 @@ from gradmod.hooks.rules import HookSet, attach
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
-from gradmod.training.build import build_optimizer, param_groups
-from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
 from gradmod.reporting.sweep import failed_summary
 from gradmod.training import checkpoint as ckpt
+from gradmod.training.build import build_optimizer, param_groups
+from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
 from gradmod.training.checkpointer import Checkpointer
 from gradmod.training.config import Config
 from gradmod.training.distributed import Dist
 from gradmod.training.interrupt import Interrupted, StopOnSignal
 from gradmod.training.loader import placement
-from gradmod.training.loop import batches_per_epoch
+from gradmod.training.loop import batches_per_epoch, steps_per_epoch
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision, check_precision
 from gradmod.training.resume_check import apply_optimizer, compare
 from gradmod.training.run_files import GradCamCallback, RunFiles
-from gradmod.training.run_folder import RunFolder, has_results
+from gradmod.training.run_folder import RunFolder, has_results, replace_text
 from gradmod.training.schedule import SchedulerCallback, build_scheduler
 from gradmod.training.speed import SyncCheck, compile_model, to_channels_last
 from gradmod.training.targets import build_data, build_loss, model_factory
@@ -66,7 +66,7 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"trainer.device={name!r} is not a device; allowed: auto, cpu, cuda, cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"trainer.device={name!r} but CUDA is not available here; use trainer.device=auto or cpu")
-    if device.type not in ("cpu", "cuda"):
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index is not None):
         raise ValueError(f"trainer.device={name!r} is not supported; allowed: auto, cpu, cuda, cuda:N")
     return device
 
@@ -201,43 +201,23 @@ def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
          run_folder: RunFolder, resume: tuple[Any, dict[str, Any]], t_start: float) -> dict[str, Any]:
     t, out = cfg.trainer, run_folder.out
-    log.info("%s", summarize_plan(hooks.describe(), cfg.hooks))  # the full plan goes to hook_plan.json
     plan = hooks.describe()
+    log.info("%s", summarize_plan(plan, cfg.hooks))  # the full plan goes to hook_plan.json
     if dist.is_main:  # rank 0 alone writes the run folder
         _write_json(out / "hook_plan.json", plan)
     wrapped = dist.wrap(model)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
-    amp = Precision(t.precision, dist.device)
     guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if dist.world_size > 1 else None)
-    sync = SyncCheck(t.sync_check, dist.device)
+    optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
+                                dist.device)
     with contextlib.ExitStack() as stack:
         folder = out if dist.is_main else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        logger = make_logger(dataclasses.asdict(cfg.logger), folder)
-        stack.callback(logger.close)
-        logger.log_plan(plan, hooks.format_plan())
-        files = RunFiles(folder, logger)
-        stack.callback(files.close)
-        saver = Checkpointer(out / "checkpoints", every_epochs=t.checkpoint_every, every_steps=t.checkpoint_every_steps,
-                             keep=t.checkpoint_keep, epochs=t.epochs, config=dataclasses.asdict(cfg), plan=plan,
-                             writes=dist.is_main, run=run_folder.run_id)
-        optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
-                                    dist.device)
-        steps = -(-batches_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size) // t.accumulate)
-        schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
-        callbacks = [NonFiniteCallback(guard), schedule, saver, files]  # schedule before saver: see SchedulerCallback
-        if cfg.capture.gradcam:
-            probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
-                                 cfg.capture.gradcam_images, dist.device)
-            callbacks.append(GradCamCallback(probe, logger, folder))
-        callbacks.append(SyncCheckCallback(sync))  # last but one: see SyncCheckCallback
-        stop = StopOnSignal(saver)
-        callbacks.append(stop)  # last: the step's other callbacks are done when it stops the run
-        stack.callback(sync.allow)
-        trainer = Trainer(model, optimizer, hooks=hooks, amp=amp, loss_fn=build_loss(cfg.loss),
-                          callbacks=callbacks, dist=dist, net=net, eval_net=model if net is wrapped else net,
-                          accumulate=t.accumulate, batch_size=cfg.data.batch_size,
-                          eval_batch_size=t.eval_batch_size, log_every=t.log_every,
+        callbacks, saver, stop = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist)
+        trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
+                          loss_fn=build_loss(cfg.loss), callbacks=callbacks, dist=dist, net=net,
+                          eval_net=model if net is wrapped else net, accumulate=t.accumulate,
+                          batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
                           progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
                           generator=torch.Generator().manual_seed(cfg.seed))
         found, diffs = resume
@@ -253,6 +233,34 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
              summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
     return summary
+
+
+def _callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, run_folder: RunFolder, data: Data,
+               hooks: HookSet, plan: Any, guard: NonFiniteGuard, optimizer: torch.optim.Optimizer,
+               dist: Dist) -> tuple[list[Any], Checkpointer, StopOnSignal]:
+    """The run's callbacks in the order they must run; what they open closes with ``stack``."""
+    t = cfg.trainer
+    logger = make_logger(dataclasses.asdict(cfg.logger), folder)
+    stack.callback(logger.close)
+    logger.log_plan(plan, hooks.format_plan())
+    files = RunFiles(folder, logger)
+    stack.callback(files.close)
+    saver = Checkpointer(run_folder.out / "checkpoints", every_epochs=t.checkpoint_every,
+                         every_steps=t.checkpoint_every_steps, keep=t.checkpoint_keep, epochs=t.epochs,
+                         config=dataclasses.asdict(cfg), plan=plan, writes=dist.is_main, run=run_folder.run_id)
+    steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate)
+    schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
+    callbacks = [NonFiniteCallback(guard), schedule, saver, files]  # schedule before saver: see SchedulerCallback
+    if cfg.capture.gradcam:
+        probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
+                             cfg.capture.gradcam_images, dist.device)
+        callbacks.append(GradCamCallback(probe, logger, folder))
+    sync = SyncCheck(t.sync_check, dist.device)
+    stack.callback(sync.allow)
+    callbacks.append(SyncCheckCallback(sync))  # last but one: see SyncCheckCallback
+    stop = StopOnSignal(saver)
+    callbacks.append(stop)  # last: the step's other callbacks are done when it stops the run
+    return callbacks, saver, stop
 
 
 def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, plan: Any,
@@ -277,9 +285,7 @@ def _stderr_is_terminal() -> bool:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
+    replace_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _world_sum(t: Tensor) -> Tensor:
