@@ -1,0 +1,75 @@
+"""The hook-stage chain: one hook per tensor runs the transforms of every rule on it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradmod.hooks import transforms as T
+from gradmod.hooks.stats import GradStats
+
+
+def _checked(rule: str, step: T.Step, key: str, g: Tensor) -> Tensor | None:
+    """Run a step and check what it did: the first call of each hook only, so that the
+    check costs nothing afterwards (the version counter shows an in-place change)."""
+    version = g._version
+    out = step(g)
+    where = f"hooks.{rule}: transform {step.name!r} on {key!r}"
+    if g._version != version:
+        raise ValueError(f"{where} modified the gradient in place; a transform must return a new tensor "
+                         "(e.g. grad.clamp(...), not grad.clamp_(...))")
+    if out is None:
+        return None
+    if not isinstance(out, Tensor):
+        raise ValueError(f"{where} returned {type(out).__name__}; a transform returns a Tensor or None")
+    got, want = (tuple(out.shape), out.dtype, out.device), (tuple(g.shape), g.dtype, g.device)
+    if got != want:
+        raise ValueError(f"{where} returned shape/dtype/device {got}, the gradient has {want}; "
+                         "a transform must keep all three")
+    return out
+
+
+def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.Parameter | None):
+    """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
+    handed to ``hooks`` (computed for all tensors together at the end of backward).
+    A chain that replaces the gradient leaves the raw one with ``hooks`` for the
+    non-finite count (before a transform such as clamp can turn inf into a number).
+    Under fp16 (``hooks.grad_scale`` set) the steps see the unscaled gradient, as in
+    fp32, and the result is scaled back for GradScaler; scales are powers of two, so
+    this is exact."""
+    first = True
+
+    def hook(grad: Tensor) -> Tensor:
+        nonlocal first
+        scale = hooks.grad_scale
+        g = grad if scale is None else grad.float() * scale.reciprocal()
+        seen: list[tuple[GradStats, Tensor]] = []
+        changed = False
+        for rule, step in steps:
+            if isinstance(step.fn, GradStats) and not step.fn.histogram:
+                seen.append((step.fn, g))
+                continue
+            out = _checked(rule, step, key, g) if first else step(g)
+            if out is not None:
+                g, changed = out, True
+        first = False
+        result = grad if not changed else g if scale is None else (g * scale).to(grad.dtype)
+        hooks._after_chain(key, grad, result, seen, param)
+        return result
+
+    return hook
+
+
+def in_distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def output_hook(chain):
+    def forward_hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(chain)
+
+    return forward_hook

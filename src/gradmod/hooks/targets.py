@@ -1,0 +1,212 @@
+"""What a rule selects: tensors by name, each with the transforms it gets.
+
+A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
+or ``{"modules": glob(s), ...}``; a key set to null is unset. Names are verified, not
+trusted: a pattern that matches nothing is an error listing close names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from torch import nn
+
+from gradmod.hooks import group as _group  # noqa: F401  (registers the group transforms)
+from gradmod.hooks import transforms as T
+from gradmod.hooks.stats import GradStats
+
+STAGES = ("hook", "fused")
+RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
+
+
+@dataclass
+class Target:
+    """One selected tensor and the transforms (in order) a rule applies to it."""
+
+    rule: str
+    kind: str  # "param" | "module"
+    name: str
+    stage: str
+    steps: list[T.Step]
+
+    @property
+    def key(self) -> str:
+        """The tensor's name in plans and statistics: a module's output is ``name:output``."""
+        return self.name if self.kind == "param" else f"{self.name}:output"
+
+
+def _patterns(rule: str, key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Iterable) or isinstance(value, Mapping) or not value or \
+            not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"hooks.{rule}.{key}: {value!r} must be a glob or a non-empty list of globs")
+    return list(value)
+
+
+def name_hint(pattern: str, names: list[str]) -> str:
+    """What to say after a name or glob matched nothing: the close names, else a few real ones."""
+    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
+    return f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
+
+
+def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) -> ValueError:
+    return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {name_hint(pattern, names)}")
+
+
+def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
+    """The names a rule selects, in model order; a pattern matching nothing is an error."""
+    key = "params" if "params" in spec else "modules"
+    chosen: set[str] = set()
+    for pattern in _patterns(rule, key, spec[key]):
+        hits = fnmatch.filter(names, pattern)
+        if not hits:
+            raise _no_match(rule, key, pattern, names, what)
+        chosen.update(hits)
+    if spec.get("exclude") is not None:
+        for pattern in _patterns(rule, "exclude", spec["exclude"]):
+            hits = fnmatch.filter(names, pattern)
+            if not hits:
+                raise _no_match(rule, "exclude", pattern, names, what)
+            chosen.difference_update(hits)
+    if not chosen:
+        raise ValueError(f"hooks.{rule}: exclude removes every {what} the rule selected")
+    return [n for n in names if n in chosen]
+
+
+def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
+                  stage: str = "hook") -> list[Target]:
+    """Check the rules against the model and return what to attach, in config order."""
+    if not isinstance(rules, Mapping) and rules is not None:
+        raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
+    params = [n for n, p in model.named_parameters() if p.requires_grad]
+    modules = [n for n, _ in model.named_modules() if n]
+    targets: list[Target] = []
+    for rule, spec in (rules or {}).items():
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"hooks.{rule}: a rule must be a mapping with params or modules and transforms")
+        spec = {k: v for k, v in spec.items() if v is not None}  # a null key is an unset one
+        unknown = [k for k in spec if k not in RULE_KEYS]
+        if unknown:
+            raise ValueError(f"hooks.{rule}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(RULE_KEYS)}")
+        if ("params" in spec) == ("modules" in spec):
+            raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
+        targets.extend(_rule_targets(rule, spec, params, modules, stage))
+    _check_observer_keys(targets)
+    return targets
+
+
+def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list, default: str) -> str:
+    """The rule's stage: its own, else the default; a rule with a group transform runs
+    fused (the only stage where all its gradients are there at once)."""
+    rule_stage = spec.get("stage") or default
+    if rule_stage not in STAGES:
+        raise ValueError(f"hooks.{rule}.stage: {rule_stage!r} is not a stage; allowed: {', '.join(STAGES)}")
+    if kind == "module" and spec.get("stage") == "fused":
+        raise ValueError(f"hooks.{rule}.stage: 'fused' needs params (accumulated .grad); modules rules run as hooks")
+    try:
+        groups = [n for n in (T.parse_spec(t)[0] for t in transforms) if T.is_group(n)]
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+    if not groups:
+        return "hook" if kind == "module" else rule_stage
+    if kind == "module":
+        raise ValueError(f"hooks.{rule}: group transform {groups[0]!r} needs params (accumulated .grad), not modules")
+    if spec.get("stage") == "hook":
+        raise ValueError(f"hooks.{rule}.stage: group transform {groups[0]!r} acts on all the rule's gradients "
+                         "after backward; it runs at stage 'fused' only")
+    return "fused"
+
+
+def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str],
+                  default_stage: str) -> list[Target]:
+    kind = "param" if "params" in spec else "module"
+    transforms = spec.get("transforms")
+    if isinstance(transforms, (str, Mapping)):
+        transforms = [transforms]
+    if not transforms:
+        raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(T.names())}")
+    stage = _rule_stage(rule, spec, kind, transforms, default_stage)
+    names = select(rule, spec, params if kind == "param" else modules,
+                   "parameter (see model.named_parameters())" if kind == "param"
+                   else "module (see model.named_modules())")
+    shared: dict[int, T.Step] = {}  # a group transform: one instance for all the rule's tensors
+    targets = []
+    for name in names:
+        try:  # per tensor: observers and stateful transforms keep their own state
+            steps = [shared.get(i) or T.build(t) for i, t in enumerate(transforms)]
+        except ValueError as e:
+            raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+        shared.update((i, st) for i, st in enumerate(steps) if st.group)
+        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage)))
+    return targets
+
+
+def _label_observers(steps: list[T.Step], stage: str) -> list[T.Step]:
+    """``log`` first in a chain of several steps is ``pre``, last is ``post`` (an explicit
+    ``label`` wins); a chain that starts and ends with ``log`` pairs the two, so ``post``
+    reports the fraction of elements the transforms between them changed."""
+    if len(steps) < 2:
+        return steps
+    out = list(steps)
+    for i, label in ((0, "pre"), (len(out) - 1, "post")):
+        step = out[i]
+        if isinstance(step.fn, GradStats) and step.fn.label is None:
+            out[i] = T.build({"name": step.name, **step.args, "label": label})
+    first, last = out[0].fn, out[-1].fn
+    if isinstance(first, GradStats) and isinstance(last, GradStats):
+        last.pre = first
+        # The fused stage transforms .grad in place, so pre must keep a copy.
+        first.keep = "clone" if stage == "fused" else "ref"
+    return out
+
+
+def observer_key(target: Target, obs: GradStats) -> str:
+    """The key of an observer's statistics: ``tensor`` or ``tensor/label``."""
+    return f"{target.key}/{obs.label}" if obs.label else target.key
+
+
+def _check_observer_keys(targets: list[Target]) -> None:
+    seen: dict[str, str] = {}
+    for key, rule, _ in group_steps(targets):
+        if key in seen:
+            raise ValueError(f"hooks.{rule}: transform {key.partition('/')[2]!r} appears twice in the rule; "
+                             "give it once (its statistics are keyed by rule and transform)")
+        seen[key] = rule
+    for t in targets:
+        for s in t.steps:
+            if isinstance(s.fn, GradStats):
+                key = observer_key(t, s.fn)
+                if key in seen:
+                    raise ValueError(f"hooks.{t.rule}: its log of {key!r} has the same key as one in rule "
+                                     f"{seen[key]!r}; give one of them a distinct label, e.g. {{name: log, label: {t.rule}}}")
+                seen[key] = t.rule
+
+
+def load_rules(rules: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """Rules from a mapping or a hook config file (``conf/hooks/clip.yaml``). A file's
+    ``defaults`` list is Hydra's composition (it gives each rule every key), not a rule."""
+    if isinstance(rules, (str, Path)):
+        import yaml  # only for files: the core needs no YAML otherwise
+
+        rules = yaml.safe_load(Path(rules).read_text()) or {}
+        if isinstance(rules, Mapping):
+            rules = {k: v for k, v in rules.items() if k != "defaults"}
+    if not isinstance(rules, Mapping):
+        raise ValueError(f"rules must be a mapping of rule name to rule or a hook config file, got {type(rules).__name__}")
+    return dict(rules)
+
+
+def group_steps(targets: list[Target]) -> list[tuple[str, str, T.Step]]:
+    """(``rule/transform``, rule, step) of every group transform, once each, in config order."""
+    out, seen = [], set()
+    for t in targets:
+        for s in t.steps:
+            if s.group and id(s) not in seen:
+                seen.add(id(s))
+                out.append((f"{t.rule}/{s.name}", t.rule, s))
+    return out
