@@ -6,7 +6,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from gradmod.app.cli import job, main as cli_main
+from gradmod.app.cli import job
+from gradmod.app.cli import main as cli_main
 from gradmod.app.help import register_help
 from gradmod.training.distributed import follower_overrides
 

@@ -14,14 +14,14 @@ Sections:
   epoch  one training epoch with the article's clip hook (clamp to [-0.01, 0.01]):
          article  torchvision MNIST (the bundled sample written in MNIST's file format),
                   DataLoader(batch 100, shuffle) with Resize(28) + ToTensor, loss.item() per step
-         gradmod  gradmod.training.loop.train_epoch on device-resident data, clip rule (hook stage)
+         gradmod  gradmod.training.trainer.train_epoch on device-resident data, clip rule (hook stage)
          floor    forward, backward, optimizer step on batches already in memory, no hooks
   eval   article's batch-size-1 loop (DataLoader + ToTensor, .item() per image) against
-         gradmod.training.loop.evaluate (batched, trainer.eval_batch_size)
-  step   one epoch of gradmod.training.loop.train_epoch with: no hooks; clip as hook stage; clip as
+         gradmod.training.trainer.evaluate (batched, trainer.eval_batch_size)
+  step   one epoch of gradmod.training.trainer.train_epoch with: no hooks; clip as hook stage; clip as
          fused stage; torch.nn.utils.clip_grad_value_ after backward; global_norm_clip (fused);
          log read every step; log read every 50 steps; clip_logged (log, clamp, log) read every 50 steps
-  ops    aten ops dispatched in one optimizer step of each contender (gradmod.training.opcount.OpCounter),
+  ops    aten ops dispatched in one optimizer step of each contender (gradmod.testing.opcount.OpCounter),
          with the trainer's non-finite guard; deterministic, so the same on every machine
 """
 
@@ -43,16 +43,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
-from gradmod.models import MnistCNN  # noqa: E402
 from gradmod.hooks.rules import attach  # noqa: E402
+from gradmod.models import MnistCNN  # noqa: E402
+from gradmod.run.runner import resolve_device  # noqa: E402
+from gradmod.testing.opcount import OpCounter  # noqa: E402
 from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
-from gradmod.training.opcount import OpCounter  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402
-from gradmod.training.loop import evaluate, train_epoch  # noqa: E402
-from gradmod.training.run import resolve_device  # noqa: E402
+from gradmod.training.trainer import evaluate, train_epoch  # noqa: E402
 
 BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}

@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from gradmod.capture import Recorder, grad_cam
 from gradmod.data import load_mnist_sample
 from gradmod.models import MnistCNN
-from gradmod.training.loop import evaluate, train_epoch
 from gradmod.reporting.plots import plot_gradcam, plot_grid, plot_image
+from gradmod.training.trainer import evaluate, train_epoch
 
 
 def gradient_overlay(images: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

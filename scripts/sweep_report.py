@@ -8,7 +8,7 @@ that is still running or was killed: jobs without a summary are listed as incomp
 import argparse
 import sys
 
-from gradmod.reporting.sweep import markdown, write_report
+from gradmod.reporting.sweep_report import markdown, write_report
 
 
 def main() -> int:

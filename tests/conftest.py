@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import gradmod.app.config  # noqa: F401  (registers the schemas the YAMLs build on)
+import gradmod.app.config_store  # noqa: F401  (registers the schemas the YAMLs build on)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -70,7 +70,7 @@ def run_train(tmp_path: Path, *overrides: str, multirun: bool = False, check: bo
     entry = "tests/kill_driver.py" if "GRADMOD_KILL_AT" in (env or {}) else "train.py"  # see kill_driver
     cmd = [sys.executable, str(ROOT / entry), *(["-m"] if multirun else []),
            f"{dir_key}={tmp_path}", f"data_dir={tmp_path / 'data'}", *overrides]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gradmod.training import checkpoint
+from gradmod.run import checkpoint_file as checkpoint
 from gradmod.training.callbacks import Callback
 from gradmod.training.trainer import Trainer
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from omegaconf import OmegaConf
-
 from conftest import ROOT
+from omegaconf import OmegaConf
 
 TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GROUP_KEY = re.compile(r"(?<![\w/.+])(trainer|data|optimizer|capture|logger|init|model)\.([a-z_]+)\b(?![(\w/])")  # +key: an added argument

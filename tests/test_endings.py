@@ -11,11 +11,11 @@ import signal
 
 import pytest
 import torch
-
 from conftest import RESUMABLE, run_train
+
 from gradmod.app.cli import run
-from gradmod.training import checkpoint as ckpt
-from gradmod.training.resume_check import apply_optimizer, compare
+from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.resume import apply_optimizer, compare
 
 
 @pytest.mark.parametrize("change, named", [
@@ -43,7 +43,7 @@ def test_resume_accept_lets_a_named_difference_through(tmp_path, compose_cfg):
 
 def test_resume_applies_a_new_lr_to_the_optimizer_and_logs_it(tmp_path, compose_cfg, caplog):
     run(compose_cfg(*RESUMABLE, "trainer.epochs=1"), tmp_path)
-    with caplog.at_level(logging.INFO, logger="gradmod.training.resume_check"):
+    with caplog.at_level(logging.INFO, logger="gradmod.run.resume"):
         run(compose_cfg(*RESUMABLE, "trainer.resume=auto", "optimizer.lr=0.5", "trainer.log_every=3"), tmp_path)
     assert "optimizer.lr 0.001 -> 0.5" in caplog.text and "trainer.log_every 50 -> 3" in caplog.text
     state = ckpt.latest(tmp_path / "checkpoints")[1]
@@ -90,7 +90,7 @@ def test_an_unusable_checkpoint_folder_is_one_line_and_a_failed_summary(tmp_path
 
 def test_sizes_that_train_but_surprise_warn(tmp_path, compose_cfg, caplog):
     over = [*RESUMABLE, "trainer.epochs=1", "data.batch_size=100", "trainer.accumulate=3"]
-    with caplog.at_level(logging.WARNING, logger="gradmod.training.run"):
+    with caplog.at_level(logging.WARNING, logger="gradmod.run.runner"):
         run(compose_cfg(*over), tmp_path)
     assert "data.batch_size=100 is larger than the training set (60 images)" in caplog.text
     assert "trainer.accumulate=3 is more than the 1 batches of an epoch" in caplog.text

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import FAST, ROOT, run_train
 from hydra.errors import HydraException
 
-from conftest import FAST, ROOT, run_train
 from gradmod.app.help import transform_lines
 from gradmod.hooks import attach, transforms
 from gradmod.models import build_model
@@ -19,7 +19,7 @@ from gradmod.reporting.plan import summarize_plan
 
 
 def _train(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True,
                           text=True, env=env, timeout=300)
 
@@ -121,7 +121,7 @@ def test_readme_api_example_runs_beside_a_gradmod_folder(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     script = tmp_path / "example.py"
     script.write_text("\n".join(blocks))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr

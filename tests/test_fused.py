@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradmod.hooks import transforms as T
+from gradmod.hooks.rules import attach
 from gradmod.hooks.stats import GradStats
 from gradmod.models import MnistCNN
-from gradmod.hooks.rules import attach
-from gradmod.training.loop import train_epoch
+from gradmod.training.trainer import train_epoch
 
 
 def _batch(n: int = 8, seed: int = 0):

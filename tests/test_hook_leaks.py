@@ -8,13 +8,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_train
 from torch import nn
 
-import gradmod.training.run as train_mod
+import gradmod.run.runner as train_mod
 from gradmod.app.cli import run
-from conftest import run_train
-from gradmod.training.nonfinite import NonFiniteError
 from gradmod.hooks.rules import attach
+from gradmod.training.nonfinite import NonFiniteError
 
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=20", "data.test_size=10",
         "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import csv
 
+import lightning as L  # the optional extra gradmod[lightning], part of gradmod[dev]
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning as L  # the optional extra gradmod[lightning], part of gradmod[dev]
-
 from gradmod.hooks.rules import attach
 from gradmod.integrations.lightning import GradmodCallback
-from gradmod.training.loop import train_epoch
+from gradmod.training.trainer import train_epoch
 
 N, BATCH, SEED, BOUND = 64, 8, 3, 0.01
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}
@@ -92,9 +91,8 @@ def test_global_norm_clip_equals_gradient_clip_val_norm(tmp_path):
 
 
 def test_rules_from_a_hook_file_and_log_statistics_reach_the_logger(tmp_path):
-    from lightning.pytorch.loggers import CSVLogger
-
     from conftest import CONF
+    from lightning.pytorch.loggers import CSVLogger
 
     logger = CSVLogger(tmp_path, name="run", version=0)
     callback = GradmodCallback(CONF / "hooks" / "log.yaml", log_every=4)

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmod.training.nonfinite import NonFiniteError, NonFiniteGuard
-from gradmod.hooks.rules import attach
 from gradmod.app.cli import run
-from gradmod.training.loop import train_epoch
+from gradmod.hooks.rules import attach
+from gradmod.training.nonfinite import NonFiniteError, NonFiniteGuard
+from gradmod.training.trainer import train_epoch
 
 INF_AT_CONV2 = {"boom": {"modules": "conv2", "transforms": [{"name": "scale", "factor": float("inf")}]}}
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from gradmod.hooks.stats import GradStats
 from gradmod.data import Data
+from gradmod.hooks.rules import attach, build_targets
+from gradmod.hooks.stats import GradStats
 from gradmod.reporting.loggers import CSVLogger, make_logger
 from gradmod.reporting.observe import GradCamProbe, pick_digits
-from gradmod.hooks.rules import attach, build_targets
 
 CLIP = 0.01
 LOGGED = {"c": {"params": "*", "transforms": ["log", {"name": "clamp", "min": -CLIP, "max": CLIP}, "log"]}}

@@ -12,9 +12,9 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 import torch
-
-import gradmod.training.run as train_mod
 from conftest import FAST, compose_config
+
+import gradmod.run.runner as train_mod
 from gradmod.app.cli import run
 
 CLIP = 0.01

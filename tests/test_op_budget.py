@@ -8,9 +8,9 @@ import torch
 
 from gradmod.hooks.rules import attach
 from gradmod.models import MnistCNN
+from gradmod.testing.opcount import OpCounter
 from gradmod.training.nonfinite import NonFiniteGuard
-from gradmod.training.opcount import OpCounter
-from gradmod.training.loop import train_epoch
+from gradmod.training.trainer import train_epoch
 
 CLAMP = {"name": "clamp", "min": -0.01, "max": 0.01}
 RULES = {

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradmod.app.cli import run
+from gradmod.hooks.rules import attach
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision
-from gradmod.hooks.rules import attach
-from gradmod.app.cli import run
 
 CPU = torch.device("cpu")
 CLAMP = [{"name": "clamp", "min": -0.01, "max": 0.01}]

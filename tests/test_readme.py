@@ -3,6 +3,7 @@
 import re
 
 from conftest import ROOT
+
 from gradmod.hooks import transforms
 
 

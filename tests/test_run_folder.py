@@ -8,11 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
-
 from conftest import run_train
+
 from gradmod.app.cli import run
-from gradmod.training import checkpoint as ckpt
-from gradmod.training.run_folder import RunFolder
+from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import RunFolder
 
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
         "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",

@@ -9,10 +9,9 @@ import torch
 from torch import nn
 
 from gradmod.app.cli import run
-from gradmod.training import checkpoint as ckpt
-from gradmod.training.build import build_optimizer, default_fused, param_groups
-from gradmod.training.config import AdamConfig, SGDConfig
-from gradmod.training.schedule import build_scheduler
+from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.config import AdamConfig, SGDConfig
+from gradmod.run.factories import build_optimizer, build_scheduler, default_fused, param_groups
 
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
         "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false"]
@@ -29,7 +28,7 @@ def _lrs(scheduler, optimizer, n):
 
 @pytest.mark.parametrize("name", ["cosine", "step", "onecycle", "warmup_cosine"])
 def test_shipped_schedules_match_torch(compose_cfg, name):
-    from gradmod.app.config import validate
+    from gradmod.app.config_store import validate
 
     cfg = validate(compose_cfg("scheduler=" + name, "scheduler.step_size=7" if name == "step" else "seed=1"))
     p = nn.Parameter(torch.zeros(1))

@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradmod.training import run as train_mod
-from gradmod.training import targets as targets_mod
-from gradmod.hooks import transforms as T
-from gradmod.data import Data, load_mnist_sample
-from gradmod.training.loader import placement
-from gradmod.models import MnistCNN
-from gradmod.hooks.rules import attach
-from gradmod.training.speed import compile_model, forbid_syncs, to_channels_last
 from gradmod.app.cli import run
-from gradmod.training.loop import batches, train_epoch
+from gradmod.data import Data, load_mnist_sample
+from gradmod.hooks import transforms as T
+from gradmod.hooks.rules import attach
+from gradmod.models import MnistCNN
+from gradmod.run import runner as train_mod
+from gradmod.run import factories as targets_mod
+from gradmod.training.loader import batches, placement
+from gradmod.training.speed import compile_model, forbid_syncs, to_channels_last
+from gradmod.training.trainer import train_epoch
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode only "

@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import FAST, ROOT, run_train
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 import gradmod.app.cli  # noqa: F401  (registers the ${negate:} resolver the Optuna example uses)
-from conftest import FAST, ROOT, run_train
-from gradmod.reporting import sweep
-from gradmod.models import build_model
 from gradmod.hooks.rules import attach
+from gradmod.models import build_model
+from gradmod.reporting import sweep_report as sweep
 
 # Tiny random 28x28 images: a job costs well under a second once Python is up.
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=64", "data.test_size=32",

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import ROOT, run_train
+
 from gradmod.app.cli import run
-from gradmod.training.config import DataConfig, LossConfig
-from gradmod.training.targets import build_data, build_loss
+from gradmod.run.config import DataConfig, LossConfig
+from gradmod.run.factories import build_data, build_loss
 
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
         "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
@@ -108,8 +108,8 @@ def test_gradcam_builds_its_copy_of_a_target_model():
     from gradmod.data import Data
     from gradmod.models import MnistCNN
     from gradmod.reporting.observe import GradCamProbe
-    from gradmod.training.config import ModelConfig
-    from gradmod.training.targets import model_factory
+    from gradmod.run.config import ModelConfig
+    from gradmod.run.factories import model_factory
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(256, (20, 1, 28, 28), generator=g, dtype=torch.uint8), torch.arange(20) % 10

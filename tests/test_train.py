@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CONF, FAST, run_train
-from gradmod.models import build_model
-from gradmod.hooks.rules import attach
+
 from gradmod.app.cli import run
+from gradmod.hooks.rules import attach
+from gradmod.models import build_model
 
 HOOK_FILES = sorted(p.stem for p in (CONF / "hooks").glob("*.yaml"))
 MODEL_FILES = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -132,7 +132,7 @@ def test_default_clip_run_reaches_95_percent(tmp_path):
 
 
 def test_what_a_run_opened_is_closed_when_opening_a_later_file_fails(compose_cfg, tmp_path, monkeypatch):
-    import gradmod.training.run as run_mod
+    import gradmod.run.runner as run_mod
 
     closed = []
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from gradmod.hooks import transforms as T
 from gradmod.hooks.rules import attach
-from gradmod.training.opcount import OpCounter
+from gradmod.testing.opcount import OpCounter
 
 BAD = {
     "halve_in_place": (lambda: lambda g: g.mul_(0.5), "in place"),

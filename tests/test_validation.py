@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, run_train
 
 BASE = ["data=mnist_sample", "trainer.device=cpu", "trainer.epochs=1", "trainer.progress=false"]
@@ -106,7 +105,7 @@ def test_every_bad_input_is_one_line(tmp_path):
     """All cases through train.py's __main__, in one process."""
     lines = "".join(json.dumps([f"hydra.run.dir={tmp_path / str(i)}", f"data_dir={tmp_path / 'data'}", *BASE, *ov])
                     + "\n" for i, (ov, _) in enumerate(CASES))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_driver.py")], input=lines, cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=900)

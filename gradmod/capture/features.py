@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmod.capture.probe import probe, resolve_layers, output_shape
+from gradmod.capture.probe import output_shape, probe, resolve_layers
 
 
 def trace_shapes(model: nn.Module, *inputs, leaves: bool = False, print_fn: Callable | None = print):

@@ -3,7 +3,7 @@
 A checkpoint holds the model, the Trainer's state (position in the data order, optimizer,
 GradScaler, history), the hooks' state (``log`` windows in progress), every callback's
 ``state_dict`` under its key, the RNG states, the config and the hook plan.
-``gradmod.training.checkpoint`` writes and verifies the files.
+``gradmod.run.checkpoint_file`` writes and verifies the files.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gradmod.training import checkpoint as ckpt
+from gradmod.run import checkpoint_file as ckpt
 from gradmod.training.callbacks import Callback
 
 log = logging.getLogger(__name__)

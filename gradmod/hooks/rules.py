@@ -28,9 +28,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradmod.hooks import transforms as T
 from gradmod.hooks.chain import chain_hook, in_distributed, output_hook
 from gradmod.hooks.fused import fused_steps, run_fused
+from gradmod.hooks.selection import (  # noqa: F401
+    RULE_KEYS,
+    STAGES,
+    Target,
+    build_targets,
+    group_steps,
+    load_rules,
+    name_hint,
+    observer_key,
+    select,
+)
 from gradmod.hooks.stats import GradStats, batch_rows
-from gradmod.hooks.targets import (RULE_KEYS, STAGES, Target, build_targets, group_steps, load_rules,  # noqa: F401
-                                   name_hint, observer_key, select)
 
 # model -> its live HookSet, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, HookSet]" = weakref.WeakKeyDictionary()

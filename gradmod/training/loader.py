@@ -1,7 +1,8 @@
-"""Where the dataset lives: on the training device, or in host memory behind a DataLoader.
+"""Batches of an epoch, and where the dataset lives: on the training device, or in host memory
+behind a DataLoader.
 
 ``device`` (MNIST and anything that fits): one tensor on the device, batches indexed from
-it (``gradmod.training.trainer.batches``). ``loader``: the tensors stay in host memory and a
+it (``batches``). ``loader``: the tensors stay in host memory and a
 ``DataLoader`` gathers each batch in worker processes, pins it and copies it to the device
 without blocking, for datasets too big for the device. Both paths draw the same seeded
 permutation, so they give the same batches in the same order.
@@ -9,6 +10,7 @@ permutation, so they give the same batches in the same order.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Sequence
 
 import torch
@@ -39,7 +41,7 @@ class _IndexedBatches(Dataset):
 def host_batches(x: Tensor, y: Tensor, index: Sequence[Tensor], device: torch.device,
                  workers: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) on ``device`` from host tensors ``x``, ``y``: batch
-    ``i`` is ``index[i]`` (CPU index tensors; ``gradmod.training.trainer.batches`` draws them)."""
+    ``i`` is ``index[i]`` (CPU index tensors; ``batches`` draws them)."""
     cuda = device.type == "cuda"
     loader = DataLoader(_IndexedBatches(x, y, index), batch_size=None, num_workers=workers, pin_memory=cuda)
     for xb, yb in loader:
@@ -60,3 +62,40 @@ def placement(setting: str, data: Data, device: torch.device) -> str:
     free, _ = torch.cuda.mem_get_info(device)
     size = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
     return "device" if size <= DEVICE_SHARE * free else "loader"
+
+
+def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
+            shard: tuple[int, int] = (0, 1), start: int = 0, device: torch.device | None = None,
+            loader_workers: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+    """Batches of (float images, labels) indexed from tensors already on the device;
+    shuffled by ``generator`` (a CPU generator) when one is given. ``shard=(rank, world)``
+    keeps this rank's share of the shuffled order; ``start`` skips that many batches of it
+    (resuming mid-epoch). With ``loader_workers`` set, a DataLoader gathers the same
+    batches from host memory and copies them to ``device``."""
+    device = x.device if device is None else device
+    if generator is None:
+        if loader_workers is not None:
+            yield from host_batches(x, y, torch.arange(len(y)).split(batch_size), device, loader_workers)
+            return
+        for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
+            yield as_float(xb), yb
+        return
+    order = torch.randperm(len(y), generator=generator)
+    rank, world = shard
+    if world > 1:  # every rank draws the same permutation: rank r takes every world-th index,
+        order = order[rank:len(order) - len(order) % world:world]  # all ranks the same count
+    if loader_workers is not None:
+        yield from host_batches(x, y, order.split(batch_size)[start:], device, loader_workers)
+        return
+    for idx in order.to(y.device).split(batch_size)[start:]:
+        yield as_float(x[idx]), y[idx]
+
+
+def batches_per_epoch(n: int, batch_size: int, world: int = 1) -> int:
+    """Batches in one rank's share of an epoch (``batches`` gives each rank n // world items)."""
+    return math.ceil(n // world / batch_size)
+
+
+def steps_per_epoch(n: int, batch_size: int, world: int = 1, accumulate: int = 1) -> int:
+    """Optimizer steps in one rank's epoch: its batches in groups of ``accumulate`` (the last may be short)."""
+    return math.ceil(batches_per_epoch(n, batch_size, world) / accumulate)

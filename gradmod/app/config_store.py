@@ -22,8 +22,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from gradmod.training.config import (AdamConfig, Config, DataConfig, FakeDataConfig, RuleConfig, SGDConfig,
-                                     TensorBoardLoggerConfig)
+from gradmod.run.config import (
+    AdamConfig,
+    Config,
+    DataConfig,
+    FakeDataConfig,
+    RuleConfig,
+    SGDConfig,
+    TensorBoardLoggerConfig,
+)
 
 
 def register() -> None:
@@ -103,7 +110,7 @@ def one_line(e: OmegaConfBaseException) -> str:
 def _check_optimizer(opt) -> None:
     import torch
 
-    from gradmod.training.build import build_optimizer, locate
+    from gradmod.run.factories import build_optimizer, locate
 
     target = opt._target_
     try:

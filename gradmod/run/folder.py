@@ -24,7 +24,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from gradmod.training import checkpoint as ckpt
+from gradmod.run import checkpoint_file as ckpt
 
 # What a run writes: present at start, these mean the folder holds an earlier run.
 RESULTS = ("summary.json", "metrics.jsonl", "model.pt")

@@ -7,8 +7,7 @@ reads the same before and after.
 
 
 from gradmod.capture.features import FeatureExtractor, Recorder, grad_cam, trace_shapes
-from gradmod.capture.inspect import HookEntry, HookListing, list_hooks, summary, summary_rows
-
+from gradmod.capture.listing import HookEntry, HookListing, list_hooks, summary, summary_rows
 
 __all__ = [
     "trace_shapes",

@@ -7,7 +7,7 @@ one line and exit status 3. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
 
 In a multirun (``-m``) a job that raises must not end the sweep: its folder gets a
 ``summary.json`` with ``status: failed`` and the error, its log the traceback, and the
-sweep goes on; the sweep report (``gradmod.app.sweep.SweepReport``) exits non-zero at the end.
+sweep goes on; the sweep report (``gradmod.app.sweep_callback.SweepReport``) exits non-zero at the end.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradmod.app.config import one_line, unknown_key, validate
-from gradmod.training.nonfinite import NonFiniteError
-from gradmod.reporting.sweep import failed_summary, format_exception, launcher_threads
-from gradmod.training import run as training
-from gradmod.training import run_folder
+from gradmod.app.config_store import one_line, unknown_key, validate
+from gradmod.reporting.sweep_report import failed_summary, format_exception, launcher_threads
+from gradmod.run import folder as run_folder
+from gradmod.run import runner
+from gradmod.run.runner import describe_os_error
 from gradmod.training.interrupt import Interrupted
-from gradmod.training.run import describe_os_error
+from gradmod.training.nonfinite import NonFiniteError
 
 log = logging.getLogger("gradmod")
 
@@ -45,7 +45,7 @@ OmegaConf.register_new_resolver("negate", lambda x: -x, replace=True)
 
 def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """Check a composed config, then train as it says into ``out_dir``; returns the summary."""
-    return training.run(validate(cfg), out_dir)
+    return runner.run(validate(cfg), out_dir)
 
 
 def job(cfg: DictConfig) -> dict[str, Any]:

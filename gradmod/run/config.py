@@ -63,7 +63,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """A shipped dataset by ``name``, or ``_target_`` called with ``args`` returning
-    ``(train, test)`` (``gradmod.training.targets.build_data``)."""
+    ``(train, test)`` (``gradmod.run.factories.build_data``)."""
 
     name: str = MISSING
     batch_size: int = 100

@@ -32,24 +32,22 @@ from gradmod.hooks.rules import HookSet, attach
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
-from gradmod.reporting.sweep import failed_summary
-from gradmod.training import checkpoint as ckpt
-from gradmod.training.build import build_optimizer, param_groups
+from gradmod.reporting.sweep_report import failed_summary
+from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.checkpointing import Checkpointer
+from gradmod.run.config import Config
+from gradmod.run.factories import build_data, build_loss, build_optimizer, build_scheduler, model_factory, param_groups
+from gradmod.run.files import GradCamCallback, RunFiles
+from gradmod.run.folder import RunFolder, has_results, replace_text
+from gradmod.run.resume import apply_optimizer, compare
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
-from gradmod.training.checkpointer import Checkpointer
-from gradmod.training.config import Config
 from gradmod.training.distributed import Dist
 from gradmod.training.interrupt import Interrupted, StopOnSignal
-from gradmod.training.loader import placement
-from gradmod.training.loop import batches_per_epoch, steps_per_epoch
+from gradmod.training.loader import batches_per_epoch, placement, steps_per_epoch
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision, check_precision
-from gradmod.training.resume_check import apply_optimizer, compare
-from gradmod.training.run_files import GradCamCallback, RunFiles
-from gradmod.training.run_folder import RunFolder, has_results, replace_text
-from gradmod.training.schedule import SchedulerCallback, build_scheduler
+from gradmod.training.schedule import SchedulerCallback
 from gradmod.training.speed import SyncCheck, compile_model, to_channels_last
-from gradmod.training.targets import build_data, build_loss, model_factory
 from gradmod.training.trainer import Trainer
 from gradmod.weight_init import apply_init
 
@@ -93,7 +91,7 @@ def seed_everything(seed: int) -> None:
 def run(cfg: Config, out: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says and write the run folder ``out``; returns the summary.
 
-    The run owns ``out`` (``gradmod.training.run_folder``) from the checks on: every ending
+    The run owns ``out`` (``gradmod.run.folder``) from the checks on: every ending
     after that writes ``summary.json`` (ok, failed, interrupted); a run refused before
     writes nothing there."""
     t_start = time.perf_counter()

@@ -1,5 +1,5 @@
-"""Learning-rate schedules: ``torch.optim.lr_scheduler`` objects from ``scheduler._target_``,
-stepped once per optimizer step, saved in checkpoints, their rate in the metrics."""
+"""Learning-rate schedules: stepped once per optimizer step, saved in checkpoints, their rate in
+the metrics (the objects are built from ``scheduler._target_`` by ``gradmod.run.factories``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,7 @@ from typing import Any
 import torch
 from torch.optim import lr_scheduler
 
-from gradmod.training.build import call_target
 from gradmod.training.callbacks import Callback
-from gradmod.training.config import SchedulerConfig
-
-TOTAL_KEYS = ("T_max", "total_steps", "total_iters")  # null: the run's number of optimizer steps
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
@@ -23,21 +19,6 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
     warm = lr_scheduler.LinearLR(optimizer, start_factor=start_factor, end_factor=1.0, total_iters=warmup_steps)
     cosine = lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=eta_min)
     return lr_scheduler.SequentialLR(optimizer, [warm, cosine], milestones=[warmup_steps])
-
-
-def build_scheduler(cfg: SchedulerConfig | None, optimizer: torch.optim.Optimizer,
-                    total_steps: int) -> lr_scheduler.LRScheduler | None:
-    """``cfg._target_(optimizer, **args)``, with null ``T_max``/``total_steps``/``total_iters``
-    filled in as ``total_steps``; None without a scheduler."""
-    if cfg is None:
-        return None
-    args = {k: (total_steps if k in TOTAL_KEYS and v is None else v) for k, v in cfg.args.items()}
-    filled = SchedulerConfig(_target_=cfg._target_, _partial_=cfg._partial_, args=args)
-    made = call_target("scheduler", filled, optimizer)
-    if not hasattr(made, "step") or not hasattr(made, "state_dict"):
-        raise ValueError(f"scheduler._target_={cfg._target_} returned a {type(made).__name__}, "
-                         "not a torch.optim.lr_scheduler object (no step/state_dict)")
-    return made
 
 
 def learning_rate(optimizer: torch.optim.Optimizer) -> float:

@@ -1,4 +1,6 @@
-"""The model, data and loss of a run: shipped names, or the user's ``_target_`` objects.
+"""The run's objects from its config: the model, data and loss (shipped names, or the user's
+``_target_`` objects), the optimizer with its parameter groups, and the schedule; built
+without Hydra.
 
 The contract, as in Hydra: a ``_target_`` is called with the arguments its config node
 holds (``args``) and nothing gradmod adds. A model target returns an ``nn.Module``; a data
@@ -8,18 +10,88 @@ a pair of tensors ``(inputs, labels)``; a loss target returns ``loss(output, tar
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import functools
-from typing import Any, Callable
+import importlib
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
+from gradmod.hooks.rules import name_hint
 from gradmod.models import build_model
-from gradmod.training.build import call_target, locate
-from gradmod.training.config import DataConfig, LossConfig, ModelConfig
+from gradmod.run.config import DataConfig, LossConfig, ModelConfig, SchedulerConfig
 
 DATA_SHAPE = "must return (train, test), each a map-style dataset of (input, label) pairs or a pair of tensors"
+TOTAL_KEYS = ("T_max", "total_steps", "total_iters")  # null: the run's number of optimizer steps
+# Optimizers with a fused CUDA implementation that gives the same updates (torch's docs).
+FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")
+
+
+def locate(path: str, key: str) -> Any:
+    """The object at ``path`` (``package.module.name``); ``key`` names the config entry in errors."""
+    module, _, name = str(path).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{key}={path!r} does not import ({type(e).__name__}: {e})") from None
+
+
+def arguments(cfg: Any) -> dict[str, Any]:
+    """A config dataclass's fields as keyword arguments, without Hydra's ``_target_``-style keys."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if not (k.startswith("_") and k.endswith("_"))}
+
+
+def call_target(key: str, cfg: Any, *args: Any) -> Any:
+    """``cfg._target_(*args, **cfg.args)``; a failing call is one line naming ``key``."""
+    fn = locate(cfg._target_, f"{key}._target_")
+    try:
+        return fn(*args, **cfg.args)
+    except Exception as e:
+        shown = ", ".join(f"{k}={v!r}" for k, v in cfg.args.items())
+        raise ValueError(f"{key}._target_={cfg._target_}({shown}) failed: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}") from None
+
+
+def default_fused(cls: type, device: torch.device) -> bool | None:
+    """``optimizer.fused=null``: fused kernels on CUDA for the optimizers that have them
+    (one launch for all parameters), torch's own choice elsewhere."""
+    if torch.device(device).type == "cuda" and getattr(cls, "__name__", "") in FUSED_ON_CUDA \
+            and cls.__module__.startswith("torch.optim"):
+        return True
+    return None
+
+
+def param_groups(named: Iterable[tuple[str, nn.Parameter]], no_decay: list[str]) -> list[dict[str, Any]]:
+    """Two groups: parameters matching a ``no_decay`` glob get ``weight_decay=0``. A glob
+    matching nothing is an error, as in hook rules."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    names = [n for n, _ in named]
+    exempt: set[str] = set()
+    for pattern in no_decay:
+        hits = fnmatch.filter(names, pattern)
+        if not hits:
+            raise ValueError(f"optimizer.no_decay: {pattern!r} matches no parameter; {name_hint(pattern, names)}")
+        exempt.update(hits)
+    groups = [{"params": [p for n, p in named if n not in exempt]},
+              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(cfg: Any, params: Iterable[Any], device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+    """``optimizer._target_`` called with the parameters (or ``param_groups``) and the node's
+    other keys; ``fused``/``foreach`` only when set (or chosen by ``default_fused``)."""
+    cls = locate(cfg._target_, "optimizer._target_")
+    kwargs = {k: v for k, v in arguments(cfg).items() if k not in ("no_decay", "args", "fused", "foreach")}
+    kwargs.update(cfg.args)
+    fused = cfg.fused if cfg.fused is not None or cfg.foreach else default_fused(cls, device)
+    for key, value in (("fused", fused), ("foreach", cfg.foreach)):
+        if value is not None:
+            kwargs[key] = value
+    return cls(params, **kwargs)
 
 
 def model_factory(cfg: ModelConfig, data: Data) -> Callable[[], nn.Module]:
@@ -95,3 +167,18 @@ def build_loss(cfg: LossConfig) -> Callable[[Tensor, Tensor], Tensor]:
         raise ValueError(f"loss._target_={cfg._target_} returned a {type(fn).__name__}, which is not callable "
                          "as loss(output, target); use _partial_: true for a function")
     return fn
+
+
+def build_scheduler(cfg: SchedulerConfig | None, optimizer: torch.optim.Optimizer,
+                    total_steps: int) -> lr_scheduler.LRScheduler | None:
+    """``cfg._target_(optimizer, **args)``, with null ``T_max``/``total_steps``/``total_iters``
+    filled in as ``total_steps``; None without a scheduler."""
+    if cfg is None:
+        return None
+    args = {k: (total_steps if k in TOTAL_KEYS and v is None else v) for k, v in cfg.args.items()}
+    filled = SchedulerConfig(_target_=cfg._target_, _partial_=cfg._partial_, args=args)
+    made = call_target("scheduler", filled, optimizer)
+    if not hasattr(made, "step") or not hasattr(made, "state_dict"):
+        raise ValueError(f"scheduler._target_={cfg._target_} returned a {type(made).__name__}, "
+                         "not a torch.optim.lr_scheduler object (no step/state_dict)")
+    return made

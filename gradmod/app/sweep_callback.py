@@ -9,7 +9,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from gradmod.reporting.sweep import write_report
+from gradmod.reporting.sweep_report import write_report
 
 log = logging.getLogger(__name__)
 

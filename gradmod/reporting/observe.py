@@ -33,7 +33,7 @@ class GradCamProbe:
     def __init__(self, model_name: str | Callable[[], nn.Module], data: Data, layer: str, n: int,
                  device: torch.device):
         """``model_name``: a shipped model's name, or a function building a fresh model (a
-        ``_target_`` model: ``gradmod.training.targets.model_factory``)."""
+        ``_target_`` model: ``gradmod.run.factories.model_factory``)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"capture.gradcam_images={n!r} must be an integer >= 1")
         build = model_name if callable(model_name) else functools.partial(

@@ -1,6 +1,6 @@
 """Sweeps: the report a multirun leaves in its folder, and the pieces jobs need for it.
 
-At the end of ``python train.py -m ...`` the ``SweepReport`` callback (``gradmod.app.sweep``,
+At the end of ``python train.py -m ...`` the ``SweepReport`` callback (``gradmod.app.sweep_callback``,
 registered in ``conf/config.yaml`` under ``hydra.callbacks``) reads every job folder of the sweep and
 writes, into the sweep folder:
 
@@ -207,7 +207,6 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     _, varying = _varying(rows)

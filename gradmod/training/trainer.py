@@ -19,8 +19,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradmod.data import Data
+from gradmod.training.callbacks import Callback, NonFiniteCallback
 from gradmod.training.distributed import Dist, no_sync
-from gradmod.training.loop import batches, batches_per_epoch, evaluate
+from gradmod.training.loader import batches, batches_per_epoch
 from gradmod.training.precision import Precision
 
 
@@ -181,3 +182,44 @@ class Trainer:
     def _call(self, moment: str, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, moment)(self, *args)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
+             device: torch.device | None = None, loader_workers: int | None = None) -> tuple[float, float]:
+    """Batched evaluation: (mean cross-entropy, accuracy), read from the device once."""
+    model.eval()
+    device = y.device if device is None else device
+    loss = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers):
+        out = model(xb)
+        loss += F.cross_entropy(out, yb, reduction="sum")
+        correct += (out.argmax(1) == yb).sum()
+    loss_sum, n_correct = torch.stack([loss, correct.to(loss.dtype)]).tolist()
+    return loss_sum / len(y), n_correct / len(y)
+
+
+def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
+                batch_size: int, generator: torch.Generator, hooks=None,
+                on_step: Callable[[int], None] | None = None, progress: bool = False,
+                accumulate: int = 1, shard: tuple[int, int] = (0, 1), amp=None, guard=None,
+                device: torch.device | None = None, loader_workers: int | None = None) -> float:
+    """One shuffled pass over (x, y) with a bare ``Trainer``; returns the mean training loss.
+
+    ``hooks`` (a ``HookSet``) runs its fused stage before each optimizer step; ``guard``
+    (a ``NonFiniteGuard``) counts non-finite gradients and may skip a step; ``amp`` sets
+    the precision; ``on_step(i)`` runs after optimizer step ``i`` of this epoch.
+    ``accumulate``, ``shard``: see ``Trainer``.
+    """
+    class _OnStep(Callback):
+        def on_step_end(self, trainer: Trainer) -> None:
+            on_step(trainer.step)
+
+    callbacks = ([NonFiniteCallback(guard)] if guard is not None else []) + ([_OnStep()] if on_step else [])
+    device = y.device if device is None else device
+    dist = Dist(rank=shard[0], world_size=shard[1], device=device)
+    trainer = Trainer(model, optimizer, hooks=hooks, amp=amp, callbacks=callbacks, dist=dist,
+                      accumulate=accumulate, batch_size=batch_size, progress=progress,
+                      loader_workers=loader_workers, generator=generator, log_every=2**62)
+    return trainer.train_epoch(x, y)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from gradmod.capture.probe import probe, output_shape
+from gradmod.capture.probe import output_shape, probe
 
 
 class SummaryRow(NamedTuple):
