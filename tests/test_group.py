@@ -446,3 +446,18 @@ def test_global_norm_clip_under_ddp_clips_the_averaged_gradient(tmp_path):
         grads = torch.load(tmp_path / f"rank{r}.pt")
         for (name, q) in ref.named_parameters():
             torch.testing.assert_close(grads[name], q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_zclip_an_infinite_norm_after_warm_up_leaves_the_running_statistics():
+    from gradmod.hooks.group import ZClip
+
+    zc = ZClip(warmup_steps=3)
+    for norm in (1.0, 2.0, 3.0):
+        zc.apply_([], [torch.tensor([norm])])
+    mean, var = zc.mean.clone(), zc.var.clone()
+    assert mean.item() == pytest.approx(2.0) and var.item() == pytest.approx(2 / 3)
+    for bad in (math.inf, math.nan):
+        zc.apply_([], [torch.tensor([bad])])
+        assert torch.equal(zc.mean, mean) and torch.equal(zc.var, var), bad
+    zc.apply_([], [torch.tensor([2.5])])  # a finite norm still updates them
+    assert zc.mean.item() == pytest.approx(0.97 * 2.0 + 0.03 * 2.5)

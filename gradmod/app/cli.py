@@ -1,13 +1,16 @@
-"""The command-line job behind ``train.py``: one Hydra job -> one training run.
+"""The command line: ``python train.py ...`` -> Hydra -> one training run per job.
 
-Bad input, whether Hydra finds it while composing (an unknown option or key, a wrong
-type) or ``gradmod`` finds it before training (a ``ValueError``), is one line on stderr
-and exit status 2; a run stopped by non-finite gradients (``trainer.nonfinite=raise``) is
-one line and exit status 3. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
+``main(conf)`` has Hydra compose the config from ``conf`` and run ``job`` on it; ``job``
+checks the config (``validate``) and trains (``gradmod.run.runner.train``). Every ending
+is one line on stderr and an exit status (``gradmod.run.endings``): a config error found
+while Hydra composes, or bad input found before training, exits 2; a failed file
+operation or an error raised in the user's own code 1 (``train.log`` keeps the
+traceback); a diverged run 3; a signal 128 + its number. A bug in gradmod keeps its
+traceback, as does every error under ``HYDRA_FULL_ERROR=1``.
 
-In a multirun (``-m``) a job that raises must not end the sweep: its folder gets a
-``summary.json`` with ``status: failed`` and the error, its log the traceback, and the
-sweep goes on; the sweep report (``gradmod.app.sweep_callback.SweepReport``) exits non-zero at the end.
+In a multirun (``-m``) a job that raises must not end the sweep: its folder gets its
+``summary.json``, its log the traceback, and the sweep goes on (a signal still ends it);
+the sweep report (``gradmod.app.sweep_callback.SweepReport``) exits non-zero at the end.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import os
 import re
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
@@ -28,29 +33,49 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradmod.app.config_store import one_line, unknown_key, validate
-from gradmod.reporting.sweep_report import failed_summary, format_exception, launcher_threads
-from gradmod.run import folder as run_folder
-from gradmod.run import runner
-from gradmod.run.runner import describe_os_error
+from gradmod.app.help import register_help
+from gradmod.reporting.sweep_report import launcher_threads
+from gradmod.run import endings, runner
+from gradmod.training.distributed import env_rank, follower_overrides
 from gradmod.training.interrupt import Interrupted
-from gradmod.training.nonfinite import NonFiniteError
 
 log = logging.getLogger("gradmod")
 
-_USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
+_USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"  # read before main sets it for Hydra
 
 # ${negate:x} in configs: a symmetric clamp from one tuned bound (conf/experiment/clip_optuna.yaml).
 OmegaConf.register_new_resolver("negate", lambda x: -x, replace=True)
 
 
-def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
-    """Check a composed config, then train as it says into ``out_dir``; returns the summary."""
-    return runner.run(validate(cfg), out_dir)
+def main(conf: str | Path) -> None:
+    """Compose the config in ``conf`` from the command line and run ``job``; end in one line."""
+    register_help(conf)  # python train.py --help
+    sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
+    try:
+        hydra.main(version_base="1.3", config_path=str(Path(conf).resolve()), config_name="config")(job)()
+    except Exception as e:  # job ends its own errors (it exits); these are Hydra's and OmegaConf's
+        code = _config_status(e)
+        if _USER_FULL_ERROR or code is None or hasattr(e, "gradmod_summary"):
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr)
+        sys.exit(code)
+    finally:
+        if not _USER_FULL_ERROR:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
-def job(cfg: DictConfig) -> dict[str, Any]:
+def run(cfg: DictConfig, out: str | Path) -> dict[str, Any]:
+    """Python's way in: check a composed config (``hydra.compose``) and train into ``out``;
+    returns the summary. Errors are raised as they are (``job`` turns them into endings)."""
+    return runner.train(validate(cfg), out)
+
+
+def job(cfg: DictConfig) -> float | None:
+    """One Hydra job: check the config and train into Hydra's output folder. Returns the test
+    accuracy (what a sweeper such as Optuna optimizes); None for a failed job of a sweep."""
     hydra_cfg = HydraConfig.get()
-    out_dir = hydra_cfg.runtime.output_dir
+    out = hydra_cfg.runtime.output_dir
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     if multirun and not cfg.trainer.threads:
         # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
@@ -59,45 +84,35 @@ def job(cfg: DictConfig) -> dict[str, Any]:
             cfg.trainer.threads = threads
     start = time.perf_counter()
     try:
-        return run(cfg, out_dir)
-    except Interrupted as e:  # SIGINT/SIGTERM: the run wrote its checkpoint and summary
-        log.warning("%s", e)
-        print(str(e), file=sys.stderr)
-        sys.exit(e.exit_code)
+        return runner.train(validate(cfg), out)["test_accuracy"]
     except Exception as e:
-        bad_input = isinstance(e, (ValueError, NonFiniteError, OSError))
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-        summary = _failed_ending(out_dir if rank == 0 else None, e, time.perf_counter() - start)
-        if not multirun and (not bad_input or _USER_FULL_ERROR):  # cli.main sets HYDRA_FULL_ERROR itself
-            raise
-        if multirun:
-            log.error("job failed, the sweep goes on: %s\n%s", e, format_exception(e))
-            return summary
-        message = describe_os_error(e) if isinstance(e, OSError) else str(e)
-        _to_log_files(logging.ERROR, message)  # train.log keeps it; the terminal gets it once, below
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(3 if isinstance(e, NonFiniteError) else 1 if isinstance(e, OSError) else 2)
+        endings.settle(out if env_rank() == 0 else None, e, time.perf_counter() - start, owned=False)
+        _to_log_files(e)
+        if multirun and not isinstance(e, Interrupted):
+            log.error("job failed, the sweep goes on: %s", endings.message(e))
+            return None
+        code = endings.exit_status(e)
+        if code is None or _USER_FULL_ERROR:
+            raise  # a bug: its traceback
+        print(f"error: {endings.message(e)}", file=sys.stderr)
+        sys.exit(code)  # here, not in main: Hydra would add a line of its own to a raised error
 
 
-def _failed_ending(out_dir: str | None, e: BaseException, seconds: float) -> dict[str, Any]:
-    """The failed summary: the run's own when it owned its folder; else written only where
-    it replaces no earlier run's files (a refused run also puts back that run's .hydra)."""
-    if hasattr(e, "gradmod_summary"):
-        return e.gradmod_summary
-    if out_dir is None:
-        return failed_summary(None, e, seconds)
-    if not run_folder.may_write(out_dir):
-        run_folder.restore_kept(out_dir)
-        return failed_summary(None, e, seconds)
-    try:
-        return failed_summary(out_dir, e, seconds)
-    except OSError:  # the folder itself is the problem (a file, read-only): the error says so
-        return failed_summary(None, e, seconds)
+def _config_status(e: BaseException) -> int | None:
+    """Exit status for an error Hydra raised while composing or starting the job."""
+    if isinstance(e, OSError) or isinstance(e.__cause__, OSError):
+        return 1  # the run folder or its log file cannot be made
+    return 2 if isinstance(e, (HydraException, OmegaConfBaseException, ValueError)) else None
 
 
-def _to_log_files(level: int, message: str) -> None:
-    """Write a record to the run's log files only (the console gets the one-line error)."""
-    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
+def _to_log_files(e: BaseException) -> None:
+    """The ending's line in the run's log files (the terminal gets it once, from ``main``);
+    the traceback too, unless the error is bad input or a signal, whose line says it all."""
+    status = endings.exit_status(e)
+    text = endings.message(e) if status is not None else f"{type(e).__name__}: {e}"
+    if status != 2 and not isinstance(e, Interrupted):
+        text += "\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, text, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
@@ -105,6 +120,10 @@ def _to_log_files(level: int, message: str) -> None:
 
 def describe(e: BaseException) -> str:
     """One line for a config error from Hydra or OmegaConf."""
+    if isinstance(e.__cause__, OSError):  # logging's "Unable to configure handler 'file'" hides the path
+        return endings.describe_os_error(e.__cause__)
+    if isinstance(e, OSError):
+        return endings.describe_os_error(e)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")
         options = e.options if e.options is not None else _group_options(group, str(e))
@@ -138,28 +157,3 @@ def _group_options(group: str, message: str) -> list[str] | None:
     m = re.search(r"provider=main, path=file://(\S+)", message)
     folder = Path(m.group(1)) / group if m else None
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder and folder.is_dir() else None
-
-
-def main(hydra_main: Callable[[], Any]) -> None:
-    """Run a ``@hydra.main`` function so that config errors are one line and exit 2.
-
-    Hydra prints composition errors over several lines (some with a traceback) unless
-    ``HYDRA_FULL_ERROR=1``; setting it makes Hydra raise, and this reports them instead.
-    Other exceptions are bugs and keep their traceback.
-    """
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        hydra_main()
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
-        if _USER_FULL_ERROR:
-            raise
-        print(f"error: {describe(e)}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:  # Hydra could not make the run folder (a file there, a read-only parent)
-        if _USER_FULL_ERROR:
-            raise
-        print(f"error: {describe_os_error(e)}", file=sys.stderr)
-        sys.exit(1)
-    finally:
-        if not _USER_FULL_ERROR:
-            os.environ.pop("HYDRA_FULL_ERROR", None)

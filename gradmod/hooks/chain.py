@@ -66,10 +66,22 @@ def in_distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def output_hook(chain):
-    def forward_hook(module: nn.Module, inputs: Any, output: Any) -> None:
-        for t in output if isinstance(output, (tuple, list)) else (output,):
-            if isinstance(t, Tensor) and t.requires_grad:
+def output_hook(chain, rules: list[str], module: str):
+    """A ``modules:`` rule's forward hook: ``chain`` on the tensor the module returns, or on
+    each tensor of a flat tuple or list. Other outputs (a dict, a nested tuple) would be
+    left alone while the plan lists them, so they are refused at the first forward."""
+
+    def forward_hook(mod: nn.Module, inputs: Any, output: Any) -> None:
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        if not all(isinstance(t, Tensor) or t is None for t in outputs):
+            kinds = sorted({type(t).__name__ for t in outputs if not isinstance(t, Tensor) and t is not None})
+            inside = f" holding {', '.join(kinds)}" if outputs is output else ""
+            keys = " and ".join(f"hooks.{r}.modules" for r in rules)
+            raise ValueError(f"{keys}: module {module!r} returns {type(output).__name__}"
+                             f"{inside}; a modules: rule needs a module that returns a tensor or a flat tuple of "
+                             "tensors (select its parameters with params: instead)")
+        for t in outputs:
+            if t is not None and t.requires_grad:
                 t.register_hook(chain)
 
     return forward_hook

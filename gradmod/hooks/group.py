@@ -204,7 +204,7 @@ class ZClip(GroupTransform):
         limit = self.mean + self.z_threshold * std
         coef = torch.where(spike, limit / (norm + EPS), 1.0)
         torch._foreach_mul_(grads, coef)
-        self._update(torch.where(spike, limit, norm))
+        self._update(torch.where(spike, limit, norm), torch.isfinite(norm))  # inf is a spike, clipped to limit
         self.record.add(norm, coef)
         return spike if self.skip else None
 
@@ -220,8 +220,8 @@ class ZClip(GroupTransform):
             self.mean = self.mean / n
             self.var = (self.var / n - self.mean * self.mean).clamp_min(0.0)
 
-    def _update(self, norm: Tensor) -> None:
-        finite = torch.isfinite(norm)
+    def _update(self, norm: Tensor, finite: Tensor) -> None:
+        """Running statistics from the (clipped) ``norm``, where the raw norm was ``finite``."""
         mean = self.alpha * self.mean + (1 - self.alpha) * norm
         var = self.alpha * self.var + (1 - self.alpha) * (norm - mean) ** 2
         self.mean = torch.where(finite, mean, self.mean)

@@ -71,7 +71,9 @@ class HookSet:
             if t.kind == "param":
                 self._handles.append(params[t.name].register_hook(chain_hook(steps, self, key, params[t.name])))
             else:
-                self._handles.append(modules[t.name].register_forward_hook(output_hook(chain_hook(steps, self, key, None))))
+                rules = list(dict.fromkeys(rule for rule, _ in steps))
+                hook = output_hook(chain_hook(steps, self, key, None), rules, t.name)
+                self._handles.append(modules[t.name].register_forward_hook(hook))
         self.hooked_params = {t.name for t, _ in hooked.values() if t.kind == "param"}
         self._fused = fused_steps(targets, params)  # (rule, step index) groups in config order
         self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]

@@ -240,6 +240,8 @@ def norm_clip(max_norm: float) -> Transform:
 def noise(std: float, decay: float = 0.55) -> Transform:
     """Add Gaussian noise with std ``std / (1 + t) ** decay`` at call ``t`` (annealed)."""
     s = _positive("noise", "std", std)
+    if not math.isfinite(s):
+        raise ValueError(f"transform 'noise': std={std!r} must be a finite number >= 0")
     d = _positive("noise", "decay", decay)
     calls = 0
 

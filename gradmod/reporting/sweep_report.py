@@ -22,7 +22,6 @@ import csv
 import json
 import logging
 import statistics
-import traceback
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,18 +34,6 @@ FILES = {"csv": "sweep.csv", "md": "sweep.md", "png": "sweep_accuracy.png"}
 
 
 # --- what jobs write -------------------------------------------------------------------
-
-
-def failed_summary(out_dir: str | Path | None, error: BaseException, seconds: float) -> dict[str, Any]:
-    """The summary of a job that raised; written as ``out_dir/summary.json`` (unless
-    ``out_dir`` is None) so that the sweep's table shows the job and its error."""
-    summary = {"status": "failed", "error": f"{type(error).__name__}: {error}".splitlines()[0],
-               "test_accuracy": None, "test_loss": None, "seconds": seconds}
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def launcher_threads(launcher: Mapping[str, Any] | None, cores: int | None = None) -> int:
@@ -67,10 +54,6 @@ def launcher_threads(launcher: Mapping[str, Any] | None, cores: int | None = Non
         log.warning("hydra.launcher.n_jobs=%d is more than the %d cores: the jobs share them; "
                     "set hydra.launcher.n_jobs=%d or fewer", n_jobs, cores, cores)
     return max(1, cores // n_jobs)
-
-
-def format_exception(error: BaseException) -> str:
-    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
 # --- reading a sweep folder ------------------------------------------------------------

@@ -67,8 +67,8 @@ class Checkpointer(Callback):
             trainer.model.load_state_dict(state["model"])
             trainer.load_state_dict(state["trainer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            raise ValueError(f"trainer.resume: {path} does not fit this model/optimizer "
-                             f"({str(e).strip().splitlines()[0]})") from None
+            details = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())  # the key lists too
+            raise ValueError(f"trainer.resume: {path} does not fit this model/optimizer ({details})") from None
         if trainer.hooks is not None:
             trainer.hooks.load_state_dict(state["hooks"], trainer.device)
         for cb in trainer.callbacks:

@@ -177,6 +177,10 @@ class TrainerConfig:
             other = "trainer.precision=fp16" if self.precision == "fp16" else f"trainer.nonfinite={self.nonfinite}"
             raise ValueError(f"trainer.sync_check=true with {other}: that reads the host every step, which sync_check "
                              "forbids; use trainer.sync_check=false, or precision fp32|bf16 and nonfinite=warn")
+        if self.resume not in (None, "auto") and Path(self.resume).is_dir():
+            raise ValueError(f"trainer.resume={self.resume!r} is a folder; give a checkpoint file in it "
+                             f"({self.resume}/checkpoints/step-*.pt), or resume the run it holds with "
+                             f"trainer.resume=auto hydra.run.dir={self.resume}")
         if self.resume not in (None, "auto") and not Path(self.resume).is_file():
             raise ValueError(f"trainer.resume={self.resume!r}: no such file; allowed: auto, null or a checkpoint file")
 
@@ -282,6 +286,8 @@ class Config:
 
     def __post_init__(self):
         at_least("seed", self.seed, 0)
+        if self.seed >= 2**64:  # torch.manual_seed's range
+            raise ValueError(f"seed={self.seed} must be < 2**64 ({2**64})")
         self.hooks = {name: r.as_rule() if isinstance(r, RuleConfig) else r for name, r in self.hooks.items()}
         self.loss = _target_node("loss", self.loss, LossConfig) or LossConfig()
         self.scheduler = _target_node("scheduler", self.scheduler or None, SchedulerConfig)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gradmod.reporting import json_text
 from gradmod.reporting.loggers import Logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.training.callbacks import Callback
@@ -76,7 +77,7 @@ class RunFiles(Callback):
 
     @staticmethod
     def _write(f, record: dict[str, Any]) -> None:
-        f.write(json.dumps(record) + "\n")
+        f.write(json_text.dumps(record) + "\n")  # a diverged run's nan: null
         f.flush()
 
     def _open_stats(self, path: Path, resumed_step: int | None):

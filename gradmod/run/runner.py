@@ -1,6 +1,6 @@
 """One training run from a typed ``Config``: build, fit, write the run folder.
 
-``run(cfg, out)`` reads as its steps: place the process (device, DDP rank, threads, seed),
+``train(cfg, out)`` reads as its steps: place the process (device, DDP rank, threads, seed),
 load the data, build the model, attach the hook rules, build the Trainer and its callbacks,
 restore a checkpoint if asked, fit, and write ``summary.json``. Before any of it the run
 claims its folder (lock, no mixing with an earlier run, resume checks: see ``run_folder``
@@ -12,10 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import json
 import logging
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -29,11 +27,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradmod.data import Data
 from gradmod.hooks.rules import HookSet, attach
+from gradmod.reporting import json_text
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
-from gradmod.reporting.sweep_report import failed_summary
 from gradmod.run import checkpoint_file as ckpt
+from gradmod.run import endings, preflight
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.config import Config
 from gradmod.run.factories import build_data, build_loss, build_optimizer, build_scheduler, model_factory, param_groups
@@ -41,8 +40,9 @@ from gradmod.run.files import GradCamCallback, RunFiles
 from gradmod.run.folder import RunFolder, has_results, replace_text
 from gradmod.run.resume import apply_optimizer, compare
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
-from gradmod.training.distributed import Dist
-from gradmod.training.interrupt import Interrupted, StopOnSignal
+from gradmod.training.distributed import Dist, env_rank
+from gradmod.training.divergence import DivergenceCallback
+from gradmod.training.interrupt import StopOnSignal
 from gradmod.training.loader import batches_per_epoch, placement, steps_per_epoch
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision, check_precision
@@ -80,6 +80,10 @@ def import_plugins(modules: list[str]) -> None:
         except ImportError as e:
             raise ValueError(f"plugins: cannot import {name!r} ({e}); a plugin is a module importable from "
                              "the current folder, PYTHONPATH or an installed package, e.g. my_pkg.transforms") from None
+        except Exception as e:  # the plugin's own code failed (a SyntaxError names its line itself)
+            where = "" if isinstance(e, SyntaxError) else f" at {endings.user_frame(e) or 'import'}"
+            raise ValueError(f"plugins: importing {name!r} raised {type(e).__name__}{where}: "
+                             f"{endings.one_line(str(e))}") from None
 
 
 def seed_everything(seed: int) -> None:
@@ -88,37 +92,33 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(cfg: Config, out: str | Path) -> dict[str, Any]:
+def train(cfg: Config, out: str | Path) -> dict[str, Any]:
     """Train as ``cfg`` says and write the run folder ``out``; returns the summary.
 
-    The run owns ``out`` (``gradmod.run.folder``) from the checks on: every ending
-    after that writes ``summary.json`` (ok, failed, interrupted); a run refused before
-    writes nothing there."""
+    The run owns ``out`` (``gradmod.run.folder``) from the checks on; every ending writes
+    ``summary.json`` (``gradmod.run.endings``). SIGINT and SIGTERM stop it cleanly from the
+    start (``StopOnSignal``); what it set up is undone in reverse order however it ends."""
     t_start = time.perf_counter()
-    threads = torch.get_num_threads()  # trainer.threads holds for this run only (in-process sweeps)
-    folder = RunFolder(out)
-    try:
-        import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
-        dist = _place(cfg)
+    folder, stop = RunFolder(out), StopOnSignal()
+    with contextlib.ExitStack() as undo:
+        undo.callback(torch.set_num_threads, torch.get_num_threads())  # trainer.threads: this run only
+        undo.callback(folder.release)
+        undo.enter_context(stop.install())
         try:
+            import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
+            dist = _place(cfg)
+            undo.callback(dist.close)
             resume = _claim(cfg, folder) if dist.is_main else (None, {})
-            data, loader_workers = _load(cfg, dist.device)
-            _warn_sizes(cfg, data, dist.world_size)
+            data, loader_workers = _load(cfg, dist)
             model = _model(cfg, data, dist.device)
             hooks = attach(model, cfg.hooks, stage=cfg.trainer.hook_stage)  # before DDP: names without "module."
-            try:
-                return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, t_start)
-            finally:
-                hooks.remove()
+            undo.callback(hooks.remove)
+            return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, stop, t_start)
         except BaseException as e:
-            if folder.owned:
-                _write_ending(folder.out, e, time.perf_counter() - t_start)
+            if not folder.owned:
+                folder.release()  # refused before owning it: settle looks at the folder as others see it
+            endings.settle(out if env_rank() == 0 else None, e, time.perf_counter() - t_start, owned=folder.owned)
             raise
-        finally:
-            dist.close()
-            folder.release()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _claim(cfg: Config, folder: RunFolder) -> tuple[Any, dict[str, Any]]:
@@ -133,25 +133,6 @@ def _claim(cfg: Config, folder: RunFolder) -> tuple[Any, dict[str, Any]]:
         folder.remove_outputs()
     folder.take_ownership(run_id)
     return found, diffs
-
-
-def _write_ending(out: Path, error: BaseException, seconds: float) -> None:
-    """summary.json for a run that raised: failed (with the one-line error) or interrupted."""
-    summary = failed_summary(None, error, seconds)
-    if isinstance(error, Interrupted):
-        summary.update(status="interrupted", error=str(error), signal=signal.Signals(error.signum).name,
-                       steps=error.step, checkpoint=str(error.checkpoint) if error.checkpoint else None)
-    elif isinstance(error, OSError):
-        summary["error"] = describe_os_error(error)
-    with contextlib.suppress(OSError):  # a full disk or a lost folder: the error itself says so
-        _write_json(out / "summary.json", summary)
-    error.gradmod_summary = summary  # the command line writes none of its own
-
-
-def describe_os_error(e: OSError) -> str:
-    """One line for a failed file operation, naming the path."""
-    where = f" {e.filename}" if e.filename else ""
-    return f"cannot write{where}: {e.strerror or e}"
 
 
 def _warn_sizes(cfg: Config, data: Data, world_size: int) -> None:
@@ -179,25 +160,31 @@ def _place(cfg: Config) -> Dist:
     return dist
 
 
-def _load(cfg: Config, device: torch.device) -> tuple[Data, int | None]:
-    """The dataset, on the device when it fits (else a DataLoader's worker count)."""
+def _load(cfg: Config, dist: Dist) -> tuple[Data, int | None]:
+    """The checked dataset, on the device when it fits (else a DataLoader's worker count)."""
     data = build_data(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
-    if placement(cfg.trainer.data_placement, data, device) == "device":
-        return data.to(device), None  # batches indexed on the device
+    preflight.check_data(data, None if cfg.model._target_ else f"model.name={cfg.model.name}")
+    _warn_sizes(cfg, data, dist.world_size)
+    if placement(cfg.trainer.data_placement, data, dist.device) == "device":
+        return data.to(dist.device), None  # batches indexed on the device
     return data, cfg.trainer.loader_workers
 
 
 def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
+    """The model on ``device``, checked with the loss on two training examples (before any hook)."""
     model = model_factory(cfg.model, data)()
     apply_init(model, cfg.init.name)
     model.to(device)
     if cfg.trainer.channels_last:
         to_channels_last(model)  # same Parameter objects: attach before or after is the same
+    key = f"model._target_={cfg.model._target_}" if cfg.model._target_ else f"model.name={cfg.model.name}"
+    preflight.check_model(model, data, build_loss(cfg.loss), key, f"loss._target_={cfg.loss._target_}")
     return model
 
 
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
-         run_folder: RunFolder, resume: tuple[Any, dict[str, Any]], t_start: float) -> dict[str, Any]:
+         run_folder: RunFolder, resume: tuple[Any, dict[str, Any]], stop: StopOnSignal,
+         t_start: float) -> dict[str, Any]:
     t, out = cfg.trainer, run_folder.out
     plan = hooks.describe()
     log.info("%s", summarize_plan(plan, cfg.hooks))  # the full plan goes to hook_plan.json
@@ -211,7 +198,7 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
                                 dist.device)
     with contextlib.ExitStack() as stack:
         folder = out if dist.is_main else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        callbacks, saver, stop = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist)
+        callbacks, saver = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist, stop)
         trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
                           loss_fn=build_loss(cfg.loss), callbacks=callbacks, dist=dist, net=net,
                           eval_net=model if net is wrapped else net, accumulate=t.accumulate,
@@ -223,11 +210,10 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
             apply_optimizer(trainer.optimizer, diffs)  # lr and the like may change on resume
         if trainer.progress:
             stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
-        with stop.install():
-            trainer.fit(data, t.epochs)
+        trainer.fit(data, t.epochs)
     summary = _summary(cfg, data, trainer, guard, plan, time.perf_counter() - t_start)
     if dist.is_main:
-        _write_json(out / "summary.json", summary)
+        endings.write(out, summary)
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
              summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
     return summary
@@ -235,7 +221,7 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
 
 def _callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, run_folder: RunFolder, data: Data,
                hooks: HookSet, plan: Any, guard: NonFiniteGuard, optimizer: torch.optim.Optimizer,
-               dist: Dist) -> tuple[list[Any], Checkpointer, StopOnSignal]:
+               dist: Dist, stop: StopOnSignal) -> tuple[list[Any], Checkpointer]:
     """The run's callbacks in the order they must run; what they open closes with ``stack``."""
     t = cfg.trainer
     logger = make_logger(dataclasses.asdict(cfg.logger), folder)
@@ -248,7 +234,10 @@ def _callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, run_folde
                          config=dataclasses.asdict(cfg), plan=plan, writes=dist.is_main, run=run_folder.run_id)
     steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate)
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
-    callbacks = [NonFiniteCallback(guard), schedule, saver, files]  # schedule before saver: see SchedulerCallback
+    diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
+    # divergence before saver and files: a diverged epoch leaves no checkpoint or metrics line;
+    # schedule before saver: see SchedulerCallback
+    callbacks = [NonFiniteCallback(guard), diverged, schedule, saver, files]
     if cfg.capture.gradcam:
         probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
                              cfg.capture.gradcam_images, dist.device)
@@ -256,9 +245,9 @@ def _callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, run_folde
     sync = SyncCheck(t.sync_check, dist.device)
     stack.callback(sync.allow)
     callbacks.append(SyncCheckCallback(sync))  # last but one: see SyncCheckCallback
-    stop = StopOnSignal(saver)
+    stop.saver = saver
     callbacks.append(stop)  # last: the step's other callbacks are done when it stops the run
-    return callbacks, saver, stop
+    return callbacks, saver
 
 
 def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, plan: Any,
@@ -283,7 +272,7 @@ def _stderr_is_terminal() -> bool:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    replace_text(path, json.dumps(obj, indent=2) + "\n")
+    replace_text(path, json_text.dumps(obj, indent=2) + "\n")
 
 
 def _world_sum(t: Tensor) -> Tensor:

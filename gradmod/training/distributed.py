@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ class Dist:
         if "RANK" not in os.environ:
             raise ValueError("trainer.strategy=ddp needs the process environment torchrun sets (RANK, WORLD_SIZE, "
                              "MASTER_ADDR); run: torchrun --nproc_per_node=N train.py trainer.strategy=ddp")
-        rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        rank, world, local = env_rank(), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
         if device.type == "cuda":
             device = torch.device("cuda", local)  # one GPU per process
             torch.cuda.set_device(device)
@@ -109,11 +110,16 @@ def no_sync(model: nn.Module, skip: bool):
     return model.no_sync() if skip and isinstance(model, DDP) else contextlib.nullcontext()
 
 
-def follower_overrides(argv: list[str], environ: dict | None = None) -> list[str]:
+def env_rank(environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank as its launcher tells it (torchrun: RANK; SLURM: SLURM_PROCID); 0 alone."""
+    env = os.environ if environ is None else environ
+    return int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+
+
+def follower_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
     """Hydra overrides for torchrun ranks > 0 of a single run: no run folder of their own
     (rank 0 alone writes it), and only warnings on the console."""
-    env = os.environ if environ is None else environ
-    if int(env.get("RANK", 0)) == 0 or {"-m", "--multirun"} & set(argv):
+    if env_rank(environ) == 0 or {"-m", "--multirun"} & set(argv):
         return []
     return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout",
             "hydra.job_logging.root.level=WARNING"]

@@ -1,7 +1,9 @@
 """SIGINT and SIGTERM end a run cleanly: the step in progress finishes, a checkpoint is
 written, and ``Interrupted`` carries the signal out (``summary.json`` status
 ``interrupted``; the command line exits 128 + the signal's number: 130, 143).
-A second Ctrl-C stops at once (``KeyboardInterrupt``)."""
+Before training starts (data loading, model build, checkpoint checks) there is no step to
+finish: the signal stops the run at once, as does a second Ctrl-C during training; both
+are ``Interrupted`` too, never a traceback."""
 
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Interrupted(Exception):
-    """A run stopped by a signal after ``step`` steps; ``checkpoint`` continues it."""
+    """A run stopped by a signal after ``step`` steps (``started``: of its training;
+    else before it started); ``checkpoint`` continues it."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, started: bool = True):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         where = f"checkpoint {checkpoint}; continue with trainer.resume=auto" if checkpoint else "no checkpoint"
-        super().__init__(f"interrupted by {signal.Signals(signum).name} after step {step}; {where}")
+        when = f"after step {step}; {where}" if started else "before training started"
+        super().__init__(f"interrupted by {signal.Signals(signum).name} {when}")
 
     @property
     def exit_code(self) -> int:
@@ -31,10 +35,12 @@ class Interrupted(Exception):
 
 class StopOnSignal(Callback):
     """Notes SIGINT/SIGTERM (``install``) and stops at the next step's end (or epoch's end),
-    after a checkpoint through ``saver`` (a ``Checkpointer``, or None for none)."""
+    after a checkpoint through ``saver`` (a ``Checkpointer``, or None for none). Installed
+    before training, it stops at once until ``on_fit_start``."""
 
     def __init__(self, saver=None):
         self.saver, self.signum = saver, None
+        self.trainer = None  # set when training starts: from then on a signal waits for the step's end
 
     @contextlib.contextmanager
     def install(self) -> Iterator[None]:
@@ -50,11 +56,14 @@ class StopOnSignal(Callback):
                 signal.signal(s, handler)
 
     def _note(self, signum: int, frame) -> None:
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # asked twice: stop now
+        if self.trainer is None:  # nothing to finish yet
+            raise Interrupted(signum, 0, None, started=False)
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:  # asked twice: stop now
+            raise Interrupted(signum, self.trainer.step, None)
         self.signum = signum
 
     def on_fit_start(self, trainer) -> None:
+        self.trainer = trainer
         self._stop_if_asked(trainer, save=False)
 
     def on_step_end(self, trainer) -> None:

@@ -48,7 +48,16 @@ def count_nonfinite(tensors: list[Tensor]) -> list[Tensor]:
     return list(torch._foreach_norm(torch._foreach_mul(tensors, 0), 0))
 
 
-class NonFiniteError(RuntimeError):
+class Diverged(RuntimeError):
+    """The run's numbers became non-finite at optimizer step ``step``: it ends with status
+    ``diverged`` and exit status 3 (``gradmod.run.endings``)."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+class NonFiniteError(Diverged):
     """Non-finite gradients under ``trainer.nonfinite=raise``."""
 
 
@@ -127,7 +136,7 @@ class NonFiniteGuard:
             return True
         if self.policy == "raise":
             raise NonFiniteError(f"trainer.nonfinite=raise: non-finite gradient{at} in {where}; "
-                                 "use trainer.nonfinite=skip to skip such steps")
+                                 "use trainer.nonfinite=skip to skip such steps", self.steps)
         self.skipped += 1
         if self.policy == "warn":
             log.warning("non-finite gradient%s in %s (fp16: step skipped by GradScaler)", at, where)

@@ -61,6 +61,7 @@ class Trainer:
         self.epoch, self.batch, self.step, self.skipped = 1, 0, 0, 0
         self.epoch_order: Tensor | None = None  # the generator's state at this epoch's start
         self.loss_sum = torch.zeros((), device=self.device)  # this epoch's summed loss, on the device
+        self.step_loss: Tensor | None = None  # this optimizer step's summed micro-batch losses, on the device
         self.history: list[dict[str, Any]] = []
         self.last_stats: dict[str, Any] = {}  # the latest non-empty read of the `log` statistics
         self.resumed_from = None
@@ -107,6 +108,7 @@ class Trainer:
             if (i - 1) % self.accumulate == 0:
                 self._call("on_step_start")
                 self.optimizer.zero_grad(set_to_none=True)
+                self.step_loss = None
                 group = min(self.accumulate, total - i + 1)  # micro-batches in this step (fewer at the end)
             last = i % self.accumulate == 0 or i == total  # the micro-batch that ends an optimizer step
             self._backward(xb, yb, group, sync=last)
@@ -123,7 +125,9 @@ class Trainer:
             with self.amp.autocast():
                 loss = self.loss_fn(self.net(xb), yb)
             self.amp.backward(loss / group, self.hooks)
-        self.loss_sum += loss.detach()
+        loss = loss.detach()
+        self.loss_sum += loss
+        self.step_loss = loss if self.step_loss is None else self.step_loss + loss
 
     def _optimizer_step(self) -> None:
         self._call("on_after_backward")  # raw .grad, before the fused stage changes it
