@@ -14,7 +14,7 @@ from conftest import FAST, ROOT, run_train
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import gradmod.app.cli  # noqa: F401  (registers the ${negate:} resolver the Optuna example uses)
+from gradmod.app import cli  # also registers the ${negate:} resolver the Optuna example uses
 from gradmod.hooks.rules import attach
 from gradmod.models import build_model
 from gradmod.reporting import sweep_report as sweep
@@ -223,14 +223,14 @@ def test_slurm_preset_runs_the_local_task_function(tmp_path, monkeypatch):
                                       "hydra.launcher.timeout_min=30", f"hydra.sweep.dir={tmp_path}",
                                       *TINY, "+hooks=clip", "seed=3"])
     try:  # exactly `python train.py -m ...`, in this process
-        entry = runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     finally:
         GlobalHydra.instance().clear()
     assert seen["cluster"] == "slurm"
     params = seen["params"]
     assert params["slurm_partition"] == "gpu" and params["timeout_min"] == 30
     assert params["gpus_per_node"] == 1 and params["tasks_per_node"] == 1
-    assert seen["launcher"].task_function is entry["main"].__wrapped__  # the function local runs call
+    assert seen["launcher"].task_function is cli.job  # the function local runs call
     summary = json.loads((tmp_path / "0" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["seed"] == 3
     assert read_csv(tmp_path / "sweep.csv")[0]["status"] == "ok"

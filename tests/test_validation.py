@@ -83,6 +83,9 @@ CASES = [
     (["+hooks=clip", "+hooks=zero"], ["+hooks", "+hooks=[clip,zero]"]),
     (["seed=-1"], ["seed=-1", ">= 0"]),
     (["trainer.device=cpu:1"], ["trainer.device", "cpu:1", "auto, cpu, cuda"]),
+    ([f"seed={2**64}"], [f"seed={2**64}", "< 2**64"]),
+    ([RULE % "{name: noise, std: inf}"], ["noise", "std=inf", "finite"]),
+    (["trainer.resume=conf"], ["trainer.resume='conf'", "is a folder", "trainer.resume=auto hydra.run.dir=conf"]),
 ]
 if not torch.cuda.is_available():
     CASES.append((["trainer.device=cuda"], ["trainer.device", "cuda", "not available", "cpu"]))

@@ -85,24 +85,26 @@ def job(cfg: DictConfig) -> float | None:
     start = time.perf_counter()
     try:
         return runner.train(validate(cfg), out)["test_accuracy"]
-    except Exception as e:
+    except (Exception, Interrupted) as e:
         endings.settle(out if env_rank() == 0 else None, e, time.perf_counter() - start, owned=False)
-        _to_log_files(e)
         if multirun and not isinstance(e, Interrupted):
-            log.error("job failed, the sweep goes on: %s", endings.message(e))
+            log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
             return None
+        _to_log_files(e)
         code = endings.exit_status(e)
         if code is None or _USER_FULL_ERROR:
             raise  # a bug: its traceback
-        print(f"error: {endings.message(e)}", file=sys.stderr)
+        print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
         sys.exit(code)  # here, not in main: Hydra would add a line of its own to a raised error
 
 
 def _config_status(e: BaseException) -> int | None:
     """Exit status for an error Hydra raised while composing or starting the job."""
+    if isinstance(e, (HydraException, OmegaConfBaseException)):  # Hydra's missing option is an OSError too
+        return 2
     if isinstance(e, OSError) or isinstance(e.__cause__, OSError):
         return 1  # the run folder or its log file cannot be made
-    return 2 if isinstance(e, (HydraException, OmegaConfBaseException, ValueError)) else None
+    return 2 if isinstance(e, ValueError) else None
 
 
 def _to_log_files(e: BaseException) -> None:
@@ -111,19 +113,21 @@ def _to_log_files(e: BaseException) -> None:
     status = endings.exit_status(e)
     text = endings.message(e) if status is not None else f"{type(e).__name__}: {e}"
     if status != 2 and not isinstance(e, Interrupted):
-        text += "\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        text += "\n" + _traceback(e)
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, text, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
 
 
+def _traceback(e: BaseException) -> str:
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
 def describe(e: BaseException) -> str:
     """One line for a config error from Hydra or OmegaConf."""
-    if isinstance(e.__cause__, OSError):  # logging's "Unable to configure handler 'file'" hides the path
-        return endings.describe_os_error(e.__cause__)
-    if isinstance(e, OSError):
-        return endings.describe_os_error(e)
+    if _config_status(e) == 1:  # logging's "Unable to configure handler 'file'" hides the path
+        return endings.describe_os_error(e if isinstance(e, OSError) else e.__cause__)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")
         options = e.options if e.options is not None else _group_options(group, str(e))

@@ -50,9 +50,9 @@ class GradCamProbe:
         idx = torch.tensor(pick_digits(data.test_y, n), device=data.test_y.device)
         self.x = as_float(data.test_x[idx])
         self.y = data.test_y[idx]
-        self._check_layer(dict(self.model.named_modules())[layer], model_name)
+        self._check_layer(dict(self.model.named_modules())[layer])
 
-    def _check_layer(self, module: nn.Module, model_name: str) -> None:
+    def _check_layer(self, module: nn.Module) -> None:
         """Grad-CAM weighs a layer's channels over its spatial map: its output must be
         N x C x H x W. Checked on one image now, not at the end of the first epoch."""
         seen: list[Any] = []
@@ -66,7 +66,7 @@ class GradCamProbe:
         if not (isinstance(out, Tensor) and out.ndim == 4):
             got = (f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__) if seen \
                 else "nothing (not called in forward)"
-            raise ValueError(f"capture.gradcam_layer={self.layer!r} of model {model_name} outputs {got}; Grad-CAM "
+            raise ValueError(f"capture.gradcam_layer={self.layer!r} outputs {got}; Grad-CAM "
                              "needs a layer whose output is N x C x H x W (a convolution, e.g. conv2 or layer4)")
 
     def __call__(self, model: nn.Module) -> dict[str, Any]:

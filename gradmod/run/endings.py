@@ -32,7 +32,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import gradmod
 from gradmod.reporting import json_text
 from gradmod.run.folder import may_write, replace_text, restore_kept
 from gradmod.training.interrupt import Interrupted
@@ -40,7 +39,7 @@ from gradmod.training.nonfinite import Diverged
 
 STATUSES = ("ok", "failed", "interrupted", "diverged", "refused", "killed")
 
-_PACKAGE = Path(gradmod.__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # gradmod/
 _LIBRARIES = tuple({Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 

@@ -4,8 +4,8 @@ Whatever ``trainer.nonfinite`` says about gradients, a non-finite loss on a step
 taken, or a non-finite parameter after it, leaves nothing worth training on: every later
 step and the accuracy are noise (the argmax of nan logits is class 0). Each step counts
 non-finite parameter entries and checks the step's loss on the device (a few ops for all
-tensors at once, no host read); at the epoch's end one read tells whether a step went bad,
-and the first such step is raised as ``Diverged`` before the epoch is recorded: no
+tensors at once, no host read); at the epoch's end, and before each checkpoint, one read
+tells whether a step went bad, and the first such step is raised as ``Diverged``: no
 checkpoint, metrics line or ``model.pt`` of non-finite numbers. A step skipped by the
 non-finite policy (``skip``) changed no parameter, so its loss does not count.
 """
@@ -57,8 +57,7 @@ class DivergenceCallback(Callback):
                            "optimizer.lr, look for a nan in the model or loss, or clip the gradients", step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"first": int(self.first.item())}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.first = torch.tensor(state["first"], dtype=torch.long, device=self.first.device)
-
+        """Called as a checkpoint is built: a diverged run raises instead, so no checkpoint
+        holds non-finite numbers and there is no divergence to carry over."""
+        self.raise_if_diverged()
+        return {}

@@ -18,9 +18,10 @@ from gradmod.training.callbacks import Callback
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
     """A run stopped by a signal after ``step`` steps (``started``: of its training;
-    else before it started); ``checkpoint`` continues it."""
+    else before it started); ``checkpoint`` continues it. Like ``KeyboardInterrupt``, not
+    an ``Exception``: code that handles errors (the user's, a factory's) lets it through."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None, started: bool = True):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
