@@ -79,7 +79,9 @@ def _drive(tmp_path, cases: list[list[str]]) -> list[dict]:
 
 def test_each_wrong_object_is_one_line_with_its_status(tmp_path):
     skip_nan = [TINY, f"loss._target_={OBJ}.NanLossAt", "trainer.nonfinite=skip"]
-    results = _drive(tmp_path, [ov for ov, *_ in CASES] + [CAPTURE, skip_nan])
+    capture, skipped, unwritable = (tmp_path / str(len(CASES) + k) for k in range(3))
+    (unwritable / "train.log").mkdir(parents=True)  # the run's log cannot be opened there
+    results = _drive(tmp_path, [ov for ov, *_ in CASES] + [CAPTURE, skip_nan, [TINY]])
     for i, ((ov, words, code, status), res) in enumerate(zip(CASES, results)):
         lines = [ln for ln in res["stderr"].splitlines() if ln.strip()]
         assert res["code"] == code, (ov, res["stderr"])
@@ -96,25 +98,22 @@ def test_each_wrong_object_is_one_line_with_its_status(tmp_path):
     log = (tmp_path / "12" / "train.log").read_text()
     assert "Traceback" in log and 'raise ValueError("loss went wrong")' in log
     # Grad-CAM on a layer without a spatial map: refused before training, not after an epoch
-    gradcam = results[len(CASES)]
-    assert gradcam["code"] == 2 and "capture.gradcam_layer='fc' outputs shape (1, 4)" in gradcam["stderr"]
-    assert not (tmp_path / str(len(CASES)) / "metrics.jsonl").exists()
+    res = results[len(CASES)]
+    assert res["code"] == 2 and "capture.gradcam_layer='fc' outputs shape (1, 4)" in res["stderr"], res
+    assert not (capture / "metrics.jsonl").exists()
     # trainer.nonfinite=skip: the nan step is skipped, the run is not diverged; its files stay JSON
-    skipped = tmp_path / str(len(CASES) + 1)
-    assert results[-1]["code"] == 0, results[-1]["stderr"]
+    res = results[len(CASES) + 1]
+    assert res["code"] == 0, res["stderr"]
     summary = _strict((skipped / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["skipped_steps"] == 1
     for path in [*skipped.glob("*.json"), *skipped.glob("*.jsonl")]:
         for line in path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]:
             _strict(line)
     assert _strict((skipped / "metrics.jsonl").read_text())["train_loss"] is None  # the epoch's mean holds the nan
-
-
-def test_an_unwritable_run_folder_names_the_path(tmp_path):
-    (tmp_path / "0" / "train.log").mkdir(parents=True)  # the log file cannot be opened there
-    res = _drive(tmp_path, [[TINY]])[0]
-    assert res["code"] == 1 and "Traceback" not in res["stderr"]
-    assert res["stderr"].strip() == f"error: cannot write {tmp_path / '0' / 'train.log'}: Is a directory"
+    # a run folder whose log cannot be written: the path, not "Unable to configure handler 'file'"
+    res = results[len(CASES) + 2]
+    assert res["code"] == 1, res
+    assert res["stderr"].strip() == f"error: cannot write {unwritable / 'train.log'}: Is a directory"
 
 
 def test_a_restore_error_keeps_its_key_lists(tmp_path, compose_cfg):
