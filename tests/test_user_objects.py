@@ -138,3 +138,21 @@ def test_diverged_ends_with_the_first_bad_step_in_process(tmp_path, compose_cfg)
     summary = _strict((tmp_path / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["step"] == 1
     assert not list((tmp_path / "checkpoints").glob("step-*.pt"))  # step 4's checkpoint would hold nan
+
+
+def test_every_ending_is_strict_json(tmp_path):
+    from gradmod.run import endings
+    from gradmod.training.interrupt import Interrupted
+    from gradmod.training.nonfinite import Diverged
+
+    for error, status in [(Diverged("diverged at step 7", 7), "diverged"), (ValueError("a\nb"), "failed"),
+                          (Interrupted(15, 0, None, started=False), "interrupted")]:
+        summary = endings.summary_of(error, float("nan"))
+        endings.write(tmp_path, summary)
+        written = _strict((tmp_path / "summary.json").read_text())
+        assert written["status"] == status and written["seconds"] is None
+    assert written["signal"] == "SIGTERM" and written["error"] == "interrupted by SIGTERM before training started"
+    assert endings.summary_of(ValueError("a\nb"), 0.0)["error"] == "ValueError: a b"  # one line, nothing cut
+    endings.write(tmp_path, endings.killed(9, 1.5))
+    assert _strict((tmp_path / "summary.json").read_text())["status"] == "killed"
+    assert set(endings.STATUSES) == {"ok", "failed", "interrupted", "diverged", "refused", "killed"}

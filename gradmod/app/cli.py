@@ -108,7 +108,7 @@ def _config_status(e: BaseException) -> int | None:
 
 
 def _to_log_files(e: BaseException) -> None:
-    """The ending's line in the run's log files (the terminal gets it once, from ``main``);
+    """The ending's line in the run's log files (the terminal gets it once, from ``job``);
     the traceback too, unless the error is bad input or a signal, whose line says it all."""
     status = endings.exit_status(e)
     text = endings.message(e) if status is not None else f"{type(e).__name__}: {e}"

@@ -1,10 +1,11 @@
 """One training run from a typed ``Config``: build, fit, write the run folder.
 
 ``train(cfg, out)`` reads as its steps: place the process (device, DDP rank, threads, seed),
-load the data, build the model, attach the hook rules, build the Trainer and its callbacks,
-restore a checkpoint if asked, fit, and write ``summary.json``. Before any of it the run
-claims its folder (lock, no mixing with an earlier run, resume checks: see ``run_folder``
-and ``resume_check``).
+load the data, build the model (both checked before training: ``preflight``), attach the
+hook rules, build the Trainer and its callbacks, restore a checkpoint if asked, fit, and
+write ``summary.json``. Before any of it the run claims its folder (lock, no mixing with an
+earlier run, resume checks: see ``folder`` and ``resume``); however it ends, ``endings``
+writes what happened.
 """
 
 from __future__ import annotations
