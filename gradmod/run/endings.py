@@ -56,8 +56,9 @@ def settle(out: str | Path | None, error: BaseException, seconds: float, *, owne
         return error.gradmod_summary
     summary = summary_of(error, seconds)
     if out is not None and not owned and not may_write(out):
-        restore_kept(out)  # Hydra wrote its .hydra over the owning run's before this one was refused
-        summary.update(status="refused")
+        restore_kept(out)  # Hydra wrote its .hydra over the owning run's before this one stopped
+        if isinstance(error, ValueError):  # the folder's lock or results: this run may not use it
+            summary.update(status="refused")
     elif out is not None:
         with contextlib.suppress(OSError):  # a full disk or a lost folder: the error itself says so
             write(out, summary)
