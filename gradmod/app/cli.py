@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradmod.app.config_store import one_line, unknown_key, validate
+from gradmod.app.isolated import run_forked
+from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import failed_summary, format_exception, launcher_threads
 from gradmod.run import folder as run_folder
 from gradmod.run import runner
@@ -51,12 +54,61 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 def job(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     out_dir = hydra_cfg.runtime.output_dir
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    if multirun and not cfg.trainer.threads:
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return _job(cfg, out_dir, multirun=False)
+    if not cfg.trainer.threads:
         # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
         threads = launcher_threads(hydra_cfg.launcher)
         if threads:
             cfg.trainer.threads = threads
+    return _sweep_job(cfg, hydra_cfg, out_dir)
+
+
+def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
+    """One job of a multirun, trained in a child process (``isolated``) so that a job killed
+    by a signal ends only itself; its ending is recorded for the report (``sweep_jobs``)."""
+    sweep_dir = hydra_cfg.sweep.dir
+    before = _read_bytes(Path(out_dir) / "summary.json")
+    record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
+    code, summary = run_forked(lambda: _in_child(cfg, out_dir))
+    status, error = _ending(code, summary, before, Path(out_dir) / "summary.json")
+    sweep_jobs.finish(sweep_dir, record, status, summary, error)
+    if status != "ok":
+        log.error("job %s %s: %s", hydra_cfg.job.num, status, error)
+    if status == "interrupted" and code > 0:
+        sys.exit(code)  # Ctrl-C or SIGTERM ends the sweep, as it ends a run
+    return {**(summary or {"test_accuracy": None, "test_loss": None}), "status": status, "error": error}
+
+
+def _in_child(cfg: DictConfig, out_dir: str) -> tuple[int, dict[str, Any] | None]:
+    try:
+        return 0, _job(cfg, out_dir, multirun=True)
+    except SystemExit as e:  # interrupted: the run's own summary rides on the exception
+        return (e.code if isinstance(e.code, int) else 1), getattr(e.__context__, "gradmod_summary", None)
+
+
+def _ending(code: int, summary: dict[str, Any] | None, before: bytes | None, summary_file: Path) -> tuple[str, str]:
+    """(status, error) of a sweep job from how its child ended. A job that ends without
+    writing its folder's summary over an earlier one was refused: the folder is another run's."""
+    if code < 0:
+        name = signal.Signals(-code).name
+        return "killed", f"killed by {name}" + (" (the OOM killer sends SIGKILL)" if name == "SIGKILL" else "")
+    if summary is None:
+        return "failed", f"the job's process exited with status {code} without a summary"
+    status, error = str(summary.get("status", "failed")), str(summary.get("error") or "")
+    if status not in ("ok", "refused") and before is not None and _read_bytes(summary_file) == before:
+        status = "refused"
+    return status, error
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _job(cfg: DictConfig, out_dir: str, multirun: bool) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         return run(cfg, out_dir)

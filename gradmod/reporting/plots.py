@@ -31,6 +31,40 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
     return Path(path)
 
 
+def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], labels: Sequence[str],
+                      path: str | Path) -> Path:
+    """A sweep's jobs (``sweep_report`` rows, each with its ``curve``): test accuracy and test
+    loss per epoch side by side, one colour per group (the seeds of a setting share it), a
+    job that did not end ok dotted."""
+    order = list(dict.fromkeys(groups))
+    colors = plt.get_cmap("tab10" if len(order) <= 10 else "tab20").colors
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
+    drawn = set()
+    for row, group, label in zip(rows, groups, labels):
+        if not row["curve"]:
+            continue
+        epochs = [c["epoch"] for c in row["curve"]]
+        style = {"color": colors[order.index(group) % len(colors)], "marker": "o", "markersize": 3,
+                 "linestyle": "-" if row["status"] == "ok" else ":"}
+        name = group if group not in drawn else None  # one legend entry per group
+        drawn.add(group)
+        ax_acc.plot(epochs, [c["test_accuracy"] for c in row["curve"]], label=name, **style)
+        ax_loss.plot(epochs, [c["test_loss"] for c in row["curve"]], **style)
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title=f"test accuracy, every job ({len(rows)})")
+    ax_loss.set(xlabel="epoch", ylabel="test loss", title="test loss (dotted: did not end ok)")
+    for ax in (ax_acc, ax_loss):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if drawn:
+        ax_acc.legend(fontsize="small", title="group (seeds share a colour)", loc="best")
+    else:
+        ax_acc.text(0.5, 0.5, "no job finished an epoch", ha="center", va="center", transform=ax_acc.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
 # --- capture figures: feature maps, gradients, overlays (scripts/mnist_gradcam.py) -----
 
 
