@@ -28,7 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradmod.app.config_store import one_line, unknown_key, validate
+from gradmod.app.config_store import as_built, one_line, unknown_key, validate
 from gradmod.app.isolated import run_forked
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import failed_summary, format_exception, launcher_threads
@@ -54,6 +54,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
 def job(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
     out_dir = hydra_cfg.runtime.output_dir
+    _save_built_config(cfg, hydra_cfg)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return _job(cfg, out_dir, multirun=False)
     if not cfg.trainer.threads:
@@ -62,6 +63,18 @@ def job(cfg: DictConfig) -> dict[str, Any]:
         if threads:
             cfg.trainer.threads = threads
     return _sweep_job(cfg, hydra_cfg, out_dir)
+
+
+def _save_built_config(cfg: DictConfig, hydra_cfg: Any) -> None:
+    """Hydra saved the composed config before the job started: save it as the run builds it
+    (``as_built``: a ``_target_`` object's name) in its place. A refused run puts the folder's
+    own copy back, as it does for the rest of ``.hydra``."""
+    built = as_built(cfg)
+    if built is None or hydra_cfg.output_subdir is None:
+        return
+    path = Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir / "config.yaml"
+    if path.is_file():
+        path.write_text(OmegaConf.to_yaml(built))
 
 
 def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
