@@ -180,15 +180,24 @@ def describe(e: BaseException) -> str:
     if str(e).startswith("Multiple values for hooks"):
         return _hooks_twice()
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
-        return unknown_key(cause.full_key, [f.name for f in dataclasses.fields(cause.object_type)])
     hint = re.search(r"To append to your config use (\S+)", str(e))  # Hydra's hint, where adding can work
     more = f"; to append to your config use {hint.group(1)}" if hint else ""
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
+        return unknown_key(cause.full_key, [f.name for f in dataclasses.fields(cause.object_type)]) + more
+    if isinstance(cause, OmegaConfBaseException) and "is not a ListConfig" in str(cause) and cause.full_key:
+        return _not_a_list(cause.full_key)
     if isinstance(cause, OmegaConfBaseException):
         return one_line(cause) + more
     lines = [ln.strip() for ln in str(e).splitlines()
              if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     return "; ".join(lines)
+
+
+def _not_a_list(key: str) -> str:
+    """``plugins=my_pkg.x``: a list key given one value; show it as a list."""
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+~").split("=", 1)[0] == key and "=" in a]
+    value = given[-1] if given else "a.b"
+    return f"{key}={value}: {key} is a list; write {key}=[{value}]"
 
 
 def _hooks_twice() -> str:
