@@ -116,9 +116,8 @@ def _check_optimizer(opt) -> None:
     target = opt._target_
     try:
         cls = locate(target, "optimizer._target_")
-    except ValueError:
-        raise ValueError(f"optimizer._target_={target!r} is not an importable class; "
-                         "e.g. torch.optim.Adam, torch.optim.SGD") from None
+    except ValueError as e:
+        raise ValueError(f"{e}; e.g. torch.optim.Adam, torch.optim.SGD") from None
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"optimizer._target_={target!r} is not a torch.optim.Optimizer")
     try:  # the constructor checks its own arguments: try them on a dummy parameter
