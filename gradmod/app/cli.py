@@ -5,9 +5,12 @@ type) or ``gradmod`` finds it before training (a ``ValueError``), is one line on
 and exit status 2; a run stopped by non-finite gradients (``trainer.nonfinite=raise``) is
 one line and exit status 3. ``HYDRA_FULL_ERROR=1`` shows the traceback instead.
 
-In a multirun (``-m``) a job that raises must not end the sweep: its folder gets a
-``summary.json`` with ``status: failed`` and the error, its log the traceback, and the
-sweep goes on; the sweep report (``gradmod.app.sweep_callback.SweepReport``) exits non-zero at the end.
+In a multirun (``-m``) each job trains in a child process of its own (``isolated``), so a
+job killed by a signal ends only itself; a job that raises does not end the sweep either: its
+folder gets a ``summary.json`` with ``status: failed`` and the error (where the folder is
+its own), its log the traceback, and the sweep goes on. Each job records its ending in the
+sweep folder (``sweep_jobs``), and the sweep report (``gradmod.app.sweep_callback.SweepReport``)
+exits non-zero at the end when any job did not end ok.
 """
 
 from __future__ import annotations
@@ -81,10 +84,10 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     """One job of a multirun, trained in a child process (``isolated``) so that a job killed
     by a signal ends only itself; its ending is recorded for the report (``sweep_jobs``)."""
     sweep_dir = hydra_cfg.sweep.dir
-    before = _read_bytes(Path(out_dir) / "summary.json")
+    before = _run_marks(out_dir)
     record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
     code, summary = run_forked(lambda: _in_child(cfg, out_dir))
-    status, error = _ending(code, summary, before, Path(out_dir) / "summary.json")
+    status, error = _ending(code, summary, before, _run_marks(out_dir))
     sweep_jobs.finish(sweep_dir, record, status, summary, error)
     if status != "ok":
         log.error("job %s %s: %s", hydra_cfg.job.num, status, error)
@@ -100,16 +103,23 @@ def _in_child(cfg: DictConfig, out_dir: str) -> tuple[int, dict[str, Any] | None
         return (e.code if isinstance(e.code, int) else 1), getattr(e.__context__, "gradmod_summary", None)
 
 
-def _ending(code: int, summary: dict[str, Any] | None, before: bytes | None, summary_file: Path) -> tuple[str, str]:
-    """(status, error) of a sweep job from how its child ended. A job that ends without
-    writing its folder's summary over an earlier one was refused: the folder is another run's."""
+def _run_marks(out_dir: str) -> tuple[bytes | None, ...]:
+    """What an owning run rewrites in its folder: its summary and its run record."""
+    return tuple(_read_bytes(Path(out_dir) / name) for name in ("summary.json", ".gradmod/run.json"))
+
+
+def _ending(code: int, summary: dict[str, Any] | None, before: tuple, after: tuple) -> tuple[str, str]:
+    """(status, error) of a sweep job from how its child ended. A job that did not end ok and
+    left an earlier run's summary and run record as they were was refused: the folder is
+    that run's, and the job wrote nothing of its own."""
     if code < 0:
         name = signal.Signals(-code).name
         return "killed", f"killed by {name}" + (" (the OOM killer sends SIGKILL)" if name == "SIGKILL" else "")
     if summary is None:
         return "failed", f"the job's process exited with status {code} without a summary"
     status, error = str(summary.get("status", "failed")), str(summary.get("error") or "")
-    if status not in ("ok", "refused") and before is not None and _read_bytes(summary_file) == before:
+    earlier = [b is not None and b == a for b, a in zip(before, after)]
+    if status not in ("ok", "refused") and any(earlier):
         status = "refused"
     return status, error
 
