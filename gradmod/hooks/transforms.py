@@ -77,7 +77,8 @@ def names() -> list[str]:
 
 
 # How a transform of one's own gets a name (train.py imports the modules named in plugins).
-OWN_TRANSFORMS = "a transform of your own is registered with transforms.register, in a module given as plugins=[my_pkg.x]"
+OWN_TRANSFORMS = ("a transform of your own is registered with transforms.register, "
+                  "in a module given as plugins=[my_pkg.x]")
 
 
 def factory(name: str) -> Callable[..., Transform]:
