@@ -189,3 +189,10 @@ def test_readme_offers_the_light_install_and_the_build_check():
     assert 'python -c "import torch; print(torch.version.cuda)"' in readme
     for extra in ("tensorboard", "sweeps", "lightning", "dev"):
         assert f"| `{extra}` |" in readme, extra
+
+
+def test_hooks_none_is_a_baseline_with_no_rules(compose_cfg):
+    from gradmod.app.config_store import validate
+
+    assert validate(compose_cfg("+hooks=none")).hooks == {}
+    assert set(validate(compose_cfg("+hooks=[none,clip]")).hooks) == {"clip"}
