@@ -133,6 +133,25 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+FALLBACK_NOTE = ".gradmod_mnist_fallback"  # in data_dir: the full warning was shown once already
+
+
+def _warn_fallback(data_dir: Path, reason: str) -> None:
+    """The fallback's full warning the first time for a data folder, one short line after that
+    (every run and sweep job would repeat the download's long error)."""
+    note = data_dir / FALLBACK_NOTE
+    if note.is_file():
+        log.warning("MNIST unavailable: using the bundled 5,000-digit sample (data=mnist_sample)")
+        return
+    log.warning("MNIST unavailable (%s): using the bundled sample of 5,000 real MNIST digits "
+                "(data=mnist_sample); set data.fallback=false to make this an error", reason)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        note.write_text(f"{reason}\n")
+    except OSError:
+        pass  # a read-only data folder: the full warning each time
+
+
 def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: bool = True,
               n_test: int = 1000, **fake: int) -> Data:
     """Load a dataset by name (``mnist``, ``mnist_sample``, ``fake``) on the CPU."""
@@ -144,8 +163,7 @@ def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: boo
             if not fallback:
                 raise ValueError(f"data=mnist: MNIST is not under data_dir={data_dir!r} and could not be "
                                  f"downloaded ({reason}); set data.fallback=true or use data=mnist_sample") from None
-            log.warning("MNIST unavailable (%s): using the bundled sample of 5,000 real MNIST digits "
-                        "(data=mnist_sample); set data.fallback=false to make this an error", reason)
+            _warn_fallback(Path(data_dir), reason)
             name = "mnist_sample"
     if name == "mnist_sample":
         return Data("mnist_sample", *load_mnist_sample(seed, n_test))

@@ -1,8 +1,9 @@
 """Rebuild a sweep's report: ``python scripts/sweep_report.py multirun/2024-01-01/12-00-00``.
 
-Writes ``sweep.csv``, ``sweep.md`` and ``sweep_accuracy.png`` into the sweep folder (as the
+Writes ``sweep.csv``, ``sweep.md`` and ``sweep_curves.png`` into the sweep folder (as the
 callback does at the end of a multirun) and prints the Markdown table. Works on a sweep
-that is still running or was killed: jobs without a summary are listed as incomplete.
+that is still running or was killed: a job whose process is alive is listed as running,
+one whose process is gone without an ending as killed.
 """
 
 import argparse

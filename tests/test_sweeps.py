@@ -32,7 +32,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def check_failing_sweep(sweep_dir: Path, proc: subprocess.CompletedProcess) -> list[dict[str, str]]:
     """Job 0 (batch size 0) failed, job 1 still ran; the report and exit status say so."""
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "error: 1 of 2 jobs failed: job 0: ValueError: data.batch_size=0 must be >= 1" in proc.stderr
+    assert "error: 1 of 2 jobs did not end ok: job 0 failed: ValueError: data.batch_size=0 must be >= 1" in proc.stderr
     failed = json.loads((sweep_dir / "0" / "summary.json").read_text())
     assert failed["status"] == "failed" and failed["error"] == "ValueError: data.batch_size=0 must be >= 1"
     assert "Traceback" in (sweep_dir / "0" / "train.log").read_text()  # the traceback is kept for bugs
@@ -48,7 +48,7 @@ def check_failing_sweep(sweep_dir: Path, proc: subprocess.CompletedProcess) -> l
     md = (sweep_dir / "sweep.md").read_text()
     assert "2 jobs: 1 ok, 1 failed" in md
     assert "| 0 | data.batch_size=0 | failed |" in md
-    assert (sweep_dir / "sweep_accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (sweep_dir / "sweep_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return rows
 
 
@@ -123,12 +123,13 @@ def test_report_contents(hand_sweep):
     assert table[2]["error"] == "ValueError: a | b"
     assert table[3]["error"].startswith("no summary.json")
     md = paths["md"].read_text()
-    assert "4 jobs: 2 ok, 2 failed or incomplete." in md
+    assert "4 jobs: 2 ok, 1 failed, 1 incomplete." in md
     assert "Every job: `trainer.epochs=2`" in md
-    assert "| 1 | +hooks=clip seed=1 | ok | 0.9400 | 0.0600 | 12.5 |  |" in md
+    assert "| 1 | +hooks=clip seed=1 | ok | 0.9400 | 0.0600 |  |  |  |  | 12.5 |  |" in md
     assert "ValueError: a \\| b" in md  # a pipe in an error does not break the table
-    # Mean over the two clip seeds: (0.90 + 0.94) / 2, sample std of the two.
-    assert "| +hooks=clip | 2/2 | 0.9200 | 0.0283 | 0.9000 | 0.9400 |" in md
+    # Mean over the two clip seeds: (0.90 + 0.94) / 2, sample std of the two; loss 1 - accuracy.
+    assert "| +hooks=clip | 2/2 | 0.9200 ± 0.0283 | 0.0800 ± 0.0283 |" in md
+    assert "| +hooks=zero | 0/2 |" in md
     import matplotlib.image
 
     img = matplotlib.image.imread(paths["png"])
@@ -149,7 +150,7 @@ def test_sweep_report_script_rebuilds_the_report(hand_sweep, monkeypatch, capsys
     assert report(hand_sweep) == 0
     out = capsys.readouterr().out
     assert "| 0 | +hooks=clip seed=0 | ok | 0.9000 |" in out
-    assert (hand_sweep / "sweep.csv").exists() and (hand_sweep / "sweep_accuracy.png").exists()
+    assert (hand_sweep / "sweep.csv").exists() and (hand_sweep / "sweep_curves.png").exists()
     assert report(hand_sweep / "nope") == 2
     assert capsys.readouterr().err.startswith("error: sweep folder")
 

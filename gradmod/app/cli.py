@@ -8,9 +8,12 @@ operation or an error raised in the user's own code 1 (``train.log`` keeps the
 traceback); a diverged run 3; a signal 128 + its number. A bug in gradmod keeps its
 traceback, as does every error under ``HYDRA_FULL_ERROR=1``.
 
-In a multirun (``-m``) a job that raises must not end the sweep: its folder gets its
-``summary.json``, its log the traceback, and the sweep goes on (a signal still ends it);
-the sweep report (``gradmod.app.sweep_callback.SweepReport``) exits non-zero at the end.
+In a multirun (``-m``) each job trains in a child process of its own (``isolated``), so a
+job killed by a signal ends only itself; a job that raises does not end the sweep either: its
+folder gets a ``summary.json`` with ``status: failed`` and the error (where the folder is
+its own), its log the traceback, and the sweep goes on. Each job records its ending in the
+sweep folder (``sweep_jobs``), and the sweep report (``gradmod.app.sweep_callback.SweepReport``)
+exits non-zero at the end when any job did not end ok.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -32,8 +36,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradmod.app.config_store import one_line, unknown_key, validate
+from gradmod.app.config_store import as_built, one_line, unknown_key, validate
 from gradmod.app.help import register_help
+from gradmod.app.isolated import run_forked
+from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
 from gradmod.run import endings, runner
 from gradmod.training.distributed import env_rank, follower_overrides
@@ -76,20 +82,92 @@ def job(cfg: DictConfig) -> float | None:
     accuracy (what a sweeper such as Optuna optimizes); None for a failed job of a sweep."""
     hydra_cfg = HydraConfig.get()
     out = hydra_cfg.runtime.output_dir
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    if multirun and not cfg.trainer.threads:
+    _save_built_config(cfg, hydra_cfg)
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return _train(cfg, out, multirun=False)["test_accuracy"]
+    if not cfg.trainer.threads:
         # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
         threads = launcher_threads(hydra_cfg.launcher)
         if threads:
             cfg.trainer.threads = threads
+    return _sweep_job(cfg, hydra_cfg, out)["test_accuracy"]
+
+
+def _save_built_config(cfg: DictConfig, hydra_cfg: Any) -> None:
+    """Hydra saved the composed config before the job started: save it as the run builds it
+    (``as_built``: a ``_target_`` object's name) in its place. A refused run puts the folder's
+    own copy back, as it does for the rest of ``.hydra``."""
+    built = as_built(cfg)
+    if built is None or hydra_cfg.output_subdir is None:
+        return
+    path = Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir / "config.yaml"
+    if path.is_file():
+        path.write_text(OmegaConf.to_yaml(built))
+
+
+def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
+    """One job of a multirun, trained in a child process (``isolated``) so that a job killed
+    by a signal ends only itself; its ending is recorded for the report (``sweep_jobs``)."""
+    sweep_dir = hydra_cfg.sweep.dir
+    before = _run_marks(out_dir)
+    record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
+    code, summary = run_forked(lambda: _in_child(cfg, out_dir))
+    status, error = _ending(code, summary, before, _run_marks(out_dir))
+    sweep_jobs.finish(sweep_dir, record, status, summary, error)
+    if status != "ok":
+        log.error("job %s %s: %s", hydra_cfg.job.num, status, error)
+    if status == "interrupted" and code > 0:
+        sys.exit(code)  # Ctrl-C or SIGTERM ends the sweep, as it ends a run
+    return {**(summary or {"test_accuracy": None, "test_loss": None}), "status": status, "error": error}
+
+
+def _in_child(cfg: DictConfig, out_dir: str) -> tuple[int, dict[str, Any] | None]:
+    try:
+        return 0, _train(cfg, out_dir, multirun=True)
+    except SystemExit as e:  # interrupted: the run's own summary rides on the exception
+        return (e.code if isinstance(e.code, int) else 1), getattr(e.__context__, "gradmod_summary", None)
+
+
+def _run_marks(out_dir: str) -> tuple[bytes | None, ...]:
+    """What an owning run rewrites in its folder: its summary and its run record."""
+    return tuple(_read_bytes(Path(out_dir) / name) for name in ("summary.json", ".gradmod/run.json"))
+
+
+def _ending(code: int, summary: dict[str, Any] | None, before: tuple, after: tuple) -> tuple[str, str]:
+    """(status, error) of a sweep job from how its child ended. A job that did not end ok and
+    left an earlier run's summary and run record as they were was refused: the folder is
+    that run's, and the job wrote nothing of its own."""
+    if code < 0:
+        name = signal.Signals(-code).name
+        return "killed", f"killed by {name}" + (" (the OOM killer sends SIGKILL)" if name == "SIGKILL" else "")
+    if summary is None:
+        return "failed", f"the job's process exited with status {code} without a summary"
+    status, error = str(summary.get("status", "failed")), str(summary.get("error") or "")
+    earlier = [b is not None and b == a for b, a in zip(before, after)]
+    if status not in ("ok", "refused") and any(earlier):
+        status = "refused"
+    return status, error
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _train(cfg: DictConfig, out: str, multirun: bool) -> dict[str, Any]:
+    """Train into ``out``; returns the summary. An error ends the run here: its summary, its
+    line in train.log and on stderr, its exit status; a sweep job that failed returns its
+    summary instead, so the sweep goes on."""
     start = time.perf_counter()
     try:
-        return runner.train(validate(cfg), out)["test_accuracy"]
+        return runner.train(validate(cfg), out)
     except (Exception, Interrupted) as e:
-        endings.settle(out if env_rank() == 0 else None, e, time.perf_counter() - start, owned=False)
+        summary = endings.settle(out if env_rank() == 0 else None, e, time.perf_counter() - start, owned=False)
         if multirun and not isinstance(e, Interrupted):
             log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
-            return None
+            return summary
         _to_log_files(e)
         code = endings.exit_status(e)
         if code is None or _USER_FULL_ERROR:
@@ -138,15 +216,24 @@ def describe(e: BaseException) -> str:
     if str(e).startswith("Multiple values for hooks"):
         return _hooks_twice()
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
-        return unknown_key(cause.full_key, [f.name for f in dataclasses.fields(cause.object_type)])
     hint = re.search(r"To append to your config use (\S+)", str(e))  # Hydra's hint, where adding can work
     more = f"; to append to your config use {hint.group(1)}" if hint else ""
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
+        return unknown_key(cause.full_key, [f.name for f in dataclasses.fields(cause.object_type)]) + more
+    if isinstance(cause, OmegaConfBaseException) and "is not a ListConfig" in str(cause) and cause.full_key:
+        return _not_a_list(cause.full_key)
     if isinstance(cause, OmegaConfBaseException):
         return one_line(cause) + more
     lines = [ln.strip() for ln in str(e).splitlines()
              if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
     return "; ".join(lines)
+
+
+def _not_a_list(key: str) -> str:
+    """``plugins=my_pkg.x``: a list key given one value; show it as a list."""
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+~").split("=", 1)[0] == key and "=" in a]
+    value = given[-1] if given else "a.b"
+    return f"{key}={value}: {key} is a list; write {key}=[{value}]"
 
 
 def _hooks_twice() -> str:

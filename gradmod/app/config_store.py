@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -115,9 +116,8 @@ def _check_optimizer(opt) -> None:
     target = opt._target_
     try:
         cls = locate(target, "optimizer._target_")
-    except ValueError:
-        raise ValueError(f"optimizer._target_={target!r} is not an importable class; "
-                         "e.g. torch.optim.Adam, torch.optim.SGD") from None
+    except ValueError as e:
+        raise ValueError(f"{e}; e.g. torch.optim.Adam, torch.optim.SGD") from None
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"optimizer._target_={target!r} is not a torch.optim.Optimizer")
     try:  # the constructor checks its own arguments: try them on a dummy parameter
@@ -136,8 +136,35 @@ def _check_data_dir(cfg: DictConfig) -> None:
                          "holding MNIST (or where it may be downloaded)")
 
 
+def current_folder_first() -> None:
+    """Put the current folder first on the import path, so that ``model._target_=my_pkg.Net``
+    (and an optimizer's, checked below) imports from where the user runs ``train.py``, as
+    ``plugins`` do: ``python train.py`` puts train.py's own folder there instead."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+def as_built(cfg: DictConfig) -> DictConfig | None:
+    """The composed config as the run will build it, for the saved ``.hydra/config.yaml``;
+    None when that is ``cfg`` itself. A ``_target_`` node's ``name`` is its target (not the
+    shipped default it replaced), and Grad-CAM's layer is null for a user's model without
+    ``capture.gradcam`` (``conv2`` names a layer of the shipped CNN)."""
+    targets = [k for k in TARGET_NODES if isinstance(cfg.get(k), DictConfig) and cfg[k].get("_target_")
+               and "name" in cfg[k] and cfg[k].name != cfg[k]._target_]
+    if not targets:
+        return None
+    built = OmegaConf.create(OmegaConf.to_container(cfg))  # untyped: gradcam_layer may be null here
+    for key in targets:
+        built[key].name = built[key]._target_
+    if "model" in targets and "capture" in built and not built.capture.gradcam:
+        built.capture.gradcam_layer = None
+    return built
+
+
 def validate(cfg: DictConfig) -> Config:
     """Check ``cfg`` against the schemas and its values; a ``ValueError`` names the key."""
+    current_folder_first()
     if OmegaConf.get_type(cfg) is not Config:
         cfg = OmegaConf.merge(OmegaConf.structured(Config), cfg)  # a hand-built config gets the schema
     _target_arguments(cfg)

@@ -8,6 +8,8 @@ by itself), hook configs and group options from the files in ``conf/``.
 from __future__ import annotations
 
 import inspect
+import re
+import textwrap
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -17,14 +19,16 @@ from gradmod.hooks import transforms
 HIDDEN_GROUPS = ("hooks", "hydra")  # hooks get their own section; hydra/ is Hydra's
 
 
+WIDTH = 100  # the page's width
+
+
 def transform_lines() -> list[str]:
-    """``name(arg=default, ...)  first docstring line`` for every registered transform."""
+    """``name(arg=default, ...)  first sentence of the docstring`` for every registered transform."""
     lines = []
     for name in transforms.names():
         factory = transforms.factory(name)
         args = ", ".join(_argument(p) for p in inspect.signature(factory).parameters.values())
-        doc = (inspect.getdoc(factory) or "").split("\n")[0].replace("``", "")
-        lines.append(f"  {name + '(' + args + ')':<34} {doc}".rstrip())
+        lines += columns(f"{name}({args})", first_sentence(inspect.getdoc(factory) or "").replace("``", ""))
     return lines
 
 
@@ -32,9 +36,28 @@ def _argument(p: inspect.Parameter) -> str:
     return p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default}"
 
 
+def first_sentence(text: str) -> str:
+    """The first sentence of a text's first paragraph, its lines joined (a description that
+    runs over several comment or docstring lines is not cut at the first line's end)."""
+    paragraph = " ".join(text.strip().split("\n\n")[0].split())
+    m = re.search(r"(?<!e\.g)(?<!i\.e)(?<!etc)(?<!al)\.(\s|$)", paragraph)
+    return paragraph[: m.start() + 1] if m else paragraph
+
+
+def columns(left: str, right: str, column: int = 36) -> list[str]:
+    """``left`` in a column, ``right`` wrapped beside it; a ``left`` too wide for the column
+    gets a line of its own, so the descriptions stay aligned."""
+    indent = " " * column
+    wrapped = textwrap.wrap(right, WIDTH - column, break_on_hyphens=False) or [""]
+    lines = [f"  {left}"] if len(left) + 3 > column else []
+    first = wrapped[0] if lines else f"  {left:<{column - 3}} {wrapped[0]}"
+    lines.append(first if not lines else indent + first)
+    return [ln.rstrip() for ln in lines + [indent + w for w in wrapped[1:]]]
+
+
 def hook_lines(conf: Path) -> list[str]:
-    """``NAME  first comment line`` for every ``conf/hooks/NAME.yaml``."""
-    return [f"  {f.stem:<14} {_first_comment(f)}".rstrip() for f in sorted((conf / "hooks").glob("*.yaml"))]
+    """``NAME  first sentence of the file's comment`` for every ``conf/hooks/NAME.yaml``."""
+    return [ln for f in sorted((conf / "hooks").glob("*.yaml")) for ln in columns(f.stem, _first_comment(f), 17)]
 
 
 def group_lines(conf: Path) -> list[str]:
@@ -43,18 +66,31 @@ def group_lines(conf: Path) -> list[str]:
     return [f"  {d.name}: {', '.join(sorted(f.stem for f in d.glob('*.yaml')))}" for d in groups]
 
 
+def doc_lines(docs: Path) -> list[str]:
+    """``docs/NAME.md  its title`` for every page of the docs folder (none in an installed copy)."""
+    return [ln for f in sorted(docs.glob("*.md")) for ln in columns(f"docs/{f.name}", _title(f), 26)]
+
+
+def _title(path: Path) -> str:
+    first = path.read_text().lstrip().splitlines()[:1]
+    return first[0].lstrip("# ").strip() if first else ""
+
+
 def _first_comment(path: Path) -> str:
+    """The first sentence of the comment block a config file starts with."""
+    block = []
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
+        if not line.startswith("#"):
+            break
+        block.append(line.lstrip("#").strip())
+    return first_sentence(" ".join(block))
 
 
 def register_help(conf: str | Path) -> None:
     """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder."""
     conf = Path(conf)
     sections = {"transforms": transform_lines, "hooks": lambda: hook_lines(conf),
-                "groups": lambda: group_lines(conf)}
+                "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(conf.parent / "docs")}
 
     def section(name: str) -> str:
         if name not in sections:

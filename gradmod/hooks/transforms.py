@@ -76,10 +76,15 @@ def names() -> list[str]:
     return sorted(_FACTORIES)
 
 
+# How a transform of one's own gets a name (train.py imports the modules named in plugins).
+OWN_TRANSFORMS = ("a transform of your own is registered with transforms.register, "
+                  "in a module given as plugins=[my_pkg.x]")
+
+
 def factory(name: str) -> Callable[..., Transform]:
     """The factory registered under ``name`` (its signature lists the transform's arguments)."""
     if name not in _FACTORIES:
-        raise ValueError(f"unknown transform {name!r}; allowed: {', '.join(names())}")
+        raise ValueError(f"unknown transform {name!r}; allowed: {', '.join(names())}; {OWN_TRANSFORMS}")
     return _FACTORIES[name]
 
 
@@ -136,7 +141,7 @@ def build(spec: str | Mapping[str, Any]) -> Step:
     name, args = parse_spec(spec)
     factory = _FACTORIES.get(name)
     if factory is None:
-        raise ValueError(f"unknown transform {name!r}; allowed: {', '.join(names())}")
+        raise ValueError(f"unknown transform {name!r}; allowed: {', '.join(names())}; {OWN_TRANSFORMS}")
     params = inspect.signature(factory).parameters
     unknown = [k for k in args if k not in params]
     if unknown:

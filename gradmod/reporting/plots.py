@@ -31,6 +31,40 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
     return Path(path)
 
 
+def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], labels: Sequence[str],
+                      path: str | Path) -> Path:
+    """A sweep's jobs (``sweep_report`` rows, each with its ``curve``): test accuracy and test
+    loss per epoch side by side, one colour per group (the seeds of a setting share it), a
+    job that did not end ok dotted."""
+    order = list(dict.fromkeys(groups))
+    colors = plt.get_cmap("tab10" if len(order) <= 10 else "tab20").colors
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
+    drawn = set()
+    for row, group, label in zip(rows, groups, labels):
+        if not row["curve"]:
+            continue
+        epochs = [c["epoch"] for c in row["curve"]]
+        style = {"color": colors[order.index(group) % len(colors)], "marker": "o", "markersize": 3,
+                 "linestyle": "-" if row["status"] == "ok" else ":"}
+        name = group if group not in drawn else None  # one legend entry per group
+        drawn.add(group)
+        ax_acc.plot(epochs, [c["test_accuracy"] for c in row["curve"]], label=name, **style)
+        ax_loss.plot(epochs, [c["test_loss"] for c in row["curve"]], **style)
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title=f"test accuracy, every job ({len(rows)})")
+    ax_loss.set(xlabel="epoch", ylabel="test loss", title="test loss (dotted: did not end ok)")
+    for ax in (ax_acc, ax_loss):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if drawn:
+        ax_acc.legend(fontsize="small", title="group (seeds share a colour)", loc="best")
+    else:
+        ax_acc.text(0.5, 0.5, "no job finished an epoch", ha="center", va="center", transform=ax_acc.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
 # --- capture figures: feature maps, gradients, overlays (scripts/mnist_gradcam.py) -----
 
 
@@ -113,10 +147,27 @@ def _tensor_colors(keys) -> dict[str, Any]:
     return {t: cmap(i % cmap.N) for i, t in enumerate(tensors)}
 
 
-def _finish(fig, ax, n_lines: int, path: str | Path) -> Path:
-    if n_lines <= 16:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    ax.grid(alpha=0.3)
+def _rule_keys(rows: Sequence[tuple[int, dict[str, Any]]]) -> set[str]:
+    """The keys of a group transform's records (``rule/transform``: one value per rule, not
+    per tensor); they carry ``clip_coef``."""
+    return {key for _, stats in rows for key, s in stats.items() if "clip_coef" in s}
+
+
+def _rule_label(key: str) -> str:
+    rule, _, transform = key.partition("/")
+    return f"rule {rule} ({transform})"
+
+
+def _panels(n: int):
+    fig, axes = plt.subplots(n, 1, figsize=(9, 4.5 * n), squeeze=False)
+    return fig, [a[0] for a in axes]
+
+
+def _finish(fig, axes, path: str | Path) -> Path:
+    for ax in axes:
+        if len(ax.lines) <= 16:
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -124,35 +175,59 @@ def _finish(fig, ax, n_lines: int, path: str | Path) -> Path:
 
 
 def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path) -> Path:
-    """Per-tensor gradient L2 norm (mean over each read's window) against the step;
-    one color per tensor, ``pre`` solid and ``post`` dashed. ``rows``: (step, stats) as
-    ``HookSet.read_stats`` returns them."""
-    series = _series(rows, "norm")
-    colors = _tensor_colors(series)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for key, (xs, ys) in series.items():
-        tensor, _, label = key.partition("/")
-        ax.plot(xs, ys, _LINESTYLE.get(label, "-"), color=colors[tensor], label=key, marker="." if len(xs) < 3 else None)
-    if series and all(y > 0 for _, ys in series.values() for y in ys):
-        ax.set_yscale("log")
-    paired = {k.partition("/")[2] for k in series} >= {"pre", "post"}
-    title = "gradient norm per tensor" + (" (pre solid, post dashed)" if paired else "")
-    ax.set(xlabel="optimizer step", ylabel="gradient L2 norm", title=title)
-    return _finish(fig, ax, len(series), path)
+    """Gradient L2 norms against the step: per tensor (mean over each read's window; one
+    colour per tensor, ``pre`` solid and ``post`` dashed), and in a panel of its own each
+    group transform's total norm over its rule's tensors, before clipping. ``rows``: (step,
+    stats) as ``HookSet.read_stats`` returns them."""
+    series, rules = _series(rows, "norm"), _rule_keys(rows)
+    tensors = {k: v for k, v in series.items() if k not in rules}
+    fig, axes = _panels(int(bool(tensors)) + int(bool(rules)) or 1)
+    if tensors or not rules:
+        ax, colors = axes[0], _tensor_colors(tensors)
+        for key, (xs, ys) in tensors.items():
+            tensor, _, label = key.partition("/")
+            ax.plot(xs, ys, _LINESTYLE.get(label, "-"), color=colors[tensor], label=key,
+                    marker="." if len(xs) < 3 else None)
+        paired = {k.partition("/")[2] for k in tensors} >= {"pre", "post"}
+        ax.set(xlabel="optimizer step", ylabel="gradient L2 norm",
+               title="gradient norm per tensor" + (" (pre solid, post dashed)" if paired else ""))
+    if rules:
+        ax = axes[-1]
+        for key in sorted(rules & series.keys()):
+            xs, ys = series[key]
+            ax.plot(xs, ys, label=_rule_label(key), marker="." if len(xs) < 3 else None)
+        ax.set(xlabel="optimizer step", ylabel="total L2 norm, before clipping",
+               title="total gradient norm per rule (all of a rule's tensors together)")
+    for ax in axes:
+        if ax.lines and all(y > 0 for line in ax.lines for y in line.get_ydata()):
+            ax.set_yscale("log")
+    return _finish(fig, axes, path)
 
 
 def plot_frac_clipped(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path) -> Path:
-    """Per-tensor fraction of gradient elements the transforms between ``pre`` and
-    ``post`` changed (for ``clamp``: clipped), against the step."""
-    series = _series(rows, "frac_clipped")
-    colors = _tensor_colors(series)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for key, (xs, ys) in series.items():
-        tensor = key.partition("/")[0]
-        ax.plot(xs, ys, color=colors[tensor], label=tensor, marker="." if len(xs) < 3 else None)
-    ax.set_ylim(-0.02, 1.02)
-    ax.set(xlabel="optimizer step", ylabel="fraction of elements", title="fraction clipped per tensor")
-    return _finish(fig, ax, len(series), path)
+    """What the transforms changed, against the step, each panel saying what it counts: per
+    tensor, the fraction of gradient elements the transforms between ``pre`` and ``post``
+    changed (for ``clamp``: clipped; a smooth transform such as tanh changes nearly all);
+    per rule, the fraction of a group transform's steps that clipped (clip_coef < 1)."""
+    series, rules = _series(rows, "frac_clipped"), _rule_keys(rows)
+    tensors = {k: v for k, v in series.items() if k not in rules}
+    rule_series = {k: v for k, v in series.items() if k in rules}
+    fig, axes = _panels(int(bool(tensors)) + int(bool(rule_series)) or 1)
+    if tensors:
+        colors = _tensor_colors(tensors)
+        for key, (xs, ys) in tensors.items():
+            tensor = key.partition("/")[0]
+            axes[0].plot(xs, ys, color=colors[tensor], label=tensor, marker="." if len(xs) < 3 else None)
+        axes[0].set(xlabel="optimizer step", ylabel="fraction of elements changed",
+                    title="per tensor: fraction of gradient elements the transforms changed (clamp: clipped)")
+    if rule_series:
+        for key, (xs, ys) in sorted(rule_series.items()):
+            axes[-1].plot(xs, ys, label=_rule_label(key), marker="." if len(xs) < 3 else None)
+        axes[-1].set(xlabel="optimizer step", ylabel="fraction of steps clipped",
+                     title="per rule: fraction of steps whose total norm was clipped (clip_coef < 1)")
+    for ax in axes:
+        ax.set_ylim(-0.02, 1.02)
+    return _finish(fig, axes, path)
 
 
 def gradcam_overlay(images, cams, alpha: float = 0.5):

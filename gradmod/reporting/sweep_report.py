@@ -1,19 +1,23 @@
 """Sweeps: the report a multirun leaves in its folder, and the pieces jobs need for it.
 
 At the end of ``python train.py -m ...`` the ``SweepReport`` callback (``gradmod.app.sweep_callback``,
-registered in ``conf/config.yaml`` under ``hydra.callbacks``) reads every job folder of the sweep and
-writes, into the sweep folder:
+registered in ``conf/config.yaml`` under ``hydra.callbacks``) writes, into the sweep folder:
 
-* ``sweep.csv``: one row per job: job, overrides, status, test_accuracy, test_loss,
-  seconds, error;
+* ``sweep.csv``: one row per job (``COLUMNS``): its overrides, status, final test accuracy
+  and loss, the clipping statistics it recorded (mean over its log reads of ``clip_coef``,
+  ``frac_clipped`` and the total gradient norm), skipped steps, seconds and error;
 * ``sweep.md``: the same table in Markdown (the overrides that differ between jobs; the
-  shared ones above the table), then the mean and spread over seeds per setting;
-* ``sweep_accuracy.png``: every job's test accuracy per epoch.
+  shared ones above the table), then one row per group of jobs that differ only in
+  ``seed=``: accuracy and loss as mean +- std over the seeds, the statistics' means, and a
+  note naming the groups whose accuracy is within the seed spread of the best;
+* ``sweep_curves.png``: every job's test accuracy and loss per epoch, one colour per group.
 
-A job's row comes from its ``summary.json`` (status ``ok`` or ``failed`` with the error),
-``metrics.jsonl`` (the curve) and ``.hydra/overrides.yaml``; a folder without a summary
-is ``incomplete`` (killed, or still running). ``python scripts/sweep_report.py PATH``
-rebuilds the report for an existing sweep folder.
+A job's ending comes from the record it wrote itself (``sweep_jobs``: ok, failed, refused,
+interrupted, killed, ...); its curve and statistics from the ``metrics.jsonl`` and
+``grad_stats.jsonl`` it wrote (never an earlier run's, left in a folder that refused the
+job). A sweep folder without records (older sweeps) is read from its job folders: a
+``summary.json`` each, or ``incomplete``. ``python scripts/sweep_report.py PATH`` rebuilds
+the report of an existing sweep folder.
 """
 
 from __future__ import annotations
@@ -27,10 +31,14 @@ from typing import Any, Mapping
 
 import yaml
 
+from gradmod.reporting import sweep_jobs
+
 log = logging.getLogger(__name__)
 
-COLUMNS = ("job", "overrides", "status", "test_accuracy", "test_loss", "seconds", "error")
-FILES = {"csv": "sweep.csv", "md": "sweep.md", "png": "sweep_accuracy.png"}
+COLUMNS = ("job", "overrides", "status", "test_accuracy", "test_loss", "clip_coef", "frac_clipped", "total_norm",
+           "skipped_steps", "seconds", "error")
+STATS = ("clip_coef", "frac_clipped", "total_norm")
+FILES = {"csv": "sweep.csv", "md": "sweep.md", "png": "sweep_curves.png"}
 
 
 # --- what jobs write -------------------------------------------------------------------
@@ -81,36 +89,78 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``.jsonl`` file; a line cut short by a killed job is left out."""
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _curve(job_dir: Path) -> list[dict[str, Any]]:
+    """The epochs of ``metrics.jsonl``: epoch, test_accuracy, test_loss."""
+    keys = ("epoch", "test_accuracy", "test_loss")
+    return [{k: r[k] for k in keys} for r in _json_lines(job_dir / "metrics.jsonl") if all(k in r for k in keys)]
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.fmean(values) if values else None
+
+
+def clip_stats(job_dir: Path) -> dict[str, float | None]:
+    """Means over the job's log reads (``grad_stats.jsonl``): a group transform's ``clip_coef``,
+    ``frac_clipped`` (the fraction of its steps clipped) and total norm before clipping;
+    without a group transform, ``frac_clipped`` of the per-tensor ``log`` reads (the
+    fraction of elements changed)."""
+    reads = [s for rec in _json_lines(job_dir / "grad_stats.jsonl")
+             for s in (rec.get("stats") or {}).values() if isinstance(s, dict)]
+    group = [s for s in reads if "clip_coef" in s]
+    if group:
+        return {"clip_coef": _mean([s["clip_coef"] for s in group]),
+                "frac_clipped": _mean([s.get("frac_clipped") for s in group]),
+                "total_norm": _mean([s.get("norm") for s in group])}
+    return {"clip_coef": None, "frac_clipped": _mean([s["frac_clipped"] for s in reads if "frac_clipped" in s]),
+            "total_norm": None}
+
+
+def _row(job: str, overrides: list[str], ending: Mapping[str, Any], job_dir: Path | None) -> dict[str, Any]:
+    """One job's row: its ending, plus the curve and statistics it wrote (``job_dir``, or None)."""
+    stats = clip_stats(job_dir) if job_dir is not None else dict.fromkeys(STATS)
+    return {"job": job, "overrides": overrides, "status": ending.get("status", "ok"),
+            "test_accuracy": ending.get("test_accuracy"), "test_loss": ending.get("test_loss"), **stats,
+            "skipped_steps": ending.get("skipped_steps"), "seconds": ending.get("seconds"),
+            "error": ending.get("error") or "", "curve": _curve(job_dir) if job_dir is not None else []}
+
+
 def read_job(job_dir: Path, root: Path) -> dict[str, Any]:
-    """One job's row plus its accuracy curve (``curve``: [(epoch, test_accuracy)])."""
+    """A job's row from its folder alone (a sweep folder without job records)."""
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in yaml.safe_load(overrides_file.read_text()) or []] if overrides_file.exists() else []
     summary = _read_json(job_dir / "summary.json")
-    curve = []
-    metrics = job_dir / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-                curve.append((rec["epoch"], rec["test_accuracy"]))
-            except (ValueError, KeyError):
-                continue  # a line cut short by a killed job
     if summary is None:
         summary = {"status": "incomplete", "error": "no summary.json (killed, or still running)"}
-    return {
-        "job": job_dir.relative_to(root).as_posix(),
-        "overrides": overrides,
-        "status": summary.get("status", "ok"),
-        "test_accuracy": summary.get("test_accuracy"),
-        "test_loss": summary.get("test_loss"),
-        "seconds": summary.get("seconds"),
-        "error": summary.get("error") or "",
-        "curve": curve,
-    }
+    return _row(job_dir.relative_to(root).as_posix(), overrides, summary, job_dir)
 
 
-def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
+def _record_row(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's row from its own record; the folder's files only where this job wrote them."""
+    job_dir = Path(record.get("dir", ""))
+    mine = sweep_jobs.written_by(job_dir / "metrics.jsonl", record)
+    return _row(str(record.get("job")), list(record.get("overrides") or []), record, job_dir if mine else None)
+
+
+def collect(sweep_dir: str | Path, *, ended: bool = False) -> list[dict[str, Any]]:
+    """Every job's row: from this sweep's job records, else from the job folders."""
     root = Path(sweep_dir)
+    records = sweep_jobs.read(root, ended=ended)
+    if records is not None:
+        return [_record_row(r) for r in records]
     return [read_job(d, root) for d in job_dirs(root)]
 
 
@@ -131,25 +181,51 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _setting(overrides: list[str]) -> str:
-    return " ".join(o for o in overrides if not o.startswith("seed=")) or "(all)"
+def group_of(overrides: list[str]) -> str:
+    """The group a job belongs to: its overrides other than ``seed=``."""
+    return " ".join(o for o in overrides if not o.lstrip("+~").startswith("seed=")) or "(all)"
 
 
-def by_setting(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean and spread of the final test accuracy over seeds, per setting (the overrides
-    other than ``seed=``); only settings with at least one finished job."""
+def _spread(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def by_group(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per group of jobs that differ only in ``seed=``: how many finished ok, accuracy and
+    loss as mean and sample std over them, and the means of the statistics, skipped steps
+    and seconds; best mean accuracy first."""
     groups: dict[str, list[dict[str, Any]]] = {}
-    _, varying = _varying(rows)
-    for row, own in zip(rows, varying):
-        key = _setting(own)
-        groups.setdefault(key, []).append(row)
+    for row, own in zip(rows, _varying(rows)[1]):
+        groups.setdefault(group_of(own), []).append(row)
     out = []
-    for key, group in groups.items():
-        acc = [r["test_accuracy"] for r in group if r["status"] == "ok" and r["test_accuracy"] is not None]
-        if acc:
-            out.append({"setting": key, "jobs": len(group), "ok": len(acc), "mean": statistics.fmean(acc),
-                        "std": statistics.stdev(acc) if len(acc) > 1 else 0.0, "min": min(acc), "max": max(acc)})
-    return out
+    for name, members in groups.items():
+        ok = [r for r in members if r["status"] == "ok" and r["test_accuracy"] is not None]
+        acc, acc_std = _spread([r["test_accuracy"] for r in ok])
+        loss, loss_std = _spread([r["test_loss"] for r in ok if r["test_loss"] is not None])
+        out.append({"group": name, "jobs": len(members), "ok": len(ok), "accuracy": acc, "accuracy_std": acc_std,
+                    "loss": loss, "loss_std": loss_std,
+                    **{k: _mean([r[k] for r in ok]) for k in (*STATS, "skipped_steps", "seconds")}})
+    return sorted(out, key=lambda g: -1.0 if g["accuracy"] is None else -g["accuracy"])
+
+
+def spread_note(groups: list[dict[str, Any]]) -> str:
+    """Which groups' accuracy is within the seed spread of the best group's (their means
+    differ by less than the larger of the two stds), so the ranking between them is noise."""
+    ranked = [g for g in groups if g["accuracy"] is not None]
+    if len(ranked) < 2:
+        return ""
+    if all(g["accuracy_std"] is None for g in ranked):
+        return "One seed per group: no seed spread to compare the differences with (add e.g. seed=0,1,2)."
+    best = ranked[0]
+    close = [g for g in ranked[1:] if g["accuracy_std"] is not None and best["accuracy_std"] is not None
+             and best["accuracy"] - g["accuracy"] <= max(best["accuracy_std"], g["accuracy_std"])]
+    if not close:
+        return f"The best group, `{best['group']}`, is ahead of every other by more than the seed spread."
+    names = ", ".join(f"`{g['group']}`" for g in close)
+    return (f"Within the seed spread of the best group (`{best['group']}`): {names}; the accuracy differences "
+            "between them are smaller than the std over seeds, so they do not rank these settings.")
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -157,72 +233,67 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
         writer = csv.writer(f)
         writer.writerow(COLUMNS)
         for r in rows:
-            writer.writerow([r["job"], " ".join(r["overrides"]), r["status"],
-                             "" if r["test_accuracy"] is None else r["test_accuracy"],
-                             "" if r["test_loss"] is None else r["test_loss"],
-                             "" if r["seconds"] is None else round(r["seconds"], 3), r["error"]])
+            values = {**r, "overrides": " ".join(r["overrides"]),
+                      "seconds": None if r["seconds"] is None else round(r["seconds"], 3)}
+            writer.writerow(["" if values[c] is None else values[c] for c in COLUMNS])
+
+
+def _pm(mean: float | None, std: float | None, digits: int = 4) -> str:
+    return "" if mean is None else f"{mean:.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}")
+
+
+def _count_line(rows: list[dict[str, Any]]) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    ok = counts.pop("ok", 0)
+    rest = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return f"{len(rows)} jobs: {ok} ok" + (f", {rest}" if rest else "") + "."
 
 
 def markdown(rows: list[dict[str, Any]], sweep_dir: str | Path = "") -> str:
     shared, varying = _varying(rows)
-    failed = sum(r["status"] != "ok" for r in rows)
-    lines = [f"# Sweep {sweep_dir}".rstrip(), "",
-             f"{len(rows)} jobs: {len(rows) - failed} ok, {failed} failed or incomplete.", ""]
+    lines = [f"# Sweep {sweep_dir}".rstrip(), "", _count_line(rows), ""]
     if shared:
         lines += [f"Every job: `{' '.join(shared)}`", ""]
-    lines += ["| job | overrides | status | test accuracy | test loss | seconds | error |",
-              "|---|---|---|---:|---:|---:|---|"]
+    lines += ["| job | overrides | status | test accuracy | test loss | clip_coef | frac_clipped | total norm "
+              "| skipped | seconds | error |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r, own in zip(rows, varying):
         lines.append(f"| {r['job']} | {_cell(' '.join(own))} | {r['status']} | {_num(r['test_accuracy'], 4)} | "
-                     f"{_num(r['test_loss'], 4)} | {_num(r['seconds'], 1)} | {_cell(r['error'])} |")
-    settings = by_setting(rows)
-    if any(s["ok"] > 1 for s in settings):
-        lines += ["", "## Per setting, over seeds", "",
-                  "| setting | jobs ok | mean accuracy | std | min | max |", "|---|---:|---:|---:|---:|---:|"]
-        for s in sorted(settings, key=lambda s: -s["mean"]):
-            lines.append(f"| {_cell(s['setting'])} | {s['ok']}/{s['jobs']} | {s['mean']:.4f} | {s['std']:.4f} | "
-                         f"{s['min']:.4f} | {s['max']:.4f} |")
+                     f"{_num(r['test_loss'], 4)} | {_num(r['clip_coef'], 3)} | {_num(r['frac_clipped'], 3)} | "
+                     f"{_num(r['total_norm'], 3)} | {_num(r['skipped_steps'], 0)} | {_num(r['seconds'], 1)} | "
+                     f"{_cell(r['error'])} |")
+    groups = by_group(rows)
+    if len(groups) > 1 or any(g["ok"] > 1 for g in groups):
+        lines += ["", "## Per group, over seeds", "",
+                  "Jobs that differ only in `seed=` form a group; mean ± sample std over the jobs that ended ok.", "",
+                  "| group | jobs ok | test accuracy | test loss | clip_coef | frac_clipped | total norm | skipped "
+                  "| seconds |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for g in groups:
+            lines.append(f"| {_cell(g['group'])} | {g['ok']}/{g['jobs']} | {_pm(g['accuracy'], g['accuracy_std'])} | "
+                         f"{_pm(g['loss'], g['loss_std'])} | {_num(g['clip_coef'], 3)} | "
+                         f"{_num(g['frac_clipped'], 3)} | {_num(g['total_norm'], 3)} | "
+                         f"{_num(g['skipped_steps'], 1)} | {_num(g['seconds'], 1)} |")
+        note = spread_note(groups)
+        lines += ["", note] if note else []
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+def write_report(sweep_dir: str | Path, *, ended: bool = False) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+    """Write the CSV, Markdown and PNG report into ``sweep_dir``; returns (paths, rows).
+    ``ended``: the sweep is over (a job still recorded as running was killed)."""
+    from gradmod.reporting.plots import plot_sweep_curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    _, varying = _varying(rows)
-    settings = list(dict.fromkeys(_setting(own) for own in varying))  # one colour per setting:
-    colors = plt.get_cmap("tab10" if len(settings) <= 10 else "tab20").colors  # seeds share it
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for r, own in zip(rows, varying):
-        if r["curve"]:
-            epochs, acc = zip(*r["curve"])
-            label = f"{r['job']}: {' '.join(own)}" + ("" if r["status"] == "ok" else f" ({r['status']})")
-            ax.plot(epochs, acc, marker="o", linestyle="-" if r["status"] == "ok" else ":", label=label,
-                    color=colors[settings.index(_setting(own)) % len(colors)])
-    ax.set(xlabel="epoch", ylabel="test accuracy", title=f"test accuracy per job ({len(rows)} jobs)")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
-    else:
-        ax.text(0.5, 0.5, "no job finished an epoch", ha="center", va="center", transform=ax.transAxes)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-
-def write_report(sweep_dir: str | Path) -> tuple[dict[str, Path], list[dict[str, Any]]]:
-    """Write the CSV, Markdown and PNG report into ``sweep_dir``; returns (paths, rows)."""
     root = Path(sweep_dir)
     if not root.is_dir():
         raise ValueError(f"sweep folder {str(root)!r} does not exist")
-    rows = collect(root)
+    rows = collect(root, ended=ended)
     if not rows:
-        raise ValueError(f"no job folders under {str(root)!r} (looked for .hydra/overrides.yaml and summary.json)")
+        raise ValueError(f"no job folders under {str(root)!r} (looked for .gradmod/jobs/, .hydra/overrides.yaml "
+                         "and summary.json)")
     paths = {kind: root / name for kind, name in FILES.items()}
     write_csv(rows, paths["csv"])
     paths["md"].write_text(markdown(rows, root))
-    plot_accuracy(rows, paths["png"])
+    _, varying = _varying(rows)
+    plot_sweep_curves(rows, [group_of(own) for own in varying], [" ".join(own) for own in varying], paths["png"])
     return paths, rows

@@ -14,6 +14,7 @@ import dataclasses
 import fnmatch
 import functools
 import importlib
+import inspect
 from typing import Any, Callable, Iterable
 
 import torch
@@ -37,7 +38,9 @@ def locate(path: str, key: str) -> Any:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"{key}={path!r} does not import ({type(e).__name__}: {e})") from None
+        where = ("; it is imported from the current folder, PYTHONPATH or an installed package"
+                 if isinstance(e, ImportError) else "")
+        raise ValueError(f"{key}={path!r} does not import ({type(e).__name__}: {e}){where}") from None
 
 
 def arguments(cfg: Any) -> dict[str, Any]:
@@ -79,6 +82,17 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], no_decay: list[str])
     groups = [{"params": [p for n, p in named if n not in exempt]},
               {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def describe_groups(model: nn.Module, groups: list[dict[str, Any]], weight_decay: float) -> str:
+    """The optimizer's parameter groups by name, as ``optimizer.no_decay`` made them."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    parts = []
+    for g in groups:
+        listed = [names[id(p)] for p in g["params"]]
+        shown = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
+        parts.append(f"weight_decay={g.get('weight_decay', weight_decay):g}: {shown}")
+    return "optimizer groups (optimizer.no_decay): " + "; ".join(parts)
 
 
 def build_optimizer(cfg: Any, params: Iterable[Any], device: torch.device | str = "cpu") -> torch.optim.Optimizer:
@@ -169,6 +183,18 @@ def build_loss(cfg: LossConfig) -> Callable[[Tensor, Tensor], Tensor]:
     return fn
 
 
+def _unset_totals(fn: Any, args: dict[str, Any]) -> list[str]:
+    """The length keys (``TOTAL_KEYS``) ``fn`` takes that the config leaves out, where the run's
+    length is what they mean: required, or None by default (OneCycleLR's ``total_steps``,
+    unless ``epochs`` is given instead)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return []
+    return [k for k in TOTAL_KEYS if k in params and k not in args and "epochs" not in args
+            and params[k].default in (inspect.Parameter.empty, None)]
+
+
 def build_scheduler(cfg: SchedulerConfig | None, optimizer: torch.optim.Optimizer,
                     total_steps: int) -> lr_scheduler.LRScheduler | None:
     """``cfg._target_(optimizer, **args)``, with null ``T_max``/``total_steps``/``total_iters``
@@ -176,6 +202,7 @@ def build_scheduler(cfg: SchedulerConfig | None, optimizer: torch.optim.Optimize
     if cfg is None:
         return None
     args = {k: (total_steps if k in TOTAL_KEYS and v is None else v) for k, v in cfg.args.items()}
+    args.update({k: total_steps for k in _unset_totals(locate(cfg._target_, "scheduler._target_"), args)})
     filled = SchedulerConfig(_target_=cfg._target_, _partial_=cfg._partial_, args=args)
     made = call_target("scheduler", filled, optimizer)
     if not hasattr(made, "step") or not hasattr(made, "state_dict"):

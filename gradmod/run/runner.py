@@ -36,7 +36,8 @@ from gradmod.run import checkpoint_file as ckpt
 from gradmod.run import endings, preflight
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.config import Config
-from gradmod.run.factories import build_data, build_loss, build_optimizer, build_scheduler, model_factory, param_groups
+from gradmod.run.factories import (build_data, build_loss, build_optimizer, build_scheduler, describe_groups,
+                                   model_factory, param_groups)
 from gradmod.run.files import GradCamCallback, RunFiles
 from gradmod.run.folder import RunFolder, has_results, replace_text
 from gradmod.run.resume import apply_optimizer, compare
@@ -140,8 +141,8 @@ def _warn_sizes(cfg: Config, data: Data, world_size: int) -> None:
     """Sizes that train, but not as the user probably meant."""
     n, bs = len(data.train_y), cfg.data.batch_size
     if bs > n:
-        log.warning("data.batch_size=%d is larger than the training set (%d images): each epoch is one batch of %d",
-                    bs, n, n)
+        log.warning("data.batch_size=%d is larger than the training set (%d %s): each epoch is one batch of %d",
+                    bs, n, _items(data), n)
     per_epoch = batches_per_epoch(n, bs, world_size)
     if cfg.trainer.accumulate > per_epoch:
         log.warning("trainer.accumulate=%d is more than the %d batches of an epoch: each epoch is one optimizer "
@@ -195,8 +196,10 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
     guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if dist.world_size > 1 else None)
-    optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
-                                dist.device)
+    groups = param_groups(model.named_parameters(), cfg.optimizer.no_decay)
+    if cfg.optimizer.no_decay:
+        log.info("%s", describe_groups(model, groups, cfg.optimizer.weight_decay))
+    optimizer = build_optimizer(cfg.optimizer, groups, dist.device)
     with contextlib.ExitStack() as stack:
         folder = out if dist.is_main else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         callbacks, saver = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist, stop)
@@ -215,8 +218,8 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     summary = _summary(cfg, data, trainer, guard, plan, time.perf_counter() - t_start)
     if dist.is_main:
         endings.write(out, summary)
-    log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
-             summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
+    log.info("test_accuracy %.4f on %s (%d test %s) in %.1fs; run folder %s", summary["test_accuracy"],
+             data.name, summary["test_size"], _items(data), summary["seconds"], out)
     return summary
 
 
@@ -266,6 +269,11 @@ def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, p
         "precision": trainer.amp.name,
         "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None, "seconds": seconds,
     }
+
+
+def _items(data: Data) -> str:
+    """What the dataset holds, for log lines: images (N x C x H x W) or examples."""
+    return "images" if data.test_x.ndim == 4 else "examples"
 
 
 def _stderr_is_terminal() -> bool:

@@ -1,0 +1,14 @@
+"""Models for sweep tests, given by ``model._target_=tests.sweep_models.NAME``."""
+
+import os
+import signal
+
+from torch import nn
+
+
+def tiny(die: bool = False) -> nn.Module:
+    """A linear classifier of 1x28x28 images; ``die=true``: the process kills itself with
+    SIGKILL while the run builds it, as the OOM killer would."""
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
