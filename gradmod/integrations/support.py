@@ -1,0 +1,30 @@
+"""What the Lightning and Transformers callbacks share: attach with the checks a
+callback cannot do without, and the ``log`` statistics as flat scalar entries."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import nn
+
+from gradmod.hooks.rules import HookSet, attach
+
+
+def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str) -> HookSet:
+    """``attach(..., replace=False)``, so several callbacks share the model (overlapping
+    tensors stay refused), refusing ``zclip(on_spike="skip")`` in one line: a callback
+    cannot skip one optimizer step, and zeroing the gradients is not a skip under
+    momentum or weight decay."""
+    hooks = attach(model, rules, stage=stage, replace=False)
+    skipping = sorted({t.rule for t in hooks.targets for s in t.steps if getattr(s.fn, "skip", False)})
+    if skipping:
+        hooks.remove()
+        raise ValueError(f"hooks.{skipping[0]}: zclip(on_spike='skip') cannot skip an optimizer step under {trainer}; "
+                         "use on_spike: clip")
+    return hooks
+
+
+def flat_stats(hooks: HookSet) -> dict[str, float]:
+    """``grad/<tensor>/<field>``: every scalar of ``read_stats()`` (one host sync)."""
+    return {f"grad/{key}/{field}": float(value) for key, stats in hooks.read_stats().items()
+            for field, value in stats.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
