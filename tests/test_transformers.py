@@ -174,3 +174,19 @@ def test_fp16_on_cuda_fused_clip_sees_unscaled_gradients(tmp_path):
     ref.train()
     for p, q in zip(params(ours), params(ref)):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypatch, capsys):
+    import re
+
+    from conftest import ROOT
+
+    doc = ROOT / "docs" / "transformers.md"
+    code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
+    monkeypatch.chdir(tmp_path)  # its output_dir lands here
+    ns = {"__name__": "__main__"}
+    exec(compile(code, str(doc), "exec"), ns)
+    history = [r for r in ns["hf_trainer"].state.log_history if "grad/norm/global_norm_clip/clip_coef" in r]
+    assert [r["step"] for r in history] == [8, 16, 24, 32]
+    assert all(r["grad/net.1.weight/calls"] == 8 and r["grad/norm/global_norm_clip/clip_coef"] <= 1 for r in history)
+    assert "'grad/net.1.weight/norm'" in capsys.readouterr().out
