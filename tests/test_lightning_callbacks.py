@@ -112,6 +112,30 @@ def test_zclip_skip_is_refused_at_setup(tmp_path):
         trainer(tmp_path, [GradmodCallback(rules)]).fit(Module(), loader())
 
 
+def test_hook_stage_rules_under_fp16_are_refused_and_fused_ones_run(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def fp16(rules) -> L.Trainer:  # the GradScaler Lightning uses for 16-mixed on a GPU, here on the CPU
+        t = trainer(tmp_path, [GradmodCallback(rules)])
+        t.strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        return t
+
+    with pytest.raises(ValueError, match=r"^hooks.clip: hook-stage rules would see fp16's scaled gradients; "
+                                         r"use stage: fused \(it runs after unscaling\)$"):
+        fp16(CLAMP).fit(Module(), loader())
+    fused = {"clip": {**CLAMP["clip"], "stage": "fused"}}
+    module, seen = Module(), []
+    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.append(
+        max(p.grad.abs().max().item() for p in module.net[0].parameters())))
+    try:
+        fp16(fused).fit(module, loader())
+    finally:
+        handle.remove()
+    # Clamped after unscaling: the step uses gradients at the bound, not the bound over the scale.
+    assert len(seen) == N // BATCH and all(m == pytest.approx(0.01) for m in seen)
+    assert plain_gradients(module)
+
+
 def zclips() -> list[GradmodCallback]:
     """Two callbacks with running state, one per layer: spikes get clipped after 2 steps of warm-up."""
     return [GradmodCallback({name: {"params": f"net.{i}.*", "stage": "fused", "transforms": [

@@ -45,7 +45,8 @@ class GradmodCallback(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.hooks is None:
-            self.hooks = attach_for("Lightning", pl_module, self.rules, self.stage)
+            scaled = getattr(trainer.precision_plugin, "scaler", None) is not None  # fp16's GradScaler
+            self.hooks = attach_for("Lightning", pl_module, self.rules, self.stage, scaled)
 
     def on_train_start(self, trainer, pl_module) -> None:
         # The module is on its device now, and a checkpoint's state has been loaded.

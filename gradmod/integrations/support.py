@@ -7,20 +7,27 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from gradmod.hooks.group import ZClip
 from gradmod.hooks.rules import HookSet, attach
 
 
-def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str) -> HookSet:
+def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str, scaled: bool) -> HookSet:
     """``attach(..., replace=False)``, so several callbacks share the model (overlapping
-    tensors stay refused), refusing ``zclip(on_spike="skip")`` in one line: a callback
-    cannot skip one optimizer step, and zeroing the gradients is not a skip under
-    momentum or weight decay."""
+    tensors stay refused), refusing in one line what a callback cannot honour:
+    ``zclip(on_spike="skip")`` (a callback cannot skip one optimizer step, and zeroing the
+    gradients is not a skip under momentum or weight decay), and hook-stage rules when
+    ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled)."""
     hooks = attach(model, rules, stage=stage, replace=False)
-    skipping = sorted({t.rule for t in hooks.targets for s in t.steps if getattr(s.fn, "skip", False)})
-    if skipping:
+    skipping = [t.rule for t in hooks.targets for s in t.steps if isinstance(s.fn, ZClip) and s.fn.skip]
+    hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]
+    if skipping or (scaled and hooked):
         hooks.remove()
+    if skipping:
         raise ValueError(f"hooks.{skipping[0]}: zclip(on_spike='skip') cannot skip an optimizer step under {trainer}; "
                          "use on_spike: clip")
+    if scaled and hooked:
+        raise ValueError(f"hooks.{hooked[0]}: hook-stage rules would see fp16's scaled gradients; "
+                         "use stage: fused (it runs after unscaling)")
     return hooks
 
 

@@ -51,12 +51,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._detach(model)  # a train() that raised never reached on_train_end
-        hooks = attach_for("Transformers' Trainer", model, self.rules, self.stage)
-        hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]
-        if args.fp16 and hooked:
-            hooks.remove()
-            raise ValueError(f"hooks.{hooked[0]}: hook-stage rules would see fp16's scaled gradients; "
-                             "use stage: fused (it runs after unscaling)")
+        hooks = attach_for("Transformers' Trainer", model, self.rules, self.stage, scaled=args.fp16)
         if hooks.has_fused and args.max_grad_norm and args.max_grad_norm > 0:
             warnings.warn(f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
                           "rules see them; set max_grad_norm=0 to leave clipping to the rules", stacklevel=2)
