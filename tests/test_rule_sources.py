@@ -136,3 +136,30 @@ def test_agc_is_timms_adaptive_clip_grad_bit_for_bit(norm_type):
 def test_agc_norm_type_is_checked():
     with pytest.raises(ValueError, match="norm_type=0.5 must be >= 1 or 'inf'"):
         attach(tiny_model(), agc_rule(norm_type=0.5))
+
+
+@pytest.mark.slow  # timm's import and a ResNet: about 10 s
+@pytest.mark.parametrize("mode, transform", [
+    ("agc", {"name": "agc", "clip_factor": 0.01, "norm_type": 1.0}),
+    ("norm", {"name": "global_norm_clip", "max_norm": 0.01, "norm_type": 1.0}),
+    ("value", {"name": "clamp", "min": -0.01, "max": 0.01}),
+])
+def test_timms_dispatch_clip_grad_on_its_resnet10t(mode, transform):
+    timm = pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
+    from timm.utils.clip_grad import dispatch_clip_grad
+
+    def backward() -> nn.Module:
+        torch.manual_seed(0)
+        net = timm.create_model("resnet10t", num_classes=5)
+        g = torch.Generator().manual_seed(2)
+        F.cross_entropy(net(torch.randn(2, 3, 32, 32, generator=g)), torch.tensor([1, 4])).backward()
+        return net
+
+    ours, ref, raw = backward(), backward(), backward()
+    hooks = attach(ours, {"c": {"params": "*", "stage": "fused", "transforms": [transform]}})
+    hooks.after_backward()
+    dispatch_clip_grad(ref.parameters(), 0.01, mode=mode, norm_type=1.0)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert any(not torch.equal(p.grad, r.grad) for p, r in zip(ours.parameters(), raw.parameters()))  # it clipped
+    hooks.remove()
