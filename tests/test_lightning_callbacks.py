@@ -162,3 +162,17 @@ def test_two_stateful_callbacks_resume_bit_identically(tmp_path):
     clipped = Module()  # the state mattered: without it the resumed run differs
     trainer(tmp_path, zclips(), epochs=1).fit(clipped, loader())
     assert any(not torch.equal(p, q) for p, q in zip(straight.parameters(), clipped.parameters()))
+
+
+def test_log_reads_once_per_step_under_accumulation(tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    t = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="run", version=0),
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=tmp_path, accumulate_grad_batches=2, log_every_n_steps=1,
+                  callbacks=[GradmodCallback("log", log_every=2)])
+    t.fit(Module(), DataLoader(TensorDataset(torch.randn(64, 6), torch.randint(3, (64,))), batch_size=BATCH))
+    rows = [r for r in csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")) if r.get("grad/net.0.weight/calls")]
+    assert [(int(r["step"]), float(r["grad/net.0.weight/calls"])) for r in rows] == [(2, 4.0), (4, 4.0)]

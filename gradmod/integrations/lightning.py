@@ -37,6 +37,7 @@ class GradmodCallback(Callback):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
         self.hooks: HookSet | None = None
         self._state: dict[str, Any] = {}  # rule state to restore at the next training start
+        self._read_at = 0  # the step of the last read: accumulated batches share a step
 
     @property
     def state_key(self) -> str:
@@ -59,9 +60,10 @@ class GradmodCallback(Callback):
             self.hooks.after_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        every = self.log_every or trainer.log_every_n_steps
-        if self.hooks is None or not self.hooks.observers() or trainer.global_step % every:
+        every, step = self.log_every or trainer.log_every_n_steps, trainer.global_step
+        if self.hooks is None or not self.hooks.observers() or step % every or step == self._read_at:
             return
+        self._read_at = step
         flat = flat_stats(self.hooks)
         if flat:
             for logger in trainer.loggers:

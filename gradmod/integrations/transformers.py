@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -55,10 +55,10 @@ class GradmodCallback(TrainerCallback, ExportableState):
         if hooks.has_fused and args.max_grad_norm and args.max_grad_norm > 0:
             warnings.warn(f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
                           "rules see them; set max_grad_norm=0 to leave clipping to the rules", stacklevel=2)
+        self.hooks = hooks
         if self.rule_state:
             hooks.load_state_dict(_from_json(self.rule_state), next(model.parameters()).device)
             self.rule_state = {}
-        self.hooks = hooks
         _warn_shared_checkpoint(self, model, args)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -90,7 +90,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
         """What HF saves in ``trainer_state.json`` and restores (only with
         ``restore_callback_states_from_checkpoint=True``) as ``GradmodCallback(**args)``."""
         live = _to_json(self.hooks.state_dict()) if self.hooks is not None else self.rule_state
-        return {"args": {"rules": self.rules, "stage": self.stage, "log_every": self.log_every},
+        return {"args": {"rules": _to_json(self.rules), "stage": self.stage, "log_every": self.log_every},
                 "attributes": {"rule_state": live}}
 
 
@@ -137,12 +137,14 @@ def _warn_shared_checkpoint(callback: GradmodCallback, model, args) -> None:
 
 
 def _to_json(value: Any) -> Any:
-    """Rule state in a form ``json`` writes: tensors as dtype and nested lists (exact for
-    float32 and float64 through Python floats)."""
+    """Rules and their state in a form ``json`` writes: plain dicts and lists, tensors as
+    dtype and nested lists (exact for float32 and float64 through Python floats)."""
     if isinstance(value, torch.Tensor):
         return {"__tensor__": value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
     if isinstance(value, Mapping):
-        return {k: _to_json(v) for k, v in value.items()}
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_to_json(v) for v in value]
     return value
 
 
