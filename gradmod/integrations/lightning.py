@@ -50,6 +50,7 @@ class GradmodCallback(Callback):
             self.hooks = attach_for("Lightning", pl_module, self.rules, self.stage, scaled)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._read_at = trainer.global_step
         # The module is on its device now, and a checkpoint's state has been loaded.
         if self.hooks is not None and self._state:
             self.hooks.load_state_dict(self._state, pl_module.device)
