@@ -133,31 +133,33 @@ def _norm_type(transform: str, value: Any) -> float:
     return v
 
 
-def unit_norms(x: Tensor) -> Tensor:
-    """L2 norm per output unit (over every dim but the first, kept for broadcasting);
+def unit_norms(x: Tensor, norm_type: float = 2.0) -> Tensor:
+    """Norm per output unit (over every dim but the first, kept for broadcasting);
     a vector or scalar as a whole."""
     if x.dim() <= 1:
-        return torch.linalg.vector_norm(x)
-    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True)
+        return torch.linalg.vector_norm(x, norm_type)
+    return torch.linalg.vector_norm(x, norm_type, dim=tuple(range(1, x.dim())), keepdim=True)
 
 
 class AGC(GroupTransform):
     """Adaptive gradient clipping: each unit's gradient norm is capped at ``clip_factor``
     times its weights' norm (at least ``eps``), so a step changes a unit's weights by a
-    bounded fraction. Leave the classifier out of the rule (Brock et al. 2021)."""
+    bounded fraction. Leave the classifier out of the rule (Brock et al. 2021).
+    ``norm_type`` is the unit norm's order, as in timm's ``adaptive_clip_grad``."""
 
     name = "agc"
 
-    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3):
+    def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0):
         super().__init__()
         self.clip_factor = _positive(self.name, "clip_factor", clip_factor, allow_zero=False)
         self.eps = _positive(self.name, "eps", eps, allow_zero=False)
+        self.norm_type = _norm_type(self.name, norm_type)
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
         before = total_norm(grads)
         for p, g in zip(params, grads):  # unit-wise norms have no foreach form
-            limit = unit_norms(p.detach()).clamp_min(self.eps).mul_(self.clip_factor)
-            g.mul_((limit / unit_norms(g).clamp_min(EPS)).clamp_max(1.0))
+            limit = unit_norms(p.detach(), self.norm_type).clamp_min(self.eps).mul_(self.clip_factor)
+            g.mul_((limit / unit_norms(g, self.norm_type).clamp_min(EPS)).clamp_max(1.0))
         self.record.add(before, total_norm(grads) / (before + EPS))
 
 

@@ -41,8 +41,8 @@ from gradmod.hooks.selection import (  # noqa: F401
 )
 from gradmod.hooks.stats import GradStats, batch_rows
 
-# model -> its live HookSet, so attaching again replaces rather than doubles the hooks.
-_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, HookSet]" = weakref.WeakKeyDictionary()
+# model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
+_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, list[HookSet]]" = weakref.WeakKeyDictionary()
 # hooked parameter or module -> the live HookSet holding its hooks, whatever root reached it.
 _OWNERS = WeakIdKeyDictionary()
 
@@ -250,35 +250,38 @@ class HookSet:
 
 
 def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
-           stage: str = "hook") -> HookSet:
+           stage: str = "hook", replace: bool = True) -> HookSet:
     """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
 
     ``stage`` is the default for rules that do not set one (a rule with a group
     transform runs fused). Attaching again to the same model first removes the hooks of
-    the previous call, so hooks never double; tensors that carry a live HookSet attached
-    through another module (a wrapper, a submodule) are refused: remove that one first.
+    the previous calls, so hooks never double; ``replace=False`` keeps them and adds a
+    second HookSet on other tensors (several callbacks on one model). Tensors that carry
+    a live HookSet that is not replaced (kept, or attached through another module such as
+    a wrapper) are refused: remove that one first.
     """
     if stage not in STAGES:
         raise ValueError(f"stage {stage!r} is not a stage; allowed: {', '.join(STAGES)}")
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
-    previous = _ATTACHED.get(model)
-    _refuse_overlap(model, targets, previous)
-    if previous is not None:
-        previous.remove()
+    previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
+    replaced = previous if replace else []
+    _refuse_overlap(model, targets, replaced)
+    for old in replaced:
+        old.remove()
     hooks = HookSet(model, targets)
-    _ATTACHED[model] = hooks
+    _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
 
 
-def _refuse_overlap(model: nn.Module, targets: list[Target], previous: HookSet | None) -> None:
+def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[HookSet]) -> None:
     """A one-line error naming the tensors another live HookSet already transforms."""
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
     taken = []
     for t in targets:
         owner = _OWNERS.get(params[t.name] if t.kind == "param" else modules[t.name])
-        if owner is not None and owner is not previous and t.key not in taken:
+        if owner is not None and owner not in replaced and t.key not in taken:
             taken.append(t.key)
     if taken:
         shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
-        raise ValueError(f"attach: {shown} already carry hooks from another attach call (through another "
-                         "module); call remove() on that HookSet first, or attach once to the outer model")
+        raise ValueError(f"attach: {shown} already carry hooks from another attach call (kept with replace=False, "
+                         "or through another module); call remove() on that HookSet first, or select other tensors")

@@ -187,15 +187,13 @@ def _check_observer_keys(targets: list[Target]) -> None:
                 seen[key] = t.rule
 
 
-def load_rules(rules: Mapping[str, Any] | str | Path) -> dict[str, Any]:
-    """Rules from a mapping or a hook config file (``conf/hooks/clip.yaml``). A file's
-    ``defaults`` list is Hydra's composition (it gives each rule every key), not a rule."""
-    if isinstance(rules, (str, Path)):
-        import yaml  # only for files: the core needs no YAML otherwise
+def load_rules(rules: Mapping[str, Any] | str | Path | list | tuple) -> dict[str, Any]:
+    """Rules from a mapping, a hook config file (a path, or a shipped file's name such as
+    ``"clip"``), or a list of these merged by rule name (a name given twice is an error)."""
+    if isinstance(rules, (str, Path, list, tuple)):
+        from gradmod.hooks.rule_files import read_rules
 
-        rules = yaml.safe_load(Path(rules).read_text()) or {}
-        if isinstance(rules, Mapping):
-            rules = {k: v for k, v in rules.items() if k != "defaults"}
+        rules = read_rules(rules)
     if not isinstance(rules, Mapping):
         raise ValueError(f"rules must be a mapping of rule name to rule or a hook config file, got {type(rules).__name__}")
     return dict(rules)

@@ -1,10 +1,13 @@
 """gradmod's hook rules inside PyTorch Lightning: ``GradmodCallback``.
 
-The callback takes the rules of a ``hooks/*.yaml`` file (a mapping, or the file's path),
-attaches them to the LightningModule in ``setup``, runs the fused stage in
-``on_before_optimizer_step`` (Lightning calls it after AMP unscaling and before its own
-``gradient_clip_val``), and sends the ``log`` transform's statistics to the Trainer's
-loggers every ``log_every_n_steps``. Needs ``pip install "gradmod[lightning]"``.
+The callback takes rules (a mapping, a ``hooks/*.yaml`` path, a shipped file's name such
+as ``"log"``, or a list of these), attaches them to the LightningModule in ``setup`` and
+removes them in ``teardown`` of every stage (fit, validate, test, predict), so nothing
+stays attached outside the Trainer. The fused stage runs in ``on_before_optimizer_step``
+(Lightning calls it after AMP unscaling and before its own ``gradient_clip_val``); the
+``log`` transform's statistics go to the Trainer's loggers every ``log_every_n_steps``.
+Several callbacks share one model when their rules select different tensors.
+Needs ``pip install "gradmod[lightning]"``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from gradmod.hooks.rules import HookSet, attach, load_rules
+from gradmod.hooks.rules import HookSet, load_rules
+from gradmod.integrations.support import attach_for, flat_stats
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -28,36 +32,55 @@ class GradmodCallback(Callback):
     ``log_every_n_steps``); each read is one host sync.
     """
 
-    def __init__(self, rules: Mapping[str, Any] | str | Path, stage: str = "hook", log_every: int | None = None):
+    def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook",
+                 log_every: int | None = None):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
         self.hooks: HookSet | None = None
+        self._state: dict[str, Any] = {}  # rule state to restore at the next training start
+        self._read_at = 0  # the step of the last read: accumulated batches share a step
+
+    @property
+    def state_key(self) -> str:
+        # Keyed by its rules: several callbacks in one Trainer each keep their own state.
+        return self._generate_state_key(rules=",".join(self.rules), stage=self.stage)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if self.hooks is None:  # fit, then test: attach once
-            self.hooks = attach(pl_module, self.rules, stage=self.stage)
+        if self.hooks is None:
+            scaled = getattr(trainer.precision_plugin, "scaler", None) is not None  # fp16's GradScaler
+            self.hooks = attach_for("Lightning", pl_module, self.rules, self.stage, scaled)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._read_at = trainer.global_step
+        # The module is on its device now, and a checkpoint's state has been loaded.
+        if self.hooks is not None and self._state:
+            self.hooks.load_state_dict(self._state, pl_module.device)
+            self._state = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.hooks is not None and self.hooks.has_fused:
             self.hooks.after_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        every = self.log_every or trainer.log_every_n_steps
-        if self.hooks is None or not self.hooks.observers() or trainer.global_step % every:
+        every, step = self.log_every or trainer.log_every_n_steps, trainer.global_step
+        if self.hooks is None or not self.hooks.observers() or step % every or step == self._read_at:
             return
-        flat = {f"grad/{key}/{field}": float(value) for key, stats in self.hooks.read_stats().items()
-                for field, value in stats.items() if isinstance(value, (int, float))}
+        self._read_at = step
+        flat = flat_stats(self.hooks)
         if flat:
             for logger in trainer.loggers:
                 logger.log_metrics(flat, step=trainer.global_step)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
-        if self.hooks is not None and stage == "fit":
+        if self.hooks is not None:
+            self._state = self.hooks.state_dict()
             self.hooks.remove()
             self.hooks = None
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "exception")  # Lightning skips teardown when a stage fails
+
     def state_dict(self) -> dict[str, Any]:
-        return self.hooks.state_dict() if self.hooks is not None else {}
+        return self.hooks.state_dict() if self.hooks is not None and not self._state else self._state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.hooks is not None and state:
-            self.hooks.load_state_dict(state)
+        self._state = dict(state)  # applied in on_train_start

@@ -1,0 +1,156 @@
+"""gradmod's hook rules inside Hugging Face Transformers' ``Trainer``: ``GradmodCallback``.
+
+In a Trainer step: backward per micro-batch (hook-stage rules run here), unscaling and
+HF's own ``max_grad_norm`` clipping, ``on_pre_optimizer_step`` (the fused stage runs
+here, once per optimizer step under gradient accumulation), ``optimizer.step()``. The
+rules are attached at ``on_train_begin`` and removed at ``on_train_end``; their state
+(zclip's running statistics, ``log`` windows) travels in HF checkpoints.
+
+HF calls user callbacks after its reporting integrations and gives them no Trainer:
+``add_to(trainer, rules)`` puts the callback first, so the ``grad/<tensor>/<field>``
+entries its ``on_log`` adds reach ``report_to`` and ``state.log_history``.
+Needs ``pip install "gradmod[transformers]"``.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from gradmod.hooks.rules import HookSet, load_rules
+from gradmod.integrations.support import attach_for, flat_stats
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ExportableState
+except ImportError as e:  # the optional extra is missing
+    raise ImportError('gradmod.integrations.transformers needs Transformers: pip install "gradmod[transformers]"') from e
+
+# model -> the callbacks training it, to warn when several would share HF's checkpoint entry.
+_TRAINING: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+class GradmodCallback(TrainerCallback, ExportableState):
+    """Apply gradmod rules to a Trainer's model: a mapping, a ``hooks/*.yaml`` path, a
+    shipped file's name (``"log"``) or a list of these merged by rule name.
+
+    ``stage``: the default stage of rules that set none (``hook`` or ``fused``).
+    ``log_every``: steps between reads of the ``log`` statistics at HF's log events
+    (default: ``logging_steps``); each read is one host sync.
+    """
+
+    def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook",
+                 log_every: int | None = None):
+        self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
+        self.hooks: HookSet | None = None
+        self.rule_state: dict[str, Any] = {}  # HF sets it from a checkpoint (JSON-ready form)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._detach(model)  # a train() that raised never reached on_train_end
+        hooks = attach_for("Transformers' Trainer", model, self.rules, self.stage, scaled=args.fp16)
+        if hooks.has_fused and args.max_grad_norm and args.max_grad_norm > 0:
+            warnings.warn(f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
+                          "rules see them; set max_grad_norm=0 to leave clipping to the rules", stacklevel=2)
+        self.hooks = hooks
+        if self.rule_state:
+            hooks.load_state_dict(_from_json(self.rule_state), next(model.parameters()).device)
+            self.rule_state = {}
+        _warn_shared_checkpoint(self, model, args)
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if self.hooks is not None and self.hooks.has_fused:
+            _unscale_once(optimizer)
+            self.hooks.after_backward()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        every = self.log_every or state.logging_steps
+        if self.hooks is None or logs is None or not self.hooks.observers() or state.global_step % every:
+            return
+        flat = flat_stats(self.hooks)
+        logs.update(flat)  # the dict the reporting integrations receive after this callback
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(flat)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._detach(model)
+
+    def _detach(self, model) -> None:
+        if self.hooks is not None:
+            self.rule_state = _to_json(self.hooks.state_dict())
+            self.hooks.remove()
+            self.hooks = None
+        if model in _TRAINING:
+            _TRAINING[model].discard(self)
+
+    def state(self) -> dict[str, Any]:
+        """What HF saves in ``trainer_state.json`` and restores (only with
+        ``restore_callback_states_from_checkpoint=True``) as ``GradmodCallback(**args)``."""
+        live = _to_json(self.hooks.state_dict()) if self.hooks is not None else self.rule_state
+        return {"args": {"rules": _to_json(self.rules), "stage": self.stage, "log_every": self.log_every},
+                "attributes": {"rule_state": live}}
+
+
+def add_to(trainer, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook",
+           log_every: int | None = None) -> GradmodCallback:
+    """A ``GradmodCallback`` placed first in ``trainer``'s callbacks, before the reporting
+    integrations, so its ``grad/...`` entries reach them; also after a checkpoint restore,
+    which HF does by re-creating the callback at the end of the list."""
+    callback = GradmodCallback(rules, stage, log_every)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    load = getattr(trainer, "_load_callback_state", None)
+    if load is not None and not getattr(load, "keeps_gradmod_first", False):
+        def load_then_put_first() -> None:
+            load()
+            handler = trainer.callback_handler
+            ours = [cb for cb in handler.callbacks if isinstance(cb, GradmodCallback)]
+            handler.callbacks = ours + [cb for cb in handler.callbacks if not isinstance(cb, GradmodCallback)]
+
+        load_then_put_first.keeps_gradmod_first = True
+        trainer._load_callback_state = load_then_put_first
+    return callback
+
+
+def _unscale_once(optimizer) -> None:
+    """fp16: unscale the gradients unless HF's clipping already did (releases before
+    5.x skip it with max_grad_norm=0); the scaler then skips its own unscale."""
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return
+    inner = optimizer.optimizer
+    from torch.amp.grad_scaler import OptState
+
+    if scaler._per_optimizer_states[id(inner)]["stage"] is OptState.READY:
+        scaler.unscale_(inner)
+
+
+def _warn_shared_checkpoint(callback: GradmodCallback, model, args) -> None:
+    peers = _TRAINING.setdefault(model, weakref.WeakSet())
+    peers.add(callback)
+    if len(peers) > 1 and args.save_strategy != "no":
+        warnings.warn("Transformers' checkpoints restore the state of one GradmodCallback per Trainer only; "
+                      "give one callback several rule sources instead, e.g. GradmodCallback(['zclip', 'log'])",
+                      stacklevel=3)
+
+
+def _to_json(value: Any) -> Any:
+    """Rules and their state in a form ``json`` writes: plain dicts and lists, tensors as
+    dtype and nested lists (exact for float32 and float64 through Python floats)."""
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.detach().cpu().tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, Mapping):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        if "__tensor__" in value:
+            return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+        return {k: _from_json(v) for k, v in value.items()}
+    return value

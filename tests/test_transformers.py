@@ -1,0 +1,192 @@
+"""gradmod's rules inside a real ``transformers.Trainer`` (a tiny model built here, no
+download): equal to HF's own ``max_grad_norm`` under gradient accumulation, statistics
+reach the callbacks after it and ``log_history``, rule state resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("transformers", reason='Transformers is not installed (pip install "gradmod[transformers]")')
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from gradmod.integrations.transformers import GradmodCallback, add_to  # noqa: E402
+
+N, BATCH, ACCUMULATE = 64, 8, 2  # 4 optimizer steps of 2 micro-batches
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(N, 6, generator=g) * 4, torch.randint(3, (N,), generator=g)
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class Recorder(TrainerCallback):
+    """After the reporting integrations: what they receive, and the gradients each step uses."""
+
+    def __init__(self):
+        self.logs, self.grad_max = [], []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grad_max.append(max(p.grad.abs().max().item() for p in model.parameters()))
+
+
+def trainer(tmp_path, callbacks=(), **overrides) -> Trainer:
+    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
+                num_train_epochs=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+                report_to="none", use_cpu=True, logging_steps=2, save_strategy="no", disable_tqdm=True)
+    return Trainer(model=Tiny(), args=TrainingArguments(**{**args, **overrides}), train_dataset=Data(),
+                   callbacks=list(callbacks))
+
+
+def params(t: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in t.model.parameters()]
+
+
+GNC = {"gnc": {"params": "*", "stage": "fused", "transforms": [{"name": "global_norm_clip", "max_norm": 0.5}]}}
+CLAMP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
+
+
+def test_global_norm_clip_equals_max_grad_norm_under_accumulation(tmp_path):
+    ours = trainer(tmp_path)
+    add_to(ours, GNC)
+    ours.train()
+    ref = trainer(tmp_path, max_grad_norm=0.5)
+    ref.train()
+    plain = trainer(tmp_path)
+    plain.train()
+    assert ours.state.global_step == 4
+    assert all(torch.equal(p, q) for p, q in zip(params(ours), params(ref)))
+    assert not all(torch.equal(p, q) for p, q in zip(params(ours), params(plain)))  # the clip acted
+
+
+def test_a_hook_stage_clamp_acts_on_each_micro_batch(tmp_path):
+    seen, plain = Recorder(), Recorder()
+    t = trainer(tmp_path, [seen])
+    callback = add_to(t, CLAMP)
+    t.train()
+    trainer(tmp_path, [plain]).train()
+    assert len(seen.grad_max) == 4 and max(seen.grad_max) <= 2 * 0.01  # two clamped micro-batches summed
+    assert max(plain.grad_max) > 2 * 0.01
+    assert callback.hooks is None  # removed at on_train_end
+    t.model.zero_grad()
+    F.cross_entropy(t.model.net(Data().x), Data().y).backward()
+    assert max(p.grad.abs().max() for p in t.model.parameters()) > 0.01
+
+
+def test_statistics_reach_the_callbacks_after_it_and_log_history(tmp_path):
+    recorder = Recorder()
+    t = trainer(tmp_path, [recorder])
+    add_to(t, ["log", GNC])  # a shipped hook file by name and a mapping, merged
+    t.train()
+    logged = [r for r in recorder.logs if "grad/net.0.weight/norm" in r]
+    assert len(logged) == 2  # logging_steps=2: steps 2 and 4
+    assert all(r["grad/net.0.weight/calls"] == 2 * ACCUMULATE for r in logged)  # one call per micro-batch
+    assert all(r["grad/gnc/global_norm_clip/calls"] == 2 for r in logged)  # one per optimizer step
+    history = [r for r in t.state.log_history if "grad/net.2.bias/norm" in r]
+    assert [r["step"] for r in history] == [2, 4]
+    assert [r["grad/net.2.bias/norm"] for r in history] == [r["grad/net.2.bias/norm"] for r in logged]
+
+
+def test_hf_clipping_with_fused_rules_warns(tmp_path):
+    t = trainer(tmp_path, max_grad_norm=0.5, max_steps=1)
+    add_to(t, GNC)
+    with pytest.warns(UserWarning, match=r"max_grad_norm=0.5: HF clips the gradients before gradmod's fused rules"):
+        t.train()
+
+
+ZCLIP = {"z": {"params": "*", "stage": "fused", "transforms": [
+    {"name": "zclip", "warmup_steps": 1, "z_threshold": 0.3, "alpha": 0.5}]}}
+
+
+def test_zclip_state_resumes_bit_identically_from_an_hf_checkpoint(tmp_path):
+    straight = trainer(tmp_path / "a", max_steps=4)
+    add_to(straight, ZCLIP)
+    straight.train()
+
+    first = trainer(tmp_path / "b", max_steps=4, save_strategy="steps", save_steps=2)
+    add_to(first, ZCLIP)
+    first.train()
+    saved = json.loads((tmp_path / "b" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["GradmodCallback"]["attributes"]["rule_state"]["group"]["z/zclip"]["steps"] == 2
+
+    def resume(restore: bool) -> Trainer:
+        t = trainer(tmp_path / "c", max_steps=4, restore_callback_states_from_checkpoint=restore)
+        add_to(t, ZCLIP)
+        t.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+        assert isinstance(t.callback_handler.callbacks[0], GradmodCallback)  # still first after HF's restore
+        return t
+
+    assert all(torch.equal(p, q) for p, q in zip(params(straight), params(resume(True))))
+    assert not all(torch.equal(p, q) for p, q in zip(params(straight), params(resume(False))))  # state mattered
+
+
+def test_zclip_skip_is_refused_in_one_line(tmp_path):
+    rules = {"z": {"params": "*", "stage": "fused", "transforms": [{"name": "zclip", "on_spike": "skip"}]}}
+    t = trainer(tmp_path)
+    add_to(t, rules)
+    with pytest.raises(ValueError, match=r"^hooks.z: zclip\(on_spike='skip'\) cannot skip an optimizer step "
+                                         r"under Transformers' Trainer; use on_spike: clip$"):
+        t.train()
+
+
+def test_hook_stage_rules_under_fp16_are_refused(tmp_path):
+    callback = GradmodCallback(CLAMP)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    args.fp16 = True  # as on a GPU; the refusal comes before any scaled gradient
+    with pytest.raises(ValueError, match=r"^hooks.clip: hook-stage rules would see fp16's scaled gradients; "
+                                         r"use stage: fused"):
+        callback.on_train_begin(args, None, None, model=Tiny())
+    assert callback.hooks is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for fp16 with a GradScaler")
+def test_fp16_on_cuda_fused_clip_sees_unscaled_gradients(tmp_path):
+    common = dict(use_cpu=False, fp16=True, learning_rate=0.05)
+    ours = trainer(tmp_path, **common)
+    add_to(ours, GNC)
+    ours.train()
+    ref = trainer(tmp_path, max_grad_norm=0.5, **common)
+    ref.train()
+    for p, q in zip(params(ours), params(ref)):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypatch, capsys):
+    import re
+
+    from conftest import ROOT
+
+    doc = ROOT / "docs" / "transformers.md"
+    code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
+    monkeypatch.chdir(tmp_path)  # its output_dir lands here
+    ns = {"__name__": "__main__"}
+    exec(compile(code, str(doc), "exec"), ns)
+    history = [r for r in ns["hf_trainer"].state.log_history if "grad/norm/global_norm_clip/clip_coef" in r]
+    assert [r["step"] for r in history] == [8, 16, 24, 32]
+    assert all(r["grad/net.1.weight/calls"] == 8 and r["grad/norm/global_norm_clip/clip_coef"] <= 1 for r in history)
+    assert "'grad/net.1.weight/norm'" in capsys.readouterr().out
