@@ -172,7 +172,7 @@ class PerSampleStage:
         ghost, full = [], {}  # full: param -> [B, *param] where ghost norms do not apply
         for c in calls:
             b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
-            if c.layer.materialise or seen[id(c.layer)] > 1:
+            if c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b):
                 for n, g in form.per_example(c.layer.module, c.inputs, b, names).items():
                     p = c.layer.names[n]
                     full[p] = g if p not in full else full[p] + g
