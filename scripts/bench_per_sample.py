@@ -17,9 +17,11 @@ peak resident set over the set-up is reported (the same measure for every conten
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -85,7 +87,15 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
     gen = torch.Generator().manual_seed(1)
     data = [(torch.randn(BATCH, *shape, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen))
             for _ in range(steps)]
-    return {"plain": _plain, "opacus": _opacus, "opacus_ghost": _opacus_ghost, "gradmod": _gradmod}[contender](model, data)
+    run = {"plain": _plain, "opacus": _opacus, "opacus_ghost": _opacus_ghost, "gradmod": _gradmod}[contender](model, data)
+    if not contender.startswith("opacus"):
+        return run
+
+    def quiet():  # Opacus' modules make torch warn on every step (full backward hooks)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run()
+    return quiet
 
 
 def _plain(model, data):
@@ -157,7 +167,7 @@ def peak(name: str, steps: int = 3) -> int:
 def peak_in_subprocess(name: str) -> int:
     """``peak(name)`` in a fresh process, so one contender's peak cannot hide another's."""
     out = subprocess.run([sys.executable, __file__, "--peak", name], capture_output=True, text=True, check=True,
-                         env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+                         env={"OMP_NUM_THREADS": "1", **os.environ})
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 
