@@ -281,6 +281,7 @@ def test_log_only_rule_leaves_the_gradient_alone():
     ({"dp": {"params": "*", "stage": "fused", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}},
      "stage 'per_sample' only"),
     (dp_rule(max_norm=0), "max_norm=0 must be > 0"),
+    ({"a": dp_rule(params="fc.*")["dp"], "b": dp_rule(params="fc.bias")["dp"]}, "'fc.bias' is in two per_sample rules"),
 ])
 def test_refusals_are_one_line(rules, match):
     model, *_ = make("groupnorm_cnn")
