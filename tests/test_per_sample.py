@@ -80,6 +80,31 @@ class Sequence(nn.Module):
         return self.head(self.up(self.twice(torch.tanh(self.twice(h)))))
 
 
+class TwoWay(nn.Module):
+    """Two inputs, two outputs, one of them unused by the loss: the torch.func path."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.v = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x, z, scale=2.0):
+        return torch.sin(x * self.w) * scale, z @ self.v, x.sum(1)
+
+
+class CustomIO(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3, scale_grad_by_freq=True)  # batch-dependent: the torch.func path
+        self.two = TwoWay()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, idx):
+        z = self.emb(idx).mean(1)
+        a, b, _ = self.two(z.repeat(1, 2)[:, :4], z, scale=3.0)
+        return self.fc(a + b)
+
+
 def seq_loss(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(len(y), -1).sum(1)
 
@@ -108,6 +133,7 @@ CASES = {
     "groupnorm_cnn": (GroupNormCNN, lambda: torch.randn(6, 3, 8, 8), lambda: torch.randint(0, 4, (6,)), class_loss),
     "convs": (Convs, lambda: (torch.randn(6, 2, 9), torch.randn(6, 1, 4, 5, 3)), lambda: torch.randint(0, 3, (6,)),
               class_loss),
+    "custom_io": (CustomIO, lambda: torch.randint(0, 7, (6, 4)), lambda: torch.randint(0, 3, (6,)), class_loss),
     "sequence": (Sequence, lambda: torch.randint(0, 11, (6, 5)), lambda: torch.randint(0, 11, (6, 5)), seq_loss),
 }
 
