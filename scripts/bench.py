@@ -387,7 +387,7 @@ def peak_memory(log=print) -> dict[str, dict]:
     out = {"peak_bytes": peaks, "ratios": {}}
     for model in per_sample.MODELS:
         for other in ("opacus", "opacus_ghost"):
-            if f"{model}.{other}" in peaks:
+            if peaks.get(f"{model}.{other}", 0) > 0:
                 value = peaks[f"{model}.gradmod"] / peaks[f"{model}.{other}"]
                 out["ratios"][f"{model}_peak_over_{other}"] = {"value": value, "target": "< 1", "met": value < 1}
     return out
@@ -444,8 +444,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{args.repeats} repeats (+{args.warmup} warm-up), sections {','.join(args.sections)}", flush=True)
         ops = op_counts(bench) if "ops" in args.sections else {}
         timed = any(s != "ops" for s in args.sections)
+        # Peak memory first (fresh processes, before this one grows): a failure shows early.
+        memory = peak_memory() if "per_sample" in args.sections and not args.quick and device.type == "cpu" else {}
         results = measure(bench, args.repeats, args.warmup) if timed else {}
-    memory = peak_memory() if "per_sample" in args.sections and not args.quick and device.type == "cpu" else {}
     rat = ratios(results, device)
     report = {
         "machine": {**machine(device), "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import warnings
@@ -156,12 +155,21 @@ def _opacus_ghost(model, data):
     return run
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def peak(name: str, steps: int = 3) -> int:
-    """Bytes the peak resident set grows by over ``steps`` steps after the set-up."""
+    """Bytes the peak resident set grows by over ``steps`` steps after the set-up (Linux:
+    the high-water mark is reset after the set-up through /proc/self/clear_refs)."""
     run = setup(name, steps)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _status_kib("VmRSS")
     run()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024  # Linux reports KiB
+    return (_status_kib("VmHWM") - before) * 1024
 
 
 def peak_in_subprocess(name: str) -> int:

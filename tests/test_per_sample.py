@@ -372,3 +372,10 @@ def test_resnet18_with_groupnorm_and_inplace_relu():
     class_loss(model(x), y).mean().backward()
     hooks.after_backward()
     assert_grads(model, expected, atol=1e-5)
+
+
+def test_per_sample_is_no_default_stage_for_the_trainer():
+    from gradmod.run.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="trainer.hook_stage='per_sample' is not allowed; allowed: hook, fused"):
+        TrainerConfig(hook_stage="per_sample")
