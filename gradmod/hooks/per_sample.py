@@ -27,6 +27,10 @@ LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
 
 
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, Tensor) else x
+
+
 def check_model(model: nn.Module) -> None:
     """BatchNorm in training mode mixes the examples of a batch: no per-example gradient exists."""
     mixing = [n or type(model).__name__ for n, m in model.named_modules()
@@ -129,11 +133,10 @@ class PerSampleStage:
             outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
                 return
-            detach = lambda x: x.detach() if isinstance(x, Tensor) else x  # noqa: E731
             if layer.form is FUNC:
-                inputs = (tuple(map(detach, args)), kwargs)
+                inputs = (tuple(_detach(x) for x in args), kwargs)
             else:  # a known layer's one input, however it was passed
-                inputs = detach(args[0] if args else next(iter(kwargs.values())))
+                inputs = _detach(args[0] if args else next(iter(kwargs.values())))
             call = Call(layer, inputs, [(t.shape, t.dtype, t.device) for t in outs], [None] * len(outs))
             self._calls.append(call)
             for k, t in enumerate(outs):
