@@ -28,7 +28,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradmod.hooks import transforms as T
 from gradmod.hooks.chain import chain_hook, in_distributed, output_hook
 from gradmod.hooks.fused import fused_steps, run_fused
+from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
 from gradmod.hooks.selection import (  # noqa: F401
+    DEFAULT_STAGES,
     RULE_KEYS,
     STAGES,
     Target,
@@ -51,7 +53,7 @@ class HookSet:
     """The hooks one ``attach`` call registered. ``remove()`` (or leaving a ``with``
     block) removes every handle; ``after_backward()`` runs the fused stage."""
 
-    def __init__(self, model: nn.Module, targets: list[Target]):
+    def __init__(self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean"):
         self.targets = targets
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
@@ -75,6 +77,8 @@ class HookSet:
         self.hooked_params = {t.name for t, _ in hooked.values() if t.kind == "param"}
         self._fused = fused_steps(targets, params)  # (rule, step index) groups in config order
         self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
+        private = per_sample_rules(targets, params)
+        self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
         # Every tensor this set transforms, so another attach call cannot hook it twice.
         self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
         for obj in self.owned:
@@ -83,7 +87,7 @@ class HookSet:
     def _in_order(self) -> list[Target]:
         """The targets in application order: hook-stage ones (they run during backward)
         before fused ones (after it), each in config order."""
-        return [t for stage in ("hook", "fused") for t in self.targets if t.stage == stage]
+        return [t for stage in ("hook", "per_sample", "fused") for t in self.targets if t.stage == stage]
 
     @property
     def plan(self) -> list[tuple[str, list[str]]]:
@@ -113,8 +117,23 @@ class HookSet:
     def after_backward(self) -> bool:
         """Run the fused stage on the accumulated gradients (call before optimizer.step).
         Returns True when the optimizer step must be skipped (``zclip(on_spike="skip")``
-        saw a spike: only then is the host read), False otherwise."""
+        saw a spike: only then is the host read), False otherwise. The per_sample stage
+        runs first: its parameters get their clipped, noised mean gradient."""
+        if self.per_sample is not None:
+            self.per_sample.finish()
         return run_fused(self._fused)
+
+    @property
+    def expected_batch_size(self) -> float | None:
+        """The per_sample stage's divisor (the expected batch size under Poisson
+        sampling); None: the examples of the step's backward calls."""
+        return None if self.per_sample is None else self.per_sample.expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: float | None) -> None:
+        if self.per_sample is None:
+            raise ValueError("expected_batch_size is the per_sample stage's divisor; no rule runs at stage per_sample")
+        self.per_sample.expected_batch_size = value
 
     def _after_chain(self, key: str, raw: Tensor, result: Tensor, seen: list[tuple[GradStats, Tensor]],
                      param: nn.Parameter | None) -> None:
@@ -161,7 +180,8 @@ class HookSet:
         (key ``rule/transform``: total norm before it, clip coefficient)."""
         logs = [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps
                 if isinstance(s.fn, GradStats)]
-        return logs + [(key, fn.record) for key, fn in self._groups]
+        private = self.per_sample.records() if self.per_sample is not None else []
+        return logs + [(key, fn.record) for key, fn in self._groups] + private
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
@@ -233,6 +253,8 @@ class HookSet:
             h.remove()
         self._handles.clear()
         self._fused.clear()
+        if self.per_sample is not None:
+            self.per_sample.remove()
         self.take_raw_parts()
         self._pairs, self._pending = [], []
         for obj in self.owned:  # free the tensors for another attach call
@@ -248,22 +270,27 @@ class HookSet:
 
 
 def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
-           stage: str = "hook") -> HookSet:
+           stage: str = "hook", loss_reduction: str = "mean") -> HookSet:
     """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
 
     ``stage`` is the default for rules that do not set one (a rule with a group
     transform runs fused). Attaching again to the same model first removes the hooks of
     the previous call, so hooks never double; tensors that carry a live HookSet attached
     through another module (a wrapper, a submodule) are refused: remove that one first.
+    ``loss_reduction``: how the loss combines the examples (``mean`` or ``sum``), so the
+    per_sample stage knows each example's gradient.
     """
-    if stage not in STAGES:
-        raise ValueError(f"stage {stage!r} is not a stage; allowed: {', '.join(STAGES)}")
+    if stage not in DEFAULT_STAGES:
+        hint = "; per_sample is set per rule (or implied by per_sample_clip)" if stage == "per_sample" else ""
+        raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
     previous = _ATTACHED.get(model)
     _refuse_overlap(model, targets, previous)
     if previous is not None:
         previous.remove()
-    hooks = HookSet(model, targets)
+    hooks = HookSet(model, targets, loss_reduction)
     _ATTACHED[model] = hooks
     return hooks
 

@@ -17,9 +17,13 @@ from torch import nn
 
 from gradmod.hooks import group as _group  # noqa: F401  (registers the group transforms)
 from gradmod.hooks import transforms as T
+from gradmod.hooks.per_sample import check_model
+from gradmod.hooks.per_sample_stats import PerSampleClip, per_sample_log
 from gradmod.hooks.stats import GradStats
 
-STAGES = ("hook", "fused")
+STAGES = ("hook", "fused", "per_sample")
+DEFAULT_STAGES = ("hook", "fused")  # a rule's stage when it sets none; per_sample is set per rule
+PER_SAMPLE = ("per_sample_clip", "log")  # what runs at the per_sample stage
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
 
 
@@ -97,6 +101,7 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
         targets.extend(_rule_targets(rule, spec, params, modules, stage))
     _check_observer_keys(targets)
+    _check_per_sample(model, targets, params)
     return targets
 
 
@@ -109,9 +114,12 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list,
     if kind == "module" and spec.get("stage") == "fused":
         raise ValueError(f"hooks.{rule}.stage: 'fused' needs params (accumulated .grad); modules rules run as hooks")
     try:
-        groups = [n for n in (T.parse_spec(t)[0] for t in transforms) if T.is_group(n)]
+        names = [T.parse_spec(t)[0] for t in transforms]
     except ValueError as e:
         raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+    groups = [n for n in names if T.is_group(n)]
+    if "per_sample_clip" in names or spec.get("stage") == "per_sample":
+        return _per_sample_stage(rule, spec, kind, names)
     if not groups:
         return "hook" if kind == "module" else rule_stage
     if kind == "module":
@@ -120,6 +128,70 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list,
         raise ValueError(f"hooks.{rule}.stage: group transform {groups[0]!r} acts on all the rule's gradients "
                          "after backward; it runs at stage 'fused' only")
     return "fused"
+
+
+def _per_sample_stage(rule: str, spec: Mapping[str, Any], kind: str, names: list[str]) -> str:
+    if kind == "module":
+        raise ValueError(f"hooks.{rule}: the per_sample stage needs params (each example's gradient of "
+                         "parameters), not modules")
+    if spec.get("stage") not in (None, "per_sample"):
+        raise ValueError(f"hooks.{rule}.stage: 'per_sample_clip' acts on each example's gradient; it runs at "
+                         "stage 'per_sample' only")
+    other = [n for n in names if n not in PER_SAMPLE]
+    if other:
+        raise ValueError(f"hooks.{rule}.transforms: {other[0]!r} cannot run at stage 'per_sample'; allowed there: "
+                         f"{', '.join(PER_SAMPLE)} (put the others in a rule of their own)")
+    if names.count("per_sample_clip") > 1 or names.count("log") > 1:
+        raise ValueError(f"hooks.{rule}.transforms: give per_sample_clip and log at most once each")
+    return "per_sample"
+
+
+def _per_sample_steps(rule: str, transforms: list) -> list[T.Step]:
+    """One instance of each step for all the rule's parameters (it sees them together)."""
+    steps = []
+    for t in transforms:
+        name, args = T.parse_spec(t)
+        if name == "log":
+            unknown = [k for k in args if k != "label"]
+            if unknown:
+                raise ValueError(f"hooks.{rule}.transforms: transform 'log' got unknown argument(s) "
+                                 f"{', '.join(unknown)}; allowed: label")
+            steps.append(T.Step(name, args, per_sample_log(**args)))
+        else:
+            try:
+                steps.append(T.build(t))
+            except ValueError as e:
+                raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+    return steps
+
+
+def _check_per_sample(model: nn.Module, targets: list[Target], trainable: list[str]) -> None:
+    """Refuse what would make the per_sample stage wrong, each in one line."""
+    private = [t for t in targets if t.stage == "per_sample"]
+    if not private:
+        return
+    check_model(model)
+    covered = {t.name: t.rule for t in private}
+    clash = next((t for t in targets if t.stage == "hook" and t.kind == "param" and t.name in covered), None)
+    if clash is not None:
+        raise ValueError(f"hooks.{clash.rule}: a hook-stage rule on {clash.name!r}, which per_sample rule "
+                         f"{covered[clash.name]!r} selects, would act on the batch gradient that the per_sample "
+                         "stage replaces; use stage fused (after it) or leave the parameter out")
+    noisy = sorted({t.rule for t in private for s in t.steps
+                    if isinstance(s.fn, PerSampleClip) and s.fn.noise_multiplier > 0})
+    if len(noisy) > 1:
+        raise ValueError(f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
+                         "budget): put the parameters in one rule")
+    missing = [n for n in trainable if n not in covered]
+    if noisy and missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"hooks.{noisy[0]}: with noise every trained parameter must be in a per_sample rule, "
+                         f"else the privacy claim is false; not covered: {shown} (select them or set "
+                         "requires_grad=False)")
+    twice = next((t for t in private if [u.rule for u in private if u.name == t.name] != [t.rule]), None)
+    if twice is not None:
+        raise ValueError(f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
+                         "gradient is clipped once: select it in one")
 
 
 def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str],
@@ -134,6 +206,9 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     names = select(rule, spec, params if kind == "param" else modules,
                    "parameter (see model.named_parameters())" if kind == "param"
                    else "module (see model.named_modules())")
+    if stage == "per_sample":
+        steps = _per_sample_steps(rule, transforms)
+        return [Target(rule, kind, name, stage, steps) for name in names]
     shared: dict[int, T.Step] = {}  # a group transform: one instance for all the rule's tensors
     targets = []
     for name in names:

@@ -1,0 +1,266 @@
+"""The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
+
+A forward hook on every module that directly holds a parameter of a per_sample rule
+keeps the module's input (detached) and registers a hook on its output tensor, which
+receives the output gradient during backward (a tensor hook, not a full backward hook,
+so in-place operations after the module, as in ResNet, are fine). At the end of each
+backward the stage computes, per rule, each example's gradient norm over all the rule's
+parameters (flat clipping), the clip factors ``min(1, C / (|g_i| + 1e-6))``, and adds
+``sum_i c_i g_i`` (one weighted matmul per layer) to the step's sums; the plain gradient
+autograd put in ``.grad`` is dropped. ``finish()`` (``HookSet.after_backward``) adds
+``N(0, (sigma C)^2)`` once and divides by the step's (expected) number of examples.
+Nothing per example outlives the backward that made it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from gradmod.hooks.per_sample_layers import FUNC, Form, form_of
+from gradmod.hooks.per_sample_stats import PerSampleClip, PerSampleLog
+
+LOSS_REDUCTIONS = ("mean", "sum")
+EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
+
+
+def check_model(model: nn.Module) -> None:
+    """BatchNorm in training mode mixes the examples of a batch: no per-example gradient exists."""
+    mixing = [n or type(model).__name__ for n, m in model.named_modules()
+              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if mixing:
+        shown = ", ".join(mixing[:5]) + (f" and {len(mixing) - 5} more" if len(mixing) > 5 else "")
+        raise ValueError(f"per_sample rules need each example's own gradient, but BatchNorm in training mode "
+                         f"mixes the examples of a batch ({shown}); use GroupNorm instead (model.norm=group)")
+
+
+@dataclass
+class Rule:
+    name: str
+    params: list[nn.Parameter]
+    clip: PerSampleClip | None = None
+    log: PerSampleLog | None = None
+
+
+@dataclass
+class Layer:
+    """A module holding selected parameters: its form and the local names it must answer for."""
+
+    module: nn.Module
+    form: Form
+    names: dict[str, nn.Parameter]  # local name -> parameter
+    materialise: bool = False  # weights shared with another layer: per-example tensors needed
+
+
+@dataclass
+class Call:
+    """One forward call of a layer: its input and, after backward, its output gradients."""
+
+    layer: Layer
+    inputs: Any
+    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
+    grads: list[Tensor | None] = field(default_factory=list)
+
+
+def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
+    """The per_sample targets grouped by rule, in config order."""
+    rules: dict[str, Rule] = {}
+    for t in targets:
+        if t.stage == "per_sample":
+            rule = rules.setdefault(t.rule, Rule(t.rule, [], *_steps(t.steps)))
+            rule.params.append(params[t.name])
+    return list(rules.values())
+
+
+def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
+    clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
+    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
+
+
+class PerSampleStage:
+    """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor
+    under Poisson sampling (else the examples counted this step); ``generator``: the
+    noise's; ``reduce``: called on the clipped sums (after this rank's noise) before the
+    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none."""
+
+    def __init__(self, model: nn.Module, rules: list[Rule], loss_reduction: str = "mean"):
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
+        self.rules, self.loss_reduction = rules, loss_reduction
+        self.expected_batch_size: float | None = None
+        self.generator: torch.Generator | None = None
+        self.reduce: Callable[[list[Tensor]], None] | None = None
+        self.draws_noise = True
+        self.examples = 0  # examples whose clipped gradients are in the sums of this step
+        self._rule_of = {id(p): r for r in rules for p in r.params}
+        self._sums: dict[int, Tensor] = {}  # id(param) -> clipped sum of this step
+        self._calls: list[Call] = []
+        self._queued = self._replaying = False
+        self.layers = self._layers(model)
+        self._handles = [layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
+                         for layer in self.layers]
+
+    def _layers(self, model: nn.Module) -> list[Layer]:
+        layers, holders = [], {}
+        for _, m in model.named_modules():
+            names = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in self._rule_of}
+            if names:
+                layers.append(Layer(m, form_of(m), names))
+                for p in names.values():
+                    holders.setdefault(id(p), []).append(layers[-1])
+        for shared in (ls for ls in holders.values() if len(ls) > 1):
+            for layer in shared:
+                layer.materialise = True
+        return layers
+
+    @property
+    def noisy(self) -> PerSampleClip | None:
+        """The rule that adds noise (at most one): its ``max_norm`` and ``noise_multiplier``."""
+        return next((r.clip for r in self.rules if r.clip and r.clip.noise_multiplier > 0), None)
+
+    def _forward_hook(self, layer: Layer):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._replaying or not torch.is_grad_enabled():
+                return
+            outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, Tensor)]
+            if not any(t.requires_grad for t in outs):
+                return
+            detach = lambda x: x.detach() if isinstance(x, Tensor) else x  # noqa: E731
+            inputs = (tuple(map(detach, args)), kwargs) if layer.form is FUNC else detach(args[0])
+            call = Call(layer, inputs, [(t.shape, t.dtype, t.device) for t in outs], [None] * len(outs))
+            self._calls.append(call)
+            for k, t in enumerate(outs):
+                if t.requires_grad:
+                    t.register_hook(self._grad_hook(call, k))
+
+        return hook
+
+    def _grad_hook(self, call: Call, k: int):
+        def hook(g: Tensor) -> None:
+            call.grads[k] = g.detach()
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+        return hook
+
+    def _end_backward(self) -> None:
+        """Clip this backward's per-example gradients into the step's sums."""
+        calls = [c for c in self._calls if any(g is not None for g in c.grads)]
+        self._calls, self._queued = [], False  # calls without gradients were not in this backward
+        if not calls:
+            return
+        self._replaying = True  # the torch.func form runs modules: their hooks must not record
+        try:
+            bsz = self._clip(calls)
+        finally:
+            self._replaying = False
+        for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
+            if r.clip is not None:
+                for p in r.params:
+                    p.grad = None
+        self.examples += bsz
+
+    def _clip(self, calls: list[Call]) -> int:
+        first = next(g for g in calls[0].grads if g is not None)
+        bsz = first.shape[0]
+        scale = float(bsz) if self.loss_reduction == "mean" else 1.0  # per-example = scale * what b gives
+        norms2 = {r.name: first.new_zeros(bsz, dtype=torch.float32) for r in self.rules}
+        seen: dict[int, int] = {}
+        for c in calls:
+            seen[id(c.layer)] = seen.get(id(c.layer), 0) + 1
+        ghost, full = [], {}  # full: param -> [B, *param] where ghost norms do not apply
+        for c in calls:
+            b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
+            if c.layer.materialise or seen[id(c.layer)] > 1:
+                for n, g in form.per_example(c.layer.module, c.inputs, b, names).items():
+                    p = c.layer.names[n]
+                    full[p] = g if p not in full else full[p] + g
+            else:
+                for n, v in form.norms2(c.layer.module, c.inputs, b, names).items():
+                    norms2[self._rule_of[id(c.layer.names[n])].name] += v.float()
+                ghost.append((c, b))
+        for p, g in full.items():
+            norms2[self._rule_of[id(p)].name] += g.flatten(1).float().square().sum(1)
+        norms = {r: v.sqrt() * scale for r, v in norms2.items()}
+        clip = {r.name: (r.clip.max_norm / (norms[r.name] + EPS)).clamp(max=1.0) * scale
+                for r in self.rules if r.clip is not None}
+        for p, g in self._weighted(ghost, full, clip).items():
+            self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
+        self._record(ghost, full, norms, scale)
+        return bsz
+
+    def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
+        """The rules' statistics of this backward; ``log`` needs the mean gradient too."""
+        logs = {r.name: torch.full_like(norms[r.name], scale / norms[r.name].numel())
+                for r in self.rules if r.log is not None}
+        means = self._weighted(ghost, full, logs) if logs else {}
+        for r in self.rules:
+            if r.clip is not None:
+                r.clip.record.add_norms(norms[r.name], r.clip.max_norm)
+            if r.log is not None:
+                sq = sum(means[p].float().square().sum() for p in r.params if p in means)
+                r.log.add_norms(norms[r.name], norms[r.name].new_tensor(0.0) + sq)
+
+    def _weighted(self, ghost, full, weights: dict[str, Tensor]) -> dict[nn.Parameter, Tensor]:
+        """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B])."""
+        out: dict[nn.Parameter, Tensor] = {}
+        for c, b in ghost:
+            by_rule: dict[str, set[str]] = {}
+            for n, p in c.layer.names.items():
+                by_rule.setdefault(self._rule_of[id(p)].name, set()).add(n)
+            for rule, names in by_rule.items():
+                if rule in weights:
+                    for n, g in c.layer.form.weighted(c.layer.module, c.inputs, b, weights[rule], names).items():
+                        out[c.layer.names[n]] = g.to(c.layer.names[n].dtype)
+        for p, g in full.items():
+            rule = self._rule_of[id(p)].name
+            if rule in weights:
+                out[p] = torch.tensordot(weights[rule].to(g.dtype), g, 1).to(p.dtype)
+        return out
+
+    def _grads(self, c: Call):
+        """The output gradient(s) of a call; outputs that got none count as zeros."""
+        grads = [g if g is not None else torch.zeros(s, dtype=dt, device=dev)
+                 for g, (s, dt, dev) in zip(c.grads, c.shapes)]
+        return tuple(grads) if c.layer.form is FUNC else grads[0]
+
+    def finish(self) -> None:
+        """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
+        if not self.examples:
+            return
+        n = float(self.expected_batch_size or self.examples)
+        for r in self.rules:
+            if r.clip is None:
+                continue
+            sums = [self._sums.pop(id(p), None) for p in r.params]
+            sums = [torch.zeros_like(p) if s is None else s for p, s in zip(r.params, sums)]
+            std = r.clip.noise_multiplier * r.clip.max_norm
+            if std > 0 and self.draws_noise:
+                for s in sums:
+                    s.add_(torch.randn(s.shape, generator=self.generator, device=s.device, dtype=s.dtype), alpha=std)
+            if self.reduce is not None:
+                self.reduce(sums)
+            for p, s in zip(r.params, sums):
+                p.grad = s.div_(n)
+        self._sums.clear()
+        self.examples = 0
+
+    def records(self) -> list[tuple[str, Any]]:
+        """(statistics key, window) of each rule's ``per_sample_clip`` and ``log``."""
+        out = []
+        for r in self.rules:
+            if r.clip is not None:
+                out.append((f"{r.name}/per_sample_clip", r.clip.record))
+            if r.log is not None:
+                out.append((f"{r.name}/log", r.log))
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._calls, self._sums, self.examples = [], {}, 0
