@@ -109,7 +109,8 @@ def run(cfg: Config, out: str | Path) -> dict[str, Any]:
             _warn_sizes(cfg, data, dist.world_size)
             model = _model(cfg, data, dist.device)
             rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
-            hooks = attach(model, rules, stage=cfg.trainer.hook_stage)  # before DDP: names without "module."
+            hooks = attach(model, rules, stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
+                           loss_reduction=cfg.loss.args.get("reduction", "mean"))
             try:
                 return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, t_start, privacy)
             finally:

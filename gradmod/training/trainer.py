@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from gradmod.data import Data
 from gradmod.training.callbacks import Callback, NonFiniteCallback
 from gradmod.training.distributed import Dist, no_sync
+from gradmod.training.dpsgd import PerSampleStep
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
 from gradmod.training.precision import Precision
 
@@ -66,6 +67,10 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_stats: dict[str, Any] = {}  # the latest non-empty read of the `log` statistics
         self.resumed_from = None
+        self.private = None  # the per_sample stage's set-up (gradmod.training.dpsgd), when a rule has one
+        if hooks is not None and getattr(hooks, "per_sample", None) is not None:
+            self.private = PerSampleStep(model, hooks, self.dist, poisson=sampling == "poisson",
+                                         batch_size=batch_size, accumulate=accumulate)
 
     def fit(self, data: Data, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (from where a restored checkpoint left off)."""
@@ -131,6 +136,8 @@ class Trainer:
     def _backward(self, xb: Tensor, yb: Tensor, group: int, sync: bool) -> None:
         if len(yb) == 0:
             return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
+        if self.private is not None:  # each example's own gradient; DDP reduces after the stage
+            group, sync = 1, False
         with no_sync(self.net, not sync):
             with self.amp.autocast():
                 loss = self.loss_fn(self.net(xb), yb)
@@ -141,7 +148,9 @@ class Trainer:
         self._call("on_after_backward")  # raw .grad, before the fused stage changes it
         self.amp.unscale_(self.optimizer)  # the fused stage sees unscaled gradients
         skip = False
-        if self.hooks is not None and self.hooks.has_fused:
+        if self.private is not None:
+            self.private.before_stage()
+        if self.hooks is not None and (self.hooks.has_fused or self.private is not None):
             skip = bool(self.hooks.after_backward())  # True: a group transform asks to skip
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it
         skip = skip or any(votes)
