@@ -312,3 +312,88 @@ def test_resnet18_with_group_norm_trains_privately(tmp_path):
                       "data.batch_size=4", "trainer.epochs=1")
     assert summary["status"] == "ok" and summary["privacy"]["steps"] == 2
     assert math.isfinite(summary["train_loss"])
+
+
+# -- DDP: 2 gloo processes -------------------------------------------------------------------
+
+def _ddp_dp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    from gradmod.training.distributed import Dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist = Dist.from_env("ddp", torch.device("cpu"))
+    try:
+        for sampling, accumulate in (("poisson", 1), ("poisson", 2), ("shuffle", 1)):
+            model = _model()
+            hooks = attach(model, _dp_rules(noise=1.0))
+            net = dist.wrap(model)
+            calls = []  # DDP's bucketed all-reduce: must never run (it would average unclipped gradients)
+            net.register_comm_hook(None, lambda state, bucket: calls.append(1) or _allreduce(state, bucket))
+            torch.manual_seed(11)  # the noise's generator: rank 0 draws, as a single process would
+            x, y = _data()
+            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, dist=dist, net=net,
+                              batch_size=4 // accumulate, accumulate=accumulate, sampling=sampling,
+                              generator=torch.Generator().manual_seed(7), log_every=2**62)
+            trainer.train_epoch(x, y)
+            hooks.remove()
+            torch.save({"params": [p.detach() for p in model.parameters()], "calls": len(calls),
+                        "steps": trainer.step}, os.path.join(out, f"{sampling}{accumulate}_rank{rank}.pt"))
+    finally:
+        dist.close()
+
+
+def _allreduce(state, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook(state, bucket)
+
+
+@pytest.mark.slow
+def test_ddp_sums_clipped_gradients_over_ranks_and_draws_noise_once(tmp_path):
+    # 2 ranks with per-rank batch 4 = one process with batch 8: the same Poisson (or shuffled)
+    # examples per step, (sum of their clipped gradients + one noise draw) / 8.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_dp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for sampling, accumulate in (("poisson", 1), ("poisson", 2), ("shuffle", 1)):
+        ranks = [torch.load(tmp_path / f"{sampling}{accumulate}_rank{r}.pt") for r in range(2)]
+        single = _model()
+        torch.manual_seed(11)
+        trainer = _train(single, batch_size=8, noise=1.0, sampling=sampling)
+        assert ranks[0]["steps"] == trainer.step == 5 and ranks[0]["calls"] == ranks[1]["calls"] == 0
+        for p, a, b in zip(single.parameters(), ranks[0]["params"], ranks[1]["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # every rank holds the same parameters
+            torch.testing.assert_close(a, p.detach(), rtol=1e-5, atol=1e-6, msg=f"{sampling} accumulate={accumulate}")
+
+
+@pytest.mark.slow
+def test_torchrun_dp_run(tmp_path):
+    """``torchrun --nproc_per_node=2 train.py trainer.strategy=ddp +hooks=dp``: rank 0's summary
+    accounts the global sample rate."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(port),
+           str(ROOT / "train.py"), "trainer.strategy=ddp", "+hooks=dp", f"hydra.run.dir={run_dir}", *TINY,
+           "data.batch_size=5"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    block = json.loads((run_dir / "summary.json").read_text())["privacy"]
+    assert block["sample_rate"] == pytest.approx(10 / 60) and block["steps"] == 12
