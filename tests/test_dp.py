@@ -206,6 +206,28 @@ def test_epsilon_matches_independent_accountants(sigma, q, steps):
     assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
 
 
+def test_prv_epsilon_matches_a_privacy_loss_distribution():
+    from gradmod.training.privacy import PrivacyCallback
+
+    sigma, q, steps = 1.0, 0.01, 1000
+    prv, rdp = PrivacyCallback("prv", 1e-5, sigma, q), PrivacyCallback("rdp", 1e-5, sigma, q)
+    for _ in range(steps):
+        prv.on_step_end(None)
+        rdp.on_step_end(None)
+    assert prv.epsilon() < rdp.epsilon()  # the tighter accountant
+    restored = PrivacyCallback("prv", 1e-5, sigma, q)
+    restored.load_state_dict(prv.state_dict())
+    assert restored.epsilon() == prv.epsilon() and restored.steps == steps
+    try:
+        import dp_accounting
+        from dp_accounting.pld import pld_privacy_accountant
+    except ImportError:
+        return
+    pld = pld_privacy_accountant.PLDAccountant()
+    pld.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    assert prv.epsilon() == pytest.approx(pld.get_epsilon(1e-5), rel=0.02)
+
+
 def test_accountant_missing_is_one_line(monkeypatch):
     import sys
 
@@ -214,6 +236,17 @@ def test_accountant_missing_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "opacus.accountants", None)
     with pytest.raises(ValueError, match=r"^a per_sample rule adds noise.*pip install \"gradmod\[privacy\]\""):
         make_accountant("rdp")
+
+
+def test_per_sample_refused_under_other_strategies():
+    from gradmod.app.config_store import validate
+    from gradmod.run import dp
+
+    cfg = validate(compose_config(*TINY, "+hooks=dp"))
+    cfg.trainer.strategy = "fsdp"  # a strategy the per_sample stage does not know
+    with pytest.raises(ValueError, match=r"^hooks.dp: the per_sample stage runs under trainer.strategy=single\|ddp "
+                                         r"only, not fsdp$"):
+        dp.check(cfg)
 
 
 # -- model.norm ------------------------------------------------------------------------------
