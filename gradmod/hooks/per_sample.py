@@ -98,7 +98,7 @@ class PerSampleStage:
         self._rule_of = {id(p): r for r in rules for p in r.params}
         self._sums: dict[int, Tensor] = {}  # id(param) -> clipped sum of this step
         self._calls: list[Call] = []
-        self._queued = self._replaying = False
+        self._queued = False
         self.layers = self._layers(model)
         self._handles = [layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
                          for layer in self.layers]
@@ -123,7 +123,8 @@ class PerSampleStage:
 
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._replaying or not torch.is_grad_enabled():
+            # torch.func transforms (ours replaying a module, or the user's) are not a training step
+            if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
                 return
             outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
@@ -153,11 +154,7 @@ class PerSampleStage:
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
         if not calls:
             return
-        self._replaying = True  # the torch.func form runs modules: their hooks must not record
-        try:
-            bsz = self._clip(calls)
-        finally:
-            self._replaying = False
+        bsz = self._clip(calls)
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:

@@ -110,7 +110,7 @@ class PerSampleLog(Window):
         out = {"p50": p50 / calls, "p90": p90 / calls, "max": top, "calls": calls}
         if counted:
             out.update(tr_sigma=trace / counted, g_sq=signal / counted,
-                       b_simple=trace / signal if signal > 0 else float("inf"))
+                       b_simple=trace / signal if signal else float("inf"))
         return out
 
 
