@@ -97,7 +97,7 @@ class _Grads(Callback):
         self.seen = []
 
     def on_before_optimizer_step(self, trainer) -> bool:
-        self.seen.append([p.grad.clone() for p in trainer.model.parameters()])
+        self.seen.append([p.grad.clone() for p in trainer.model.parameters()])  # None: no gradient, a failure
         return False
 
 
@@ -151,6 +151,23 @@ def test_accumulation_under_poisson_equals_one_large_batch(noise):
     _train(parts, batch_size=4, accumulate=2, noise=noise)
     for p, q in zip(whole.parameters(), parts.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_an_empty_poisson_step_still_adds_noise():
+    # q = 1/20 over 20 examples: some steps draw nobody; the step must still release noise
+    # (a step without an update would tell that the batch was empty).
+    x, y = _data(20)
+    g = torch.Generator().manual_seed(7)
+    sizes = [int((torch.rand(20, generator=g) < 0.05).sum()) for _ in range(20)]
+    assert 0 in sizes
+    model, grads = _model(), _Grads()
+    hooks = attach(model, _dp_rules(noise=1.0))
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, callbacks=[grads], batch_size=1,
+            sampling="poisson", generator=torch.Generator().manual_seed(7)).train_epoch(x, y)
+    hooks.remove()
+    assert len(grads.seen) == 20
+    for n, step in zip(sizes, grads.seen):
+        assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in step), f"a step of {n} examples"
 
 
 def test_noise_std_is_sigma_c_over_expected_batch():
