@@ -33,7 +33,8 @@ class Trainer:
     ``model`` itself by default); ``eval_net``: what evaluation runs through. ``hooks``: a
     ``HookSet`` whose fused stage runs before each optimizer step. ``accumulate=k``: k
     micro-batches of ``batch_size`` per optimizer step, each loss divided by the number in
-    its step; under DDP only the last one all-reduces. ``dist``: this process's rank and
+    its step; under DDP only the last one all-reduces (with a per_sample stage neither: it
+    divides by the step's examples and all-reduces once, ``gradmod.training.dpsgd``). ``dist``: this process's rank and
     device; each rank trains on its share of every epoch's seeded permutation.
     ``sampling="poisson"``: each step's batch is a Poisson sample of the training set
     (``gradmod.training.loader.poisson_batches``), split into the step's micro-batches.
