@@ -23,6 +23,10 @@ Sections:
          log read every step; log read every 50 steps; clip_logged (log, clamp, log) read every 50 steps
   ops    aten ops dispatched in one optimizer step of each contender (gradmod.testing.opcount.OpCounter),
          with the trainer's non-finite guard; deterministic, so the same on every machine
+  per_sample  one DP-SGD step at batch 64 (clip 1, noise 1) on Opacus' MNIST example net and a
+         784-512-512-10 MLP: plain step, Opacus (default and ghost mode, if installed), gradmod's
+         per_sample stage; and each contender's peak memory, in a fresh process
+         (see scripts/bench_per_sample.py)
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample section beside it
 
+import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks.rules import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
@@ -59,7 +65,7 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops")
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample")
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
 # median(numerator) / median(denominator). "cuda" targets apply only on a GPU.
@@ -77,7 +83,15 @@ RATIOS = [
     ("clip_logged_over_none", "step.clip_logged", "step.none", None, None),
     ("none_over_floor", "step.none", "epoch.floor", None, None),
     ("compiled_speedup", "epoch.gradmod", "epoch.gradmod_compiled", None, None),
+    ("per_sample_mnist_over_opacus", "per_sample.mnist.gradmod", "per_sample.mnist.opacus", "<= 1.0", lambda r: r <= 1.0),
+    ("per_sample_mlp_over_opacus", "per_sample.mlp.gradmod", "per_sample.mlp.opacus", "<= 0.1", lambda r: r <= 0.1),
+    ("per_sample_mlp_over_opacus_ghost", "per_sample.mlp.gradmod", "per_sample.mlp.opacus_ghost", "< 1", lambda r: r < 1),
+    ("per_sample_mnist_over_plain", "per_sample.mnist.gradmod", "per_sample.mnist.plain", None, None),
+    ("per_sample_mlp_over_plain", "per_sample.mlp.gradmod", "per_sample.mlp.plain", None, None),
+    ("opacus_mlp_over_plain", "per_sample.mlp.opacus", "per_sample.mlp.plain", None, None),
+    ("opacus_ghost_mlp_over_plain", "per_sample.mlp.opacus_ghost", "per_sample.mlp.plain", None, None),
 ]
+UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH}  # images per item of these units
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
 
 
@@ -264,6 +278,9 @@ class Bench:
             "step.log_every_50": (lambda: self.gradmod_epoch(rules=LOG, read_every=50), self.steps, "step"),
             "step.clip_logged": (lambda: self.gradmod_epoch(rules=CLIP_LOGGED, read_every=50), self.steps, "step"),
         }
+        steps = 1 if self.args.quick else per_sample.STEPS
+        for name in per_sample.names():
+            table[f"per_sample.{name}"] = (lambda name=name: per_sample.setup(name, steps), steps, "dp_step")
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -292,7 +309,7 @@ def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dic
     for name, s in seconds.items():
         _, items, unit = contenders[name]
         med = statistics.median(s)
-        images = items * (BATCH if unit == "step" else 1)
+        images = items * UNIT_IMAGES.get(unit, 1)
         results[name] = {"section": name.split(".")[0], "seconds": s, "median_s": med, "min_s": min(s),
                          "max_s": max(s), "items": items, "unit": unit, "per_item_ms": 1000 * med / items,
                          "images_per_s": images / med}
@@ -361,6 +378,21 @@ def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:
     return out
 
 
+def peak_memory(log=print) -> dict[str, dict]:
+    """Each per_sample contender's peak memory (fresh process each), and gradmod's over Opacus'."""
+    peaks = {}
+    for name in per_sample.names():
+        peaks[name] = per_sample.peak_in_subprocess(name)
+        log(f"  peak memory of {name}: {peaks[name] / 2**20:.1f} MiB", flush=True)
+    out = {"peak_bytes": peaks, "ratios": {}}
+    for model in per_sample.MODELS:
+        for other in ("opacus", "opacus_ghost"):
+            if f"{model}.{other}" in peaks:
+                value = peaks[f"{model}.gradmod"] / peaks[f"{model}.{other}"]
+                out["ratios"][f"{model}_peak_over_{other}"] = {"value": value, "target": "< 1", "met": value < 1}
+    return out
+
+
 def machine(device: torch.device) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -382,17 +414,17 @@ def machine(device: torch.device) -> dict:
 
 def table(results: dict[str, dict], rat: dict[str, dict]) -> str:
     base = {"epoch": "epoch.floor", "eval": "eval.gradmod", "step": "step.none"}
-    lines = [f"{'contender':<24} {'median s':>9} {'min s':>8} {'max s':>8} {'per item':>14} {'images/s':>9} {'x base':>7}"]
+    lines = [f"{'contender':<28} {'median s':>9} {'min s':>8} {'max s':>8} {'per item':>16} {'images/s':>9} {'x base':>7}"]
     for name, r in results.items():
-        b = results.get(base[r["section"]])
+        b = results.get(base.get(r["section"]) or f"{name.rpartition('.')[0]}.plain")
         x = f"{r['median_s'] / b['median_s']:.3f}" if b else "-"
-        lines.append(f"{name:<24} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} "
-                     f"{r['per_item_ms']:>8.3f} ms/{r['unit']:<5} {r['images_per_s']:>9.0f} {x:>7}")
+        lines.append(f"{name:<28} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} "
+                     f"{r['per_item_ms']:>8.3f} ms/{r['unit']:<7} {r['images_per_s']:>9.0f} {x:>7}")
     lines.append("")
-    lines.append(f"{'ratio':<28} {'value':>7}  target")
+    lines.append(f"{'ratio':<34} {'value':>7}  target")
     for name, r in rat.items():
         verdict = "" if "target" not in r else f"{r['target']}: {'met' if r['met'] else 'NOT met'}"
-        lines.append(f"{name:<28} {r['value']:>7.3f}  {verdict}")
+        lines.append(f"{name:<34} {r['value']:>7.3f}  {verdict}")
     return "\n".join(lines)
 
 
@@ -413,6 +445,7 @@ def main(argv: list[str] | None = None) -> dict:
         ops = op_counts(bench) if "ops" in args.sections else {}
         timed = any(s != "ops" for s in args.sections)
         results = measure(bench, args.repeats, args.warmup) if timed else {}
+    memory = peak_memory() if "per_sample" in args.sections and not args.quick and device.type == "cpu" else {}
     rat = ratios(results, device)
     report = {
         "machine": {**machine(device), "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
@@ -421,10 +454,13 @@ def main(argv: list[str] | None = None) -> dict:
         "results": results,
         "ratios": rat,
         "ops": ops,
+        "memory": memory,
     }
     print(table(results, rat))
     if ops:
         print(ops_table(ops))
+    for name, r in memory.get("ratios", {}).items():
+        print(f"{name:<34} {r['value']:>7.3f}  {r['target']}: {'met' if r['met'] else 'NOT met'}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

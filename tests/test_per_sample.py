@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
+from gradmod.hooks import per_sample_layers as layers
 from gradmod.hooks.rules import attach
 
 
@@ -68,14 +69,40 @@ class Sequence(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(11, 6, padding_idx=0)
         self.wide = nn.Linear(6, 40)  # T (5) * (6 + 40) < 6 * 40: Gram matrices
-        self.narrow = nn.Linear(40, 6)  # per-example weights
-        self.twice = nn.Linear(6, 6)
+        self.narrow = nn.Linear(40, 4)  # per-example weights (T (40 + 4) > 40 * 4)
+        self.twice = nn.Linear(4, 4)
+        self.up = nn.Linear(4, 6)
         self.head = nn.Linear(6, 11, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, idx):
         h = self.narrow(torch.tanh(self.wide(self.emb(idx))))
-        return self.head(self.twice(torch.tanh(self.twice(h))))
+        return self.head(self.up(self.twice(torch.tanh(self.twice(h)))))
+
+
+class TwoWay(nn.Module):
+    """Two inputs, two outputs, one of them unused by the loss: the torch.func path."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.v = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x, z, scale=2.0):
+        return torch.sin(x * self.w) * scale, z @ self.v, x.sum(1)
+
+
+class CustomIO(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3, scale_grad_by_freq=True)  # batch-dependent: the torch.func path
+        self.two = TwoWay()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, idx):
+        z = self.emb(idx).mean(1)
+        a, b, _ = self.two(z.repeat(1, 2)[:, :4], z, scale=3.0)
+        return self.fc(a + b)
 
 
 def seq_loss(out, y):
@@ -106,6 +133,7 @@ CASES = {
     "groupnorm_cnn": (GroupNormCNN, lambda: torch.randn(6, 3, 8, 8), lambda: torch.randint(0, 4, (6,)), class_loss),
     "convs": (Convs, lambda: (torch.randn(6, 2, 9), torch.randn(6, 1, 4, 5, 3)), lambda: torch.randint(0, 3, (6,)),
               class_loss),
+    "custom_io": (CustomIO, lambda: torch.randint(0, 7, (6, 4)), lambda: torch.randint(0, 3, (6,)), class_loss),
     "sequence": (Sequence, lambda: torch.randint(0, 11, (6, 5)), lambda: torch.randint(0, 11, (6, 5)), seq_loss),
 }
 
@@ -122,8 +150,11 @@ def assert_grads(model, expected, atol=1e-6):
         torch.testing.assert_close(p.grad, expected[name], atol=atol, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["materialise", "ghost_only"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_clipped_mean_equals_vmap_grad_reference(case):
+def test_clipped_mean_equals_vmap_grad_reference(case, keep, monkeypatch):
+    if not keep:  # no [B, *param] kept: every closed form's norms and weighted sums
+        monkeypatch.setattr(layers, "MATERIALISE_MAX", 0)
     model, x, y, loss_fn = make(case)
     _, norms, _ = reference(model, x, y, loss_fn, 1.0)
     max_norm = float(norms.median())  # about half the examples are clipped
@@ -276,6 +307,7 @@ def test_log_only_rule_leaves_the_gradient_alone():
     ({"dp": {"params": "*", "stage": "fused", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}},
      "stage 'per_sample' only"),
     (dp_rule(max_norm=0), "max_norm=0 must be > 0"),
+    ({"a": dp_rule(params="fc.*")["dp"], "b": dp_rule(params="fc.bias")["dp"]}, "'fc.bias' is in two per_sample rules"),
 ])
 def test_refusals_are_one_line(rules, match):
     model, *_ = make("groupnorm_cnn")

@@ -130,7 +130,10 @@ class PerSampleStage:
             if not any(t.requires_grad for t in outs):
                 return
             detach = lambda x: x.detach() if isinstance(x, Tensor) else x  # noqa: E731
-            inputs = (tuple(map(detach, args)), kwargs) if layer.form is FUNC else detach(args[0])
+            if layer.form is FUNC:
+                inputs = (tuple(map(detach, args)), kwargs)
+            else:  # a known layer's one input, however it was passed
+                inputs = detach(args[0] if args else next(iter(kwargs.values())))
             call = Call(layer, inputs, [(t.shape, t.dtype, t.device) for t in outs], [None] * len(outs))
             self._calls.append(call)
             for k, t in enumerate(outs):
@@ -166,13 +169,26 @@ class PerSampleStage:
         bsz = first.shape[0]
         scale = float(bsz) if self.loss_reduction == "mean" else 1.0  # per-example = scale * what b gives
         norms2 = {r.name: first.new_zeros(bsz, dtype=torch.float32) for r in self.rules}
+        ghost, full = self._norms(calls, norms2)
+        norms = {r: v.sqrt() * scale for r, v in norms2.items()}
+        clip = {r.name: (r.clip.max_norm / (norms[r.name] + EPS)).clamp(max=1.0) * scale
+                for r in self.rules if r.clip is not None}
+        for p, g in self._weighted(ghost, full, clip).items():
+            self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
+        self._record(ghost, full, norms, scale)
+        return bsz
+
+    def _norms(self, calls: list[Call], norms2: dict[str, Tensor]) -> tuple[list, dict[nn.Parameter, Tensor]]:
+        """Add each call's squared per-example norms to its rules' ``norms2``. Returns the
+        calls whose layer answers without per-example tensors (with their output
+        gradients), and the per-example tensors of the others, summed per parameter."""
         seen: dict[int, int] = {}
         for c in calls:
             seen[id(c.layer)] = seen.get(id(c.layer), 0) + 1
-        ghost, full = [], {}  # full: param -> [B, *param] where ghost norms do not apply
+        ghost, full = [], {}
         for c in calls:
             b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
-            if c.layer.materialise or seen[id(c.layer)] > 1:
+            if c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b):
                 for n, g in form.per_example(c.layer.module, c.inputs, b, names).items():
                     p = c.layer.names[n]
                     full[p] = g if p not in full else full[p] + g
@@ -182,13 +198,7 @@ class PerSampleStage:
                 ghost.append((c, b))
         for p, g in full.items():
             norms2[self._rule_of[id(p)].name] += g.flatten(1).float().square().sum(1)
-        norms = {r: v.sqrt() * scale for r, v in norms2.items()}
-        clip = {r.name: (r.clip.max_norm / (norms[r.name] + EPS)).clamp(max=1.0) * scale
-                for r in self.rules if r.clip is not None}
-        for p, g in self._weighted(ghost, full, clip).items():
-            self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
-        self._record(ghost, full, norms, scale)
-        return bsz
+        return ghost, full
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
         """The rules' statistics of this backward; ``log`` needs the mean gradient too."""

@@ -26,11 +26,21 @@ def _bcast(w: Tensor, like: Tensor) -> Tensor:
     return w.view(-1, *[1] * (like.dim() - 1)).to(like.dtype)
 
 
+# Elements of a [B, *param] tensor worth keeping during one backward: below this the
+# per-example weights (one matmul; norms and the weighted sum are then cheap) beat
+# Gram-matrix norms plus a second matmul for the weighted sum; above it, memory decides.
+MATERIALISE_MAX = 1 << 24
+
+
 class Form:
     """Defaults from ``per_example``: right for every layer, fast for small parameters."""
 
     def per_example(self, m: nn.Module, a: Any, b: Tensor, names: set[str]) -> dict[str, Tensor]:
         raise NotImplementedError
+
+    def materialises(self, m: nn.Module, a: Any, b: Tensor) -> bool:
+        """Whether ``per_example`` (then norms and the weighted sum from it) is the cheaper way."""
+        return True
 
     def norms2(self, m, a, b, names) -> dict[str, Tensor]:
         return {n: g.flatten(1).square().sum(1) for n, g in self.per_example(m, a, b, names).items()}
@@ -49,7 +59,15 @@ def _gram_pays(t: int, d_in: int, d_out: int) -> bool:
     return t * (d_in + d_out) < d_in * d_out
 
 
+def _small(bsz: int, m: nn.Module) -> bool:
+    return bsz * m.weight.numel() <= MATERIALISE_MAX
+
+
 class LinearForm(Form):
+    def materialises(self, m, a, b):
+        """On sequences, where the per-example weights are small (on 2-D input |a_i||b_i| is cheaper)."""
+        return a.dim() > 2 and _small(len(a), m)
+
     def per_example(self, m, a, b, names):
         A, G = _seq(a, b)
         out = {}
@@ -89,6 +107,9 @@ class ConvForm(Form):
 
     @staticmethod
     def _patches(m: nn.Module, x: Tensor) -> Tensor:
+        """``[B, groups, C_g * K, L]``: ``Tensor.unfold`` per spatial dimension (faster
+        than im2col on a CPU, and any dimension and padding mode)."""
+        bsz = x.shape[0]
         d = x.dim() - 2
         pad = m._reversed_padding_repeated_twice
         if any(pad):
@@ -98,21 +119,23 @@ class ConvForm(Form):
             x = x.unfold(2 + i, dil * (k - 1) + 1, s)
             if dil > 1:
                 x = x[..., ::dil]
-        bsz, c = x.shape[:2]
         length = math.prod(x.shape[2:2 + d])
-        x = x.permute(0, *range(2, 2 + d), 1, *range(2 + d, 2 + 2 * d)).reshape(bsz, length, c, -1)
-        return x.reshape(bsz, length, m.groups, -1).transpose(1, 2)  # [B, g, L, C_g * K]
+        x = x.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d)).reshape(bsz, m.groups, -1, length)
+        return x
 
     @staticmethod
     def _grads(m: nn.Module, b: Tensor) -> Tensor:
         return b.reshape(b.shape[0], m.groups, b.shape[1] // m.groups, -1)  # [B, g, O_g, L]
+
+    def materialises(self, m, a, b):
+        return _small(len(b), m)
 
     def per_example(self, m, a, b, names):
         out = {}
         G = self._grads(m, b)
         if "weight" in names:
             P = self._patches(m, a)
-            out["weight"] = torch.matmul(G, P).reshape(b.shape[0], *m.weight.shape)
+            out["weight"] = torch.matmul(G, P.mT).reshape(b.shape[0], *m.weight.shape)
         if "bias" in names:
             out["bias"] = G.sum(3).flatten(1)
         return out
@@ -122,10 +145,10 @@ class ConvForm(Form):
         G = self._grads(m, b)
         if "weight" in names:
             P = self._patches(m, a)
-            if _gram_pays(P.shape[2], P.shape[3], G.shape[2]):
-                out["weight"] = (P @ P.mT * (G.mT @ G)).sum((1, 2, 3))
+            if _gram_pays(P.shape[3], P.shape[2], G.shape[2]):
+                out["weight"] = (P.mT @ P * (G.mT @ G)).sum((1, 2, 3))
             else:
-                out["weight"] = torch.matmul(G, P).square().sum((1, 2, 3))
+                out["weight"] = torch.matmul(G, P.mT).square().sum((1, 2, 3))
         if "bias" in names:
             out["bias"] = G.sum(3).square().sum((1, 2))
         return out
@@ -135,8 +158,8 @@ class ConvForm(Form):
         G = self._grads(m, b * _bcast(w, b))
         if "weight" in names:
             P = self._patches(m, a)
-            # [g, O_g, B*L] @ [g, B*L, C_g*K]: one batched matmul over the groups
-            gw = G.permute(1, 2, 0, 3).flatten(2) @ P.transpose(0, 1).flatten(1, 2)
+            # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
+            gw = torch.einsum("bgol,bgkl->gok", G, P)
             out["weight"] = gw.reshape(m.weight.shape)
         if "bias" in names:
             out["bias"] = G.sum((0, 3)).flatten()
@@ -172,6 +195,9 @@ class GroupNormForm(Form):
 
 class EmbeddingForm(Form):
     """Rows gathered by index: the gradient of example i adds ``b_it`` to row ``idx_it``."""
+
+    def materialises(self, m, a, b):
+        return False
 
     @staticmethod
     def _flat(m, idx: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

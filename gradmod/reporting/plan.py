@@ -25,7 +25,7 @@ def summarize_plan(plan: list[dict[str, Any]], rules: Mapping[str, Any]) -> str:
 
 def _rule_line(name: str, rows: list[dict[str, Any]], rule: Mapping[str, Any]) -> str:
     first = rows[0]
-    stage = " [fused]" if first["stage"] == "fused" else ""
+    stage = f" [{first['stage']}]" if first["stage"] in ("fused", "per_sample") else ""
     transforms = " -> ".join(first["transforms"])
     if len(rows) <= LIST_UP_TO:
         return f"  {name}{stage}: {', '.join(r['tensor'] for r in rows)} -> {transforms}"

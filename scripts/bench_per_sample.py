@@ -1,0 +1,179 @@
+"""The ``per_sample`` section of scripts/bench.py: one DP-SGD step (per-example clipping to
+norm 1, noise multiplier 1, SGD) at batch 64, on Opacus' MNIST example net and on a
+784-512-512-10 MLP, by each contender:
+
+    plain         forward, backward, SGD step: no per-example gradients
+    opacus        Opacus' GradSampleModule + DPOptimizer (its default mode), if installed
+    opacus_ghost  Opacus' ghost clipping (GradSampleModuleFastGradientClipping,
+                  DPOptimizerFastGradientClipping, DPLossFastGradientClipping), if installed
+    gradmod       attach(model, {"dp": per_sample_clip(1.0, 1.0) on "*"}) and after_backward()
+
+Peak memory: each contender runs a few steps in a fresh process, and the growth of its
+peak resident set over the set-up is reported (the same measure for every contender).
+
+    python scripts/bench_per_sample.py --peak mlp.gradmod   # what bench.py runs per contender
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from gradmod.hooks.rules import attach  # noqa: E402
+
+BATCH = 64
+STEPS = 10  # optimizer steps per timed run
+CLIP, SIGMA = 1.0, 1.0
+DP = {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": CLIP, "noise_multiplier": SIGMA}]}}
+
+
+class SampleConvNet(nn.Module):
+    """Opacus' MNIST example net (opacus/examples/mnist.py), 26,010 parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 8, 2, padding=3)
+        self.conv2 = nn.Conv2d(16, 32, 4, 2)
+        self.fc1 = nn.Linear(32 * 4 * 4, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2, 1)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2, 1)
+        return self.fc2(F.relu(self.fc1(x.view(-1, 512))))
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+MODELS = {"mnist": (SampleConvNet, (1, 28, 28)), "mlp": (mlp, (784,))}
+CONTENDERS = ("plain", "opacus", "opacus_ghost", "gradmod")
+
+
+def has_opacus() -> bool:
+    try:
+        import opacus  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def names() -> list[str]:
+    """``model.contender`` for every contender that can run here."""
+    usable = [c for c in CONTENDERS if has_opacus() or not c.startswith("opacus")]
+    return [f"{m}.{c}" for m in MODELS for c in usable]
+
+
+def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
+    """Build the contender (untimed) and return its timed run of ``steps`` optimizer steps."""
+    model_name, contender = name.split(".")
+    build, shape = MODELS[model_name]
+    torch.manual_seed(0)
+    model = build()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(BATCH, *shape, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen))
+            for _ in range(steps)]
+    run = {"plain": _plain, "opacus": _opacus, "opacus_ghost": _opacus_ghost, "gradmod": _gradmod}[contender](model, data)
+    if not contender.startswith("opacus"):
+        return run
+
+    def quiet():  # Opacus' modules make torch warn on every step (full backward hooks)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run()
+    return quiet
+
+
+def _plain(model, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run():
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return run
+
+
+def _gradmod(model, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hooks = attach(model, DP)
+
+    def run():
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            hooks.after_backward()
+            opt.step()
+    return run
+
+
+def _opacus(model, data):
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    module = GradSampleModule(model)
+    opt = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.01), noise_multiplier=SIGMA, max_grad_norm=CLIP,
+                      expected_batch_size=BATCH)
+
+    def run():
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(module(x), y).backward()
+            opt.step()
+    return run
+
+
+def _opacus_ghost(model, data):
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    module = GradSampleModuleFastGradientClipping(model, max_grad_norm=CLIP, use_ghost_clipping=True)
+    opt = DPOptimizerFastGradientClipping(torch.optim.SGD(module.parameters(), lr=0.01), noise_multiplier=SIGMA,
+                                          max_grad_norm=CLIP, expected_batch_size=BATCH)
+    criterion = DPLossFastGradientClipping(module, opt, nn.CrossEntropyLoss())
+
+    def run():
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            criterion(module(x), y).backward()
+            opt.step()
+    return run
+
+
+def peak(name: str, steps: int = 3) -> int:
+    """Bytes the peak resident set grows by over ``steps`` steps after the set-up."""
+    run = setup(name, steps)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024  # Linux reports KiB
+
+
+def peak_in_subprocess(name: str) -> int:
+    """``peak(name)`` in a fresh process, so one contender's peak cannot hide another's."""
+    out = subprocess.run([sys.executable, __file__, "--peak", name], capture_output=True, text=True, check=True,
+                         env={"OMP_NUM_THREADS": "1", **os.environ})
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
+        torch.set_num_threads(1)
+        print(json.dumps({"peak_bytes": peak(sys.argv[2])}))
+    else:
+        print(__doc__)
