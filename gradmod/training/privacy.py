@@ -50,6 +50,7 @@ class PrivacyCallback(Callback):
         self.name, self.delta = accountant, delta
         self.noise_multiplier, self.sample_rate = noise_multiplier, sample_rate
         self.accountant = make_accountant(accountant)
+        self._cached: tuple[int, float] = (0, 0.0)  # (steps, epsilon)
 
     @property
     def steps(self) -> int:
@@ -62,7 +63,12 @@ class PrivacyCallback(Callback):
         record["epsilon"] = self.epsilon()  # before RunFiles writes the record: this callback comes first
 
     def epsilon(self) -> float:
-        return float(self.accountant.get_epsilon(self.delta)) if self.accountant.history else 0.0
+        """Epsilon after the steps so far (computed once per step count: a PRV or RDP
+        conversion takes up to a second)."""
+        if self._cached[0] != self.steps:
+            value = float(self.accountant.get_epsilon(self.delta)) if self.accountant.history else 0.0
+            self._cached = (self.steps, value)
+        return self._cached[1]
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``privacy`` block."""
@@ -74,3 +80,4 @@ class PrivacyCallback(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.accountant.history = [(float(s), float(q), int(n)) for s, q, n in state.get("history", [])]
+        self._cached = (0, 0.0)
