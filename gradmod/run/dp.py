@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from gradmod.hooks import transforms as T
 from gradmod.run.config import Config
-from gradmod.training.loader import poisson_steps
+from gradmod.training.loader import poisson_steps, steps_per_epoch
 from gradmod.training.privacy import make_accountant, noise_for_epsilon
 
 log = logging.getLogger(__name__)
@@ -104,8 +104,8 @@ def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, An
     if not adds_noise(cfg):
         return cfg.hooks, None
     t = cfg.trainer
-    rate, per_epoch = poisson_steps(train_size, cfg.data.batch_size, world_size, t.accumulate)
-    steps = per_epoch * t.epochs
+    rate, _ = poisson_steps(train_size, cfg.data.batch_size, world_size, t.accumulate)
+    steps = steps_per_epoch(train_size, cfg.data.batch_size, world_size, t.accumulate, sampling(cfg)) * t.epochs
     if sampling(cfg) == "shuffle":
         log.warning("data.sampling=shuffle with a noisy per_sample rule: the reported epsilon assumes Poisson "
                     "sampling (data.sampling=poisson), which shuffled batches do not give")
