@@ -26,8 +26,9 @@ def test_required_hook_configs_exist():
 @pytest.mark.parametrize("model", MODEL_FILES)
 @pytest.mark.parametrize("hooks", HOOK_FILES)
 def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hooks, model):
-    cfg = compose_cfg(f"+hooks={hooks}", f"model={model}")
-    net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=28)
+    norm = ["model.norm=group"] if hooks == "dp" else []  # per-example gradients: no BatchNorm
+    cfg = compose_cfg(f"+hooks={hooks}", f"model={model}", *norm)
+    net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=28, norm=cfg.model.norm)
     with attach(net, cfg.hooks, stage=cfg.trainer.hook_stage) as hs:
         assert hs.plan, f"hooks={hooks} selects nothing on {model}"
 

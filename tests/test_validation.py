@@ -86,6 +86,15 @@ CASES = [
     ([f"seed={2**64}"], [f"seed={2**64}", "< 2**64"]),
     ([RULE % "{name: noise, std: inf}"], ["noise", "std=inf", "finite"]),
     (["trainer.resume=conf"], ["trainer.resume='conf'", "is a folder", "trainer.resume=auto hydra.run.dir=conf"]),
+    (["trainer.hook_stage=per_sample"], ["trainer.hook_stage=per_sample", "allowed: hook, fused"]),
+    (["data.sampling=random"], ["data.sampling", "random", "auto, shuffle, poisson"]),
+    (["privacy.accountant=gdp"], ["privacy.accountant", "gdp", "rdp, prv"]),
+    (["privacy.delta=2"], ["privacy.delta=2", "(0, 1)"]),
+    (["+hooks=dp", "privacy.target_epsilon=3"], ["privacy.target_epsilon=3", "noise_multiplier=1.1", "set one"]),
+    (["privacy.target_epsilon=3"], ["privacy.target_epsilon", "per_sample_clip", "+hooks=dp"]),
+    (["+hooks=dp", "trainer.precision=fp16"], ["hooks.dp", "fp16", "fp32 or bf16"]),
+    (["+hooks=dp", "model=resnet18"], ["BatchNorm", "model.norm=group"]),
+    (["+hooks=[dp,clip]"], ["hooks.clip", "per_sample"]),
 ]
 if not torch.cuda.is_available():
     CASES.append((["trainer.device=cuda"], ["trainer.device", "cuda", "not available", "cpu"]))

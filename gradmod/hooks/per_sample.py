@@ -240,8 +240,8 @@ class PerSampleStage:
 
     def finish(self) -> None:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
-        if not self.examples:
-            return
+        if not self.examples and self.expected_batch_size is None:
+            return  # nothing seen; under Poisson sampling an empty step still gets its noise
         n = float(self.expected_batch_size or self.examples)
         for r in self.rules:
             if r.clip is None:

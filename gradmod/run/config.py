@@ -22,6 +22,8 @@ from gradmod.training.precision import DTYPES
 MISSING: Any = "???"  # OmegaConf's mark for a value that must be given
 
 PRECISIONS = tuple(DTYPES)
+SAMPLINGS = ("auto", "shuffle", "poisson")
+ACCOUNTANTS = ("rdp", "prv")
 
 
 def choice(key: str, value: Any, allowed) -> None:
@@ -48,16 +50,22 @@ def target_or_choice(key: str, cfg: Any, allowed) -> None:
 @dataclass
 class ModelConfig:
     """A shipped model by ``name``, or ``_target_`` called with ``args`` (on the command line:
-    the node's own extra keys, ``+model.width=64``) and nothing else."""
+    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the shipped
+    ResNets' normalisation, batch | group (``gradmod.models``)."""
 
     name: str = MISSING
+    norm: str = "batch"
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from gradmod.models import MODELS
+        from gradmod.models import MODELS, NORMS
 
         target_or_choice("model", self, MODELS)
+        choice("model.norm", self.norm, NORMS)
+        if self._target_ is not None and self.norm != "batch":
+            raise ValueError(f"model.norm={self.norm} applies to the shipped models only; "
+                             f"model._target_={self._target_} builds its own layers")
 
 
 @dataclass
@@ -69,6 +77,7 @@ class DataConfig:
     batch_size: int = 100
     fallback: bool = True  # mnist offline: use the bundled sample instead of failing
     n_test: int = 1000
+    sampling: str = "auto"  # shuffle | poisson (each example joins each step with q) | auto: poisson under DP noise
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
 
@@ -76,6 +85,7 @@ class DataConfig:
         from gradmod.data import DATASETS
 
         target_or_choice("data", self, DATASETS)
+        choice("data.sampling", self.sampling, SAMPLINGS)
         at_least("data.batch_size", self.batch_size, 1)
         at_least("data.n_test", self.n_test, 1)
 
@@ -168,6 +178,9 @@ class TrainerConfig:
             at_least(f"trainer.{key}", getattr(self, key), 1)
         for key in ("threads", "checkpoint_every", "checkpoint_every_steps", "loader_workers"):
             at_least(f"trainer.{key}", getattr(self, key), 0)
+        if self.hook_stage == "per_sample":
+            raise ValueError("trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage "
+                             "(per_sample_clip implies it); allowed: hook, fused")
         choice("trainer.hook_stage", self.hook_stage, HOOK_STAGES)
         choice("trainer.precision", self.precision, PRECISIONS)
         choice("trainer.strategy", self.strategy, STRATEGIES)
@@ -251,6 +264,24 @@ class SchedulerConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """DP-SGD's accounting (``gradmod.training.privacy``), used when a per_sample rule adds
+    noise: Opacus' ``accountant`` (rdp | prv) reports epsilon at ``delta``; ``target_epsilon``
+    instead picks the noise multiplier that reaches it after the planned steps."""
+
+    accountant: str = "rdp"
+    delta: float = 1e-5
+    target_epsilon: Optional[float] = None
+
+    def __post_init__(self):
+        choice("privacy.accountant", self.accountant, ACCOUNTANTS)
+        if not 0 < self.delta < 1:
+            raise ValueError(f"privacy.delta={self.delta} must be in (0, 1), e.g. 1e-5 (below 1 / training set size)")
+        if self.target_epsilon is not None and self.target_epsilon <= 0:
+            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be > 0, or null")
+
+
+@dataclass
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
@@ -276,6 +307,7 @@ class Config:
     init: InitConfig = field(default_factory=InitConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     seed: int = 1234
     data_dir: str = "data"
     hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule (a RuleConfig or a mapping)

@@ -112,7 +112,7 @@ def model_factory(cfg: ModelConfig, data: Data) -> Callable[[], nn.Module]:
     """A function that builds a fresh model as the config says (also for Grad-CAM's copy)."""
     if cfg._target_ is None:
         return functools.partial(build_model, cfg.name, in_channels=data.in_channels, num_classes=data.num_classes,
-                                 image_size=data.image_size)
+                                 image_size=data.image_size, norm=cfg.norm)
     return functools.partial(_target_model, cfg)
 
 
@@ -129,7 +129,7 @@ def build_data(cfg: DataConfig, *, data_dir: str, seed: int) -> Data:
     """The dataset on the CPU: by name (``gradmod.data.load_data``) or from ``data._target_``."""
     if cfg._target_ is None:
         extra = {k: v for k, v in vars(cfg).items()
-                 if k not in ("name", "batch_size", "fallback", "n_test", "_target_", "args")}
+                 if k not in ("name", "batch_size", "fallback", "n_test", "sampling", "_target_", "args")}
         return load_data(cfg.name, data_dir=data_dir, seed=seed, fallback=cfg.fallback, n_test=cfg.n_test, **extra)
     made = call_target("data", cfg)
     if not isinstance(made, (tuple, list)) or len(made) != 2:

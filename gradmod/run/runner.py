@@ -33,7 +33,7 @@ from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
 from gradmod.run import checkpoint_file as ckpt
-from gradmod.run import endings, preflight
+from gradmod.run import dp, endings, preflight
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.config import Config
 from gradmod.run.factories import (build_data, build_loss, build_optimizer, build_scheduler, describe_groups,
@@ -48,6 +48,7 @@ from gradmod.training.interrupt import StopOnSignal
 from gradmod.training.loader import batches_per_epoch, placement, steps_per_epoch
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision, check_precision
+from gradmod.training.privacy import PrivacyCallback
 from gradmod.training.schedule import SchedulerCallback
 from gradmod.training.speed import SyncCheck, compile_model, to_channels_last
 from gradmod.training.trainer import Trainer
@@ -108,14 +109,17 @@ def train(cfg: Config, out: str | Path) -> dict[str, Any]:
         undo.enter_context(stop.install())
         try:
             import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
+            dp.check(cfg)
             dist = _place(cfg)
             undo.callback(dist.close)
             resume = _claim(cfg, folder) if dist.is_main else (None, {})
             data, loader_workers = _load(cfg, dist)
             model = _model(cfg, data, dist.device)
-            hooks = attach(model, cfg.hooks, stage=cfg.trainer.hook_stage)  # before DDP: names without "module."
+            rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
+            hooks = attach(model, rules, stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
+                           loss_reduction=cfg.loss.args.get("reduction", "mean"))
             undo.callback(hooks.remove)
-            return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, stop, t_start)
+            return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, stop, t_start, privacy)
         except BaseException as e:
             if not folder.owned:
                 folder.release()  # refused before owning it: settle looks at the folder as others see it
@@ -186,7 +190,7 @@ def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
 
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
          run_folder: RunFolder, resume: tuple[Any, dict[str, Any]], stop: StopOnSignal,
-         t_start: float) -> dict[str, Any]:
+         t_start: float, privacy: dp.Privacy | None = None) -> dict[str, Any]:
     t, out = cfg.trainer, run_folder.out
     plan = hooks.describe()
     log.info("%s", summarize_plan(plan, cfg.hooks))  # the full plan goes to hook_plan.json
@@ -202,13 +206,14 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     optimizer = build_optimizer(cfg.optimizer, groups, dist.device)
     with contextlib.ExitStack() as stack:
         folder = out if dist.is_main else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        callbacks, saver = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist, stop)
+        callbacks, saver = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist, stop,
+                                      privacy)
         trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
                           loss_fn=build_loss(cfg.loss), callbacks=callbacks, dist=dist, net=net,
                           eval_net=model if net is wrapped else net, accumulate=t.accumulate,
                           batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
                           progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
-                          generator=torch.Generator().manual_seed(cfg.seed))
+                          generator=torch.Generator().manual_seed(cfg.seed), sampling=dp.sampling(cfg))
         found, diffs = resume
         if saver.restore_from(trainer, found):
             apply_optimizer(trainer.optimizer, diffs)  # lr and the like may change on resume
@@ -225,7 +230,7 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
 
 def _callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, run_folder: RunFolder, data: Data,
                hooks: HookSet, plan: Any, guard: NonFiniteGuard, optimizer: torch.optim.Optimizer,
-               dist: Dist, stop: StopOnSignal) -> tuple[list[Any], Checkpointer]:
+               dist: Dist, stop: StopOnSignal, privacy: dp.Privacy | None) -> tuple[list[Any], Checkpointer]:
     """The run's callbacks in the order they must run; what they open closes with ``stack``."""
     t = cfg.trainer
     logger = make_logger(dataclasses.asdict(cfg.logger), folder)
@@ -236,12 +241,15 @@ def _callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, run_folde
     saver = Checkpointer(run_folder.out / "checkpoints", every_epochs=t.checkpoint_every,
                          every_steps=t.checkpoint_every_steps, keep=t.checkpoint_keep, epochs=t.epochs,
                          config=dataclasses.asdict(cfg), plan=plan, writes=dist.is_main, run=run_folder.run_id)
-    steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate)
+    steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate, dp.sampling(cfg))
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
     # divergence before saver and files: a diverged epoch leaves no checkpoint or metrics line;
     # schedule before saver: see SchedulerCallback
     callbacks = [NonFiniteCallback(guard), diverged, schedule, saver, files]
+    if privacy is not None:  # before saver (its state in the step's checkpoint) and files (epsilon in the record)
+        callbacks.insert(callbacks.index(saver), PrivacyCallback(cfg.privacy.accountant, cfg.privacy.delta,
+                                                                 privacy.noise_multiplier, privacy.sample_rate))
     if cfg.capture.gradcam:
         probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
                              cfg.capture.gradcam_images, dist.device)
@@ -258,6 +266,7 @@ def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, p
              seconds: float) -> dict[str, Any]:
     """summary.json: the last epoch's numbers and what the run was."""
     last = trainer.history[-1]
+    accountant = next((cb for cb in trainer.callbacks if isinstance(cb, PrivacyCallback)), None)
     return {
         "status": "ok", "test_accuracy": last["test_accuracy"], "test_loss": last["test_loss"],
         "train_loss": last["train_loss"], "dataset": data.name, "train_size": len(data.train_y),
@@ -268,6 +277,7 @@ def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, p
         "skipped_steps": trainer.skipped, "nonfinite_steps": guard.bad_steps, "nonfinite": guard.nonfinite,
         "precision": trainer.amp.name,
         "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None, "seconds": seconds,
+        **({"privacy": accountant.summary()} if accountant else {}),
     }
 
 

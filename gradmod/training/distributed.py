@@ -15,6 +15,8 @@ Where the stages run (the all-reduce averages gradients over the ranks):
   transformed local gradients, e.g. ``mean_r clamp(g_r)``.
 * ``fused``: runs after ``backward()`` returns, when DDP has already averaged ``.grad``:
   ``clamp(mean_r g_r)``.
+* ``per_sample``: DDP's all-reduce never runs (every backward under ``no_sync``); the
+  clipped sums are all-reduced once, with one noise draw (``gradmod.training.dpsgd``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ it (``batches``). ``loader``: the tensors stay in host memory and a
 ``DataLoader`` gathers each batch in worker processes, pins it and copies it to the device
 without blocking, for datasets too big for the device. Both paths draw the same seeded
 permutation, so they give the same batches in the same order.
+
+Poisson sampling (``poisson_batches``, DP-SGD's assumption): each example joins each step
+independently with probability ``sample_rate``, so batch sizes vary (and may be zero). The
+masks are drawn on the host from the data-order generator, so a run resumed from the
+epoch's generator state draws the same batches, on either path.
 """
 
 from __future__ import annotations
@@ -96,6 +101,40 @@ def batches_per_epoch(n: int, batch_size: int, world: int = 1) -> int:
     return math.ceil(n // world / batch_size)
 
 
-def steps_per_epoch(n: int, batch_size: int, world: int = 1, accumulate: int = 1) -> int:
-    """Optimizer steps in one rank's epoch: its batches in groups of ``accumulate`` (the last may be short)."""
+def steps_per_epoch(n: int, batch_size: int, world: int = 1, accumulate: int = 1, sampling: str = "shuffle") -> int:
+    """Optimizer steps in one rank's epoch: its batches in groups of ``accumulate`` (the last
+    may be short); Poisson sampling: ``poisson_steps``."""
+    if sampling == "poisson":
+        return poisson_steps(n, batch_size, world, accumulate)[1]
     return math.ceil(batches_per_epoch(n, batch_size, world) / accumulate)
+
+
+def poisson_batches(x: Tensor, y: Tensor, sample_rate: float, steps: int, generator: torch.Generator,
+                    split: int = 1, shard: tuple[int, int] = (0, 1), start: int = 0,
+                    device: torch.device | None = None,
+                    loader_workers: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+    """``steps`` Poisson batches: each example of (x, y) joins each with probability
+    ``sample_rate`` (masks from ``generator``, on the host). Each batch comes as ``split``
+    micro-batches (gradient accumulation: the step's one Poisson batch in near-equal parts,
+    possibly empty); ``shard=(rank, world)`` keeps this rank's share of every batch, drawn
+    from the whole dataset alike on every rank. ``start`` skips that many micro-batches."""
+    device = x.device if device is None else device
+    rank, world = shard
+    index = []
+    for _ in range(steps):
+        chosen = (torch.rand(len(y), generator=generator) < sample_rate).nonzero().flatten()
+        index.extend(chosen[rank::world].tensor_split(split))
+    index = index[start:]
+    if loader_workers is not None:
+        yield from host_batches(x, y, index, device, loader_workers)
+        return
+    for idx in index:
+        idx = idx.to(y.device)
+        yield as_float(x[idx]), y[idx]
+
+
+def poisson_steps(n: int, batch_size: int, world: int = 1, accumulate: int = 1) -> tuple[float, int]:
+    """(sample rate, optimizer steps per epoch) of Poisson sampling with an expected global
+    batch of ``batch_size * world * accumulate``: an epoch sees each example once on average."""
+    expected = batch_size * world * accumulate
+    return min(1.0, expected / n), max(1, n // expected)

@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 from gradmod.data import Data
 from gradmod.training.callbacks import Callback, NonFiniteCallback
 from gradmod.training.distributed import Dist, no_sync
-from gradmod.training.loader import batches, batches_per_epoch
+from gradmod.training.dpsgd import PerSampleStep
+from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
 from gradmod.training.precision import Precision
 
 
@@ -32,8 +33,11 @@ class Trainer:
     ``model`` itself by default); ``eval_net``: what evaluation runs through. ``hooks``: a
     ``HookSet`` whose fused stage runs before each optimizer step. ``accumulate=k``: k
     micro-batches of ``batch_size`` per optimizer step, each loss divided by the number in
-    its step; under DDP only the last one all-reduces. ``dist``: this process's rank and
+    its step; under DDP only the last one all-reduces (with a per_sample stage neither: it
+    divides by the step's examples and all-reduces once, ``gradmod.training.dpsgd``). ``dist``: this process's rank and
     device; each rank trains on its share of every epoch's seeded permutation.
+    ``sampling="poisson"``: each step's batch is a Poisson sample of the training set
+    (``gradmod.training.loader.poisson_batches``), split into the step's micro-batches.
 
     Callbacks may read: ``epoch``, ``step`` (optimizer steps so far), ``batch`` (batches of
     this epoch done), ``history`` (one record per finished epoch), ``last_stats``.
@@ -44,7 +48,7 @@ class Trainer:
                  net: nn.Module | None = None, eval_net: nn.Module | None = None, accumulate: int = 1,
                  batch_size: int = 100, eval_batch_size: int = 1000, log_every: int = 50,
                  progress: bool = False, loader_workers: int | None = None,
-                 generator: torch.Generator | None = None,
+                 generator: torch.Generator | None = None, sampling: str = "shuffle",
                  loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy):
         self.model, self.optimizer, self.hooks = model, optimizer, hooks
         self.net = model if net is None else net
@@ -55,7 +59,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.accumulate, self.batch_size, self.eval_batch_size = accumulate, batch_size, eval_batch_size
         self.log_every, self.progress, self.loader_workers = log_every, progress, loader_workers
-        self.loss_fn = loss_fn
+        self.loss_fn, self.sampling = loss_fn, sampling
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         # Where training stands (checkpoints save and restore exactly this).
         self.epoch, self.batch, self.step, self.skipped = 1, 0, 0, 0
@@ -65,6 +69,10 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_stats: dict[str, Any] = {}  # the latest non-empty read of the `log` statistics
         self.resumed_from = None
+        self.private = None  # the per_sample stage's set-up (gradmod.training.dpsgd), when a rule has one
+        if hooks is not None and getattr(hooks, "per_sample", None) is not None:
+            self.private = PerSampleStep(model, hooks, self.dist, poisson=sampling == "poisson",
+                                         batch_size=batch_size, accumulate=accumulate)
 
     def fit(self, data: Data, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (from where a restored checkpoint left off)."""
@@ -100,9 +108,7 @@ class Trainer:
             self.generator.set_state(self.epoch_order)
         self._skipped_before = self.skipped
         start = self.batch
-        total = batches_per_epoch(len(y), self.batch_size, self.dist.world_size)
-        stream = batches(x, y, self.batch_size, self.generator, (self.dist.rank, self.dist.world_size), start,
-                         self.device, self.loader_workers)
+        total, stream = self._stream(x, y, start)
         for i, (xb, yb) in enumerate(tqdm(stream, total=total, initial=start, leave=False, desc="train",
                                           disable=not self.progress), start=start + 1):
             if (i - 1) % self.accumulate == 0:
@@ -120,7 +126,21 @@ class Trainer:
         self.loss_sum = torch.zeros((), device=self.device)
         return mean
 
+    def _stream(self, x: Tensor, y: Tensor, start: int):
+        """(micro-batches in this rank's epoch, their stream from batch ``start`` on)."""
+        shard = (self.dist.rank, self.dist.world_size)
+        if self.sampling == "poisson":
+            rate, steps = poisson_steps(len(y), self.batch_size, self.dist.world_size, self.accumulate)
+            return steps * self.accumulate, poisson_batches(x, y, rate, steps, self.generator, self.accumulate,
+                                                            shard, start, self.device, self.loader_workers)
+        total = batches_per_epoch(len(y), self.batch_size, self.dist.world_size)
+        return total, batches(x, y, self.batch_size, self.generator, shard, start, self.device, self.loader_workers)
+
     def _backward(self, xb: Tensor, yb: Tensor, group: int, sync: bool) -> None:
+        if len(yb) == 0:
+            return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
+        if self.private is not None:  # each example's own gradient; DDP reduces after the stage
+            group, sync = 1, False
         with no_sync(self.net, not sync):
             with self.amp.autocast():
                 loss = self.loss_fn(self.net(xb), yb)
@@ -133,7 +153,9 @@ class Trainer:
         self._call("on_after_backward")  # raw .grad, before the fused stage changes it
         self.amp.unscale_(self.optimizer)  # the fused stage sees unscaled gradients
         skip = False
-        if self.hooks is not None and self.hooks.has_fused:
+        if self.private is not None:
+            self.private.before_stage()
+        if self.hooks is not None and (self.hooks.has_fused or self.private is not None):
             skip = bool(self.hooks.after_backward())  # True: a group transform asks to skip
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it
         skip = skip or any(votes)

@@ -1,0 +1,131 @@
+"""DP-SGD in a run: which rule adds noise, how batches are sampled, the noise a target
+epsilon needs, and the combinations refused in one line before any work.
+
+A rule adds noise when its ``per_sample_clip`` has ``noise_multiplier > 0`` (a privacy
+claim), or when ``privacy.target_epsilon`` picks that multiplier for the one per_sample_clip
+rule. ``data.sampling=auto`` then samples Poisson batches, as the accounting assumes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from gradmod.hooks import transforms as T
+from gradmod.run.config import Config
+from gradmod.training.loader import poisson_steps, steps_per_epoch
+from gradmod.training.privacy import make_accountant, noise_for_epsilon
+
+log = logging.getLogger(__name__)
+
+CLIP = "per_sample_clip"
+PER_SAMPLE_STRATEGIES = ("single", "ddp")
+
+
+@dataclass
+class Privacy:
+    """What the accountant needs: the rule's noise multiplier, the sample rate, the planned steps."""
+
+    rule: str
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+
+
+def _clips(rules: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(rule, per_sample_clip arguments) of every rule that clips per example."""
+    out = []
+    for name, spec in (rules or {}).items():
+        transforms = (spec or {}).get("transforms") or []
+        for t in [transforms] if isinstance(transforms, (str, Mapping)) else transforms:
+            try:
+                fn, args = T.parse_spec(t)
+            except ValueError:
+                continue  # attach reports a malformed transform with its rule
+            if fn == CLIP:
+                out.append((name, args))
+    return out
+
+
+def per_sample_rules(rules: Mapping[str, Any]) -> list[str]:
+    """The rules at the per_sample stage: set so, or implied by per_sample_clip."""
+    named = {name for name, spec in (rules or {}).items() if (spec or {}).get("stage") == "per_sample"}
+    return sorted(named | {name for name, _ in _clips(rules)})
+
+
+def _noisy(rules: Mapping[str, Any]) -> list[tuple[str, float]]:
+    return [(name, float(args["noise_multiplier"])) for name, args in _clips(rules)
+            if (args.get("noise_multiplier") or 0) > 0]
+
+
+def adds_noise(cfg: Config) -> bool:
+    return bool(_noisy(cfg.hooks)) or cfg.privacy.target_epsilon is not None
+
+
+def sampling(cfg: Config) -> str:
+    """``data.sampling`` resolved: ``auto`` is poisson when a rule adds noise, else shuffle."""
+    if cfg.data.sampling != "auto":
+        return cfg.data.sampling
+    return "poisson" if adds_noise(cfg) else "shuffle"
+
+
+def check(cfg: Config) -> None:
+    """The one-line refusals of DP-SGD's combinations, before the run claims its folder."""
+    t, private = cfg.trainer, per_sample_rules(cfg.hooks)
+    noisy, target = _noisy(cfg.hooks), cfg.privacy.target_epsilon
+    if private and t.strategy not in PER_SAMPLE_STRATEGIES:
+        raise ValueError(f"hooks.{private[0]}: the per_sample stage runs under trainer.strategy="
+                         f"{'|'.join(PER_SAMPLE_STRATEGIES)} only, not {t.strategy}")
+    if private and t.precision == "fp16":
+        raise ValueError(f"hooks.{private[0]}: the per_sample stage clips unscaled gradients, which fp16's "
+                         "GradScaler does not give; use trainer.precision=fp32 or bf16")
+    if target is not None:
+        clips = [name for name, _ in _clips(cfg.hooks)]
+        if noisy:
+            raise ValueError(f"privacy.target_epsilon={target} and hooks.{noisy[0][0]}'s per_sample_clip "
+                             f"noise_multiplier={noisy[0][1]}: set one of them (the target picks the multiplier); "
+                             f"e.g. hooks.{noisy[0][0]}.transforms=[{{name:{CLIP},max_norm:1.0}}]")
+        if len(clips) != 1:
+            found = f"found {', '.join(clips)}" if clips else "found none; add +hooks=dp"
+            raise ValueError(f"privacy.target_epsilon needs exactly one rule with {CLIP} to give its noise to; {found}")
+    if noisy or target is not None:
+        make_accountant(cfg.privacy.accountant)  # Opacus missing: one line saying what to install
+    if sampling(cfg) == "poisson" and t.strategy == "ddp" and not private:
+        raise ValueError("data.sampling=poisson under trainer.strategy=ddp needs a per_sample rule (e.g. +hooks=dp): "
+                         "DDP's own all-reduce cannot take the empty batches Poisson sampling draws; "
+                         "use data.sampling=shuffle")
+
+
+def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, Any], Privacy | None]:
+    """The rules to attach (``privacy.target_epsilon``'s noise filled in) and what the
+    accountant needs (None when no rule adds noise)."""
+    if not adds_noise(cfg):
+        return cfg.hooks, None
+    t = cfg.trainer
+    rate, _ = poisson_steps(train_size, cfg.data.batch_size, world_size, t.accumulate)
+    steps = steps_per_epoch(train_size, cfg.data.batch_size, world_size, t.accumulate, sampling(cfg)) * t.epochs
+    if sampling(cfg) == "shuffle":
+        log.warning("data.sampling=shuffle with a noisy per_sample rule: the reported epsilon assumes Poisson "
+                    "sampling (data.sampling=poisson), which shuffled batches do not give")
+    rules = copy.deepcopy(cfg.hooks)
+    if cfg.privacy.target_epsilon is None:
+        (rule, sigma), = _noisy(rules)[:1]
+    else:
+        (rule, _), = _clips(rules)
+        sigma = noise_for_epsilon(cfg.privacy.target_epsilon, cfg.privacy.delta, rate, steps, cfg.privacy.accountant)
+        _set_noise(rules[rule], sigma)
+        log.info("privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f",
+                 cfg.privacy.target_epsilon, sigma, steps, rate)
+    return rules, Privacy(rule, sigma, rate, steps)
+
+
+def _set_noise(spec: dict[str, Any], sigma: float) -> None:
+    transforms = spec["transforms"]
+    transforms = [transforms] if isinstance(transforms, (str, Mapping)) else list(transforms)
+    for i, t in enumerate(transforms):
+        name, args = T.parse_spec(t)
+        if name == CLIP:
+            transforms[i] = {"name": CLIP, **args, "noise_multiplier": sigma}
+    spec["transforms"] = transforms
