@@ -377,5 +377,5 @@ def test_resnet18_with_groupnorm_and_inplace_relu():
 def test_per_sample_is_no_default_stage_for_the_trainer():
     from gradmod.run.config import TrainerConfig
 
-    with pytest.raises(ValueError, match="trainer.hook_stage='per_sample' is not allowed; allowed: hook, fused"):
+    with pytest.raises(ValueError, match="trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage .*; allowed: hook, fused"):
         TrainerConfig(hook_stage="per_sample")
