@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradmod.app.config_store import one_line, unknown_key, validate
+from gradmod.app.job_files import JobFiles
 from gradmod.reporting.sweep_report import failed_summary, format_exception, launcher_threads
 from gradmod.run import folder as run_folder
 from gradmod.run import runner
@@ -43,13 +44,18 @@ _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
 OmegaConf.register_new_resolver("negate", lambda x: -x, replace=True)
 
 
-def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
+def run(cfg: DictConfig, out_dir: str | Path, on_owned: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Check a composed config, then train as it says into ``out_dir``; returns the summary."""
-    return runner.run(validate(cfg), out_dir)
+    return runner.run(validate(cfg), out_dir, on_owned)
 
 
 def job(cfg: DictConfig) -> dict[str, Any]:
     hydra_cfg = HydraConfig.get()
+    with JobFiles(hydra_cfg, cfg) as files:  # .hydra/ and train.log, once the run owns its folder
+        return _job(cfg, hydra_cfg, files)
+
+
+def _job(cfg: DictConfig, hydra_cfg: DictConfig, files: JobFiles) -> dict[str, Any]:
     out_dir = hydra_cfg.runtime.output_dir
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     if multirun and not cfg.trainer.threads:
@@ -59,7 +65,7 @@ def job(cfg: DictConfig) -> dict[str, Any]:
             cfg.trainer.threads = threads
     start = time.perf_counter()
     try:
-        return run(cfg, out_dir)
+        return run(cfg, out_dir, files.write)
     except Interrupted as e:  # SIGINT/SIGTERM: the run wrote its checkpoint and summary
         log.warning("%s", e)
         print(str(e), file=sys.stderr)
@@ -67,7 +73,7 @@ def job(cfg: DictConfig) -> dict[str, Any]:
     except Exception as e:
         bad_input = isinstance(e, (ValueError, NonFiniteError, OSError))
         rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-        summary = _failed_ending(out_dir if rank == 0 else None, e, time.perf_counter() - start)
+        summary = _failed_ending(out_dir if rank == 0 else None, e, time.perf_counter() - start, files)
         if not multirun and (not bad_input or _USER_FULL_ERROR):  # cli.main sets HYDRA_FULL_ERROR itself
             raise
         if multirun:
@@ -79,17 +85,15 @@ def job(cfg: DictConfig) -> dict[str, Any]:
         sys.exit(3 if isinstance(e, NonFiniteError) else 1 if isinstance(e, OSError) else 2)
 
 
-def _failed_ending(out_dir: str | None, e: BaseException, seconds: float) -> dict[str, Any]:
-    """The failed summary: the run's own when it owned its folder; else written only where
-    it replaces no earlier run's files (a refused run also puts back that run's .hydra)."""
+def _failed_ending(out_dir: str | None, e: BaseException, seconds: float, files: JobFiles) -> dict[str, Any]:
+    """The failed summary: the run's own when it owned its folder; else written (with the
+    job's .hydra and log) only where it replaces no earlier run's files."""
     if hasattr(e, "gradmod_summary"):
         return e.gradmod_summary
-    if out_dir is None:
-        return failed_summary(None, e, seconds)
-    if not run_folder.may_write(out_dir):
-        run_folder.restore_kept(out_dir)
+    if out_dir is None or not run_folder.may_write(out_dir):
         return failed_summary(None, e, seconds)
     try:
+        files.write(out_dir)
         return failed_summary(out_dir, e, seconds)
     except OSError:  # the folder itself is the problem (a file, read-only): the error says so
         return failed_summary(None, e, seconds)

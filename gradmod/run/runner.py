@@ -2,9 +2,10 @@
 
 ``run(cfg, out)`` reads as its steps: place the process (device, DDP rank, threads, seed),
 load the data, build the model, attach the hook rules, build the Trainer and its callbacks,
-restore a checkpoint if asked, fit, and write ``summary.json``. Before any of it the run
-claims its folder (lock, no mixing with an earlier run, resume checks: see ``run_folder``
-and ``resume_check``).
+restore a checkpoint if asked, fit, and write ``summary.json``. The run claims its folder
+first (lock, no mixing with an earlier run, the resume's config checks: ``gradmod.run.folder``
+and ``gradmod.run.resume``) and writes its first byte there only after the objects are built
+and the checkpoint restored into them (``_own``): a refused resume changes nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -38,8 +39,9 @@ from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.config import Config
 from gradmod.run.factories import build_data, build_loss, build_optimizer, build_scheduler, model_factory, param_groups
 from gradmod.run.files import GradCamCallback, RunFiles
-from gradmod.run.folder import RunFolder, has_results, replace_text
-from gradmod.run.resume import apply_optimizer, compare
+from gradmod.run import atomic
+from gradmod.run.folder import Claim, RunFolder
+from gradmod.run.resume import apply_optimizer, check_epochs, compare
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
 from gradmod.training.distributed import Dist
 from gradmod.training.interrupt import Interrupted, StopOnSignal
@@ -88,12 +90,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(cfg: Config, out: str | Path) -> dict[str, Any]:
+def run(cfg: Config, out: str | Path, on_owned: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says and write the run folder ``out``; returns the summary.
 
-    The run owns ``out`` (``gradmod.run.folder``) from the checks on: every ending
-    after that writes ``summary.json`` (ok, failed, interrupted); a run refused before
-    writes nothing there."""
+    The run owns ``out`` (``gradmod.run.folder``) once every check and restore has passed;
+    ``on_owned(out)`` then runs before the run's own first write (the command line writes
+    ``.hydra/`` and opens ``train.log`` there). Every ending after that writes
+    ``summary.json`` (ok, failed, interrupted); a run refused before writes nothing there."""
     t_start = time.perf_counter()
     threads = torch.get_num_threads()  # trainer.threads holds for this run only (in-process sweeps)
     folder = RunFolder(out)
@@ -101,13 +104,13 @@ def run(cfg: Config, out: str | Path) -> dict[str, Any]:
         import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
         dist = _place(cfg)
         try:
-            resume = _claim(cfg, folder) if dist.is_main else (None, {})
+            claim = _claim(cfg, folder) if dist.is_main else (Claim(run_id=""), {})
             data, loader_workers = _load(cfg, dist.device)
             _warn_sizes(cfg, data, dist.world_size)
             model = _model(cfg, data, dist.device)
             hooks = attach(model, cfg.hooks, stage=cfg.trainer.hook_stage)  # before DDP: names without "module."
             try:
-                return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, t_start)
+                return _fit(cfg, model, data, hooks, dist, loader_workers, folder, claim, t_start, on_owned)
             finally:
                 hooks.remove()
         except BaseException as e:
@@ -121,18 +124,16 @@ def run(cfg: Config, out: str | Path) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
-def _claim(cfg: Config, folder: RunFolder) -> tuple[Any, dict[str, Any]]:
-    """Lock the folder, find the checkpoint to resume and check its config; only then own it."""
+def _claim(cfg: Config, folder: RunFolder) -> tuple[Claim, dict[str, Any]]:
+    """Lock the folder, decide what the run is and check the checkpoint's config (no writes)."""
     t = cfg.trainer
-    run_id = folder.claim(resume=t.resume, start_over=t.start_over)
-    found = ckpt.find(t.resume, folder.out / "checkpoints", folder.resume_run)
-    diffs = compare(found[1].get("config"), dataclasses.asdict(cfg), t.resume_accept) if found else {}
-    if found is None and t.resume is not None and has_results(folder.out):
-        log.warning("trainer.resume=%s found nothing to resume in %s; its earlier results are replaced",
-                    t.resume, folder.out)
-        folder.remove_outputs()
-    folder.take_ownership(run_id)
-    return found, diffs
+    claim = folder.claim(resume=t.resume, start_over=t.start_over)
+    if claim.found is None:
+        return claim, {}
+    path, state = claim.found
+    diffs = compare(state.get("config"), dataclasses.asdict(cfg), t.resume_accept)
+    check_epochs(path, state, t.epochs)
+    return claim, diffs
 
 
 def _write_ending(out: Path, error: BaseException, seconds: float) -> None:
@@ -197,12 +198,12 @@ def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
 
 
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
-         run_folder: RunFolder, resume: tuple[Any, dict[str, Any]], t_start: float) -> dict[str, Any]:
+         run_folder: RunFolder, claimed: tuple[Claim, dict[str, Any]], t_start: float,
+         on_owned: Callable[[Path], None] | None) -> dict[str, Any]:
     t, out = cfg.trainer, run_folder.out
+    claim, diffs = claimed
     plan = hooks.describe()
     log.info("%s", summarize_plan(plan, cfg.hooks))  # the full plan goes to hook_plan.json
-    if dist.is_main:  # rank 0 alone writes the run folder
-        _write_json(out / "hook_plan.json", plan)
     wrapped = dist.wrap(model)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
@@ -210,22 +211,31 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
                                 dist.device)
     with contextlib.ExitStack() as stack:
-        folder = out if dist.is_main else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        callbacks, saver, stop = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist)
+        saver = Checkpointer(out / "checkpoints", every_epochs=t.checkpoint_every, every_steps=t.checkpoint_every_steps,
+                             keep=t.checkpoint_keep, epochs=t.epochs, config=dataclasses.asdict(cfg), plan=plan,
+                             writes=dist.is_main, run=claim.run_id, started=t_start)
+        steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate)
+        schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
+        probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
+                             cfg.capture.gradcam_images, dist.device) if cfg.capture.gradcam else None
         trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
-                          loss_fn=build_loss(cfg.loss), callbacks=callbacks, dist=dist, net=net,
-                          eval_net=model if net is wrapped else net, accumulate=t.accumulate,
+                          loss_fn=build_loss(cfg.loss), callbacks=[NonFiniteCallback(guard), schedule, saver],
+                          dist=dist, net=net, eval_net=model if net is wrapped else net, accumulate=t.accumulate,
                           batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
                           progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
                           generator=torch.Generator().manual_seed(cfg.seed))
-        found, diffs = resume
-        if saver.restore_from(trainer, found):
+        if saver.restore_from(trainer, claim.found):
             apply_optimizer(trainer.optimizer, diffs)  # lr and the like may change on resume
+        # Every check and restore has passed: from here the run writes.
+        folder = _own(run_folder, claim, on_owned, plan) if dist.is_main else \
+            Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        stop = _file_callbacks(cfg, stack, folder, trainer, saver, plan, probe, dist)
         if trainer.progress:
             stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
         with stop.install():
             trainer.fit(data, t.epochs)
-    summary = _summary(cfg, data, trainer, guard, plan, time.perf_counter() - t_start)
+    summary = _summary(cfg, data, trainer, guard, plan, saver.seconds())
+    summary.update(run=claim.run_id, parent=claim.parent)
     if dist.is_main:
         _write_json(out / "summary.json", summary)
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
@@ -233,32 +243,33 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     return summary
 
 
-def _callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, run_folder: RunFolder, data: Data,
-               hooks: HookSet, plan: Any, guard: NonFiniteGuard, optimizer: torch.optim.Optimizer,
-               dist: Dist) -> tuple[list[Any], Checkpointer, StopOnSignal]:
-    """The run's callbacks in the order they must run; what they open closes with ``stack``."""
-    t = cfg.trainer
+def _own(run_folder: RunFolder, claim: Claim, on_owned: Callable[[Path], None] | None, plan: Any) -> Path:
+    """The run's first writes: the folder's changes (``commit``), the caller's, the hook plan."""
+    run_folder.commit(claim)
+    if on_owned is not None:
+        on_owned(run_folder.out)
+    _write_json(run_folder.out / "hook_plan.json", plan)
+    return run_folder.out
+
+
+def _file_callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, trainer: Trainer, saver: Checkpointer,
+                    plan: Any, probe: GradCamProbe | None, dist: Dist) -> StopOnSignal:
+    """The callbacks that write files or watch the run, after the restored ones in the order
+    they must run (the scheduler before the saver: see SchedulerCallback); what they open
+    closes with ``stack``."""
     logger = make_logger(dataclasses.asdict(cfg.logger), folder)
     stack.callback(logger.close)
-    logger.log_plan(plan, hooks.format_plan())
+    logger.log_plan(plan, trainer.hooks.format_plan())
     files = RunFiles(folder, logger)
     stack.callback(files.close)
-    saver = Checkpointer(run_folder.out / "checkpoints", every_epochs=t.checkpoint_every,
-                         every_steps=t.checkpoint_every_steps, keep=t.checkpoint_keep, epochs=t.epochs,
-                         config=dataclasses.asdict(cfg), plan=plan, writes=dist.is_main, run=run_folder.run_id)
-    steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate)
-    schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
-    callbacks = [NonFiniteCallback(guard), schedule, saver, files]  # schedule before saver: see SchedulerCallback
-    if cfg.capture.gradcam:
-        probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
-                             cfg.capture.gradcam_images, dist.device)
-        callbacks.append(GradCamCallback(probe, logger, folder))
-    sync = SyncCheck(t.sync_check, dist.device)
+    callbacks = [files] + ([GradCamCallback(probe, logger, folder)] if probe is not None else [])
+    sync = SyncCheck(cfg.trainer.sync_check, dist.device)
     stack.callback(sync.allow)
     callbacks.append(SyncCheckCallback(sync))  # last but one: see SyncCheckCallback
     stop = StopOnSignal(saver)
     callbacks.append(stop)  # last: the step's other callbacks are done when it stops the run
-    return callbacks, saver, stop
+    trainer.callbacks.extend(callbacks)
+    return stop
 
 
 def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, plan: Any,
@@ -283,7 +294,7 @@ def _stderr_is_terminal() -> bool:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    replace_text(path, json.dumps(obj, indent=2) + "\n")
+    atomic.write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _world_sum(t: Tensor) -> Tensor:
