@@ -34,12 +34,11 @@ from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
 from gradmod.reporting.sweep_report import failed_summary
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run import atomic
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.config import Config
 from gradmod.run.factories import build_data, build_loss, build_optimizer, build_scheduler, model_factory, param_groups
 from gradmod.run.files import GradCamCallback, RunFiles
-from gradmod.run import atomic
 from gradmod.run.folder import Claim, RunFolder
 from gradmod.run.resume import apply_optimizer, check_epochs, compare
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
@@ -200,30 +199,12 @@ def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
          run_folder: RunFolder, claimed: tuple[Claim, dict[str, Any]], t_start: float,
          on_owned: Callable[[Path], None] | None) -> dict[str, Any]:
-    t, out = cfg.trainer, run_folder.out
     claim, diffs = claimed
     plan = hooks.describe()
     log.info("%s", summarize_plan(plan, cfg.hooks))  # the full plan goes to hook_plan.json
-    wrapped = dist.wrap(model)
-    # Hooks are attached to the plain model already; the compiled module shares its parameters.
-    net = compile_model(wrapped) if t.compile else wrapped
-    guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if dist.world_size > 1 else None)
-    optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
-                                dist.device)
     with contextlib.ExitStack() as stack:
-        saver = Checkpointer(out / "checkpoints", every_epochs=t.checkpoint_every, every_steps=t.checkpoint_every_steps,
-                             keep=t.checkpoint_keep, epochs=t.epochs, config=dataclasses.asdict(cfg), plan=plan,
-                             writes=dist.is_main, run=claim.run_id, started=t_start)
-        steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate)
-        schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
-        probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
-                             cfg.capture.gradcam_images, dist.device) if cfg.capture.gradcam else None
-        trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
-                          loss_fn=build_loss(cfg.loss), callbacks=[NonFiniteCallback(guard), schedule, saver],
-                          dist=dist, net=net, eval_net=model if net is wrapped else net, accumulate=t.accumulate,
-                          batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
-                          progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
-                          generator=torch.Generator().manual_seed(cfg.seed))
+        trainer, saver, guard, probe = _trainer(cfg, model, data, hooks, dist, loader_workers, claim.run_id, plan,
+                                                t_start, run_folder.out / "checkpoints")
         if saver.restore_from(trainer, claim.found):
             apply_optimizer(trainer.optimizer, diffs)  # lr and the like may change on resume
         # Every check and restore has passed: from here the run writes.
@@ -233,14 +214,42 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
         if trainer.progress:
             stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
         with stop.install():
-            trainer.fit(data, t.epochs)
+            trainer.fit(data, cfg.trainer.epochs)
     summary = _summary(cfg, data, trainer, guard, plan, saver.seconds())
     summary.update(run=claim.run_id, parent=claim.parent)
     if dist.is_main:
-        _write_json(out / "summary.json", summary)
+        _write_json(run_folder.out / "summary.json", summary)
     log.info("test_accuracy %.4f on %s (%d test images) in %.1fs; run folder %s",
-             summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], out)
+             summary["test_accuracy"], data.name, summary["test_size"], summary["seconds"], run_folder.out)
     return summary
+
+
+def _trainer(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
+             run_id: str, plan: Any, t_start: float,
+             checkpoints: Path) -> tuple[Trainer, Checkpointer, NonFiniteGuard, GradCamProbe | None]:
+    """The Trainer with the callbacks a checkpoint restores (nothing here writes a file)."""
+    t = cfg.trainer
+    wrapped = dist.wrap(model)
+    # Hooks are attached to the plain model already; the compiled module shares its parameters.
+    net = compile_model(wrapped) if t.compile else wrapped
+    guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if dist.world_size > 1 else None)
+    optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
+                                dist.device)
+    saver = Checkpointer(checkpoints, every_epochs=t.checkpoint_every, every_steps=t.checkpoint_every_steps,
+                         keep=t.checkpoint_keep, epochs=t.epochs, config=dataclasses.asdict(cfg), plan=plan,
+                         writes=dist.is_main, run=run_id, started=t_start)
+    steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate)
+    schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
+    # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
+    probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
+                         cfg.capture.gradcam_images, dist.device) if cfg.capture.gradcam else None
+    trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
+                      loss_fn=build_loss(cfg.loss), callbacks=[NonFiniteCallback(guard), schedule, saver],
+                      dist=dist, net=net, eval_net=model if net is wrapped else net, accumulate=t.accumulate,
+                      batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
+                      progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
+                      generator=torch.Generator().manual_seed(cfg.seed))
+    return trainer, saver, guard, probe
 
 
 def _own(run_folder: RunFolder, claim: Claim, on_owned: Callable[[Path], None] | None, plan: Any) -> Path:
