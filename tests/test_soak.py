@@ -34,6 +34,14 @@ def own_checkpoints(out: Path) -> list[Path]:
     return ckpt.checkpoints(out / "checkpoints", run)
 
 
+def _verifies(path: Path) -> bool:
+    try:
+        ckpt.load(path)
+    except ckpt.CheckpointError:
+        return False
+    return True
+
+
 def act(action: str, out: Path, foreign: Path, rng: random.Random):
     """Do ``action``; returns the process (None for a change made by hand)."""
     mine = own_checkpoints(out) if (out / ".gradmod" / "run.json").exists() else []
@@ -44,11 +52,12 @@ def act(action: str, out: Path, foreign: Path, rng: random.Random):
         return None
     resume = {"fresh": [], "auto": ["trainer.resume=auto"], "changed": ["trainer.resume=auto", "seed=5"],
               "foreign": [f"trainer.resume={foreign}"]}.get(action, ["trainer.resume=auto"])
-    if action in ("older", "kill", "term") and mine:  # from the oldest: a new timeline, steps left to kill at
-        resume = [f"trainer.resume={mine[0]}"]
+    usable = [p for p in mine if _verifies(p)]
+    if action in ("older", "kill", "term") and usable:  # from the oldest: a new timeline, steps left to kill at
+        resume = [f"trainer.resume={usable[0]}"]
     env = None
     if action in ("kill", "term"):
-        first = ckpt.step_of(mine[0]) + 1 if mine else 1
+        first = ckpt.step_of(usable[0]) + 1 if usable else 1
         env = {"GRADMOD_KILL_AT": f"step:{rng.randint(min(first, 11), 11)}", "GRADMOD_KILL_SIGNAL": action.upper()}
     return run_train(out, *KEEP, *resume, check=False, env=env)
 

@@ -103,13 +103,13 @@ def run(cfg: Config, out: str | Path, on_owned: Callable[[Path], None] | None = 
         import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
         dist = _place(cfg)
         try:
-            claim = _claim(cfg, folder) if dist.is_main else (Claim(run_id=""), {})
+            claimed = _claim(cfg, folder) if dist.is_main else (Claim(run_id=""), {})
             data, loader_workers = _load(cfg, dist.device)
             _warn_sizes(cfg, data, dist.world_size)
             model = _model(cfg, data, dist.device)
             hooks = attach(model, cfg.hooks, stage=cfg.trainer.hook_stage)  # before DDP: names without "module."
             try:
-                return _fit(cfg, model, data, hooks, dist, loader_workers, folder, claim, t_start, on_owned)
+                return _fit(cfg, model, data, hooks, dist, loader_workers, folder, claimed, t_start, on_owned)
             finally:
                 hooks.remove()
         except BaseException as e:
