@@ -18,6 +18,7 @@ exits non-zero at the end when any job did not end ok.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -36,12 +37,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradmod.app.config_store import as_built, one_line, unknown_key, validate
+from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
+from gradmod.app.job_files import JobFiles
 from gradmod.app.isolated import run_forked
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
 from gradmod.run import endings, runner
+from gradmod.run.folder import may_write
 from gradmod.training.distributed import env_rank, follower_overrides
 from gradmod.training.interrupt import Interrupted
 
@@ -82,7 +85,6 @@ def job(cfg: DictConfig) -> float | None:
     accuracy (what a sweeper such as Optuna optimizes); None for a failed job of a sweep."""
     hydra_cfg = HydraConfig.get()
     out = hydra_cfg.runtime.output_dir
-    _save_built_config(cfg, hydra_cfg)
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return _train(cfg, out, multirun=False)["test_accuracy"]
     if not cfg.trainer.threads:
@@ -91,18 +93,6 @@ def job(cfg: DictConfig) -> float | None:
         if threads:
             cfg.trainer.threads = threads
     return _sweep_job(cfg, hydra_cfg, out)["test_accuracy"]
-
-
-def _save_built_config(cfg: DictConfig, hydra_cfg: Any) -> None:
-    """Hydra saved the composed config before the job started: save it as the run builds it
-    (``as_built``: a ``_target_`` object's name) in its place. A refused run puts the folder's
-    own copy back, as it does for the rest of ``.hydra``."""
-    built = as_built(cfg)
-    if built is None or hydra_cfg.output_subdir is None:
-        return
-    path = Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir / "config.yaml"
-    if path.is_file():
-        path.write_text(OmegaConf.to_yaml(built))
 
 
 def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
@@ -157,23 +147,29 @@ def _read_bytes(path: Path) -> bytes | None:
 
 
 def _train(cfg: DictConfig, out: str, multirun: bool) -> dict[str, Any]:
-    """Train into ``out``; returns the summary. An error ends the run here: its summary, its
-    line in train.log and on stderr, its exit status; a sweep job that failed returns its
-    summary instead, so the sweep goes on."""
+    """Train into ``out``; returns the summary. The job's ``.hydra/`` and ``train.log`` go into
+    ``out`` once the run owns it (``JobFiles``), or at its ending where the folder is free. An
+    error ends the run here: its summary, its line in train.log and on stderr, its exit
+    status; a sweep job that failed returns its summary instead, so the sweep goes on."""
     start = time.perf_counter()
-    try:
-        return runner.train(validate(cfg), out)
-    except (Exception, Interrupted) as e:
-        summary = endings.settle(out if env_rank() == 0 else None, e, time.perf_counter() - start, owned=False)
-        if multirun and not isinstance(e, Interrupted):
-            log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
-            return summary
-        _to_log_files(e)
-        code = endings.exit_status(e)
-        if code is None or _USER_FULL_ERROR:
-            raise  # a bug: its traceback
-        print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
-        sys.exit(code)  # here, not in main: Hydra would add a line of its own to a raised error
+    with JobFiles(HydraConfig.get(), cfg) as files:
+        try:
+            return runner.train(validate(cfg), out, files.write)
+        except (Exception, Interrupted) as e:
+            main_rank = env_rank() == 0
+            summary = endings.settle(out if main_rank else None, e, time.perf_counter() - start, owned=False)
+            if main_rank and may_write(out):  # a free folder keeps the job's config and log with its ending
+                with contextlib.suppress(OSError):
+                    files.write(out)
+            if multirun and not isinstance(e, Interrupted):
+                log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
+                return summary
+            _to_log_files(e)
+            code = endings.exit_status(e)
+            if code is None or _USER_FULL_ERROR:
+                raise  # a bug: its traceback
+            print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
+            sys.exit(code)  # here, not in main: Hydra would add a line of its own to a raised error
 
 
 def _config_status(e: BaseException) -> int | None:

@@ -76,12 +76,17 @@ class NormRecord:
                 "clip_coef_min": coef_min, "frac_clipped": clipped / calls, "calls": calls}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "window": self._fold()}
+        # The rows as they are, not folded: a resumed run then sums them in the same order
+        # as an uninterrupted one, and its statistics agree to the last bit.
+        rows = torch.stack(self._rows) if self._rows else None
+        return {"calls": self.calls, "window": self._summary, "rows": rows}
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
-        window = state["window"]
-        self.calls, self._rows = state["calls"], []
-        self._summary = window if window is None or device is None else window.to(device)
+        move = (lambda t: t) if device is None else (lambda t: t.to(device))
+        window, rows = state["window"], state.get("rows")
+        self.calls = state["calls"]
+        self._summary = None if window is None else move(window)
+        self._rows = [] if rows is None else list(move(rows).unbind(0))
 
 
 class GroupTransform:

@@ -7,11 +7,10 @@ states, the position in the data order (the epoch in progress, the batches done 
 the batch-order generator's state at that epoch's start), the RNG states (python, numpy,
 torch, CUDA), the run's history and counters, the config and the hook plan.
 
-Writing goes to a temporary file in the same folder, is flushed and fsynced, then renamed
-over the final name (``os.replace`` is atomic), so a crash leaves either the old set of
-checkpoints or the new one, never a half-written ``step-*.pt``. A write that fails (disk
-full, no permission) removes its temporary file and raises an ``OSError`` naming the
-checkpoint; the earlier checkpoints are untouched.
+Writing goes through ``gradmod.run.atomic`` (a temporary file renamed over the final
+name), so a crash leaves either the old set of checkpoints or the new one, never a
+half-written ``step-*.pt``; a write that fails (disk full, no permission) raises an
+``OSError`` naming the checkpoint and leaves the earlier checkpoints untouched.
 
 The header also names the run that wrote the file (`` run=<id>``): pruning and
 ``resume=auto`` look only at the files of one run, ordered by the step in their name.
@@ -31,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from gradmod.run import atomic
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +55,6 @@ class Position:
     generator: torch.Tensor | None = None
     loss_sum: float = 0.0
     history: list[dict[str, Any]] = field(default_factory=list)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is never seen half-written; on failure
-    the temporary file is removed and the ``OSError`` names ``path``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
-    fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def step_of(path: Path) -> int:
@@ -113,7 +94,7 @@ def save(folder: Path, state: dict[str, Any], keep: int, run: str | None = None)
     payload = buf.getvalue()
     path = folder / f"step-{int(state['step']):09d}.pt"
     head = MAGIC + hashlib.sha256(payload).hexdigest().encode() + (RUN_FIELD + run.encode() if run else b"")
-    write_atomic(path, head + b"\n" + payload)
+    atomic.write_bytes(path, head + b"\n" + payload)
     for old in checkpoints(folder, run)[:-keep]:
         old.unlink(missing_ok=True)
     for stale in folder.glob(".step-*.tmp"):  # left by a run killed mid-write

@@ -9,6 +9,7 @@ GradScaler, history), the hooks' state (``log`` windows in progress), every call
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,20 @@ class Checkpointer(Callback):
     ``every_steps`` optimizer steps, keeping the newest ``keep``. ``writes=False`` (DDP
     ranks > 0) saves nothing: rank 0 holds the same state. ``config``: the run's config
     (a dict) saved with each checkpoint; ``run``: the run id in each file's header, so that
-    pruning keeps this run's newest ``keep`` and never touches another run's files."""
+    pruning keeps this run's newest ``keep`` and never touches another run's files.
+    ``started``: the ``time.perf_counter()`` at which this process began the run; with the
+    seconds a restored checkpoint carries, ``seconds()`` is the run's time over all its processes."""
 
     def __init__(self, folder: Path, *, every_epochs: int = 1, every_steps: int = 0, keep: int = 2,
-                 epochs: int = 0, config: Any = "", plan: Any = None, writes: bool = True, run: str | None = None):
+                 epochs: int = 0, config: Any = "", plan: Any = None, writes: bool = True, run: str | None = None,
+                 started: float | None = None):
         self.folder, self.every_epochs, self.every_steps, self.keep = Path(folder), every_epochs, every_steps, keep
         self.epochs, self.config, self.plan, self.writes, self.run = epochs, config, plan, writes, run
+        self.started = time.perf_counter() if started is None else started
+        self.seconds_before = 0.0  # the earlier processes' time, up to the restored checkpoint
+
+    def seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.started
 
     def on_step_end(self, trainer) -> None:
         if self.every_steps and trainer.step % self.every_steps == 0:
@@ -47,7 +56,7 @@ class Checkpointer(Callback):
         state = {"format": FORMAT, "model": trainer.model.state_dict(), "trainer": trainer.state_dict(),
                  "hooks": trainer.hooks.state_dict() if trainer.hooks is not None else {},
                  "callbacks": {cb.key: cb.state_dict() for cb in trainer.callbacks},
-                 "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan}
+                 "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan, "seconds": self.seconds()}
         state["step"] = state["trainer"]["step"]
         path = ckpt.save(self.folder, state, self.keep, run=self.run)
         log.debug("checkpoint %s (epoch %d, batch %d)", path, state["trainer"]["epoch"], state["trainer"]["batch"])
@@ -63,17 +72,18 @@ class Checkpointer(Callback):
                              f"(format {state.get('format')}, this one reads {FORMAT}); start a new run")
         if state.get("hook_plan") != self.plan:
             log.warning("resuming from %s, whose hook plan differs from this run's", path)
-        try:
+        try:  # every state before any file is written: a misfit refuses the resume cleanly
             trainer.model.load_state_dict(state["model"])
             trainer.load_state_dict(state["trainer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            details = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())  # the key lists too
-            raise ValueError(f"trainer.resume: {path} does not fit this model/optimizer ({details})") from None
-        if trainer.hooks is not None:
-            trainer.hooks.load_state_dict(state["hooks"], trainer.device)
-        for cb in trainer.callbacks:
-            if cb.key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][cb.key])
+            if trainer.hooks is not None:
+                trainer.hooks.load_state_dict(state["hooks"], trainer.device)
+            for cb in trainer.callbacks:
+                if cb.key in state["callbacks"]:
+                    cb.load_state_dict(state["callbacks"][cb.key])
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"trainer.resume: {path} does not fit this run's model, optimizer, scheduler or "
+                             f"rules ({type(e).__name__}: {' '.join(str(e).split())})") from None
+        self.seconds_before = float(state.get("seconds", 0.0))
         ckpt.set_rng_state(state["rng"])
         trainer.resumed_from = path
         pos = state["trainer"]

@@ -20,7 +20,7 @@ killed     the process was killed (SIGKILL, the OOM killer) and wrote nothing:  
 
 A run writes its ending into its folder once it owns it; before that (refused at the
 argument checks) only where it replaces no earlier run's files. Every summary goes through
-``replace_text`` (a reader never sees half a file) as strict JSON (non-finite numbers: null).
+``atomic.write_text`` (a reader never sees half a file) as strict JSON (non-finite numbers: null).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from gradmod.reporting import json_text
-from gradmod.run.folder import may_write, replace_text, restore_kept
+from gradmod.run import atomic
+from gradmod.run.folder import may_write
 from gradmod.training.interrupt import Interrupted
 from gradmod.training.nonfinite import Diverged
 
@@ -45,7 +46,7 @@ _LIBRARIES = tuple({Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib",
 
 def write(out: str | Path, summary: dict[str, Any]) -> None:
     """``out/summary.json``, atomically, as strict JSON."""
-    replace_text(Path(out) / "summary.json", json_text.dumps(summary, indent=2) + "\n")
+    atomic.write_text(Path(out) / "summary.json", json_text.dumps(summary, indent=2) + "\n")
 
 
 def settle(out: str | Path | None, error: BaseException, seconds: float, *, owned: bool) -> dict[str, Any]:
@@ -56,7 +57,6 @@ def settle(out: str | Path | None, error: BaseException, seconds: float, *, owne
         return error.gradmod_summary
     summary = summary_of(error, seconds)
     if out is not None and not owned and not may_write(out):
-        restore_kept(out)  # Hydra wrote its .hydra over the owning run's before this one stopped
         if isinstance(error, ValueError):  # the folder's lock or results: this run may not use it
             summary.update(status="refused")
     elif out is not None:

@@ -69,7 +69,8 @@ def default_fused(cls: type, device: torch.device) -> bool | None:
 
 
 def param_groups(named: Iterable[tuple[str, nn.Parameter]], no_decay: list[str]) -> list[dict[str, Any]]:
-    """Two groups: parameters matching a ``no_decay`` glob get ``weight_decay=0``. A glob
+    """Two groups: parameters matching a ``no_decay`` glob get ``weight_decay=0`` (that group
+    is marked ``no_decay: True``, so a resume's new ``weight_decay`` leaves it at 0). A glob
     matching nothing is an error, as in hook rules."""
     named = [(n, p) for n, p in named if p.requires_grad]
     names = [n for n, _ in named]
@@ -80,7 +81,7 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], no_decay: list[str])
             raise ValueError(f"optimizer.no_decay: {pattern!r} matches no parameter; {name_hint(pattern, names)}")
         exempt.update(hits)
     groups = [{"params": [p for n, p in named if n not in exempt]},
-              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
+              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0, "no_decay": True}]
     return [g for g in groups if g["params"]]
 
 

@@ -1,46 +1,61 @@
-"""A run owns its folder: a lock for the run's lifetime, and no mixing with an earlier run.
+"""A run owns its folder: a lock for the run's lifetime, no mixing with an earlier run,
+and no write before every check has passed.
 
-``RunFolder(out).claim(resume=..., start_over=...)``:
-
-- takes ``<run>/.gradmod/lock`` (``fcntl.flock``, released by the kernel however the
-  process ends, so a killed run leaves no stale lock) and writes its pid there; a second
-  run into a locked folder is refused with one line naming the holder's pid;
-- refuses a folder that holds an earlier run's results unless the run resumes it
-  (``trainer.resume``) or starts over (``trainer.start_over=true``: the earlier results
-  and checkpoints are removed first); nothing is written before this check passes;
-- gives the run an id (``run.json``): a fresh run a new one, ``resume=auto`` the folder's,
-  so checkpoints are pruned and found per run.
-
-``<run>/.gradmod/hydra`` keeps a copy of the owning run's ``.hydra`` folder, so a run that
-is refused can put back what Hydra wrote over it before the job started (``restore_kept``).
+``RunFolder(out).claim(resume=..., start_over=...)`` takes ``<run>/.gradmod/lock``
+(``fcntl.flock``: the kernel releases it however the process ends) and decides, without
+writing, what the run will be (a ``Claim``): a new run, the folder's run continued (from
+its newest checkpoint, or from an older one: a new timeline), or a fork of another run's
+checkpoint into an empty folder. It refuses in one line what would mix two runs or lose
+results. ``commit(claim)``, called once the run has also built and restored everything,
+makes the first writes: ``start_over``'s removal, the abandoned timeline moved aside, and
+``.gradmod/run.json``. See docs/robustness.md ("A finished run is sealed").
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from gradmod.run import atomic
 from gradmod.run import checkpoint_file as ckpt
 
-# What a run writes: present at start, these mean the folder holds an earlier run.
-RESULTS = ("summary.json", "metrics.jsonl", "model.pt")
-# Removed by start_over (with checkpoints/step-*.pt); the logger's files are rewritten anyway.
-OUTPUTS = (*RESULTS, "grad_stats.jsonl", "hook_plan.json", "metrics.csv", "grad_stats.csv", "curves.png",
-           "grad_norms.png", "frac_clipped.png", "gradcam.png")
-KEPT = ".hydra"  # the config folder Hydra writes before the job starts
+log = logging.getLogger(__name__)
+
+# Removed by start_over (with every checkpoint and TensorBoard event file).
+OUTPUTS = ("summary.json", "metrics.jsonl", "model.pt", "grad_stats.jsonl", "hook_plan.json", "metrics.csv",
+           "grad_stats.csv", "curves.png", "grad_norms.png", "frac_clipped.png", "gradcam.png")
+ABANDONED = "abandoned-"  # checkpoints/abandoned-<n>/: a timeline left by a resume from an older step
 
 
 def has_results(out: str | Path) -> list[str]:
-    """The earlier run's result files in ``out`` (relative names; [] when none)."""
+    """What in ``out`` an earlier run trained (relative names; [] when none). A summary of a
+    run that stopped before its first step, or an empty ``metrics.jsonl``, is not a result."""
     out = Path(out)
-    found = [name for name in RESULTS if (out / name).is_file()]
-    if any((out / "checkpoints").glob("step-*.pt")):
+    found = [name for name in ("model.pt", "metrics.jsonl") if _nonempty(out / name)]
+    if (out / "summary.json").is_file() and _trained(out / "summary.json"):
+        found.insert(0, "summary.json")
+    if any((out / "checkpoints").rglob("step-*.pt")):
         found.append("checkpoints/")
     return found
+
+
+def _nonempty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _trained(summary: Path) -> bool:
+    try:
+        s = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return True  # unreadable: keep it, to be safe
+    return not isinstance(s, dict) or s.get("status") == "ok" or bool(s.get("steps"))
 
 
 def in_use(out: str | Path) -> bool:
@@ -63,57 +78,90 @@ def may_write(out: str | Path) -> bool:
     return not (has_results(out) or in_use(out))
 
 
-def restore_kept(out: str | Path) -> None:
-    """Put back the owning run's copy of ``.hydra`` (a refused run's Hydra overwrote it)."""
-    copy = Path(out) / ".gradmod" / "hydra"
-    if copy.is_dir():
-        shutil.copytree(copy, Path(out) / KEPT, dirs_exist_ok=True)
+@dataclass
+class Claim:
+    """What the run will be: its id, the checkpoint it restores (``found``), the run it
+    forks (``parent``), and what ``commit`` changes in the folder."""
+
+    run_id: str
+    found: tuple[Path, dict[str, Any]] | None = None
+    parent: dict[str, Any] | None = None
+    start_over: bool = False
+    abandon: list[Path] = field(default_factory=list)  # this run's checkpoints after the one resumed
 
 
 class RunFolder:
-    """The run folder ``out`` as owned by this process (see the module notes)."""
+    """The run folder ``out`` as held by this process (see the module notes)."""
 
     def __init__(self, out: str | Path):
         self.out = Path(out)
         self.meta = self.out / ".gradmod"
+        self.checkpoints = self.out / "checkpoints"
         self.run_id: str | None = None
-        self.resume_run: str | None = None  # whose checkpoints resume=auto looks at (None: any)
         self.owned = False
         self._lock = None
 
-    def claim(self, *, resume: str | None, start_over: bool) -> str:
-        """Lock the folder, check it may be used, and return this run's id."""
+    def claim(self, *, resume: str | None, start_over: bool) -> Claim:
+        """Lock the folder and decide what this run is; a ``ValueError`` where it may not run."""
         self._take_lock()
         try:
-            earlier = has_results(self.out)
-            if earlier and resume is None and not start_over:
-                raise ValueError(
-                    f"run folder {self.out} holds an earlier run's results ({', '.join(earlier)}); resume it with "
-                    "trainer.resume=auto, replace it with trainer.start_over=true, or choose another hydra.run.dir")
-            previous = self._read_run_id()
-            self.resume_run = previous
-            if start_over:
-                self.remove_outputs()
-            self.run_id = self._continued(resume, previous) if not start_over else None
-            self.run_id = self.run_id or uuid.uuid4().hex[:12]
+            return self._decide(resume, start_over)
         except BaseException:
             self.release()
             raise
-        return self.run_id
 
-    @staticmethod
-    def _continued(resume: str | None, previous: str | None) -> str | None:
-        """The id a resumed run carries on: the folder's (auto) or the checkpoint's (a path)."""
+    def _decide(self, resume: str | None, start_over: bool) -> Claim:
+        earlier, owner = has_results(self.out), self._read_run_id()
+        if start_over:
+            if resume is not None:
+                raise ValueError(f"trainer.start_over=true discards the folder's results and cannot be combined "
+                                 f"with trainer.resume={resume}; drop one of them")
+            return Claim(_new_id(), start_over=True)
+        if resume is None:
+            if earlier:
+                raise ValueError(
+                    f"run folder {self.out} holds an earlier run's results ({', '.join(earlier)}); resume it with "
+                    "trainer.resume=auto, replace it with trainer.start_over=true, or choose another hydra.run.dir")
+            return Claim(_new_id())
         if resume == "auto":
-            return previous
-        return ckpt.run_of(Path(resume)) if resume else None
+            found = ckpt.latest(self.checkpoints, owner)
+            if found is None:
+                return self._nothing_to_resume(earlier, owner)
+        else:
+            found = ckpt.find(resume, self.checkpoints)
+        return self._resume(found, earlier, owner)
 
-    def take_ownership(self, run_id: str) -> None:
-        """From here the run's files replace the folder's: record the run and keep its config."""
-        self.run_id, self.owned = run_id, True
-        replace_text(self.meta / "run.json", json.dumps({"run_id": run_id, "pid": os.getpid()}) + "\n")
-        if (self.out / KEPT).is_dir():
-            shutil.copytree(self.out / KEPT, self.meta / "hydra", dirs_exist_ok=True)
+    def _nothing_to_resume(self, earlier: list[str], owner: str | None) -> Claim:
+        if earlier:
+            raise ValueError(f"trainer.resume=auto: no usable checkpoint of this folder's run{_named(owner)} in "
+                             f"{self.checkpoints} (its results are left as they are); trainer.start_over=true "
+                             "discards the folder's results and starts a new run")
+        log.warning("trainer.resume=auto: no checkpoint in %s; starting fresh. To resume an earlier run, pass "
+                    "hydra.run.dir=<the earlier run folder>", self.checkpoints)
+        return Claim(_new_id())
+
+    def _resume(self, found: tuple[Path, dict[str, Any]], earlier: list[str], owner: str | None) -> Claim:
+        path, state = found
+        theirs = ckpt.run_of(path)
+        if theirs == owner and (owner is not None or earlier):
+            later = [p for p in ckpt.checkpoints(self.checkpoints, owner)
+                     if ckpt.step_of(p) > int(state["step"]) and p.resolve() != path.resolve()]
+            return Claim(owner or _new_id(), found, abandon=later)
+        if earlier:
+            raise ValueError(f"trainer.resume={path}: the checkpoint belongs to run {theirs or '<unnamed>'}, but run "
+                             f"folder {self.out} belongs to run {owner or '<unnamed>'} and holds its results; resume "
+                             "that run's own checkpoints here, or fork this one into a new hydra.run.dir")
+        return Claim(_new_id(), found, parent={"run": theirs, "step": int(state["step"])})
+
+    def commit(self, claim: Claim) -> None:
+        """The run's first writes, after every check: from here the folder's files are its own."""
+        if claim.start_over:
+            self._remove_outputs()
+        if claim.abandon:
+            self._set_aside(claim.abandon, int(claim.found[1]["step"]))
+        self.run_id, self.owned = claim.run_id, True
+        record = {"run_id": claim.run_id, "pid": os.getpid(), "parent": claim.parent}
+        atomic.write_text(self.meta / "run.json", json.dumps(record) + "\n")
 
     def release(self) -> None:
         if self._lock is not None:
@@ -149,15 +197,32 @@ class RunFolder:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def remove_outputs(self) -> None:
+    def _set_aside(self, later: list[Path], step: int) -> None:
+        """A resume from an older step: the later checkpoints become an abandoned timeline."""
+        n = 1 + max((int(p.name[len(ABANDONED):]) for p in self.checkpoints.glob(ABANDONED + "*")
+                     if p.name[len(ABANDONED):].isdigit()), default=0)
+        aside = self.checkpoints / f"{ABANDONED}{n}"
+        aside.mkdir()
+        for path in later:
+            path.replace(aside / path.name)
+        log.warning("resuming from step %d: this run's later checkpoints (steps %s) moved to %s; a new timeline "
+                    "starts here", step, ", ".join(str(ckpt.step_of(p)) for p in later), aside)
+
+    def _remove_outputs(self) -> None:
+        """``trainer.start_over``: the earlier results, every checkpoint and TensorBoard event file."""
         for name in OUTPUTS:
             (self.out / name).unlink(missing_ok=True)
-        for path in (self.out / "checkpoints").glob("step-*.pt"):
+        for path in self.checkpoints.glob("step-*.pt"):
+            path.unlink()
+        for path in self.checkpoints.glob(ABANDONED + "*"):
+            shutil.rmtree(path)
+        for path in (self.out / "tensorboard").glob("events.out.tfevents.*"):
             path.unlink()
 
 
-def replace_text(path: Path, text: str) -> None:
-    """Write ``path`` through a temporary file, so a reader never sees it half-written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def _new_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _named(run: str | None) -> str:
+    return f" ({run})" if run else ""

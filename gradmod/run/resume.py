@@ -2,10 +2,13 @@
 
 Must match (else one error naming each difference; ``trainer.resume_accept=[key, ...]``
 accepts the named keys, or everything below a named prefix such as ``data``): what decides
-the model, the data and its split, the data order and what the gradients go through.
-May change (applied, each difference logged): everything else, e.g. ``trainer.epochs``,
-``trainer.log_every``, checkpoint keys, ``logger``, and the optimizer's hyperparameters,
-which are written into every parameter group of the restored optimizer.
+the model, the data and its split, the data order, what the gradients go through (the
+rules and their order), the loss and the learning-rate schedule (with a scheduler, whose
+plan spans the run, ``trainer.epochs`` too). May change (applied, each difference logged):
+everything else, e.g. ``trainer.epochs`` without a scheduler (never below the epochs the
+checkpoint has begun), ``trainer.log_every``, checkpoint keys, ``logger``, and the
+optimizer's hyperparameters, which are written into the restored optimizer's parameter
+groups (``weight_decay`` not into the ``no_decay`` group, which stays at 0).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MUST_MATCH = ("model", "data", "seed", "hooks", "clip_bound", "init", "optimizer._target_", "trainer.accumulate",
-              "trainer.hook_stage", "trainer.precision", "trainer.strategy")
+MUST_MATCH = ("model", "data", "seed", "hooks", "clip_bound", "init", "optimizer._target_", "optimizer.no_decay",
+              "loss", "scheduler", "trainer.accumulate", "trainer.hook_stage", "trainer.precision", "trainer.strategy")
+HOOK_ORDER = "hooks._order_"  # rules on one tensor chain in config order: their order must match too
 NOT_ARGUMENTS = ("_target_", "_partial_")
 
 
@@ -39,26 +43,48 @@ def _under(key: str, prefixes) -> bool:
 def compare(saved: dict[str, Any], new: dict[str, Any], accept=()) -> dict[str, tuple[Any, Any]]:
     """The differences a resume may apply ({key: (old, new)}); a ``ValueError`` naming every
     must-match difference that ``accept`` does not name."""
-    old, cur = flatten(saved or {}), flatten(new)
+    saved = saved or {}
+    old, cur = _comparable(saved), _comparable(new)
     diffs = {k: (old.get(k, "<unset>"), cur.get(k, "<unset>")) for k in sorted(old.keys() | cur.keys())
              if old.get(k, "<unset>") != cur.get(k, "<unset>")}
-    refused = [k for k in diffs if _under(k, MUST_MATCH) and not _under(k, accept)]
+    must = MUST_MATCH + (("trainer.epochs",) if saved.get("scheduler") else ())  # the schedule's plan
+    refused = [k for k in diffs if _under(k, must) and not _under(k, accept)]
     if refused:
         listed = "; ".join(f"{k}: {diffs[k][0]!r} -> {diffs[k][1]!r}" for k in refused)
         raise ValueError(f"trainer.resume: the checkpoint's run differs in what must match ({listed}); "
                          f"resume with the same values, or accept them with trainer.resume_accept=[{','.join(refused)}]")
     for k, (a, b) in diffs.items():
-        log.info("resume: %s %r -> %r%s", k, a, b, " (accepted)" if _under(k, MUST_MATCH) else "")
+        log.info("resume: %s %r -> %r%s", k, a, b, " (accepted)" if _under(k, must) else "")
     return diffs
 
 
+def _comparable(config: dict[str, Any]) -> dict[str, Any]:
+    """The flattened config, plus the order of the rules when both configs name the same ones."""
+    flat = flatten(config)
+    if isinstance(config.get("hooks"), dict):
+        flat[HOOK_ORDER] = list(config["hooks"])
+    return flat
+
+
+def check_epochs(path: Any, state: dict[str, Any], epochs: int) -> None:
+    """A resume must not end before the epochs the checkpoint has done or begun."""
+    pos = state.get("trainer", {})
+    begun = int(pos.get("epoch", 1)) - (0 if pos.get("batch") else 1)
+    if epochs < begun:
+        raise ValueError(f"trainer.epochs={epochs} is fewer than the {begun} epoch(s) checkpoint {path} has done "
+                         f"or begun; resume with trainer.epochs={begun} or more")
+
+
 def apply_optimizer(optimizer: torch.optim.Optimizer, diffs: dict[str, tuple[Any, Any]]) -> None:
-    """Write changed optimizer hyperparameters (``optimizer.lr``, ...) into every param group,
-    over the values the checkpoint's optimizer state restored."""
+    """Write changed optimizer hyperparameters (``optimizer.lr``, ...) into the param groups,
+    over the values the checkpoint's optimizer state restored; ``weight_decay`` stays 0 in
+    the ``no_decay`` group (marked by ``gradmod.run.factories.param_groups``)."""
     for key, (_, value) in diffs.items():
         name = key.partition(".")[2]
         if not key.startswith("optimizer.") or name in NOT_ARGUMENTS:
             continue
         for group in optimizer.param_groups:
+            if name == "weight_decay" and group.get("no_decay"):
+                continue
             if name in group:
                 group[name] = tuple(value) if isinstance(group[name], tuple) else value

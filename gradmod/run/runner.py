@@ -3,8 +3,10 @@
 ``train(cfg, out)`` reads as its steps: place the process (device, DDP rank, threads, seed),
 load the data, build the model (both checked before training: ``preflight``), attach the
 hook rules, build the Trainer and its callbacks, restore a checkpoint if asked, fit, and
-write ``summary.json``. Before any of it the run claims its folder (lock, no mixing with an
-earlier run, resume checks: see ``folder`` and ``resume``); however it ends, ``endings``
+write ``summary.json``. The run claims its folder first (lock, no mixing with an earlier
+run, the resume's config checks: ``gradmod.run.folder`` and ``gradmod.run.resume``) and
+writes its first byte there only after the objects are built and the checkpoint restored
+into them (``_own``): a refused resume changes nothing. However it ends, ``endings``
 writes what happened.
 """
 
@@ -19,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -32,15 +34,14 @@ from gradmod.reporting import json_text
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
-from gradmod.run import checkpoint_file as ckpt
-from gradmod.run import dp, endings, preflight
+from gradmod.run import atomic, dp, endings, preflight
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.config import Config
 from gradmod.run.factories import (build_data, build_loss, build_optimizer, build_scheduler, describe_groups,
                                    model_factory, param_groups)
 from gradmod.run.files import GradCamCallback, RunFiles
-from gradmod.run.folder import RunFolder, has_results, replace_text
-from gradmod.run.resume import apply_optimizer, compare
+from gradmod.run.folder import Claim, RunFolder
+from gradmod.run.resume import apply_optimizer, check_epochs, compare
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
 from gradmod.training.distributed import Dist, env_rank
 from gradmod.training.divergence import DivergenceCallback
@@ -95,12 +96,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: Config, out: str | Path) -> dict[str, Any]:
+def train(cfg: Config, out: str | Path, on_owned: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says and write the run folder ``out``; returns the summary.
 
-    The run owns ``out`` (``gradmod.run.folder``) from the checks on; every ending writes
-    ``summary.json`` (``gradmod.run.endings``). SIGINT and SIGTERM stop it cleanly from the
-    start (``StopOnSignal``); what it set up is undone in reverse order however it ends."""
+    The run owns ``out`` (``gradmod.run.folder``) once every check and restore has passed;
+    ``on_owned(out)`` then runs before the run's own first write (the command line writes
+    ``.hydra/`` and opens ``train.log`` there). Every ending writes ``summary.json``
+    (``gradmod.run.endings``); a run refused before owning the folder writes nothing there.
+    SIGINT and SIGTERM stop it cleanly from the start (``StopOnSignal``); what it set up is
+    undone in reverse order however it ends."""
     t_start = time.perf_counter()
     folder, stop = RunFolder(out), StopOnSignal()
     with contextlib.ExitStack() as undo:
@@ -112,14 +116,15 @@ def train(cfg: Config, out: str | Path) -> dict[str, Any]:
             dp.check(cfg)
             dist = _place(cfg)
             undo.callback(dist.close)
-            resume = _claim(cfg, folder) if dist.is_main else (None, {})
+            claimed = _claim(cfg, folder) if dist.is_main else (Claim(run_id=""), {})
             data, loader_workers = _load(cfg, dist)
             model = _model(cfg, data, dist.device)
             rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
             hooks = attach(model, rules, stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
                            loss_reduction=cfg.loss.args.get("reduction", "mean"))
             undo.callback(hooks.remove)
-            return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, stop, t_start, privacy)
+            return _fit(cfg, model, data, hooks, dist, loader_workers, folder, claimed, stop, t_start, on_owned,
+                        privacy)
         except BaseException as e:
             if not folder.owned:
                 folder.release()  # refused before owning it: settle looks at the folder as others see it
@@ -127,18 +132,16 @@ def train(cfg: Config, out: str | Path) -> dict[str, Any]:
             raise
 
 
-def _claim(cfg: Config, folder: RunFolder) -> tuple[Any, dict[str, Any]]:
-    """Lock the folder, find the checkpoint to resume and check its config; only then own it."""
+def _claim(cfg: Config, folder: RunFolder) -> tuple[Claim, dict[str, Any]]:
+    """Lock the folder, decide what the run is and check the checkpoint's config (no writes)."""
     t = cfg.trainer
-    run_id = folder.claim(resume=t.resume, start_over=t.start_over)
-    found = ckpt.find(t.resume, folder.out / "checkpoints", folder.resume_run)
-    diffs = compare(found[1].get("config"), dataclasses.asdict(cfg), t.resume_accept) if found else {}
-    if found is None and t.resume is not None and has_results(folder.out):
-        log.warning("trainer.resume=%s found nothing to resume in %s; its earlier results are replaced",
-                    t.resume, folder.out)
-        folder.remove_outputs()
-    folder.take_ownership(run_id)
-    return found, diffs
+    claim = folder.claim(resume=t.resume, start_over=t.start_over)
+    if claim.found is None:
+        return claim, {}
+    path, state = claim.found
+    diffs = compare(state.get("config"), dataclasses.asdict(cfg), t.resume_accept)
+    check_epochs(path, state, t.epochs)
+    return claim, diffs
 
 
 def _warn_sizes(cfg: Config, data: Data, world_size: int) -> None:
@@ -189,13 +192,37 @@ def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
 
 
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
-         run_folder: RunFolder, resume: tuple[Any, dict[str, Any]], stop: StopOnSignal,
-         t_start: float, privacy: dp.Privacy | None = None) -> dict[str, Any]:
-    t, out = cfg.trainer, run_folder.out
+         run_folder: RunFolder, claimed: tuple[Claim, dict[str, Any]], stop: StopOnSignal, t_start: float,
+         on_owned: Callable[[Path], None] | None, privacy: dp.Privacy | None) -> dict[str, Any]:
+    claim, diffs = claimed
     plan = hooks.describe()
     log.info("%s", summarize_plan(plan, cfg.hooks))  # the full plan goes to hook_plan.json
-    if dist.is_main:  # rank 0 alone writes the run folder
-        _write_json(out / "hook_plan.json", plan)
+    with contextlib.ExitStack() as stack:
+        trainer, saver, guard, probe = _trainer(cfg, model, data, hooks, dist, loader_workers, claim.run_id, plan,
+                                                t_start, run_folder.out / "checkpoints", privacy)
+        if saver.restore_from(trainer, claim.found):
+            apply_optimizer(trainer.optimizer, diffs)  # lr and the like may change on resume
+        # Every check and restore has passed: from here the run writes.
+        folder = _own(run_folder, claim, on_owned, plan) if dist.is_main else \
+            Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        _file_callbacks(cfg, stack, folder, trainer, saver, plan, probe, dist, stop)
+        if trainer.progress:
+            stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
+        trainer.fit(data, cfg.trainer.epochs)
+    summary = _summary(cfg, data, trainer, guard, plan, saver.seconds())
+    summary.update(run=claim.run_id, parent=claim.parent)
+    if dist.is_main:
+        endings.write(run_folder.out, summary)
+    log.info("test_accuracy %.4f on %s (%d test %s) in %.1fs; run folder %s", summary["test_accuracy"],
+             data.name, summary["test_size"], _items(data), summary["seconds"], run_folder.out)
+    return summary
+
+
+def _trainer(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
+             run_id: str, plan: Any, t_start: float, checkpoints: Path,
+             privacy: dp.Privacy | None) -> tuple[Trainer, Checkpointer, NonFiniteGuard, GradCamProbe | None]:
+    """The Trainer with the callbacks a checkpoint restores (nothing here writes a file)."""
+    t = cfg.trainer
     wrapped = dist.wrap(model)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
@@ -204,62 +231,55 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     if cfg.optimizer.no_decay:
         log.info("%s", describe_groups(model, groups, cfg.optimizer.weight_decay))
     optimizer = build_optimizer(cfg.optimizer, groups, dist.device)
-    with contextlib.ExitStack() as stack:
-        folder = out if dist.is_main else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        callbacks, saver = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist, stop,
-                                      privacy)
-        trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
-                          loss_fn=build_loss(cfg.loss), callbacks=callbacks, dist=dist, net=net,
-                          eval_net=model if net is wrapped else net, accumulate=t.accumulate,
-                          batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
-                          progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
-                          generator=torch.Generator().manual_seed(cfg.seed), sampling=dp.sampling(cfg))
-        found, diffs = resume
-        if saver.restore_from(trainer, found):
-            apply_optimizer(trainer.optimizer, diffs)  # lr and the like may change on resume
-        if trainer.progress:
-            stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
-        trainer.fit(data, t.epochs)
-    summary = _summary(cfg, data, trainer, guard, plan, time.perf_counter() - t_start)
-    if dist.is_main:
-        endings.write(out, summary)
-    log.info("test_accuracy %.4f on %s (%d test %s) in %.1fs; run folder %s", summary["test_accuracy"],
-             data.name, summary["test_size"], _items(data), summary["seconds"], out)
-    return summary
-
-
-def _callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, run_folder: RunFolder, data: Data,
-               hooks: HookSet, plan: Any, guard: NonFiniteGuard, optimizer: torch.optim.Optimizer,
-               dist: Dist, stop: StopOnSignal, privacy: dp.Privacy | None) -> tuple[list[Any], Checkpointer]:
-    """The run's callbacks in the order they must run; what they open closes with ``stack``."""
-    t = cfg.trainer
-    logger = make_logger(dataclasses.asdict(cfg.logger), folder)
-    stack.callback(logger.close)
-    logger.log_plan(plan, hooks.format_plan())
-    files = RunFiles(folder, logger)
-    stack.callback(files.close)
-    saver = Checkpointer(run_folder.out / "checkpoints", every_epochs=t.checkpoint_every,
-                         every_steps=t.checkpoint_every_steps, keep=t.checkpoint_keep, epochs=t.epochs,
-                         config=dataclasses.asdict(cfg), plan=plan, writes=dist.is_main, run=run_folder.run_id)
+    saver = Checkpointer(checkpoints, every_epochs=t.checkpoint_every, every_steps=t.checkpoint_every_steps,
+                         keep=t.checkpoint_keep, epochs=t.epochs, config=dataclasses.asdict(cfg), plan=plan,
+                         writes=dist.is_main, run=run_id, started=t_start)
     steps = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate, dp.sampling(cfg))
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
     # divergence before saver and files: a diverged epoch leaves no checkpoint or metrics line;
     # schedule before saver: see SchedulerCallback
-    callbacks = [NonFiniteCallback(guard), diverged, schedule, saver, files]
+    callbacks = [NonFiniteCallback(guard), diverged, schedule, saver]
     if privacy is not None:  # before saver (its state in the step's checkpoint) and files (epsilon in the record)
         callbacks.insert(callbacks.index(saver), PrivacyCallback(cfg.privacy.accountant, cfg.privacy.delta,
                                                                  privacy.noise_multiplier, privacy.sample_rate))
-    if cfg.capture.gradcam:
-        probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
-                             cfg.capture.gradcam_images, dist.device)
-        callbacks.append(GradCamCallback(probe, logger, folder))
-    sync = SyncCheck(t.sync_check, dist.device)
+    # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
+    probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
+                         cfg.capture.gradcam_images, dist.device) if cfg.capture.gradcam else None
+    trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
+                      loss_fn=build_loss(cfg.loss), callbacks=callbacks,
+                      dist=dist, net=net, eval_net=model if net is wrapped else net, accumulate=t.accumulate,
+                      batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
+                      progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
+                      generator=torch.Generator().manual_seed(cfg.seed), sampling=dp.sampling(cfg))
+    return trainer, saver, guard, probe
+
+
+def _own(run_folder: RunFolder, claim: Claim, on_owned: Callable[[Path], None] | None, plan: Any) -> Path:
+    """The run's first writes: the folder's changes (``commit``), the caller's, the hook plan."""
+    run_folder.commit(claim)
+    if on_owned is not None:
+        on_owned(run_folder.out)
+    _write_json(run_folder.out / "hook_plan.json", plan)
+    return run_folder.out
+
+
+def _file_callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, trainer: Trainer, saver: Checkpointer,
+                    plan: Any, probe: GradCamProbe | None, dist: Dist, stop: StopOnSignal) -> None:
+    """The callbacks that write files or watch the run, after the restored ones in the order
+    they must run; what they open closes with ``stack``."""
+    logger = make_logger(dataclasses.asdict(cfg.logger), folder)
+    stack.callback(logger.close)
+    logger.log_plan(plan, trainer.hooks.format_plan())
+    files = RunFiles(folder, logger)
+    stack.callback(files.close)
+    callbacks = [files] + ([GradCamCallback(probe, logger, folder)] if probe is not None else [])
+    sync = SyncCheck(cfg.trainer.sync_check, dist.device)
     stack.callback(sync.allow)
     callbacks.append(SyncCheckCallback(sync))  # last but one: see SyncCheckCallback
     stop.saver = saver
     callbacks.append(stop)  # last: the step's other callbacks are done when it stops the run
-    return callbacks, saver
+    trainer.callbacks.extend(callbacks)
 
 
 def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, plan: Any,
@@ -291,7 +311,7 @@ def _stderr_is_terminal() -> bool:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    replace_text(path, json_text.dumps(obj, indent=2) + "\n")
+    atomic.write_text(path, json_text.dumps(obj, indent=2) + "\n")
 
 
 def _world_sum(t: Tensor) -> Tensor:

@@ -63,6 +63,7 @@ class Trainer:
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         # Where training stands (checkpoints save and restore exactly this).
         self.epoch, self.batch, self.step, self.skipped = 1, 0, 0, 0
+        self._skipped_before = 0  # ``skipped`` at the start of the epoch in progress
         self.epoch_order: Tensor | None = None  # the generator's state at this epoch's start
         self.loss_sum = torch.zeros((), device=self.device)  # this epoch's summed loss, on the device
         self.step_loss: Tensor | None = None  # this optimizer step's summed micro-batch losses, on the device
@@ -104,9 +105,9 @@ class Trainer:
         self.net.train()
         if self.batch == 0:
             self.epoch_order = self.generator.get_state()  # with ``batch``: the data-order position
+            self._skipped_before = self.skipped  # resumed mid-epoch: restored with the position
         else:
             self.generator.set_state(self.epoch_order)
-        self._skipped_before = self.skipped
         start = self.batch
         total, stream = self._stream(x, y, start)
         for i, (xb, yb) in enumerate(tqdm(stream, total=total, initial=start, leave=False, desc="train",
@@ -192,6 +193,7 @@ class Trainer:
                 "step": self.step, "skipped": self.skipped,
                 "generator": self.epoch_order if mid else self.generator.get_state(),
                 "loss_sum": self.loss_sum.item() if mid else 0.0, "history": list(self.history),
+                "epoch_skipped_before": self._skipped_before if mid else self.skipped,
                 "optimizer": self.optimizer.state_dict(), "scaler": self.amp.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -202,6 +204,7 @@ class Trainer:
         if self.batch:
             self.epoch_order = state["generator"]
             self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
+            self._skipped_before = state.get("epoch_skipped_before", self.skipped)
         else:
             self.generator.set_state(state["generator"])
 
