@@ -70,7 +70,7 @@ def test_a_target_that_does_not_import_names_the_import_path(compose_cfg):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("model.hidden=64", "unknown key model.hidden; allowed there: name, _target_, args; "
+    ("model.hidden=64", "unknown key model.hidden; allowed there: name, norm, _target_, args; "
                         "to append to your config use +model.hidden=64"),
     ("plugins=my_pkg.x", "plugins=my_pkg.x: plugins is a list; write plugins=[my_pkg.x]"),
 ])
