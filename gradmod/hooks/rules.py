@@ -39,6 +39,7 @@ from gradmod.hooks.selection import (  # noqa: F401
     observer_key,
     select,
 )
+from gradmod.hooks.sharded import refuse_hook_stage, watch
 from gradmod.hooks.stats import GradStats, batch_rows
 
 # model -> its live HookSet, so attaching again replaces rather than doubles the hooks.
@@ -77,6 +78,8 @@ class HookSet:
         self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
         # Every tensor this set transforms, so another attach call cannot hook it twice.
         self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
+        # fully_shard after attach would leave the rules on parameters no longer in the model.
+        self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         for obj in self.owned:
             _OWNERS[obj] = self
 
@@ -229,6 +232,7 @@ class HookSet:
         return len(self._handles)
 
     def remove(self) -> None:
+        self._watch.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -259,6 +263,7 @@ def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
     if stage not in STAGES:
         raise ValueError(f"stage {stage!r} is not a stage; allowed: {', '.join(STAGES)}")
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
+    refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
     previous = _ATTACHED.get(model)
     _refuse_overlap(model, targets, previous)
     if previous is not None:

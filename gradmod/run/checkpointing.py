@@ -22,8 +22,8 @@ FORMAT = 2
 
 class Checkpointer(Callback):
     """Writes ``folder/step-*.pt`` every ``every_epochs`` epochs (and at the last) and every
-    ``every_steps`` optimizer steps, keeping the newest ``keep``. ``writes=False`` (DDP
-    ranks > 0) saves nothing: rank 0 holds the same state. ``config``: the run's config
+    ``every_steps`` optimizer steps, keeping the newest ``keep``. ``writes=False`` (ranks
+    > 0) saves nothing: rank 0 holds the same state (under FSDP2, gathered from every rank). ``config``: the run's config
     (a dict) saved with each checkpoint; ``run``: the run id in each file's header, so that
     pruning keeps this run's newest ``keep`` and never touches another run's files."""
 
@@ -42,12 +42,18 @@ class Checkpointer(Callback):
             self.save(trainer)
 
     def save(self, trainer) -> Path | None:
+        """Write a checkpoint (FSDP2: every rank must call, to gather the full state to rank 0)."""
+        sharded = trainer.dist.strategy == "fsdp"
+        if not self.writes and not sharded:
+            return None
+        model, position = trainer.dist.model_state(trainer.model), trainer.state_dict()
         if not self.writes:
             return None
-        state = {"format": FORMAT, "model": trainer.model.state_dict(), "trainer": trainer.state_dict(),
+        state = {"format": FORMAT, "model": model, "trainer": position,
                  "hooks": trainer.hooks.state_dict() if trainer.hooks is not None else {},
                  "callbacks": {cb.key: cb.state_dict() for cb in trainer.callbacks},
-                 "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan}
+                 "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan,
+                 "world_size": trainer.dist.world_size}
         state["step"] = state["trainer"]["step"]
         path = ckpt.save(self.folder, state, self.keep, run=self.run)
         log.debug("checkpoint %s (epoch %d, batch %d)", path, state["trainer"]["epoch"], state["trainer"]["batch"])
@@ -64,7 +70,7 @@ class Checkpointer(Callback):
         if state.get("hook_plan") != self.plan:
             log.warning("resuming from %s, whose hook plan differs from this run's", path)
         try:
-            trainer.model.load_state_dict(state["model"])
+            trainer.dist.load_model_state(trainer.model, state["model"])
             trainer.load_state_dict(state["trainer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise ValueError(f"trainer.resume: {path} does not fit this model/optimizer "

@@ -101,10 +101,12 @@ def run(cfg: Config, out: str | Path) -> dict[str, Any]:
         import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
         dist = _place(cfg)
         try:
-            resume = _claim(cfg, folder) if dist.is_main else (None, {})
+            resume = _claim_shared(cfg, folder, dist)
             data, loader_workers = _load(cfg, dist.device)
             _warn_sizes(cfg, data, dist.world_size)
             model = _model(cfg, data, dist.device)
+            if dist.strategy == "fsdp":
+                dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
             hooks = attach(model, cfg.hooks, stage=cfg.trainer.hook_stage)  # before DDP: names without "module."
             try:
                 return _fit(cfg, model, data, hooks, dist, loader_workers, folder, resume, t_start)
@@ -121,18 +123,41 @@ def run(cfg: Config, out: str | Path) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
-def _claim(cfg: Config, folder: RunFolder) -> tuple[Any, dict[str, Any]]:
+def _claim(cfg: Config, folder: RunFolder, world_size: int) -> tuple[Any, dict[str, Any]]:
     """Lock the folder, find the checkpoint to resume and check its config; only then own it."""
     t = cfg.trainer
     run_id = folder.claim(resume=t.resume, start_over=t.start_over)
     found = ckpt.find(t.resume, folder.out / "checkpoints", folder.resume_run)
     diffs = compare(found[1].get("config"), dataclasses.asdict(cfg), t.resume_accept) if found else {}
+    if found and found[1].get("world_size", 1) != world_size:  # each rank's share of the data order
+        raise ValueError(f"trainer.resume: {found[0]} was written by {found[1].get('world_size', 1)} processes and "
+                         f"this run has {world_size}; resume with the same number of processes")
     if found is None and t.resume is not None and has_results(folder.out):
         log.warning("trainer.resume=%s found nothing to resume in %s; its earlier results are replaced",
                     t.resume, folder.out)
         folder.remove_outputs()
     folder.take_ownership(run_id)
     return found, diffs
+
+
+def _claim_shared(cfg: Config, folder: RunFolder, dist: Dist) -> tuple[Any, dict[str, Any]]:
+    """Rank 0 claims the run folder (the run's folder) and finds the checkpoint; every other
+    rank reads the same file from there (a shared file system when ranks span hosts)."""
+    if dist.world_size == 1:
+        return _claim(cfg, folder, 1)
+    if dist.is_main:
+        answer = None  # what the other ranks get if the claim raises: rank 0 refused the run
+        try:
+            found, diffs = _claim(cfg, folder, dist.world_size)
+            answer = (str(found[0].resolve()) if found else None, diffs)
+        finally:
+            dist.share(answer)
+        return found, diffs
+    answer = dist.share(None)
+    if answer is None:
+        raise ValueError("rank 0 could not start the run (its error says why)")
+    path, diffs = answer
+    return ((Path(path), ckpt.load(path)) if path else None), diffs
 
 
 def _write_ending(out: Path, error: BaseException, seconds: float) -> None:
@@ -170,9 +195,7 @@ def _place(cfg: Config) -> Dist:
     """This process's device and rank, threads and seeds."""
     dist = Dist.from_env(cfg.trainer.strategy, resolve_device(cfg.trainer.device))
     check_precision(cfg.trainer.precision, dist.device)
-    if dist.world_size > 1 and cfg.trainer.resume:
-        raise ValueError("trainer.resume with trainer.strategy=ddp is not supported yet (ranks > 0 have no "
-                         "run folder to find checkpoints in); resume with strategy=single")
+    dist.start()
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.seed)
@@ -206,7 +229,8 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     wrapped = dist.wrap(model)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
-    guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if dist.world_size > 1 else None)
+    guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if dist.world_size > 1 else None,
+                           sharded=dist.strategy == "fsdp")
     optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
                                 dist.device)
     with contextlib.ExitStack() as stack:
