@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_distributed import _free_port
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from gradmod.hooks.group import AGC
 from gradmod.hooks.rules import attach
 from gradmod.training.distributed import Dist
-from test_distributed import _free_port
 
 MAX_NORM = 0.05  # below the gradient's norm: the clip bites
 BOUND = 0.02
@@ -91,6 +91,25 @@ def _attach_then_shard(rank: int) -> None:
     loss_of(model, slice(4 * rank, 4 * rank + 4)).backward()
 
 
+class Blocks(nn.Module):
+    """A model of one's own: a stem, a list of blocks, a head, and a parameter of the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(6, 4)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+        self.act = nn.Tanh()
+        self.head = nn.Linear(4, 1)
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def _units(dist: Dist) -> list[str]:
+    """The modules gradmod's policy shards as units (``Dist.wrap``)."""
+    model = dist.wrap(Blocks())
+    assert dist.wrap(model) is model  # wrapping twice is wrapping once
+    return sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -101,6 +120,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         hook_rules = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}
         results["hook_stage"] = _error(lambda: attach(sharded_model(), hook_rules))
         results["attach_then_shard"] = _error(lambda: _attach_then_shard(rank))
+        results["units"] = _units(dist)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.close()
@@ -125,7 +145,7 @@ def test_sharding_is_uneven_so_the_reductions_matter():
 
 
 def test_global_norm_clip_equals_clip_grad_norm_on_the_full_batch(fsdp):
-    model, raw = full_batch_grads()
+    model, _ = full_batch_grads()
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     assert total > MAX_NORM * 2
     for rank in fsdp:
@@ -162,6 +182,11 @@ def test_agc_per_output_unit_matches_one_process(fsdp):
     for rank in fsdp:
         for name, p in model.named_parameters():
             torch.testing.assert_close(rank["agc"]["grads"][name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_shard_policy_one_unit_per_block_then_the_root(fsdp):
+    for rank in fsdp:
+        assert rank["units"] == ["", "blocks.0", "blocks.1", "head", "stem"]
 
 
 def test_hook_stage_on_sharded_parameters_is_refused_at_attach(fsdp):

@@ -70,31 +70,35 @@ def refuse_hook_stage(targets, params: dict[str, Tensor]) -> None:
 
 
 def watch(model: torch.nn.Module, params: dict[str, Tensor]):
-    """A forward hook that checks, once, that ``params`` are still ``model``'s: ``fully_shard``
-    after ``attach`` replaces them, and the rules would silently do nothing. The first
-    backward through a model sharded after attach raises one line (at the forward when
-    the output has no gradient to hook). Returns the handle."""
-    def check(module, inputs, output) -> None:
+    """A forward pre-hook that checks, once, that ``params`` are still ``model``'s:
+    ``fully_shard`` after ``attach`` replaces them, and the rules would silently do nothing.
+    Then the first backward through the model raises one line (the forward itself when
+    its output has no gradient to hook). Returns the handle."""
+    def check(module, inputs) -> None:
         if not torch.is_grad_enabled():
             return
         handle.remove()
         stale = [n for n, p in params.items() if _get(module, n) is not p]
-        if not stale:
-            return
-        message = (f"attach: the parameters the rules select were replaced after attach ({stale[0]!r} among them), "
-                   "as fully_shard does; call gradmod.attach(model, rules) after fully_shard(model)")
+        if stale:
+            message = (f"attach: the parameters the rules select were replaced after attach ({stale[0]!r} among "
+                       "them), as fully_shard does; call gradmod.attach(model, rules) after fully_shard(model)")
+            once = module.register_forward_hook(lambda m, i, out: _refuse_backward(out, message, once))
 
-        def refuse(grad):
-            raise ValueError(message)
-
-        out = next((t for t in (output if isinstance(output, (tuple, list)) else (output,))
-                    if isinstance(t, Tensor) and t.requires_grad), None)
-        if out is None:
-            raise ValueError(message)
-        out.register_hook(refuse)
-
-    handle = model.register_forward_hook(check)
+    handle = model.register_forward_pre_hook(check)
     return handle
+
+
+def _refuse_backward(output, message: str, handle) -> None:
+    handle.remove()
+    out = next((t for t in (output if isinstance(output, (tuple, list)) else (output,))
+                if isinstance(t, Tensor) and t.requires_grad), None)
+    if out is None:
+        raise ValueError(message)
+
+    def refuse(grad):
+        raise ValueError(message)
+
+    out.register_hook(refuse)
 
 
 def _get(module: torch.nn.Module, name: str):

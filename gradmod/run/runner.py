@@ -195,6 +195,8 @@ def _place(cfg: Config) -> Dist:
     """This process's device and rank, threads and seeds."""
     dist = Dist.from_env(cfg.trainer.strategy, resolve_device(cfg.trainer.device))
     check_precision(cfg.trainer.precision, dist.device)
+    if dist.strategy == "fsdp" and cfg.capture.gradcam:  # the probe copies the whole model's weights
+        raise ValueError("capture.gradcam=true with trainer.strategy=fsdp is not supported; use trainer.strategy=ddp")
     dist.start()
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)

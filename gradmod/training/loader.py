@@ -75,7 +75,7 @@ def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | 
     that many batches of near-equal size instead of ``batch_size`` each."""
     device = x.device if device is None else device
     if generator is None:
-        cut = (lambda t: t.tensor_split(parts)) if parts else (lambda t: t.split(batch_size))  # noqa: E731
+        cut = (lambda t: t.tensor_split(parts)) if parts else (lambda t: t.split(batch_size))
         if loader_workers is not None:
             yield from host_batches(x, y, cut(torch.arange(len(y))), device, loader_workers)
             return
