@@ -251,10 +251,10 @@ def test_train_fsdp_matches_ddp_and_both_resume(tmp_path):
 def test_sigkill_then_resume_auto_equals_an_uninterrupted_run(tmp_path, strategy):
     ok(torchrun(tmp_path / "reference", f"trainer.strategy={strategy}", *TINY))
     run_dir = tmp_path / "run"
-    killed = torchrun(run_dir, f"trainer.strategy={strategy}", *TINY, kill={"GRADMOD_KILL_AT": "step:5"})
+    killed = torchrun(run_dir, f"trainer.strategy={strategy}", *TINY, kill={"GRADMOD_KILL_AT": "step:7"})
     assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
     ok(torchrun(run_dir, f"trainer.strategy={strategy}", *TINY, "trainer.resume=auto"))
-    assert summary(run_dir)["resumed_from"].endswith("step-000000003.pt")  # mid epoch 1 of 4 steps
+    assert summary(run_dir)["resumed_from"].endswith("step-000000006.pt")  # mid epoch 2 (4 steps each)
     assert summary(run_dir)["steps"] == summary(tmp_path / "reference")["steps"] == 8
     ref, got = torch.load(tmp_path / "reference" / "model.pt"), torch.load(run_dir / "model.pt")
     assert ref.keys() == got.keys()

@@ -35,14 +35,14 @@ def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
     reduces its pieces to sums, extremes and counts; one ``all_gather`` over the mesh
     combines them. ``paired``: as in ``batch_rows``."""
     pieces = [t.to_local().detach().float().reshape(-1) for t in tensors]
-    inf = torch.full((1,), math.inf, device=pieces[0].device)
+    inf = torch.full((1,), math.inf, device=pieces[0].device)  # the extremes of an empty piece
     local = []
     for i, g in enumerate(pieces):
         changed = g.new_zeros(())
         if paired <= i < 2 * paired:
             before = pieces[i - paired]
             changed = ((g != before) & ~(g.isnan() & before.isnan())).sum().float()
-        local.append(torch.stack([(g * g).sum(), -torch.cat([-g, -inf]).max(), torch.cat([g, -inf]).max(),
+        local.append(torch.stack([(g * g).sum(), torch.cat([g, inf]).min(), torch.cat([g, -inf]).max(),
                                   g.sum(), (g < 0).sum().float(), (g * 0).isnan().sum().float(), changed]))
     mine = torch.stack(local)
     group = tensors[0].device_mesh.get_group()

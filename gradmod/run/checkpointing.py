@@ -23,9 +23,10 @@ FORMAT = 2
 class Checkpointer(Callback):
     """Writes ``folder/step-*.pt`` every ``every_epochs`` epochs (and at the last) and every
     ``every_steps`` optimizer steps, keeping the newest ``keep``. ``writes=False`` (ranks
-    > 0) saves nothing: rank 0 holds the same state (under FSDP2, gathered from every rank). ``config``: the run's config
-    (a dict) saved with each checkpoint; ``run``: the run id in each file's header, so that
-    pruning keeps this run's newest ``keep`` and never touches another run's files."""
+    > 0) saves nothing: rank 0 holds the same state (under FSDP2, gathered from every
+    rank). ``config``: the run's config (a dict) saved with each checkpoint; ``run``: the
+    run id in each file's header, so that pruning keeps this run's newest ``keep`` and
+    never touches another run's files."""
 
     def __init__(self, folder: Path, *, every_epochs: int = 1, every_steps: int = 0, keep: int = 2,
                  epochs: int = 0, config: Any = "", plan: Any = None, writes: bool = True, run: str | None = None):

@@ -70,7 +70,6 @@ class StopOnSignal(Callback):
         signum = trainer.dist.agree(self.signum or 0) if trainer.dist.world_size > 1 else self.signum
         if not signum:
             return
-        self.signum = self.signum or signum
         path = None
         if save and self.saver is not None:
             path = self.saver.save(trainer)  # rank 0 writes (the same step again is an atomic replace)
