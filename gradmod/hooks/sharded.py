@@ -10,18 +10,17 @@ over the shards itself); what reads numbers to the host needs the full tensor's 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import Tensor
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed support: nothing is ever sharded
-    DTensor = None
-
 
 def is_sharded(t: Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # Without torch.distributed.tensor imported (FSDP2 imports it) nothing is a DTensor;
+    # importing it here would cost every user of the hooks a second at start.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def plain(t: Tensor) -> Tensor:

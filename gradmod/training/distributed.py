@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import state_dict as dcp
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 STRATEGIES = ("single", "ddp", "fsdp")
-FULL = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0, in host memory
 
 
 @dataclass
@@ -100,7 +98,7 @@ class Dist:
             return model
         self.start()
         if self.strategy == "fsdp":
-            return model if isinstance(model, FSDPModule) else shard(model)
+            return model if is_fsdp(model) else shard(model)
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def share(self, obj: Any) -> Any:
@@ -124,26 +122,31 @@ class Dist:
         rank 0 gets it, in host memory; the others get {})."""
         if self.strategy != "fsdp":
             return unwrap(model).state_dict()
-        return dcp.get_model_state_dict(model, options=FULL)
+        dcp = _dcp()
+        return dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Load a full state dict; FSDP2: every rank keeps its shard of it."""
         if self.strategy != "fsdp":
             unwrap(model).load_state_dict(state)
-        else:
-            dcp.set_model_state_dict(model, state, options=dcp.StateDictOptions(full_state_dict=True))
+            return
+        dcp = _dcp()
+        dcp.set_model_state_dict(model, state, options=dcp.StateDictOptions(full_state_dict=True))
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """As ``model_state`` for the optimizer (FSDP2: keyed by parameter name)."""
         if self.strategy != "fsdp":
             return optimizer.state_dict()
-        return dcp.get_optimizer_state_dict(model, optimizer, options=FULL)
+        dcp = _dcp()
+        return dcp.get_optimizer_state_dict(model, optimizer,
+                                            options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         if self.strategy != "fsdp":
             optimizer.load_state_dict(state)
-        else:
-            dcp.set_optimizer_state_dict(model, optimizer, state, options=dcp.StateDictOptions(full_state_dict=True))
+            return
+        dcp = _dcp()
+        dcp.set_optimizer_state_dict(model, optimizer, state, options=dcp.StateDictOptions(full_state_dict=True))
 
     def mean(self, values: list[float], weight: float = 1.0) -> list[float]:
         """The ``weight``-weighted mean over ranks of per-rank values; the same on every rank."""
@@ -158,11 +161,26 @@ class Dist:
             dist.destroy_process_group()
 
 
+def _dcp():
+    """torch.distributed.checkpoint's state-dict helpers, imported when FSDP2 needs them
+    (a second of start-up that no other run pays)."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    module = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    return module is not None and isinstance(model, module.FSDPModule)
+
+
 def shard(model: nn.Module) -> nn.Module:
     """``fully_shard`` per block, then the root: each child module that holds parameters
     is one unit, and each item of a child ``Sequential`` or ``ModuleList`` (ResNet's
     residual blocks); what is left (parameters of the root itself) goes with the root.
     A unit's parameters are gathered for its forward and backward, then freed."""
+    from torch.distributed.fsdp import fully_shard
+
     for child in model.children():
         items = list(child) if isinstance(child, (nn.Sequential, nn.ModuleList)) else [child]
         for unit in items:
@@ -178,7 +196,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: FSDPModule):
+def _fsdp_no_sync(model: nn.Module):
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -192,7 +210,7 @@ def no_sync(model: nn.Module, skip: bool):
     FSDP2: the same, reduce-scattered once."""
     if skip and isinstance(model, DDP):
         return model.no_sync()
-    if skip and isinstance(model, FSDPModule):
+    if skip and is_fsdp(model):
         return _fsdp_no_sync(model)
     return contextlib.nullcontext()
 
