@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from gradmod.hooks.group import AGC
 from gradmod.hooks.rules import attach
 from gradmod.training.distributed import Dist
+from gradmod.training.trainer import train_epoch
 
 MAX_NORM = 0.05  # below the gradient's norm: the clip bites
 BOUND = 0.02
@@ -110,6 +111,30 @@ def _units(dist: Dist) -> list[str]:
     return sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
 
 
+def classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def labelled() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _accumulate(rank: int) -> dict[str, torch.Tensor]:
+    """One SGD step of two micro-batches per rank (the first without gradient sync)."""
+    model = classifier()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    hooks = attach(model, RULES["norm"])
+    x, y = labelled()
+    train_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), x, y, batch_size=2,
+                generator=torch.Generator().manual_seed(3), hooks=hooks, accumulate=2, shard=(rank, 2))
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -121,6 +146,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results["hook_stage"] = _error(lambda: attach(sharded_model(), hook_rules))
         results["attach_then_shard"] = _error(lambda: _attach_then_shard(rank))
         results["units"] = _units(dist)
+        results["accumulate"] = _accumulate(rank)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.close()
@@ -189,6 +215,20 @@ def test_shard_policy_one_unit_per_block_then_the_root(fsdp):
         assert rank["units"] == ["", "blocks.0", "blocks.1", "head", "stem"]
 
 
+def test_accumulation_reduces_once_and_clips_the_whole_step(fsdp):
+    # 8 examples, 2 ranks x 2 micro-batches of 2: the step's gradient is the full batch's mean.
+    model = classifier()
+    x, y = labelled()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    for rank in fsdp:
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(rank["accumulate"][name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_hook_stage_on_sharded_parameters_is_refused_at_attach(fsdp):
     for rank in fsdp:
         message = rank["hook_stage"]
@@ -208,7 +248,7 @@ def test_rules_attached_before_fully_shard_fail_at_the_first_backward(fsdp):
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=80", "data.test_size=33",
         "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
-        "trainer.checkpoint_every_steps=3", "+hooks=norm"]
+        "trainer.checkpoint_every_steps=3", "trainer.eval_batch_size=4", "+hooks=norm"]  # 5 test batches a rank
 
 
 def torchrun(run_dir: Path, *overrides: str, kill: dict | None = None) -> subprocess.CompletedProcess:
