@@ -111,6 +111,21 @@ def _units(dist: Dist) -> list[str]:
     return sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
 
 
+ZCLIP = {"z": {"params": "*", "transforms": [{"name": "zclip", "warmup_steps": 2, "z_threshold": 0.1}]}}
+
+
+def zclip_steps(model: nn.Module, rows: slice) -> tuple[dict[str, torch.Tensor], dict]:
+    """Three backward passes of ``rows`` through zclip, the loss scaled up each time (the
+    third is a spike): the last gradients and zclip's state."""
+    hooks = attach(model, ZCLIP)
+    for scale in (1.0, 1.5, 4.0):
+        model.zero_grad()
+        (scale * loss_of(model, rows)).backward()
+        hooks.after_backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    return grads, hooks.state_dict()["group"]["z/zclip"]
+
+
 def classifier() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
@@ -147,6 +162,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results["attach_then_shard"] = _error(lambda: _attach_then_shard(rank))
         results["units"] = _units(dist)
         results["accumulate"] = _accumulate(rank)
+        results["zclip"] = zclip_steps(sharded_model(), slice(4 * rank, 4 * rank + 4))
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.close()
@@ -227,6 +243,18 @@ def test_accumulation_reduces_once_and_clips_the_whole_step(fsdp):
     for rank in fsdp:
         for name, p in model.named_parameters():
             torch.testing.assert_close(rank["accumulate"][name], p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_zclip_clips_the_same_spike_with_plain_state(fsdp):
+    grads, state = zclip_steps(tiny_model(), slice(0, 8))  # one process, the full batch
+    _, raw = full_batch_grads()
+    assert not torch.allclose(grads["0.weight"], 4.0 * raw["0.weight"])  # the third call was clipped
+    for rank in fsdp:
+        got, got_state = rank["zclip"]
+        assert type(got_state["mean"]) is torch.Tensor  # a plain tensor: checkpointable as it is
+        torch.testing.assert_close(got_state["mean"], state["mean"], rtol=1e-5, atol=1e-7)
+        for name, g in grads.items():
+            torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_hook_stage_on_sharded_parameters_is_refused_at_attach(fsdp):
