@@ -231,8 +231,9 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     wrapped = dist.wrap(model)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
-    guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if dist.world_size > 1 else None,
-                           sharded=dist.strategy == "fsdp")
+    many = dist.world_size > 1
+    guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if many else None,
+                           sharded=many and dist.strategy == "fsdp")
     optimizer = build_optimizer(cfg.optimizer, param_groups(model.named_parameters(), cfg.optimizer.no_decay),
                                 dist.device)
     with contextlib.ExitStack() as stack:
