@@ -3,6 +3,7 @@
 ``step:N``: right after optimizer step N (its step-end callbacks done, as a crash between
 steps). ``write:N``: during the N-th checkpoint write, after the temporary file is written
 and before the rename. ``GRADMOD_KILL_SIGNAL``: KILL (default), TERM or INT.
+``GRADMOD_KILL_RANK`` (under torchrun): only that rank is signalled (default: every rank).
 """
 
 import os
@@ -23,7 +24,8 @@ SIGNAL = signal.Signals["SIG" + os.environ.get("GRADMOD_KILL_SIGNAL", "KILL")]
 
 
 def die() -> None:
-    os.kill(os.getpid(), SIGNAL)
+    if os.environ.get("GRADMOD_KILL_RANK", os.environ.get("RANK", "0")) == os.environ.get("RANK", "0"):
+        os.kill(os.getpid(), SIGNAL)
 
 
 class KillAfterStep(Callback):

@@ -202,6 +202,8 @@ def test_strategy_errors(monkeypatch):
         Dist.from_env("dp", cpu)
     with pytest.raises(ValueError, match="torchrun --nproc_per_node"):
         Dist.from_env("ddp", cpu)
+    with pytest.raises(ValueError, match="trainer.strategy=fsdp needs .*train.py trainer.strategy=fsdp"):
+        Dist.from_env("fsdp", cpu)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="add trainer.strategy=ddp"):
         Dist.from_env("single", cpu)

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from gradmod.hooks.sharded import plain
 from gradmod.hooks.transforms import _number, _positive, register
 
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
@@ -47,7 +48,7 @@ class NormRecord:
         self._summary: Tensor | None = None  # [norm sum, norm max, coef sum, coef min, clipped calls]
 
     def add(self, norm: Tensor, coef: Tensor) -> None:
-        self._rows.append(torch.stack([norm.float(), coef.float()]))
+        self._rows.append(torch.stack([plain(norm).float(), plain(coef).float()]))  # FSDP2: replicated values
         self.calls += 1
         if len(self._rows) >= self.COMPACT_AT:
             self._summary, self._rows = self._fold(), []
@@ -200,7 +201,7 @@ class ZClip(GroupTransform):
         self.count: Tensor | None = None  # during warm-up: how many were finite
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> Tensor | None:
-        norm = total_norm(grads).float()
+        norm = plain(total_norm(grads)).float()  # FSDP2: its running statistics stay plain tensors
         self.steps += 1
         if self.steps <= self.warmup_steps:
             self._gather(norm)

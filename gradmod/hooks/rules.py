@@ -41,6 +41,7 @@ from gradmod.hooks.selection import (  # noqa: F401
     observer_key,
     select,
 )
+from gradmod.hooks.sharded import refuse_hook_stage, watch
 from gradmod.hooks.stats import GradStats, batch_rows
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
@@ -83,6 +84,8 @@ class HookSet:
         self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
         # Every tensor this set transforms, so another attach call cannot hook it twice.
         self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
+        # fully_shard after attach would leave the rules on parameters no longer in the model.
+        self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         for obj in self.owned:
             _OWNERS[obj] = self
 
@@ -251,6 +254,7 @@ class HookSet:
         return len(self._handles)
 
     def remove(self) -> None:
+        self._watch.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -290,6 +294,7 @@ def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
+    refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
     previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
     replaced = previous if replace else []
     _refuse_overlap(model, targets, replaced)

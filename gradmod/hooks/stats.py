@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from gradmod.hooks.sharded import is_sharded, plain, sharded_rows
 from gradmod.hooks.transforms import Transform, register
 
 
@@ -61,9 +62,10 @@ class GradStats:
             before, self.pre._seen = self.pre._seen, None
         if self.keep is not None:
             self._seen = g.clone() if self.keep == "clone" else g
-        row = batch_rows([g], 0)[0] if before is None else batch_rows([before, g], 1)[1]
+        rows = sharded_rows if is_sharded(g) else batch_rows  # FSDP2: the full tensor's numbers
+        row = rows([g], 0)[0] if before is None else rows([before, g], 1)[1]
         if self.histogram:
-            self._hist = self.bin(g.float())
+            self._hist = self.bin(plain(g).float())  # FSDP2: gathers the gradient, at histogram steps only
         self.add_row(row)
         return None
 

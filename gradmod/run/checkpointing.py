@@ -23,10 +23,11 @@ FORMAT = 2
 
 class Checkpointer(Callback):
     """Writes ``folder/step-*.pt`` every ``every_epochs`` epochs (and at the last) and every
-    ``every_steps`` optimizer steps, keeping the newest ``keep``. ``writes=False`` (DDP
-    ranks > 0) saves nothing: rank 0 holds the same state. ``config``: the run's config
-    (a dict) saved with each checkpoint; ``run``: the run id in each file's header, so that
-    pruning keeps this run's newest ``keep`` and never touches another run's files.
+    ``every_steps`` optimizer steps, keeping the newest ``keep``. ``writes=False`` (ranks
+    > 0) saves nothing: rank 0 holds the same state (under FSDP2, gathered from every
+    rank). ``config``: the run's config (a dict) saved with each checkpoint; ``run``: the
+    run id in each file's header, so that pruning keeps this run's newest ``keep`` and
+    never touches another run's files.
     ``started``: the ``time.perf_counter()`` at which this process began the run; with the
     seconds a restored checkpoint carries, ``seconds()`` is the run's time over all its processes."""
 
@@ -51,12 +52,18 @@ class Checkpointer(Callback):
             self.save(trainer)
 
     def save(self, trainer) -> Path | None:
+        """Write a checkpoint (FSDP2: every rank must call, to gather the full state to rank 0)."""
+        sharded = trainer.dist.strategy == "fsdp"
+        if not self.writes and not sharded:
+            return None
+        model, position = trainer.dist.model_state(trainer.model), trainer.state_dict()
         if not self.writes:
             return None
-        state = {"format": FORMAT, "model": trainer.model.state_dict(), "trainer": trainer.state_dict(),
+        state = {"format": FORMAT, "model": model, "trainer": position,
                  "hooks": trainer.hooks.state_dict() if trainer.hooks is not None else {},
                  "callbacks": {cb.key: cb.state_dict() for cb in trainer.callbacks},
-                 "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan, "seconds": self.seconds()}
+                 "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan, "seconds": self.seconds(),
+                 "world_size": trainer.dist.world_size}
         state["step"] = state["trainer"]["step"]
         path = ckpt.save(self.folder, state, self.keep, run=self.run)
         log.debug("checkpoint %s (epoch %d, batch %d)", path, state["trainer"]["epoch"], state["trainer"]["batch"])
@@ -73,7 +80,7 @@ class Checkpointer(Callback):
         if state.get("hook_plan") != self.plan:
             log.warning("resuming from %s, whose hook plan differs from this run's", path)
         try:  # every state before any file is written: a misfit refuses the resume cleanly
-            trainer.model.load_state_dict(state["model"])
+            trainer.dist.load_model_state(trainer.model, state["model"])
             trainer.load_state_dict(state["trainer"])
             if trainer.hooks is not None:
                 trainer.hooks.load_state_dict(state["hooks"], trainer.device)

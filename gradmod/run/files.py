@@ -60,7 +60,7 @@ class RunFiles(Callback):
     def on_fit_end(self, trainer) -> None:
         from gradmod.reporting.plots import plot_curves, plot_frac_clipped, plot_grad_norms
 
-        torch.save(trainer.model.state_dict(), self.out / "model.pt")
+        torch.save(trainer.dist.model_state(trainer.model), self.out / "model.pt")  # FSDP2: gathered
         plot_curves(trainer.history, self.out / "curves.png")
         if self.rows:
             plot_grad_norms(self.rows, self.out / "grad_norms.png")

@@ -35,10 +35,18 @@ from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.reporting.plan import summarize_plan
 from gradmod.run import atomic, dp, endings, preflight
+from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.config import Config
-from gradmod.run.factories import (build_data, build_loss, build_optimizer, build_scheduler, describe_groups,
-                                   model_factory, param_groups)
+from gradmod.run.factories import (
+    build_data,
+    build_loss,
+    build_optimizer,
+    build_scheduler,
+    describe_groups,
+    model_factory,
+    param_groups,
+)
 from gradmod.run.files import GradCamCallback, RunFiles
 from gradmod.run.folder import Claim, RunFolder
 from gradmod.run.resume import apply_optimizer, check_epochs, compare
@@ -116,9 +124,11 @@ def train(cfg: Config, out: str | Path, on_owned: Callable[[Path], None] | None 
             dp.check(cfg)
             dist = _place(cfg)
             undo.callback(dist.close)
-            claimed = _claim(cfg, folder) if dist.is_main else (Claim(run_id=""), {})
+            claimed = _claim_shared(cfg, folder, dist)
             data, loader_workers = _load(cfg, dist)
             model = _model(cfg, data, dist.device)
+            if dist.strategy == "fsdp":
+                dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
             rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
             hooks = attach(model, rules, stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
                            loss_reduction=cfg.loss.args.get("reduction", "mean"))
@@ -132,7 +142,7 @@ def train(cfg: Config, out: str | Path, on_owned: Callable[[Path], None] | None 
             raise
 
 
-def _claim(cfg: Config, folder: RunFolder) -> tuple[Claim, dict[str, Any]]:
+def _claim(cfg: Config, folder: RunFolder, world_size: int) -> tuple[Claim, dict[str, Any]]:
     """Lock the folder, decide what the run is and check the checkpoint's config (no writes)."""
     t = cfg.trainer
     claim = folder.claim(resume=t.resume, start_over=t.start_over)
@@ -141,7 +151,30 @@ def _claim(cfg: Config, folder: RunFolder) -> tuple[Claim, dict[str, Any]]:
     path, state = claim.found
     diffs = compare(state.get("config"), dataclasses.asdict(cfg), t.resume_accept)
     check_epochs(path, state, t.epochs)
+    if state.get("world_size", 1) != world_size:  # each rank's share of the data order
+        raise ValueError(f"trainer.resume: {path} was written by {state.get('world_size', 1)} processes and "
+                         f"this run has {world_size}; resume with the same number of processes")
     return claim, diffs
+
+
+def _claim_shared(cfg: Config, folder: RunFolder, dist: Dist) -> tuple[Claim, dict[str, Any]]:
+    """Rank 0 claims the run folder (the run's folder) and finds the checkpoint; every other
+    rank reads the same file from there (a shared file system when ranks span hosts)."""
+    if dist.world_size == 1:
+        return _claim(cfg, folder, 1)
+    if dist.is_main:
+        answer = None  # what the other ranks get if the claim raises: rank 0 refused the run
+        try:
+            claim, diffs = _claim(cfg, folder, dist.world_size)
+            answer = (str(claim.found[0].resolve()) if claim.found else None, diffs, claim.run_id)
+        finally:
+            dist.share(answer)
+        return claim, diffs
+    answer = dist.share(None)
+    if answer is None:
+        raise ValueError("rank 0 could not start the run (its error says why)")
+    path, diffs, run_id = answer
+    return Claim(run_id=run_id, found=(Path(path), ckpt.load(path)) if path else None), diffs
 
 
 def _warn_sizes(cfg: Config, data: Data, world_size: int) -> None:
@@ -160,9 +193,9 @@ def _place(cfg: Config) -> Dist:
     """This process's device and rank, threads and seeds."""
     dist = Dist.from_env(cfg.trainer.strategy, resolve_device(cfg.trainer.device))
     check_precision(cfg.trainer.precision, dist.device)
-    if dist.world_size > 1 and cfg.trainer.resume:
-        raise ValueError("trainer.resume with trainer.strategy=ddp is not supported yet (ranks > 0 have no "
-                         "run folder to find checkpoints in); resume with strategy=single")
+    if dist.strategy == "fsdp" and cfg.capture.gradcam:  # the probe copies the whole model's weights
+        raise ValueError("capture.gradcam=true with trainer.strategy=fsdp is not supported; use trainer.strategy=ddp")
+    dist.start()
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.seed)
@@ -226,7 +259,9 @@ def _trainer(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Di
     wrapped = dist.wrap(model)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
-    guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if dist.world_size > 1 else None)
+    many = dist.world_size > 1
+    guard = NonFiniteGuard(model, hooks, t.nonfinite, world_sum=_world_sum if many else None,
+                           sharded=many and dist.strategy == "fsdp")
     groups = param_groups(model.named_parameters(), cfg.optimizer.no_decay)
     if cfg.optimizer.no_decay:
         log.info("%s", describe_groups(model, groups, cfg.optimizer.weight_decay))

@@ -1,12 +1,15 @@
-"""DistributedDataParallel: one process per rank, gloo on the CPU, nccl on GPUs.
+"""Many processes: DistributedDataParallel (``ddp``) or FSDP2 (``fsdp``), gloo on the CPU,
+nccl on GPUs.
 
 ``torchrun --nproc_per_node=N train.py trainer.strategy=ddp`` starts N copies of the job;
 torchrun (or SLURM, through submitit) tells each its rank in the environment. Every rank
-builds the same model from the same seed, attaches the hook rules to the *plain* model
-(names without DDP's ``module.`` prefix), then wraps it in DDP. Each rank trains on its
-own share of every epoch's seeded permutation, evaluates its share of the test set and
-the results are averaged, so every rank holds the same numbers; rank 0 alone writes the
-run folder.
+builds the same model from the same seed. Under ``ddp`` the hook rules are attached to the
+*plain* model (names without DDP's ``module.`` prefix), then it is wrapped in DDP; under
+``fsdp`` the model is sharded first (``fully_shard`` replaces the parameters, keeping their
+names) and the rules are attached to it. Each rank trains on its own share of every
+epoch's seeded permutation, evaluates its share of the test set and the results are
+averaged, so every rank holds the same numbers; rank 0 alone writes the run folder, and
+checkpoints hold the full state (FSDP2 gathers it to rank 0), read back by every rank.
 
 Where the stages run (the all-reduce averages gradients over the ranks):
 
@@ -14,7 +17,8 @@ Where the stages run (the all-reduce averages gradients over the ranks):
   ``.grad``; DDP's reducer reads ``.grad`` afterwards, so the step uses the mean of the
   transformed local gradients, e.g. ``mean_r clamp(g_r)``.
 * ``fused``: runs after ``backward()`` returns, when DDP has already averaged ``.grad``:
-  ``clamp(mean_r g_r)``.
+  ``clamp(mean_r g_r)``. Under FSDP2 the same, on each rank's shard of the averaged
+  gradient (norms are reduced over the shards); the ``hook`` stage is refused there.
 * ``per_sample``: DDP's all-reduce never runs (every backward under ``no_sync``); the
   clipped sums are all-reduced once, with one noise draw (``gradmod.training.dpsgd``).
 """
@@ -23,15 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-STRATEGIES = ("single", "ddp")
+STRATEGIES = ("single", "ddp", "fsdp")
 
 
 @dataclass
@@ -70,23 +75,80 @@ class Dist:
 
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         if "RANK" not in os.environ:
-            raise ValueError("trainer.strategy=ddp needs the process environment torchrun sets (RANK, WORLD_SIZE, "
-                             "MASTER_ADDR); run: torchrun --nproc_per_node=N train.py trainer.strategy=ddp")
+            raise ValueError(f"trainer.strategy={strategy} needs the process environment torchrun sets (RANK, "
+                             "WORLD_SIZE, MASTER_ADDR); run: torchrun --nproc_per_node=N train.py "
+                             f"trainer.strategy={strategy}")
         rank, world, local = env_rank(), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
         if device.type == "cuda":
             device = torch.device("cuda", local)  # one GPU per process
             torch.cuda.set_device(device)
-        return cls("ddp", rank, world, local, device)
+        return cls(strategy, rank, world, local, device)
+
+    def start(self) -> "Dist":
+        """Join the process group (a single process: nothing to join)."""
+        if self.strategy != "single" and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        return self
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Start the process group and wrap ``model`` in DDP (single: ``model`` itself).
+        """``model`` in DDP, or sharded in place by FSDP2 (single: ``model`` itself).
 
-        Attach hooks before: DDP then sees gradients the hooks already transformed."""
+        DDP: attach hooks before, so that DDP sees gradients the hooks transformed.
+        FSDP2: attach after (``fully_shard`` replaces the parameters); wrapping twice is
+        wrapping once."""
         if self.strategy == "single":
             return model
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.start()
+        if self.strategy == "fsdp":
+            return model if is_fsdp(model) else shard(model)
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def share(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a pickled broadcast; single: ``obj``)."""
+        if self.strategy == "single":
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def agree(self, value: int) -> int:
+        """The largest ``value`` of all ranks, on every rank (a signal to stop, 0 for none)."""
+        if self.strategy == "single":
+            return value
+        t = torch.tensor([value], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        """The full model state dict for a checkpoint; FSDP2 gathers it (every rank calls,
+        rank 0 gets it, in host memory; the others get {})."""
+        if self.strategy != "fsdp":
+            return unwrap(model).state_dict()
+        dcp = _dcp()
+        return dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load a full state dict; FSDP2: every rank keeps its shard of it."""
+        if self.strategy != "fsdp":
+            unwrap(model).load_state_dict(state)
+            return
+        dcp = _dcp()
+        dcp.set_model_state_dict(model, state, options=dcp.StateDictOptions(full_state_dict=True))
+
+    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """As ``model_state`` for the optimizer (FSDP2: keyed by parameter name)."""
+        if self.strategy != "fsdp":
+            return optimizer.state_dict()
+        dcp = _dcp()
+        return dcp.get_optimizer_state_dict(model, optimizer,
+                                            options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        if self.strategy != "fsdp":
+            optimizer.load_state_dict(state)
+            return
+        dcp = _dcp()
+        dcp.set_optimizer_state_dict(model, optimizer, state, options=dcp.StateDictOptions(full_state_dict=True))
 
     def mean(self, values: list[float], weight: float = 1.0) -> list[float]:
         """The ``weight``-weighted mean over ranks of per-rank values; the same on every rank."""
@@ -101,15 +163,58 @@ class Dist:
             dist.destroy_process_group()
 
 
+def _dcp():
+    """torch.distributed.checkpoint's state-dict helpers, imported when FSDP2 needs them
+    (a second of start-up that no other run pays)."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    module = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing is sharded
+    return module is not None and isinstance(model, module.FSDPModule)
+
+
+def shard(model: nn.Module) -> nn.Module:
+    """``fully_shard`` per block, then the root: each child module that holds parameters
+    is one unit, and each item of a child ``Sequential`` or ``ModuleList`` (ResNet's
+    residual blocks); what is left (parameters of the root itself) goes with the root.
+    A unit's parameters are gathered for its forward and backward, then freed."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        items = list(child) if isinstance(child, (nn.Sequential, nn.ModuleList)) else [child]
+        for unit in items:
+            if any(True for _ in unit.parameters()):
+                fully_shard(unit)
+    fully_shard(model)
+    return model
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP (its state dict has no ``module.`` prefix)."""
+    """The plain model inside DDP (its state dict has no ``module.`` prefix); FSDP2 keeps the module."""
     return model.module if isinstance(model, DDP) else model
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def no_sync(model: nn.Module, skip: bool):
     """DDP's ``no_sync()`` when ``skip`` (a micro-batch before the last of a step): the
-    gradient accumulates locally and is all-reduced once, with the last micro-batch."""
-    return model.no_sync() if skip and isinstance(model, DDP) else contextlib.nullcontext()
+    gradient accumulates locally and is all-reduced once, with the last micro-batch.
+    FSDP2: the same, reduce-scattered once."""
+    if skip and isinstance(model, DDP):
+        return model.no_sync()
+    if skip and is_fsdp(model):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
 
 
 def env_rank(environ: Mapping[str, str] | None = None) -> int:

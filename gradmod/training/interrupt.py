@@ -3,7 +3,8 @@ written, and ``Interrupted`` carries the signal out (``summary.json`` status
 ``interrupted``; the command line exits 128 + the signal's number: 130, 143).
 Before training starts (data loading, model build, checkpoint checks) there is no step to
 finish: the signal stops the run at once, as does a second Ctrl-C during training; both
-are ``Interrupted`` too, never a traceback."""
+are ``Interrupted`` too, never a traceback. With many processes, a signal to any rank
+stops every rank at the same step, agreed at each step's end."""
 
 from __future__ import annotations
 
@@ -74,9 +75,12 @@ class StopOnSignal(Callback):
         self._stop_if_asked(trainer)
 
     def _stop_if_asked(self, trainer, save: bool = True) -> None:
-        if self.signum is None:
+        # Many processes: a signal to any rank stops them all at this same step (one small
+        # all-reduce; after the step's optimizer step, so trainer.sync_check allows it).
+        signum = trainer.dist.agree(self.signum or 0) if trainer.dist.world_size > 1 else self.signum
+        if not signum:
             return
         path = None
-        if save and self.saver is not None and self.saver.writes:
-            path = self.saver.save(trainer)  # the same step again is an atomic replace
-        raise Interrupted(self.signum, trainer.step, path)
+        if save and self.saver is not None:
+            path = self.saver.save(trainer)  # rank 0 writes (the same step again is an atomic replace)
+        raise Interrupted(signum, trainer.step, path)

@@ -71,18 +71,20 @@ def placement(setting: str, data: Data, device: torch.device) -> str:
 
 def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
             shard: tuple[int, int] = (0, 1), start: int = 0, device: torch.device | None = None,
-            loader_workers: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+            loader_workers: int | None = None, parts: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
     shuffled by ``generator`` (a CPU generator) when one is given. ``shard=(rank, world)``
     keeps this rank's share of the shuffled order; ``start`` skips that many batches of it
     (resuming mid-epoch). With ``loader_workers`` set, a DataLoader gathers the same
-    batches from host memory and copies them to ``device``."""
+    batches from host memory and copies them to ``device``. ``parts`` (unshuffled only):
+    that many batches of near-equal size instead of ``batch_size`` each."""
     device = x.device if device is None else device
     if generator is None:
+        cut = (lambda t: t.tensor_split(parts)) if parts else (lambda t: t.split(batch_size))
         if loader_workers is not None:
-            yield from host_batches(x, y, torch.arange(len(y)).split(batch_size), device, loader_workers)
+            yield from host_batches(x, y, cut(torch.arange(len(y))), device, loader_workers)
             return
-        for xb, yb in zip(x.split(batch_size), y.split(batch_size)):
+        for xb, yb in zip(cut(x), cut(y)):
             yield as_float(xb), yb
         return
     order = torch.randperm(len(y), generator=generator)

@@ -33,6 +33,8 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from gradmod.hooks.sharded import is_sharded
+
 log = logging.getLogger(__name__)
 
 POLICIES = ("skip", "raise", "warn")
@@ -45,6 +47,7 @@ def count_nonfinite(tensors: list[Tensor]) -> list[Tensor]:
     ops for the whole list, no host sync."""
     if not tensors:
         return []
+    tensors = [t.to_local() if is_sharded(t) else t for t in tensors]  # FSDP2: this rank's shards
     return list(torch._foreach_norm(torch._foreach_mul(tensors, 0), 0))
 
 
@@ -62,13 +65,14 @@ class NonFiniteError(Diverged):
 
 
 class NonFiniteGuard:
-    def __init__(self, model: nn.Module, hooks=None, policy: str = "warn", world_sum=None):
+    def __init__(self, model: nn.Module, hooks=None, policy: str = "warn", world_sum=None, sharded: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"trainer.nonfinite={policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
         self.policy = policy
         # DDP: hook-stage counts are local (before the all-reduce), so every rank must take
         # the same skip decision: ``world_sum`` sums a tensor over the ranks.
         self.world_sum = world_sum
+        self.sharded = sharded  # FSDP2: each rank counts its shards, summed over the ranks every step
         self.hooks = hooks
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Parameters whose .grad the fused stage transforms in place: counted before it.
@@ -112,6 +116,8 @@ class NonFiniteGuard:
         names, is_after, counts = self._collect()
         if counts is None:
             return False
+        if self.sharded:
+            counts = self.world_sum(counts)
         if self.policy == "warn" and scale is None:
             self._accumulate(names, is_after, counts)
             return False

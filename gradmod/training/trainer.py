@@ -10,6 +10,7 @@ lives in callbacks (``gradmod.training.callbacks``), each with its own ``state_d
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -180,9 +181,12 @@ class Trainer:
     def test(self, data: Data) -> tuple[float, float]:
         """(test loss, test accuracy): each rank evaluates its share, the means are combined."""
         test_y = data.test_y[self.dist.shard]
+        parts = None
+        if self.dist.strategy == "fsdp":  # every forward gathers parameters: all ranks run as many
+            parts = math.ceil(math.ceil(len(data.test_y) / self.dist.world_size) / self.eval_batch_size)
         loss, accuracy = evaluate(self.eval_net, data.test_x[self.dist.shard], test_y,
                                   batch_size=self.eval_batch_size, device=self.device,
-                                  loader_workers=self.loader_workers)
+                                  loader_workers=self.loader_workers, parts=parts)
         return tuple(self.dist.mean([loss, accuracy], weight=len(test_y)))
 
     def state_dict(self) -> dict[str, Any]:
@@ -194,10 +198,10 @@ class Trainer:
                 "generator": self.epoch_order if mid else self.generator.get_state(),
                 "loss_sum": self.loss_sum.item() if mid else 0.0, "history": list(self.history),
                 "epoch_skipped_before": self._skipped_before if mid else self.skipped,
-                "optimizer": self.optimizer.state_dict(), "scaler": self.amp.state_dict()}
+                "optimizer": self.dist.optimizer_state(self.model, self.optimizer), "scaler": self.amp.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.amp.load_state_dict(state["scaler"])
         self.step, self.skipped, self.history = state["step"], state["skipped"], list(state["history"])
         self.epoch, self.batch = state["epoch"], state["batch"]
@@ -215,13 +219,15 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
-             device: torch.device | None = None, loader_workers: int | None = None) -> tuple[float, float]:
-    """Batched evaluation: (mean cross-entropy, accuracy), read from the device once."""
+             device: torch.device | None = None, loader_workers: int | None = None,
+             parts: int | None = None) -> tuple[float, float]:
+    """Batched evaluation: (mean cross-entropy, accuracy), read from the device once.
+    ``parts``: exactly that many batches of near-equal size instead (FSDP2's ranks)."""
     model.eval()
     device = y.device if device is None else device
     loss = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
-    for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers):
+    for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers, parts=parts):
         out = model(xb)
         loss += F.cross_entropy(out, yb, reduction="sum")
         correct += (out.argmax(1) == yb).sum()
