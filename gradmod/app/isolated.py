@@ -7,8 +7,12 @@ process (a loky worker, the basic launcher's own process, a submitit task) forks
 that does the training and waits for it; the launcher never sees the child die.
 
 ``fork`` rather than a fresh interpreter: the child inherits the composed config and the
-logging Hydra set up for the job (``train.log``), and does not import torch again. The
-parent does no torch work of its own (no threads, no CUDA) before it forks.
+logging Hydra set up for the job (``train.log``), and does not import torch again. A fork
+is only safe while the process has no native threads (OpenMP's pool, CUDA's): the
+launcher's process does no torch work of its own, so under ``python train.py -m`` it has
+none. Where it has some (a sweep launched from a process that already trained, as
+Hydra's in-process launchers in a test session do), the job runs in the process itself,
+without the isolation, rather than risk a child that deadlocks in its first parallel op.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ ChildResult = tuple[int, "dict[str, Any] | None"]  # (exit status or -signal, wh
 
 def run_forked(fn: Callable[[], ChildResult]) -> ChildResult:
     """Run ``fn`` in a forked child; returns its (exit code, summary), or (-signal, None)
-    when a signal ended the child before it could answer."""
+    when a signal ended the child before it could answer. Where a fork is not safe
+    (``fork_is_safe``), ``fn`` runs here."""
+    if not fork_is_safe():
+        return fn()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: answer through the pipe, then leave without the parent's atexit work
@@ -45,6 +52,25 @@ def run_forked(fn: Callable[[], ChildResult]) -> ChildResult:
     except ValueError:
         sent_code, summary = code, None
     return (code if code < 0 else sent_code), summary
+
+
+def _native_threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc (macOS, where fork is no safer)
+        return None
+
+
+# The threads this process had when gradmod was imported (torch's own, started at import);
+# more later means torch ran parallel work here and started its pools.
+_AT_IMPORT = _native_threads()
+
+
+def fork_is_safe() -> bool:
+    """Whether this process may fork a child that runs torch: no native thread started since
+    import (a forked child inherits none of them, and OpenMP's pool in it waits forever)."""
+    now = _native_threads()
+    return now is not None and _AT_IMPORT is not None and now <= _AT_IMPORT + threading.active_count() - 1
 
 
 def _child(fn: Callable[[], ChildResult], write_end: int) -> None:
