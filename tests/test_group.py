@@ -158,7 +158,7 @@ def test_agc_matches_a_unit_by_unit_computation():
 def test_agc_config_leaves_the_classifier_out():
     from conftest import ROOT
 
-    from gradmod.hooks.rules import load_rules
+    from gradmod.hooks import load_rules
     from gradmod.models import MnistCNN
 
     rules = load_rules(ROOT / "conf" / "hooks" / "agc.yaml")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from gradmod.hooks.rules import HookSet, attach, load_rules
+from gradmod.hooks import HookSet, attach, load_rules
 
 try:
     from lightning.pytorch.callbacks import Callback

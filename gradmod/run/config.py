@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gradmod.hooks.rules import STAGES as HOOK_STAGES
+from gradmod.hooks.selection import STAGES as HOOK_STAGES
 from gradmod.reporting.loggers import LOGGERS
 from gradmod.training.distributed import STRATEGIES
 from gradmod.training.loader import PLACEMENTS
@@ -250,7 +250,7 @@ class SchedulerConfig:
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
-    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
+    are checked against the model by ``gradmod.hooks.selection.build_targets``."""
 
     params: Any = None
     modules: Any = None
