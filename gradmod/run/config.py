@@ -1,9 +1,12 @@
-"""The typed config of a run: dataclasses, the one source of every default.
+"""The typed config of a run: dataclasses that give every key its type, default and check.
 
 Plain dataclasses (no Hydra, no OmegaConf): ``gradmod.app`` registers them as Hydra
 structured configs, so a typo fails while composing, and builds them with
 ``OmegaConf.to_object``; ``__post_init__`` checks values, so a bad one fails before any
 work. Python users can build them directly: ``Config(model=ModelConfig("mnist_cnn"), ...)``.
+
+``conf/`` restates the defaults where users read them (``conf/trainer/default.yaml`` lists
+every trainer key with its comment); ``tests/test_config_defaults.py`` holds the two equal.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ class AdamConfig(OptimizerConfig):
 class SGDConfig(OptimizerConfig):
     _target_: str = "torch.optim.SGD"
     lr: float = 0.01
-    momentum: float = 0.0
+    momentum: float = 0.9  # what users expect of SGD here (torch's own default is 0)
     nesterov: bool = False
 
     def __post_init__(self):
