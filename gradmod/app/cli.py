@@ -24,7 +24,7 @@ from typing import Any, Callable
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradmod.app.config_store import one_line, unknown_key, validate
@@ -38,10 +38,6 @@ from gradmod.training.nonfinite import NonFiniteError
 log = logging.getLogger("gradmod")
 
 _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
-
-# ${negate:x} in configs: a symmetric clamp from one tuned bound (conf/experiment/clip_optuna.yaml).
-OmegaConf.register_new_resolver("negate", lambda x: -x, replace=True)
-
 
 def run(cfg: DictConfig, out_dir: str | Path) -> dict[str, Any]:
     """Check a composed config, then train as it says into ``out_dir``; returns the summary."""

@@ -279,7 +279,6 @@ class Config:
     data_dir: str = "data"
     hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule (a RuleConfig or a mapping)
     plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built
-    clip_bound: Optional[float] = None  # the tuned clamp bound of conf/experiment/clip_optuna.yaml
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 

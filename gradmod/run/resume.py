@@ -17,7 +17,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MUST_MATCH = ("model", "data", "seed", "hooks", "clip_bound", "init", "optimizer._target_", "trainer.accumulate",
+MUST_MATCH = ("model", "data", "seed", "hooks", "init", "optimizer._target_", "trainer.accumulate",
               "trainer.hook_stage", "trainer.precision", "trainer.strategy")
 NOT_ARGUMENTS = ("_target_", "_partial_")
 
