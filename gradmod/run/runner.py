@@ -48,7 +48,7 @@ from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision, check_precision
 from gradmod.training.schedule import SchedulerCallback
 from gradmod.training.speed import SyncCheck, compile_model, to_channels_last
-from gradmod.training.trainer import Trainer
+from gradmod.training.trainer import Trainer, TrainerSettings
 from gradmod.weight_init import apply_init
 
 log = logging.getLogger(__name__)
@@ -212,16 +212,16 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     with contextlib.ExitStack() as stack:
         folder = out if dist.is_main else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         callbacks, saver, stop = _callbacks(cfg, stack, folder, run_folder, data, hooks, plan, guard, optimizer, dist)
-        trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
+        settings = TrainerSettings(batch_size=cfg.data.batch_size, accumulate=t.accumulate,
+                                   eval_batch_size=t.eval_batch_size, log_every=t.log_every,
+                                   progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers)
+        trainer = Trainer(model, optimizer, settings, hooks=hooks, amp=Precision(t.precision, dist.device),
                           loss_fn=build_loss(cfg.loss), callbacks=callbacks, dist=dist, net=net,
-                          eval_net=model if net is wrapped else net, accumulate=t.accumulate,
-                          batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
-                          progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
-                          generator=torch.Generator().manual_seed(cfg.seed))
+                          eval_net=model if net is wrapped else net, generator=torch.Generator().manual_seed(cfg.seed))
         found, diffs = resume
         if saver.restore_from(trainer, found):
             apply_optimizer(trainer.optimizer, diffs)  # lr and the like may change on resume
-        if trainer.progress:
+        if settings.progress:
             stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
         with stop.install():
             trainer.fit(data, t.epochs)
