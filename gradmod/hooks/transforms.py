@@ -181,8 +181,9 @@ def _clamp_bounds(min: float | None, max: float | None, bound: float | None) -> 
 
 
 def clamp(min: float | None = None, max: float | None = None, bound: float | None = None) -> Transform:
-    """Clamp each element to [min, max] (either bound may be left out), or to
-    [-bound, bound]: one number to tune for a symmetric clip."""
+    """Clamp each element to [min, max] (either may be left out) or to [-bound, bound].
+
+    ``bound`` alone is one number to tune for a symmetric clip."""
     lo, hi = _clamp_bounds(min, max, bound)
     return lambda grad: grad.clamp(lo, hi)
 
