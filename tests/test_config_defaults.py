@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import yaml
-from conftest import CONF
+from helpers import CONF
 
 from gradmod.run import config as C
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST, ROOT, run_train
+from helpers import FAST, ROOT, run_train
 from hydra.errors import HydraException
 
 from gradmod.app.help import transform_lines

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 
 def readme_install_line() -> list[str]:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, run_train
+from helpers import FAST, ROOT, run_train
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
