@@ -1,38 +1,10 @@
-"""Shared test helpers: compose the real config, and run train.py as a user would."""
+"""Fixtures shared by the tests (plain helpers live in helpers.py)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
-import gradmod.app.config_store  # noqa: F401  (registers the schemas the YAMLs build on)
-
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-
-# A tiny, fast run on the bundled sample: the overrides most end-to-end tests start from.
-FAST = ["data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
-# Two epochs of 6 steps on 28x28 FakeData, a checkpoint every 4 steps: the resume tests' run.
-RESUMABLE = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
-             "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
-             "trainer.threads=1", "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
-
-
-def compose_config(*overrides: str):
-    """The real config with ``overrides``, as train.py would see it."""
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose(config_name="config", overrides=list(overrides))
-    finally:
-        GlobalHydra.instance().clear()
+from helpers import RESUMABLE, compose_config
 
 
 @pytest.fixture(autouse=True)
@@ -61,17 +33,3 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     summary = run(compose_config(*RESUMABLE), out)
     return torch.load(out / "model.pt"), summary, (out / "metrics.jsonl").read_text()
-
-
-def run_train(tmp_path: Path, *overrides: str, multirun: bool = False, check: bool = True,
-              env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``python train.py`` in a subprocess with its outputs under ``tmp_path``."""
-    dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    entry = "tests/kill_driver.py" if "GRADMOD_KILL_AT" in (env or {}) else "train.py"  # see kill_driver
-    cmd = [sys.executable, str(ROOT / entry), *(["-m"] if multirun else []),
-           f"{dir_key}={tmp_path}", f"data_dir={tmp_path / 'data'}", *overrides]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc

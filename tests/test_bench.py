@@ -55,7 +55,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     assert "epoch.article" in table and "hook_overhead" in table and str(out) in table and "ops per step" in table
 
 
-def test_bench_flags(tmp_path):
+def test_bench_full_tiles_the_sample_to_mnist_sizes_and_unknown_sections_are_refused(tmp_path):
     bench = _bench()
     args = bench.parse_args(["--full", "--device", "cuda", "--epochs", "10"])
     assert (args.train_size, args.test_size, args.epochs) == (60_000, 10_000, 10)

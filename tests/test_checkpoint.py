@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RESUMABLE, run_train
+from helpers import RESUMABLE, run_train, same_params
 
 from gradmod.app.cli import run
 from gradmod.run import checkpoint_file as ckpt
@@ -68,12 +68,6 @@ def test_rng_state_round_trip():
     assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
 
 
-def _same_params(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
 def _resume(compose_cfg, out: Path):
     return run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), out)
 
@@ -86,7 +80,7 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, compose_cfg, reference
     assert ckpt.latest(tmp_path / "checkpoints")[1]["trainer"]["batch"] == 2  # mid-epoch position
     summary = _resume(compose_cfg, tmp_path)
     params, ref_summary, ref_metrics = reference
-    _same_params(torch.load(tmp_path / "model.pt"), params)
+    same_params(torch.load(tmp_path / "model.pt"), params)
     assert summary["resumed_from"].endswith("step-000000008.pt")
     assert summary["train_loss"] == ref_summary["train_loss"] and summary["steps"] == 12
     strip = lambda text: [{k: v for k, v in __import__("json").loads(ln).items() if "seconds" not in k}
@@ -109,7 +103,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous(tmp_path, compose_cfg, 
         summary = _resume(compose_cfg, tmp_path)
     assert "step-000000010.pt" in caplog.text and "truncated or corrupt" in caplog.text
     assert summary["resumed_from"].endswith("step-000000006.pt")
-    _same_params(torch.load(tmp_path / "model.pt"), reference[0])
+    same_params(torch.load(tmp_path / "model.pt"), reference[0])
     assert not list(folder.glob(".*.tmp"))  # the stale temp file was cleaned up
 
 
@@ -122,7 +116,7 @@ def test_resume_from_a_path_mid_epoch_with_accumulation(tmp_path, compose_cfg):
     assert ckpt.load(first)["trainer"]["batch"] == 4  # two optimizer steps = four micro-batches into epoch 1
     summary = run(compose_cfg(*over, f"trainer.resume={first}"), tmp_path / "resumed")
     assert summary["resumed_from"] == str(first) and summary["steps"] == 6
-    _same_params(torch.load(tmp_path / "resumed" / "model.pt"), torch.load(full / "model.pt"))
+    same_params(torch.load(tmp_path / "resumed" / "model.pt"), torch.load(full / "model.pt"))
 
 
 def test_resume_drops_a_truncated_last_line_of_grad_stats(tmp_path, compose_cfg):

@@ -14,27 +14,25 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import ROOT, tiny_mlp
 from torch import nn
 
 from gradmod.hooks.rules import attach
 from gradmod.training.distributed import Dist, follower_overrides, unwrap
 from gradmod.training.trainer import train_epoch
 
-ROOT = Path(__file__).resolve().parents[1]
 BOUND = 0.05  # small enough that the clamp bites on some entries and not on others
 LR = 0.5
 BATCH = 4
 
 
 def tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    return tiny_mlp(6, 5, 3, act=nn.Tanh)
 
 
 def tiny_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +191,7 @@ def test_accumulating_two_half_batches_is_one_full_batch():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_strategy_errors(monkeypatch):
+def test_strategy_refuses_unknown_names_and_a_mismatch_with_torchrun(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("SLURM_PROCID", raising=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 from omegaconf import OmegaConf
 
 TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_config
+from helpers import compose_config
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -22,7 +22,7 @@ from gradmod.hooks.rules import attach
 from gradmod.models import build_model
 from gradmod.training.callbacks import Callback
 from gradmod.training.loader import poisson_batches, poisson_steps
-from gradmod.training.trainer import Trainer
+from gradmod.training.trainer import Trainer, TrainerSettings
 
 try:
     import opacus  # noqa: F401
@@ -110,9 +110,9 @@ def _train(model, *, batch_size: int, accumulate: int = 1, noise: float = 0.0, s
            callbacks=()):
     x, y = _data()
     hooks = attach(model, _dp_rules(noise))
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, callbacks=list(callbacks),
-                      batch_size=batch_size, accumulate=accumulate, generator=torch.Generator().manual_seed(7),
-                      sampling=sampling, log_every=2**62)
+    settings = TrainerSettings(batch_size=batch_size, accumulate=accumulate, sampling=sampling, log_every=2**62)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), settings, hooks=hooks,
+                      callbacks=list(callbacks), generator=torch.Generator().manual_seed(7))
     trainer.train_epoch(x, y)
     hooks.remove()
     return trainer
@@ -167,8 +167,8 @@ def test_an_empty_poisson_step_still_adds_noise():
     assert 0 in sizes
     model, grads = _model(), _Grads()
     hooks = attach(model, _dp_rules(noise=1.0))
-    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, callbacks=[grads], batch_size=1,
-            sampling="poisson", generator=torch.Generator().manual_seed(7)).train_epoch(x, y)
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerSettings(batch_size=1, sampling="poisson"),
+            hooks=hooks, callbacks=[grads], generator=torch.Generator().manual_seed(7)).train_epoch(x, y)
     hooks.remove()
     assert len(grads.seen) == 20
     for n, step in zip(sizes, grads.seen):
@@ -182,8 +182,8 @@ def test_noise_std_is_sigma_c_over_expected_batch():
     x, y = torch.zeros(100, 50), torch.randint(0, 40, (100,))
     hooks = attach(model, _dp_rules(noise=2.0, max_norm=0.5))
     grads = _Grads()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, callbacks=[grads],
-                      batch_size=25, sampling="poisson", generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), TrainerSettings(batch_size=25, sampling="poisson"),
+                      hooks=hooks, callbacks=[grads], generator=torch.Generator().manual_seed(0))
     trainer.train_epoch(x, y)
     hooks.remove()
     sample = torch.cat([g[0].flatten() for g in grads.seen])  # 4 steps x 2000 draws
@@ -398,9 +398,10 @@ def _ddp_dp_worker(rank: int, world: int, port: int, out: str) -> None:
             net.register_comm_hook(calls, _counting_allreduce)
             torch.manual_seed(11)  # the noise's generator: rank 0 draws, as a single process would
             x, y = _data()
-            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, dist=dist, net=net,
-                              batch_size=4 // accumulate, accumulate=accumulate, sampling=sampling,
-                              generator=torch.Generator().manual_seed(7), log_every=2**62)
+            settings = TrainerSettings(batch_size=4 // accumulate, accumulate=accumulate, sampling=sampling,
+                                       log_every=2**62)
+            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), settings, hooks=hooks, dist=dist,
+                              net=net, generator=torch.Generator().manual_seed(7))
             trainer.train_epoch(x, y)
             hooks.remove()
             torch.save({"params": [p.detach() for p in model.parameters()], "calls": len(calls),
@@ -449,7 +450,7 @@ def test_torchrun_dp_run(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

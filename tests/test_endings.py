@@ -12,7 +12,7 @@ import signal
 
 import pytest
 import torch
-from conftest import RESUMABLE, run_train
+from helpers import RESUMABLE, run_train, same_params
 
 from gradmod.app.cli import run
 from gradmod.run import checkpoint_file as ckpt
@@ -109,11 +109,7 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_with_one_line(tmp_path
     assert summary["status"] == "interrupted" and summary["signal"] == f"SIG{name}" and summary["steps"] == 8
     resumed = run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), tmp_path)
     assert resumed["status"] == "ok" and resumed["resumed_from"].endswith("step-000000008.pt")
-    _same_params(torch.load(tmp_path / "model.pt"), reference[0])
-
-
-def _same_params(a, b) -> None:
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    same_params(torch.load(tmp_path / "model.pt"), reference[0])
 
 
 def _soak(tmp_path, compose_cfg, reference, runs: int, seed: int) -> None:
@@ -126,7 +122,7 @@ def _soak(tmp_path, compose_cfg, reference, runs: int, seed: int) -> None:
         assert proc.returncode == expected, (i, step, name, proc.stderr)
         summary = run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), out)
         assert summary["status"] == "ok" and summary["steps"] == 12, (i, step, name)
-        _same_params(torch.load(out / "model.pt"), reference[0])
+        same_params(torch.load(out / "model.pt"), reference[0])
         assert json.loads((out / "summary.json").read_text())["status"] == "ok"
         assert [json.loads(ln)["epoch"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
         run_id = json.loads((out / ".gradmod" / "run.json").read_text())["run_id"]

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import ROOT
+from helpers import ROOT
 
 from gradmod import data as data_module
 from gradmod.app import help as help_page

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST, ROOT, run_train
+from helpers import FAST, ROOT, run_train
 from hydra.errors import HydraException
 
 from gradmod.app.help import transform_lines
@@ -31,7 +31,7 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
     assert "powered by Hydra" not in page and "schema" not in page
     for name in transforms.names():
         assert f"  {name}(" in page, name
-    assert "clamp(min=None, max=None)" in page and "noise(std, decay=0.55)" in page
+    assert "clamp(min=None, max=None, bound=None)" in page and "noise(std, decay=0.55)" in page
     for hook in (ROOT / "conf" / "hooks").glob("*.yaml"):
         assert re.search(rf"^  {hook.stem}\s+\S", page, re.M), hook.stem
     assert "  optimizer: adam, sgd\n" in page and "  model: mnist_cnn, resnet18, resnet50\n" in page

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradmod.hooks import transforms as T
 from gradmod.hooks.rules import attach
 from gradmod.hooks.stats import GradStats
 from gradmod.models import MnistCNN
+from gradmod.testing.opcount import OpCounter
 from gradmod.training.trainer import train_epoch
 
 
@@ -160,16 +160,6 @@ def test_stateful_transform_keeps_one_state_per_tensor_in_both_stages():
                         assert added < 1e-6, f"{stage}: {n} got noise of std {added} on call {call + 1}"
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_log_rows_of_many_tensors_cost_one_op_each_plus_a_few():
     """A regression guard for the `log` cost at the hook stage (it was 27 aten ops per
     call, then 9): the rows of one backward are computed together."""
@@ -177,10 +167,10 @@ def test_log_rows_of_many_tensors_cost_one_op_each_plus_a_few():
 
     gs = [torch.randn(32, 32, 3, 3), torch.randn(32), torch.randn(10, 32), torch.randn(10)] * 5
     batch_rows(gs, 0)  # the layout's segment lengths are built once
-    with _CountOps() as count:
+    with OpCounter() as count:
         rows = batch_rows(gs, 0)
-    assert len(count.ops) <= 2 * len(gs) + 25, count.ops  # a detach and a flattening view per tensor
-    assert not any("item" in op or "_local_scalar" in op for op in count.ops), "no host sync"
+    assert count.count <= 2 * len(gs) + 25, count.by_op  # a detach and a flattening view per tensor
+    assert not any("item" in op or "_local_scalar" in op for op in count.by_op), "no host sync"
     for g, row in zip(gs, rows):
         assert row[0].item() == pytest.approx(torch.linalg.vector_norm(g).item(), rel=1e-6)
         assert (row[1].item(), row[2].item()) == (g.min().item(), g.max().item())

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_train
+from helpers import run_train, tiny_mlp
 from torch import nn
 
 import gradmod.run.runner as train_mod
@@ -79,8 +79,7 @@ def test_log_memory_is_bounded_over_1000_steps(monkeypatch):
 
 
 def _bounded_log():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    model = tiny_mlp(4, 3, 2)
     hooks = attach(model, {"log": {"params": "*", "transforms": ["log"]},
                            "out": {"modules": "0", "transforms": ["log"]}})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -9,6 +9,7 @@ import lightning as L  # the optional extra gradmod[lightning], part of gradmod[
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_mlp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -37,8 +38,7 @@ class Module(L.LightningModule):
 
 
 def _net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    return tiny_mlp(6, 16, 3, act=nn.Tanh)
 
 
 def _data():
@@ -91,7 +91,7 @@ def test_global_norm_clip_equals_gradient_clip_val_norm(tmp_path):
 
 
 def test_rules_from_a_hook_file_and_log_statistics_reach_the_logger(tmp_path):
-    from conftest import CONF
+    from helpers import CONF
     from lightning.pytorch.loggers import CSVLogger
 
     logger = CSVLogger(tmp_path, name="run", version=0)

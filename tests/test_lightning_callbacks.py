@@ -19,7 +19,7 @@ from gradmod.integrations.lightning import GradmodCallback
 N, BATCH = 32, 8
 
 def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypatch):
-    from conftest import ROOT
+    from helpers import ROOT
 
     doc = (ROOT / "docs" / "lightning.md").read_text()
     code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)

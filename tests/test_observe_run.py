@@ -12,7 +12,7 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, compose_config
+from helpers import FAST, compose_config
 
 import gradmod.run.runner as train_mod
 from gradmod.app.cli import run

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from helpers import tiny_mlp
 
 from gradmod.app.cli import run
 from gradmod.hooks.rules import attach
@@ -20,8 +20,7 @@ CLAMP = [{"name": "clamp", "min": -0.01, "max": 0.01}]
 
 
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    return tiny_mlp(6, 5, 3)
 
 
 def _loss(model):

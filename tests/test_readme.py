@@ -2,7 +2,7 @@
 
 import re
 
-from conftest import ROOT
+from helpers import ROOT
 
 from gradmod.hooks import transforms
 

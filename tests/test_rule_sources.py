@@ -32,7 +32,7 @@ def backward(model: nn.Module) -> None:
 
 
 def test_shipped_names_are_the_hydra_group_and_load_from_any_folder(tmp_path, monkeypatch):
-    from conftest import CONF
+    from helpers import CONF
 
     assert SHIPPED == CONF / "hooks"
     assert shipped_names() == sorted(p.stem for p in (CONF / "hooks").glob("*.yaml"))

@@ -207,3 +207,24 @@ def test_bad_rules_are_clear_value_errors(rules, message):
         gradmod.attach(model, rules)
     assert message in str(e.value)
     assert all(not p._backward_hooks for p in model.parameters()), "nothing attached on error"
+
+
+def test_hookset_counts_the_tensors_it_transforms_whatever_the_stage(batch):
+    """A set with only fused or group rules registers no hook handle, yet it is true, so
+    ``if hooks: hooks.after_backward()`` runs its stage (here: == clip_grad_norm_)."""
+    model, plain = Small(), Small()
+    plain.load_state_dict(model.state_dict())
+    rules = {"norm": {"params": "fc1.*", "transforms": [{"name": "global_norm_clip", "max_norm": 0.01}]},
+             "relu": {"modules": "relu", "transforms": [{"name": "scale", "factor": 2.0}]}}
+    hooks = gradmod.attach(model, {"norm": rules["norm"]})
+    assert len(hooks) == 2 and hooks
+    grads(model, *batch)
+    if hooks:
+        hooks.after_backward()
+    grads(plain, *batch)
+    torch.nn.utils.clip_grad_norm_([plain.fc1.weight, plain.fc1.bias], 0.01)
+    assert torch.equal(model.fc1.weight.grad, plain.fc1.weight.grad)
+    hooks.remove()
+    assert len(hooks) == 0 and not hooks
+    with gradmod.attach(model, rules) as both:  # a module output counts once, as ``relu:output``
+        assert len(both) == 3

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_train
+from helpers import run_train
 
 from gradmod.app.cli import run
 from gradmod.run import checkpoint_file as ckpt

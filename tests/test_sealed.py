@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RESUMABLE, ROOT, compose_config
+from helpers import RESUMABLE, ROOT, compose_config
 
 from gradmod.app.cli import run
 from gradmod.app.config_store import validate

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import RESUMABLE, run_train
+from helpers import RESUMABLE, run_train
 
 from gradmod.run import checkpoint_file as ckpt
 

@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from conftest import run_train
+from helpers import run_train
 
 from gradmod.reporting import sweep_report as sweep
 

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, run_train
+from helpers import FAST, ROOT, run_train
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from gradmod.app import cli  # also registers the ${negate:} resolver the Optuna example uses
+from gradmod.app import cli
 from gradmod.hooks.rules import attach
 from gradmod.models import build_model
 from gradmod.reporting import sweep_report as sweep
@@ -22,6 +22,7 @@ from gradmod.reporting import sweep_report as sweep
 # Tiny random 28x28 images: a job costs well under a second once Python is up.
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=64", "data.test_size=32",
         "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false"]
+BOUND = "hooks.clip.transforms.0.bound"  # the Optuna example's tuned key: the clip rule's own bound
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -186,15 +187,15 @@ def test_optuna_example_composes():
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["experiment=clip_optuna", "clip_bound=0.03"],
+        cfg = compose(config_name="config", overrides=["experiment=clip_optuna", "hooks.clip.transforms.0.bound=0.03"],
                       return_hydra_config=True)
     GlobalHydra.instance().clear()
     sweeper = cfg.hydra.sweeper
     assert sweeper._target_ == "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
     assert sweeper.direction == "maximize"
-    assert set(sweeper.params) == {"clip_bound", "optimizer.lr"}
+    assert set(sweeper.params) == {BOUND, "optimizer.lr"}
     clamp = OmegaConf.to_container(cfg.hooks, resolve=True)["clip"]["transforms"][0]
-    assert clamp == {"name": "clamp", "min": -0.03, "max": 0.03}  # one bound, symmetric
+    assert clamp == {"name": "clamp", "bound": 0.03}  # the rule's own key, one symmetric bound
 
 
 def test_slurm_preset_runs_the_local_task_function(tmp_path, monkeypatch):
@@ -254,12 +255,12 @@ def test_issue_sweep_hooks_by_seeds(tmp_path):
 def test_optuna_two_trials(tmp_path):
     run_train(tmp_path, *TINY, "experiment=clip_optuna", "hydra.sweeper.n_trials=2", multirun=True)
     results = OmegaConf.load(tmp_path / "optimization_results.yaml")
-    assert set(results.best_params) == {"clip_bound", "optimizer.lr"}
+    assert set(results.best_params) == {BOUND, "optimizer.lr"}
     rows = read_csv(tmp_path / "sweep.csv")
     assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
     for job in ("0", "1"):
         overrides = dict(o.split("=", 1) for o in OmegaConf.load(tmp_path / job / ".hydra" / "overrides.yaml"))
-        bound = float(overrides["clip_bound"])
+        bound = float(overrides[BOUND])
         plan = json.loads((tmp_path / job / "hook_plan.json").read_text())
-        assert plan[0]["transforms"] == [f"clamp(min={-bound}, max={bound})"]
+        assert plan[0]["transforms"] == [f"clamp(bound={bound})"]
         assert 0.001 <= bound <= 0.1

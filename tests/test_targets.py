@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, run_train
+from helpers import ROOT, run_train
 
 from gradmod.app.cli import run
 from gradmod.run.config import DataConfig, LossConfig

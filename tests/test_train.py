@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, FAST, run_train
+from helpers import CONF, FAST, run_train
 
 from gradmod.app.cli import run
 from gradmod.hooks.rules import attach

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from helpers import tiny_mlp
 
 from gradmod.hooks import transforms as T
 from gradmod.hooks.rules import attach
@@ -28,8 +28,7 @@ def _bad_transforms():
 
 
 def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    return tiny_mlp(4, 3, 2)
 
 
 def _backward(model):

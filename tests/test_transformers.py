@@ -179,7 +179,7 @@ def test_fp16_on_cuda_fused_clip_sees_unscaled_gradients(tmp_path):
 def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypatch, capsys):
     import re
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     doc = ROOT / "docs" / "transformers.md"
     code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)

@@ -11,6 +11,7 @@ G = torch.tensor([-0.5, -0.005, 0.0, 0.003, 2.0])
 @pytest.mark.parametrize("spec, expected", [
     ({"name": "clamp", "min": -0.01, "max": 0.01}, [-0.01, -0.005, 0.0, 0.003, 0.01]),
     ({"name": "clamp", "min": 0.0}, [0.0, 0.0, 0.0, 0.003, 2.0]),
+    ({"name": "clamp", "bound": 0.01}, [-0.01, -0.005, 0.0, 0.003, 0.01]),
     ("zero", [0.0] * 5),
     ("min_zero", [0.0, 0.0, 0.0, 0.003, 2.0]),
     ({"name": "scale", "factor": 2}, [-1.0, -0.01, 0.0, 0.006, 4.0]),
@@ -74,9 +75,11 @@ def test_log_norm_and_mean():
 
 @pytest.mark.parametrize("spec, message", [
     ({"name": "clamp", "min": 1.0, "max": -1.0}, "min=1.0 is greater than max=-1.0"),
-    ({"name": "clamp"}, "needs min, max or both"),
+    ({"name": "clamp"}, "needs bound, or min, max or both"),
     ({"name": "clamp", "min": "a"}, "must be a number"),
-    ({"name": "clamp", "lo": 1}, "unknown argument(s) lo; allowed: min, max"),
+    ({"name": "clamp", "lo": 1}, "unknown argument(s) lo; allowed: min, max, bound"),
+    ({"name": "clamp", "bound": 0.01, "max": 0.02}, "give bound (the range [-bound, bound]) or min/max, not both"),
+    ({"name": "clamp", "bound": -0.01}, "bound=-0.01 must be >= 0"),
     ("clampp", "unknown transform 'clampp'; allowed: "),
     ({"name": "noise", "std": -1}, "std=-1 must be >= 0"),
     ({"name": "norm_clip", "max_norm": 0}, "must be > 0"),
@@ -86,7 +89,16 @@ def test_log_norm_and_mean():
 def test_bad_specs_are_clear_value_errors(spec, message):
     with pytest.raises(ValueError) as e:
         T.build(spec)
-    assert message in str(e.value)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_symmetric_clamp_is_clip_grad_value():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(100))
+    p.grad = torch.randn(100)
+    got = T.build({"name": "clamp", "bound": 0.3})(p.grad)
+    torch.nn.utils.clip_grad_value_([p], 0.3)
+    assert torch.equal(got, p.grad)
 
 
 def test_register_user_transform():

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RESUMABLE, ROOT
+from helpers import RESUMABLE, ROOT
 
 from gradmod.app.cli import run
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_train
+from helpers import ROOT, run_train
 
 BASE = ["data=mnist_sample", "trainer.device=cpu", "trainer.epochs=1", "trainer.progress=false"]
 RULE = "+hooks.r={params: '*', transforms: [%s]}"

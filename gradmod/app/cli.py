@@ -34,7 +34,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradmod.app.config_store import one_line, unknown_key, validate
@@ -51,10 +51,6 @@ from gradmod.training.interrupt import Interrupted
 log = logging.getLogger("gradmod")
 
 _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"  # read before main sets it for Hydra
-
-# ${negate:x} in configs: a symmetric clamp from one tuned bound (conf/experiment/clip_optuna.yaml).
-OmegaConf.register_new_resolver("negate", lambda x: -x, replace=True)
-
 
 def main(conf: str | Path) -> None:
     """Compose the config in ``conf`` from the command line and run ``job``; end in one line."""

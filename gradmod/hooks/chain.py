@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import transforms as T
@@ -33,9 +32,9 @@ def _checked(rule: str, step: T.Step, key: str, g: Tensor) -> Tensor | None:
 
 def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.Parameter | None):
     """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
-    handed to ``hooks`` (computed for all tensors together at the end of backward).
-    A chain that replaces the gradient leaves the raw one with ``hooks`` for the
-    non-finite count (before a transform such as clamp can turn inf into a number).
+    handed to ``hooks.logs`` (a ``LogBuffer``: computed for all tensors together at the
+    end of backward). The raw gradient goes to ``hooks.ledger`` (a ``RawLedger``) for the
+    non-finite count, before a transform such as clamp can turn inf into a number.
     Under fp16 (``hooks.grad_scale`` set) the steps see the unscaled gradient, as in
     fp32, and the result is scaled back for GradScaler; scales are powers of two, so
     this is exact."""
@@ -56,14 +55,11 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
                 g, changed = out, True
         first = False
         result = grad if not changed else g if scale is None else (g * scale).to(grad.dtype)
-        hooks._after_chain(key, grad, result, seen, param)
+        hooks.ledger.note(key, grad, result, param is not None)
+        hooks.logs.add(seen, result, param)
         return result
 
     return hook
-
-
-def in_distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def output_hook(chain, rules: list[str], module: str):

@@ -25,24 +25,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradmod.hooks import selection
 from gradmod.hooks import transforms as T
-from gradmod.hooks.chain import chain_hook, in_distributed, output_hook
+from gradmod.hooks.chain import chain_hook, output_hook
 from gradmod.hooks.fused import fused_steps, run_fused
+from gradmod.hooks.ledger import RawLedger
+from gradmod.hooks.log_buffer import LogBuffer
 from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
-from gradmod.hooks.selection import (  # noqa: F401
-    DEFAULT_STAGES,
-    RULE_KEYS,
-    STAGES,
-    Target,
-    build_targets,
-    group_steps,
-    load_rules,
-    name_hint,
-    observer_key,
-    select,
-)
+from gradmod.hooks.selection import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
 from gradmod.hooks.sharded import refuse_hook_stage, watch
-from gradmod.hooks.stats import GradStats, batch_rows
+from gradmod.hooks.stats import GradStats
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, list[HookSet]]" = weakref.WeakKeyDictionary()
@@ -58,11 +50,8 @@ class HookSet:
         self.targets = targets
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
-        self._raw: list[tuple[str, Tensor]] = []  # (tensor, raw gradient a chain replaced) since take_raw()
-        self._raw_counts: list[tuple[str, Tensor]] = []  # (module output, its count of non-finite entries)
-        self.replaced: set[str] = set()  # parameters whose chain replaced the gradient since take_raw()
-        self._pending: list[tuple[GradStats, Any]] = []  # log observations of this backward
-        self._pairs: list[tuple[GradStats, Any, GradStats, Any]] = []  # (pre, its source, post, its source)
+        self.ledger = RawLedger()  # raw gradients the chains replaced, for the non-finite count
+        self.logs = LogBuffer()  # the chains' log observations, until the end of backward
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         # One hook per tensor: its transforms from every rule, chained in config order.
@@ -86,34 +75,21 @@ class HookSet:
         self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
+        self._keys = {t.key for t in targets}
         for obj in self.owned:
             _OWNERS[obj] = self
-
-    def _in_order(self) -> list[Target]:
-        """The targets in application order: hook-stage ones (they run during backward)
-        before fused ones (after it), each in config order."""
-        return [t for stage in ("hook", "per_sample", "fused") for t in self.targets if t.stage == stage]
 
     @property
     def plan(self) -> list[tuple[str, list[str]]]:
         """(tensor name, transform names) in application order; module outputs as ``name:output``."""
-        out: dict[str, list[str]] = {}
-        for t in self._in_order():
-            out.setdefault(t.key, []).extend(s.name for s in t.steps)
-        return list(out.items())
+        return selection.plan_of(self.targets)
 
     def describe(self) -> list[dict[str, Any]]:
         """The plan with rules, stages and arguments, for printing and saving (application order)."""
-        return [{"tensor": t.key, "rule": t.rule, "stage": t.stage, "transforms": [str(s) for s in t.steps]}
-                for t in self._in_order()]
+        return selection.describe(self.targets)
 
     def format_plan(self) -> str:
-        if not self.targets:
-            return "hook plan: no rules"
-        width = max(len(d["tensor"]) for d in self.describe())
-        lines = [f"  {d['tensor']:<{width}}  {d['stage']:<5}  {d['rule']}: {' -> '.join(d['transforms'])}"
-                 for d in self.describe()]
-        return "hook plan:\n" + "\n".join(lines)
+        return selection.format_plan(selection.describe(self.targets))
 
     @property
     def has_fused(self) -> bool:
@@ -139,45 +115,6 @@ class HookSet:
         if self.per_sample is None:
             raise ValueError("expected_batch_size is the per_sample stage's divisor; no rule runs at stage per_sample")
         self.per_sample.expected_batch_size = value
-
-    def _after_chain(self, key: str, raw: Tensor, result: Tensor, seen: list[tuple[GradStats, Tensor]],
-                     param: nn.Parameter | None) -> None:
-        """Keep what one chain call leaves for later: the raw gradient it replaced (for the
-        non-finite count) and its ``log`` observations (for the end of backward)."""
-        if param is None:  # a module output: count now rather than keep activation gradients alive
-            self._raw_counts.append((key, torch.count_nonzero(raw * 0)))
-        elif result is not raw:
-            self._raw.append((key, raw))
-            self.replaced.add(key)
-        if not seen:
-            return
-        if not self._pending and not self._pairs:
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush_logs)
-        # Holding the tensor autograd is about to store in an empty .grad would make it copy
-        # the tensor; read that one from .grad at the end of backward instead.
-        steal = param is not None and param.grad is None and not in_distributed()
-        sources = [(obs, param if steal and t is result else t) for obs, t in seen]
-        waiting: dict[int, tuple[GradStats, Any]] = {}  # pre observers of this call, until their post
-        for obs, src in sources:
-            if obs.pre is not None and id(obs.pre) in waiting:
-                self._pairs.append((*waiting.pop(id(obs.pre)), obs, src))
-            elif obs.keep is not None:
-                waiting[id(obs)] = (obs, src)
-            else:
-                self._pending.append((obs, src))
-        self._pending.extend(waiting.values())
-
-    def _flush_logs(self) -> None:
-        """End of backward: the rows of every pending ``log`` observation, computed together."""
-        pairs, singles = self._pairs, self._pending
-        self._pairs, self._pending = [], []
-        order = [p for p, _, _, _ in pairs] + [q for _, _, q, _ in pairs] + [o for o, _ in singles]
-        sources = [s for _, s, _, _ in pairs] + [s for _, _, _, s in pairs] + [s for _, s in singles]
-        tensors = [s.grad if isinstance(s, nn.Parameter) else s for s in sources]
-        if not tensors:
-            return
-        for obs, row in zip(order, batch_rows(tensors, len(pairs))):
-            obs.add_row(row)
 
     def observers(self) -> list[tuple[str, Any]]:
         """(statistics key, accumulator) for every ``log`` transform attached (key
@@ -230,28 +167,27 @@ class HookSet:
         for _, obs in self.observers():
             obs.histogram = on
 
+    @property
+    def replaced(self) -> set[str]:
+        """Parameters whose chain replaced the gradient since the last take."""
+        return self.ledger.replaced
+
     def take_raw_parts(self) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[str]]:
         """What the hooks kept since the last call, and a fresh start: (tensor name, raw
         gradient to count) for chains that replaced a parameter's gradient, (module
         output, count) already counted, and the parameters whose raw gradient is not in
         their ``.grad``. ``NonFiniteGuard`` counts the tensors together with the rest."""
-        out = (self._raw, self._raw_counts, self.replaced)
-        self._raw, self._raw_counts, self.replaced = [], [], set()
-        return out
+        return self.ledger.take()
 
     def take_raw(self) -> list[tuple[str, Tensor]]:
         """(tensor name, device count of non-finite raw gradient entries) the hooks saw
         replaced since the last call (summed per name), and a fresh start; no host sync.
         Gradients a chain left unchanged are in ``.grad``, counted there."""
-        raw, counted, _ = self.take_raw_parts()
-        counts = torch._foreach_norm(torch._foreach_mul([t for _, t in raw], 0), 0) if raw else []
-        out: dict[str, Tensor] = {}
-        for name, c in [(n, c) for (n, _), c in zip(raw, counts)] + counted:
-            out[name] = c if name not in out else out[name] + c
-        return list(out.items())
+        return self.ledger.take_counts()
 
     def __len__(self) -> int:
-        return len(self._handles)
+        """The tensors this set transforms (0 once removed): any rule makes it true."""
+        return len(self._keys)
 
     def remove(self) -> None:
         self._watch.remove()
@@ -261,8 +197,9 @@ class HookSet:
         self._fused.clear()
         if self.per_sample is not None:
             self.per_sample.remove()
-        self.take_raw_parts()
-        self._pairs, self._pending = [], []
+        self._keys = set()
+        self.ledger.take()
+        self.logs.clear()
         for obj in self.owned:  # free the tensors for another attach call
             if _OWNERS.get(obj) is self:
                 del _OWNERS[obj]

@@ -283,3 +283,32 @@ def group_steps(targets: list[Target]) -> list[tuple[str, str, T.Step]]:
                 seen.add(id(s))
                 out.append((f"{t.rule}/{s.name}", t.rule, s))
     return out
+
+
+def in_order(targets: list[Target]) -> list[Target]:
+    """The targets in application order: hook-stage ones (they run during backward)
+    before fused ones (after it), each in config order."""
+    return [t for stage in STAGES for t in targets if t.stage == stage]
+
+
+def plan_of(targets: list[Target]) -> list[tuple[str, list[str]]]:
+    """(tensor name, transform names) in application order; module outputs as ``name:output``."""
+    out: dict[str, list[str]] = {}
+    for t in in_order(targets):
+        out.setdefault(t.key, []).extend(s.name for s in t.steps)
+    return list(out.items())
+
+
+def describe(targets: list[Target]) -> list[dict[str, Any]]:
+    """The plan with rules, stages and arguments, for printing and saving (application order)."""
+    return [{"tensor": t.key, "rule": t.rule, "stage": t.stage, "transforms": [str(s) for s in t.steps]}
+            for t in in_order(targets)]
+
+
+def format_plan(rows: list[dict[str, Any]]) -> str:
+    """``describe``'s rows as text, one line per tensor and rule."""
+    if not rows:
+        return "hook plan: no rules"
+    width = max(len(d["tensor"]) for d in rows)
+    lines = [f"  {d['tensor']:<{width}}  {d['stage']:<5}  {d['rule']}: {' -> '.join(d['transforms'])}" for d in rows]
+    return "hook plan:\n" + "\n".join(lines)

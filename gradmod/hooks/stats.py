@@ -1,7 +1,7 @@
 """The ``log`` transform: gradient statistics accumulated on the device, read at log points.
 
 At the hook stage the chain does not call an observer per tensor: it hands the gradient
-to ``HookSet``, which computes the rows of every observer of one backward together
+to a ``LogBuffer``, which computes the rows of every observer of one backward together
 (``batch_rows``: a few ops for all tensors, plus two per tensor), so ``log`` costs few
 kernel launches however many tensors it watches. Called directly (the fused stage, a
 histogram step, your own code), an observer computes its row at once; both give the

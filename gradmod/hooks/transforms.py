@@ -170,24 +170,31 @@ def _positive(transform: str, arg: str, value: Any, *, allow_zero: bool = True) 
 # --- value transforms ------------------------------------------------------------------
 
 
-def _clamp_bounds(min: float | None, max: float | None) -> tuple[float | None, float | None]:
+def _clamp_bounds(min: float | None, max: float | None, bound: float | None) -> tuple[float | None, float | None]:
+    if bound is not None:
+        if min is not None or max is not None:
+            raise ValueError("transform 'clamp': give bound (the range [-bound, bound]) or min/max, not both")
+        b = _positive("clamp", "bound", bound)
+        return -b, b
     lo = None if min is None else _number("clamp", "min", min)
     hi = None if max is None else _number("clamp", "max", max)
     if lo is None and hi is None:
-        raise ValueError("transform 'clamp' needs min, max or both")
+        raise ValueError("transform 'clamp' needs bound, or min, max or both")
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"transform 'clamp': min={min} is greater than max={max}; need min <= max")
     return lo, hi
 
 
-def clamp(min: float | None = None, max: float | None = None) -> Transform:
-    """Clamp each element to [min, max] (either bound may be left out)."""
-    lo, hi = _clamp_bounds(min, max)
+def clamp(min: float | None = None, max: float | None = None, bound: float | None = None) -> Transform:
+    """Clamp each element to [min, max] (either may be left out) or to [-bound, bound].
+
+    ``bound`` alone is one number to tune for a symmetric clip."""
+    lo, hi = _clamp_bounds(min, max, bound)
     return lambda grad: grad.clamp(lo, hi)
 
 
-def _clamp_foreach(min: float | None = None, max: float | None = None) -> Foreach:
-    lo, hi = _clamp_bounds(min, max)
+def _clamp_foreach(min: float | None = None, max: float | None = None, bound: float | None = None) -> Foreach:
+    lo, hi = _clamp_bounds(min, max, bound)
 
     def apply(grads: list[Tensor]) -> None:
         if lo is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from gradmod.hooks.rules import HookSet, load_rules
+from gradmod.hooks import HookSet, load_rules
 from gradmod.integrations.support import attach_for, flat_stats
 
 try:

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from gradmod.hooks.rules import HookSet, load_rules
+from gradmod.hooks import HookSet, load_rules
 from gradmod.integrations.support import attach_for, flat_stats
 
 try:

@@ -1,9 +1,12 @@
-"""The typed config of a run: dataclasses, the one source of every default.
+"""The typed config of a run: dataclasses that give every key its type, default and check.
 
 Plain dataclasses (no Hydra, no OmegaConf): ``gradmod.app`` registers them as Hydra
 structured configs, so a typo fails while composing, and builds them with
 ``OmegaConf.to_object``; ``__post_init__`` checks values, so a bad one fails before any
 work. Python users can build them directly: ``Config(model=ModelConfig("mnist_cnn"), ...)``.
+
+``conf/`` restates the defaults where users read them (``conf/trainer/default.yaml`` lists
+every trainer key with its comment); ``tests/test_config_defaults.py`` holds the two equal.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gradmod.hooks.rules import DEFAULT_STAGES as HOOK_STAGES
+from gradmod.hooks.selection import DEFAULT_STAGES as HOOK_STAGES
 from gradmod.reporting.loggers import LOGGERS
 from gradmod.training.distributed import STRATEGIES
 from gradmod.training.loader import PLACEMENTS
@@ -140,7 +143,7 @@ class AdamConfig(OptimizerConfig):
 class SGDConfig(OptimizerConfig):
     _target_: str = "torch.optim.SGD"
     lr: float = 0.01
-    momentum: float = 0.0
+    momentum: float = 0.9  # what users expect of SGD here (torch's own default is 0)
     nesterov: bool = False
 
     def __post_init__(self):
@@ -285,7 +288,7 @@ class PrivacyConfig:
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
-    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
+    are checked against the model by ``gradmod.hooks.selection.build_targets``."""
 
     params: Any = None
     modules: Any = None
@@ -312,7 +315,6 @@ class Config:
     data_dir: str = "data"
     hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule (a RuleConfig or a mapping)
     plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built
-    clip_bound: Optional[float] = None  # the tuned clamp bound of conf/experiment/clip_optuna.yaml
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 

@@ -73,7 +73,7 @@ class RunFiles(Callback):
     def _arm_histograms(self, trainer) -> None:
         """Bin gradients on the device during the step before a log point (TensorBoard)."""
         if self.logger.wants_histograms and trainer.hooks is not None:
-            trainer.hooks.set_histograms((trainer.step + 1) % trainer.log_every == 0)
+            trainer.hooks.set_histograms((trainer.step + 1) % trainer.settings.log_every == 0)
 
     @staticmethod
     def _write(f, record: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MUST_MATCH = ("model", "data", "seed", "hooks", "clip_bound", "init", "optimizer._target_", "optimizer.no_decay",
+MUST_MATCH = ("model", "data", "seed", "hooks", "init", "optimizer._target_", "optimizer.no_decay",
               "loss", "scheduler", "trainer.accumulate", "trainer.hook_stage", "trainer.precision", "trainer.strategy")
 HOOK_ORDER = "hooks._order_"  # rules on one tensor chain in config order: their order must match too
 NOT_ARGUMENTS = ("_target_", "_partial_")

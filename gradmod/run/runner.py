@@ -60,7 +60,7 @@ from gradmod.training.precision import Precision, check_precision
 from gradmod.training.privacy import PrivacyCallback
 from gradmod.training.schedule import SchedulerCallback
 from gradmod.training.speed import SyncCheck, compile_model, to_channels_last
-from gradmod.training.trainer import Trainer
+from gradmod.training.trainer import Trainer, TrainerSettings
 from gradmod.weight_init import apply_init
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
         folder = _own(run_folder, claim, on_owned, plan) if dist.is_main else \
             Path(stack.enter_context(tempfile.TemporaryDirectory()))
         _file_callbacks(cfg, stack, folder, trainer, saver, plan, probe, dist, stop)
-        if trainer.progress:
+        if trainer.settings.progress:
             stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
         trainer.fit(data, cfg.trainer.epochs)
     summary = _summary(cfg, data, trainer, guard, plan, saver.seconds())
@@ -281,12 +281,13 @@ def _trainer(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Di
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
     probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
                          cfg.capture.gradcam_images, dist.device) if cfg.capture.gradcam else None
-    trainer = Trainer(model, optimizer, hooks=hooks, amp=Precision(t.precision, dist.device),
-                      loss_fn=build_loss(cfg.loss), callbacks=callbacks,
-                      dist=dist, net=net, eval_net=model if net is wrapped else net, accumulate=t.accumulate,
-                      batch_size=cfg.data.batch_size, eval_batch_size=t.eval_batch_size, log_every=t.log_every,
-                      progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
-                      generator=torch.Generator().manual_seed(cfg.seed), sampling=dp.sampling(cfg))
+    settings = TrainerSettings(batch_size=cfg.data.batch_size, accumulate=t.accumulate,
+                               eval_batch_size=t.eval_batch_size, log_every=t.log_every,
+                               progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
+                               sampling=dp.sampling(cfg))
+    trainer = Trainer(model, optimizer, settings, hooks=hooks, amp=Precision(t.precision, dist.device),
+                      loss_fn=build_loss(cfg.loss), callbacks=callbacks, dist=dist, net=net,
+                      eval_net=model if net is wrapped else net, generator=torch.Generator().manual_seed(cfg.seed))
     return trainer, saver, guard, probe
 
 

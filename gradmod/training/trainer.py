@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,40 +28,52 @@ from gradmod.training.loader import batches, batches_per_epoch, poisson_batches,
 from gradmod.training.precision import Precision
 
 
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The loop's scalar knobs. ``accumulate=k``: k micro-batches of ``batch_size`` per
+    optimizer step, each loss divided by the number in its step (under DDP only the last
+    one all-reduces); ``log_every``: optimizer steps between reads of the ``log``
+    statistics; ``loader_workers``: DataLoader workers for host-memory data (None: the
+    data is on the device and batches are indexed there). With a per_sample stage the loss
+    is not divided and DDP does not all-reduce per micro-batch: the stage divides by the
+    step's examples and all-reduces once (``gradmod.training.dpsgd``). ``sampling="poisson"``:
+    each step's batch is a Poisson sample of the training set
+    (``gradmod.training.loader.poisson_batches``), split into the step's micro-batches."""
+
+    batch_size: int = 100
+    accumulate: int = 1
+    eval_batch_size: int = 1000
+    log_every: int = 50
+    progress: bool = False
+    loader_workers: int | None = None
+    sampling: str = "shuffle"
+
+
 class Trainer:
-    """Trains ``model`` with ``optimizer``; callbacks act at its moments.
+    """Trains ``model`` with ``optimizer`` as ``settings`` say; callbacks act at its moments.
 
     ``net``: what the forward pass runs through (``model`` wrapped in DDP or compiled;
     ``model`` itself by default); ``eval_net``: what evaluation runs through. ``hooks``: a
-    ``HookSet`` whose fused stage runs before each optimizer step. ``accumulate=k``: k
-    micro-batches of ``batch_size`` per optimizer step, each loss divided by the number in
-    its step; under DDP only the last one all-reduces (with a per_sample stage neither: it
-    divides by the step's examples and all-reduces once, ``gradmod.training.dpsgd``). ``dist``: this process's rank and
-    device; each rank trains on its share of every epoch's seeded permutation.
-    ``sampling="poisson"``: each step's batch is a Poisson sample of the training set
-    (``gradmod.training.loader.poisson_batches``), split into the step's micro-batches.
+    ``HookSet`` whose fused stage runs before each optimizer step. ``dist``: this process's
+    rank and device; each rank trains on its share of every epoch's seeded permutation.
 
     Callbacks may read: ``epoch``, ``step`` (optimizer steps so far), ``batch`` (batches of
-    this epoch done), ``history`` (one record per finished epoch), ``last_stats``.
+    this epoch done), ``history`` (one record per finished epoch), ``last_stats``, ``settings``.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, hooks=None,
-                 amp: Precision | None = None, callbacks: Sequence[Any] = (), dist: Dist | None = None,
-                 net: nn.Module | None = None, eval_net: nn.Module | None = None, accumulate: int = 1,
-                 batch_size: int = 100, eval_batch_size: int = 1000, log_every: int = 50,
-                 progress: bool = False, loader_workers: int | None = None,
-                 generator: torch.Generator | None = None, sampling: str = "shuffle",
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 settings: TrainerSettings = TrainerSettings(), *, hooks=None, amp: Precision | None = None,
+                 callbacks: Sequence[Any] = (), dist: Dist | None = None, net: nn.Module | None = None,
+                 eval_net: nn.Module | None = None, generator: torch.Generator | None = None,
                  loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy):
-        self.model, self.optimizer, self.hooks = model, optimizer, hooks
+        self.model, self.optimizer, self.settings, self.hooks = model, optimizer, settings, hooks
         self.net = model if net is None else net
         self.eval_net = model if eval_net is None else eval_net
         self.dist = dist or Dist(device=next(model.parameters()).device)
         self.device = self.dist.device
         self.amp = amp or Precision("fp32", self.device)
         self.callbacks = list(callbacks)
-        self.accumulate, self.batch_size, self.eval_batch_size = accumulate, batch_size, eval_batch_size
-        self.log_every, self.progress, self.loader_workers = log_every, progress, loader_workers
-        self.loss_fn, self.sampling = loss_fn, sampling
+        self.loss_fn = loss_fn
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         # Where training stands (checkpoints save and restore exactly this).
         self.epoch, self.batch, self.step, self.skipped = 1, 0, 0, 0
@@ -73,15 +86,15 @@ class Trainer:
         self.resumed_from = None
         self.private = None  # the per_sample stage's set-up (gradmod.training.dpsgd), when a rule has one
         if hooks is not None and getattr(hooks, "per_sample", None) is not None:
-            self.private = PerSampleStep(model, hooks, self.dist, poisson=sampling == "poisson",
-                                         batch_size=batch_size, accumulate=accumulate)
+            self.private = PerSampleStep(model, hooks, self.dist, poisson=settings.sampling == "poisson",
+                                         batch_size=settings.batch_size, accumulate=settings.accumulate)
 
     def fit(self, data: Data, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (from where a restored checkpoint left off)."""
         self.data = data
         self._call("on_fit_start")
         first = self.epoch if self.epoch_order is not None else len(self.history) + 1  # resumed: go on
-        for epoch in tqdm(range(first, epochs + 1), desc="epochs", disable=not self.progress):
+        for epoch in tqdm(range(first, epochs + 1), desc="epochs", disable=not self.settings.progress):
             self.epoch = epoch
             t0 = time.perf_counter()
             train_loss = self.train_epoch(data.train_x, data.train_y)
@@ -104,6 +117,7 @@ class Trainer:
         """One pass over this rank's share of (x, y), or its rest when resuming mid-epoch;
         returns the mean loss, read from the device once."""
         self.net.train()
+        s = self.settings
         if self.batch == 0:
             self.epoch_order = self.generator.get_state()  # with ``batch``: the data-order position
             self._skipped_before = self.skipped  # resumed mid-epoch: restored with the position
@@ -112,13 +126,13 @@ class Trainer:
         start = self.batch
         total, stream = self._stream(x, y, start)
         for i, (xb, yb) in enumerate(tqdm(stream, total=total, initial=start, leave=False, desc="train",
-                                          disable=not self.progress), start=start + 1):
-            if (i - 1) % self.accumulate == 0:
+                                          disable=not s.progress), start=start + 1):
+            if (i - 1) % s.accumulate == 0:
                 self._call("on_step_start")
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step_loss = None
-                group = min(self.accumulate, total - i + 1)  # micro-batches in this step (fewer at the end)
-            last = i % self.accumulate == 0 or i == total  # the micro-batch that ends an optimizer step
+                group = min(s.accumulate, total - i + 1)  # micro-batches in this step (fewer at the end)
+            last = i % s.accumulate == 0 or i == total  # the micro-batch that ends an optimizer step
             self._backward(xb, yb, group, sync=last)
             if last:
                 self.batch = i
@@ -131,12 +145,13 @@ class Trainer:
     def _stream(self, x: Tensor, y: Tensor, start: int):
         """(micro-batches in this rank's epoch, their stream from batch ``start`` on)."""
         shard = (self.dist.rank, self.dist.world_size)
-        if self.sampling == "poisson":
-            rate, steps = poisson_steps(len(y), self.batch_size, self.dist.world_size, self.accumulate)
-            return steps * self.accumulate, poisson_batches(x, y, rate, steps, self.generator, self.accumulate,
-                                                            shard, start, self.device, self.loader_workers)
-        total = batches_per_epoch(len(y), self.batch_size, self.dist.world_size)
-        return total, batches(x, y, self.batch_size, self.generator, shard, start, self.device, self.loader_workers)
+        s = self.settings
+        if s.sampling == "poisson":
+            rate, steps = poisson_steps(len(y), s.batch_size, self.dist.world_size, s.accumulate)
+            return steps * s.accumulate, poisson_batches(x, y, rate, steps, self.generator, s.accumulate,
+                                                         shard, start, self.device, s.loader_workers)
+        total = batches_per_epoch(len(y), s.batch_size, self.dist.world_size)
+        return total, batches(x, y, s.batch_size, self.generator, shard, start, self.device, s.loader_workers)
 
     def _backward(self, xb: Tensor, yb: Tensor, group: int, sync: bool) -> None:
         if len(yb) == 0:
@@ -164,7 +179,7 @@ class Trainer:
         self.amp.step(self.optimizer, skip)
         self.skipped += skip
         self.step += 1
-        if self.step % self.log_every == 0:
+        if self.step % self.settings.log_every == 0:
             self.log_point()
         self._call("on_step_end")
 
@@ -183,10 +198,10 @@ class Trainer:
         test_y = data.test_y[self.dist.shard]
         parts = None
         if self.dist.strategy == "fsdp":  # every forward gathers parameters: all ranks run as many
-            parts = math.ceil(math.ceil(len(data.test_y) / self.dist.world_size) / self.eval_batch_size)
+            parts = math.ceil(math.ceil(len(data.test_y) / self.dist.world_size) / self.settings.eval_batch_size)
         loss, accuracy = evaluate(self.eval_net, data.test_x[self.dist.shard], test_y,
-                                  batch_size=self.eval_batch_size, device=self.device,
-                                  loader_workers=self.loader_workers, parts=parts)
+                                  batch_size=self.settings.eval_batch_size, device=self.device,
+                                  loader_workers=self.settings.loader_workers, parts=parts)
         return tuple(self.dist.mean([loss, accuracy], weight=len(test_y)))
 
     def state_dict(self) -> dict[str, Any]:
@@ -254,7 +269,8 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y
     callbacks = ([NonFiniteCallback(guard)] if guard is not None else []) + ([_OnStep()] if on_step else [])
     device = y.device if device is None else device
     dist = Dist(rank=shard[0], world_size=shard[1], device=device)
-    trainer = Trainer(model, optimizer, hooks=hooks, amp=amp, callbacks=callbacks, dist=dist,
-                      accumulate=accumulate, batch_size=batch_size, progress=progress,
-                      loader_workers=loader_workers, generator=generator, log_every=2**62)
+    settings = TrainerSettings(batch_size=batch_size, accumulate=accumulate, progress=progress,
+                               loader_workers=loader_workers, log_every=2**62)  # no log points: the caller reads
+    trainer = Trainer(model, optimizer, settings, hooks=hooks, amp=amp, callbacks=callbacks, dist=dist,
+                      generator=generator)
     return trainer.train_epoch(x, y)
