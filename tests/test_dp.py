@@ -182,7 +182,8 @@ def test_noise_std_is_sigma_c_over_expected_batch():
     x, y = torch.zeros(100, 50), torch.randint(0, 40, (100,))
     hooks = attach(model, _dp_rules(noise=2.0, max_norm=0.5))
     grads = _Grads()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), TrainerSettings(batch_size=25, sampling="poisson"),
+    settings = TrainerSettings(batch_size=25, sampling="poisson")
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), settings,
                       hooks=hooks, callbacks=[grads], generator=torch.Generator().manual_seed(0))
     trainer.train_epoch(x, y)
     hooks.remove()

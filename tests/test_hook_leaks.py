@@ -48,9 +48,9 @@ def test_attaching_twice_does_not_double():
 def test_a_failing_run_removes_its_hooks(compose_cfg, tmp_path, monkeypatch):
     seen = []
 
-    def spy(model, rules, stage="hook"):
+    def spy(model, rules, **kwargs):
         seen.append(model)
-        return attach(model, rules, stage)
+        return attach(model, rules, **kwargs)
 
     monkeypatch.setattr(train_mod, "attach", spy)
     cfg = compose_cfg(*TINY, "trainer.nonfinite=raise", "+hooks=[clip,log]",

@@ -11,7 +11,7 @@ logging Hydra set up for the job (``train.log``), and does not import torch agai
 is only safe while the process has no native threads (OpenMP's pool, CUDA's): the
 launcher's process does no torch work of its own, so under ``python train.py -m`` it has
 none. Where it has some (a sweep launched from a process that already trained, as
-Hydra's in-process launchers in a test session do), the job runs in the process itself,
+an in-process launcher inside a test run does), the job runs in the process itself,
 without the isolation, rather than risk a child that deadlocks in its first parallel op.
 """
 
@@ -61,8 +61,8 @@ def _native_threads() -> int | None:
         return None
 
 
-# The threads this process had when gradmod was imported (torch's own, started at import);
-# more later means torch ran parallel work here and started its pools.
+# The threads this process had when gradmod.app was imported (torch's own, started at
+# import); more later means torch ran parallel work here and started its pools.
 _AT_IMPORT = _native_threads()
 
 
