@@ -54,23 +54,26 @@ def run_forked(fn: Callable[[], ChildResult]) -> ChildResult:
     return (code if code < 0 else sent_code), summary
 
 
-def _native_threads() -> int | None:
+def _native_threads() -> set[int] | None:
     try:
-        return len(os.listdir("/proc/self/task"))
+        return {int(t) for t in os.listdir("/proc/self/task")}
     except OSError:  # no /proc (macOS, where fork is no safer)
         return None
 
 
 # The threads this process had when gradmod.app was imported (torch's own, started at
-# import); more later means torch ran parallel work here and started its pools.
+# import); a native thread started since then, and not Python's, is one of torch's pools.
 _AT_IMPORT = _native_threads()
 
 
 def fork_is_safe() -> bool:
     """Whether this process may fork a child that runs torch: no native thread started since
-    import (a forked child inherits none of them, and OpenMP's pool in it waits forever)."""
+    import but Python's own (a forked child inherits none of them, and OpenMP's pool in it
+    waits forever)."""
     now = _native_threads()
-    return now is not None and _AT_IMPORT is not None and now <= _AT_IMPORT + threading.active_count() - 1
+    if now is None or _AT_IMPORT is None:
+        return False
+    return not now - _AT_IMPORT - {t.native_id for t in threading.enumerate()}
 
 
 def _child(fn: Callable[[], ChildResult], write_end: int) -> None:
