@@ -42,13 +42,13 @@ def logged_run(tmp_path_factory):
     seen = {"pre": defaultdict(list), "post": defaultdict(list)}
     real_attach = train_mod.attach
 
-    def recording_attach(model, rules, stage="hook"):
+    def recording_attach(model, rules, stage="hook", **kwargs):
         def recorder(where, name):
             return lambda g: seen[where][name].append(g.detach().double().numpy().copy())
 
         for n, p in model.named_parameters():  # tensor hooks run in registration order
             p.register_hook(recorder("pre", n))
-        hooks = real_attach(model, rules, stage)
+        hooks = real_attach(model, rules, stage, **kwargs)
         for n, p in model.named_parameters():
             p.register_hook(recorder("post", n))
         return hooks
