@@ -4,11 +4,13 @@ the noise's statistics; its refusals; and that it leaves the model as it was."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import ROOT
 from torch.func import functional_call, grad, vmap
 
 from gradmod.hooks import per_sample_layers as layers
@@ -180,19 +182,10 @@ def test_loss_reduction_sum_and_accumulation_equal_one_batch():
 def test_opacus_equal_on_its_mnist_example_net():
     opacus = pytest.importorskip("opacus", reason="opacus is the reference (pip install opacus==1.6.0)")
 
-    class SampleConvNet(nn.Module):  # opacus/examples/mnist.py
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, 16, 8, 2, padding=3)
-            self.conv2 = nn.Conv2d(16, 32, 4, 2)
-            self.fc1 = nn.Linear(32 * 4 * 4, 32)
-            self.fc2 = nn.Linear(32, 10)
-
-        def forward(self, x):
-            x = F.max_pool2d(F.relu(self.conv1(x)), 2, 1)
-            x = F.max_pool2d(F.relu(self.conv2(x)), 2, 1)
-            return self.fc2(F.relu(self.fc1(x.view(-1, 512))))
-
+    bench = importlib.util.spec_from_file_location("bench_per_sample", ROOT / "scripts" / "bench_per_sample.py")
+    module = importlib.util.module_from_spec(bench)
+    bench.loader.exec_module(module)
+    SampleConvNet = module.SampleConvNet  # opacus/examples/mnist.py, as the benchmark times it
     torch.manual_seed(0)
     ours = SampleConvNet()
     theirs = copy.deepcopy(ours)
