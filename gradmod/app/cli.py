@@ -39,8 +39,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
-from gradmod.app.job_files import JobFiles
 from gradmod.app.isolated import run_forked
+from gradmod.app.job_files import JobFiles
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
 from gradmod.run import endings, runner
@@ -51,6 +51,7 @@ from gradmod.training.interrupt import Interrupted
 log = logging.getLogger("gradmod")
 
 _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"  # read before main sets it for Hydra
+
 
 def main(conf: str | Path) -> None:
     """Compose the config in ``conf`` from the command line and run ``job``; end in one line."""
