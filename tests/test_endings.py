@@ -131,6 +131,7 @@ def _soak(tmp_path, compose_cfg, reference, runs: int, seed: int) -> None:
             ckpt.load(path)
 
 
+@pytest.mark.slow  # the sealed-folder tests resume and refuse in the default suite
 def test_soak_short(tmp_path, compose_cfg, reference):
     _soak(tmp_path, compose_cfg, reference, runs=3, seed=0)
 
