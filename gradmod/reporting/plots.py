@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -130,14 +131,15 @@ _LINESTYLE = {"pre": "-", "post": "--"}
 
 
 def _series(rows: Sequence[tuple[int, dict[str, Any]]], field: str) -> dict[str, tuple[list, list]]:
-    """key -> (steps, values) of one statistic over the reads that have it."""
+    """key -> (steps, values) of one statistic over the reads that have it; a non-finite value
+    (written as null in the JSON files) is NaN, a gap in the line."""
     out: dict[str, tuple[list, list]] = {}
     for step, stats in rows:
         for key, s in stats.items():
             if field in s:
                 xs, ys = out.setdefault(key, ([], []))
                 xs.append(step)
-                ys.append(s[field])
+                ys.append(math.nan if s[field] is None else s[field])
     return out
 
 
@@ -199,7 +201,8 @@ def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path
         ax.set(xlabel="optimizer step", ylabel="total L2 norm, before clipping",
                title="total gradient norm per rule (all of a rule's tensors together)")
     for ax in axes:
-        if ax.lines and all(y > 0 for line in ax.lines for y in line.get_ydata()):
+        values = [y for line in ax.lines for y in line.get_ydata() if not math.isnan(y)]
+        if values and all(y > 0 for y in values):
             ax.set_yscale("log")
     return _finish(fig, axes, path)
 
