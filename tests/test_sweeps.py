@@ -242,7 +242,7 @@ def test_slurm_preset_runs_the_local_task_function(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_issue_sweep_hooks_by_seeds(tmp_path):
+def test_twelve_job_sweep_of_hook_configs_by_seeds(tmp_path):
     run_train(tmp_path, *TINY, "+hooks=clip,zero,min_zero,log", "seed=0,1,2", multirun=True)
     rows = read_csv(tmp_path / "sweep.csv")
     assert len(rows) == 12 and all(r["status"] == "ok" for r in rows)
