@@ -4,6 +4,7 @@ composed as train.py sees it, train.py run as a user would, and small reference 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,10 @@ def tiny_mlp(*widths: int, act: type[nn.Module] = nn.ReLU, seed: int = 0) -> nn.
         layers += [act()] if i else []
         layers.append(nn.Linear(n_in, n_out))
     return nn.Sequential(*layers)
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for a process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import ROOT, tiny_mlp
+from helpers import ROOT, free_port, tiny_mlp
 from torch import nn
 
 from gradmod.hooks.rules import attach
@@ -112,16 +111,10 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return {(stage, k, r): torch.load(out / f"{stage}_{k}_rank{r}.pt")
             for stage, k in CASES for r in range(2)}
 
@@ -218,7 +211,7 @@ def test_follower_overrides():
 def test_torchrun_two_ranks_end_to_end(tmp_path):
     """The documented DDP command on 2 gloo ranks: rank 0 alone writes the run folder."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
            str(ROOT / "train.py"), "trainer.strategy=ddp", "+hooks=clip", f"hydra.run.dir={run_dir}",
            "data=fake", "data.image_size=28", "data.channels=1", "data.train_size=64", "data.test_size=33",
            "data.batch_size=16", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]

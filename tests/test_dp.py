@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_config
+from helpers import compose_config, free_port
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -422,13 +422,9 @@ def _counting_allreduce(calls: list, bucket):
 def test_ddp_sums_clipped_gradients_over_ranks_and_draws_noise_once(tmp_path):
     # 2 ranks with per-rank batch 4 = one process with batch 8: the same Poisson (or shuffled)
     # examples per step, (sum of their clipped gradients + one noise draw) / 8.
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_ddp_dp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     for sampling, accumulate in (("poisson", 1), ("poisson", 2), ("shuffle", 1)):
         ranks = [torch.load(tmp_path / f"{sampling}{accumulate}_rank{r}.pt") for r in range(2)]
@@ -447,15 +443,12 @@ def test_torchrun_dp_run(tmp_path):
     """``torchrun --nproc_per_node=2 train.py trainer.strategy=ddp +hooks=dp``: rank 0's summary
     accounts the global sample rate."""
     import os
-    import socket
     import subprocess
     import sys
 
     from helpers import ROOT
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(port),
            str(ROOT / "train.py"), "trainer.strategy=ddp", "+hooks=dp", f"hydra.run.dir={run_dir}", *TINY,

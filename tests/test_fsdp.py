@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_distributed import _free_port
+from helpers import free_port
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -171,7 +171,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -282,7 +282,7 @@ TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=8
 def torchrun(run_dir: Path, *overrides: str, kill: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=2 train.py`` (or the kill driver, with ``kill``'s variables)."""
     entry = ROOT / ("tests/kill_driver.py" if kill else "train.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
            str(entry), f"hydra.run.dir={run_dir}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(kill or {})}
     return subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, env=env, timeout=900)

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import free_port
 from torch import nn
 
 from gradmod.hooks import attach
@@ -422,13 +423,9 @@ def _ddp_clip_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_global_norm_clip_under_ddp_clips_the_averaged_gradient(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_ddp_clip_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     # Reference: each rank's local gradient, averaged (DDP's all-reduce), then clip_grad_norm_.
     ref = tiny_model()
