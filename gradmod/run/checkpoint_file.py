@@ -24,7 +24,6 @@ import logging
 import os
 import random
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +41,6 @@ _STEP = re.compile(r"step-(\d+)\.pt")
 
 class CheckpointError(ValueError):
     """A checkpoint file that is not complete or not a gradmod checkpoint."""
-
-
-@dataclass
-class Position:
-    """Where training stands: ``batch`` batches of ``epoch`` (1-based) are done, and
-    ``generator`` is the batch-order generator's state at that epoch's start."""
-
-    epoch: int = 1
-    batch: int = 0
-    step: int = 0
-    generator: torch.Tensor | None = None
-    loss_sum: float = 0.0
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def step_of(path: Path) -> int:
