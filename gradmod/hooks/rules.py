@@ -19,7 +19,7 @@ Stages (``params`` rules only; ``modules`` rules always run as hooks):
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +94,18 @@ class HookSet:
     @property
     def has_fused(self) -> bool:
         return bool(self._fused)
+
+    def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
+        """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
+        ordered (a sequence) ones, whose gradients sum into ``.grad``."""
+        if isinstance(losses, Tensor):
+            losses.backward()
+            return
+        parts = list(losses.values()) if isinstance(losses, Mapping) else list(losses)
+        if not parts or not all(isinstance(x, Tensor) and x.dim() == 0 for x in parts):
+            raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of "
+                             "scalar losses")
+        sum(parts[1:], parts[0]).backward()
 
     def after_backward(self) -> bool:
         """Run the fused stage on the accumulated gradients (call before optimizer.step).
