@@ -39,14 +39,15 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
-from gradmod.app.isolated import run_forked
+from gradmod.app.isolated import preload, run_forked
 from gradmod.app.job_files import JobFiles
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
-from gradmod.run import endings, runner
-from gradmod.run.folder import may_write
-from gradmod.training.distributed import env_rank, follower_overrides
-from gradmod.training.interrupt import Interrupted
+from gradmod.training.ranks import env_rank, follower_overrides
+
+# Loaded once the config is checked (torch and the rest of training: seconds), so that a
+# config error is reported in a second; a sweep loads it before its jobs fork (``preload``).
+TRAINING = "gradmod.run.runner"
 
 log = logging.getLogger("gradmod")
 
@@ -55,7 +56,7 @@ _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"  # read before main
 
 def main(conf: str | Path) -> None:
     """Compose the config in ``conf`` from the command line and run ``job``; end in one line."""
-    register_help(conf)  # python train.py --help
+    register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])))  # python train.py --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
     try:
@@ -74,6 +75,8 @@ def main(conf: str | Path) -> None:
 def run(cfg: DictConfig, out: str | Path) -> dict[str, Any]:
     """Python's way in: check a composed config (``hydra.compose``) and train into ``out``;
     returns the summary. Errors are raised as they are (``job`` turns them into endings)."""
+    from gradmod.run import runner
+
     return runner.train(validate(cfg), out)
 
 
@@ -97,6 +100,7 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     by a signal ends only itself; its ending is recorded for the report (``sweep_jobs``)."""
     sweep_dir = hydra_cfg.sweep.dir
     before = _run_marks(out_dir)
+    preload(TRAINING)  # imported once here, inherited by every job's child
     record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
     code, summary = run_forked(lambda: _in_child(cfg, out_dir))
     status, error = _ending(code, summary, before, _run_marks(out_dir))
@@ -151,22 +155,37 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> dict[str, Any]:
     start = time.perf_counter()
     with JobFiles(HydraConfig.get(), cfg) as files:
         try:
-            return runner.train(validate(cfg), out, files.write)
-        except (Exception, Interrupted) as e:
-            main_rank = env_rank() == 0
-            summary = endings.settle(out if main_rank else None, e, time.perf_counter() - start, owned=False)
-            if main_rank and may_write(out):  # a free folder keeps the job's config and log with its ending
-                with contextlib.suppress(OSError):
-                    files.write(out)
-            if multirun and not isinstance(e, Interrupted):
-                log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
-                return summary
-            _to_log_files(e)
-            code = endings.exit_status(e)
-            if code is None or _USER_FULL_ERROR:
-                raise  # a bug: its traceback
-            print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
-            sys.exit(code)  # here, not in main: Hydra would add a line of its own to a raised error
+            checked = validate(cfg)
+            from gradmod.run import runner  # after the checks: a bad config is refused before torch loads
+
+            return runner.train(checked, out, files.write)
+        except BaseException as e:
+            return _end(e, out, files, multirun, time.perf_counter() - start)
+
+
+def _end(e: BaseException, out: str, files: JobFiles, multirun: bool, seconds: float) -> dict[str, Any]:
+    """The ending of a job that raised ``e`` (called while it is handled: a bare ``raise``
+    re-raises it): a sweep job's one line is the sweep's own (``_sweep_job``), its
+    traceback goes to its train.log; a single run's line goes to stderr."""
+    from gradmod.run import endings
+    from gradmod.run.folder import may_write
+    from gradmod.training.interrupt import Interrupted
+
+    if not isinstance(e, (Exception, Interrupted)):
+        raise  # SystemExit, KeyboardInterrupt outside training: as they are
+    main_rank = env_rank() == 0
+    summary = endings.settle(out if main_rank else None, e, seconds, owned=False)
+    if main_rank and may_write(out):  # a free folder keeps the job's config and log with its ending
+        with contextlib.suppress(OSError):
+            files.write(out)
+    _to_log_files(e)
+    if multirun and not isinstance(e, Interrupted):
+        return summary
+    code = endings.exit_status(e)
+    if code is None or _USER_FULL_ERROR:
+        raise  # a bug: its traceback
+    print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
+    sys.exit(code)  # here, not in main: Hydra would add a line of its own to a raised error
 
 
 def _config_status(e: BaseException) -> int | None:
@@ -181,6 +200,9 @@ def _config_status(e: BaseException) -> int | None:
 def _to_log_files(e: BaseException) -> None:
     """The ending's line in the run's log files (the terminal gets it once, from ``job``);
     the traceback too, unless the error is bad input or a signal, whose line says it all."""
+    from gradmod.run import endings
+    from gradmod.training.interrupt import Interrupted
+
     status = endings.exit_status(e)
     text = endings.message(e) if status is not None else f"{type(e).__name__}: {e}"
     if status != 2 and not isinstance(e, Interrupted):
@@ -198,6 +220,8 @@ def _traceback(e: BaseException) -> str:
 def describe(e: BaseException) -> str:
     """One line for a config error from Hydra or OmegaConf."""
     if _config_status(e) == 1:  # logging's "Unable to configure handler 'file'" hides the path
+        from gradmod.run import endings
+
         return endings.describe_os_error(e if isinstance(e, OSError) else e.__cause__)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")

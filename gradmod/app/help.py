@@ -14,8 +14,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from gradmod.hooks import transforms
-
 HIDDEN_GROUPS = ("hooks", "hydra")  # hooks get their own section; hydra/ is Hydra's
 
 
@@ -24,6 +22,8 @@ WIDTH = 100  # the page's width
 
 def transform_lines() -> list[str]:
     """``name(arg=default, ...)  first sentence of the docstring`` for every registered transform."""
+    from gradmod.hooks import transforms  # torch: loaded for the help page only
+
     lines = []
     for name in transforms.names():
         factory = transforms.factory(name)
@@ -86,8 +86,10 @@ def _first_comment(path: Path) -> str:
     return first_sentence(" ".join(block))
 
 
-def register_help(conf: str | Path) -> None:
-    """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder."""
+def register_help(conf: str | Path, page: bool = True) -> None:
+    """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder.
+    Hydra resolves the template while composing every run's config: without ``page`` (no
+    ``--help`` asked) the sections are left empty, so that no run loads torch for them."""
     conf = Path(conf)
     sections = {"transforms": transform_lines, "hooks": lambda: hook_lines(conf),
                 "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(conf.parent / "docs")}
@@ -95,6 +97,6 @@ def register_help(conf: str | Path) -> None:
     def section(name: str) -> str:
         if name not in sections:
             raise ValueError(f"gradmod_help:{name}: no such section; allowed: {', '.join(sections)}")
-        return "\n".join(sections[name]())
+        return "\n".join(sections[name]()) if page else ""
 
     OmegaConf.register_new_resolver("gradmod_help", section, replace=True, use_cache=False)

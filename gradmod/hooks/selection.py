@@ -2,7 +2,8 @@
 
 A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
 or ``{"modules": glob(s), ...}``; a key set to null is unset. Names are verified, not
-trusted: a pattern that matches nothing is an error listing close names.
+trusted: a pattern that matches nothing is an error listing close names. Besides globs,
+``@last_layer`` names the parameters of the last module holding any (a classifier).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ STAGES = ("hook", "fused", "per_sample")
 DEFAULT_STAGES = ("hook", "fused")  # a rule's stage when it sets none; per_sample is set per rule
 PER_SAMPLE = ("per_sample_clip", "log")  # what runs at the per_sample stage
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
+LAST_LAYER = "@last_layer"  # in params or exclude: the last module's parameters (see _matches)
 
 
 @dataclass
@@ -62,18 +64,31 @@ def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) ->
     return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {name_hint(pattern, names)}")
 
 
+def _matches(rule: str, key: str, pattern: str, names: list[str], what: str) -> list[str]:
+    """The names ``pattern`` matches: a glob, or ``LAST_LAYER``: the parameters of the module
+    that holds the last of them in ``model.named_parameters()`` order (a classifier, on the
+    models that register it last: torchvision's and timm's)."""
+    if pattern != LAST_LAYER:
+        return fnmatch.filter(names, pattern)
+    if not what.startswith("parameter"):
+        raise ValueError(f"hooks.{rule}.{key}: {LAST_LAYER} selects parameters; a modules rule names its "
+                         "modules by their globs")
+    owner = names[-1].rpartition(".")[0] if names else None
+    return [n for n in names if n.rpartition(".")[0] == owner]
+
+
 def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
     """The names a rule selects, in model order; a pattern matching nothing is an error."""
     key = "params" if "params" in spec else "modules"
     chosen: set[str] = set()
     for pattern in _patterns(rule, key, spec[key]):
-        hits = fnmatch.filter(names, pattern)
+        hits = _matches(rule, key, pattern, names, what)
         if not hits:
             raise _no_match(rule, key, pattern, names, what)
         chosen.update(hits)
     if spec.get("exclude") is not None:
         for pattern in _patterns(rule, "exclude", spec["exclude"]):
-            hits = fnmatch.filter(names, pattern)
+            hits = _matches(rule, "exclude", pattern, names, what)
             if not hits:
                 raise _no_match(rule, "exclude", pattern, names, what)
             chosen.difference_update(hits)

@@ -12,42 +12,25 @@ every trainer key with its comment); ``tests/test_config_defaults.py`` holds the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gradmod.hooks.selection import DEFAULT_STAGES as HOOK_STAGES
 from gradmod.reporting.loggers import LOGGERS
-from gradmod.training.distributed import STRATEGIES
-from gradmod.training.loader import PLACEMENTS
-from gradmod.training.nonfinite import POLICIES as NONFINITE
-from gradmod.training.precision import DTYPES
+from gradmod.run import checks
+from gradmod.run.checks import (
+    ACCOUNTANTS,
+    DATASETS,
+    INITS,
+    MODELS,
+    NORMS,
+    SAMPLINGS,
+    at_least,
+    choice,
+    finite,
+    target_node,
+    target_or_choice,
+)
 
 MISSING: Any = "???"  # OmegaConf's mark for a value that must be given
-
-PRECISIONS = tuple(DTYPES)
-SAMPLINGS = ("auto", "shuffle", "poisson")
-ACCOUNTANTS = ("rdp", "prv")
-
-
-def choice(key: str, value: Any, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
-
-
-def at_least(key: str, value: Any, low: int) -> None:
-    if value < low:
-        raise ValueError(f"{key}={value} must be >= {low}")
-
-
-def target_or_choice(key: str, cfg: Any, allowed) -> None:
-    """A ``_target_`` node is the user's object (``name`` becomes the target's path, for
-    summaries); else ``name`` is a shipped one."""
-    if cfg._target_ is not None:
-        if not isinstance(cfg._target_, str) or "." not in cfg._target_:
-            raise ValueError(f"{key}._target_={cfg._target_!r} must be a dotted path, e.g. my_pkg.module.Name")
-        cfg.name = cfg._target_
-    else:
-        choice(f"{key}.name", cfg.name, allowed)
 
 
 @dataclass
@@ -62,8 +45,6 @@ class ModelConfig:
     args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from gradmod.models import MODELS, NORMS
-
         target_or_choice("model", self, MODELS)
         choice("model.norm", self.norm, NORMS)
         if self._target_ is not None and self.norm != "batch":
@@ -85,12 +66,11 @@ class DataConfig:
     args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from gradmod.data import DATASETS
-
         target_or_choice("data", self, DATASETS)
         choice("data.sampling", self.sampling, SAMPLINGS)
         at_least("data.batch_size", self.batch_size, 1)
         at_least("data.n_test", self.n_test, 1)
+        checks.int_fields("data.", self)
 
 
 @dataclass
@@ -122,9 +102,8 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.fused and self.foreach:
             raise ValueError("optimizer.fused=true with optimizer.foreach=true: torch allows one of them; set the other null")
-        if self.lr < 0 or self.weight_decay < 0:
-            key, value = ("lr", self.lr) if self.lr < 0 else ("weight_decay", self.weight_decay)
-            raise ValueError(f"optimizer.{key}={value} must be >= 0")
+        finite("optimizer.lr", self.lr)
+        finite("optimizer.weight_decay", self.weight_decay)
 
 
 @dataclass
@@ -135,6 +114,7 @@ class AdamConfig(OptimizerConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        finite("optimizer.eps", self.eps)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optimizer.betas={list(self.betas)} must be two numbers in [0, 1)")
 
@@ -148,7 +128,7 @@ class SGDConfig(OptimizerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        at_least("optimizer.momentum", self.momentum, 0)
+        finite("optimizer.momentum", self.momentum)
 
 
 @dataclass
@@ -177,28 +157,7 @@ class TrainerConfig:
     sync_check: bool = False
 
     def __post_init__(self):
-        for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):
-            at_least(f"trainer.{key}", getattr(self, key), 1)
-        for key in ("threads", "checkpoint_every", "checkpoint_every_steps", "loader_workers"):
-            at_least(f"trainer.{key}", getattr(self, key), 0)
-        if self.hook_stage == "per_sample":
-            raise ValueError("trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage "
-                             "(per_sample_clip implies it); allowed: hook, fused")
-        choice("trainer.hook_stage", self.hook_stage, HOOK_STAGES)
-        choice("trainer.precision", self.precision, PRECISIONS)
-        choice("trainer.strategy", self.strategy, STRATEGIES)
-        choice("trainer.nonfinite", self.nonfinite, NONFINITE)
-        choice("trainer.data_placement", self.data_placement, PLACEMENTS)
-        if self.sync_check and (self.precision == "fp16" or self.nonfinite != "warn"):
-            other = "trainer.precision=fp16" if self.precision == "fp16" else f"trainer.nonfinite={self.nonfinite}"
-            raise ValueError(f"trainer.sync_check=true with {other}: that reads the host every step, which sync_check "
-                             "forbids; use trainer.sync_check=false, or precision fp32|bf16 and nonfinite=warn")
-        if self.resume not in (None, "auto") and Path(self.resume).is_dir():
-            raise ValueError(f"trainer.resume={self.resume!r} is a folder; give a checkpoint file in it "
-                             f"({self.resume}/checkpoints/step-*.pt), or resume the run it holds with "
-                             f"trainer.resume=auto hydra.run.dir={self.resume}")
-        if self.resume not in (None, "auto") and not Path(self.resume).is_file():
-            raise ValueError(f"trainer.resume={self.resume!r}: no such file; allowed: auto, null or a checkpoint file")
+        checks.trainer(self)
 
 
 @dataclass
@@ -206,8 +165,6 @@ class InitConfig:
     name: str = "default"
 
     def __post_init__(self):
-        from gradmod.weight_init import INITS
-
         choice("init.name", self.name, INITS)
 
 
@@ -233,17 +190,6 @@ class CaptureConfig:
 
     def __post_init__(self):
         at_least("capture.gradcam_images", self.gradcam_images, 1)
-
-
-def _target_node(key: str, node: Any, cls: type) -> Any:
-    """A mapping from the config (``_target_``, ``_partial_`` and the call's arguments) as ``cls``."""
-    if node is None or isinstance(node, cls):
-        return node
-    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
-        raise ValueError(f"{key} must be a mapping with a _target_ (a dotted path) and its arguments, got {node!r}")
-    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args")}
-    return cls(_target_=node["_target_"], _partial_=bool(node.get("_partial_", cls._partial_)),
-               args={**rest, **(node.get("args") or {})})
 
 
 @dataclass
@@ -323,5 +269,6 @@ class Config:
         if self.seed >= 2**64:  # torch.manual_seed's range
             raise ValueError(f"seed={self.seed} must be < 2**64 ({2**64})")
         self.hooks = {name: r.as_rule() if isinstance(r, RuleConfig) else r for name, r in self.hooks.items()}
-        self.loss = _target_node("loss", self.loss, LossConfig) or LossConfig()
-        self.scheduler = _target_node("scheduler", self.scheduler or None, SchedulerConfig)
+        checks.rules(self.hooks)
+        self.loss = target_node("loss", self.loss, LossConfig) or LossConfig()
+        self.scheduler = target_node("scheduler", self.scheduler or None, SchedulerConfig)

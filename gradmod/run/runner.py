@@ -50,7 +50,7 @@ from gradmod.run.factories import (
 from gradmod.run.files import GradCamCallback, RunFiles
 from gradmod.run.folder import Claim, RunFolder
 from gradmod.run.resume import apply_optimizer, check_epochs, compare
-from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
+from gradmod.training.callbacks import EpochLine, NonFiniteCallback, SyncCheckCallback
 from gradmod.training.distributed import Dist, env_rank
 from gradmod.training.divergence import DivergenceCallback
 from gradmod.training.interrupt import StopOnSignal
@@ -309,7 +309,8 @@ def _file_callbacks(cfg: Config, stack: contextlib.ExitStack, folder: Path, trai
     logger.log_plan(plan, trainer.hooks.format_plan())
     files = RunFiles(folder, logger)
     stack.callback(files.close)
-    callbacks = [files] + ([GradCamCallback(probe, logger, folder)] if probe is not None else [])
+    callbacks = [files, EpochLine(cfg.trainer.epochs)]  # the console's line after the record is complete
+    callbacks += [GradCamCallback(probe, logger, folder)] if probe is not None else []
     sync = SyncCheck(cfg.trainer.sync_check, dist.device)
     stack.callback(sync.allow)
     callbacks.append(SyncCheckCallback(sync))  # last but one: see SyncCheckCallback
