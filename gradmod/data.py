@@ -160,12 +160,12 @@ SHIFT = CANVAS - 28  # how far a digit may move from its corner
 
 
 def overlay_pairs(images: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> tuple[Tensor, Labels]:
-    """MultiMNIST (Sener and Koltun 2018): each digit with a random partner, one in the
+    """MultiMNIST (Sener and Koltun 2018): each digit with a random other one, one in the
     upper left and the other in the lower right of a 36 x 36 canvas, each moved by up to
     ``SHIFT // 2`` pixels from its corner, overlaid by the brighter pixel; labels ``left``
     (the upper-left digit) and ``right``."""
     n = len(images)
-    partner = rng.permutation(n)
+    partner = (np.arange(n) + rng.integers(1, n, size=n)) % n  # another image, never the same one
     shifts = rng.integers(0, SHIFT // 2 + 1, size=(n, 4))  # (left row, left col, right row, right col)
     canvas = np.zeros((n, 1, CANVAS, CANVAS), dtype=np.uint8)
     for i in range(n):

@@ -7,6 +7,8 @@ gradients need). The MNIST CNN has no normalisation layer: ``norm`` changes noth
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
@@ -40,10 +42,10 @@ class MultiLeNet(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, tasks: tuple[str, ...] = ("left", "right")):
         super().__init__()
-        self.trunk = nn.Sequential(
-            nn.Conv2d(in_channels, 10, kernel_size=5), nn.MaxPool2d(2), nn.ReLU(),
-            nn.Conv2d(10, 20, kernel_size=5), nn.MaxPool2d(2), nn.ReLU(),
-            nn.Flatten(), nn.Linear(20 * 6 * 6, 50), nn.ReLU())
+        self.trunk = nn.Sequential(OrderedDict(
+            conv1=nn.Conv2d(in_channels, 10, kernel_size=5), pool1=nn.MaxPool2d(2), relu1=nn.ReLU(),
+            conv2=nn.Conv2d(10, 20, kernel_size=5), pool2=nn.MaxPool2d(2), relu2=nn.ReLU(),
+            flat=nn.Flatten(), fc=nn.Linear(20 * 6 * 6, 50), relu3=nn.ReLU()))
         self.tasks = tasks
         for task in tasks:
             self.add_module(task, nn.Sequential(nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, num_classes)))
@@ -65,13 +67,13 @@ class CharLM(nn.Module):
         self.embed = nn.Embedding(num_classes, width)
         self.conv1 = nn.Conv1d(width, width, kernel_size=context)
         self.conv2 = nn.Conv1d(width, width, kernel_size=context)
-        self.out = nn.Conv1d(width, num_classes, kernel_size=1)
+        self.fc = nn.Conv1d(width, num_classes, kernel_size=1)  # per position: a Linear over the features
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.embed(x).transpose(1, 2)  # N x width x T
         h = F.relu(self.conv1(F.pad(h, (self.context - 1, 0))))  # left padding: no look ahead
         h = F.relu(self.conv2(F.pad(h, (self.context - 1, 0))))
-        return self.out(h)
+        return self.fc(h)
 
 
 NORMS = ("batch", "group")
