@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CONF
 
 from gradmod.app.cli import run
-from gradmod.data import as_float, load_char_text, load_data, overlay_pairs
+from gradmod.data import TEXT, as_float, load_char_text, load_data, overlay_pairs
 from gradmod.labels import Labels
 from gradmod.models import CharLM, MultiLeNet, build_model
 from gradmod.run.preflight import check_per_loss
@@ -77,7 +76,7 @@ def test_char_language_model_learns_the_bundled_text(compose_cfg, tmp_path):
 
 
 def test_bundled_text_is_a_few_kilobytes_of_prose():
-    text = (CONF.parent / "gradmod" / "texts" / "lighthouse.txt").read_text()
+    text = TEXT.read_text()
     assert 2000 < len(text) < 20000 and text.count(". ") > 20
     data = load_char_text(seq_len=16, stride=4)
     assert data.train_x.shape[1] == 16 and torch.equal(data.train_x[0, 1:], data.train_y[0, :-1])  # shifted by one
