@@ -3,7 +3,7 @@
 * ``bf16``: autocast, no scaler (bf16 has fp32's exponent range).
 * ``fp16``: autocast and ``torch.amp.GradScaler``. The loss is scaled before backward, so
   raw gradients are scaled. Hook-stage transforms are made scale-aware
-  (``HookSet.grad_scale``: they see the unscaled gradient, as in fp32); the fused stage
+  (``HookSet.set_grad_scale``: they see the unscaled gradient, as in fp32); the fused stage
   runs after ``unscale_``. A step GradScaler finds non-finite is skipped and the scale
   halved, as GradScaler always does.
 """
@@ -57,7 +57,7 @@ class Precision:
             return
         scaled = self.scaler.scale(loss)  # creates the scale tensor on first use
         if hooks is not None:
-            hooks.grad_scale = _scale_tensor(self.scaler, loss.device)
+            hooks.set_grad_scale(_scale_tensor(self.scaler, loss.device))
         scaled.backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
