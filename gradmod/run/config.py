@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gradmod.hooks.selection import DEFAULT_STAGES as HOOK_STAGES
+from gradmod.hooks.rules import DEFAULT_STAGES as HOOK_STAGES
 from gradmod.reporting.loggers import LOGGERS
 from gradmod.training.distributed import STRATEGIES
 from gradmod.training.loader import PLACEMENTS
