@@ -17,7 +17,7 @@ _HOMES = {
     "apply_init": "gradmod.weight_init",
 }
 __all__ = sorted(_HOMES)
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"  # the one version source (pyproject reads it)
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,8 @@ from helpers import ROOT
 from gradmod.reporting.console import epoch_line
 
 RECORD = {"epoch": 3, "step": 120, "train_loss": 0.41234, "test_loss": 0.39811, "test_accuracy": 0.88125,
-          "lr": 0.001, "seconds": 4.123, "train_seconds": 3.9, "eval_seconds": 0.2, "skipped_steps": 0,
+          "test_metric": 0.88125, "lr": 0.001, "seconds": 4.123, "train_seconds": 3.9, "eval_seconds": 0.2,
+          "skipped_steps": 0,
           "grad_stats": {"clip": {"norm": 1.0}}}
 
 
@@ -50,3 +51,13 @@ def test_a_redirected_dp_run_shows_a_line_per_epoch_with_epsilon(tmp_path):
     for n, line in enumerate(lines, 1):
         assert re.search(rf"epoch {n}/2: train_loss \S+ test_loss \S+ test_accuracy \S+ .*epsilon \S+ \(\d+\.\d s\)$",
                          line), line
+
+
+def test_each_tasks_numbers_by_name_and_the_metric_once():
+    record = {"epoch": 1, "train_loss": 0.5, "test_loss": 0.4, "test_accuracy": 0.75, "test_metric": None,
+              "tasks": {"left": {"test_loss": 0.3, "test_metric": 0.8}, "right": {"test_loss": 0.5, "test_metric": 0.7}},
+              "seconds": 1.0}
+    assert epoch_line(record) == ("epoch 1: train_loss 0.5 test_loss 0.4 test_accuracy 0.75 left.test_loss 0.3 "
+                                  "left.test_metric 0.8 right.test_loss 0.5 right.test_metric 0.7 (1.0 s)")
+    single = {"epoch": 1, "test_accuracy": 0.75, "test_metric": 0.75, "seconds": 1.0}
+    assert epoch_line(single) == "epoch 1: test_accuracy 0.75 (1.0 s)"

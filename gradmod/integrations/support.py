@@ -3,27 +3,26 @@ callback cannot do without, and the ``log`` statistics as flat scalar entries.""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
 from torch import nn
 
-from gradmod.hooks.group import ZClip
-from gradmod.hooks.rules import HookSet, attach
-from gradmod.hooks.selection import build_targets
+from gradmod.hooks.hookset import HookSet, attach
+from gradmod.hooks.rules import build_targets
 
 
 def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str, scaled: bool,
                shared: tuple[str, Mapping[str, HookSet]] = ("", {})) -> HookSet:
     """``attach(..., replace=False)``, so several callbacks share the model (overlapping
     tensors stay refused; ``shared``: this callback's rule sources and the other callbacks'
-    live rules by their sources, to say so in one line), refusing in one line what a callback cannot honour:
+    live rules by their sources, to say so in one line), refusing in one line what a
+    callback cannot honour:
     ``zclip(on_spike="skip")`` (a callback cannot skip one optimizer step, and zeroing the
     gradients is not a skip under momentum or weight decay), and hook-stage rules when
     ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled)."""
     _refuse_shared(trainer, model, rules, stage, *shared)
     hooks = attach(model, rules, stage=stage, replace=False)
-    skipping = [t.rule for t in hooks.targets for s in t.steps if isinstance(s.fn, ZClip) and s.fn.skip]
+    skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]
     hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]
     if skipping or (scaled and hooked):
         hooks.remove()

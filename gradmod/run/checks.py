@@ -2,7 +2,7 @@
 that names the key, the value it was given and what is allowed.
 
 Torch-free, as the schemas are, so that a bad config is refused before torch loads (a
-second or less). The registries the choice keys pick from import torch, so their names are
+second or less). Most registries the choice keys pick from import torch, so their names are
 restated here; ``tests/test_config_checks.py`` holds each equal to its registry.
 """
 
@@ -15,11 +15,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-MODELS = ("mnist_cnn", "resnet18", "resnet50")  # gradmod.models.MODELS
+from gradmod.hooks import stages  # the stage table, torch-free
+
+MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm")  # gradmod.models.MODELS
 NORMS = ("batch", "group")  # gradmod.models.NORMS
-DATASETS = ("mnist", "mnist_sample", "fake")  # gradmod.data.DATASETS
+DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text")  # gradmod.data.DATASETS
 INITS = ("default", "xavier", "kaiming")  # gradmod.weight_init.INITS
-HOOK_STAGES = ("hook", "fused")  # gradmod.hooks.selection.DEFAULT_STAGES: a stage for every rule
+HOOK_STAGES = stages.default_names()  # a stage for every rule: hook, fused
 PRECISIONS = ("fp32", "bf16", "fp16")  # gradmod.training.precision.DTYPES
 STRATEGIES = ("single", "ddp", "fsdp")  # gradmod.training.distributed.STRATEGIES
 NONFINITE = ("skip", "raise", "warn")  # gradmod.training.nonfinite.POLICIES
@@ -71,9 +73,44 @@ def target_node(key: str, node: Any, cls: type) -> Any:
         return node
     if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
         raise ValueError(f"{key} must be a mapping with a _target_ (a dotted path) and its arguments, got {node!r}")
-    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args")}
+    own = tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("_target_", "_partial_", "args"))
+    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args", *own)}
     return cls(_target_=node["_target_"], _partial_=bool(node.get("_partial_", cls._partial_)),
-               args={**rest, **(node.get("args") or {})})
+               args={**rest, **(node.get("args") or {})}, **{k: node[k] for k in own if k in node})
+
+
+def seed(value: int) -> None:
+    at_least("seed", value, 0)
+    if value >= 2**64:  # torch.manual_seed's range
+        raise ValueError(f"seed={value} must be < 2**64 ({2**64})")
+
+
+def optimizer(opt: Any) -> None:
+    """The optimizer's own values (``OptimizerConfig``); its arguments are tried by torch
+    (``gradmod.app.config_store``)."""
+    if opt.fused and opt.foreach:
+        raise ValueError("optimizer.fused=true with optimizer.foreach=true: torch allows one of them; set the other null")
+    finite("optimizer.lr", opt.lr)
+    finite("optimizer.weight_decay", opt.weight_decay)
+
+
+METRIC_NAMES = ("auto", "accuracy", "none")
+
+
+def metric(key: str, spec: Any, by_task: bool = True) -> None:
+    """``metric``: a name (``METRIC_NAMES``), a mapping with a ``_target_``, or (at the top)
+    task name -> one of those."""
+    if isinstance(spec, str):
+        choice(key, spec, METRIC_NAMES)
+    elif isinstance(spec, dict) and "_target_" in spec:
+        if not isinstance(spec["_target_"], str) or "." not in spec["_target_"]:
+            raise ValueError(f"{key}._target_={spec['_target_']!r} must be a dotted path, e.g. my_pkg.metrics.f1")
+    elif isinstance(spec, dict) and by_task and spec:
+        for task, inner in spec.items():
+            metric(f"{key}.{task}", inner, by_task=False)
+    else:
+        raise ValueError(f"{key}={spec!r} is not allowed; allowed: {', '.join(METRIC_NAMES)}, "
+                         "{_target_: dotted.path, ...} or task name -> one of those")
 
 
 def trainer(t: Any) -> None:
