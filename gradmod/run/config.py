@@ -117,8 +117,10 @@ class CharTextDataConfig(DataConfig):
     """``data=char_text``: windows of ``seq_len`` characters of the bundled text, one every
     ``stride`` characters (``gradmod.data.load_char_text``)."""
 
-    seq_len: int = 32
-    stride: int = 8
+    batch_size: int = 32  # windows per step
+    n_test: int = 1000  # unused: the text's last tenth is the test set
+    seq_len: int = 32  # characters per window
+    stride: int = 8  # a window every this many characters
 
     def __post_init__(self):
         super().__post_init__()
@@ -334,7 +336,7 @@ class PrivacyConfig:
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
-    are checked against the model by ``gradmod.hooks.selection.build_targets``."""
+    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
 
     params: Any = None
     modules: Any = None
