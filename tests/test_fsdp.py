@@ -23,8 +23,8 @@ from helpers import free_port
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from gradmod.hooks.group import AGC
 from gradmod.hooks import attach
+from gradmod.hooks.group import AGC
 from gradmod.training.distributed import Dist
 from gradmod.training.trainer import bare_epoch
 
@@ -146,7 +146,7 @@ def _accumulate(rank: int) -> dict[str, torch.Tensor]:
     hooks = attach(model, RULES["norm"])
     x, y = labelled()
     bare_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), x, y, batch_size=2,
-                generator=torch.Generator().manual_seed(3), hooks=hooks, accumulate=2, shard=(rank, 2))
+                generator=torch.Generator().manual_seed(3), hooks=hooks, accumulate=2, part=(rank, 2))
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from helpers import ROOT
 from torch.func import functional_call, grad, vmap
 
-from gradmod.hooks import per_sample_layers as layers
 from gradmod.hooks import attach
+from gradmod.hooks import per_sample_layers as layers
 
 
 def dp_rule(max_norm=1.0, noise=0.0, params="*", extra=()):
