@@ -14,7 +14,7 @@ from helpers import free_port
 from torch import nn
 
 from gradmod.hooks import transforms
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.labels import Labels
 from gradmod.training.distributed import Dist, unwrap
 from gradmod.training.precision import Precision
@@ -132,6 +132,9 @@ def test_fp16_hands_the_hooks_each_loss_scaled():
 
     class Recorder:
         grad_scale = None
+
+        def set_grad_scale(self, scale):
+            self.grad_scale = scale
 
         def backward(self, losses):
             seen.update(losses)

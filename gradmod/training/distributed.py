@@ -55,8 +55,8 @@ class Dist:
         return self.rank == 0
 
     @property
-    def shard(self) -> slice:
-        """This rank's share of a tensor indexed along dim 0 (every element exactly once)."""
+    def part(self) -> slice:
+        """This rank's part of a tensor indexed along dim 0 (every element exactly once)."""
         return slice(self.rank, None, self.world_size)
 
     @classmethod
