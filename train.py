@@ -1,8 +1,19 @@
 """Train with gradient hooks from Hydra configs: ``python train.py +hooks=clip``."""
 
-from pathlib import Path
+import signal
+import sys
 
-from gradmod.app.cli import main
+
+def _interrupted(signum, frame):  # Ctrl-C while torch imports or Hydra composes: one line, not a traceback
+    print("interrupted by SIGINT before training started", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+signal.signal(signal.SIGINT, _interrupted)  # the run and the sweep install their own handlers
+
+from pathlib import Path  # noqa: E402
+
+from gradmod.app.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main(Path(__file__).parent / "conf")  # every ending one line on stderr and an exit status
