@@ -1,4 +1,5 @@
-"""Train with gradient hooks from Hydra configs: ``python train.py +hooks=clip``."""
+"""Train with gradient hooks from Hydra configs: ``python train.py +hooks=clip``, the same
+as the installed console script ``gradmod +hooks=clip``."""
 
 import signal
 import sys
@@ -11,9 +12,7 @@ def _interrupted(signum, frame):  # Ctrl-C while torch imports or Hydra composes
 
 signal.signal(signal.SIGINT, _interrupted)  # the run and the sweep install their own handlers
 
-from pathlib import Path  # noqa: E402
-
 from gradmod.app.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    main(Path(__file__).parent / "conf")  # every ending one line on stderr and an exit status
+    main()  # the shipped configs, gradmod/conf/; every ending one line on stderr and an exit status

@@ -23,9 +23,9 @@ from helpers import free_port
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from gradmod.hooks import attach
 from gradmod.hooks.group import AGC
 from gradmod.reporting import run_summary
-from gradmod.hooks.rules import attach
 from gradmod.training.distributed import Dist
 from gradmod.training.trainer import train_epoch
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import RESUMABLE, ROOT, compose_config, free_port, run_train
+from helpers import CONF, RESUMABLE, ROOT, compose_config, free_port, run_train
 
 from gradmod.app.cli import run
 from gradmod.app.config_store import validate
@@ -267,7 +267,7 @@ def compose_config_with_hydra():
 
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             return compose(config_name="config", return_hydra_config=True)
     finally:
         GlobalHydra.instance().clear()

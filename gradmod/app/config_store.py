@@ -1,6 +1,6 @@
 """Config schemas: Hydra structured configs that make bad input fail before any work.
 
-``Config`` is the base of ``conf/config.yaml`` (``defaults: [base_config, ...]``), so a
+``Config`` is the base of ``gradmod/conf/config.yaml`` (``defaults: [base_config, ...]``), so a
 typo (``trainer.epoch=3``) or a wrong type (``trainer.epochs=abc``) fails while Hydra
 composes. ``validate(cfg)`` then builds the dataclasses (``OmegaConf.to_object``), whose
 ``__post_init__`` checks values, and checks what a schema cannot: keys added with ``+``,
@@ -25,6 +25,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from gradmod.run.config import (
     AdamConfig,
+    CharTextDataConfig,
     Config,
     DataConfig,
     FakeDataConfig,
@@ -40,6 +41,7 @@ def register() -> None:
     cs.store(name="base_config", node=Config)
     cs.store(group="schema/data", name="mnist", node=DataConfig)
     cs.store(group="schema/data", name="fake", node=FakeDataConfig)
+    cs.store(group="schema/data", name="char_text", node=CharTextDataConfig)
     cs.store(group="schema/optimizer", name="adam", node=AdamConfig)
     cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)

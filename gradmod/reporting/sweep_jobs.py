@@ -30,8 +30,8 @@ from typing import Any, Mapping
 JOBS = Path(".gradmod") / "jobs"
 PLAN = Path(".gradmod") / "plan.json"
 NOT_RUN = "not_run"
-NUMBERS = ("test_accuracy", "test_loss", "train_loss", "seconds", "steps", "skipped_steps", "nonfinite_steps",
-           "epochs", "signal")
+NUMBERS = ("test_accuracy", "test_loss", "test_metric", "tasks", "train_loss", "seconds", "steps", "skipped_steps",
+           "nonfinite_steps", "epochs", "signal")  # tasks: {name: {test_loss, test_metric}} of a multi-task run
 
 
 def jobs_dir(sweep_dir: str | Path) -> Path:

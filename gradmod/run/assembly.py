@@ -14,9 +14,9 @@ from gradmod.reporting.observe import GradCamProbe
 from gradmod.run import dp
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.factories import (
-    build_loss,
     build_optimizer,
     build_scheduler,
+    build_tasks,
     describe_groups,
     model_factory,
     param_groups,
@@ -78,7 +78,7 @@ def build_trainer(run: Run) -> Parts:
                                progress=t.progress and sys.stderr.isatty(), loader_workers=run.loader_workers,
                                sampling=dp.sampling(cfg))
     trainer = Trainer(model, optimizer, settings, hooks=run.hooks, amp=Precision(t.precision, dist.device),
-                      loss_fn=build_loss(cfg.loss), callbacks=[*callbacks, saver], dist=dist, net=net,
+                      tasks=build_tasks(cfg.loss, cfg.metric), callbacks=[*callbacks, saver], dist=dist, net=net,
                       eval_net=model if net is wrapped else net, generator=torch.Generator().manual_seed(cfg.seed))
     return Parts(trainer, saver, guard, probe)
 

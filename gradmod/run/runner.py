@@ -24,11 +24,11 @@ from typing import Any, Callable
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks.hookset import attach
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.plan import summarize_plan
-from gradmod.run import atomic, dp, endings
+from gradmod.run import atomic, dp, endings, preflight
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.assembly import Parts, build_trainer
 from gradmod.run.config import Config
@@ -90,13 +90,14 @@ def _build(cfg: Config, folder: RunFolder, stop: StopOnSignal, t_start: float,
     undo.callback(dist.close)
     claim, diffs = _claim_shared(cfg, folder, dist)
     data, loader_workers = load(cfg, dist)
-    model = build_model(cfg, data, dist.device)
+    model, several = build_model(cfg, data, dist.device)
     if dist.strategy == "fsdp":
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
     rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
     hooks = attach(model, rules, stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
                    loss_reduction=cfg.loss.args.get("reduction", "mean"))
     undo.callback(hooks.remove)
+    preflight.check_per_loss(hooks.targets, several, dist.strategy, f"loss._target_={cfg.loss._target_}")
     return Run(cfg, folder, claim, dist, data, model, hooks, hooks.describe(), stop, t_start,
                loader_workers=loader_workers, privacy=privacy, diffs=diffs, on_owned=on_owned)
 
@@ -151,8 +152,7 @@ def _fit(run: Run) -> dict[str, Any]:
     summary = _summary(run, parts)
     if run.dist.is_main:
         endings.write(run.folder.out, summary)
-    log.info("test_accuracy %.4f on %s (%d test %s) in %.1fs; run folder %s", summary["test_accuracy"],
-             run.data.name, summary["test_size"], items(run.data), summary["seconds"], run.folder.out)
+    log.info("%s on %s (%d test %s) in %.1fs; run folder %s", _result_line(summary), run.data.name, summary["test_size"], items(run.data), summary["seconds"], run.folder.out)
     return summary
 
 
@@ -187,6 +187,7 @@ def _summary(run: Run, parts: Parts) -> dict[str, Any]:
     accountant = next((cb for cb in trainer.callbacks if isinstance(cb, PrivacyCallback)), None)
     return {
         "status": "ok", "test_accuracy": last["test_accuracy"], "test_loss": last["test_loss"],
+        "test_metric": last.get("test_metric"), **({"tasks": last["tasks"]} if "tasks" in last else {}),
         "train_loss": last["train_loss"], "dataset": data.name, "train_size": len(data.train_y),
         "test_size": len(data.test_y), "model": cfg.model.name,
         "num_params": sum(p.numel() for p in trainer.model.parameters()), "device": str(trainer.device),
@@ -199,3 +200,13 @@ def _summary(run: Run, parts: Parts) -> dict[str, Any]:
         "run": run.claim.run_id, "parent": run.claim.parent,
         **({"previous": run.claim.previous} if run.claim.previous is not None else {}),
     }
+
+
+def _result_line(summary: dict[str, Any]) -> str:
+    """``test_accuracy 0.9120``, or the loss (and each task's numbers) where there is no accuracy."""
+    parts = [f"test_accuracy {summary['test_accuracy']:.4f}"] if summary["test_accuracy"] is not None else \
+        [f"test_loss {summary['test_loss']:.4f}"]
+    for name, t in summary.get("tasks", {}).items():
+        metric = "" if t["test_metric"] is None else f" metric {t['test_metric']:.4f}"
+        parts.append(f"{name}: loss {t['test_loss']:.4f}{metric}" if t["test_loss"] is not None else f"{name}:{metric}")
+    return ", ".join(parts)

@@ -16,7 +16,7 @@ from torch import nn
 from gradmod.data import Data
 from gradmod.run import endings, preflight
 from gradmod.run.config import Config
-from gradmod.run.factories import build_data, build_loss, model_factory
+from gradmod.run.factories import build_data, build_tasks, model_factory
 from gradmod.training.distributed import Dist
 from gradmod.training.loader import batches_per_epoch, placement
 from gradmod.training.precision import check_precision
@@ -87,16 +87,20 @@ def load(cfg: Config, dist: Dist) -> tuple[Data, int | None]:
     return data, cfg.trainer.loader_workers
 
 
-def build_model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
-    """The model on ``device``, checked with the loss on two training examples (before any hook)."""
+def build_model(cfg: Config, data: Data, device: torch.device) -> tuple[nn.Module, bool]:
+    """The model on ``device``, checked with the loss and metric on two training examples
+    (before any hook); and whether the loss is several named losses."""
     model = model_factory(cfg.model, data)()
     apply_init(model, cfg.init.name)
     model.to(device)
     if cfg.trainer.channels_last:
         to_channels_last(model)  # same Parameter objects: attach before or after is the same
     key = f"model._target_={cfg.model._target_}" if cfg.model._target_ else f"model.name={cfg.model.name}"
-    preflight.check_model(model, data, build_loss(cfg.loss), key, f"loss._target_={cfg.loss._target_}")
-    return model
+    several, metrics = preflight.check_model(model, data, build_tasks(cfg.loss, cfg.metric), key,
+                                             f"loss._target_={cfg.loss._target_}")
+    if several or not metrics.endswith("accuracy"):
+        log.info("%s", metrics)  # the classification default goes without saying
+    return model, several
 
 
 def items(data: Data) -> str:

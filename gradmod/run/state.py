@@ -10,7 +10,7 @@ from typing import Any, Callable
 from torch import nn
 
 from gradmod.data import Data
-from gradmod.hooks.rules import HookSet
+from gradmod.hooks.hookset import HookSet
 from gradmod.run.config import Config
 from gradmod.run.dp import Privacy
 from gradmod.run.folder import Claim, RunFolder
