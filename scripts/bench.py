@@ -55,7 +55,7 @@ import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path wh
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
-from gradmod.run.runner import resolve_device  # noqa: E402
+from gradmod.run.setup import resolve_device  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402
 from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402

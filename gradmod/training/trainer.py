@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradmod.data import Data
-from gradmod.training.callbacks import Callback, NonFiniteCallback
+from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
 from gradmod.training.dpsgd import PerSampleSetup
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
@@ -75,7 +75,8 @@ class Trainer:
         self.dist = dist or Dist(device=next(model.parameters()).device)
         self.device = self.dist.device
         self.amp = amp or Precision("fp32", self.device)
-        self.callbacks = list(callbacks)
+        self.callbacks: list[Any] = []
+        self.add_callbacks(callbacks)
         self.loss_fn = loss_fn
         self.tasks = tasks if tasks is not None else Tasks(loss_fn)  # the loss and metric, per task
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -92,6 +93,12 @@ class Trainer:
         if hooks is not None and getattr(hooks, "per_sample", None) is not None:
             self.private = PerSampleSetup(model, hooks, self.dist, poisson=settings.sampling == "poisson",
                                          batch_size=settings.batch_size, accumulate=settings.accumulate)
+
+    def add_callbacks(self, callbacks: Sequence[Any]) -> None:
+        """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
+        (``gradmod.training.callbacks.check_order``)."""
+        check_order([*self.callbacks, *callbacks])
+        self.callbacks.extend(callbacks)
 
     def fit(self, data: Data, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (from where a restored checkpoint left off)."""
