@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port
+from helpers import free_port, per_loss_method
 from torch import nn
 
-from gradmod.hooks import transforms
 from gradmod.hooks.rules import attach
 from gradmod.labels import Labels
 from gradmod.training.distributed import Dist, unwrap
@@ -46,7 +45,7 @@ def data(n: int) -> tuple[torch.Tensor, Labels]:
 
 
 def registered(method: str | None) -> bool:
-    return method is None or method in transforms.names()
+    return method is None or per_loss_method(method)
 
 
 def rules(method: str | None) -> dict:
