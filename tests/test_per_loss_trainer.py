@@ -58,8 +58,11 @@ def one_step(method: str | None, dist: Dist | None = None, batch: int = 2 * BATC
     model = TwoTasks()
     hooks = attach(model, rules(method))
     net = dist.wrap(model) if dist is not None else model
+    amp = Precision(precision, torch.device("cpu"))
+    if amp.scaler is not None:  # a scale whose gradients fit in fp16: the step is taken, not skipped
+        amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=LR), TrainerSettings(batch_size=batch,
-                      log_every=2**62), hooks=hooks, dist=dist, net=net, amp=Precision(precision, torch.device("cpu")),
+                      log_every=2**62), hooks=hooks, dist=dist, net=net, amp=amp,
                       generator=torch.Generator().manual_seed(5))
     trainer.train_epoch(*data(2 * BATCH))
     hooks.remove()
