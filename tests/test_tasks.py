@@ -118,7 +118,8 @@ def test_multi_lenet_has_a_trunk_and_two_heads():
 
 
 def test_multi_mnist_reports_every_task(compose_cfg, tmp_path):
-    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "data.n_test=200", "optimizer.lr=0.003")
+    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "trainer.epochs=1", "data.n_test=200",
+                      "optimizer.lr=0.003")
     summary = run(cfg, tmp_path)
     data = load_data("multi_mnist", seed=cfg.seed, n_test=200)
     model = MultiLeNet()
@@ -212,9 +213,11 @@ def test_train_refuses_a_per_loss_rule_on_one_loss_before_training(compose_cfg, 
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not per_loss_method("pcgrad"), reason="a build without the per_loss stage")
 def test_multi_mnist_trains_with_a_shipped_per_loss_file(compose_cfg, tmp_path):
-    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "+hooks=pcgrad", "data.n_test=200")
+    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "+hooks=pcgrad", "trainer.epochs=1",
+                      "data.n_test=200", "optimizer.lr=0.003")
     summary = run(cfg, tmp_path)
     assert summary["hook_plan"] and all(d["stage"] == "per_loss" for d in summary["hook_plan"])
     assert {d["tensor"].split(".")[0] for d in summary["hook_plan"]} == {"trunk"}
