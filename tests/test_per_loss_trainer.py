@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import free_port, per_loss_method
 from torch import nn
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.labels import Labels
 from gradmod.training.distributed import Dist, unwrap
 from gradmod.training.precision import Precision
@@ -134,6 +134,9 @@ def test_fp16_hands_the_hooks_each_loss_scaled():
 
     class Recorder:
         grad_scale = None
+
+        def set_grad_scale(self, scale):
+            self.grad_scale = scale
 
         def backward(self, losses):
             seen.update(losses)
