@@ -334,7 +334,7 @@ class PrivacyConfig:
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
-    are checked against the model by ``gradmod.hooks.selection.build_targets``."""
+    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
 
     params: Any = None
     modules: Any = None
