@@ -222,3 +222,10 @@ def test_multi_mnist_trains_with_a_shipped_per_loss_file(compose_cfg, tmp_path):
     assert summary["hook_plan"] and all(d["stage"] == "per_loss" for d in summary["hook_plan"])
     assert {d["tensor"].split(".")[0] for d in summary["hook_plan"]} == {"trunk"}
     assert min(t["test_metric"] for t in summary["tasks"].values()) > 0.2
+
+
+def test_gradcam_with_labels_by_task_is_one_line(compose_cfg, tmp_path):
+    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "capture.gradcam=true")
+    with pytest.raises(ValueError, match=r"^capture.gradcam=true needs one label tensor; data \(multi_mnist\) has "
+                                         r"labels by task \(left, right\)"):
+        run(cfg, tmp_path)

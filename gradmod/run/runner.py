@@ -30,6 +30,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradmod.data import Data
 from gradmod.hooks.hookset import HookSet, attach
+from gradmod.labels import Labels
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
@@ -206,6 +207,9 @@ def _place(cfg: Config) -> Dist:
 def _load(cfg: Config, dist: Dist) -> tuple[Data, int | None]:
     """The checked dataset, on the device when it fits (else a DataLoader's worker count)."""
     data = build_data(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
+    if cfg.capture.gradcam and isinstance(data.test_y, Labels):  # its probe explains one classifier's label
+        raise ValueError(f"capture.gradcam=true needs one label tensor; data ({data.name}) has labels by task "
+                         f"({', '.join(data.test_y.keys())}); use capture.gradcam=false")
     preflight.check_data(data, None if cfg.model._target_ else f"model.name={cfg.model.name}")
     _warn_sizes(cfg, data, dist.world_size)
     if placement(cfg.trainer.data_placement, data, dist.device) == "device":
