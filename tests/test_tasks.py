@@ -229,3 +229,11 @@ def test_gradcam_with_labels_by_task_is_one_line(compose_cfg, tmp_path):
     with pytest.raises(ValueError, match=r"^capture.gradcam=true needs one label tensor; data \(multi_mnist\) has "
                                          r"labels by task \(left, right\)"):
         run(cfg, tmp_path)
+
+
+def test_a_metric_for_a_task_that_does_not_exist_is_one_line():
+    out = {"left": torch.zeros(2, 3), "right": torch.zeros(2, 3)}
+    y = Labels({"left": torch.zeros(2, dtype=torch.long), "right": torch.zeros(2, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"^metric.lft: there is no task 'lft'; the tasks are left, right$"):
+        Tasks(F.cross_entropy, {"lft": "accuracy"}).describe(out, y)
+    assert Tasks(F.cross_entropy, {"left": "none"}).describe(out, y) == "metrics: left=none, right=accuracy"
