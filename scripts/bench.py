@@ -59,7 +59,7 @@ from gradmod.run.setup import resolve_device  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402
 from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402
-from gradmod.training.trainer import evaluate, bare_epoch  # noqa: E402
+from gradmod.training.trainer import bare_epoch, evaluate  # noqa: E402
 
 BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}

@@ -117,8 +117,7 @@ class CharTextDataConfig(DataConfig):
     """``data=char_text``: windows of ``seq_len`` characters of the bundled text, one every
     ``stride`` characters (``gradmod.data.load_char_text``)."""
 
-    batch_size: int = 32  # windows per step
-    n_test: int = 1000  # unused: the text's last tenth is the test set
+    batch_size: int = 32
     seq_len: int = 32  # characters per window
     stride: int = 8  # a window every this many characters
 
@@ -278,7 +277,7 @@ class LossConfig:
     _target_: str = "torch.nn.CrossEntropyLoss"
     _partial_: bool = False
     args: Dict[str, Any] = field(default_factory=dict)
-    per_task: Optional[bool] = None
+    per_task: Optional[bool] = None  # null: per task when the model returns several outputs | true | false
 
     def __post_init__(self):
         if self.per_task not in (None, True, False):
