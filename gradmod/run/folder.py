@@ -8,7 +8,7 @@ its newest checkpoint, or from an older one: a new timeline), or a fork of anoth
 checkpoint into an empty folder. It refuses in one line what would mix two runs or lose
 results. ``commit(claim)``, called once the run has also built and restored everything,
 makes the first writes: ``start_over``'s removal, the abandoned timeline moved aside, and
-``.gradmod/run.json``. See docs/robustness.md ("A finished run is sealed").
+``.gradmod/run.json``. See docs/reference/robustness.md ("A finished run is sealed").
 """
 
 from __future__ import annotations
