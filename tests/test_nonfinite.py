@@ -14,7 +14,7 @@ from torch import nn
 from gradmod.app.cli import run
 from gradmod.hooks import attach
 from gradmod.training.nonfinite import NonFiniteError, NonFiniteGuard
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 # 1e300 is inf in a float32 gradient (a factor of inf itself is refused when the rule is built)
 INF_AT_CONV2 = {"boom": {"modules": "conv2", "transforms": [{"name": "scale", "factor": 1e300}]}}
@@ -50,7 +50,7 @@ def _data(n=40):
 
 
 def _epoch(model, opt, x, y, hooks=None, guard=None):
-    return train_epoch(model, opt, x, y, batch_size=10, generator=torch.Generator().manual_seed(1),
+    return bare_epoch(model, opt, x, y, batch_size=10, generator=torch.Generator().manual_seed(1),
                        hooks=hooks, guard=guard)
 
 
