@@ -55,11 +55,11 @@ import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path wh
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
-from gradmod.run.runner import resolve_device  # noqa: E402
+from gradmod.run.setup import resolve_device  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402
 from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402
-from gradmod.training.trainer import evaluate, bare_epoch  # noqa: E402
+from gradmod.training.trainer import bare_epoch, evaluate  # noqa: E402
 
 BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}

@@ -46,7 +46,7 @@ from gradmod.capture import Recorder, grad_cam
 from gradmod.data import load_mnist_sample
 from gradmod.models import MnistCNN
 from gradmod.reporting.plots import plot_gradcam, plot_grid, plot_image
-from gradmod.training.trainer import evaluate, bare_epoch
+from gradmod.training.trainer import bare_epoch, evaluate
 
 
 def gradient_overlay(images: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

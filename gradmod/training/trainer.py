@@ -21,10 +21,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradmod.data import Data
-from gradmod.training.callbacks import Callback, NonFiniteCallback
+from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
 from gradmod.training.dpsgd import PerSampleSetup
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
+from gradmod.training.per_loss_step import PerLossStep
 from gradmod.training.precision import Precision
 from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
 from gradmod.training.tasks import evaluate as evaluate_tasks
@@ -75,7 +76,8 @@ class Trainer:
         self.dist = dist or Dist(device=next(model.parameters()).device)
         self.device = self.dist.device
         self.amp = amp or Precision("fp32", self.device)
-        self.callbacks = list(callbacks)
+        self.callbacks: list[Any] = []
+        self.add_callbacks(callbacks)
         self.loss_fn = loss_fn
         self.tasks = tasks if tasks is not None else Tasks(loss_fn)  # the loss and metric, per task
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -92,6 +94,15 @@ class Trainer:
         if hooks is not None and getattr(hooks, "per_sample", None) is not None:
             self.private = PerSampleSetup(model, hooks, self.dist, poisson=settings.sampling == "poisson",
                                          batch_size=settings.batch_size, accumulate=settings.accumulate)
+        self.per_loss = None  # the per_loss stage's set-up (gradmod.training.per_loss_step), when a rule has one
+        if hooks is not None and getattr(hooks, "per_loss", None) is not None:
+            self.per_loss = PerLossStep(model, hooks, self.dist)
+
+    def add_callbacks(self, callbacks: Sequence[Any]) -> None:
+        """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
+        (``gradmod.training.callbacks.check_order``)."""
+        check_order([*self.callbacks, *callbacks])
+        self.callbacks.extend(callbacks)
 
     def fit(self, data: Data, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (from where a restored checkpoint left off)."""
@@ -143,6 +154,8 @@ class Trainer:
                 self.batch = i
                 self._optimizer_step()
         mean = self.loss_sum.item() / max(total, 1)
+        if self.per_loss is not None:
+            self.per_loss.end_epoch()
         self.batch, self.epoch_order = 0, None
         self.loss_sum = torch.zeros((), device=self.device)
         return mean
@@ -163,6 +176,8 @@ class Trainer:
             return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
         if self.private is not None:  # each example's own gradient; DDP reduces after the stage
             group, sync = 1, False
+        if self.per_loss is not None:  # the stage's own backward passes; it reduces what it needs
+            sync = False
         with no_sync(self.net, not sync):
             with self.amp.autocast():
                 losses = self.tasks.losses(self.net(xb), yb)  # one loss, or named ones
@@ -177,6 +192,8 @@ class Trainer:
         skip = False
         if self.private is not None:
             self.private.before_stage()
+        if self.per_loss is not None:
+            self.per_loss.before_stage()
         if self.hooks is not None and self.hooks.needs_after_backward:
             skip = bool(self.hooks.after_backward())  # True: a group transform asks to skip
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it
