@@ -82,7 +82,7 @@ class DataConfig:
     name: str = MISSING
     batch_size: int = 100  # the article's batch size
     fallback: bool = True  # offline: use the bundled 5,000-digit sample (with a warning)
-    n_test: int = 1000  # test digits held out of the bundled 5,000-digit sample (mnist_sample, or mnist falling back)
+    n_test: int = 1000  # test examples made from the bundled 5,000-digit sample's held-out digits (mnist_sample, multi_mnist, mnist falling back)
     sampling: str = "auto"  # shuffle | poisson (each example joins each step with q) | auto: poisson under DP noise
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
@@ -117,8 +117,10 @@ class CharTextDataConfig(DataConfig):
     """``data=char_text``: windows of ``seq_len`` characters of the bundled text, one every
     ``stride`` characters (``gradmod.data.load_char_text``)."""
 
-    seq_len: int = 32
-    stride: int = 8
+    batch_size: int = 32
+    n_test: int = 1000  # unused: the text's last tenth is the test set
+    seq_len: int = 32  # characters per window
+    stride: int = 8  # a window every this many characters
 
     def __post_init__(self):
         super().__post_init__()
