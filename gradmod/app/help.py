@@ -17,7 +17,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from gradmod.hooks import stages, transforms
+from gradmod.hooks import transforms
+from gradmod.hooks.rules import STAGES
 from gradmod.run import config as schemas
 
 HIDDEN_GROUPS = ("hooks", "hydra")  # hooks get their own section; hydra/ is Hydra's
@@ -84,7 +85,7 @@ def key_list(node: str, indent: int = 14) -> str:
     """The keys of a config node, from its dataclass, wrapped for the Keys section."""
     if node == "rule":  # a hook rule: its keys, then the stages one may name
         words = [*(f.name for f in dataclasses.fields(schemas.RuleConfig))]
-        words[-1] += f" ({' | '.join(stages.names())})"
+        words[-1] += f" ({' | '.join(STAGES)})"
     else:
         words = [f.name for f in dataclasses.fields(KEY_NODES[node]) if not f.name.startswith("_") and f.name != "args"]
     return f"\n{' ' * indent}".join(textwrap.wrap(", ".join(words), WIDTH - indent, break_on_hyphens=False))

@@ -82,7 +82,7 @@ class DataConfig:
     name: str = MISSING
     batch_size: int = 100  # the article's batch size
     fallback: bool = True  # offline: use the bundled 5,000-digit sample (with a warning)
-    n_test: int = 1000  # test examples made from the bundled 5,000-digit sample's held-out digits (mnist_sample, multi_mnist, mnist falling back)
+    n_test: int = 1000  # test digits held out of the bundled 5,000-digit sample (mnist_sample, or mnist falling back)
     sampling: str = "auto"  # shuffle | poisson (each example joins each step with q) | auto: poisson under DP noise
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
@@ -118,7 +118,6 @@ class CharTextDataConfig(DataConfig):
     ``stride`` characters (``gradmod.data.load_char_text``)."""
 
     batch_size: int = 32
-    n_test: int = 1000  # unused: the text's last tenth is the test set
     seq_len: int = 32  # characters per window
     stride: int = 8  # a window every this many characters
 
@@ -278,7 +277,7 @@ class LossConfig:
     _target_: str = "torch.nn.CrossEntropyLoss"
     _partial_: bool = False
     args: Dict[str, Any] = field(default_factory=dict)
-    per_task: Optional[bool] = None
+    per_task: Optional[bool] = None  # null: per task when the model returns several outputs | true | false
 
     def __post_init__(self):
         if self.per_task not in (None, True, False):
@@ -336,7 +335,7 @@ class PrivacyConfig:
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
-    are checked against the model by ``gradmod.hooks.selection.build_targets``."""
+    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
 
     params: Any = None
     modules: Any = None
