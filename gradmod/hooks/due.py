@@ -43,8 +43,9 @@ class AfterBackwardDue:
 
     def mark(self, rule: str, stage: str, param: nn.Parameter) -> None:
         """Work of ``rule`` is due (a stage that writes ``.grad`` itself may call this)."""
+        if not self._due:
+            _DUE.add(self)
         self._due[rule] = (stage, param, param._version)
-        _DUE.add(self)
 
     def done(self) -> None:
         """``after_backward()`` ran: nothing is due."""
@@ -84,5 +85,7 @@ def _install() -> None:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if not _DUE:  # the usual case: every loop called after_backward()
+        return
     for watch in list(_DUE):
         watch.before_step(optimizer)

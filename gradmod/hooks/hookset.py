@@ -133,12 +133,6 @@ class HookSet:
             return run_fused(self._fused)
         return False
 
-    @property
-    def expected_batch_size(self) -> float | None:
-        """The per_sample stage's divisor (the expected batch size under Poisson
-        sampling); None: the examples of the step's backward calls."""
-        return None if self.per_sample is None else self.per_sample.expected_batch_size
-
     def set_per_sample(self, *, expected_batch_size: float | None = None,
                        reduce: Callable[[list[Tensor]], None] | None = None, draws_noise: bool = True) -> None:
         """Set up the per_sample stage for a loop: ``expected_batch_size``, the divisor
