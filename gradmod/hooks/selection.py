@@ -17,11 +17,12 @@ from torch import nn
 
 from gradmod.hooks import group as _group  # noqa: F401  (registers the group transforms)
 from gradmod.hooks import transforms as T
+from gradmod.hooks.per_loss import methods as per_loss_methods
 from gradmod.hooks.per_sample import check_model
 from gradmod.hooks.per_sample_stats import PerSampleClip, per_sample_log
 from gradmod.hooks.stats import GradStats
 
-STAGES = ("hook", "fused", "per_sample")
+STAGES = ("hook", "fused", "per_sample", "per_loss")
 DEFAULT_STAGES = ("hook", "fused")  # a rule's stage when it sets none; per_sample is set per rule
 PER_SAMPLE = ("per_sample_clip", "log")  # what runs at the per_sample stage
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
@@ -102,6 +103,7 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
         targets.extend(_rule_targets(rule, spec, params, modules, stage))
     _check_observer_keys(targets)
     _check_per_sample(model, targets, params)
+    _check_per_loss(targets)
     return targets
 
 
@@ -118,6 +120,8 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list,
     except ValueError as e:
         raise ValueError(f"hooks.{rule}.transforms: {e}") from None
     groups = [n for n in names if T.is_group(n)]
+    if any(per_loss_methods.is_method(n) for n in names) or spec.get("stage") == "per_loss":
+        return _per_loss_stage(rule, spec, names)
     if "per_sample_clip" in names or spec.get("stage") == "per_sample":
         return _per_sample_stage(rule, spec, kind, names)
     if not groups:
@@ -144,6 +148,44 @@ def _per_sample_stage(rule: str, spec: Mapping[str, Any], kind: str, names: list
     if names.count("per_sample_clip") > 1 or names.count("log") > 1:
         raise ValueError(f"hooks.{rule}.transforms: give per_sample_clip and log at most once each")
     return "per_sample"
+
+
+def _per_loss_stage(rule: str, spec: Mapping[str, Any], names: list[str]) -> str:
+    """A per_loss rule holds one method (what turns the k task gradients into one update)."""
+    if spec.get("stage") not in (None, "per_loss"):
+        raise ValueError(f"hooks.{rule}.stage: {names[0]!r} combines the gradients of several losses; it runs at "
+                         "stage 'per_loss' only")
+    if len(names) != 1 or not per_loss_methods.is_method(names[0]):
+        other = [n for n in names if not per_loss_methods.is_method(n)]
+        what = f"{other[0]!r} cannot run at stage 'per_loss'" if other else "give one per_loss method per rule"
+        raise ValueError(f"hooks.{rule}.transforms: {what}; a per_loss rule holds exactly one of "
+                         f"{', '.join(per_loss_methods.names())} (put other transforms in a rule of their own)")
+    return "per_loss"
+
+
+def _per_loss_step(rule: str, transforms: list) -> T.Step:
+    name, args = T.parse_spec(transforms[0])
+    try:
+        return T.Step(name, args, per_loss_methods.build(name, args))
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+
+
+def _check_per_loss(targets: list[Target]) -> None:
+    """Refuse what would make the per_loss stage wrong, each in one line."""
+    loss = {}
+    for t in targets:
+        if t.stage == "per_loss" and t.kind == "param":
+            if t.name in loss:
+                raise ValueError(f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
+                                 "each parameter gets one method's update: select it in one")
+            loss[t.name] = t.rule
+    clash = next((t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")),
+                 None)
+    if clash is not None:
+        raise ValueError(f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
+                         f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
+                         "or per_sample, not both (a fused rule after it is fine)")
 
 
 def _per_sample_steps(rule: str, transforms: list) -> list[T.Step]:
@@ -209,6 +251,9 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     if stage == "per_sample":
         steps = _per_sample_steps(rule, transforms)
         return [Target(rule, kind, name, stage, steps) for name in names]
+    if stage == "per_loss":
+        step = _per_loss_step(rule, transforms)  # one method for all the rule's tensors
+        return [Target(rule, kind, name, stage, [step]) for name in names]
     shared: dict[int, T.Step] = {}  # a group transform: one instance for all the rule's tensors
     targets = []
     for name in names:
