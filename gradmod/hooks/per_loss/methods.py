@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import warnings
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -327,7 +328,9 @@ class NashMTL(Method):
         for _ in range(self.niter):
             a.value, prev.value = alpha, alpha
             try:
-                prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
+                with warnings.catch_warnings():  # the linearised problem is not DPP: cvxpy says so each solve
+                    warnings.filterwarnings("ignore", message=".*not DPP.*")
+                    prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
             except (cp.SolverError, ValueError):
                 a.value = prev.value
             if a.value is None or np.linalg.norm(gtg @ alpha - 1 / (alpha + 1e-10)) < 1e-3 or \

@@ -1,0 +1,309 @@
+"""The per_loss stage against torchjd 0.18: weights on random Gramians, one step's .grad on a
+shared-trunk model, loss weightings over many steps; its refusals, statistics and state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gradmod
+from gradmod.hooks.per_loss import methods as M
+
+tja = pytest.importorskip("torchjd.aggregation")
+tjs = pytest.importorskip("torchjd.scalarization")
+from torchjd.autojac import backward as tj_backward, jac_to_grad  # noqa: E402
+
+SEEDED = {"pcgrad", "random", "graddrop", "gradvac"}  # draw from the generator: same seed, same draws
+SOLVER = {"cagrad", "nash_mtl"}  # a numerical solver on both sides: 1e-4
+REFERENCE = {
+    "pcgrad": lambda k: tja.PCGrad(), "mgda": lambda k: tja.MGDA(), "cagrad": lambda k: tja.CAGrad(c=0.5),
+    "imtl_g": lambda k: tja.IMTLG(), "aligned_mtl": lambda k: tja.AlignedMTL(), "upgrad": lambda k: tja.UPGrad(),
+    "dualproj": lambda k: tja.DualProj(), "gradvac": lambda k: tja.GradVac(), "mean": lambda k: tja.Mean(),
+    "sum": lambda k: tja.Sum(), "random": lambda k: tja.Random(), "nash_mtl": lambda k: tja.NashMTL(n_tasks=k),
+    "graddrop": lambda k: tja.GradDrop(),
+}
+GRAMIAN = sorted(m for m in REFERENCE if m != "graddrop")
+
+
+def _jacobian(k: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    J = torch.randn(k, d, generator=g, dtype=torch.float64)
+    J[0] = -0.7 * J[1] + 0.3 * J[0]  # at least one conflicting pair
+    return J
+
+
+@pytest.mark.parametrize("name", GRAMIAN)
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_weights_equal_torchjd_on_random_jacobians(name, k):
+    method, ref = M.build(name, {}), REFERENCE[name](k)
+    gen = torch.Generator()
+    for seed in range(4):  # several calls: the stateful methods carry their state along
+        J = _jacobian(k, 40, 100 * k + seed)
+        torch.manual_seed(seed)
+        expected = ref(J)
+        gen.manual_seed(seed)
+        got = method.weights(J @ J.T, gen) @ J
+        tol = 1e-4 if name in SOLVER else 1e-10
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+def test_graddrop_equals_torchjd_on_a_random_jacobian():
+    J = _jacobian(4, 50, 7)
+    torch.manual_seed(3)
+    expected = tja.GradDrop()(J)
+    U = torch.rand(J.shape[1], generator=torch.Generator().manual_seed(3), dtype=J.dtype)
+    torch.testing.assert_close(M.build("graddrop", {}).aggregate(J, U), expected, rtol=1e-12, atol=1e-12)
+
+
+class Shared(nn.Module):
+    """A shared trunk (Linear layers, or convolutions then Linear) and one head per task."""
+
+    def __init__(self, k: int, conv: bool = False):
+        super().__init__()
+        if conv:
+            self.trunk = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1),
+                                       nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 12), nn.ReLU())
+        else:
+            self.trunk = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
+        self.heads = nn.ModuleDict({f"t{i}": nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
+                                    for i in range(k)})
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return {name: h(z) for name, h in self.heads.items()}
+
+
+def _batch(k: int, conv: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 1, 8, 8, generator=g) if conv else torch.randn(6, 10, generator=g)
+    ys = {f"t{i}": torch.randint(0, 3, (6,), generator=g) for i in range(k)}
+    return x.double(), ys
+
+
+def _losses(model, x, ys):
+    out = model(x)
+    return {n: F.cross_entropy(out[n], ys[n]) for n in out}
+
+
+def _reference_grads(model, x, ys, aggregator, seed):
+    """torchjd: the trunk's Jacobian aggregated into .grad; the heads the gradient of the sum."""
+    losses = _losses(model, x, ys)
+    trunk = list(model.trunk.parameters())
+    heads = list(model.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses.values()), heads, retain_graph=True)
+    tj_backward(list(losses.values()), inputs=trunk)
+    torch.manual_seed(seed)
+    jac_to_grad(trunk, aggregator)
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+@pytest.mark.parametrize("k", [2, 5])
+def test_one_step_grad_equals_torchjd(name, k):
+    torch.manual_seed(0)
+    model = Shared(k).double()
+    x, ys = _batch(k, False)
+    expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](k), seed=11)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(11)
+    hooks.backward(_losses(model, x, ys))
+    tol = 1e-4 if name in SOLVER else 1e-6
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=tol, atol=tol, msg=n)
+
+
+@pytest.mark.parametrize("name", ["pcgrad", "upgrad", "mgda", "graddrop"])
+def test_one_step_grad_equals_torchjd_with_convolutions(name):
+    torch.manual_seed(1)
+    model = Shared(3, conv=True).double()
+    x, ys = _batch(3, True)
+    expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](3), seed=5)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(5)
+    hooks.backward(_losses(model, x, ys))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-6, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["upgrad", "mgda", "pcgrad"])
+def test_modules_rule_aggregates_the_representation_gradient(name):
+    """A hand-written reference: the task gradients of the trunk's output, aggregated by
+    torchjd, pushed through the trunk; the heads the gradient of the sum."""
+    torch.manual_seed(2)
+    k = 3
+    model = Shared(k).double()
+    x, ys = _batch(k, False)
+    ref = copy.deepcopy(model)
+    z = ref.trunk(x)
+    losses = [F.cross_entropy(h(z), ys[n]) for n, h in ref.heads.items()]
+    Jz = torch.stack([torch.autograd.grad(L, z, retain_graph=True)[0] for L in losses])
+    torch.manual_seed(4)
+    agg = REFERENCE[name](k)(Jz.flatten(1)).view_as(z)
+    heads = list(ref.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    z.backward(agg)
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(4)
+    hooks.backward(_losses(model, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=n)
+
+
+def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
+    """``steps`` SGD steps with gradmod's weighting and with torchjd's scalarizer, side by side."""
+    torch.manual_seed(3)
+    k = 3
+    ours, theirs = Shared(k).double(), None
+    theirs = copy.deepcopy(ours)
+    hooks = gradmod.attach(ours, {"w": {"params": "*", "transforms": [{"name": name, **args}]}})
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.05)
+    extra = list(scalarizer.parameters()) if name == "uw" else []
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    opt_s = torch.optim.Adam(extra, lr=args.get("lr", 0.001)) if extra else None
+    for step in range(steps):
+        x, ys = _batch(k, False, seed=step)
+        opt_a.zero_grad()
+        hooks.backward(_losses(ours, x, ys))
+        opt_a.step()
+        opt_b.zero_grad()
+        L = torch.stack(list(_losses(theirs, x, ys).values()))
+        if name == "famo" and step > 0:
+            scalarizer.update(L)  # ours takes the next batch's losses as the after-step losses
+        scalarizer(L).backward()
+        opt_b.step()
+        if opt_s is not None:
+            opt_s.step()
+            opt_s.zero_grad()
+        if (step + 1) % epoch == 0:
+            hooks.end_epoch()
+            if name == "dwa":
+                scalarizer.step()
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name,args,make", [
+    ("geometric_mean", {}, lambda: tjs.GeometricMean()),
+    ("uw", {"lr": 0.01}, lambda: tjs.UW(3)),
+    ("dwa", {}, lambda: tjs.DWA()),
+    ("famo", {}, lambda: tjs.FAMO(3)),
+])
+def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, make):
+    ours, theirs = _train_weighting(name, args, make())
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=n)
+
+
+def test_statistics_are_the_task_gradients_norms_cosines_and_conflicts():
+    torch.manual_seed(5)
+    model = Shared(3).double()
+    x, ys = _batch(3, False)
+    losses = _losses(model, x, ys)
+    trunk = list(model.trunk.parameters())
+    J = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(L, trunk, retain_graph=True)])
+                     for L in losses.values()])
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["mgda"]}})
+    hooks.backward(_losses(model, x, ys))
+    stats = hooks.read_stats()["mtl/mgda"]
+    norms = J.norm(dim=1)
+    for i, n in enumerate(losses):
+        assert stats[f"norm/{n}"] == pytest.approx(norms[i].item(), rel=1e-9)
+    cos = (J[0] @ J[1] / (norms[0] * norms[1])).item()
+    assert stats["cos/t0,t1"] == pytest.approx(cos, rel=1e-9)
+    G = J @ J.T
+    conflicts = sum(float(G[i, j] < 0) for i in range(3) for j in range(i + 1, 3)) / 3
+    assert stats["conflict"] == pytest.approx(conflicts)
+    w = M.build("mgda", {}).weights(G, torch.Generator())
+    assert [stats[f"weight/{n}"] for n in losses] == pytest.approx(w.tolist(), rel=1e-9)
+    assert stats["calls"] == 1
+
+
+@pytest.mark.parametrize("name", ["gradvac", "pcgrad", "famo", "uw", "nash_mtl"])
+def test_resume_from_state_dict_is_bit_identical(name):
+    def run(model, hooks, opt, steps):
+        for step in steps:
+            x, ys = _batch(3, False, seed=step)
+            opt.zero_grad()
+            hooks.backward(_losses(model, x, ys))
+            opt.step()
+
+    params = "*" if name in ("famo", "uw") else "trunk.*"
+    rules = {"mtl": {"params": params, "transforms": [name]}}
+    torch.manual_seed(6)
+    straight = Shared(3).double()
+    start = copy.deepcopy(straight)
+    hooks = gradmod.attach(straight, rules)
+    hooks.per_loss.generator.manual_seed(9)
+    opt = torch.optim.SGD(straight.parameters(), lr=0.1)
+    run(straight, hooks, opt, range(6))
+
+    first = copy.deepcopy(start)
+    hooks = gradmod.attach(first, rules)
+    hooks.per_loss.generator.manual_seed(9)
+    opt = torch.optim.SGD(first.parameters(), lr=0.1)
+    run(first, hooks, opt, range(3))
+    state, model_state = copy.deepcopy(hooks.state_dict()), copy.deepcopy(first.state_dict())
+    hooks.remove()
+
+    resumed = copy.deepcopy(start)
+    resumed.load_state_dict(model_state)
+    hooks = gradmod.attach(resumed, rules)
+    hooks.load_state_dict(state)
+    opt = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    run(resumed, hooks, opt, range(3, 6))
+    for (n, p), q in zip(resumed.named_parameters(), straight.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_refusals_are_one_line():
+    model = Shared(2).double()
+    x, ys = _batch(2, False)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["pcgrad"]}})
+    with pytest.raises(ValueError, match=r"hooks\.mtl: a per_loss rule .* got one scalar"):
+        hooks.backward(sum(_losses(model, x, ys).values()))
+    with pytest.raises(ValueError, match="got one"):
+        hooks.backward({"t0": _losses(model, x, ys)["t0"]})
+    with pytest.raises(RuntimeError, match=r"hooks\.mtl: .*through hooks.backward"):
+        sum(_losses(model, x, ys).values()).backward()
+    hooks.remove()
+    bad = [
+        ({"a": {"params": "trunk.*", "transforms": ["pcgrad", "mgda"]}}, "exactly one"),
+        ({"a": {"params": "trunk.*", "transforms": ["pcgrad", "clamp"]}}, "'clamp' cannot run at stage 'per_loss'"),
+        ({"a": {"params": "trunk.*", "stage": "fused", "transforms": ["upgrad"]}}, "stage 'per_loss' only"),
+        ({"a": {"params": "trunk.*", "transforms": [{"name": "cagrad", "c": -1}]}}, "c=-1"),
+        ({"a": {"params": "trunk.*", "transforms": [{"name": "mgda", "foo": 1}]}}, "unknown argument"),
+        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
+          "b": {"params": "trunk.0.*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}}, "not both"),
+        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
+          "b": {"params": "trunk.0.*", "transforms": [{"name": "clamp", "bound": 1.0}]}}, "not both"),
+        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
+          "b": {"params": "trunk.0.*", "transforms": ["mgda"]}}, "also in per_loss rule"),
+    ]
+    for rules, message in bad:
+        with pytest.raises(ValueError, match=message) as e:
+            gradmod.attach(model, rules)
+        assert "\n" not in str(e.value)
+
+
+def test_a_fused_rule_after_per_loss_sees_the_aggregate():
+    torch.manual_seed(7)
+    model = Shared(2).double()
+    ref = copy.deepcopy(model)
+    x, ys = _batch(2, False)
+    hooks = gradmod.attach(ref, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    hooks.backward(_losses(ref, x, ys))
+    torch.nn.utils.clip_grad_norm_(list(ref.trunk.parameters()), 0.01)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]},
+                                   "clip": {"params": "trunk.*", "transforms": [{"name": "global_norm_clip",
+                                                                                "max_norm": 0.01}]}})
+    hooks.backward(_losses(model, x, ys))
+    hooks.after_backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9)
