@@ -27,6 +27,10 @@ Sections:
          784-512-512-10 MLP: plain step, Opacus (default and ghost mode, if installed), gradmod's
          per_sample stage; and each contender's peak memory, in a fresh process
          (see scripts/bench_per_sample.py)
+  per_loss  one multi-task step at batch 64: the sum of the losses (plain), torchjd 0.18 (mtl_backward +
+         jac_to_grad) and gradmod's per_loss stage with the same method, on a 784-512-512 trunk with
+         5 heads and a LeNet-like conv trunk with 2 heads; gradmod's modules mode and famo against plain;
+         each contender's peak memory in a fresh process (see scripts/bench_per_loss.py)
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample section beside it
 
+import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks.rules import attach  # noqa: E402
@@ -65,7 +70,7 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample")
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss")
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
 # median(numerator) / median(denominator). "cuda" targets apply only on a GPU.
@@ -91,7 +96,16 @@ RATIOS = [
     ("opacus_mlp_over_plain", "per_sample.mlp.opacus", "per_sample.mlp.plain", None, None),
     ("opacus_ghost_mlp_over_plain", "per_sample.mlp.opacus_ghost", "per_sample.mlp.plain", None, None),
 ]
-UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH}  # images per item of these units
+for _m in per_loss.MODELS:  # every Gramian method <= 0.7x torchjd's step; modules <= 1.3x plain; famo <= 1.05x
+    RATIOS += [(f"per_loss_{_m}_{x}_over_torchjd", f"per_loss.{_m}.gradmod_{x}", f"per_loss.{_m}.torchjd_{x}", "<= 0.7",
+                lambda r: r <= 0.7) for x in per_loss.METHODS]
+    RATIOS += [(f"per_loss_{_m}_modules_over_plain", f"per_loss.{_m}.gradmod_modules", f"per_loss.{_m}.plain", "<= 1.3",
+                lambda r: r <= 1.3),
+               (f"per_loss_{_m}_famo_over_plain", f"per_loss.{_m}.gradmod_famo", f"per_loss.{_m}.plain", "<= 1.05",
+                lambda r: r <= 1.05)]
+    RATIOS += [(f"per_loss_{_m}_torchjd_{x}_over_plain", f"per_loss.{_m}.torchjd_{x}", f"per_loss.{_m}.plain", None, None)
+               for x in ("upgrad", "mgda", "pcgrad")]
+UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}  # images per item of these units
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
 
 
@@ -281,6 +295,9 @@ class Bench:
         steps = 1 if self.args.quick else per_sample.STEPS
         for name in per_sample.names():
             table[f"per_sample.{name}"] = (lambda name=name: per_sample.setup(name, steps), steps, "dp_step")
+        steps = 1 if self.args.quick else per_loss.STEPS
+        for name in per_loss.names():
+            table[f"per_loss.{name}"] = (lambda name=name: per_loss.setup(name, steps), steps, "mtl_step")
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -378,6 +395,22 @@ def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:
     return out
 
 
+def per_loss_memory(log=print) -> dict[str, dict]:
+    """Each per_loss contender's peak memory (fresh process each), and gradmod's over torchjd's."""
+    peaks = {}
+    for name in per_loss.names():
+        peaks[name] = per_loss.peak_in_subprocess(name)
+        log(f"  peak memory of {name}: {peaks[name] / 2**20:.1f} MiB", flush=True)
+    out = {"peak_bytes": peaks, "ratios": {}}
+    for name, value in peaks.items():
+        model, contender = name.split(".")
+        other = f"{model}.{contender.replace('gradmod_', 'torchjd_')}"
+        if contender.startswith("gradmod_") and peaks.get(other, 0) > 0:
+            r = value / peaks[other]
+            out["ratios"][f"{model}_{contender}_peak_over_torchjd"] = {"value": r, "target": "< 1", "met": r < 1}
+    return out
+
+
 def peak_memory(log=print) -> dict[str, dict]:
     """Each per_sample contender's peak memory (fresh process each), and gradmod's over Opacus'."""
     peaks = {}
@@ -446,6 +479,10 @@ def main(argv: list[str] | None = None) -> dict:
         timed = any(s != "ops" for s in args.sections)
         # Peak memory first (fresh processes, before this one grows): a failure shows early.
         memory = peak_memory() if "per_sample" in args.sections and not args.quick and device.type == "cpu" else {}
+        if "per_loss" in args.sections and not args.quick and device.type == "cpu":
+            loss_memory = per_loss_memory()
+            memory = {"peak_bytes": {**memory.get("peak_bytes", {}), **loss_memory["peak_bytes"]},
+                      "ratios": {**memory.get("ratios", {}), **loss_memory["ratios"]}}
         results = measure(bench, args.repeats, args.warmup) if timed else {}
     rat = ratios(results, device)
     report = {
