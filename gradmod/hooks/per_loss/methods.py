@@ -126,20 +126,20 @@ class PCGrad(Method):
     name = "pcgrad"
 
     def weights(self, G, gen):
-        k = len(G)
-        total = torch.zeros(k, dtype=G.dtype)
+        g, k = G.numpy(), len(G)
+        total = np.zeros(k)
         for i in range(k):
-            order = torch.randperm(k, generator=gen)
-            c = torch.zeros(k, dtype=G.dtype)
+            order = torch.randperm(k, generator=gen).tolist()
+            c = np.zeros(k)
             c[i] = 1.0
-            for j in order.tolist():
+            for j in order:
                 if j == i:
                     continue
-                dot = G[j] @ c  # <g_i^PC, g_j>
+                dot = g[j] @ c  # <g_i^PC, g_j>
                 if dot < 0.0:
-                    c[j] -= dot / G[j, j]
+                    c[j] -= dot / g[j, j]
             total = total + c
-        return total
+        return torch.from_numpy(total)
 
 
 class MGDA(Method):
@@ -152,18 +152,17 @@ class MGDA(Method):
         self.max_iters = int(_check("mgda", "max_iters", max_iters, 1))
 
     def weights(self, G, gen):
-        k = len(G)
-        alpha = torch.full((k,), 1.0 / k, dtype=G.dtype)
+        g, k = G.numpy(), len(G)
+        alpha = np.full(k, 1.0 / k)
         for _ in range(self.max_iters):
-            t = int(torch.argmin(G @ alpha))
-            e = torch.zeros(k, dtype=G.dtype)
-            e[t] = 1.0
-            a, b, c = alpha @ G[:, t], alpha @ (G @ alpha), G[t, t]
+            t = int(np.argmin(g @ alpha))
+            a, b, c = alpha @ g[:, t], alpha @ (g @ alpha), g[t, t]
             gamma = 1.0 if c <= a else 0.0 if b <= a else (b - a) / (b + c - 2 * a)
-            alpha = (1 - gamma) * alpha + gamma * e
+            alpha = (1 - gamma) * alpha
+            alpha[t] += gamma
             if gamma < self.epsilon:
                 break
-        return alpha
+        return torch.from_numpy(alpha)
 
 
 class IMTLG(Method):
@@ -259,37 +258,37 @@ class GradVac(Method):
     def __init__(self, beta: float = 0.5, eps: float = 1e-8):
         self.beta = _check("gradvac", "beta", beta, 0.0, high=1.0)
         self.eps = _check("gradvac", "eps", eps, 0.0)
-        self.phi: Tensor | None = None  # [k, k] target cosines
+        self.phi: np.ndarray | None = None  # [k, k] target cosines (EMA)
 
     def weights(self, G, gen):
         k = len(G)
-        if self.phi is None or self.phi.shape != (k, k) or self.phi.dtype != G.dtype:
-            self.phi = torch.zeros(k, k, dtype=G.dtype)
-        phi, beta, eps = self.phi, self.beta, self.eps
-        C = torch.eye(k, dtype=G.dtype)  # row i: g_i^PC in terms of the original gradients
+        if self.phi is None or self.phi.shape != (k, k):
+            self.phi = np.zeros((k, k))
+        g, phi, beta, eps = G.numpy(), self.phi, self.beta, self.eps
+        C = np.eye(k)  # row i: g_i^PC in terms of the original gradients
         for i in range(k):
-            cG = C[i] @ G
+            cG = C[i] @ g
             others = [j for j in range(k) if j != i]
             for idx in torch.randperm(k - 1, generator=gen).tolist():
                 j = others[idx]
-                norm_i = (cG * C[i]).sum().clamp(min=0.0).sqrt()
-                norm_j = G[j, j].clamp(min=0.0).sqrt()
+                norm_i = math.sqrt(max((cG * C[i]).sum(), 0.0))
+                norm_j = math.sqrt(max(g[j, j], 0.0))
                 cos = cG[j] / (norm_i * norm_j + eps)
                 target = phi[i, j]
                 if cos < target:
-                    s_cos = (1.0 - cos * cos).clamp(min=0.0).sqrt()
-                    s_tgt = (1.0 - target * target).clamp(min=0.0).sqrt()
+                    s_cos = math.sqrt(max(1.0 - cos * cos, 0.0))
+                    s_tgt = math.sqrt(max(1.0 - target * target, 0.0))
                     step = norm_i * (target * s_cos - cos * s_tgt) / (norm_j * s_tgt + eps)
                     C[i, j] = C[i, j] + step
-                    cG = cG + step * G[j]
+                    cG = cG + step * g[j]
                 phi[i, j] = (1.0 - beta) * target + beta * cos
-        return C.sum(0)
+        return torch.from_numpy(C.sum(0))
 
     def state_dict(self):
-        return {"phi": None if self.phi is None else self.phi.clone()}
+        return {"phi": None if self.phi is None else torch.from_numpy(self.phi.copy())}
 
     def load_state_dict(self, state):
-        self.phi = None if state["phi"] is None else state["phi"].clone()
+        self.phi = None if state["phi"] is None else state["phi"].numpy().copy()
 
 
 class NashMTL(Method):

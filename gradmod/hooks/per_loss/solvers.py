@@ -15,18 +15,18 @@ def bound_qp(H: np.ndarray, u: np.ndarray, max_steps: int | None = None) -> np.n
     k = len(u)
     v = u.astype(np.float64).copy()
     active = np.ones(k, dtype=bool)  # coordinates held at their bound
-    scale = 1.0 + np.abs(H).max()
+    tol = 1e-14 * (1.0 + np.abs(H).max()) * (1.0 + np.abs(u).max())
     for _ in range(max_steps or 50 * k + 50):
         free = ~active
         target = v.copy()
         if free.any():
             target[free] = np.linalg.solve(H[np.ix_(free, free)], -H[np.ix_(free, active)] @ v[active])
         step = target - v
-        if np.abs(step).max() <= 1e-15 * (1.0 + np.abs(v).max()):
+        if not free.any() or np.abs(step).max() <= 1e-15 * (1.0 + np.abs(v).max()):
             lam = H @ v  # half the multipliers of the bounds; >= 0 at the optimum
             lam[free] = np.inf
             j = int(np.argmin(lam))
-            if lam[j] >= -1e-14 * scale * (1.0 + np.abs(v).max()):
+            if lam[j] >= -tol:
                 return v
             active[j] = False
             continue
