@@ -398,7 +398,7 @@ def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:
 def per_loss_memory(log=print) -> dict[str, dict]:
     """Each per_loss contender's peak memory (fresh process each), and gradmod's over torchjd's."""
     peaks = {}
-    for name in per_loss.names():
+    for name in per_loss.peak_names():
         peaks[name] = per_loss.peak_in_subprocess(name)
         log(f"  peak memory of {name}: {peaks[name] / 2**20:.1f} MiB", flush=True)
     out = {"peak_bytes": peaks, "ratios": {}}

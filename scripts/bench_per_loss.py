@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from gradmod.hooks.rules import attach  # noqa: E402
 
 BATCH = 64
-STEPS = 5  # optimizer steps per timed run
+STEPS = 3  # optimizer steps per timed run
 METHODS = ("pcgrad", "mgda", "cagrad", "imtl_g", "aligned_mtl", "upgrad", "dualproj", "gradvac", "nash_mtl",
            "mean", "sum", "random")
 
@@ -149,11 +149,19 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+MEMORY = ("upgrad", "mgda", "pcgrad", "mean")  # the methods whose peak memory bench.py measures
+
+
+def peak_names() -> list[str]:
+    """The contenders whose peak memory is measured (a fresh process each)."""
+    keep = ("plain", "gradmod_modules", "gradmod_famo", *(f"{s}_{m}" for m in MEMORY for s in ("torchjd", "gradmod")))
+    return [n for n in names() if n.split(".")[1] in keep]
+
+
 def peak(name: str, steps: int = 3) -> int:
-    """Bytes the peak resident set grows by over ``steps`` steps after the set-up and one
-    warm-up step (Linux: the high-water mark is reset through /proc/self/clear_refs)."""
+    """Bytes the peak resident set grows by over ``steps`` steps after the set-up (Linux:
+    the high-water mark is reset after the set-up through /proc/self/clear_refs)."""
     run = setup(name, steps)
-    run()  # first-call allocations (solvers' set-up, caches) out of the measure
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status_kib("VmRSS")
     run()
