@@ -307,3 +307,50 @@ def test_a_fused_rule_after_per_loss_sees_the_aggregate():
     hooks.after_backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9)
+
+
+def _rank(rank, world, port, rules, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = Shared(3).double()
+    x, ys = _batch(3, False)
+    share = slice(rank * 3, rank * 3 + 3)  # this rank's half of the batch
+
+    def mean_(tensors):
+        for t in tensors:
+            dist.all_reduce(t)
+            t.div_(world)
+
+    hooks = gradmod.attach(model, rules)
+    hooks.per_loss.reduce = mean_
+    hooks.per_loss.generator.manual_seed(2)
+    hooks.backward(_losses(model, x[share], {n: y[share] for n, y in ys.items()}))
+    # A params rule's update is already the global one; DDP averages every other gradient.
+    own = rules["r"].get("params") == "trunk.*"
+    mean_([p.grad for n, p in model.named_parameters() if not (own and n.startswith("trunk"))])
+    torch.save({n: p.grad for n, p in model.named_parameters()}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", [{"params": "trunk.*", "transforms": ["upgrad"]},
+                                  {"modules": "trunk", "stage": "per_loss", "transforms": ["mgda"]},
+                                  {"params": "*", "transforms": ["geometric_mean"]}])
+def test_two_gloo_ranks_equal_one_process_on_the_joined_batch(rule, tmp_path):
+    import torch.multiprocessing as mp
+    from helpers import free_port
+
+    rules = {"r": rule}
+    mp.spawn(_rank, args=(2, free_port(), rules, str(tmp_path)), nprocs=2)
+    torch.manual_seed(0)
+    model = Shared(3).double()
+    x, ys = _batch(3, False)
+    hooks = gradmod.attach(model, rules)
+    hooks.per_loss.generator.manual_seed(2)
+    hooks.backward(_losses(model, x, ys))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-9, msg=f"rank {rank}: {n}")

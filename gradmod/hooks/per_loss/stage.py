@@ -85,10 +85,19 @@ def _gram_pays(n: int, d_in: int, d_out: int, k: int) -> bool:
 
 class PerLossStage:
     """The per_loss rules of one ``attach`` call; ``generator`` draws every random choice
-    (PCGrad's order, ``random``, ``graddrop``, ``gradvac``)."""
+    (PCGrad's order, ``random``, ``graddrop``, ``gradvac``).
+
+    ``reduce``: set under data parallelism to a function that averages a list of tensors
+    across ranks in place (an all-reduce). The stage then reduces what the global batch's
+    update needs, so every rank gets the same weights: for ``params`` rules the task
+    gradients themselves (k x D per step, formed per layer), for ``modules`` rules the
+    k x k Gramian of the output's task gradients (the examples of different ranks are
+    different rows of the representation's Jacobian, so the global Gramian is the mean of
+    the local ones over the number of ranks), for loss weightings the k loss values."""
 
     def __init__(self, model: nn.Module, rules: list[LossRule]):
         self.rules = rules
+        self.reduce = None
         self.generator = torch.Generator().manual_seed(torch.initial_seed())
         self.inside = False  # True while the stage runs its own backward passes
         self._trainable = [p for p in model.parameters() if p.requires_grad]
@@ -203,13 +212,17 @@ class PerLossStage:
         parts = [(s, g) for s, g in parts if g is not None]
         if not parts:
             return
-        if r.method.kind == "jacobian":
+        if r.method.kind == "jacobian" or (self.reduce is not None and r.params):
             self._jacobian_rule(r, names, parts, replace)
             return
         G = None
         for (_, what, obj), g in parts:
             Gp = self._gram(what, obj, g)
             G = Gp if G is None else G + Gp
+        if self.reduce is not None:  # modules rule: each rank's rows of the global Jacobian are 1/R of its own
+            G = G.detach().clone()
+            self.reduce([G])
+            G = G / self.reduce_size()
         Gh = G.detach().to("cpu", torch.float64)
         w = r.method.weights(Gh, self.generator)
         r.record.add(names, Gh, w)
@@ -255,8 +268,14 @@ class PerLossStage:
             if "bias" in layer.names:
                 _add_grad(m.bias, bw.sum(0))
 
+    def reduce_size(self) -> int:
+        """The number of ranks ``reduce`` averages over."""
+        dist = torch.distributed
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
     def _jacobian_rule(self, r: LossRule, names: list[str], parts: list, replace: dict) -> None:
-        """A method that needs the task gradients themselves: formed here, one [k, D] matrix."""
+        """The task gradients themselves, one [k, D] matrix: for a method that needs them, and
+        under ``reduce`` (averaged across ranks, then the Gramian of the global batch)."""
         pieces, targets = [], []
         for (_, what, obj), g in parts:
             if what == "layer":
@@ -274,10 +293,18 @@ class PerLossStage:
                 targets.append((what, obj))
         order = sorted(range(len(targets)), key=lambda i: self._position(targets[i]))
         J = torch.cat([pieces[i] for i in order], 1)
+        if self.reduce is not None and r.params:
+            J = J.detach().clone()
+            self.reduce([J])
         Gh = (J @ J.T).detach().to("cpu", torch.float64)
-        U = torch.rand(J.shape[1], generator=self.generator, dtype=J.dtype).to(J.device)
-        out = r.method.aggregate(J, U)
-        r.record.add(names, Gh, None)
+        if r.method.kind == "jacobian":
+            U = torch.rand(J.shape[1], generator=self.generator, dtype=J.dtype).to(J.device)
+            out = r.method.aggregate(J, U)
+            r.record.add(names, Gh, None)
+        else:
+            w = r.method.weights(Gh, self.generator)
+            r.record.add(names, Gh, w)
+            out = torch.tensordot(w.to(J.device, J.dtype), J, 1)
         at = 0
         for i in order:
             what, obj = targets[i]
@@ -303,8 +330,11 @@ class PerLossStage:
         covered = {id(p) for r in grad_rules for p in r.params}
         weighted = [r for r in self.rules if r.method.kind == "losses"]
         groups: list[tuple[Tensor, list[nn.Parameter]]] = []
+        values = L.detach().clone()
+        if weighted and self.reduce is not None:  # the weights from the global batch's losses
+            self.reduce([values])
         for r in weighted:
-            w = r.method.loss_weights(L.detach().cpu(), self.generator)
+            w = r.method.loss_weights(values.cpu(), self.generator)
             r.record.add(names, None, w)
             groups.append(((w.to(L.device, L.dtype) * L).sum(), r.params))
             covered.update(id(p) for p in r.params)
