@@ -22,17 +22,17 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from gradmod.hooks.rules import attach  # noqa: E402
+from gradmod.hooks.rules import attach
 
 BATCH = 64
 STEPS = 3  # optimizer steps per timed run

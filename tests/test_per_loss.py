@@ -7,15 +7,16 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import gradmod
 from gradmod.hooks.per_loss import methods as M
 
 tja = pytest.importorskip("torchjd.aggregation")
 tjs = pytest.importorskip("torchjd.scalarization")
-from torchjd.autojac import backward as tj_backward, jac_to_grad  # noqa: E402
+from torchjd.autojac import backward as tj_backward
+from torchjd.autojac import jac_to_grad
 
 SEEDED = {"pcgrad", "random", "graddrop", "gradvac"}  # draw from the generator: same seed, same draws
 SOLVER = {"cagrad", "nash_mtl"}  # a numerical solver on both sides: 1e-4
@@ -354,3 +355,35 @@ def test_two_gloo_ranks_equal_one_process_on_the_joined_batch(rule, tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for n, p in model.named_parameters():
             torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-9, msg=f"rank {rank}: {n}")
+
+
+class Twice(nn.Module):
+    """A trunk whose Linear and Conv each run twice per forward (their task gradient sums the calls)."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.trunk = nn.ModuleDict({"conv": nn.Conv2d(2, 2, 3, padding=1), "norm": nn.GroupNorm(1, 2),
+                                    "lin": nn.Linear(8, 8)})
+        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(8, 3) for i in range(k)})
+
+    def forward(self, x):
+        t = self.trunk
+        h = torch.tanh(t["conv"](torch.tanh(t["conv"](x))))
+        h = t["norm"](h).flatten(1)[:, :8]
+        z = torch.tanh(t["lin"](torch.tanh(t["lin"](h))))
+        return {n: head(z) for n, head in self.heads.items()}
+
+
+@pytest.mark.parametrize("name", ["upgrad", "pcgrad", "graddrop"])
+def test_layers_called_twice_and_other_layers_equal_torchjd(name):
+    torch.manual_seed(8)
+    model = Twice(3).double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, 4, 4, generator=g).double()
+    ys = {f"t{i}": torch.randint(0, 3, (5,), generator=g) for i in range(3)}
+    expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](3), seed=5)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(5)
+    hooks.backward(_losses(model, x, ys))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-6, atol=1e-6, msg=n)

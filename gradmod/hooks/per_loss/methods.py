@@ -20,7 +20,8 @@ import importlib.util
 import inspect
 import math
 import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,10 +30,10 @@ from torch import Tensor
 from gradmod.hooks.per_loss import solvers
 
 KINDS = ("gramian", "jacobian", "losses")
-_METHODS: dict[str, Callable[..., "Method"]] = {}
+_METHODS: dict[str, Callable[..., Method]] = {}
 
 
-def register(name: str, factory: Callable[..., "Method"] | None = None, *, overwrite: bool = False):
+def register(name: str, factory: Callable[..., Method] | None = None, *, overwrite: bool = False):
     """Register a per_loss method ``factory(**args)`` under ``name``; usable as a decorator."""
     def add(f):
         if name in _METHODS and not overwrite:
@@ -51,7 +52,7 @@ def is_method(name: str) -> bool:
     return name in _METHODS
 
 
-def build(name: str, args: Mapping[str, Any]) -> "Method":
+def build(name: str, args: Mapping[str, Any]) -> Method:
     """The configured method; unknown arguments are a ValueError naming the allowed ones."""
     factory = _METHODS[name]
     params = inspect.signature(factory).parameters

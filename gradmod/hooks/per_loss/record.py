@@ -9,7 +9,8 @@ the calls of a log window; ``HookSet.read_stats`` reads them as means under
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor

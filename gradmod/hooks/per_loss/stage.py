@@ -23,16 +23,17 @@ hook on that output: k cheap passes through the heads, one through the trunk.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from gradmod.hooks.per_loss.methods import Method
 from gradmod.hooks.per_loss.record import TaskRecord
-from gradmod.hooks.per_sample_layers import ConvForm
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -64,18 +65,30 @@ class Layer:
 
 
 def _rows(m: nn.Module, x: Tensor) -> Tensor:
-    """The layer's input as rows ``[N, features]`` such that the weight gradient is ``b^T a``."""
-    if isinstance(m, CONVS):
-        p = ConvForm._patches(m, x)  # [B, 1, C*K, L]
-        return p[:, 0].transpose(1, 2).reshape(-1, p.shape[2])
+    """A Linear's input as rows ``[N, features]``: the weight gradient is ``b^T a``."""
     return x.reshape(-1, x.shape[-1])
 
 
 def _out_rows(m: nn.Module, g: Tensor) -> Tensor:
-    """Output gradients ``[k, B, ...]`` as ``[k, N, out]``, rows matching ``_rows``."""
-    if isinstance(m, CONVS):
-        return g.flatten(3).transpose(2, 3).reshape(g.shape[0], -1, g.shape[2])
+    """A Linear's output gradients ``[k, ..., out]`` as ``[k, N, out]``, rows matching ``_rows``."""
     return g.reshape(g.shape[0], -1, g.shape[-1])
+
+
+def _conv_input(m: nn.Module, x: Tensor) -> Tensor:
+    """The input as the convolution saw it, padded (so any padding mode or string works)."""
+    pad = m._reversed_padding_repeated_twice
+    if any(pad):
+        x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+    return x
+
+
+def _conv_weight_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    """``[k, *weight]``: the weight gradient of each of the k output gradients ``g`` (torch's
+    own convolution backward, no patches formed); the weights of a Conv are small."""
+    d = x.dim() - 2
+    out = [torch.ops.aten.convolution_backward(gi, x, m.weight, None, m.stride, [0] * d, m.dilation, False,
+                                               [0] * d, m.groups, [False, True, False])[1] for gi in g]
+    return torch.stack(out)
 
 
 def _gram_pays(n: int, d_in: int, d_out: int, k: int) -> bool:
@@ -120,7 +133,7 @@ class PerLossStage:
             if not mine:
                 continue
             rules = {id(owner[id(p)]) for p in mine.values()}
-            factored = isinstance(m, (nn.Linear, *CONVS)) and getattr(m, "groups", 1) == 1 and len(rules) == 1 \
+            factored = isinstance(m, (nn.Linear, *CONVS)) and len(rules) == 1 \
                 and all(holders[id(p)] == 1 for p in mine.values())
             if factored:
                 layer = Layer(m, owner[id(next(iter(mine.values())))], set(mine))
@@ -209,16 +222,13 @@ class PerLossStage:
 
     def _apply(self, r: LossRule, names: list[str], parts: list, replace: dict, k: int) -> None:
         """Gramian, weights and the rule's update, from its entries of the batched backward."""
-        parts = [(s, g) for s, g in parts if g is not None]
-        if not parts:
+        entries = _entries([(s, g) for s, g in parts if g is not None])
+        if not entries:
             return
         if r.method.kind == "jacobian" or (self.reduce is not None and r.params):
-            self._jacobian_rule(r, names, parts, replace)
+            self._jacobian_rule(r, names, entries, replace)
             return
-        G = None
-        for (_, what, obj), g in parts:
-            Gp = self._gram(what, obj, g)
-            G = Gp if G is None else G + Gp
+        G = sum(_gram(e) for e in entries)
         if self.reduce is not None:  # modules rule: each rank's rows of the global Jacobian are 1/R of its own
             G = G.detach().clone()
             self.reduce([G])
@@ -227,72 +237,20 @@ class PerLossStage:
         w = r.method.weights(Gh, self.generator)
         r.record.add(names, Gh, w)
         wd = w.to(device=G.device)
-        for (_, what, obj), g in parts:
-            self._update(what, obj, g, wd, replace)
-
-    def _gram(self, what: str, obj: Any, g: Tensor) -> Tensor:
-        k = g.shape[0]
-        if what != "layer":
-            f = g.flatten(1)
-            return f @ f.T
-        layer, a = obj
-        m = layer.module
-        B = _out_rows(m, g)  # [k, N, out]
-        G = B.new_zeros(k, k)
-        if "weight" in layer.names:
-            A = _rows(m, a).to(B.dtype)
-            n, d_in, d_out = A.shape[0], A.shape[1], B.shape[2]
-            if _gram_pays(n, d_in, d_out, k):
-                KB = torch.matmul(A @ A.T, B)  # [k, N, out]
-                G = G + B.flatten(1) @ KB.flatten(1).T
-            else:
-                J = (B.transpose(1, 2) @ A).flatten(1)  # [k, out * in]
-                G = G + J @ J.T
-        if "bias" in layer.names:
-            s = B.sum(1)
-            G = G + s @ s.T
-        return G
-
-    def _update(self, what: str, obj: Any, g: Tensor, w: Tensor, replace: dict) -> None:
-        w = w.to(g.dtype)
-        if what == "param":
-            _add_grad(obj, torch.tensordot(w, g, 1))
-        elif what == "output":
-            replace[id(obj)] = (obj, torch.tensordot(w, g, 1))
-        else:
-            layer, a = obj
-            m = layer.module
-            bw = torch.tensordot(w, _out_rows(m, g), 1)  # [N, out]
-            if "weight" in layer.names:
-                _add_grad(m.weight, (bw.T @ _rows(m, a).to(bw.dtype)).view_as(m.weight))
-            if "bias" in layer.names:
-                _add_grad(m.bias, bw.sum(0))
+        for e in entries:
+            _update(e, wd, replace)
 
     def reduce_size(self) -> int:
         """The number of ranks ``reduce`` averages over."""
         dist = torch.distributed
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    def _jacobian_rule(self, r: LossRule, names: list[str], parts: list, replace: dict) -> None:
+    def _jacobian_rule(self, r: LossRule, names: list[str], entries: list, replace: dict) -> None:
         """The task gradients themselves, one [k, D] matrix: for a method that needs them, and
         under ``reduce`` (averaged across ranks, then the Gramian of the global batch)."""
-        pieces, targets = [], []
-        for (_, what, obj), g in parts:
-            if what == "layer":
-                layer, a = obj
-                m = layer.module
-                B = _out_rows(m, g)
-                if "weight" in layer.names:
-                    pieces.append((B.transpose(1, 2) @ _rows(m, a).to(B.dtype)).flatten(1))
-                    targets.append(("param", m.weight))
-                if "bias" in layer.names:
-                    pieces.append(B.sum(1))
-                    targets.append(("param", m.bias))
-            else:
-                pieces.append(g.flatten(1))
-                targets.append((what, obj))
-        order = sorted(range(len(targets)), key=lambda i: self._position(targets[i]))
-        J = torch.cat([pieces[i] for i in order], 1)
+        pieces = [piece for e in entries for piece in _pieces(e)]  # (kind, tensor, [k, numel])
+        pieces.sort(key=lambda x: self._position((x[0], x[1])))
+        J = torch.cat([g for _, _, g in pieces], 1)
         if self.reduce is not None and r.params:
             J = J.detach().clone()
             self.reduce([J])
@@ -306,15 +264,13 @@ class PerLossStage:
             r.record.add(names, Gh, w)
             out = torch.tensordot(w.to(J.device, J.dtype), J, 1)
         at = 0
-        for i in order:
-            what, obj = targets[i]
-            n = pieces[i].shape[1]
-            piece = out[at:at + n]
-            at += n
+        for what, obj, g in pieces:
+            piece = out[at:at + g.shape[1]].view_as(obj)
+            at += g.shape[1]
             if what == "param":
-                _add_grad(obj, piece.view_as(obj))
+                _add_grad(obj, piece)
             else:
-                replace[id(obj)] = (obj, piece.view_as(obj))
+                replace[id(obj)] = (obj, piece)
 
     def _position(self, target: tuple[str, Any]) -> int:
         """Parameters in model order (the order of the Jacobian's columns)."""
@@ -377,6 +333,107 @@ class PerLossStage:
         self._handles.clear()
         for layer in self.layers:
             layer.calls = []
+
+
+def _entries(parts: list) -> list[tuple]:
+    """One entry per tensor the rule answers for: a layer called several times in the
+    forward answers once (its task gradient is the sum over the calls)."""
+    linear: dict[int, tuple] = {}
+    conv: dict[int, tuple] = {}
+    out = []
+    for (_, what, obj), g in parts:
+        if what != "layer":
+            out.append((what, obj, g))
+            continue
+        layer, a = obj
+        m = layer.module
+        if isinstance(m, CONVS):
+            conv.setdefault(id(layer), ("conv", layer, []))[2].append((_conv_input(m, a), g))
+        else:
+            entry = linear.setdefault(id(layer), ("linear", layer, [], []))
+            entry[2].append(_rows(m, a).to(g.dtype))
+            entry[3].append(_out_rows(m, g))
+    rows = [("linear", layer, torch.cat(A), torch.cat(B, 1)) for _, layer, A, B in linear.values()]
+    return rows + list(conv.values()) + out
+
+
+def _conv_weight_sum(layer: Layer, calls: list, grads: list[Tensor]) -> Tensor:
+    """``[k, *weight]`` summed over the layer's calls, for the calls' output gradients ``grads``."""
+    m = layer.module
+    return sum(_conv_weight_grads(m, x, g) for (x, _), g in zip(calls, grads))
+
+
+def _gram(e: tuple) -> Tensor:
+    """The entry's part of the Gramian of the task gradients, ``[k, k]``."""
+    if e[0] == "linear":
+        _, layer, A, B = e
+        k = B.shape[0]
+        G = B.new_zeros(k, k)
+        if "weight" in layer.names:
+            if _gram_pays(A.shape[0], A.shape[1], B.shape[2], k):
+                KB = torch.matmul(A @ A.T, B)  # [k, N, out]
+                G = G + B.flatten(1) @ KB.flatten(1).T
+            else:
+                J = (B.transpose(1, 2) @ A).flatten(1)  # [k, out * in]
+                G = G + J @ J.T
+        if "bias" in layer.names:
+            s = B.sum(1)
+            G = G + s @ s.T
+        return G
+    if e[0] == "conv":
+        return sum(f @ f.T for _, _, f in _pieces(e))
+    f = e[2].flatten(1)
+    return f @ f.T
+
+
+def _pieces(e: tuple) -> list[tuple[str, Tensor, Tensor]]:
+    """(kind, tensor, its k task gradients flattened ``[k, numel]``) of an entry."""
+    if e[0] == "linear":
+        _, layer, A, B = e
+        m = layer.module
+        out = []
+        if "weight" in layer.names:
+            out.append(("param", m.weight, (B.transpose(1, 2) @ A).flatten(1)))
+        if "bias" in layer.names:
+            out.append(("param", m.bias, B.sum(1)))
+        return out
+    if e[0] == "conv":
+        _, layer, calls = e
+        m = layer.module
+        out = []
+        if "weight" in layer.names:
+            out.append(("param", m.weight, _conv_weight_sum(layer, calls, [g for _, g in calls]).flatten(1)))
+        if "bias" in layer.names:
+            out.append(("param", m.bias, sum(g.flatten(3).sum((1, 3)) for _, g in calls)))
+        return out
+    return [(e[0], e[1], e[2].flatten(1))]
+
+
+def _update(e: tuple, w: Tensor, replace: dict) -> None:
+    """Add ``sum_i w_i g_i`` of the entry to ``.grad`` (or hand it to a module output's hook)."""
+    if e[0] == "linear":
+        _, layer, A, B = e
+        m = layer.module
+        bw = torch.tensordot(w.to(B.dtype), B, 1)  # [N, out]
+        if "weight" in layer.names:
+            _add_grad(m.weight, (bw.T @ A).view_as(m.weight))
+        if "bias" in layer.names:
+            _add_grad(m.bias, bw.sum(0))
+    elif e[0] == "conv":
+        _, layer, calls = e
+        m = layer.module
+        combined = [torch.tensordot(w.to(g.dtype), g, 1) for _, g in calls]  # one more weight gradient per call
+        if "weight" in layer.names:
+            _add_grad(m.weight, _conv_weight_sum(layer, calls, [c[None] for c in combined])[0])
+        if "bias" in layer.names:
+            _add_grad(m.bias, sum(c.flatten(2).sum((0, 2)) for c in combined))
+    else:
+        what, obj, g = e
+        agg = torch.tensordot(w.to(g.dtype), g, 1)
+        if what == "param":
+            _add_grad(obj, agg)
+        else:
+            replace[id(obj)] = (obj, agg)
 
 
 def _add_grad(p: Tensor, g: Tensor) -> None:
