@@ -387,3 +387,46 @@ def test_layers_called_twice_and_other_layers_equal_torchjd(name):
     hooks.backward(_losses(model, x, ys))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-6, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["nash_mtl", "famo"])
+def test_scaled_losses_give_the_weights_of_the_unscaled_ones(name):
+    """fp16's GradScaler multiplies the losses: the weights must not see the factor."""
+    params = "*" if name == "famo" else "trunk.*"
+    torch.manual_seed(9)
+    model = Shared(3).double()
+    ref = copy.deepcopy(model)
+    rules = {"mtl": {"params": params, "transforms": [name]}}
+    hooks, ref_hooks = gradmod.attach(model, rules), gradmod.attach(ref, rules, replace=False)
+    hooks.grad_scale = torch.tensor(1024.0)
+    for step in range(2):
+        x, ys = _batch(3, False, seed=step)
+        hooks.backward({n: 1024.0 * L for n, L in _losses(model, x, ys).items()})
+        ref_hooks.backward(_losses(ref, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad / 1024.0, q.grad, rtol=1e-5, atol=1e-9, msg=n)
+
+
+def test_bf16_autocast_runs_and_stays_close_to_float32():
+    torch.manual_seed(10)
+    model = Shared(2)
+    ref = copy.deepcopy(model)
+    x, ys = _batch(2, False)
+    x = x.float()
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = _losses(model, x, ys)
+    hooks.backward(losses)
+    ref_hooks = gradmod.attach(ref, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    ref_hooks.backward(_losses(ref, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad, rtol=0.1, atol=0.02, msg=n)
+
+
+def test_fsdp_sharded_parameters_are_refused(monkeypatch):
+    import gradmod.hooks.rules as R
+
+    monkeypatch.setattr(R, "is_sharded", lambda t: True)
+    with pytest.raises(ValueError, match="FSDP-sharded"):
+        gradmod.attach(Shared(2), {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})

@@ -108,6 +108,7 @@ class HookSet:
             return
         named = _named_losses(losses, self.per_loss)
         if self.per_loss is not None:
+            self.per_loss.grad_scale = self.grad_scale
             self.per_loss.backward(named)
             return
         parts = list(named.values())

@@ -86,7 +86,7 @@ def _conv_weight_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     """``[k, *weight]``: the weight gradient of each of the k output gradients ``g`` (torch's
     own convolution backward, no patches formed); the weights of a Conv are small."""
     d = x.dim() - 2
-    out = [torch.ops.aten.convolution_backward(gi, x, m.weight, None, m.stride, [0] * d, m.dilation, False,
+    out = [torch.ops.aten.convolution_backward(gi, x, m.weight.to(x.dtype), None, m.stride, [0] * d, m.dilation, False,
                                                [0] * d, m.groups, [False, True, False])[1] for gi in g]
     return torch.stack(out)
 
@@ -111,6 +111,7 @@ class PerLossStage:
     def __init__(self, model: nn.Module, rules: list[LossRule]):
         self.rules = rules
         self.reduce = None
+        self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): the weights see unscaled gradients
         self.generator = torch.Generator().manual_seed(torch.initial_seed())
         self.inside = False  # True while the stage runs its own backward passes
         self._trainable = [p for p in model.parameters() if p.requires_grad]
@@ -233,12 +234,18 @@ class PerLossStage:
             G = G.detach().clone()
             self.reduce([G])
             G = G / self.reduce_size()
-        Gh = G.detach().to("cpu", torch.float64)
+        Gh = self._unscaled(G.detach().to("cpu", torch.float64), 2)
         w = r.method.weights(Gh, self.generator)
         r.record.add(names, Gh, w)
         wd = w.to(device=G.device)
         for e in entries:
             _update(e, wd, replace)
+
+    def _unscaled(self, t: Tensor, power: int) -> Tensor:
+        """``t`` without GradScaler's factor (the Gramian has it squared, the losses once)."""
+        if self.grad_scale is None:
+            return t
+        return t / float(self.grad_scale) ** power
 
     def reduce_size(self) -> int:
         """The number of ranks ``reduce`` averages over."""
@@ -254,7 +261,7 @@ class PerLossStage:
         if self.reduce is not None and r.params:
             J = J.detach().clone()
             self.reduce([J])
-        Gh = (J @ J.T).detach().to("cpu", torch.float64)
+        Gh = self._unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
         if r.method.kind == "jacobian":
             U = torch.rand(J.shape[1], generator=self.generator, dtype=J.dtype).to(J.device)
             out = r.method.aggregate(J, U)
@@ -290,7 +297,7 @@ class PerLossStage:
         if weighted and self.reduce is not None:  # the weights from the global batch's losses
             self.reduce([values])
         for r in weighted:
-            w = r.method.loss_weights(values.cpu(), self.generator)
+            w = r.method.loss_weights(self._unscaled(values.cpu(), 1), self.generator)
             r.record.add(names, None, w)
             groups.append(((w.to(L.device, L.dtype) * L).sum(), r.params))
             covered.update(id(p) for p in r.params)
@@ -337,18 +344,20 @@ class PerLossStage:
 
 def _entries(parts: list) -> list[tuple]:
     """One entry per tensor the rule answers for: a layer called several times in the
-    forward answers once (its task gradient is the sum over the calls)."""
+    forward answers once (its task gradient is the sum over the calls). Half-precision
+    gradients are taken in float32 (the Gramian's sums need the range)."""
     linear: dict[int, tuple] = {}
     conv: dict[int, tuple] = {}
     out = []
     for (_, what, obj), g in parts:
+        g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
         if what != "layer":
             out.append((what, obj, g))
             continue
         layer, a = obj
         m = layer.module
         if isinstance(m, CONVS):
-            conv.setdefault(id(layer), ("conv", layer, []))[2].append((_conv_input(m, a), g))
+            conv.setdefault(id(layer), ("conv", layer, []))[2].append((_conv_input(m, a.to(g.dtype)), g))
         else:
             entry = linear.setdefault(id(layer), ("linear", layer, [], []))
             entry[2].append(_rows(m, a).to(g.dtype))
