@@ -123,7 +123,7 @@ def test_every_bad_input_is_one_line(tmp_path):
                           capture_output=True, text=True, env=env, timeout=900)
     results = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert len(results) == len(CASES), proc.stderr
-    for (ov, words), res in zip(CASES, results):
+    for (_, words), res in zip(CASES, results):
         check(res["code"], res["stderr"], words)
     # nothing was trained: no run folder got a metrics file
     assert not list(tmp_path.glob("*/metrics.jsonl"))

@@ -11,6 +11,7 @@ every trainer key with its comment); ``tests/test_config_defaults.py`` holds the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -106,6 +107,20 @@ class FakeDataConfig(DataConfig):
         for key in ("train_size", "test_size", "image_size", "channels"):
             at_least(f"data.{key}", getattr(self, key), 1)
         at_least("data.num_classes", self.num_classes, 2)
+
+
+@dataclass
+class CharTextDataConfig(DataConfig):
+    """``data=char_text``: windows of ``seq_len`` characters of the bundled text, one every
+    ``stride`` characters (``gradmod.data.load_char_text``)."""
+
+    seq_len: int = 32
+    stride: int = 8
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key in ("seq_len", "stride"):
+            at_least(f"data.{key}", getattr(self, key), 1)
 
 
 @dataclass
@@ -241,19 +256,47 @@ def _target_node(key: str, node: Any, cls: type) -> Any:
         return node
     if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
         raise ValueError(f"{key} must be a mapping with a _target_ (a dotted path) and its arguments, got {node!r}")
-    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args")}
+    own = tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("_target_", "_partial_", "args"))
+    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args", *own)}
     return cls(_target_=node["_target_"], _partial_=bool(node.get("_partial_", cls._partial_)),
-               args={**rest, **(node.get("args") or {})})
+               args={**rest, **(node.get("args") or {})}, **{k: node[k] for k in own if k in node})
 
 
 @dataclass
 class LossConfig:
     """``_target_`` called with ``args`` gives ``loss(output, target)``; with ``_partial_``,
-    the target itself is the loss (``functools.partial`` over ``args``)."""
+    the target itself is the loss (``functools.partial`` over ``args``). ``per_task``: null
+    applies the loss to each task's output and labels when the model returns several
+    (a mapping or tuple); false hands it the whole outputs and labels (a loss of your own
+    that returns a mapping of named losses); true always per task."""
 
     _target_: str = "torch.nn.CrossEntropyLoss"
     _partial_: bool = False
     args: Dict[str, Any] = field(default_factory=dict)
+    per_task: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.per_task not in (None, True, False):
+            raise ValueError(f"loss.per_task={self.per_task!r} is not allowed; allowed: null, true, false")
+
+
+METRIC_NAMES = ("auto", "accuracy", "none")
+
+
+def check_metric(key: str, spec: Any, by_task: bool = True) -> None:
+    """``metric``: a name (``METRIC_NAMES``), a mapping with a ``_target_``, or (at the top)
+    task name -> one of those."""
+    if isinstance(spec, str):
+        choice(key, spec, METRIC_NAMES)
+    elif isinstance(spec, dict) and "_target_" in spec:
+        if not isinstance(spec["_target_"], str) or "." not in spec["_target_"]:
+            raise ValueError(f"{key}._target_={spec['_target_']!r} must be a dotted path, e.g. my_pkg.metrics.f1")
+    elif isinstance(spec, dict) and by_task and spec:
+        for task, inner in spec.items():
+            check_metric(f"{key}.{task}", inner, by_task=False)
+    else:
+        raise ValueError(f"{key}={spec!r} is not allowed; allowed: {', '.join(METRIC_NAMES)}, "
+                         "{_target_: dotted.path, ...} or task name -> one of those")
 
 
 @dataclass
@@ -316,6 +359,7 @@ class Config:
     hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule (a RuleConfig or a mapping)
     plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
+    metric: Any = "auto"  # auto | accuracy | none | {_target_: ...}, or task name -> one of those
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 
     def __post_init__(self):
@@ -324,4 +368,5 @@ class Config:
             raise ValueError(f"seed={self.seed} must be < 2**64 ({2**64})")
         self.hooks = {name: r.as_rule() if isinstance(r, RuleConfig) else r for name, r in self.hooks.items()}
         self.loss = _target_node("loss", self.loss, LossConfig) or LossConfig()
+        check_metric("metric", self.metric)
         self.scheduler = _target_node("scheduler", self.scheduler or None, SchedulerConfig)
