@@ -85,10 +85,12 @@ def _conv_input(m: nn.Module, x: Tensor) -> Tensor:
 def _conv_weight_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     """``[k, *weight]``: the weight gradient of each of the k output gradients ``g`` (torch's
     own convolution backward, no patches formed); the weights of a Conv are small."""
-    d = x.dim() - 2
-    out = [torch.ops.aten.convolution_backward(gi, x, m.weight.to(x.dtype), None, m.stride, [0] * d, m.dilation, False,
-                                               [0] * d, m.groups, [False, True, False])[1] for gi in g]
-    return torch.stack(out)
+    d, w = x.dim() - 2, m.weight.to(x.dtype)
+
+    def one(gi: Tensor) -> Tensor:
+        return torch.ops.aten.convolution_backward(gi, x, w, None, m.stride, [0] * d, m.dilation, False, [0] * d,
+                                                   m.groups, [False, True, False])[1]
+    return torch.vmap(one)(g)
 
 
 def _gram_pays(n: int, d_in: int, d_out: int, k: int) -> bool:
@@ -363,13 +365,9 @@ def _entries(parts: list) -> list[tuple]:
             entry[2].append(_rows(m, a).to(g.dtype))
             entry[3].append(_out_rows(m, g))
     rows = [("linear", layer, torch.cat(A), torch.cat(B, 1)) for _, layer, A, B in linear.values()]
-    return rows + list(conv.values()) + out
-
-
-def _conv_weight_sum(layer: Layer, calls: list, grads: list[Tensor]) -> Tensor:
-    """``[k, *weight]`` summed over the layer's calls, for the calls' output gradients ``grads``."""
-    m = layer.module
-    return sum(_conv_weight_grads(m, x, g) for (x, _), g in zip(calls, grads))
+    # A Conv's weight is small and its activations large: its k weight gradients, once.
+    convs = [("param", obj, g.view(g.shape[0], *obj.shape)) for e in conv.values() for _, obj, g in _conv_pieces(e)]
+    return rows + convs + out
 
 
 def _gram(e: tuple) -> Tensor:
@@ -389,8 +387,6 @@ def _gram(e: tuple) -> Tensor:
             s = B.sum(1)
             G = G + s @ s.T
         return G
-    if e[0] == "conv":
-        return sum(f @ f.T for _, _, f in _pieces(e))
     f = e[2].flatten(1)
     return f @ f.T
 
@@ -406,16 +402,19 @@ def _pieces(e: tuple) -> list[tuple[str, Tensor, Tensor]]:
         if "bias" in layer.names:
             out.append(("param", m.bias, B.sum(1)))
         return out
-    if e[0] == "conv":
-        _, layer, calls = e
-        m = layer.module
-        out = []
-        if "weight" in layer.names:
-            out.append(("param", m.weight, _conv_weight_sum(layer, calls, [g for _, g in calls]).flatten(1)))
-        if "bias" in layer.names:
-            out.append(("param", m.bias, sum(g.flatten(3).sum((1, 3)) for _, g in calls)))
-        return out
     return [(e[0], e[1], e[2].flatten(1))]
+
+
+def _conv_pieces(e: tuple) -> list[tuple[str, Tensor, Tensor]]:
+    """A Conv's k weight (and bias) gradients, each summed over the layer's calls."""
+    _, layer, calls = e
+    m = layer.module
+    out = []
+    if "weight" in layer.names:
+        out.append(("param", m.weight, sum(_conv_weight_grads(m, x, g) for x, g in calls).flatten(1)))
+    if "bias" in layer.names:
+        out.append(("param", m.bias, sum(g.flatten(3).sum((1, 3)) for _, g in calls)))
+    return out
 
 
 def _update(e: tuple, w: Tensor, replace: dict) -> None:
@@ -428,14 +427,6 @@ def _update(e: tuple, w: Tensor, replace: dict) -> None:
             _add_grad(m.weight, (bw.T @ A).view_as(m.weight))
         if "bias" in layer.names:
             _add_grad(m.bias, bw.sum(0))
-    elif e[0] == "conv":
-        _, layer, calls = e
-        m = layer.module
-        combined = [torch.tensordot(w.to(g.dtype), g, 1) for _, g in calls]  # one more weight gradient per call
-        if "weight" in layer.names:
-            _add_grad(m.weight, _conv_weight_sum(layer, calls, [c[None] for c in combined])[0])
-        if "bias" in layer.names:
-            _add_grad(m.bias, sum(c.flatten(2).sum((0, 2)) for c in combined))
     else:
         what, obj, g = e
         agg = torch.tensordot(w.to(g.dtype), g, 1)
