@@ -110,6 +110,7 @@ class PerLossStage:
     different rows of the representation's Jacobian, so the global Gramian is the mean of
     the local ones over the number of ranks), for loss weightings the k loss values."""
 
+
     def __init__(self, model: nn.Module, rules: list[LossRule]):
         self.rules = rules
         self.reduce = None
@@ -195,7 +196,7 @@ class PerLossStage:
         k = len(names)
         grad_rules = [r for r in self.rules if r.method.kind != "losses"]
         inputs, slots = self._inputs(grad_rules)
-        grads = self._task_grads(L, inputs) if inputs else []
+        grads = self._task_grads(L, inputs, all(s[1] == "output" for s in slots)) if inputs else []
         replace: dict[int, Tensor] = {}  # id(module rule output) -> aggregated gradient
         for r in grad_rules:
             self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
@@ -218,10 +219,25 @@ class PerLossStage:
                     slots.append((r, "output", t))
         return inputs, slots
 
-    def _task_grads(self, L: Tensor, inputs: list) -> list[Tensor | None]:
-        eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
-        return list(torch.autograd.grad(L, inputs, grad_outputs=eye, is_grads_batched=True, retain_graph=True,
-                                        allow_unused=True, materialize_grads=False))
+    def _task_grads(self, L: Tensor, inputs: list, outputs_only: bool) -> list[Tensor | None]:
+        """``[k, *input]`` per input: the k losses' gradients. Down to shared layers, one
+        batched backward (big matmuls); down to a module's output only (the heads), k plain
+        backward passes: each loss then goes through its own head alone, where the batched
+        pass would send k rows, k - 1 of them zeros, through every head."""
+        if not outputs_only:
+            eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
+            return list(torch.autograd.grad(L, inputs, grad_outputs=eye, is_grads_batched=True, retain_graph=True,
+                                            allow_unused=True, materialize_grads=False))
+        rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
+        out = []
+        for j, x in enumerate(inputs):
+            got = [r[j] for r in rows]
+            if all(g is None for g in got):
+                out.append(None)
+                continue
+            like = next(g for g in got if g is not None)
+            out.append(torch.stack([torch.zeros_like(like) if g is None else g for g in got]))
+        return out
 
     def _apply(self, r: LossRule, names: list[str], parts: list, replace: dict, k: int) -> None:
         """Gramian, weights and the rule's update, from its entries of the batched backward."""
