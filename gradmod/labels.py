@@ -54,16 +54,16 @@ class Labels:
     def device(self) -> torch.device:
         return next(iter(self.tensors.values())).device
 
-    def to(self, device, non_blocking: bool = False) -> "Labels":
+    def to(self, device, non_blocking: bool = False) -> Labels:
         return Labels({k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()})
 
-    def pin_memory(self) -> "Labels":  # DataLoader(pin_memory=True) calls this
+    def pin_memory(self) -> Labels:  # DataLoader(pin_memory=True) calls this
         return Labels({k: v.pin_memory() for k, v in self.tensors.items()})
 
-    def split(self, size: int) -> tuple["Labels", ...]:
+    def split(self, size: int) -> tuple[Labels, ...]:
         return _zip_parts({k: v.split(size) for k, v in self.tensors.items()})
 
-    def tensor_split(self, parts: int) -> tuple["Labels", ...]:
+    def tensor_split(self, parts: int) -> tuple[Labels, ...]:
         return _zip_parts({k: v.tensor_split(parts) for k, v in self.tensors.items()})
 
     def nbytes(self) -> int:

@@ -58,7 +58,7 @@ import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
-from gradmod.hooks.rules import attach  # noqa: E402
+from gradmod.hooks import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
 from gradmod.run.runner import resolve_device  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402

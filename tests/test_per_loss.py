@@ -398,7 +398,7 @@ def test_scaled_losses_give_the_weights_of_the_unscaled_ones(name):
     ref = copy.deepcopy(model)
     rules = {"mtl": {"params": params, "transforms": [name]}}
     hooks, ref_hooks = gradmod.attach(model, rules), gradmod.attach(ref, rules, replace=False)
-    hooks.grad_scale = torch.tensor(1024.0)
+    hooks.set_grad_scale(torch.tensor(1024.0))
     for step in range(2):
         x, ys = _batch(3, False, seed=step)
         hooks.backward({n: 1024.0 * L for n, L in _losses(model, x, ys).items()})
@@ -425,7 +425,7 @@ def test_bf16_autocast_runs_and_stays_close_to_float32():
 
 
 def test_fsdp_sharded_parameters_are_refused(monkeypatch):
-    import gradmod.hooks.rules as R
+    import gradmod.hooks.hookset as R
 
     monkeypatch.setattr(R, "is_sharded", lambda t: True)
     with pytest.raises(ValueError, match="FSDP-sharded"):

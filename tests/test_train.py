@@ -8,9 +8,7 @@ import torch
 from helpers import CONF, FAST, run_train
 
 from gradmod.app.cli import run
-from gradmod.hooks import transforms
-from gradmod.hooks.rules import attach
-from gradmod.hooks.selection import load_rules
+from gradmod.hooks import attach, load_rules, transforms
 from gradmod.models import build_model
 
 HOOK_FILES = sorted(p.stem for p in (CONF / "hooks").glob("*.yaml"))
@@ -45,9 +43,9 @@ def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hoo
                       norm=cfg.model.norm)
     with attach(net, cfg.hooks, stage=cfg.trainer.hook_stage) as hs:
         if hooks == "none":  # the baseline: no rules at all
-            assert not cfg.hooks and not hs.plan
+            assert not cfg.hooks and not hs.chains
         else:
-            assert hs.plan, f"hooks={hooks} selects nothing on {model}"
+            assert hs.chains, f"hooks={hooks} selects nothing on {model}"
 
 
 def test_hook_configs_compose_together_and_overrides_reach_the_rule(compose_cfg):

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
-from gradmod.hooks.selection import name_hint
+from gradmod.hooks.rules import name_hint
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
 from gradmod.run.config import DataConfig, LossConfig, ModelConfig, SchedulerConfig

@@ -16,7 +16,7 @@ a 6 TB allocation (a stray label of 10**9 sizes a shipped model's output layer).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn

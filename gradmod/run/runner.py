@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradmod.data import Data
-from gradmod.hooks.rules import HookSet, attach
+from gradmod.hooks.hookset import HookSet, attach
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe

@@ -3,7 +3,7 @@
 * ``bf16``: autocast, no scaler (bf16 has fp32's exponent range).
 * ``fp16``: autocast and ``torch.amp.GradScaler``. The loss is scaled before backward, so
   raw gradients are scaled. Hook-stage transforms are made scale-aware
-  (``HookSet.grad_scale``: they see the unscaled gradient, as in fp32); the fused stage
+  (``HookSet.set_grad_scale``: they see the unscaled gradient, as in fp32); the fused stage
   runs after ``unscale_``. A step GradScaler finds non-finite is skipped and the scale
   halved, as GradScaler always does.
 """
@@ -59,7 +59,7 @@ class Precision:
         if self.scaler is not None:
             losses = _scaled(self.scaler, losses)  # creates the scale tensor on first use
             if hooks is not None:
-                hooks.grad_scale = _scale_tensor(self.scaler, next(iter(_values(losses))).device)
+                hooks.set_grad_scale(_scale_tensor(self.scaler, next(iter(_values(losses))).device))
         if hooks is not None:
             hooks.backward(losses)
             return

@@ -27,8 +27,8 @@ from gradmod.training.dpsgd import PerSampleStep
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
 from gradmod.training.precision import Precision
 from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
-from gradmod.training.tasks import total as total_loss
 from gradmod.training.tasks import evaluate as evaluate_tasks
+from gradmod.training.tasks import total as total_loss
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ object with ``kind`` and ``weights`` (or ``aggregate``), like the classes here.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -27,40 +26,29 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradmod.hooks import registry as R
 from gradmod.hooks.per_loss import solvers
 
 KINDS = ("gramian", "jacobian", "losses")
-_METHODS: dict[str, Callable[..., Method]] = {}
 
 
-def register(name: str, factory: Callable[..., Method] | None = None, *, overwrite: bool = False):
-    """Register a per_loss method ``factory(**args)`` under ``name``; usable as a decorator."""
-    def add(f):
-        if name in _METHODS and not overwrite:
-            raise ValueError(f"per_loss method {name!r} is already registered; pass overwrite=True to replace it")
-        _METHODS[name] = f
-        return f
-
-    return add(factory) if factory is not None else add
+def register(name: str, factory: Callable[..., "Method"] | None = None, *, overwrite: bool = False):
+    """Register a per_loss method ``factory(**args)`` under ``name`` in the one registry of
+    transforms (kind ``per_loss``); usable as a decorator."""
+    return R.register(name, factory, kind="per_loss", overwrite=overwrite)
 
 
 def names() -> list[str]:
-    return sorted(_METHODS)
+    return R.names("per_loss")
 
 
 def is_method(name: str) -> bool:
-    return name in _METHODS
+    return name in R.names("per_loss")
 
 
-def build(name: str, args: Mapping[str, Any]) -> Method:
-    """The configured method; unknown arguments are a ValueError naming the allowed ones."""
-    factory = _METHODS[name]
-    params = inspect.signature(factory).parameters
-    unknown = [k for k in args if k not in params]
-    if unknown:
-        raise ValueError(f"per_loss method {name!r} got unknown argument(s) {', '.join(unknown)}; "
-                         f"allowed: {', '.join(params) or 'no arguments'}")
-    return factory(**args)
+def build(name: str, args: Mapping[str, Any]) -> "Method":
+    """The configured method; bad arguments are a ValueError naming the allowed ones."""
+    return R.build({"name": name, **args}).fn
 
 
 def _check(name: str, arg: str, value: Any, low: float, *, strict: bool = False, high: float = math.inf) -> float:
