@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
 from gradmod.hooks.chain import chain_hook, output_hook
-from gradmod.hooks.fused import fused_steps, run_fused
+from gradmod.hooks.fused import fused_transforms, run_fused
 from gradmod.hooks.ledger import RawLedger
 from gradmod.hooks.log_buffer import LogBuffer
 from gradmod.hooks.per_loss.stage import PerLossStage, per_loss_rules
@@ -57,7 +57,7 @@ class HookSet:
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         # One hook per tensor: its transforms from every rule, chained in config order.
-        hooked: dict[str, tuple[Target, list[tuple[str, R.Step]]]] = {}
+        hooked: dict[str, tuple[Target, list[tuple[str, R.BuiltTransform]]]] = {}
         for t in targets:
             if t.stage == "hook":
                 hooked.setdefault(t.key, (t, []))[1].extend((t.rule, s) for s in t.steps)
@@ -68,7 +68,7 @@ class HookSet:
                 rules = list(dict.fromkeys(rule for rule, _ in steps))
                 hook = output_hook(chain_hook(steps, self, key, None), rules, t.name)
                 self._handles.append(modules[t.name].register_forward_hook(hook))
-        self._fused = fused_steps(targets, params)  # (rule, step index) groups in config order
+        self._fused = fused_transforms(targets, params)  # (rule, step index) groups in config order
         self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
         private = per_sample_rules(targets, params)
         self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None

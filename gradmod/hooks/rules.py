@@ -38,7 +38,7 @@ class Target:
     kind: str  # "param" | "module"
     name: str
     stage: str
-    steps: list[R.Step]
+    steps: list[R.BuiltTransform]
 
     @property
     def key(self) -> str:
@@ -172,7 +172,7 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
                          f"gradients into one update), got {', '.join(names)}; put the others in rules of their own")
 
 
-def _shared(step: R.Step) -> bool:
+def _shared(step: R.BuiltTransform) -> bool:
     """A step that sees all of a rule's tensors together: one instance for the rule."""
     return step.kind != "elementwise" or step.at is not None
 
@@ -235,7 +235,7 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     names = select(rule, spec, params if kind == "param" else modules,
                    "parameter (see model.named_parameters())" if kind == "param"
                    else "module (see model.named_modules())")
-    shared: dict[int, R.Step] = {}  # a group or per-example step: one instance for all the rule's tensors
+    shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
     targets = []
     for name in names:
         try:  # per tensor: observers and stateful transforms keep their own state
@@ -247,7 +247,7 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     return targets
 
 
-def _label_observers(steps: list[R.Step], stage: str) -> list[R.Step]:
+def _label_observers(steps: list[R.BuiltTransform], stage: str) -> list[R.BuiltTransform]:
     """``log`` first in a chain of several steps is ``pre``, last is ``post`` (an explicit
     ``label`` wins); a chain that starts and ends with ``log`` pairs the two, so ``post``
     reports the fraction of elements the transforms between them changed."""
@@ -300,7 +300,7 @@ def load_rules(rules: Mapping[str, Any] | str | Path | list | tuple) -> dict[str
     return dict(rules)
 
 
-def group_steps(targets: list[Target]) -> list[tuple[str, str, R.Step]]:
+def group_steps(targets: list[Target]) -> list[tuple[str, str, R.BuiltTransform]]:
     """(``rule/transform``, rule, step) of every group transform, once each, in config order."""
     out, seen = [], set()
     for t in targets:

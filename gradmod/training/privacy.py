@@ -45,6 +45,7 @@ class PrivacyCallback(Callback):
     sampled Gaussian mechanism; ``epsilon`` in each epoch's record and in ``summary()``."""
 
     key = "privacy"
+    before = {"Checkpointer": "its state in the step's checkpoint", "RunFiles": "epsilon in the epoch's record"}
 
     def __init__(self, accountant: str, delta: float, noise_multiplier: float, sample_rate: float):
         self.name, self.delta = accountant, delta
@@ -60,7 +61,7 @@ class PrivacyCallback(Callback):
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
-        record["epsilon"] = self.epsilon()  # before RunFiles writes the record: this callback comes first
+        record["epsilon"] = self.epsilon()
 
     def epsilon(self) -> float:
         """Epsilon after the steps so far (computed once per step count: a PRV or RDP
