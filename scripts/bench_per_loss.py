@@ -32,7 +32,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach  # noqa: E402
 
 BATCH = 64
 STEPS = 3  # optimizer steps per timed run
