@@ -184,14 +184,10 @@ class ConvForm(Form):
         return out
 
 
-def _affine(b: Tensor, xhat: Tensor, keep: int, names: set[str]) -> dict[str, Tensor]:
-    """Per-example weight (``sum b * xhat``) and bias (``sum b``) over every dim that is not
-    the batch or one of the ``keep`` parameter dims (last for LayerNorm, 1 for GroupNorm)."""
+def _affine(b: Tensor, xhat: Tensor, dims: tuple[int, ...], names: set[str]) -> dict[str, Tensor]:
+    """Per-example weight (``sum b * xhat``) and bias (``sum b``) over ``dims``: every dim
+    that is neither the batch nor a parameter dim."""
     out = {}
-    if keep == 1:  # GroupNorm: channels are dim 1
-        dims = tuple(range(2, b.dim()))
-    else:
-        dims = tuple(range(1, b.dim() - keep))
     if "weight" in names:
         out["weight"] = (b * xhat).sum(dims) if dims else b * xhat
     if "bias" in names:
@@ -202,13 +198,13 @@ def _affine(b: Tensor, xhat: Tensor, keep: int, names: set[str]) -> dict[str, Te
 class LayerNormForm(Form):
     def per_example(self, m, a, b, names):
         xhat = F.layer_norm(a, m.normalized_shape, eps=m.eps)
-        return _affine(b, xhat, len(m.normalized_shape), names)
+        return _affine(b, xhat, tuple(range(1, b.dim() - len(m.normalized_shape))), names)  # the trailing dims stay
 
 
 class GroupNormForm(Form):
     def per_example(self, m, a, b, names):
         xhat = F.group_norm(a, m.num_groups, eps=m.eps)
-        return _affine(b, xhat, 1, names)
+        return _affine(b, xhat, tuple(range(2, b.dim())), names)  # channels are dim 1
 
 
 class EmbeddingForm(Form):
@@ -325,7 +321,7 @@ class RNNForm(Form):
             raise ValueError(f"{type(m).__name__}: the per_sample stage takes batched 3-D input tensors "
                              "(not packed sequences or unbatched input)")
         hx = a.args[1] if len(a.args) > 1 else a.kwargs.get("hx")
-        x = x.movedim(0 if m.batch_first else 1, 0)
+        x = x.movedim(0 if m.batch_first else 1, 0).detach().requires_grad_()  # a graph to differentiate
         with torch.enable_grad():
             outs, taps = self._replay(m, x, hx)
             grads = [g.movedim(0 if m.batch_first else 1, 0) if k == 0 else g for k, (g, _) in enumerate(b)]
@@ -340,14 +336,15 @@ class RNNForm(Form):
         for sfx, (inp, _, prev, steps) in taps.items():
             g_in, g_h = got[k], torch.stack(got[k + 1:k + 1 + len(steps)], 1)
             k += 1 + len(steps)
-            for n, val in ((f"weight_ih{sfx}", lambda: torch.bmm(g_in.mT, inp)), (f"bias_ih{sfx}", lambda: g_in.sum(1)),
-                           (f"weight_hh{sfx}", lambda: torch.bmm(g_h.mT, prev)), (f"bias_hh{sfx}", lambda: g_h.sum(1))):
+            parts = {f"weight_ih{sfx}": (g_in, inp), f"bias_ih{sfx}": (g_in, None),
+                     f"weight_hh{sfx}": (g_h, prev), f"bias_hh{sfx}": (g_h, None)}
+            for n, (g, x) in parts.items():
                 if n in names:
-                    out[n] = val()
+                    out[n] = g.sum(1) if x is None else torch.bmm(g.mT, x)
         return out
 
     def _replay(self, m, x: Tensor, hx):
-        """Outputs (batch first; h_n, c_n as torch gives them) and, per layer and direction,
+        """Outputs (the output batch first; h_n, c_n as torch gives them) and, per layer and direction,
         (its input, the input projection, the previous hidden states, each step's hidden projection)."""
         lstm, dirs = isinstance(m, nn.LSTM), 2 if m.bidirectional else 1
         bsz, size = x.shape[0], m.hidden_size
@@ -361,7 +358,8 @@ class RNNForm(Form):
             for d in range(dirs):
                 sfx, j = f"_l{layer}" + ("_reverse" if d else ""), layer * dirs + d
                 seq = inp.flip(1) if d else inp
-                h, c = h0[j].detach(), None if c0 is None else c0[j].detach()
+                h = h0[j].detach().requires_grad_()
+                c = None if c0 is None else c0[j].detach().requires_grad_()
                 gi = F.linear(seq, getattr(m, f"weight_ih{sfx}").detach(), _bias(m, f"bias_ih{sfx}"))
                 prev, steps, ys = [], [], []
                 for t in range(seq.shape[1]):
@@ -376,8 +374,7 @@ class RNNForm(Form):
                 hs.append(h)
                 cs.append(c)
             inp = torch.cat(outs, -1)
-        out = inp if m.batch_first else inp.movedim(0, 1)
-        result = [out, torch.stack(hs)] + ([torch.stack(cs)] if lstm else [])
+        result = [inp, torch.stack(hs)] + ([torch.stack(cs)] if lstm else [])
         return result, taps
 
     @staticmethod
@@ -427,6 +424,11 @@ def register_form(layer_type: type, form: Form | None = None):
         raise TypeError(f"register_form: form must be a gradmod.hooks.per_sample.Form instance, not {type(form).__name__}")
     FORMS[layer_type] = form
     return form
+
+
+def batch_dependent(m: nn.Module) -> bool:
+    """A layer whose batch gradient is not the sum of its examples' (so no sum can check them)."""
+    return isinstance(m, nn.Embedding) and m.scale_grad_by_freq
 
 
 def form_of(m: nn.Module) -> Form:

@@ -14,16 +14,16 @@ Nothing per example outlives the backward that made it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.assign import Layer, assign
-from gradmod.hooks.per_sample.layers import Inputs, _rows
+from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
 from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
 from gradmod.hooks.per_sample.tracing import batch_dim, trace
 
@@ -104,7 +104,9 @@ class PerSampleStage:
         self._names = {id(p): n for n, p in model.named_parameters() if id(p) in self._rule_of}
         self._sums: dict[int, Tensor] = {}  # id(param) -> clipped sum of this step
         self._calls: list[Call] = []
-        self._got: set[int] = set()  # parameters autograd gave a gradient in this backward
+        self._got: dict[int, Tensor | None] = {}  # parameters autograd gave a gradient in this backward
+        self._batch_dependent: set[int] = set()  # whose batch gradient is no sum of per-example ones
+        self._verify = True  # the first backward checks the followed calls against autograd
         self._queued = self._tracing = False
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
@@ -123,10 +125,12 @@ class PerSampleStage:
         params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
         self.layers = assign(self.model, found, params)
         self._refuse(self.layers)
+        self._batch_dependent = {id(p) for layer in self.layers if batch_dependent(layer.module)
+                                 for p in layer.names.values()}
         self._handles += [layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
                           for layer in self.layers]
         # after the trace: a lazy module's parameters exist only once a forward ran
-        self._handles += [p.register_post_accumulate_grad_hook(self._accumulated) for p in params.values()]
+        self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
 
     def _refuse(self, layers: list[Layer]) -> None:
         names = {id(m): n for n, m in self.model.named_modules()}
@@ -138,9 +142,14 @@ class PerSampleStage:
                                  f"({type(layer.module).__name__}), whose per-example gradient the stage cannot "
                                  f"give with {why}; change the layer or leave its parameters out of the rule")
 
-    def _accumulated(self, p: Tensor) -> None:
-        self._got.add(id(p))
-        self._queue()
+    def _arrived(self, p: Tensor):
+        """A hook on the parameter: its whole gradient of this backward, from every use.
+        The first backward keeps it, to check that the calls followed add up to it."""
+        def hook(g: Tensor) -> None:
+            self._got[id(p)] = g if self._verify else None
+            self._queue()
+
+        return hook
 
     def _queue(self) -> None:
         if not self._queued:
@@ -183,18 +192,19 @@ class PerSampleStage:
         """Clip this backward's per-example gradients into the step's sums."""
         calls = [c for c in self._calls if any(g is not None for g in c.grads)]
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
-        got, self._got = self._got, set()
+        got, self._got = self._got, {}
         self._check_covered(calls, got)
         if not calls:
             return
-        bsz = self._clip(calls)
+        bsz = self._clip(calls, got if self._verify else None)
+        self._verify = False
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:
                     p.grad = None
         self.examples += bsz
 
-    def _check_covered(self, calls: list[Call], got: set[int]) -> None:
+    def _check_covered(self, calls: list[Call], got: dict[int, Tensor | None]) -> None:
         """Every parameter autograd gave a gradient came through a call the stage follows."""
         covered = {id(p) for c in calls for p in c.layer.names.values()}
         missing = [i for i in got if i not in covered]
@@ -208,7 +218,23 @@ class PerSampleStage:
                          "(used outside the model's forward, e.g. in the loss, or in a way its first forward did "
                          "not); its per-example gradient is unknown, so it is neither clipped nor kept")
 
-    def _clip(self, calls: list[Call]) -> int:
+    def _check_sums(self, ghost, full, got: dict[int, Tensor | None], like: Tensor) -> None:
+        """The followed calls' gradients add up to autograd's: no use of a parameter escaped them."""
+        ones = {r.name: torch.ones_like(like) for r in self.rules}
+        summed = self._weighted(ghost, full, ones)
+        scale = max((float(g.norm()) for g in got.values() if g is not None), default=0.0)
+        for p, g in summed.items():
+            whole = got.get(id(p))
+            if whole is None or id(p) in self._batch_dependent:
+                continue
+            # rounding: relative to this gradient, or to the largest where this one is ~0 exactly
+            tol = 1e3 * torch.finfo(g.dtype).eps * max(float(whole.norm()), 1e-3 * scale) + 1e-30
+            if float((g - whole).norm()) > tol:
+                raise ValueError(f"per_sample: {self._names[id(p)]!r} got part of its gradient outside the module "
+                                 "calls the stage follows (used outside the model's forward, e.g. in the loss); "
+                                 "that part has no per-example split, so the parameter cannot be clipped")
+
+    def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
         b0 = self._grads(calls[0])
         bsz = (b0[0][0].shape[b0[0][1]] if calls[0].layer.form.whole_call else b0.shape[0])
         scale = float(bsz) if self.loss_reduction == "mean" else 1.0  # per-example = scale * what b gives
@@ -218,6 +244,8 @@ class PerSampleStage:
         norms = {r: v.sqrt() * scale for r, v in norms2.items()}
         clip = {r.name: (r.clip.max_norm / (norms[r.name] + EPS)).clamp(max=1.0) * scale
                 for r in self.rules if r.clip is not None}
+        if got is not None:
+            self._check_sums(ghost, full, got, next(iter(norms.values())))
         for p, g in self._weighted(ghost, full, clip).items():
             self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
         self._record(ghost, full, norms, scale)

@@ -5,7 +5,8 @@ log points by ``HookSet.read_stats`` (keys ``<rule>/per_sample_clip`` and ``<rul
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
