@@ -12,4 +12,4 @@ __all__ = [
     "FeatureExtractor", "HookSet", "Recorder", "apply_init", "attach", "grad_cam", "list_hooks",
     "summary", "trace_shapes", "transforms",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"  # the one version source (pyproject reads it)

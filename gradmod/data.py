@@ -45,7 +45,7 @@ class Data:
     def image_size(self) -> int:
         return self.train_x.shape[-1]
 
-    def to(self, device: torch.device | str) -> "Data":
+    def to(self, device: torch.device | str) -> Data:
         return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
                        test_x=self.test_x.to(device), test_y=self.test_y.to(device))
 

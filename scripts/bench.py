@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample section beside it
 
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
+
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks.rules import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402

@@ -12,7 +12,7 @@
    ``4, 5, 2, 6, 3, 1``.
 5. ``MyModel`` (``linear1 = Linear(10, 20)``, ``linear2 = Linear(20, 30)``) initialised
    with `gradmod.weight_init.apply_init(model, "xavier")`: xavier-uniform weights inside
-   +-sqrt(6 / (fan_in + fan_out)) and zero biases (``conf/init/xavier.yaml`` for training).
+   +-sqrt(6 / (fan_in + fan_out)) and zero biases (``gradmod/conf/init/xavier.yaml`` for training).
 
 Where the article is wrong: it says a forward hook runs *before* the forward pass (that is
 ``register_forward_pre_hook``; step 1 prints the pre-hook, then the forward hook with the
@@ -37,7 +37,7 @@ from gradmod.weight_init import apply_init
 class Node(nn.Module):
     """A module labelled with a number, holding child nodes: a tree to watch `apply` walk."""
 
-    def __init__(self, label: int, *children: "Node"):
+    def __init__(self, label: int, *children: Node):
         super().__init__()
         self.label = label
         for i, child in enumerate(children):

@@ -17,7 +17,7 @@ from torch import nn
 import gradmod.app.config_store  # noqa: F401  (registers the schemas the YAMLs build on)
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
+CONF = ROOT / "gradmod" / "conf"
 
 # A tiny, fast run on the bundled sample: the overrides most end-to-end tests start from.
 FAST = ["data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]

@@ -1,4 +1,4 @@
-"""conf/ restates the typed config's defaults where users read them: the two must agree."""
+"""gradmod/conf/ restates the typed config's defaults where users read them: the two must agree."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _defaults(cls: type) -> dict:
 
 
 def test_trainer_yaml_lists_every_trainer_key_with_its_default():
-    """conf/trainer/default.yaml is where the README sends users for every trainer key."""
+    """gradmod/conf/trainer/default.yaml is where the README sends users for every trainer key."""
     assert _yaml("trainer/default.yaml") == _defaults(C.TrainerConfig)
 
 

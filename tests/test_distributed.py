@@ -96,7 +96,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
             # What DDP puts into the all-reduce: the bucket of this rank's local gradients.
             seen = []
 
-            def comm_hook(state, bucket):
+            def comm_hook(state, bucket, seen=seen):  # this case's list
                 seen.append(bucket.buffer().abs().max().item())
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

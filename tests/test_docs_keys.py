@@ -1,4 +1,4 @@
-"""README and docs/ name only config keys, hook configs, conf/ files and docs that exist."""
+"""README and docs/ name only config keys, hook configs, gradmod/conf/ files and docs that exist."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 TEXTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GROUP_KEY = re.compile(r"(?<![\w/.+])(trainer|data|optimizer|capture|logger|init|model)\.([a-z_]+)\b(?![(\w/])")  # +key: an added argument
-HOOK_NAME = re.compile(r"(?:\+hooks=\[?|conf/hooks/|hooks=)([a-z_]+(?:,[a-z_]+)*)")
-CONF_PATH = re.compile(r"(?<![\w/])(conf/[a-z_/.-]+\.yaml)")  # NAME.yaml is a placeholder
+HOOK_NAME = re.compile(r"(?:\+hooks=\[?|gradmod/conf/hooks/|hooks=)([a-z_]+(?:,[a-z_]+)*)")
+CONF_PATH = re.compile(r"(?<![\w/])(gradmod/conf/[a-z_/.-]+\.yaml)")  # NAME.yaml is a placeholder
 TYPO_EXAMPLES = {"trainer.epoch"}  # the docs' example of a typo and its one-line error
 FILES = {"model.pt"}
 DOC_LINK = re.compile(r"\]\(((?:docs/)?[\w-]+\.md)(?:#[\w-]+)?\)")
@@ -42,7 +42,7 @@ def test_config_keys_in_text_exist(compose_cfg, path):
 def test_hook_configs_conf_files_and_doc_links_in_text_exist(path):
     text = _text(path)
     hooks = {n for group in HOOK_NAME.findall(text) for n in group.split(",")}
-    missing = [n for n in hooks if not (ROOT / "conf" / "hooks" / f"{n}.yaml").exists() and n != "my_rules"]
+    missing = [n for n in hooks if not (ROOT / "gradmod" / "conf" / "hooks" / f"{n}.yaml").exists() and n != "my_rules"]
     missing += [p for p in CONF_PATH.findall(text) if not (ROOT / p).exists() and "my_rules" not in p]
     base = ROOT if path.name == "README.md" else ROOT / "docs"
     missing += [link for link in DOC_LINK.findall(text) if not (base / link).exists()]

@@ -63,7 +63,7 @@ def test_disk_full_while_checkpointing_is_a_failed_summary_naming_the_path(tmp_p
     calls, fsync = [0], ckpt.os.fsync
 
     def full_on_the_second(fd):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".pt.%d.tmp" % os.getpid()):  # a checkpoint's data
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f".pt.{os.getpid()}.tmp"):  # a checkpoint's data
             calls[0] += 1
             if calls[0] == 2:
                 raise OSError(errno.ENOSPC, "No space left on device")

@@ -110,8 +110,8 @@ def test_a_schedule_left_without_its_length_gets_the_runs():
 
 
 def test_help_page_keeps_whole_sentences_in_columns_and_names_the_keys():
-    hooks = "\n".join(help_page.hook_lines(ROOT / "conf"))
-    for f in (ROOT / "conf" / "hooks").glob("*.yaml"):
+    hooks = "\n".join(help_page.hook_lines(ROOT / "gradmod" / "conf"))
+    for f in (ROOT / "gradmod" / "conf" / "hooks").glob("*.yaml"):
         m = re.search(rf"^  {f.stem} +(.*(?:\n {{17}}\S.*)*)", hooks, re.M)
         text = " ".join(m.group(1).split())
         assert text == help_page._first_comment(f) and text.endswith((".", ")")), f.stem
@@ -121,7 +121,7 @@ def test_help_page_keeps_whole_sentences_in_columns_and_names_the_keys():
         assert re.match(r"^  \S.{32} \S|^ {36}\S|^  \S+\(.*\)$", ln), ln
     zclip = " ".join(" ".join(section).split("zclip(")[1].split())
     assert zclip.endswith(".") and "After warmup_steps" not in zclip  # one whole sentence
-    template = (ROOT / "conf" / "hydra" / "help" / "gradmod.yaml").read_text()
+    template = (ROOT / "gradmod" / "conf" / "hydra" / "help" / "gradmod.yaml").read_text()
     for key in ("model._target_=", "+model.width=64", "optimizer.no_decay", "scheduler=NAME", "loss._target_",
                 "hooks.RULE.*", "${gradmod_help:docs}"):
         assert key in template, key

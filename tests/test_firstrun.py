@@ -32,7 +32,7 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
     for name in transforms.names():
         assert f"  {name}(" in page, name
     assert "clamp(min=None, max=None, bound=None)" in page and "noise(std, decay=0.55)" in page
-    for hook in (ROOT / "conf" / "hooks").glob("*.yaml"):
+    for hook in (ROOT / "gradmod" / "conf" / "hooks").glob("*.yaml"):
         assert re.search(rf"^  {hook.stem}\s+\S", page, re.M), hook.stem
     assert "  optimizer: adam, sgd\n" in page and "  model: mnist_cnn, resnet18, resnet50\n" in page
     assert page.count("python train.py ") >= 3 and "outputs/DATE/TIME/" in page

@@ -164,7 +164,7 @@ def test_agc_config_leaves_the_classifier_out():
     from gradmod.hooks import load_rules
     from gradmod.models import MnistCNN
 
-    rules = load_rules(ROOT / "conf" / "hooks" / "agc.yaml")
+    rules = load_rules(ROOT / "gradmod" / "conf" / "hooks" / "agc.yaml")
     hooks = attach(MnistCNN(), rules)
     names = {d["tensor"] for d in hooks.describe()}
     assert names == {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"}

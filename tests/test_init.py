@@ -8,7 +8,7 @@ from torch import nn
 
 from gradmod.weight_init import INITS, apply_init
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "init"
+CONF = Path(__file__).resolve().parents[1] / "gradmod" / "conf" / "init"
 
 
 class Node(nn.Module):

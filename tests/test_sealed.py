@@ -18,8 +18,8 @@ from helpers import RESUMABLE, ROOT, compose_config
 
 from gradmod.app.cli import run
 from gradmod.app.config_store import validate
-from gradmod.run import endings
 from gradmod.run import checkpoint_file as ckpt
+from gradmod.run import endings
 from gradmod.run.factories import build_optimizer, param_groups
 from gradmod.run.folder import RunFolder
 from gradmod.run.resume import apply_optimizer, compare

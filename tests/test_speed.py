@@ -14,8 +14,8 @@ from gradmod.data import Data, load_mnist_sample
 from gradmod.hooks import transforms as T
 from gradmod.hooks.rules import attach
 from gradmod.models import MnistCNN
-from gradmod.run import runner as train_mod
 from gradmod.run import factories as targets_mod
+from gradmod.run import runner as train_mod
 from gradmod.training.loader import batches, placement
 from gradmod.training.speed import compile_model, forbid_syncs, to_channels_last
 from gradmod.training.trainer import train_epoch
@@ -50,7 +50,7 @@ def _compare_compiled(backend: str):
     h_eager, h_other = attach(eager, RULES), attach(other, RULES)
     compiled = compile_model(other, backend=backend)
     x, y = torch.rand(16, 1, 28, 28), torch.randint(0, 10, (16,))
-    for model, hooks in ((plain, None), (eager, h_eager), (compiled, h_other)):
+    for model, _hooks in ((plain, None), (eager, h_eager), (compiled, h_other)):
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
     for (n, p), q, r in zip(eager.named_parameters(), other.parameters(), plain.parameters()):

@@ -186,7 +186,7 @@ def test_optuna_example_composes():
     GlobalHydra.instance().clear()
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "gradmod" / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["experiment=clip_optuna", "hooks.clip.transforms.0.bound=0.03"],
                       return_hydra_config=True)
     GlobalHydra.instance().clear()

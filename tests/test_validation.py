@@ -85,7 +85,7 @@ CASES = [
     (["trainer.device=cpu:1"], ["trainer.device", "cpu:1", "auto, cpu, cuda"]),
     ([f"seed={2**64}"], [f"seed={2**64}", "< 2**64"]),
     ([RULE % "{name: noise, std: inf}"], ["noise", "std=inf", "finite"]),
-    (["trainer.resume=conf"], ["trainer.resume='conf'", "is a folder", "trainer.resume=auto hydra.run.dir=conf"]),
+    (["trainer.resume=tests"], ["trainer.resume='tests'", "is a folder", "trainer.resume=auto hydra.run.dir=tests"]),
     (["trainer.hook_stage=per_sample"], ["trainer.hook_stage=per_sample", "allowed: hook, fused"]),
     (["data.sampling=random"], ["data.sampling", "random", "auto, shuffle, poisson"]),
     (["privacy.accountant=gdp"], ["privacy.accountant", "gdp", "rdp, prv"]),
@@ -123,7 +123,7 @@ def test_every_bad_input_is_one_line(tmp_path):
                           capture_output=True, text=True, env=env, timeout=900)
     results = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert len(results) == len(CASES), proc.stderr
-    for (ov, words), res in zip(CASES, results):
+    for (_, words), res in zip(CASES, results):
         check(res["code"], res["stderr"], words)
     # nothing was trained: no run folder got a metrics file
     assert not list(tmp_path.glob("*/metrics.jsonl"))

@@ -1,6 +1,7 @@
-"""The command line: ``python train.py ...`` -> Hydra -> one training run per job.
+"""The command line: ``gradmod ...`` (or ``python train.py ...``) -> Hydra -> one training run per job.
 
-``main(conf)`` has Hydra compose the config from ``conf`` and run ``job`` on it; ``job``
+``main()`` has Hydra compose the config from the shipped ``gradmod/conf/`` (a user's own
+folder joins it through ``--config-dir`` or ``hydra.searchpath``) and run ``job`` on it; ``job``
 checks the config (``validate``) and trains (``gradmod.run.runner.train``). Every ending
 is one line on stderr and an exit status (``gradmod.run.endings``): a config error found
 while Hydra composes, or bad input found before training, exits 2; a failed file
@@ -51,11 +52,14 @@ from gradmod.training.interrupt import Interrupted
 log = logging.getLogger("gradmod")
 
 _USER_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"  # read before main sets it for Hydra
+# The shipped configs (package data); resolved, as a strict editable install links each file.
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def main(conf: str | Path) -> None:
-    """Compose the config in ``conf`` from the command line and run ``job``; end in one line."""
-    register_help(conf)  # python train.py --help
+def main(conf: str | Path = CONF) -> None:
+    """Compose the config in ``conf`` from the command line and run ``job``; end in one line.
+    The console script ``gradmod`` and ``python train.py`` both call it with the default."""
+    register_help(conf)  # gradmod --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
     try:

@@ -1,6 +1,6 @@
 """Config schemas: Hydra structured configs that make bad input fail before any work.
 
-``Config`` is the base of ``conf/config.yaml`` (``defaults: [base_config, ...]``), so a
+``Config`` is the base of ``gradmod/conf/config.yaml`` (``defaults: [base_config, ...]``), so a
 typo (``trainer.epoch=3``) or a wrong type (``trainer.epochs=abc``) fails while Hydra
 composes. ``validate(cfg)`` then builds the dataclasses (``OmegaConf.to_object``), whose
 ``__post_init__`` checks values, and checks what a schema cannot: keys added with ``+``,

@@ -1,8 +1,8 @@
-"""The help page of ``python train.py --help`` (``conf/hydra/help/gradmod.yaml``).
+"""The help page of ``gradmod --help`` (``gradmod/conf/hydra/help/gradmod.yaml``).
 
 The template's sections come from resolvers, so the page cannot drift from the code:
 transforms and their arguments are read from the registry (a registered transform appears
-by itself), hook configs and group options from the files in ``conf/``.
+by itself), hook configs and group options from the files in ``gradmod/conf/``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def columns(left: str, right: str, column: int = 36) -> list[str]:
 
 
 def hook_lines(conf: Path) -> list[str]:
-    """``NAME  first sentence of the file's comment`` for every ``conf/hooks/NAME.yaml``."""
+    """``NAME  first sentence of the file's comment`` for every ``gradmod/conf/hooks/NAME.yaml``."""
     return [ln for f in sorted((conf / "hooks").glob("*.yaml")) for ln in columns(f.stem, _first_comment(f), 17)]
 
 
@@ -66,9 +66,18 @@ def group_lines(conf: Path) -> list[str]:
     return [f"  {d.name}: {', '.join(sorted(f.stem for f in d.glob('*.yaml')))}" for d in groups]
 
 
-def doc_lines(docs: Path) -> list[str]:
+def doc_lines(docs: Path | None) -> list[str]:
     """``docs/NAME.md  its title`` for every page of the docs folder (none in an installed copy)."""
+    if docs is None:
+        return ["  (not installed with the package: the docs/ folder of the source repository)"]
     return [ln for f in sorted(docs.glob("*.md")) for ln in columns(f"docs/{f.name}", _title(f), 26)]
+
+
+def checkout_docs(conf: Path) -> Path | None:
+    """The docs folder of the source checkout that holds ``conf`` (``gradmod/conf/``); None for
+    an installed copy, which has no docs (its site-packages may hold another project's ``docs/``)."""
+    root = Path(conf).resolve().parents[1]
+    return root / "docs" if (root / "pyproject.toml").is_file() else None
 
 
 def _title(path: Path) -> str:
@@ -90,7 +99,7 @@ def register_help(conf: str | Path) -> None:
     """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder."""
     conf = Path(conf)
     sections = {"transforms": transform_lines, "hooks": lambda: hook_lines(conf),
-                "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(conf.parent / "docs")}
+                "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(checkout_docs(conf))}
 
     def section(name: str) -> str:
         if name not in sections:

@@ -1,7 +1,7 @@
 """The files Hydra would write into a run folder as a job starts, ``.hydra/`` and
 ``train.log``, written by gradmod instead once the run owns the folder: a run refused
 before then (a folder in use, an earlier run's results, a resume that does not fit)
-leaves them as they were. Hydra's own writing is off in conf/config.yaml
+leaves them as they were. Hydra's own writing is off in gradmod/conf/config.yaml
 (``hydra.output_subdir: null`` and ``hydra/job_logging: gradmod``, which has no file).
 Log records before that moment are held and written to ``train.log`` when it opens.
 """

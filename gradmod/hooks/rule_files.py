@@ -1,9 +1,9 @@
 """Hook config files as rules: a path, the name of a shipped file (``"clip"``), or a list
 of these merged by rule name.
 
-The shipped files live in the source checkout's ``conf/hooks/`` (Hydra's ``+hooks=NAME``
-group), found from this module's real location, so a name works from any folder with
-an editable install; ``shipped_names()`` lists them.
+The shipped files are package data, ``gradmod/conf/hooks/`` (Hydra's ``+hooks=NAME``
+group), found from this module's real location, so a name works from any folder with a
+regular or an editable install; ``shipped_names()`` lists them.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-# Resolved: a strict editable install links each module from the checkout.
-SHIPPED = Path(__file__).resolve().parents[2] / "conf" / "hooks"
+# Resolved: a strict editable install links each file from the checkout.
+SHIPPED = Path(__file__).resolve().parents[1] / "conf" / "hooks"
 
 
 def shipped_names() -> list[str]:

@@ -37,7 +37,7 @@ from gradmod.hooks.sharded import refuse_hook_stage, watch
 from gradmod.hooks.stats import GradStats
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
-_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, list[HookSet]]" = weakref.WeakKeyDictionary()
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, list[HookSet]] = weakref.WeakKeyDictionary()
 # hooked parameter or module -> the live HookSet holding its hooks, whatever root reached it.
 _OWNERS = WeakIdKeyDictionary()
 
@@ -217,7 +217,7 @@ class HookSet:
                 del _OWNERS[obj]
         self.owned = []
 
-    def __enter__(self) -> "HookSet":
+    def __enter__(self) -> HookSet:
         return self
 
     def __exit__(self, *exc) -> None:

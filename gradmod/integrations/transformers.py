@@ -31,7 +31,7 @@ except ImportError as e:  # the optional extra is missing
     raise ImportError('gradmod.integrations.transformers needs Transformers: pip install "gradmod[transformers]"') from e
 
 # model -> the callbacks training it, to warn when several would share HF's checkpoint entry.
-_TRAINING: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+_TRAINING: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
 class GradmodCallback(TrainerCallback, ExportableState):

@@ -41,7 +41,7 @@ def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], lab
     colors = plt.get_cmap("tab10" if len(order) <= 10 else "tab20").colors
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
     drawn = set()
-    for row, group, label in zip(rows, groups, labels):
+    for row, group in zip(rows, groups):
         if not row["curve"]:
             continue
         epochs = [c["epoch"] for c in row["curve"]]

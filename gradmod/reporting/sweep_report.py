@@ -1,7 +1,7 @@
 """Sweeps: the report a multirun leaves in its folder, and the pieces jobs need for it.
 
 At the end of ``python train.py -m ...`` the ``SweepReport`` callback (``gradmod.app.sweep_callback``,
-registered in ``conf/config.yaml`` under ``hydra.callbacks``) writes, into the sweep folder:
+registered in ``gradmod/conf/config.yaml`` under ``hydra.callbacks``) writes, into the sweep folder:
 
 * ``sweep.csv``: one row per job (``COLUMNS``): its overrides, status, final test accuracy
   and loss, the clipping statistics it recorded (mean over its log reads of ``clip_coef``,

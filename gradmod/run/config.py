@@ -5,7 +5,7 @@ structured configs, so a typo fails while composing, and builds them with
 ``OmegaConf.to_object``; ``__post_init__`` checks values, so a bad one fails before any
 work. Python users can build them directly: ``Config(model=ModelConfig("mnist_cnn"), ...)``.
 
-``conf/`` restates the defaults where users read them (``conf/trainer/default.yaml`` lists
+``gradmod/conf/`` restates the defaults where users read them (``gradmod/conf/trainer/default.yaml`` lists
 every trainer key with its comment); ``tests/test_config_defaults.py`` holds the two equal.
 """
 

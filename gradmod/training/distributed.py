@@ -60,7 +60,7 @@ class Dist:
         return slice(self.rank, None, self.world_size)
 
     @classmethod
-    def from_env(cls, strategy: str, device: torch.device) -> "Dist":
+    def from_env(cls, strategy: str, device: torch.device) -> Dist:
         """Read the rank from the environment and check it; starts nothing."""
         if strategy not in STRATEGIES:
             raise ValueError(f"trainer.strategy={strategy!r} is not a strategy; allowed: {', '.join(STRATEGIES)}")
@@ -84,7 +84,7 @@ class Dist:
             torch.cuda.set_device(device)
         return cls(strategy, rank, world, local, device)
 
-    def start(self) -> "Dist":
+    def start(self) -> Dist:
         """Join the process group (a single process: nothing to join)."""
         if self.strategy != "single" and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
