@@ -11,6 +11,8 @@ every trainer key with its comment); ``tests/test_config_defaults.py`` holds the
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -280,8 +282,8 @@ class PrivacyConfig:
         choice("privacy.accountant", self.accountant, ACCOUNTANTS)
         if not 0 < self.delta < 1:
             raise ValueError(f"privacy.delta={self.delta} must be in (0, 1), e.g. 1e-5 (below 1 / training set size)")
-        if self.target_epsilon is not None and self.target_epsilon <= 0:
-            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be > 0, or null")
+        if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
+            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be a finite number > 0, or null")
 
 
 @dataclass

@@ -53,9 +53,9 @@ from gradmod.run.resume import apply_optimizer, check_epochs, compare
 from gradmod.training.callbacks import NonFiniteCallback, SyncCheckCallback
 from gradmod.training.distributed import Dist, env_rank
 from gradmod.training.divergence import DivergenceCallback
-from gradmod.training.interrupt import StopOnSignal
+from gradmod.training.interrupt import Interrupted, StopOnSignal
 from gradmod.training.loader import batches_per_epoch, placement, steps_per_epoch
-from gradmod.training.nonfinite import NonFiniteGuard
+from gradmod.training.nonfinite import Diverged, NonFiniteGuard
 from gradmod.training.precision import Precision, check_precision
 from gradmod.training.privacy import PrivacyCallback
 from gradmod.training.schedule import SchedulerCallback
@@ -241,7 +241,11 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
         _file_callbacks(cfg, stack, folder, trainer, saver, plan, probe, dist, stop)
         if trainer.settings.progress:
             stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
-        trainer.fit(data, cfg.trainer.epochs)
+        try:
+            trainer.fit(data, cfg.trainer.epochs)
+        except (Interrupted, Diverged) as e:  # the epsilon those steps spent is part of the ending
+            e.privacy = _privacy(trainer)
+            raise
     summary = _summary(cfg, data, trainer, guard, plan, saver.seconds())
     summary.update(run=claim.run_id, parent=claim.parent)
     if dist.is_main:
@@ -276,8 +280,9 @@ def _trainer(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Di
     # schedule before saver: see SchedulerCallback
     callbacks = [NonFiniteCallback(guard), diverged, schedule, saver]
     if privacy is not None:  # before saver (its state in the step's checkpoint) and files (epsilon in the record)
-        callbacks.insert(callbacks.index(saver), PrivacyCallback(cfg.privacy.accountant, cfg.privacy.delta,
-                                                                 privacy.noise_multiplier, privacy.sample_rate))
+        callbacks.insert(callbacks.index(saver), PrivacyCallback(
+            cfg.privacy.accountant, cfg.privacy.delta, privacy.noise_multiplier, privacy.sample_rate,
+            sampling=dp.sampling(cfg), target_epsilon=cfg.privacy.target_epsilon, clip=hooks.per_sample.noisy))
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
     probe = GradCamProbe(model_factory(cfg.model, data), data, cfg.capture.gradcam_layer,
                          cfg.capture.gradcam_images, dist.device) if cfg.capture.gradcam else None
@@ -322,7 +327,7 @@ def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, p
              seconds: float) -> dict[str, Any]:
     """summary.json: the last epoch's numbers and what the run was."""
     last = trainer.history[-1]
-    accountant = next((cb for cb in trainer.callbacks if isinstance(cb, PrivacyCallback)), None)
+    privacy = _privacy(trainer)
     return {
         "status": "ok", "test_accuracy": last["test_accuracy"], "test_loss": last["test_loss"],
         "train_loss": last["train_loss"], "dataset": data.name, "train_size": len(data.train_y),
@@ -333,8 +338,14 @@ def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, p
         "skipped_steps": trainer.skipped, "nonfinite_steps": guard.bad_steps, "nonfinite": guard.nonfinite,
         "precision": trainer.amp.name,
         "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None, "seconds": seconds,
-        **({"privacy": accountant.summary()} if accountant else {}),
+        **({"privacy": privacy} if privacy else {}),
     }
+
+
+def _privacy(trainer: Trainer) -> dict[str, Any] | None:
+    """summary.json's privacy block: present only where every step was clipped and noised."""
+    accountant = next((cb for cb in trainer.callbacks if isinstance(cb, PrivacyCallback)), None)
+    return accountant.summary() if accountant is not None else None
 
 
 def _items(data: Data) -> str:
