@@ -190,3 +190,11 @@ def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypa
     assert [r["step"] for r in history] == [8, 16, 24, 32]
     assert all(r["grad/net.1.weight/calls"] == 8 and r["grad/norm/global_norm_clip/clip_coef"] <= 1 for r in history)
     assert "'grad/net.1.weight/norm'" in capsys.readouterr().out
+
+
+def test_per_sample_rules_are_refused_in_one_line_at_train_begin(tmp_path):
+    t = trainer(tmp_path)
+    add_to(t, "dp")
+    with pytest.raises(ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Transformers' Trainer: "
+                                         r"[^\n]*attach the rules in your own loop$"):
+        t.train()

@@ -12,7 +12,6 @@ every trainer key with its comment); ``tests/test_config_defaults.py`` holds the
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
