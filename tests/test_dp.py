@@ -566,3 +566,45 @@ def test_resuming_a_run_without_noise_under_a_target_is_refused(tmp_path):
     with pytest.raises(ValueError, match="4 steps ran without noise"):
         run(compose_config(*TINY, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=3", f"trainer.resume={first}"),
             tmp_path / "resumed")
+
+
+def test_dp_plots_show_per_example_norms_and_the_fraction_of_examples_clipped(tmp_path, monkeypatch):
+    from gradmod.hooks.per_sample.stats import ClipRecord
+    from gradmod.reporting import plots
+
+    record = ClipRecord()
+    record.add_norms(torch.tensor([0.5, 2.0, 3.0]), 1.0)
+    record.add_norms(torch.tensor([4.0]), 1.0)
+    calls, window = record.take()
+    stats = ClipRecord.summarize(calls, window.tolist())
+    assert stats == {"frac_clipped": 0.75, "examples": 4, "calls": 2, "norm_mean": 2.375, "norm_max": 4.0}
+    seen = []
+    monkeypatch.setattr(plots, "_finish", lambda fig, axes, path: seen.append(
+        [(ax.get_title(), ax.get_ylabel(), len(ax.lines)) for ax in axes]))
+    rows = [(1, {"dp/per_sample_clip": stats}), (2, {"dp/per_sample_clip": stats})]
+    plots.plot_grad_norms(rows, tmp_path / "a.png")
+    plots.plot_frac_clipped(rows, tmp_path / "b.png")
+    (norms,), (clipped,) = seen
+    assert norms[1] == "per-example gradient L2 norm" and norms[2] == 2  # mean and max
+    assert clipped[1] == "fraction of examples clipped" and clipped[2] == 1
+
+
+@needs_opacus
+def test_bf16_and_tensorboard_with_a_dp_rule(tmp_path):
+    pytest.importorskip("tensorboard")
+    summary, metrics = _run(tmp_path, "+hooks=dp", "trainer.precision=bf16", "logger=tensorboard",
+                            "trainer.epochs=1", "trainer.log_every=2")
+    assert summary["status"] == "ok" and summary["precision"] == "bf16"
+    assert summary["privacy"]["epsilon"] == pytest.approx(metrics[-1]["epsilon"])
+    assert summary["privacy"]["epsilon"] > 0
+
+
+def test_model_norm_group_replaces_a_target_models_batchnorm():
+    pytest.importorskip("torchvision")
+    from gradmod.run.config import ModelConfig
+    from gradmod.run.factories import model_factory
+
+    cfg = ModelConfig(name="target", _target_="torchvision.models.resnet18", norm="group", args={"num_classes": 3})
+    model = model_factory(cfg, None)()
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert sum(isinstance(m, nn.GroupNorm) for m in model.modules()) == 20

@@ -419,3 +419,24 @@ def test_opacus_layers_equal_opacus_and_the_loop(kind):
     hooks.after_backward()
     for (name, p), q in zip(model.named_parameters(), gsm.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_functional_call_on_a_freshly_attached_model_neither_fails_nor_sets_the_stage_up():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    hooks = attach(model, {**dp_rule(), "c": {"params": "*", "stage": "fused", "transforms": ["zero"]}})
+    params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    x = torch.randn(4, 5)
+    torch.func.functional_call(model, params, (x,)).sum().backward()  # no "fully_shard" error
+    assert hooks.per_sample.layers is None and all(p.grad is not None for p in params.values())
+    ce(model(x), torch.zeros(4, dtype=torch.long)).mean().backward()  # the model's own first forward sets it up
+    hooks.after_backward()
+    assert len(hooks.per_sample.layers) == 2
+
+
+def test_replace_batchnorm_gives_groupnorm_over_the_same_channels():
+    from gradmod.hooks.per_sample import replace_batchnorm
+
+    model = replace_batchnorm(nn.Sequential(nn.Conv2d(1, 48, 3), nn.BatchNorm2d(48), nn.Sequential(nn.BatchNorm1d(6))))
+    assert [(type(m).__name__, m.num_groups, m.num_channels) for m in model.modules() if isinstance(m, nn.GroupNorm)] \
+        == [("GroupNorm", 16, 48), ("GroupNorm", 2, 6)]

@@ -54,8 +54,9 @@ def target_or_choice(key: str, cfg: Any, allowed) -> None:
 @dataclass
 class ModelConfig:
     """A shipped model by ``name``, or ``_target_`` called with ``args`` (on the command line:
-    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the shipped
-    ResNets' normalisation, batch | group (``gradmod.models``)."""
+    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the
+    normalisation, batch | group (``gradmod.models``; a ``_target_`` model's BatchNorm
+    layers are replaced by GroupNorm, ``gradmod.hooks.per_sample.replace_batchnorm``)."""
 
     name: str = MISSING
     norm: str = "batch"
@@ -67,9 +68,6 @@ class ModelConfig:
 
         target_or_choice("model", self, MODELS)
         choice("model.norm", self.norm, NORMS)
-        if self._target_ is not None and self.norm != "batch":
-            raise ValueError(f"model.norm={self.norm} applies to the shipped models only; "
-                             f"model._target_={self._target_} builds its own layers")
 
 
 @dataclass

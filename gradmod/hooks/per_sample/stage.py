@@ -31,8 +31,19 @@ LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
 
 
-def _detach(x: Any) -> Any:
-    return x.detach() if isinstance(x, Tensor) else x
+def _detach(x: Any, dtype: torch.dtype | None = None) -> Any:
+    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
+    if not isinstance(x, Tensor):
+        return x
+    x = x.detach()
+    return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
+
+
+def _get(model: nn.Module, name: str) -> Tensor | None:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def _training() -> bool:
@@ -106,13 +117,14 @@ class PerSampleStage:
         self._calls: list[Call] = []
         self._got: dict[int, Tensor | None] = {}  # parameters autograd gave a gradient in this backward
         self._batch_dependent: set[int] = set()  # whose batch gradient is no sum of per-example ones
+        self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
         self._queued = self._tracing = False
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.layers is not None or self._tracing or not _training():
+        if self.layers is not None or self._tracing or not _training() or self._swapped():
             return
         self._tracing = True
         try:
@@ -131,6 +143,13 @@ class PerSampleStage:
                           for layer in self.layers]
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
+
+    def _swapped(self) -> bool:
+        """torch.func.functional_call runs the model with other tensors: not its training."""
+        return any(_get(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
+
+    def _rule_of_params(self) -> list[Tensor]:
+        return [p for r in self.rules for p in r.params]
 
     def _refuse(self, layers: list[Layer]) -> None:
         names = {id(m): n for n, m in self.model.named_modules()}
@@ -168,12 +187,14 @@ class PerSampleStage:
             outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
                 return
+            dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                inputs = Inputs(*pytree.tree_map(_detach, (args, kwargs)), layer.in_dims)
+                inputs = Inputs(*pytree.tree_map(lambda x: _detach(x, dtype), (args, kwargs)), layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
-                inputs = first.detach().movedim(layer.first_in, 0)
-            call = Call(layer, inputs, [(t.shape, t.dtype, t.device) for t in outs], [None] * len(outs))
+                inputs = _detach(first, dtype).movedim(layer.first_in, 0)
+            call = Call(layer, inputs, [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs],
+                        [None] * len(outs))
             self._calls.append(call)
             for k, t in enumerate(outs):
                 if t.requires_grad:
@@ -183,7 +204,10 @@ class PerSampleStage:
 
     def _grad_hook(self, call: Call, k: int):
         def hook(g: Tensor) -> None:
-            call.grads[k] = g.detach()
+            dtype = next(iter(call.layer.names.values())).dtype
+            if g.is_floating_point():  # autocast's bf16 gradients round more: the sum check allows for it
+                self._grad_eps = max(self._grad_eps, torch.finfo(g.dtype).eps)
+            call.grads[k] = g.detach() if g.dtype == dtype or not g.is_floating_point() else g.detach().to(dtype)
             self._queue()
 
         return hook
@@ -228,7 +252,8 @@ class PerSampleStage:
             if whole is None or id(p) in self._batch_dependent:
                 continue
             # rounding: relative to this gradient, or to the largest where this one is ~0 exactly
-            tol = 1e3 * torch.finfo(g.dtype).eps * max(float(whole.norm()), 1e-3 * scale) + 1e-30
+            eps = max(torch.finfo(g.dtype).eps, self._grad_eps)
+            tol = (10 if eps > 1e-4 else 1e3) * eps * max(float(whole.norm()), 1e-3 * scale) + 1e-30
             if float((g - whole).norm()) > tol:
                 raise ValueError(f"per_sample: {self._names[id(p)]!r} got part of its gradient outside the module "
                                  "calls the stage follows (used outside the model's forward, e.g. in the loss); "

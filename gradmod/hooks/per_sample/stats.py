@@ -50,15 +50,27 @@ class Window:
 
 
 class ClipRecord(Window):
-    """Per backward: examples whose norm exceeded ``max_norm``, and examples."""
+    """Per backward: examples whose norm exceeded ``max_norm``, examples, the sum and the
+    largest of their (unclipped) norms."""
 
     def add_norms(self, norms: Tensor, max_norm: float) -> None:
-        self.add(torch.stack([(norms > max_norm).sum().float(), norms.new_tensor(float(norms.numel()))]))
+        norms = norms.float()
+        self.add(torch.stack([(norms > max_norm).sum().float(), norms.new_tensor(float(norms.numel())),
+                              norms.sum(), norms.max()]))
+
+    def _fold(self) -> Tensor:
+        rows = torch.stack(self._rows)
+        out = rows.sum(0)
+        out[3] = rows[:, 3].max()
+        return out
 
     @staticmethod
     def summarize(calls: int, values: list[float], paired: bool = False) -> dict[str, Any]:
         clipped, examples = values[:2]
-        return {"frac_clipped": clipped / max(examples, 1.0), "examples": int(examples), "calls": calls}
+        out = {"frac_clipped": clipped / max(examples, 1.0), "examples": int(examples), "calls": calls}
+        if len(values) >= 4:  # each example's gradient norm before clipping
+            out.update(norm_mean=values[2] / max(examples, 1.0), norm_max=values[3])
+        return out
 
 
 class PerSampleClip:
