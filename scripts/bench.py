@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample secti
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
-from gradmod.hooks.rules import attach  # noqa: E402
+from gradmod.hooks import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
 from gradmod.run.runner import resolve_device  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402

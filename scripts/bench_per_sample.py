@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from gradmod.hooks.rules import attach  # noqa: E402
+from gradmod.hooks import attach  # noqa: E402
 
 BATCH = 64
 STEPS = 10  # optimizer steps per timed run

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from helpers import ROOT, free_port, tiny_mlp
 from torch import nn
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.training.distributed import Dist, follower_overrides, unwrap
 from gradmod.training.trainer import train_epoch
 

@@ -18,7 +18,7 @@ from helpers import compose_config, free_port
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.models import build_model
 from gradmod.training.callbacks import Callback
 from gradmod.training.loader import poisson_batches, poisson_steps

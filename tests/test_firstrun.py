@@ -13,7 +13,7 @@ from helpers import FAST, ROOT, run_train
 from hydra.errors import HydraException
 
 from gradmod.app.help import transform_lines
-from gradmod.hooks import attach, transforms
+from gradmod.hooks import attach, registry, transforms
 from gradmod.models import build_model
 from gradmod.reporting.plan import summarize_plan
 
@@ -43,7 +43,7 @@ def test_help_lists_a_newly_registered_transform():
     try:
         assert any(line.strip().startswith("halve_for_help(factor=0.5)") for line in transform_lines())
     finally:
-        transforms._FACTORIES.pop("halve_for_help", None)
+        registry.unregister("halve_for_help")
 
 
 @pytest.mark.parametrize("override", ["optimizer=schema_sgd", "data=schema_fake", "logger=schema_tensorboard"])

@@ -23,8 +23,8 @@ from helpers import free_port
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from gradmod.hooks import attach
 from gradmod.hooks.group import AGC
-from gradmod.hooks.rules import attach
 from gradmod.training.distributed import Dist
 from gradmod.training.trainer import train_epoch
 

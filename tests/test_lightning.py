@@ -13,7 +13,7 @@ from helpers import tiny_mlp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.integrations.lightning import GradmodCallback
 from gradmod.training.trainer import train_epoch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.models import MnistCNN
 from gradmod.testing.opcount import OpCounter
 from gradmod.training.nonfinite import NonFiniteGuard

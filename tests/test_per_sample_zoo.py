@@ -12,7 +12,7 @@ from torch import nn
 
 from gradmod.hooks.per_sample import Form, register_form
 from gradmod.hooks.per_sample import layers as forms
-from gradmod.hooks.rules import attach
+from gradmod.hooks.hookset import attach
 
 RTOL = 1e-12
 

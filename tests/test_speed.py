@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from gradmod.app.cli import run
 from gradmod.data import Data, load_mnist_sample
+from gradmod.hooks import attach
 from gradmod.hooks import transforms as T
-from gradmod.hooks.rules import attach
 from gradmod.models import MnistCNN
 from gradmod.run import factories as targets_mod
 from gradmod.run import runner as train_mod

@@ -7,14 +7,19 @@ by itself), hook configs and group options from the files in ``gradmod/conf/``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import io
 import re
 import textwrap
+import tokenize
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from gradmod.hooks import transforms
+from gradmod.hooks.selection import STAGES
+from gradmod.run import config as schemas
 
 HIDDEN_GROUPS = ("hooks", "hydra")  # hooks get their own section; hydra/ is Hydra's
 
@@ -53,6 +58,37 @@ def columns(left: str, right: str, column: int = 36) -> list[str]:
     first = wrapped[0] if lines else f"  {left:<{column - 3}} {wrapped[0]}"
     lines.append(first if not lines else indent + first)
     return [ln.rstrip() for ln in lines + [indent + w for w in wrapped[1:]]]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's one-line doc: the comment on its line in the dataclass (a base class's
+    for a field a subclass only re-defaults)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass.__module__ != cls.__module__:
+            continue
+        own = {f.name for f in dataclasses.fields(klass)}
+        source = textwrap.dedent(inspect.getsource(klass))
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            m = re.match(r"    (\w+)\s*:", tok.line) if tok.type == tokenize.COMMENT else None
+            if m and m.group(1) in own:
+                docs[m.group(1)] = tok.string.lstrip("#").strip()
+    return docs
+
+
+# The nodes whose keys the help page lists from their schemas.
+KEY_NODES = {"trainer": schemas.TrainerConfig, "capture": schemas.CaptureConfig, "privacy": schemas.PrivacyConfig,
+             "data": schemas.DataConfig}
+
+
+def key_list(node: str, indent: int = 14) -> str:
+    """The keys of a config node, from its dataclass, wrapped for the Keys section."""
+    if node == "rule":  # a hook rule: its keys, then the stages one may name
+        words = [*(f.name for f in dataclasses.fields(schemas.RuleConfig))]
+        words[-1] += f" ({' | '.join(STAGES)})"
+    else:
+        words = [f.name for f in dataclasses.fields(KEY_NODES[node]) if not f.name.startswith("_") and f.name != "args"]
+    return f"\n{' ' * indent}".join(textwrap.wrap(", ".join(words), WIDTH - indent, break_on_hyphens=False))
 
 
 def hook_lines(conf: Path) -> list[str]:
@@ -99,7 +135,8 @@ def register_help(conf: str | Path) -> None:
     """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder."""
     conf = Path(conf)
     sections = {"transforms": transform_lines, "hooks": lambda: hook_lines(conf),
-                "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(checkout_docs(conf))}
+                "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(checkout_docs(conf)),
+                **{f"keys_{node}": (lambda node=node: [key_list(node)]) for node in [*KEY_NODES, "rule"]}}
 
     def section(name: str) -> str:
         if name not in sections:

@@ -1,11 +1,13 @@
-"""The hook core: transforms by name, rules that attach them, statistics they gather.
+"""The hook core: transforms by name (one registry), rules that attach them, the stages
+they run at, statistics they gather.
 
 Imports torch only: usable in any training loop, without the trainer or Hydra.
 """
 
-from gradmod.hooks import transforms
-from gradmod.hooks.rules import HookSet, attach
-from gradmod.hooks.selection import load_rules
+from gradmod.hooks import registry, stages, transforms
+from gradmod.hooks.hookset import HookSet, attach
+from gradmod.hooks.registry import register
+from gradmod.hooks.rules import load_rules
 from gradmod.hooks.stats import GradStats
 
-__all__ = ["GradStats", "HookSet", "attach", "load_rules", "transforms"]
+__all__ = ["GradStats", "HookSet", "attach", "load_rules", "register", "registry", "stages", "transforms"]

@@ -6,11 +6,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from gradmod.hooks import transforms as T
-from gradmod.hooks.stats import GradStats
+from gradmod.hooks import registry as R
 
 
-def _checked(rule: str, step: T.Step, key: str, g: Tensor) -> Tensor | None:
+def _checked(rule: str, step: R.Step, key: str, g: Tensor) -> Tensor | None:
     """Run a step and check what it did: the first call of each hook only, so that the
     check costs nothing afterwards (the version counter shows an in-place change)."""
     version = g._version
@@ -30,12 +29,12 @@ def _checked(rule: str, step: T.Step, key: str, g: Tensor) -> Tensor | None:
     return out
 
 
-def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.Parameter | None):
+def chain_hook(steps: list[tuple[str, R.Step]], hooks: Any, key: str, param: nn.Parameter | None):
     """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
     handed to ``hooks.logs`` (a ``LogBuffer``: computed for all tensors together at the
     end of backward). The raw gradient goes to ``hooks.ledger`` (a ``RawLedger``) for the
     non-finite count, before a transform such as clamp can turn inf into a number.
-    Under fp16 (``hooks.grad_scale`` set) the steps see the unscaled gradient, as in
+    Under fp16 (``hooks.grad_scale``, set by ``set_grad_scale``) the steps see the unscaled gradient, as in
     fp32, and the result is scaled back for GradScaler; scales are powers of two, so
     this is exact."""
     first = True
@@ -44,10 +43,10 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
         nonlocal first
         scale = hooks.grad_scale
         g = grad if scale is None else grad.float() * scale.reciprocal()
-        seen: list[tuple[GradStats, Tensor]] = []
+        seen: list[tuple[Any, Tensor]] = []  # (GradStats, the gradient it observes)
         changed = False
         for rule, step in steps:
-            if isinstance(step.fn, GradStats) and not step.fn.histogram:
+            if step.observer and not step.fn.histogram:
                 seen.append((step.fn, g))
                 continue
             out = _checked(rule, step, key, g) if first else step(g)

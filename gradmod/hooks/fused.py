@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks import transforms as T
+from gradmod.hooks import registry as R
 
 
 @dataclass
@@ -22,7 +22,7 @@ class FusedStep:
     """One transform of one rule over the rule's tensors (names and parameters in model order)."""
 
     rule: str
-    steps: list[T.Step]  # per tensor; for a group transform the same Step every time
+    steps: list[R.Step]  # per tensor; for a group transform the same Step every time
     names: list[str]
     params: list[nn.Parameter]
     checked: bool = field(default=False)
@@ -34,7 +34,7 @@ class FusedStep:
             return None
         first = self.steps[0]
         grads = [self.params[i].grad for i in live]
-        if first.group:
+        if first.kind == "group":
             return first.fn.apply_([self.params[i] for i in live], grads)
         if first.inplace is not None:  # one grouped foreach call (stateless forms)
             first.inplace(grads)

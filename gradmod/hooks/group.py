@@ -20,8 +20,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from gradmod.hooks.registry import register
 from gradmod.hooks.sharded import plain
-from gradmod.hooks.transforms import _number, _positive, register
+from gradmod.hooks.transforms import _number, _positive
 
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
 
@@ -95,6 +96,7 @@ class GroupTransform:
     and returns a device bool "skip this step", or None."""
 
     name = "group"
+    skip = False  # True: apply_ may answer "skip this step", which the loop must read
 
     def __init__(self):
         self.record = NormRecord()
@@ -244,6 +246,6 @@ class ZClip(GroupTransform):
         self.mean, self.var, self.count = (None if state[k] is None else move(state[k]) for k in ("mean", "var", "count"))
 
 
-register("global_norm_clip", GlobalNormClip, group=True)
-register("agc", AGC, group=True)
-register("zclip", ZClip, group=True)
+register("global_norm_clip", GlobalNormClip, kind="group")
+register("agc", AGC, kind="group")
+register("zclip", ZClip, kind="group")

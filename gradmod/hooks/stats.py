@@ -16,8 +16,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from gradmod.hooks.registry import register
 from gradmod.hooks.sharded import is_sharded, plain, sharded_rows
-from gradmod.hooks.transforms import Transform, register
+from gradmod.hooks.transforms import Transform
 
 
 class GradStats:
@@ -201,4 +202,4 @@ def log(label: str | None = None) -> Transform:
     return GradStats(label)
 
 
-register("log", log)
+register("log", log, observer=True)

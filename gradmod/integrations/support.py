@@ -7,8 +7,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from gradmod.hooks.group import ZClip
-from gradmod.hooks.rules import HookSet, attach
+from gradmod.hooks.hookset import HookSet, attach
 
 
 def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str, scaled: bool) -> HookSet:
@@ -26,7 +25,7 @@ def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: 
                          "its loop scales the loss for accumulation and samples fixed-size batches, so neither the "
                          "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
                          "+hooks=dp) or attach the rules in your own loop")
-    skipping = [t.rule for t in hooks.targets for s in t.steps if isinstance(s.fn, ZClip) and s.fn.skip]
+    skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]
     hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]
     if skipping or (scaled and hooked):
         hooks.remove()

@@ -51,6 +51,14 @@ class Logger:
         pass
 
 
+def flat_tasks(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record with ``tasks: {name: {field: v}}`` as columns ``name/field``."""
+    out = {k: v for k, v in record.items() if k != "tasks"}
+    for task, values in record.get("tasks", {}).items():
+        out.update({f"{task}/{field}": v for field, v in values.items()})
+    return out
+
+
 class CSVLogger(Logger):
     """``metrics.csv`` (one row per epoch, the scalar metrics) and ``grad_stats.csv``
     (one row per observed tensor per read), for spreadsheets and pandas."""
@@ -71,6 +79,7 @@ class CSVLogger(Logger):
         return self._stats
 
     def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
+        record = flat_tasks(record)
         if self._metrics is None:  # columns: the scalars of the first record
             columns = [k for k, v in record.items() if isinstance(v, (int, float, str))]
             self._metrics = csv.DictWriter(self._metrics_file, columns, extrasaction="ignore")
@@ -119,9 +128,13 @@ class TensorBoardLogger(Logger):
 
     def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
         for field, tag in (("train_loss", "loss/train"), ("test_loss", "loss/test"),
-                           ("test_accuracy", "accuracy/test"), ("lr", "lr")):
-            if field in record:
+                           ("test_accuracy", "accuracy/test"), ("test_metric", "metric/test"), ("lr", "lr")):
+            if record.get(field) is not None:
                 self.writer.add_scalar(tag, record[field], step)
+        for task, values in record.get("tasks", {}).items():
+            for field, value in values.items():
+                if value is not None:
+                    self.writer.add_scalar(f"{field.replace('test_', '')}/test/{task}", value, step)
         self.writer.flush()
 
     def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:

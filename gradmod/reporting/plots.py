@@ -14,15 +14,19 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Loss (train and test) and test accuracy per epoch, side by side."""
+    """Loss (train and test) and the test metric per epoch (each task's, with several), side by side."""
     epochs = [h["epoch"] for h in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
     ax_loss.plot(epochs, [h["test_loss"] for h in history], marker="o", label="test")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax_loss.set(xlabel="epoch", ylabel="loss (summed over tasks)" if "tasks" in history[-1] else "loss",
+                title="loss")
     ax_loss.legend()
-    ax_acc.plot(epochs, [h["test_accuracy"] for h in history], marker="o", color="tab:green")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy")
+    for name, values in _metric_series(history).items():
+        ax_acc.plot(epochs, [math.nan if v is None else v for v in values], marker="o", label=name or None)
+    ax_acc.set(xlabel="epoch", ylabel="test metric", title="test metric (accuracy for class labels)")
+    if "tasks" in history[-1]:
+        ax_acc.legend()
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
@@ -30,6 +34,14 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def _metric_series(history: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Task name -> its test metric per epoch ("" -> the single metric)."""
+    if "tasks" in history[-1]:
+        names = list(history[-1]["tasks"])
+        return {k: [h.get("tasks", {}).get(k, {}).get("test_metric") for h in history] for k in names}
+    return {"": [h.get("test_metric", h.get("test_accuracy")) for h in history]}
 
 
 def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], labels: Sequence[str],
@@ -49,7 +61,8 @@ def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], lab
                  "linestyle": "-" if row["status"] == "ok" else ":"}
         name = group if group not in drawn else None  # one legend entry per group
         drawn.add(group)
-        ax_acc.plot(epochs, [c["test_accuracy"] for c in row["curve"]], label=name, **style)
+        ax_acc.plot(epochs, [math.nan if c["test_accuracy"] is None else c["test_accuracy"] for c in row["curve"]],
+                    label=name, **style)
         ax_loss.plot(epochs, [c["test_loss"] for c in row["curve"]], **style)
     ax_acc.set(xlabel="epoch", ylabel="test accuracy", title=f"test accuracy, every job ({len(rows)})")
     ax_loss.set(xlabel="epoch", ylabel="test loss", title="test loss (dotted: did not end ok)")

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 JOBS = Path(".gradmod") / "jobs"
-NUMBERS = ("test_accuracy", "test_loss", "train_loss", "seconds", "steps", "skipped_steps", "nonfinite_steps",
-           "epochs", "signal")
+NUMBERS = ("test_accuracy", "test_loss", "test_metric", "tasks", "train_loss", "seconds", "steps", "skipped_steps",
+           "nonfinite_steps", "epochs", "signal")  # tasks: {name: {test_loss, test_metric}} of a multi-task run
 
 
 def jobs_dir(sweep_dir: str | Path) -> Path:

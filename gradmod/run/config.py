@@ -5,18 +5,21 @@ structured configs, so a typo fails while composing, and builds them with
 ``OmegaConf.to_object``; ``__post_init__`` checks values, so a bad one fails before any
 work. Python users can build them directly: ``Config(model=ModelConfig("mnist_cnn"), ...)``.
 
-``gradmod/conf/`` restates the defaults where users read them (``gradmod/conf/trainer/default.yaml`` lists
-every trainer key with its comment); ``tests/test_config_defaults.py`` holds the two equal.
+Each field's default and its one-line doc (the comment on its line) are the source:
+``gradmod/conf/`` restates them where users read them (``gradmod/conf/trainer/default.yaml`` lists
+every trainer key with its comment), ``--help`` lists the keys from these classes, and
+``tests/test_config_defaults.py`` holds the files equal to them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gradmod.hooks.selection import DEFAULT_STAGES as HOOK_STAGES
+from gradmod.hooks.rules import DEFAULT_STAGES as HOOK_STAGES
 from gradmod.reporting.loggers import LOGGERS
 from gradmod.training.distributed import STRATEGIES
 from gradmod.training.loader import PLACEMENTS
@@ -59,7 +62,7 @@ class ModelConfig:
     layers are replaced by GroupNorm, ``gradmod.hooks.per_sample.replace_batchnorm``)."""
 
     name: str = MISSING
-    norm: str = "batch"
+    norm: str = "batch"  # batch (BatchNorm2d) | group (GroupNorm(min(32, C), C): each example on its own, as +hooks=dp needs)
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
 
@@ -76,9 +79,9 @@ class DataConfig:
     ``(train, test)`` (``gradmod.run.factories.build_data``)."""
 
     name: str = MISSING
-    batch_size: int = 100
-    fallback: bool = True  # mnist offline: use the bundled sample instead of failing
-    n_test: int = 1000
+    batch_size: int = 100  # the article's batch size
+    fallback: bool = True  # offline: use the bundled 5,000-digit sample (with a warning)
+    n_test: int = 1000  # test digits held out of the bundled 5,000-digit sample (mnist_sample, or mnist falling back)
     sampling: str = "auto"  # shuffle | poisson (each example joins each step with q) | auto: poisson under DP noise
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
@@ -94,6 +97,7 @@ class DataConfig:
 
 @dataclass
 class FakeDataConfig(DataConfig):
+    batch_size: int = 32
     train_size: int = 256
     test_size: int = 64
     image_size: int = 224
@@ -105,6 +109,20 @@ class FakeDataConfig(DataConfig):
         for key in ("train_size", "test_size", "image_size", "channels"):
             at_least(f"data.{key}", getattr(self, key), 1)
         at_least("data.num_classes", self.num_classes, 2)
+
+
+@dataclass
+class CharTextDataConfig(DataConfig):
+    """``data=char_text``: windows of ``seq_len`` characters of the bundled text, one every
+    ``stride`` characters (``gradmod.data.load_char_text``)."""
+
+    seq_len: int = 32
+    stride: int = 8
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key in ("seq_len", "stride"):
+            at_least(f"data.{key}", getattr(self, key), 1)
 
 
 @dataclass
@@ -152,28 +170,28 @@ class SGDConfig(OptimizerConfig):
 
 @dataclass
 class TrainerConfig:
-    epochs: int = 10
-    device: str = "auto"
-    progress: bool = True
-    log_every: int = 50
-    eval_batch_size: int = 1000
-    hook_stage: str = "hook"
-    threads: int = 0
-    precision: str = "fp32"
-    compile: bool = False
-    channels_last: bool = False
-    accumulate: int = 1
-    strategy: str = "single"
-    checkpoint_every: int = 1
-    checkpoint_every_steps: int = 0
-    checkpoint_keep: int = 2
-    resume: Optional[str] = None
-    resume_accept: List[str] = field(default_factory=list)  # must-match keys a resume may change anyway
-    start_over: bool = False  # replace an earlier run's results in the run folder
-    nonfinite: str = "warn"
-    data_placement: str = "auto"
-    loader_workers: int = 2
-    sync_check: bool = False
+    epochs: int = 10  # the article's 10 epochs
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    progress: bool = True  # tqdm bars; quiet anyway when stderr is not a terminal
+    log_every: int = 50  # steps between reads of the `log` transform's statistics
+    eval_batch_size: int = 1000  # evaluation is batched (the article used batch 1)
+    hook_stage: str = "hook"  # default stage of rules that set none: hook | fused
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast + GradScaler); docs/robustness.md
+    compile: bool = False  # torch.compile the model
+    channels_last: bool = False  # channels-last memory format for conv models
+    accumulate: int = 1  # micro-batches of data.batch_size per optimizer step (>= 1); loss divided by their number
+    strategy: str = "single"  # single (one process) | ddp | fsdp (under torchrun: one process per rank, see docs/distributed.md)
+    checkpoint_every: int = 1  # epochs between checkpoints in <run>/checkpoints; 0 = none
+    checkpoint_every_steps: int = 0  # also every N optimizer steps (mid-epoch); 0 = none
+    checkpoint_keep: int = 2  # keep the newest k checkpoints
+    resume: Optional[str] = None  # null | auto (newest complete checkpoint of this run folder) | PATH
+    resume_accept: List[str] = field(default_factory=list)  # keys that must match on resume but may differ this once, e.g. [seed, data.batch_size] (docs/robustness.md)
+    start_over: bool = False  # true: replace the earlier run's results in this run folder (else such a folder is refused)
+    nonfinite: str = "warn"  # non-finite raw gradients: warn (step anyway; read once per epoch, no per-step sync) | skip (the step) | raise
+    data_placement: str = "auto"  # auto (device when the data fits in half the free device memory) | device | loader (host memory, DataLoader)
+    loader_workers: int = 2  # DataLoader worker processes when data_placement resolves to loader; 0 = main process
+    sync_check: bool = False  # CUDA only: raise on a host sync in any step between two log points: true | false (not with precision=fp16 or nonfinite=skip|raise)
 
     def __post_init__(self):
         for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):
@@ -221,14 +239,14 @@ class LoggerConfig:
 @dataclass
 class TensorBoardLoggerConfig(LoggerConfig):
     name: str = "tensorboard"
-    histograms: bool = True
+    histograms: bool = True  # true: gradient histograms of every `log`ged tensor at each log_every step | false
 
 
 @dataclass
 class CaptureConfig:
-    gradcam: bool = False
-    gradcam_layer: str = "conv2"
-    gradcam_images: int = 8
+    gradcam: bool = False  # true: Grad-CAM overlays of fixed test digits -> gradcam.png (and per epoch in TensorBoard)
+    gradcam_layer: str = "conv2"  # a name from model.named_modules() with an N x C x H x W output (resnets: layer4)
+    gradcam_images: int = 8  # how many test digits (one per class in turn), >= 1
 
     def __post_init__(self):
         at_least("capture.gradcam_images", self.gradcam_images, 1)
@@ -240,19 +258,47 @@ def _target_node(key: str, node: Any, cls: type) -> Any:
         return node
     if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
         raise ValueError(f"{key} must be a mapping with a _target_ (a dotted path) and its arguments, got {node!r}")
-    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args")}
+    own = tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("_target_", "_partial_", "args"))
+    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args", *own)}
     return cls(_target_=node["_target_"], _partial_=bool(node.get("_partial_", cls._partial_)),
-               args={**rest, **(node.get("args") or {})})
+               args={**rest, **(node.get("args") or {})}, **{k: node[k] for k in own if k in node})
 
 
 @dataclass
 class LossConfig:
     """``_target_`` called with ``args`` gives ``loss(output, target)``; with ``_partial_``,
-    the target itself is the loss (``functools.partial`` over ``args``)."""
+    the target itself is the loss (``functools.partial`` over ``args``). ``per_task``: null
+    applies the loss to each task's output and labels when the model returns several
+    (a mapping or tuple); false hands it the whole outputs and labels (a loss of your own
+    that returns a mapping of named losses); true always per task."""
 
     _target_: str = "torch.nn.CrossEntropyLoss"
     _partial_: bool = False
     args: Dict[str, Any] = field(default_factory=dict)
+    per_task: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.per_task not in (None, True, False):
+            raise ValueError(f"loss.per_task={self.per_task!r} is not allowed; allowed: null, true, false")
+
+
+METRIC_NAMES = ("auto", "accuracy", "none")
+
+
+def check_metric(key: str, spec: Any, by_task: bool = True) -> None:
+    """``metric``: a name (``METRIC_NAMES``), a mapping with a ``_target_``, or (at the top)
+    task name -> one of those."""
+    if isinstance(spec, str):
+        choice(key, spec, METRIC_NAMES)
+    elif isinstance(spec, dict) and "_target_" in spec:
+        if not isinstance(spec["_target_"], str) or "." not in spec["_target_"]:
+            raise ValueError(f"{key}._target_={spec['_target_']!r} must be a dotted path, e.g. my_pkg.metrics.f1")
+    elif isinstance(spec, dict) and by_task and spec:
+        for task, inner in spec.items():
+            check_metric(f"{key}.{task}", inner, by_task=False)
+    else:
+        raise ValueError(f"{key}={spec!r} is not allowed; allowed: {', '.join(METRIC_NAMES)}, "
+                         "{_target_: dotted.path, ...} or task name -> one of those")
 
 
 @dataclass
@@ -271,9 +317,9 @@ class PrivacyConfig:
     noise: Opacus' ``accountant`` (rdp | prv) reports epsilon at ``delta``; ``target_epsilon``
     instead picks the noise multiplier that reaches it after the planned steps."""
 
-    accountant: str = "rdp"
-    delta: float = 1e-5
-    target_epsilon: Optional[float] = None
+    accountant: str = "rdp"  # rdp | prv (Opacus' accountants: pip install "gradmod[privacy]")
+    delta: float = 1e-5  # epsilon is reported at this delta (keep it below 1 / training set size)
+    target_epsilon: Optional[float] = None  # a number: the noise multiplier that reaches it after the planned steps (rules then set none)
 
     def __post_init__(self):
         choice("privacy.accountant", self.accountant, ACCOUNTANTS)
@@ -310,11 +356,12 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    seed: int = 1234
-    data_dir: str = "data"
-    hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule (a RuleConfig or a mapping)
-    plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built
+    seed: int = 1234  # the article's seed; fixes init, data split and batch order on the CPU
+    data_dir: str = "data"  # where torchvision looks for (and downloads) MNIST
+    hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule; filled by the hooks group or the command line
+    plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built, e.g. [my_pkg.transforms]: their gradmod.hooks.transforms.register(...) calls make `transforms: [flip]` work
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
+    metric: Any = "auto"  # auto | accuracy | none | {_target_: ...}, or task name -> one of those
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 
     def __post_init__(self):
@@ -323,4 +370,5 @@ class Config:
             raise ValueError(f"seed={self.seed} must be < 2**64 ({2**64})")
         self.hooks = {name: r.as_rule() if isinstance(r, RuleConfig) else r for name, r in self.hooks.items()}
         self.loss = _target_node("loss", self.loss, LossConfig) or LossConfig()
+        check_metric("metric", self.metric)
         self.scheduler = _target_node("scheduler", self.scheduler or None, SchedulerConfig)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradmod.data import Data
-from gradmod.hooks.rules import HookSet, attach
+from gradmod.hooks.hookset import HookSet, attach
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import make_logger
 from gradmod.reporting.observe import GradCamProbe
@@ -40,9 +40,9 @@ from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.config import Config
 from gradmod.run.factories import (
     build_data,
-    build_loss,
     build_optimizer,
     build_scheduler,
+    build_tasks,
     describe_groups,
     model_factory,
     param_groups,
@@ -126,13 +126,14 @@ def train(cfg: Config, out: str | Path, on_owned: Callable[[Path], None] | None 
             undo.callback(dist.close)
             claimed = _claim_shared(cfg, folder, dist)
             data, loader_workers = _load(cfg, dist)
-            model = _model(cfg, data, dist.device)
+            model, several = _model(cfg, data, dist.device)
             if dist.strategy == "fsdp":
                 dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
             rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
             hooks = attach(model, rules, stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
                            loss_reduction=cfg.loss.args.get("reduction", "mean"))
             undo.callback(hooks.remove)
+            preflight.check_per_loss(hooks.targets, several, dist.strategy, f"loss._target_={cfg.loss._target_}")
             return _fit(cfg, model, data, hooks, dist, loader_workers, folder, claimed, stop, t_start, on_owned,
                         privacy)
         except BaseException as e:
@@ -212,16 +213,20 @@ def _load(cfg: Config, dist: Dist) -> tuple[Data, int | None]:
     return data, cfg.trainer.loader_workers
 
 
-def _model(cfg: Config, data: Data, device: torch.device) -> nn.Module:
-    """The model on ``device``, checked with the loss on two training examples (before any hook)."""
+def _model(cfg: Config, data: Data, device: torch.device) -> tuple[nn.Module, bool]:
+    """The model on ``device``, checked with the loss and metric on two training examples
+    (before any hook); and whether the loss is several named losses."""
     model = model_factory(cfg.model, data)()
     apply_init(model, cfg.init.name)
     model.to(device)
     if cfg.trainer.channels_last:
         to_channels_last(model)  # same Parameter objects: attach before or after is the same
     key = f"model._target_={cfg.model._target_}" if cfg.model._target_ else f"model.name={cfg.model.name}"
-    preflight.check_model(model, data, build_loss(cfg.loss), key, f"loss._target_={cfg.loss._target_}")
-    return model
+    several, metrics = preflight.check_model(model, data, build_tasks(cfg.loss, cfg.metric), key,
+                                             f"loss._target_={cfg.loss._target_}")
+    if several or not metrics.endswith("accuracy"):
+        log.info("%s", metrics)  # the classification default goes without saying
+    return model, several
 
 
 def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, loader_workers: int | None,
@@ -250,7 +255,7 @@ def _fit(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Dist, 
     summary.update(run=claim.run_id, parent=claim.parent)
     if dist.is_main:
         endings.write(run_folder.out, summary)
-    log.info("test_accuracy %.4f on %s (%d test %s) in %.1fs; run folder %s", summary["test_accuracy"],
+    log.info("%s on %s (%d test %s) in %.1fs; run folder %s", _result_line(summary),
              data.name, summary["test_size"], _items(data), summary["seconds"], run_folder.out)
     return summary
 
@@ -291,7 +296,7 @@ def _trainer(cfg: Config, model: nn.Module, data: Data, hooks: HookSet, dist: Di
                                progress=t.progress and _stderr_is_terminal(), loader_workers=loader_workers,
                                sampling=dp.sampling(cfg))
     trainer = Trainer(model, optimizer, settings, hooks=hooks, amp=Precision(t.precision, dist.device),
-                      loss_fn=build_loss(cfg.loss), callbacks=callbacks, dist=dist, net=net,
+                      tasks=build_tasks(cfg.loss, cfg.metric), callbacks=callbacks, dist=dist, net=net,
                       eval_net=model if net is wrapped else net, generator=torch.Generator().manual_seed(cfg.seed))
     return trainer, saver, guard, probe
 
@@ -330,6 +335,7 @@ def _summary(cfg: Config, data: Data, trainer: Trainer, guard: NonFiniteGuard, p
     privacy = _privacy(trainer)
     return {
         "status": "ok", "test_accuracy": last["test_accuracy"], "test_loss": last["test_loss"],
+        "test_metric": last.get("test_metric"), **({"tasks": last["tasks"]} if "tasks" in last else {}),
         "train_loss": last["train_loss"], "dataset": data.name, "train_size": len(data.train_y),
         "test_size": len(data.test_y), "model": cfg.model.name,
         "num_params": sum(p.numel() for p in trainer.model.parameters()), "device": str(trainer.device),
@@ -346,6 +352,16 @@ def _privacy(trainer: Trainer) -> dict[str, Any] | None:
     """summary.json's privacy block: present only where every step was clipped and noised."""
     accountant = next((cb for cb in trainer.callbacks if isinstance(cb, PrivacyCallback)), None)
     return accountant.summary() if accountant is not None else None
+
+
+def _result_line(summary: dict[str, Any]) -> str:
+    """``test_accuracy 0.9120``, or the loss (and each task's numbers) where there is no accuracy."""
+    parts = [f"test_accuracy {summary['test_accuracy']:.4f}"] if summary["test_accuracy"] is not None else \
+        [f"test_loss {summary['test_loss']:.4f}"]
+    for name, t in summary.get("tasks", {}).items():
+        metric = "" if t["test_metric"] is None else f" metric {t['test_metric']:.4f}"
+        parts.append(f"{name}: loss {t['test_loss']:.4f}{metric}" if t["test_loss"] is not None else f"{name}:{metric}")
+    return ", ".join(parts)
 
 
 def _items(data: Data) -> str:

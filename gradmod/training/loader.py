@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from gradmod.data import Data, as_float
+from gradmod.labels import nbytes
 
 PLACEMENTS = ("auto", "device", "loader")
 DEVICE_SHARE = 0.5  # auto: the dataset may take at most this share of the free device memory
@@ -65,7 +66,7 @@ def placement(setting: str, data: Data, device: torch.device) -> str:
     if device.type != "cuda":
         return "device"
     free, _ = torch.cuda.mem_get_info(device)
-    size = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
+    size = sum(nbytes(t) for t in (data.train_x, data.train_y, data.test_x, data.test_y))
     return "device" if size <= DEVICE_SHARE * free else "loader"
 
 

@@ -26,6 +26,9 @@ from gradmod.training.distributed import Dist, no_sync
 from gradmod.training.dpsgd import PerSampleStep
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
 from gradmod.training.precision import Precision
+from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
+from gradmod.training.tasks import evaluate as evaluate_tasks
+from gradmod.training.tasks import total as total_loss
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class Trainer:
                  settings: TrainerSettings = TrainerSettings(), *, hooks=None, amp: Precision | None = None,
                  callbacks: Sequence[Any] = (), dist: Dist | None = None, net: nn.Module | None = None,
                  eval_net: nn.Module | None = None, generator: torch.Generator | None = None,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy, tasks: Tasks | None = None):
         self.model, self.optimizer, self.settings, self.hooks = model, optimizer, settings, hooks
         self.net = model if net is None else net
         self.eval_net = model if eval_net is None else eval_net
@@ -74,6 +77,7 @@ class Trainer:
         self.amp = amp or Precision("fp32", self.device)
         self.callbacks = list(callbacks)
         self.loss_fn = loss_fn
+        self.tasks = tasks if tasks is not None else Tasks(loss_fn)  # the loss and metric, per task
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         # Where training stands (checkpoints save and restore exactly this).
         self.epoch, self.batch, self.step, self.skipped = 1, 0, 0, 0
@@ -99,12 +103,13 @@ class Trainer:
             t0 = time.perf_counter()
             train_loss = self.train_epoch(data.train_x, data.train_y)
             t1 = time.perf_counter()
-            test_loss, test_accuracy = self.test(data)
+            test = self.test(data)
             train_loss, = self.dist.mean([train_loss])
-            record = {"epoch": epoch, "step": self.step, "train_loss": train_loss, "test_loss": test_loss,
-                      "test_accuracy": test_accuracy, "seconds": time.perf_counter() - t0,
-                      "train_seconds": t1 - t0, "eval_seconds": time.perf_counter() - t1,
-                      "skipped_steps": self.skipped - self._skipped_before}
+            record = {"epoch": epoch, "step": self.step, "train_loss": train_loss, "test_loss": test["test_loss"],
+                      "test_accuracy": test["test_accuracy"], "test_metric": test["test_metric"],
+                      "seconds": time.perf_counter() - t0, "train_seconds": t1 - t0,
+                      "eval_seconds": time.perf_counter() - t1, "skipped_steps": self.skipped - self._skipped_before,
+                      **({"tasks": test["tasks"]} if "tasks" in test else {})}
             stats = self.log_point() or self.last_stats  # the latest window: pending now, else the last read
             if stats:
                 record["grad_stats"] = stats
@@ -153,16 +158,16 @@ class Trainer:
         total = batches_per_epoch(len(y), s.batch_size, self.dist.world_size)
         return total, batches(x, y, s.batch_size, self.generator, shard, start, self.device, s.loader_workers)
 
-    def _backward(self, xb: Tensor, yb: Tensor, group: int, sync: bool) -> None:
+    def _backward(self, xb: Tensor, yb: Any, group: int, sync: bool) -> None:
         if len(yb) == 0:
             return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
         if self.private is not None:  # each example's own gradient; DDP reduces after the stage
             group, sync = 1, False
         with no_sync(self.net, not sync):
             with self.amp.autocast():
-                loss = self.loss_fn(self.net(xb), yb)
-            self.amp.backward(loss / group, self.hooks)
-        loss = loss.detach()
+                losses = self.tasks.losses(self.net(xb), yb)  # one loss, or named ones
+            self.amp.backward(scaled(losses, lambda t: t / group), self.hooks)
+        loss = total_loss(losses).detach()
         self.loss_sum += loss
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
 
@@ -193,16 +198,18 @@ class Trainer:
         self._call("on_log", stats)  # with histograms; ``last_stats`` holds the same without
         return self.last_stats
 
-    def test(self, data: Data) -> tuple[float, float]:
-        """(test loss, test accuracy): each rank evaluates its share, the means are combined."""
+    def test(self, data: Data) -> dict[str, Any]:
+        """The record's test fields (``gradmod.training.tasks.results``): each rank evaluates
+        its share, the means are combined."""
         test_y = data.test_y[self.dist.shard]
         parts = None
         if self.dist.strategy == "fsdp":  # every forward gathers parameters: all ranks run as many
             parts = math.ceil(math.ceil(len(data.test_y) / self.dist.world_size) / self.settings.eval_batch_size)
-        loss, accuracy = evaluate(self.eval_net, data.test_x[self.dist.shard], test_y,
-                                  batch_size=self.settings.eval_batch_size, device=self.device,
-                                  loader_workers=self.settings.loader_workers, parts=parts)
-        return tuple(self.dist.mean([loss, accuracy], weight=len(test_y)))
+        means, names = evaluate_tasks(self.eval_net, data.test_x[self.dist.shard], test_y, self.tasks,
+                                      batch_size=self.settings.eval_batch_size, device=self.device,
+                                      loader_workers=self.settings.loader_workers, parts=parts)
+        combined = self.dist.mean(list(means.values()), weight=len(test_y))
+        return results(dict(zip(means, combined)), names)
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands, for checkpoints: mid-epoch, the epoch in progress, the
@@ -236,18 +243,12 @@ class Trainer:
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
              device: torch.device | None = None, loader_workers: int | None = None,
              parts: int | None = None) -> tuple[float, float]:
-    """Batched evaluation: (mean cross-entropy, accuracy), read from the device once.
-    ``parts``: exactly that many batches of near-equal size instead (FSDP2's ranks)."""
-    model.eval()
-    device = y.device if device is None else device
-    loss = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.long)
-    for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers, parts=parts):
-        out = model(xb)
-        loss += F.cross_entropy(out, yb, reduction="sum")
-        correct += (out.argmax(1) == yb).sum()
-    loss_sum, n_correct = torch.stack([loss, correct.to(loss.dtype)]).tolist()
-    return loss_sum / len(y), n_correct / len(y)
+    """Batched evaluation of a classifier: (mean cross-entropy, accuracy), read from the
+    device once (``gradmod.training.tasks.evaluate`` for any loss and metric). ``parts``:
+    exactly that many batches of near-equal size instead (FSDP2's ranks)."""
+    means, _ = evaluate_tasks(model, x, y, CROSS_ENTROPY, batch_size=batch_size, device=device,
+                              loader_workers=loader_workers, parts=parts)
+    return means["loss"], means["metric/"]
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks.transforms import _positive, register
+from gradmod.hooks import stats as _stats  # noqa: F401  (log is registered before its per_sample form)
+from gradmod.hooks.registry import register, register_at_stage
+from gradmod.hooks.transforms import _positive
 
 
 class Window:
@@ -132,4 +134,5 @@ def per_sample_log(label: str | None = None) -> PerSampleLog:
     return PerSampleLog()
 
 
-register("per_sample_clip", PerSampleClip)
+register("per_sample_clip", PerSampleClip, kind="per_sample")
+register_at_stage("log", "per_sample", per_sample_log)
