@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from gradmod.hooks import transforms
-from gradmod.hooks.selection import STAGES
+from gradmod.hooks.rules import STAGES
 from gradmod.run import config as schemas
 
 HIDDEN_GROUPS = ("hooks", "hydra")  # hooks get their own section; hydra/ is Hydra's
