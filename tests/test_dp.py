@@ -608,3 +608,16 @@ def test_model_norm_group_replaces_a_target_models_batchnorm():
     model = model_factory(cfg, None)()
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     assert sum(isinstance(m, nn.GroupNorm) for m in model.modules()) == 20
+
+
+@needs_opacus
+def test_each_epoch_of_a_dp_run_says_its_epsilon_on_the_console(caplog):
+    from gradmod.training.privacy import PrivacyCallback
+
+    cb = PrivacyCallback("rdp", 1e-5, 1.1, 0.1)
+    for _ in range(10):
+        cb.on_step_end(None)
+    record = {"epoch": 1}
+    with caplog.at_level("INFO", logger="gradmod.training.privacy"):
+        cb.on_epoch_end(None, record)
+    assert f"epoch 1: epsilon {record['epsilon']:.4f} at delta 1e-05 after 10 steps (rdp accountant)" in caplog.text

@@ -92,6 +92,8 @@ class PrivacyCallback(Callback):
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
         record["epsilon"] = self.epsilon()  # before RunFiles writes the record: this callback comes first
+        log.info("epoch %s: epsilon %.4f at delta %g after %d steps (%s accountant)", record.get("epoch", "?"),
+                 record["epsilon"], self.delta, self.steps, self.name)
 
     def epsilon(self) -> float:
         """Epsilon after the steps so far (computed once per step count: a PRV or RDP
