@@ -14,11 +14,11 @@ Sections:
   epoch  one training epoch with the article's clip hook (clamp to [-0.01, 0.01]):
          article  torchvision MNIST (the bundled sample written in MNIST's file format),
                   DataLoader(batch 100, shuffle) with Resize(28) + ToTensor, loss.item() per step
-         gradmod  gradmod.training.trainer.train_epoch on device-resident data, clip rule (hook stage)
+         gradmod  gradmod.training.trainer.bare_epoch on device-resident data, clip rule (hook stage)
          floor    forward, backward, optimizer step on batches already in memory, no hooks
   eval   article's batch-size-1 loop (DataLoader + ToTensor, .item() per image) against
          gradmod.training.trainer.evaluate (batched, trainer.eval_batch_size)
-  step   one epoch of gradmod.training.trainer.train_epoch with: no hooks; clip as hook stage; clip as
+  step   one epoch of gradmod.training.trainer.bare_epoch with: no hooks; clip as hook stage; clip as
          fused stage; torch.nn.utils.clip_grad_value_ after backward; global_norm_clip (fused);
          log read every step; log read every 50 steps; clip_logged (log, clamp, log) read every 50 steps
   ops    aten ops dispatched in one optimizer step of each contender (gradmod.testing.opcount.OpCounter),
@@ -55,11 +55,11 @@ import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path wh
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
-from gradmod.run.runner import resolve_device  # noqa: E402
+from gradmod.run.setup import resolve_device  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402
 from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402
-from gradmod.training.trainer import evaluate, train_epoch  # noqa: E402
+from gradmod.training.trainer import bare_epoch, evaluate  # noqa: E402
 
 BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
@@ -222,7 +222,7 @@ class Bench:
 
         def run():
             for _ in range(epochs):
-                train_epoch(net, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen,
+                bare_epoch(net, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen,
                             hooks=hooks, on_step=on_step)
                 if read_every is not None:
                     hooks.read_stats()  # the trainer reads the rest of the window at the epoch's end
@@ -232,8 +232,12 @@ class Bench:
         model, opt, _ = self.model()
         params = list(model.parameters())
 
-        class AfterBackward:  # what train_epoch calls between backward and the optimizer step
-            has_fused = True
+        class AfterBackward:  # what bare_epoch calls between backward and the optimizer step
+            needs_after_backward = True
+
+            @staticmethod
+            def backward(loss):
+                loss.backward()
 
             @staticmethod
             def after_backward():
@@ -242,7 +246,7 @@ class Bench:
         gen = torch.Generator().manual_seed(0)
 
         def run():
-            train_epoch(model, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen, hooks=AfterBackward)
+            bare_epoch(model, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen, hooks=AfterBackward)
         return run
 
     def floor(self) -> Callable[[], None]:
@@ -330,7 +334,7 @@ OP_CONTENDERS = {  # name -> (rules, stage, non-finite guard); "bare" is the bas
 
 def op_counts(bench: Bench) -> dict[str, dict]:
     """Aten ops of one optimizer step (batch 100) per contender, after one warm-up step.
-    ``floor``: forward, backward and Adam's step in a plain loop; ``bare``: train_epoch
+    ``floor``: forward, backward and Adam's step in a plain loop; ``bare``: bare_epoch
     without hooks or non-finite guard; the others run with the trainer's guard (warn).
     ``over_bare``: ops beyond ``bare``, the measure the op budgets use."""
     xb, yb = bench.train_x[:BATCH], bench.train_y[:BATCH]
@@ -348,9 +352,9 @@ def op_counts(bench: Bench) -> dict[str, dict]:
         model, opt, hooks = bench.model(rules, stage)
         kw = dict(batch_size=BATCH, generator=torch.Generator().manual_seed(0), hooks=hooks,
                   guard=NonFiniteGuard(model, hooks, "warn") if guard else None)
-        train_epoch(model, opt, xb, yb, **kw)
+        bare_epoch(model, opt, xb, yb, **kw)
         with OpCounter() as ops:
-            train_epoch(model, opt, xb, yb, **kw)
+            bare_epoch(model, opt, xb, yb, **kw)
         hooks.remove()
         tensors = len(list(model.parameters()))
         bare = out.get("bare", {"ops": ops.count})["ops"]

@@ -11,7 +11,7 @@ import yaml
 from helpers import CONF
 
 from gradmod.app import help as help_page
-from gradmod.hooks.selection import STAGES
+from gradmod.hooks.rules import STAGES
 from gradmod.run import config as C
 
 

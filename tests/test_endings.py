@@ -104,7 +104,7 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_with_one_line(tmp_path
     assert proc.returncode == code, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"interrupted by SIG{name} after step 8; checkpoint "
                                                 f"{tmp_path / 'checkpoints' / 'step-000000008.pt'}; "
-                                                "continue with trainer.resume=auto"]
+                                                f"continue with trainer.resume=auto hydra.run.dir={tmp_path}"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == f"SIG{name}" and summary["steps"] == 8
     resumed = run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), tmp_path)

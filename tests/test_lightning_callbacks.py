@@ -1,4 +1,4 @@
-"""The Lightning callback as a new user meets it: docs/lightning.md's example runs as written
+"""The Lightning callback as a new user meets it: docs/guide/lightning.md's example runs as written
 from another folder; several callbacks share one model; hooks live only while a stage runs;
 rule state resumes bit for bit per callback; what cannot work is refused in one line."""
 
@@ -21,7 +21,7 @@ N, BATCH = 32, 8
 def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypatch):
     from helpers import ROOT
 
-    doc = (ROOT / "docs" / "lightning.md").read_text()
+    doc = (ROOT / "docs" / "guide" / "lightning.md").read_text()
     code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
     seen = []  # every optimizer step, observed from outside: the gradients it has just used
     handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.extend(
@@ -29,7 +29,7 @@ def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)  # the example's files (lightning_logs/) land here
     try:
         ns = {"__name__": "__main__"}
-        exec(compile(code, str(ROOT / "docs" / "lightning.md"), "exec"), ns)
+        exec(compile(code, str(ROOT / "docs" / "guide" / "lightning.md"), "exec"), ns)
     finally:
         handle.remove()
     weights, biases = [m for d, m in seen if d > 1], [m for d, m in seen if d == 1]

@@ -14,7 +14,7 @@ from torch import nn
 from gradmod.app.cli import run
 from gradmod.hooks import attach
 from gradmod.training.nonfinite import NonFiniteError, NonFiniteGuard
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 INF_AT_CONV2 = {"boom": {"modules": "conv2", "transforms": [{"name": "scale", "factor": float("inf")}]}}
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
@@ -49,7 +49,7 @@ def _data(n=40):
 
 
 def _epoch(model, opt, x, y, hooks=None, guard=None):
-    return train_epoch(model, opt, x, y, batch_size=10, generator=torch.Generator().manual_seed(1),
+    return bare_epoch(model, opt, x, y, batch_size=10, generator=torch.Generator().manual_seed(1),
                        hooks=hooks, guard=guard)
 
 

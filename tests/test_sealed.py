@@ -1,7 +1,7 @@
 """A finished run is sealed: its files change only when that same run continues and the
 continuation has started. Foreign checkpoints, older steps (timelines), resumes that do not
 fit, resume=auto with nothing to resume, two runs at once, start_over, and what a resume may
-change (docs/robustness.md)."""
+change (docs/reference/robustness.md)."""
 
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypa
 
     from helpers import ROOT
 
-    doc = ROOT / "docs" / "transformers.md"
+    doc = ROOT / "docs" / "guide" / "transformers.md"
     code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
     monkeypatch.chdir(tmp_path)  # its output_dir lands here
     ns = {"__name__": "__main__"}

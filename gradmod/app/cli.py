@@ -2,8 +2,9 @@
 
 ``main()`` has Hydra compose the config from the shipped ``gradmod/conf/`` (a user's own
 folder joins it through ``--config-dir`` or ``hydra.searchpath``) and run ``job`` on it; ``job``
-checks the config (``validate``) and trains (``gradmod.run.runner.train``). Every ending
-is one line on stderr and an exit status (``gradmod.run.endings``): a config error found
+checks the config (``validate``) and trains (``gradmod.run.runner.execute``, which settles
+the run's ending once and returns it as a value). Every ending is one line on stderr and
+an exit status (``gradmod.run.endings``): a config error found
 while Hydra composes, or bad input found before training, exits 2; a failed file
 operation or an error raised in the user's own code 1 (``train.log`` keeps the
 traceback); a diverged run 3; a signal 128 + its number. A bug in gradmod keeps its
@@ -14,7 +15,9 @@ job killed by a signal ends only itself; a job that raises does not end the swee
 folder gets a ``summary.json`` with ``status: failed`` and the error (where the folder is
 its own), its log the traceback, and the sweep goes on. Each job records its ending in the
 sweep folder (``sweep_jobs``), and the sweep report (``gradmod.app.sweep_callback.SweepReport``)
-exits non-zero at the end when any job did not end ok.
+exits non-zero at the end when any job did not end ok. Ctrl-C or SIGTERM ends the sweep
+(the job in progress ends ``interrupted``) with the report of what ran, naming the jobs
+that did not; ``hydra.run.dir=''`` is refused (a run needs a folder of its own).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import os
 import re
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
 from gradmod.app.isolated import run_forked
 from gradmod.app.job_files import JobFiles
+from gradmod.app.sweep_callback import stop_sweep
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
 from gradmod.run import endings, runner
@@ -66,13 +69,16 @@ def main(conf: str | Path = CONF) -> None:
         hydra.main(version_base="1.3", config_path=str(Path(conf).resolve()), config_name="config")(job)()
     except Exception as e:  # job ends its own errors (it exits); these are Hydra's and OmegaConf's
         code = _config_status(e)
-        if _USER_FULL_ERROR or code is None or hasattr(e, "gradmod_summary"):
+        if _USER_FULL_ERROR or code is None or e is _RAISED[0]:
             raise
         print(f"error: {describe(e)}", file=sys.stderr)
         sys.exit(code)
     finally:
         if not _USER_FULL_ERROR:
             os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+_RAISED: list[BaseException | None] = [None]  # the error job raised itself (a bug): main keeps its traceback
 
 
 def run(cfg: DictConfig, out: str | Path) -> dict[str, Any]:
@@ -87,13 +93,22 @@ def job(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     out = hydra_cfg.runtime.output_dir
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        return _train(cfg, out, multirun=False)["test_accuracy"]
+        _refuse_no_folder(hydra_cfg.run.dir)
+        return _conclude(_train(cfg, out, multirun=False))["test_accuracy"]
     if not cfg.trainer.threads:
         # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
         threads = launcher_threads(hydra_cfg.launcher)
         if threads:
             cfg.trainer.threads = threads
     return _sweep_job(cfg, hydra_cfg, out)["test_accuracy"]
+
+
+def _refuse_no_folder(run_dir: Any) -> None:
+    """``hydra.run.dir=''`` would train into the current folder, among whatever it holds."""
+    if not str(run_dir or "").strip():
+        print("error: hydra.run.dir is empty; a run needs a folder of its own: give hydra.run.dir=PATH, or leave "
+              "it out for a new folder under outputs/", file=sys.stderr)
+        sys.exit(2)
 
 
 def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
@@ -107,16 +122,17 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     sweep_jobs.finish(sweep_dir, record, status, summary, error)
     if status != "ok":
         log.error("job %s %s: %s", hydra_cfg.job.num, status, error)
-    if status == "interrupted" and code > 0:
-        sys.exit(code)  # Ctrl-C or SIGTERM ends the sweep, as it ends a run
+    if status == "interrupted":  # Ctrl-C or SIGTERM ends the sweep, as it ends a run, with its report
+        stop_sweep(sweep_dir, code - 128 if code > 0 else -code)
     return {**(summary or {"test_accuracy": None, "test_loss": None}), "status": status, "error": error}
 
 
 def _in_child(cfg: DictConfig, out_dir: str) -> tuple[int, dict[str, Any] | None]:
-    try:
-        return 0, _train(cfg, out_dir, multirun=True)
-    except SystemExit as e:  # interrupted: the run's own summary rides on the exception
-        return (e.code if isinstance(e.code, int) else 1), getattr(e.__context__, "gradmod_summary", None)
+    ending = _train(cfg, out_dir, multirun=True)
+    if isinstance(ending.error, Interrupted):
+        _say(ending.error)
+        return ending.error.exit_code, ending.summary
+    return 0, ending.summary  # a failed job: recorded, and the sweep goes on
 
 
 def _run_marks(out_dir: str) -> tuple[bytes | None, ...]:
@@ -128,6 +144,8 @@ def _ending(code: int, summary: dict[str, Any] | None, before: tuple, after: tup
     """(status, error) of a sweep job from how its child ended. A job that did not end ok and
     left an earlier run's summary and run record as they were was refused: the folder is
     that run's, and the job wrote nothing of its own."""
+    if code in (-signal.SIGINT, -signal.SIGTERM):  # before the run could catch it
+        return "interrupted", f"interrupted by {signal.Signals(-code).name} before training started"
     if code < 0:
         name = signal.Signals(-code).name
         return "killed", f"killed by {name}" + (" (the OOM killer sends SIGKILL)" if name == "SIGKILL" else "")
@@ -147,30 +165,44 @@ def _read_bytes(path: Path) -> bytes | None:
         return None
 
 
-def _train(cfg: DictConfig, out: str, multirun: bool) -> dict[str, Any]:
-    """Train into ``out``; returns the summary. The job's ``.hydra/`` and ``train.log`` go into
-    ``out`` once the run owns it (``JobFiles``), or at its ending where the folder is free. An
-    error ends the run here: its summary, its line in train.log and on stderr, its exit
-    status; a sweep job that failed returns its summary instead, so the sweep goes on."""
-    start = time.perf_counter()
+def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
+    """Train into ``out``; returns how the run ended. The job's ``.hydra/`` and ``train.log`` go
+    into ``out`` once the run owns it (``JobFiles``), or at its ending where the folder is
+    free; an error's line (and, unless it is bad input or a signal, its traceback) goes into
+    the log. A failed job of a sweep logs its traceback and the sweep goes on."""
     with JobFiles(HydraConfig.get(), cfg) as files:
-        try:
-            return runner.train(validate(cfg), out, files.write)
-        except (Exception, Interrupted) as e:
-            main_rank = env_rank() == 0
-            summary = endings.settle(out if main_rank else None, e, time.perf_counter() - start, owned=False)
-            if main_rank and may_write(out):  # a free folder keeps the job's config and log with its ending
-                with contextlib.suppress(OSError):
-                    files.write(out)
-            if multirun and not isinstance(e, Interrupted):
-                log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
-                return summary
+        ending = runner.execute(lambda: validate(cfg), out, files.write)
+        e = ending.error
+        if e is None:
+            return ending
+        if not isinstance(e, (Exception, Interrupted)):
+            raise e  # SystemExit, KeyboardInterrupt: as they came
+        if env_rank() == 0 and may_write(out):  # a free folder keeps the job's config and log with its ending
+            with contextlib.suppress(OSError):
+                files.write(out)
+        if multirun and not isinstance(e, Interrupted):
+            log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
+        else:
             _to_log_files(e)
-            code = endings.exit_status(e)
-            if code is None or _USER_FULL_ERROR:
-                raise  # a bug: its traceback
-            print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
-            sys.exit(code)  # here, not in main: Hydra would add a line of its own to a raised error
+        return ending
+
+
+def _conclude(ending: endings.Ending) -> dict[str, Any]:
+    """A single run's ending: the summary when ok; else its line on stderr and exit status
+    (here, not in main: Hydra would add a line of its own to a raised error), or, for a
+    bug in gradmod, the error raised with its traceback."""
+    if ending.error is None:
+        return ending.summary
+    code = ending.exit_code
+    if code is None or _USER_FULL_ERROR:
+        _RAISED[0] = ending.error
+        raise ending.error
+    _say(ending.error)
+    sys.exit(code)
+
+
+def _say(e: BaseException) -> None:
+    print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
 
 
 def _config_status(e: BaseException) -> int | None:

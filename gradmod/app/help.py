@@ -103,10 +103,12 @@ def group_lines(conf: Path) -> list[str]:
 
 
 def doc_lines(docs: Path | None) -> list[str]:
-    """``docs/NAME.md  its title`` for every page of the docs folder (none in an installed copy)."""
+    """``docs/PATH.md  its title`` for every page of the docs folder, its guide, reference,
+    design and benchmarks (none in an installed copy)."""
     if docs is None:
         return ["  (not installed with the package: the docs/ folder of the source repository)"]
-    return [ln for f in sorted(docs.glob("*.md")) for ln in columns(f"docs/{f.name}", _title(f), 26)]
+    pages = sorted(docs.rglob("*.md"), key=lambda f: (f.parent != docs, f.relative_to(docs).as_posix()))
+    return [ln for f in pages for ln in columns(f"docs/{f.relative_to(docs).as_posix()}", _title(f), 33)]
 
 
 def checkout_docs(conf: Path) -> Path | None:

@@ -26,8 +26,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
+from gradmod.hooks import stages
 from gradmod.hooks.chain import chain_hook, output_hook
-from gradmod.hooks.fused import fused_steps, run_fused
+from gradmod.hooks.due import AfterBackwardDue
+from gradmod.hooks.fused import fused_transforms, run_fused
 from gradmod.hooks.ledger import RawLedger
 from gradmod.hooks.log_buffer import LogBuffer
 from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
@@ -54,7 +56,7 @@ class HookSet:
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         # One hook per tensor: its transforms from every rule, chained in config order.
-        hooked: dict[str, tuple[Target, list[tuple[str, R.Step]]]] = {}
+        hooked: dict[str, tuple[Target, list[tuple[str, R.BuiltTransform]]]] = {}
         for t in targets:
             if t.stage == "hook":
                 hooked.setdefault(t.key, (t, []))[1].extend((t.rule, s) for s in t.steps)
@@ -65,7 +67,7 @@ class HookSet:
                 rules = list(dict.fromkeys(rule for rule, _ in steps))
                 hook = output_hook(chain_hook(steps, self, key, None), rules, t.name)
                 self._handles.append(modules[t.name].register_forward_hook(hook))
-        self._fused = fused_steps(targets, params)  # (rule, step index) groups in config order
+        self._fused = fused_transforms(targets, params)  # (rule, step index) groups in config order
         self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
         private = per_sample_rules(targets, params)
         self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
@@ -74,6 +76,7 @@ class HookSet:
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         self._keys = {t.key for t in targets}
+        self._due = AfterBackwardDue(model, _sentinels(targets, params))  # a forgotten after_backward()
         for obj in self.owned:
             _OWNERS[obj] = self
 
@@ -93,6 +96,11 @@ class HookSet:
     def has_fused(self) -> bool:
         return bool(self._fused)
 
+    @property
+    def needs_after_backward(self) -> bool:
+        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample)."""
+        return any(stages.get(t.stage).needs_after_backward for t in self.targets)
+
     def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
         """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
         ordered (a sequence) ones, whose gradients sum into ``.grad``."""
@@ -111,6 +119,7 @@ class HookSet:
         gradient, then the fused stage transforms the accumulated gradients. Returns True
         when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
         only then is the host read), False otherwise."""
+        self._due.done()
         skip = False
         for stage in STAGES:
             skip = self._finish(stage.name) or skip
@@ -219,6 +228,7 @@ class HookSet:
 
     def remove(self) -> None:
         self._watch.remove()
+        self._due.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -238,6 +248,15 @@ class HookSet:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _sentinels(targets: list[Target], params: dict[str, nn.Parameter]) -> dict[str, tuple[str, nn.Parameter]]:
+    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes."""
+    out: dict[str, tuple[str, nn.Parameter]] = {}
+    for t in targets:
+        if t.kind == "param" and stages.get(t.stage).needs_after_backward:
+            out.setdefault(t.rule, (t.stage, params[t.name]))
+    return out
 
 
 def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,

@@ -37,7 +37,7 @@ class Target:
     kind: str  # "param" | "module"
     name: str
     stage: str
-    steps: list[R.Step]
+    steps: list[R.BuiltTransform]
 
     @property
     def key(self) -> str:
@@ -167,7 +167,7 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
         raise ValueError(f"hooks.{rule}.transforms: give {', '.join(R.accepted_at(stage))} at most once each")
 
 
-def _shared(step: R.Step) -> bool:
+def _shared(step: R.BuiltTransform) -> bool:
     """A step that sees all of a rule's tensors together: one instance for the rule."""
     return step.kind != "elementwise" or step.at is not None
 
@@ -213,7 +213,7 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     names = select(rule, spec, params if kind == "param" else modules,
                    "parameter (see model.named_parameters())" if kind == "param"
                    else "module (see model.named_modules())")
-    shared: dict[int, R.Step] = {}  # a group or per-example step: one instance for all the rule's tensors
+    shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
     targets = []
     for name in names:
         try:  # per tensor: observers and stateful transforms keep their own state
@@ -225,7 +225,7 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     return targets
 
 
-def _label_observers(steps: list[R.Step], stage: str) -> list[R.Step]:
+def _label_observers(steps: list[R.BuiltTransform], stage: str) -> list[R.BuiltTransform]:
     """``log`` first in a chain of several steps is ``pre``, last is ``post`` (an explicit
     ``label`` wins); a chain that starts and ends with ``log`` pairs the two, so ``post``
     reports the fraction of elements the transforms between them changed."""
@@ -278,7 +278,7 @@ def load_rules(rules: Mapping[str, Any] | str | Path | list | tuple) -> dict[str
     return dict(rules)
 
 
-def group_steps(targets: list[Target]) -> list[tuple[str, str, R.Step]]:
+def group_steps(targets: list[Target]) -> list[tuple[str, str, R.BuiltTransform]]:
     """(``rule/transform``, rule, step) of every group transform, once each, in config order."""
     out, seen = [], set()
     for t in targets:

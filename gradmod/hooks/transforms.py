@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import registry
-from gradmod.hooks.registry import OWN_TRANSFORMS, Step, build, factory, names, parse_spec
+from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
 
-__all__ = ["OWN_TRANSFORMS", "Step", "build", "factory", "names", "parse_spec", "register"]
+__all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec", "register"]
 
 Transform = Callable[[Tensor], "Tensor | None"]
 Foreach = Callable[[list[Tensor]], None]

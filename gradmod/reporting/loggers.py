@@ -12,6 +12,7 @@ Statistics keys are ``tensor`` or ``tensor/label`` (``label`` is ``pre``/``post`
 
 from __future__ import annotations
 
+import contextlib
 import csv
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,6 +22,17 @@ import numpy as np
 LOGGERS = ("csv", "tensorboard")
 STAT_COLUMNS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite", "frac_clipped", "calls",
                 "norm_max", "clip_coef", "clip_coef_min")  # the last three: group transforms (rule/transform)
+
+
+@contextlib.contextmanager
+def names_file(path: str | Path):
+    """An ``OSError`` that does not say which file (a write or flush to a full disk) names ``path``."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -84,22 +96,25 @@ class CSVLogger(Logger):
             columns = [k for k, v in record.items() if isinstance(v, (int, float, str))]
             self._metrics = csv.DictWriter(self._metrics_file, columns, extrasaction="ignore")
             self._metrics.writeheader()
-        self._metrics.writerow(dict(record))
-        self._metrics_file.flush()
+        with names_file(self._metrics_file.name):
+            self._metrics.writerow(dict(record))
+            self._metrics_file.flush()
 
     def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
         if not stats:
             return
         writer = self._stats_writer()
-        for key, s in stats.items():
-            tensor, label = split_key(key)
-            writer.writerow({"epoch": epoch, "step": step, "tensor": tensor, "label": label, **s})
-        self._stats_file.flush()
+        with names_file(self._stats_file.name):
+            for key, s in stats.items():
+                tensor, label = split_key(key)
+                writer.writerow({"epoch": epoch, "step": step, "tensor": tensor, "label": label, **s})
+            self._stats_file.flush()
 
     def close(self) -> None:
-        self._metrics_file.close()
-        if self._stats_file is not None:
-            self._stats_file.close()
+        for f in (self._metrics_file, self._stats_file):
+            if f is not None:
+                with names_file(f.name):
+                    f.close()
 
 
 class TensorBoardLogger(Logger):

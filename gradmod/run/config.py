@@ -116,8 +116,9 @@ class CharTextDataConfig(DataConfig):
     """``data=char_text``: windows of ``seq_len`` characters of the bundled text, one every
     ``stride`` characters (``gradmod.data.load_char_text``)."""
 
-    seq_len: int = 32
-    stride: int = 8
+    batch_size: int = 32
+    seq_len: int = 32  # characters per window
+    stride: int = 8  # a window every this many characters
 
     def __post_init__(self):
         super().__post_init__()
@@ -177,16 +178,16 @@ class TrainerConfig:
     eval_batch_size: int = 1000  # evaluation is batched (the article used batch 1)
     hook_stage: str = "hook"  # default stage of rules that set none: hook | fused
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
-    precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast + GradScaler); docs/robustness.md
+    precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast + GradScaler); docs/reference/robustness.md
     compile: bool = False  # torch.compile the model
     channels_last: bool = False  # channels-last memory format for conv models
     accumulate: int = 1  # micro-batches of data.batch_size per optimizer step (>= 1); loss divided by their number
-    strategy: str = "single"  # single (one process) | ddp | fsdp (under torchrun: one process per rank, see docs/distributed.md)
+    strategy: str = "single"  # single (one process) | ddp | fsdp (under torchrun: one process per rank, see docs/guide/distributed.md)
     checkpoint_every: int = 1  # epochs between checkpoints in <run>/checkpoints; 0 = none
     checkpoint_every_steps: int = 0  # also every N optimizer steps (mid-epoch); 0 = none
     checkpoint_keep: int = 2  # keep the newest k checkpoints
     resume: Optional[str] = None  # null | auto (newest complete checkpoint of this run folder) | PATH
-    resume_accept: List[str] = field(default_factory=list)  # keys that must match on resume but may differ this once, e.g. [seed, data.batch_size] (docs/robustness.md)
+    resume_accept: List[str] = field(default_factory=list)  # keys that must match on resume but may differ this once, e.g. [seed, data.batch_size] (docs/reference/robustness.md)
     start_over: bool = False  # true: replace the earlier run's results in this run folder (else such a folder is refused)
     nonfinite: str = "warn"  # non-finite raw gradients: warn (step anyway; read once per epoch, no per-step sync) | skip (the step) | raise
     data_placement: str = "auto"  # auto (device when the data fits in half the free device memory) | device | loader (host memory, DataLoader)
@@ -275,7 +276,7 @@ class LossConfig:
     _target_: str = "torch.nn.CrossEntropyLoss"
     _partial_: bool = False
     args: Dict[str, Any] = field(default_factory=dict)
-    per_task: Optional[bool] = None
+    per_task: Optional[bool] = None  # null: per task when the model returns several outputs | true | false
 
     def __post_init__(self):
         if self.per_task not in (None, True, False):
@@ -333,7 +334,7 @@ class PrivacyConfig:
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
-    are checked against the model by ``gradmod.hooks.selection.build_targets``."""
+    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
 
     params: Any = None
     modules: Any = None

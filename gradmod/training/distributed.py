@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradmod.training import peers
+
 STRATEGIES = ("single", "ddp", "fsdp")
 
 
@@ -55,8 +57,8 @@ class Dist:
         return self.rank == 0
 
     @property
-    def shard(self) -> slice:
-        """This rank's share of a tensor indexed along dim 0 (every element exactly once)."""
+    def part(self) -> slice:
+        """This rank's part of a tensor indexed along dim 0 (every element exactly once)."""
         return slice(self.rank, None, self.world_size)
 
     @classmethod
@@ -88,6 +90,7 @@ class Dist:
         """Join the process group (a single process: nothing to join)."""
         if self.strategy != "single" and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            peers.note()  # a rank that dies later is named, not the connection it broke
         return self
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -160,6 +163,7 @@ class Dist:
 
     def close(self) -> None:
         if self.strategy != "single" and dist.is_initialized():
+            peers.forget()
             dist.destroy_process_group()
 
 

@@ -75,6 +75,7 @@ class PrivacyCallback(Callback):
     its start chose for it (``clip``, the noisy rule's transform, gets it back on resume)."""
 
     key = "privacy"
+    before = {"Checkpointer": "its state in the step's checkpoint", "RunFiles": "epsilon in the epoch's record"}
 
     def __init__(self, accountant: str, delta: float, noise_multiplier: float, sample_rate: float,
                  sampling: str = "poisson", target_epsilon: float | None = None, clip: Any = None):
@@ -91,7 +92,7 @@ class PrivacyCallback(Callback):
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
-        record["epsilon"] = self.epsilon()  # before RunFiles writes the record: this callback comes first
+        record["epsilon"] = self.epsilon()
         log.info("epoch %s: epsilon %.4f at delta %g after %d steps (%s accountant)", record.get("epoch", "?"),
                  record["epsilon"], self.delta, self.steps, self.name)
 
