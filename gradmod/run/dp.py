@@ -45,8 +45,17 @@ def _clips(rules: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
             except ValueError:
                 continue  # attach reports a malformed transform with its rule
             if fn == CLIP:
+                _check_clip(name, t)
                 out.append((name, args))
     return out
+
+
+def _check_clip(rule: str, spec: Any) -> None:
+    """per_sample_clip's own checks of its arguments, before its noise multiplier is read."""
+    try:
+        T.build(spec)
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
 
 
 def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
