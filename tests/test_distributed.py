@@ -16,9 +16,8 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import ROOT, free_port, tiny_mlp
+from helpers import ROOT, free_port, spawn_ranks, tiny_mlp
 from torch import nn
 
 from gradmod.hooks import attach
@@ -114,7 +113,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, 2, free_port(), str(out))
     return {(stage, k, r): torch.load(out / f"{stage}_{k}_rank{r}.pt")
             for stage, k in CASES for r in range(2)}
 

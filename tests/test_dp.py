@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_config, free_port
+from helpers import compose_config, free_port, spawn_ranks
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -422,10 +422,7 @@ def _counting_allreduce(calls: list, bucket):
 def test_ddp_sums_clipped_gradients_over_ranks_and_draws_noise_once(tmp_path):
     # 2 ranks with per-rank batch 4 = one process with batch 8: the same Poisson (or shuffled)
     # examples per step, (sum of their clipped gradients + one noise draw) / 8.
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    mp.spawn(_ddp_dp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_dp_worker, 2, free_port(), str(tmp_path))
     for sampling, accumulate in (("poisson", 1), ("poisson", 2), ("shuffle", 1)):
         ranks = [torch.load(tmp_path / f"{sampling}{accumulate}_rank{r}.pt") for r in range(2)]
         single = _model()

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import free_port, spawn_ranks
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -172,7 +171,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, free_port(), str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

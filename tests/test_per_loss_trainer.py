@@ -8,9 +8,8 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port, per_loss_method
+from helpers import free_port, per_loss_method, spawn_ranks
 from torch import nn
 
 from gradmod.hooks import attach
@@ -84,7 +83,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ddp_params(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_tasks")
-    mp.spawn(_ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, 2, free_port(), str(out))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
