@@ -100,9 +100,17 @@ def test_hooks_live_only_while_a_stage_runs(tmp_path, fit_first):
 def test_callbacks_on_one_tensor_are_refused_and_leave_nothing_attached(tmp_path):
     module, callbacks = Module(), [GradmodCallback(CLAMP), GradmodCallback({"z": {"params": "net.0.bias",
                                                                                  "transforms": ["zero"]}})]
-    with pytest.raises(ValueError, match=r"^attach: net.0.bias already carry hooks from another attach call"):
+    with pytest.raises(ValueError, match=r"^Lightning: two GradmodCallbacks on the same tensors \(net.0.bias\); give "
+                                         r"one callback several rule sources instead: "
+                                         r"GradmodCallback\(\[\{'clip': ...\}, \{'z': ...\}\]\)$"):
         trainer(tmp_path, callbacks).fit(module, loader())
     assert all(cb.hooks is None for cb in callbacks) and plain_gradients(module)
+
+
+def test_two_callbacks_of_shipped_files_on_one_model_name_the_one_callback_to_use(tmp_path):
+    with pytest.raises(ValueError, match=r"\(net.0.weight, net.0.bias, net.2.weight and more\); give one callback "
+                                         r"several rule sources instead: GradmodCallback\(\['clip', 'log'\]\)$"):
+        trainer(tmp_path, [GradmodCallback("clip"), GradmodCallback("log")]).fit(Module(), loader())
 
 
 def test_zclip_skip_is_refused_at_setup(tmp_path):

@@ -1,6 +1,7 @@
 """End to end through Hydra on the CPU and the bundled sample."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,7 @@ def test_cli_run_prints_plan_and_falls_back_offline(tmp_path):
     log = proc.stdout + proc.stderr
     assert "WARNING" in log and "bundled sample" in log
     assert "clamp(min=-0.01, max=0.1)" in log
+    assert re.search(r"epoch 1/1: train_loss \S+ test_loss \S+ test_accuracy \S+", proc.stdout)  # not a terminal
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dataset"] == "mnist_sample"
     assert summary["hook_plan"][0]["transforms"] == ["clamp(min=-0.01, max=0.1)"]

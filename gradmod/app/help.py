@@ -17,8 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from gradmod.hooks import transforms
-from gradmod.hooks.rules import STAGES
+from gradmod.hooks import stages
 from gradmod.run import config as schemas
 
 HIDDEN_GROUPS = ("hooks", "hydra")  # hooks get their own section; hydra/ is Hydra's
@@ -29,6 +28,8 @@ WIDTH = 100  # the page's width
 
 def transform_lines() -> list[str]:
     """``name(arg=default, ...)  first sentence of the docstring`` for every registered transform."""
+    from gradmod.hooks import transforms  # torch: loaded for the help page only
+
     lines = []
     for name in transforms.names():
         factory = transforms.factory(name)
@@ -85,7 +86,7 @@ def key_list(node: str, indent: int = 14) -> str:
     """The keys of a config node, from its dataclass, wrapped for the Keys section."""
     if node == "rule":  # a hook rule: its keys, then the stages one may name
         words = [*(f.name for f in dataclasses.fields(schemas.RuleConfig))]
-        words[-1] += f" ({' | '.join(STAGES)})"
+        words[-1] += f" ({' | '.join(stages.names())})"
     else:
         words = [f.name for f in dataclasses.fields(KEY_NODES[node]) if not f.name.startswith("_") and f.name != "args"]
     return f"\n{' ' * indent}".join(textwrap.wrap(", ".join(words), WIDTH - indent, break_on_hyphens=False))
@@ -133,8 +134,10 @@ def _first_comment(path: Path) -> str:
     return first_sentence(" ".join(block))
 
 
-def register_help(conf: str | Path) -> None:
-    """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder."""
+def register_help(conf: str | Path, page: bool = True) -> None:
+    """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder.
+    Hydra resolves the template while composing every run's config: without ``page`` (no
+    ``--help`` asked) the sections are left empty, so that no run loads torch for them."""
     conf = Path(conf)
     sections = {"transforms": transform_lines, "hooks": lambda: hook_lines(conf),
                 "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(checkout_docs(conf)),
@@ -143,6 +146,6 @@ def register_help(conf: str | Path) -> None:
     def section(name: str) -> str:
         if name not in sections:
             raise ValueError(f"gradmod_help:{name}: no such section; allowed: {', '.join(sections)}")
-        return "\n".join(sections[name]())
+        return "\n".join(sections[name]()) if page else ""
 
     OmegaConf.register_new_resolver("gradmod_help", section, replace=True, use_cache=False)

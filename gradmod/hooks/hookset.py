@@ -28,7 +28,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
+from gradmod.hooks import stages
 from gradmod.hooks.chain import chain_hook, output_hook
+from gradmod.hooks.due import AfterBackwardDue
 from gradmod.hooks.fused import fused_transforms, run_fused
 from gradmod.hooks.ledger import RawLedger
 from gradmod.hooks.log_buffer import LogBuffer
@@ -79,6 +81,7 @@ class HookSet:
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         self._keys = {t.key for t in targets}
+        self._due = AfterBackwardDue(model, _sentinels(targets, params))  # a forgotten after_backward()
         for obj in self.owned:
             _OWNERS[obj] = self
 
@@ -97,6 +100,11 @@ class HookSet:
     @property
     def has_fused(self) -> bool:
         return bool(self._fused)
+
+    @property
+    def needs_after_backward(self) -> bool:
+        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample)."""
+        return any(stages.get(t.stage).needs_after_backward for t in self.targets)
 
     def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
         """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
@@ -125,6 +133,7 @@ class HookSet:
         gradient, then the fused stage transforms the accumulated gradients. Returns True
         when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
         only then is the host read), False otherwise."""
+        self._due.done()
         skip = False
         for stage in STAGES:
             skip = self._finish(stage.name) or skip
@@ -137,12 +146,6 @@ class HookSet:
         elif stage == "fused":
             return run_fused(self._fused)
         return False
-
-    @property
-    def expected_batch_size(self) -> float | None:
-        """The per_sample stage's divisor (the expected batch size under Poisson
-        sampling); None: the examples of the step's backward calls."""
-        return None if self.per_sample is None else self.per_sample.expected_batch_size
 
     def set_per_sample(self, *, expected_batch_size: float | None = None,
                        reduce: Callable[[list[Tensor]], None] | None = None, draws_noise: bool = True) -> None:
@@ -239,6 +242,7 @@ class HookSet:
 
     def remove(self) -> None:
         self._watch.remove()
+        self._due.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -260,6 +264,15 @@ class HookSet:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _sentinels(targets: list[Target], params: dict[str, nn.Parameter]) -> dict[str, tuple[str, nn.Parameter]]:
+    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes."""
+    out: dict[str, tuple[str, nn.Parameter]] = {}
+    for t in targets:
+        if t.kind == "param" and stages.get(t.stage).needs_after_backward:
+            out.setdefault(t.rule, (t.stage, params[t.name]))
+    return out
 
 
 def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,

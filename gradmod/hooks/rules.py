@@ -2,7 +2,8 @@
 
 A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
 or ``{"modules": glob(s), ...}``; a key set to null is unset. Names are verified, not
-trusted: a pattern that matches nothing is an error listing close names. A rule's stage
+trusted: a pattern that matches nothing is an error listing close names (``@last_layer``,
+besides globs, names the parameters of the last module holding any). A rule's stage
 is its own, else the default, unless a transform's kind implies one
 (``gradmod.hooks.stages``); the transforms must all run at that stage.
 """
@@ -18,16 +19,17 @@ from typing import Any, Iterable, Mapping
 from torch import nn
 
 from gradmod.hooks import group as _group  # noqa: F401  (registers the group transforms)
-from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: F401  (registers the per_loss methods)
 from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: F401  (registers per_sample_clip)
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
+from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: F401  (registers the per_loss methods)
 from gradmod.hooks.per_sample import check_model
 
 STAGES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
 NAMED = DEFAULT_STAGES + tuple(s for s in STAGES if s not in DEFAULT_STAGES)  # as messages list them
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
+LAST_LAYER = "@last_layer"  # in params or exclude: the last module's parameters (see _matches)
 
 
 @dataclass
@@ -65,18 +67,31 @@ def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) ->
     return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {name_hint(pattern, names)}")
 
 
+def _matches(rule: str, key: str, pattern: str, names: list[str], what: str) -> list[str]:
+    """The names ``pattern`` matches: a glob, or ``LAST_LAYER``: the parameters of the module
+    that holds the last of them in ``model.named_parameters()`` order (a classifier, on the
+    models that register it last: torchvision's and timm's)."""
+    if pattern != LAST_LAYER:
+        return fnmatch.filter(names, pattern)
+    if not what.startswith("parameter"):
+        raise ValueError(f"hooks.{rule}.{key}: {LAST_LAYER} selects parameters; a modules rule names its "
+                         "modules by their globs")
+    owner = names[-1].rpartition(".")[0] if names else None
+    return [n for n in names if n.rpartition(".")[0] == owner]
+
+
 def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
     """The names a rule selects, in model order; a pattern matching nothing is an error."""
     key = "params" if "params" in spec else "modules"
     chosen: set[str] = set()
     for pattern in _patterns(rule, key, spec[key]):
-        hits = fnmatch.filter(names, pattern)
+        hits = _matches(rule, key, pattern, names, what)
         if not hits:
             raise _no_match(rule, key, pattern, names, what)
         chosen.update(hits)
     if spec.get("exclude") is not None:
         for pattern in _patterns(rule, "exclude", spec["exclude"]):
-            hits = fnmatch.filter(names, pattern)
+            hits = _matches(rule, "exclude", pattern, names, what)
             if not hits:
                 raise _no_match(rule, "exclude", pattern, names, what)
             chosen.difference_update(hits)

@@ -13,51 +13,35 @@ every trainer key with its comment), ``--help`` lists the keys from these classe
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gradmod.hooks.rules import DEFAULT_STAGES as HOOK_STAGES
 from gradmod.reporting.loggers import LOGGERS
-from gradmod.training.distributed import STRATEGIES
-from gradmod.training.loader import PLACEMENTS
-from gradmod.training.nonfinite import POLICIES as NONFINITE
-from gradmod.training.precision import DTYPES
+from gradmod.run import checks
+from gradmod.run.checks import (
+    ACCOUNTANTS,
+    DATASETS,
+    INITS,
+    MODELS,
+    NORMS,
+    SAMPLINGS,
+    at_least,
+    choice,
+    finite,
+    target_node,
+    target_or_choice,
+)
 
 MISSING: Any = "???"  # OmegaConf's mark for a value that must be given
-
-PRECISIONS = tuple(DTYPES)
-SAMPLINGS = ("auto", "shuffle", "poisson")
-ACCOUNTANTS = ("rdp", "prv")
-
-
-def choice(key: str, value: Any, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
-
-
-def at_least(key: str, value: Any, low: int) -> None:
-    if value < low:
-        raise ValueError(f"{key}={value} must be >= {low}")
-
-
-def target_or_choice(key: str, cfg: Any, allowed) -> None:
-    """A ``_target_`` node is the user's object (``name`` becomes the target's path, for
-    summaries); else ``name`` is a shipped one."""
-    if cfg._target_ is not None:
-        if not isinstance(cfg._target_, str) or "." not in cfg._target_:
-            raise ValueError(f"{key}._target_={cfg._target_!r} must be a dotted path, e.g. my_pkg.module.Name")
-        cfg.name = cfg._target_
-    else:
-        choice(f"{key}.name", cfg.name, allowed)
 
 
 @dataclass
 class ModelConfig:
     """A shipped model by ``name``, or ``_target_`` called with ``args`` (on the command line:
-    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the shipped
-    ResNets' normalisation, batch | group (``gradmod.models``)."""
+    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the
+    normalisation, batch | group (``gradmod.models``; a ``_target_`` model's BatchNorm
+    layers are replaced by GroupNorm, ``gradmod.hooks.per_sample.replace_batchnorm``)."""
 
     name: str = MISSING
     norm: str = "batch"  # batch (BatchNorm2d) | group (GroupNorm(min(32, C), C): each example on its own, as +hooks=dp needs)
@@ -65,13 +49,8 @@ class ModelConfig:
     args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from gradmod.models import MODELS, NORMS
-
         target_or_choice("model", self, MODELS)
         choice("model.norm", self.norm, NORMS)
-        if self._target_ is not None and self.norm != "batch":
-            raise ValueError(f"model.norm={self.norm} applies to the shipped models only; "
-                             f"model._target_={self._target_} builds its own layers")
 
 
 @dataclass
@@ -88,12 +67,11 @@ class DataConfig:
     args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from gradmod.data import DATASETS
-
         target_or_choice("data", self, DATASETS)
         choice("data.sampling", self.sampling, SAMPLINGS)
         at_least("data.batch_size", self.batch_size, 1)
         at_least("data.n_test", self.n_test, 1)
+        checks.int_fields("data.", self)
 
 
 @dataclass
@@ -139,11 +117,7 @@ class OptimizerConfig:
     args: Dict[str, Any] = field(default_factory=dict)  # a user optimizer's other arguments (+optimizer.KEY=...)
 
     def __post_init__(self):
-        if self.fused and self.foreach:
-            raise ValueError("optimizer.fused=true with optimizer.foreach=true: torch allows one of them; set the other null")
-        if self.lr < 0 or self.weight_decay < 0:
-            key, value = ("lr", self.lr) if self.lr < 0 else ("weight_decay", self.weight_decay)
-            raise ValueError(f"optimizer.{key}={value} must be >= 0")
+        checks.optimizer(self)
 
 
 @dataclass
@@ -154,6 +128,7 @@ class AdamConfig(OptimizerConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        finite("optimizer.eps", self.eps)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optimizer.betas={list(self.betas)} must be two numbers in [0, 1)")
 
@@ -167,7 +142,7 @@ class SGDConfig(OptimizerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        at_least("optimizer.momentum", self.momentum, 0)
+        finite("optimizer.momentum", self.momentum)
 
 
 @dataclass
@@ -196,28 +171,7 @@ class TrainerConfig:
     sync_check: bool = False  # CUDA only: raise on a host sync in any step between two log points: true | false (not with precision=fp16 or nonfinite=skip|raise)
 
     def __post_init__(self):
-        for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):
-            at_least(f"trainer.{key}", getattr(self, key), 1)
-        for key in ("threads", "checkpoint_every", "checkpoint_every_steps", "loader_workers"):
-            at_least(f"trainer.{key}", getattr(self, key), 0)
-        if self.hook_stage == "per_sample":
-            raise ValueError("trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage "
-                             "(per_sample_clip implies it); allowed: hook, fused")
-        choice("trainer.hook_stage", self.hook_stage, HOOK_STAGES)
-        choice("trainer.precision", self.precision, PRECISIONS)
-        choice("trainer.strategy", self.strategy, STRATEGIES)
-        choice("trainer.nonfinite", self.nonfinite, NONFINITE)
-        choice("trainer.data_placement", self.data_placement, PLACEMENTS)
-        if self.sync_check and (self.precision == "fp16" or self.nonfinite != "warn"):
-            other = "trainer.precision=fp16" if self.precision == "fp16" else f"trainer.nonfinite={self.nonfinite}"
-            raise ValueError(f"trainer.sync_check=true with {other}: that reads the host every step, which sync_check "
-                             "forbids; use trainer.sync_check=false, or precision fp32|bf16 and nonfinite=warn")
-        if self.resume not in (None, "auto") and Path(self.resume).is_dir():
-            raise ValueError(f"trainer.resume={self.resume!r} is a folder; give a checkpoint file in it "
-                             f"({self.resume}/checkpoints/step-*.pt), or resume the run it holds with "
-                             f"trainer.resume=auto hydra.run.dir={self.resume}")
-        if self.resume not in (None, "auto") and not Path(self.resume).is_file():
-            raise ValueError(f"trainer.resume={self.resume!r}: no such file; allowed: auto, null or a checkpoint file")
+        checks.trainer(self)
 
 
 @dataclass
@@ -225,8 +179,6 @@ class InitConfig:
     name: str = "default"
 
     def __post_init__(self):
-        from gradmod.weight_init import INITS
-
         choice("init.name", self.name, INITS)
 
 
@@ -254,18 +206,6 @@ class CaptureConfig:
         at_least("capture.gradcam_images", self.gradcam_images, 1)
 
 
-def _target_node(key: str, node: Any, cls: type) -> Any:
-    """A mapping from the config (``_target_``, ``_partial_`` and the call's arguments) as ``cls``."""
-    if node is None or isinstance(node, cls):
-        return node
-    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
-        raise ValueError(f"{key} must be a mapping with a _target_ (a dotted path) and its arguments, got {node!r}")
-    own = tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("_target_", "_partial_", "args"))
-    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args", *own)}
-    return cls(_target_=node["_target_"], _partial_=bool(node.get("_partial_", cls._partial_)),
-               args={**rest, **(node.get("args") or {})}, **{k: node[k] for k in own if k in node})
-
-
 @dataclass
 class LossConfig:
     """``_target_`` called with ``args`` gives ``loss(output, target)``; with ``_partial_``,
@@ -282,25 +222,6 @@ class LossConfig:
     def __post_init__(self):
         if self.per_task not in (None, True, False):
             raise ValueError(f"loss.per_task={self.per_task!r} is not allowed; allowed: null, true, false")
-
-
-METRIC_NAMES = ("auto", "accuracy", "none")
-
-
-def check_metric(key: str, spec: Any, by_task: bool = True) -> None:
-    """``metric``: a name (``METRIC_NAMES``), a mapping with a ``_target_``, or (at the top)
-    task name -> one of those."""
-    if isinstance(spec, str):
-        choice(key, spec, METRIC_NAMES)
-    elif isinstance(spec, dict) and "_target_" in spec:
-        if not isinstance(spec["_target_"], str) or "." not in spec["_target_"]:
-            raise ValueError(f"{key}._target_={spec['_target_']!r} must be a dotted path, e.g. my_pkg.metrics.f1")
-    elif isinstance(spec, dict) and by_task and spec:
-        for task, inner in spec.items():
-            check_metric(f"{key}.{task}", inner, by_task=False)
-    else:
-        raise ValueError(f"{key}={spec!r} is not allowed; allowed: {', '.join(METRIC_NAMES)}, "
-                         "{_target_: dotted.path, ...} or task name -> one of those")
 
 
 @dataclass
@@ -327,8 +248,8 @@ class PrivacyConfig:
         choice("privacy.accountant", self.accountant, ACCOUNTANTS)
         if not 0 < self.delta < 1:
             raise ValueError(f"privacy.delta={self.delta} must be in (0, 1), e.g. 1e-5 (below 1 / training set size)")
-        if self.target_epsilon is not None and self.target_epsilon <= 0:
-            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be > 0, or null")
+        if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
+            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be a finite number > 0, or null")
 
 
 @dataclass
@@ -367,10 +288,9 @@ class Config:
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 
     def __post_init__(self):
-        at_least("seed", self.seed, 0)
-        if self.seed >= 2**64:  # torch.manual_seed's range
-            raise ValueError(f"seed={self.seed} must be < 2**64 ({2**64})")
+        checks.seed(self.seed)
         self.hooks = {name: r.as_rule() if isinstance(r, RuleConfig) else r for name, r in self.hooks.items()}
-        self.loss = _target_node("loss", self.loss, LossConfig) or LossConfig()
-        check_metric("metric", self.metric)
-        self.scheduler = _target_node("scheduler", self.scheduler or None, SchedulerConfig)
+        checks.rules(self.hooks)
+        self.loss = target_node("loss", self.loss, LossConfig) or LossConfig()
+        checks.metric("metric", self.metric)
+        self.scheduler = target_node("scheduler", self.scheduler or None, SchedulerConfig)

@@ -32,7 +32,7 @@ from gradmod.hooks.per_loss import solvers
 KINDS = ("gramian", "jacobian", "losses")
 
 
-def register(name: str, factory: Callable[..., "Method"] | None = None, *, overwrite: bool = False):
+def register(name: str, factory: Callable[..., Method] | None = None, *, overwrite: bool = False):
     """Register a per_loss method ``factory(**args)`` under ``name`` in the one registry of
     transforms (kind ``per_loss``); usable as a decorator."""
     return R.register(name, factory, kind="per_loss", overwrite=overwrite)
@@ -46,7 +46,7 @@ def is_method(name: str) -> bool:
     return name in R.names("per_loss")
 
 
-def build(name: str, args: Mapping[str, Any]) -> "Method":
+def build(name: str, args: Mapping[str, Any]) -> Method:
     """The configured method; bad arguments are a ValueError naming the allowed ones."""
     return R.build({"name": name, **args}).fn
 
