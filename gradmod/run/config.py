@@ -61,7 +61,7 @@ class DataConfig:
     name: str = MISSING
     batch_size: int = 100  # the article's batch size
     fallback: bool = True  # offline: use the bundled 5,000-digit sample (with a warning)
-    n_test: int = 1000  # test digits held out of the bundled 5,000-digit sample (mnist_sample, or mnist falling back)
+    n_test: int = 1000  # test examples made from the bundled 5,000-digit sample's held-out digits (mnist_sample, multi_mnist, mnist falling back)
     sampling: str = "auto"  # shuffle | poisson (each example joins each step with q) | auto: poisson under DP noise
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
