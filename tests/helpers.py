@@ -73,3 +73,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def per_loss_method(name: str) -> bool:
+    """Whether this build has the per_loss stage's method ``name`` (pcgrad, mgda, ...)."""
+    try:
+        from gradmod.hooks.per_loss.methods import is_method
+    except ImportError:  # a build without the per_loss stage
+        return False
+    return is_method(name)

@@ -67,7 +67,7 @@ def test_poisson_shards_splits_resume_and_loader_path_agree():
         return [yb for _, yb in poisson_batches(x, y, 0.2, 4, g, **kw)]
 
     whole = draw()
-    ranks = [draw(shard=(r, 2)) for r in range(2)]
+    ranks = [draw(part=(r, 2)) for r in range(2)]
     for s, batch in enumerate(whole):  # the ranks split every global batch between them
         assert sorted(torch.cat([ranks[0][s], ranks[1][s]]).tolist()) == sorted(batch.tolist())
     split = draw(split=3)  # accumulation: the step's one Poisson batch in three parts

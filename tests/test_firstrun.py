@@ -34,8 +34,8 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
     assert "clamp(min=None, max=None, bound=None)" in page and "noise(std, decay=0.55)" in page
     for hook in (ROOT / "gradmod" / "conf" / "hooks").glob("*.yaml"):
         assert re.search(rf"^  {hook.stem}\s+\S", page, re.M), hook.stem
-    assert "  optimizer: adam, sgd\n" in page and "  model: mnist_cnn, resnet18, resnet50\n" in page
-    assert page.count("python train.py ") >= 3 and "outputs/DATE/TIME/" in page
+    assert "  optimizer: adam, sgd\n" in page and "  model: char_lm, mnist_cnn, multi_lenet, resnet18, resnet50\n" in page
+    assert page.count("\n  gradmod ") >= 3 and "outputs/DATE/TIME/" in page  # the examples, as the console script
 
 
 def test_help_lists_a_newly_registered_transform():

@@ -27,7 +27,7 @@ from gradmod.hooks import attach
 from gradmod.hooks.group import AGC
 from gradmod.reporting import run_summary
 from gradmod.training.distributed import Dist
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 MAX_NORM = 0.05  # below the gradient's norm: the clip bites
 BOUND = 0.02
@@ -146,8 +146,8 @@ def _accumulate(rank: int) -> dict[str, torch.Tensor]:
     fully_shard(model)
     hooks = attach(model, RULES["norm"])
     x, y = labelled()
-    train_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), x, y, batch_size=2,
-                generator=torch.Generator().manual_seed(3), hooks=hooks, accumulate=2, shard=(rank, 2))
+    bare_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), x, y, batch_size=2,
+                generator=torch.Generator().manual_seed(3), hooks=hooks, accumulate=2, part=(rank, 2))
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 

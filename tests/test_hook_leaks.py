@@ -54,7 +54,7 @@ def test_a_failing_run_removes_its_hooks(compose_cfg, tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_mod, "attach", spy)
     cfg = compose_cfg(*TINY, "trainer.nonfinite=raise", "+hooks=[clip,log]",
-                      "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: inf}]}")
+                      "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: 1e300}]}")
     with pytest.raises(NonFiniteError):
         run(cfg, tmp_path)
     assert _hook_count(seen[0]) == 0

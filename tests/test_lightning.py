@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gradmod.hooks import attach
 from gradmod.integrations.lightning import GradmodCallback
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 N, BATCH, SEED, BOUND = 64, 8, 3, 0.01
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}
@@ -62,7 +62,7 @@ def _gradmod(rules, stage: str) -> dict[str, torch.Tensor]:
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     with attach(net, rules, stage=stage) as hooks:
-        train_epoch(net, opt, x, y, batch_size=BATCH, generator=torch.Generator().manual_seed(SEED), hooks=hooks)
+        bare_epoch(net, opt, x, y, batch_size=BATCH, generator=torch.Generator().manual_seed(SEED), hooks=hooks)
     return net.state_dict()
 
 

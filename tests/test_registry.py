@@ -100,3 +100,19 @@ def test_a_transform_of_another_stage_is_refused_with_what_runs_there():
         attach(model, {"r": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}, "zclip"]}})
     assert "hooks.r.transforms: 'zclip' cannot run at stage 'per_sample'; allowed there: " in str(e.value)
     assert "log" in str(e.value) and "per_sample_clip" in str(e.value)
+
+
+def test_stages_act_in_the_table_order_and_the_plan_lists_them_so():
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    model(x).square().mean().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    rules = {"twice": {"params": "*", "stage": "fused", "transforms": [{"name": "scale", "factor": 2.0}]},
+             "dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1e6}]}}
+    with attach(model, rules) as hooks:
+        assert dict(hooks.chains)["weight"] == ["per_sample_clip", "scale"]  # per_sample before fused
+        model(x).square().mean().backward()
+        hooks.after_backward()
+    for p, g in zip(model.parameters(), plain):  # the per_sample mean (nothing clipped), then doubled
+        torch.testing.assert_close(p.grad, 2 * g)

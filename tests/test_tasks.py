@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import per_loss_method
 
 from gradmod.app.cli import run
 from gradmod.data import TEXT, as_float, load_char_text, load_data, overlay_pairs
@@ -117,7 +118,8 @@ def test_multi_lenet_has_a_trunk_and_two_heads():
 
 
 def test_multi_mnist_reports_every_task(compose_cfg, tmp_path):
-    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "trainer.epochs=2", "data.n_test=200")
+    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "trainer.epochs=1", "data.n_test=200",
+                      "optimizer.lr=0.003")
     summary = run(cfg, tmp_path)
     data = load_data("multi_mnist", seed=cfg.seed, n_test=200)
     model = MultiLeNet()
@@ -130,11 +132,11 @@ def test_multi_mnist_reports_every_task(compose_cfg, tmp_path):
     for k in ("left", "right"):
         assert tasks[k]["test_loss"] == pytest.approx(F.cross_entropy(out[k], data.test_y[k]).item(), rel=1e-5)
         assert tasks[k]["test_metric"] == pytest.approx(accuracy(out[k], data.test_y[k]).item(), abs=1e-6)
-        assert tasks[k]["test_metric"] > 0.3  # learning both digits (chance: 0.1)
+        assert tasks[k]["test_metric"] > 0.25  # learning both digits (chance: 0.1)
     assert summary["test_loss"] == pytest.approx(tasks["left"]["test_loss"] + tasks["right"]["test_loss"], rel=1e-6)
     assert summary["test_accuracy"] == pytest.approx((tasks["left"]["test_metric"] + tasks["right"]["test_metric"]) / 2)
     records = _metrics(tmp_path)
-    assert [set(r["tasks"]) for r in records] == [{"left", "right"}] * 2 and records[-1]["tasks"] == tasks
+    assert [set(r["tasks"]) for r in records] == [{"left", "right"}] and records[-1]["tasks"] == tasks
     header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"left/test_loss", "left/test_metric", "right/test_metric"} <= set(header)
 
@@ -200,3 +202,38 @@ def test_a_per_loss_rule_with_one_scalar_loss_is_one_line():
         check_per_loss(_targets("per_loss"), several=True, strategy="fsdp", loss_key="loss._target_=x")
     check_per_loss(_targets("per_loss"), several=True, strategy="ddp", loss_key="loss._target_=x")
     check_per_loss(_targets("hook"), several=False, strategy="fsdp", loss_key="loss._target_=x")
+
+
+@pytest.mark.skipif(not per_loss_method("pcgrad"), reason="a build without the per_loss stage")
+def test_train_refuses_a_per_loss_rule_on_one_loss_before_training(compose_cfg, tmp_path):
+    cfg = compose_cfg(*CPU, "data=mnist_sample", "+hooks.s={params: 'conv*', transforms: [pcgrad]}")
+    with pytest.raises(ValueError, match=r"^hooks.s runs at stage per_loss, which combines several losses, and "
+                                         r"loss._target_=torch.nn.CrossEntropyLoss gives one scalar loss"):
+        run(cfg, tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not per_loss_method("pcgrad"), reason="a build without the per_loss stage")
+def test_multi_mnist_trains_with_a_shipped_per_loss_file(compose_cfg, tmp_path):
+    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "+hooks=pcgrad", "trainer.epochs=1",
+                      "data.n_test=200", "optimizer.lr=0.003")
+    summary = run(cfg, tmp_path)
+    assert summary["hook_plan"] and all(d["stage"] == "per_loss" for d in summary["hook_plan"])
+    assert {d["tensor"].split(".")[0] for d in summary["hook_plan"]} == {"trunk"}
+    assert min(t["test_metric"] for t in summary["tasks"].values()) > 0.2
+
+
+def test_gradcam_with_labels_by_task_is_one_line(compose_cfg, tmp_path):
+    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "capture.gradcam=true")
+    with pytest.raises(ValueError, match=r"^capture.gradcam=true needs one label tensor; data \(multi_mnist\) has "
+                                         r"labels by task \(left, right\)"):
+        run(cfg, tmp_path)
+
+
+def test_a_metric_for_a_task_that_does_not_exist_is_one_line():
+    out = {"left": torch.zeros(2, 3), "right": torch.zeros(2, 3)}
+    y = Labels({"left": torch.zeros(2, dtype=torch.long), "right": torch.zeros(2, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"^metric.lft: there is no task 'lft'; the tasks are left, right$"):
+        Tasks(F.cross_entropy, {"lft": "accuracy"}).describe(out, y)
+    assert Tasks(F.cross_entropy, {"left": "none"}).describe(out, y) == "metrics: left=none, right=accuracy"

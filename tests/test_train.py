@@ -1,14 +1,15 @@
 """End to end through Hydra on the CPU and the bundled sample."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONF, FAST, run_train
+from helpers import CONF, FAST, per_loss_method, run_train
 
 from gradmod.app.cli import run
-from gradmod.hooks import attach, load_rules, transforms
+from gradmod.hooks import attach, load_rules
 from gradmod.models import build_model
 
 HOOK_FILES = sorted(p.stem for p in (CONF / "hooks").glob("*.yaml"))
@@ -35,7 +36,7 @@ def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hoo
         pytest.skip("per_loss rules select multi_lenet's trunk")
     if hooks == "agc" and model == "multi_lenet":
         pytest.skip("agc leaves the output layer (fc.*, l1.*) out: multi_lenet's are its heads, named by task")
-    if _per_loss(hooks) and "pcgrad" not in transforms.names():
+    if _per_loss(hooks) and not per_loss_method("pcgrad"):
         pytest.skip("the per_loss stage's transforms are not registered in this build")
     norm = ["model.norm=group"] if hooks == "dp" else []  # per-example gradients: no BatchNorm
     cfg = compose_cfg(f"+hooks={hooks}", f"model={model}", *norm)
@@ -113,6 +114,7 @@ def test_cli_run_prints_plan_and_falls_back_offline(tmp_path):
     log = proc.stdout + proc.stderr
     assert "WARNING" in log and "bundled sample" in log
     assert "clamp(min=-0.01, max=0.1)" in log
+    assert re.search(r"epoch 1/1: train_loss \S+ test_loss \S+ test_accuracy \S+", proc.stdout)  # not a terminal
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dataset"] == "mnist_sample"
     assert summary["hook_plan"][0]["transforms"] == ["clamp(min=-0.01, max=0.1)"]

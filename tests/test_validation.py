@@ -19,6 +19,7 @@ from helpers import ROOT, run_train
 
 BASE = ["data=mnist_sample", "trainer.device=cpu", "trainer.epochs=1", "trainer.progress=false"]
 RULE = "+hooks.r={params: '*', transforms: [%s]}"
+BAD_CONF = f"hydra.searchpath=[file://{ROOT / 'tests' / 'bad_conf'}]"  # hook files with bad YAML values
 
 # (overrides, words the one error line must contain: the key, the bad value, what is allowed)
 CASES = [
@@ -95,6 +96,34 @@ CASES = [
     (["+hooks=dp", "trainer.precision=fp16"], ["hooks.dp", "fp16", "fp32 or bf16"]),
     (["+hooks=dp", "model=resnet18"], ["BatchNorm", "model.norm=group"]),
     (["+hooks=[dp,clip]"], ["hooks.clip", "per_sample"]),
+    # a rule of the wrong shape
+    (["+hooks.r=5"], ["hooks.r=5", "not a rule", "mapping"]),
+    (["+hooks.r=[a, b]"], ["hooks.r=['a', 'b']", "not a rule", "mapping"]),
+    (["+hooks.r={params: '*', transforms: 5}"], ["hooks.r.transforms=5", "allowed", "a list of them"]),
+    ([BAD_CONF, "+hooks=number_transforms"], ["hooks.number_transforms.transforms=5", "allowed"]),
+    # noise_multiplier as YAML gives it: .nan, .inf, text; and as the command line does
+    ([BAD_CONF, "+hooks=nan_noise"], ["hooks.nan_noise", "noise_multiplier=nan", "finite number"]),
+    ([BAD_CONF, "+hooks=inf_noise"], ["hooks.inf_noise", "noise_multiplier=inf", "finite number"]),
+    ([BAD_CONF, "+hooks=text_noise"], ["hooks.text_noise", "noise_multiplier='abc'", "number"]),
+    (["+hooks=dp", "hooks.dp.transforms.0.noise_multiplier=inf"], ["hooks.dp", "noise_multiplier=inf", "finite"]),
+    (["+hooks=dp", "hooks.dp.transforms.0.noise_multiplier=abc"], ["hooks.dp", "noise_multiplier='abc'", "number"]),
+    # counts past a 64-bit integer, threads past the machine
+    (["trainer.epochs=99999999999999999999"], ["trainer.epochs=99999999999999999999", "too large", "2**63 - 1"]),
+    (["data.batch_size=99999999999999999999"], ["data.batch_size=99999999999999999999", "too large"]),
+    (["trainer.threads=100000"], ["trainer.threads=100000", "CPUs", "allowed: 0"]),
+    # values that can only diverge
+    (["optimizer.lr=inf"], ["optimizer.lr=inf", "finite number >= 0"]),
+    (["optimizer.lr=nan"], ["optimizer.lr=nan", "finite number >= 0"]),
+    (["optimizer=sgd", "optimizer.momentum=inf"], ["optimizer.momentum=inf", "finite number >= 0"]),
+    ([RULE % "{name: clamp, min: -1, max: inf}"], ["clamp", "max=inf", "finite number"]),
+    ([RULE % "{name: clamp, bound: inf}"], ["clamp", "bound=inf", "finite number"]),
+    ([RULE % "{name: scale, factor: inf}"], ["scale", "factor=inf", "finite number"]),
+    ([RULE % "{name: scale, factor: -inf}"], ["scale", "factor=-inf", "finite number"]),
+    ([RULE % "{name: norm_clip, max_norm: inf}"], ["norm_clip", "max_norm=inf", "finite number"]),
+    (["+hooks.r={params: '*', stage: fused, transforms: [{name: global_norm_clip, max_norm: inf}]}"],
+     ["global_norm_clip", "max_norm=inf", "finite number"]),
+    (["+hooks=dp", "hooks.dp.transforms.0.max_norm=inf"], ["per_sample_clip", "max_norm=inf", "finite number"]),
+    ([RULE % "{name: noise, std: nan}"], ["noise", "std=nan", "finite number"]),
 ]
 if not torch.cuda.is_available():
     CASES.append((["trainer.device=cuda"], ["trainer.device", "cuda", "not available", "cpu"]))

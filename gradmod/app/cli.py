@@ -31,7 +31,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -42,15 +42,19 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
-from gradmod.app.isolated import run_forked
+from gradmod.app.isolated import preload, run_forked
 from gradmod.app.job_files import JobFiles
 from gradmod.app.sweep_callback import stop_asked, stop_sweep
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
-from gradmod.run import endings, runner
-from gradmod.run.folder import may_write
-from gradmod.training.distributed import env_rank, follower_overrides
-from gradmod.training.interrupt import Interrupted
+from gradmod.training.ranks import env_rank, follower_overrides
+
+if TYPE_CHECKING:
+    from gradmod.run import endings
+
+# Loaded once Hydra has composed the config (torch and the rest of training: seconds), so
+# that a config error is reported in a second; a sweep loads it before its jobs fork.
+TRAINING = "gradmod.run.runner"
 
 log = logging.getLogger("gradmod")
 
@@ -62,7 +66,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 def main(conf: str | Path = CONF) -> None:
     """Compose the config in ``conf`` from the command line and run ``job``; end in one line.
     The console script ``gradmod`` and ``python train.py`` both call it with the default."""
-    register_help(conf)  # gradmod --help
+    register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])))  # gradmod --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
     try:
@@ -84,6 +88,8 @@ _RAISED: list[BaseException | None] = [None]  # the error job raised itself (a b
 def run(cfg: DictConfig, out: str | Path) -> dict[str, Any]:
     """Python's way in: check a composed config (``hydra.compose``) and train into ``out``;
     returns the summary. Errors are raised as they are (``job`` turns them into endings)."""
+    from gradmod.run import runner
+
     return runner.train(validate(cfg), out)
 
 
@@ -118,6 +124,7 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     if stop_asked():  # a signal between two jobs: this one does not start
         stop_sweep(sweep_dir, stop_asked())
     before = _run_marks(out_dir)
+    preload(TRAINING)  # imported once here, inherited by every job's child
     record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
     code, summary = run_forked(lambda: _in_child(cfg, out_dir))
     status, error = _ending(code, summary, before, _run_marks(out_dir))
@@ -130,6 +137,8 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
 
 
 def _in_child(cfg: DictConfig, out_dir: str) -> tuple[int, dict[str, Any] | None]:
+    from gradmod.training.interrupt import Interrupted
+
     ending = _train(cfg, out_dir, multirun=True)
     if isinstance(ending.error, Interrupted):
         _say(ending.error)
@@ -171,7 +180,12 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
     """Train into ``out``; returns how the run ended. The job's ``.hydra/`` and ``train.log`` go
     into ``out`` once the run owns it (``JobFiles``), or at its ending where the folder is
     free; an error's line (and, unless it is bad input or a signal, its traceback) goes into
-    the log. A failed job of a sweep logs its traceback and the sweep goes on."""
+    the log. A failed job of a sweep keeps its traceback in its train.log, and the sweep's
+    console gets its one line (``_sweep_job``); the sweep goes on."""
+    from gradmod.run import runner  # torch: after Hydra composed the config
+    from gradmod.run.folder import may_write
+    from gradmod.training.interrupt import Interrupted
+
     with JobFiles(HydraConfig.get(), cfg) as files:
         ending = runner.execute(lambda: validate(cfg), out, files.write)
         e = ending.error
@@ -182,10 +196,7 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
         if env_rank() == 0 and may_write(out):  # a free folder keeps the job's config and log with its ending
             with contextlib.suppress(OSError):
                 files.write(out)
-        if multirun and not isinstance(e, Interrupted):
-            log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
-        else:
-            _to_log_files(e)
+        _to_log_files(e)
         return ending
 
 
@@ -204,6 +215,9 @@ def _conclude(ending: endings.Ending) -> dict[str, Any]:
 
 
 def _say(e: BaseException) -> None:
+    from gradmod.run import endings
+    from gradmod.training.interrupt import Interrupted
+
     print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
 
 
@@ -219,6 +233,9 @@ def _config_status(e: BaseException) -> int | None:
 def _to_log_files(e: BaseException) -> None:
     """The ending's line in the run's log files (the terminal gets it once, from ``job``);
     the traceback too, unless the error is bad input or a signal, whose line says it all."""
+    from gradmod.run import endings
+    from gradmod.training.interrupt import Interrupted
+
     status = endings.exit_status(e)
     text = endings.message(e) if status is not None else f"{type(e).__name__}: {e}"
     if status != 2 and not isinstance(e, Interrupted):
@@ -236,6 +253,8 @@ def _traceback(e: BaseException) -> str:
 def describe(e: BaseException) -> str:
     """One line for a config error from Hydra or OmegaConf."""
     if _config_status(e) == 1:  # logging's "Unable to configure handler 'file'" hides the path
+        from gradmod.run import endings
+
         return endings.describe_os_error(e if isinstance(e, OSError) else e.__cause__)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")

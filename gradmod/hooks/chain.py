@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from gradmod.hooks import registry as R
 
 
-def _checked(rule: str, step: R.Step, key: str, g: Tensor) -> Tensor | None:
+def _checked(rule: str, step: R.BuiltTransform, key: str, g: Tensor) -> Tensor | None:
     """Run a step and check what it did: the first call of each hook only, so that the
     check costs nothing afterwards (the version counter shows an in-place change)."""
     version = g._version
@@ -29,7 +29,7 @@ def _checked(rule: str, step: R.Step, key: str, g: Tensor) -> Tensor | None:
     return out
 
 
-def chain_hook(steps: list[tuple[str, R.Step]], hooks: Any, key: str, param: nn.Parameter | None):
+def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, param: nn.Parameter | None):
     """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
     handed to ``hooks.logs`` (a ``LogBuffer``: computed for all tensors together at the
     end of backward). The raw gradient goes to ``hooks.ledger`` (a ``RawLedger``) for the

@@ -18,11 +18,11 @@ from gradmod.hooks import registry as R
 
 
 @dataclass
-class FusedStep:
+class FusedTransform:
     """One transform of one rule over the rule's tensors (names and parameters in model order)."""
 
     rule: str
-    steps: list[R.Step]  # per tensor; for a group transform the same Step every time
+    steps: list[R.BuiltTransform]  # per tensor; for a group transform the same BuiltTransform every time
     names: list[str]
     params: list[nn.Parameter]
     checked: bool = field(default=False)
@@ -60,17 +60,17 @@ class FusedStep:
                          f"stage needs shape {tuple(grad.shape)}, dtype {grad.dtype}, device {grad.device} (or None)")
 
 
-def fused_steps(targets, params: dict[str, nn.Parameter]) -> list[FusedStep]:
+def fused_transforms(targets, params: dict[str, nn.Parameter]) -> list[FusedTransform]:
     """The fused-stage targets as (rule, step index) groups, in config order."""
     by_rule: dict[str, list] = {}
     for t in targets:
         if t.stage == "fused":
             by_rule.setdefault(t.rule, []).append(t)
-    return [FusedStep(rule, [t.steps[i] for t in group], [t.name for t in group], [params[t.name] for t in group])
+    return [FusedTransform(rule, [t.steps[i] for t in group], [t.name for t in group], [params[t.name] for t in group])
             for rule, group in by_rule.items() for i in range(len(group[0].steps))]
 
 
-def run_fused(steps: list[FusedStep]) -> bool:
+def run_fused(steps: list[FusedTransform]) -> bool:
     """Run every step; True when a group transform asks to skip the optimizer step. The
     host reads that answer only when such a transform is configured to give one."""
     answers = [a for a in (s.run() for s in steps) if a is not None]

@@ -135,7 +135,7 @@ class GlobalNormClip(GroupTransform):
 def _norm_type(transform: str, value: Any) -> float:
     if isinstance(value, str) and value.lower() in ("inf", "infinity"):
         return math.inf
-    v = _number(transform, "norm_type", value)
+    v = _number(transform, "norm_type", value, finite=False)
     if not (v >= 1):
         raise ValueError(f"transform {transform!r}: norm_type={value!r} must be >= 1 or 'inf'")
     return v

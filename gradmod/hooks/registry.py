@@ -143,7 +143,7 @@ def accepted_at(stage: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Step:
+class BuiltTransform:
     """One configured transform: its name, arguments and function. ``at``: the stage
     whose form ``fn`` is (``register_at_stage``), None for the entry's own factory."""
 
@@ -186,7 +186,7 @@ def parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     raise ValueError(f"a transform must be a name or a mapping with 'name' and its arguments, got {spec!r}")
 
 
-def build(spec: str | Mapping[str, Any], stage: str | None = None) -> Step:
+def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTransform:
     """Build a transform from its config entry (in its form at ``stage`` if it has one
     there); bad names or arguments are a ValueError."""
     name, args = parse_spec(spec)
@@ -201,4 +201,4 @@ def build(spec: str | Mapping[str, Any], stage: str | None = None) -> Step:
     missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in args]
     if missing:
         raise ValueError(f"transform {name!r} needs argument(s) {', '.join(missing)}")
-    return Step(name, args, make(**args), at)
+    return BuiltTransform(name, args, make(**args), at)

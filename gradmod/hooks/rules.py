@@ -2,7 +2,8 @@
 
 A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
 or ``{"modules": glob(s), ...}``; a key set to null is unset. Names are verified, not
-trusted: a pattern that matches nothing is an error listing close names. A rule's stage
+trusted: a pattern that matches nothing is an error listing close names (``@last_layer``,
+besides globs, names the parameters of the last module holding any). A rule's stage
 is its own, else the default, unless a transform's kind implies one
 (``gradmod.hooks.stages``); the transforms must all run at that stage.
 """
@@ -21,12 +22,14 @@ from gradmod.hooks import group as _group  # noqa: F401  (registers the group tr
 from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: F401  (registers per_sample_clip)
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
+from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: F401  (registers the per_loss methods)
 from gradmod.hooks.per_sample import check_model
 
 STAGES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
 NAMED = DEFAULT_STAGES + tuple(s for s in STAGES if s not in DEFAULT_STAGES)  # as messages list them
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
+LAST_LAYER = "@last_layer"  # in params or exclude: the last module's parameters (see _matches)
 
 
 @dataclass
@@ -37,7 +40,7 @@ class Target:
     kind: str  # "param" | "module"
     name: str
     stage: str
-    steps: list[R.Step]
+    steps: list[R.BuiltTransform]
 
     @property
     def key(self) -> str:
@@ -64,18 +67,31 @@ def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) ->
     return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {name_hint(pattern, names)}")
 
 
+def _matches(rule: str, key: str, pattern: str, names: list[str], what: str) -> list[str]:
+    """The names ``pattern`` matches: a glob, or ``LAST_LAYER``: the parameters of the module
+    that holds the last of them in ``model.named_parameters()`` order (a classifier, on the
+    models that register it last: torchvision's and timm's)."""
+    if pattern != LAST_LAYER:
+        return fnmatch.filter(names, pattern)
+    if not what.startswith("parameter"):
+        raise ValueError(f"hooks.{rule}.{key}: {LAST_LAYER} selects parameters; a modules rule names its "
+                         "modules by their globs")
+    owner = names[-1].rpartition(".")[0] if names else None
+    return [n for n in names if n.rpartition(".")[0] == owner]
+
+
 def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
     """The names a rule selects, in model order; a pattern matching nothing is an error."""
     key = "params" if "params" in spec else "modules"
     chosen: set[str] = set()
     for pattern in _patterns(rule, key, spec[key]):
-        hits = fnmatch.filter(names, pattern)
+        hits = _matches(rule, key, pattern, names, what)
         if not hits:
             raise _no_match(rule, key, pattern, names, what)
         chosen.update(hits)
     if spec.get("exclude") is not None:
         for pattern in _patterns(rule, "exclude", spec["exclude"]):
-            hits = fnmatch.filter(names, pattern)
+            hits = _matches(rule, "exclude", pattern, names, what)
             if not hits:
                 raise _no_match(rule, "exclude", pattern, names, what)
             chosen.difference_update(hits)
@@ -104,6 +120,7 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
         targets.extend(_rule_targets(rule, spec, params, modules, stage))
     _check_observer_keys(targets)
     _check_per_sample(model, targets, params)
+    _check_per_loss(targets)
     return targets
 
 
@@ -151,7 +168,7 @@ def _check_forced(rule: str, asked: str | None, kind: str, stage: stages.Stage, 
     if not stage.available:
         raise ValueError(f"hooks.{rule}.transforms: {what} runs at stage {stage.name!r}, which this version "
                          f"does not provide; allowed stages: {', '.join(NAMED)}")
-    if kind == "module":
+    if kind == "module" and not stage.modules:
         raise ValueError(f"hooks.{rule}: {what} needs params ({stage.sees}), not modules")
     if asked is not None and asked != stage.name:
         raise ValueError(f"hooks.{rule}.stage: {what} acts on {stage.sees}; it runs at stage {stage.name!r} only")
@@ -165,9 +182,12 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
                          f"{', '.join(R.accepted_at(stage))} (put the others in a rule of their own)")
     if stage == "per_sample" and len(set(names)) < len(names):
         raise ValueError(f"hooks.{rule}.transforms: give {', '.join(R.accepted_at(stage))} at most once each")
+    if stage == "per_loss" and len(names) != 1:
+        raise ValueError(f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
+                         f"gradients into one update), got {', '.join(names)}; put the others in rules of their own")
 
 
-def _shared(step: R.Step) -> bool:
+def _shared(step: R.BuiltTransform) -> bool:
     """A step that sees all of a rule's tensors together: one instance for the rule."""
     return step.kind != "elementwise" or step.at is not None
 
@@ -201,6 +221,23 @@ def _check_per_sample(model: nn.Module, targets: list[Target], trainable: list[s
                          "gradient is clipped once: select it in one")
 
 
+def _check_per_loss(targets: list[Target]) -> None:
+    """Refuse what would make the per_loss stage wrong, each in one line."""
+    loss: dict[str, str] = {}
+    for t in targets:
+        if t.stage == "per_loss" and t.kind == "param":
+            if t.name in loss:
+                raise ValueError(f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
+                                 "each parameter gets one method's update: select it in one")
+            loss[t.name] = t.rule
+    clash = next((t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")),
+                 None)
+    if clash is not None:
+        raise ValueError(f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
+                         f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
+                         "or per_sample, not both (a fused rule after it is fine)")
+
+
 def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str],
                   default_stage: str) -> list[Target]:
     kind = "param" if "params" in spec else "module"
@@ -213,7 +250,7 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     names = select(rule, spec, params if kind == "param" else modules,
                    "parameter (see model.named_parameters())" if kind == "param"
                    else "module (see model.named_modules())")
-    shared: dict[int, R.Step] = {}  # a group or per-example step: one instance for all the rule's tensors
+    shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
     targets = []
     for name in names:
         try:  # per tensor: observers and stateful transforms keep their own state
@@ -225,7 +262,7 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     return targets
 
 
-def _label_observers(steps: list[R.Step], stage: str) -> list[R.Step]:
+def _label_observers(steps: list[R.BuiltTransform], stage: str) -> list[R.BuiltTransform]:
     """``log`` first in a chain of several steps is ``pre``, last is ``post`` (an explicit
     ``label`` wins); a chain that starts and ends with ``log`` pairs the two, so ``post``
     reports the fraction of elements the transforms between them changed."""
@@ -278,7 +315,7 @@ def load_rules(rules: Mapping[str, Any] | str | Path | list | tuple) -> dict[str
     return dict(rules)
 
 
-def group_steps(targets: list[Target]) -> list[tuple[str, str, R.Step]]:
+def group_steps(targets: list[Target]) -> list[tuple[str, str, R.BuiltTransform]]:
     """(``rule/transform``, rule, step) of every group transform, once each, in config order."""
     out, seen = [], set()
     for t in targets:

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import registry
-from gradmod.hooks.registry import OWN_TRANSFORMS, Step, build, factory, names, parse_spec
+from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
 
-__all__ = ["OWN_TRANSFORMS", "Step", "build", "factory", "names", "parse_spec", "register"]
+__all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec", "register"]
 
 Transform = Callable[[Tensor], "Tensor | None"]
 Foreach = Callable[[list[Tensor]], None]
@@ -42,9 +42,13 @@ def register(name: str, factory: Callable[..., Transform] | None = None, *,
                              overwrite=overwrite)
 
 
-def _number(transform: str, arg: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+def _number(transform: str, arg: str, value: Any, *, finite: bool = True) -> float:
+    """A transform's numeric argument; an infinite one only where the transform means it
+    (a norm's order): elsewhere it can only make gradients non-finite or do nothing."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"transform {transform!r}: {arg}={value!r} must be a number")
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be a {'finite ' if finite else ''}number")
     return float(value)
 
 
@@ -141,8 +145,6 @@ def norm_clip(max_norm: float) -> Transform:
 def noise(std: float, decay: float = 0.55) -> Transform:
     """Add Gaussian noise with std ``std / (1 + t) ** decay`` at call ``t`` (annealed)."""
     s = _positive("noise", "std", std)
-    if not math.isfinite(s):
-        raise ValueError(f"transform 'noise': std={std!r} must be a finite number >= 0")
     d = _positive("noise", "decay", decay)
     calls = 0
 

@@ -45,11 +45,20 @@ def _clips(rules: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
             except ValueError:
                 continue  # attach reports a malformed transform with its rule
             if fn == CLIP:
+                _check_clip(name, t)
                 out.append((name, args))
     return out
 
 
-def per_sample_rules(rules: Mapping[str, Any]) -> list[str]:
+def _check_clip(rule: str, spec: Any) -> None:
+    """per_sample_clip's own checks of its arguments, before its noise multiplier is read."""
+    try:
+        T.build(spec)
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+
+
+def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
     """The rules at the per_sample stage: set so, or implied by per_sample_clip."""
     named = {name for name, spec in (rules or {}).items() if (spec or {}).get("stage") == "per_sample"}
     return sorted(named | {name for name, _ in _clips(rules)})
@@ -73,7 +82,7 @@ def sampling(cfg: Config) -> str:
 
 def check(cfg: Config) -> None:
     """The one-line refusals of DP-SGD's combinations, before the run claims its folder."""
-    t, private = cfg.trainer, per_sample_rules(cfg.hooks)
+    t, private = cfg.trainer, per_sample_rule_names(cfg.hooks)
     noisy, target = _noisy(cfg.hooks), cfg.privacy.target_epsilon
     if private and t.strategy not in PER_SAMPLE_STRATEGIES:
         raise ValueError(f"hooks.{private[0]}: the per_sample stage runs under trainer.strategy="

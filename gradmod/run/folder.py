@@ -11,7 +11,7 @@ writes, moves and deletes only inside its own folder). ``commit(claim)``, called
 run has also built and restored everything, makes the first writes: ``start_over``'s
 removal, the abandoned timeline moved aside, ``.gradmod/run.json``, and ``summary.json``
 saying ``running`` (with the ending it continues under ``previous``) until the run writes
-its own ending (``gradmod.reporting.run_summary``). See docs/robustness.md ("A finished
+its own ending (``gradmod.reporting.run_summary``). See docs/reference/robustness.md ("A finished
 run is sealed").
 """
 

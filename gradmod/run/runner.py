@@ -37,7 +37,7 @@ from gradmod.run.folder import Claim, RunFolder
 from gradmod.run.resume import apply_optimizer, check_epochs, compare
 from gradmod.run.setup import build_model, import_plugins, items, load, place
 from gradmod.run.state import Run
-from gradmod.training.callbacks import SyncCheckCallback
+from gradmod.training.callbacks import EpochLine, SyncCheckCallback
 from gradmod.training.distributed import Dist, env_rank
 from gradmod.training.interrupt import StopOnSignal
 from gradmod.training.peers import peer_lost
@@ -173,7 +173,8 @@ def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: 
     logger.log_plan(run.plan, run.hooks.format_plan())
     files = RunFiles(folder, logger)
     stack.callback(files.close)
-    callbacks = [files] + ([GradCamCallback(parts.probe, logger, folder)] if parts.probe is not None else [])
+    callbacks = [files, EpochLine(run.cfg.trainer.epochs)]  # the console's line after the record is complete
+    callbacks += [GradCamCallback(parts.probe, logger, folder)] if parts.probe is not None else []
     sync = SyncCheck(run.cfg.trainer.sync_check, run.dist.device)
     stack.callback(sync.allow)
     run.stop.saver = parts.saver

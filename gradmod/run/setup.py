@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gradmod.data import Data
+from gradmod.labels import Labels
 from gradmod.run import endings, preflight
 from gradmod.run.config import Config
 from gradmod.run.factories import build_data, build_tasks, model_factory
@@ -80,6 +81,9 @@ def place(cfg: Config) -> Dist:
 def load(cfg: Config, dist: Dist) -> tuple[Data, int | None]:
     """The checked dataset, on the device when it fits (else a DataLoader's worker count)."""
     data = build_data(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
+    if cfg.capture.gradcam and isinstance(data.test_y, Labels):  # its probe explains one classifier's label
+        raise ValueError(f"capture.gradcam=true needs one label tensor; data ({data.name}) has labels by task "
+                         f"({', '.join(data.test_y.keys())}); use capture.gradcam=false")
     preflight.check_data(data, None if cfg.model._target_ else f"model.name={cfg.model.name}")
     _warn_sizes(cfg, data, dist.world_size)
     if placement(cfg.trainer.data_placement, data, dist.device) == "device":

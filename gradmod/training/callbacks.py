@@ -18,10 +18,14 @@ callbacks with one state ``key`` are refused: a checkpoint keeps one state per k
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar, Sequence
 
+from gradmod.reporting.console import epoch_line
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.speed import SyncCheck
+
+log = logging.getLogger(__name__)
 
 
 class Callback:
@@ -120,3 +124,14 @@ class SyncCheckCallback(Callback):
 
     def on_fit_end(self, trainer) -> None:
         self.check.allow()
+
+
+class EpochLine(Callback):
+    """One line per epoch on the console (``gradmod.reporting.console``), a terminal or a
+    redirected file alike; it comes after the callbacks that add to the record (epsilon)."""
+
+    def __init__(self, epochs: int | None = None):
+        self.epochs = epochs
+
+    def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
+        log.info("%s", epoch_line(record, self.epochs))

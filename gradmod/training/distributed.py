@@ -29,7 +29,7 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradmod.training import peers
+from gradmod.training.ranks import env_rank, follower_overrides  # noqa: F401  (importable from here too)
 
 STRATEGIES = ("single", "ddp", "fsdp")
 
@@ -57,8 +58,8 @@ class Dist:
         return self.rank == 0
 
     @property
-    def shard(self) -> slice:
-        """This rank's share of a tensor indexed along dim 0 (every element exactly once)."""
+    def part(self) -> slice:
+        """This rank's part of a tensor indexed along dim 0 (every element exactly once)."""
         return slice(self.rank, None, self.world_size)
 
     @classmethod
@@ -219,18 +220,3 @@ def no_sync(model: nn.Module, skip: bool):
     if skip and is_fsdp(model):
         return _fsdp_no_sync(model)
     return contextlib.nullcontext()
-
-
-def env_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's rank as its launcher tells it (torchrun: RANK; SLURM: SLURM_PROCID); 0 alone."""
-    env = os.environ if environ is None else environ
-    return int(env.get("RANK", env.get("SLURM_PROCID", 0)))
-
-
-def follower_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
-    """Hydra overrides for torchrun ranks > 0 of a single run: no run folder of their own
-    (rank 0 alone writes it), and only warnings on the console."""
-    if env_rank(environ) == 0 or {"-m", "--multirun"} & set(argv):
-        return []
-    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout",
-            "hydra.job_logging.root.level=WARNING"]

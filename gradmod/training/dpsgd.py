@@ -36,7 +36,7 @@ def all_reduce_sum(tensors: list[Tensor], divide: float = 1.0) -> None:
         t.copy_(part.view_as(t))
 
 
-class PerSampleStep:
+class PerSampleSetup:
     """Sets up ``hooks.per_sample`` for one Trainer: the divisor (``poisson``: the expected
     global batch ``batch_size * accumulate * world``; else the examples of the step, times
     the ranks), noise on rank 0 only, the all-reduce of the clipped sums."""

@@ -124,7 +124,12 @@ class Tasks:
 
     def describe(self, output: Any, y: Tensor | Labels) -> str:
         """``metric: accuracy`` or ``metrics: left=accuracy, right=none`` for the start of a run."""
-        pairs = [(task, self.metric_name(task, t)) for task, (_, t) in by_task_or_single(output, y).items()]
+        found = by_task_or_single(output, y)
+        unknown = [k for k in self.metric if k not in found] if isinstance(self.metric, Mapping) else []
+        if unknown:
+            raise ValueError(f"metric.{unknown[0]}: there is no task {unknown[0]!r}; the tasks are "
+                             f"{', '.join(found) or '(none: one output)'}")
+        pairs = [(task, self.metric_name(task, t)) for task, (_, t) in found.items()]
         if not pairs:
             return "metric: none (the outputs and labels do not pair by task)"
         if pairs == [(SINGLE, pairs[0][1])]:

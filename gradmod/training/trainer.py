@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 from gradmod.data import Data
 from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
-from gradmod.training.dpsgd import PerSampleStep
+from gradmod.training.dpsgd import PerSampleSetup
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
+from gradmod.training.per_loss_step import PerLossStep
 from gradmod.training.precision import Precision
 from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
 from gradmod.training.tasks import evaluate as evaluate_tasks
@@ -91,8 +92,11 @@ class Trainer:
         self.resumed_from = None
         self.private = None  # the per_sample stage's set-up (gradmod.training.dpsgd), when a rule has one
         if hooks is not None and getattr(hooks, "per_sample", None) is not None:
-            self.private = PerSampleStep(model, hooks, self.dist, poisson=settings.sampling == "poisson",
+            self.private = PerSampleSetup(model, hooks, self.dist, poisson=settings.sampling == "poisson",
                                          batch_size=settings.batch_size, accumulate=settings.accumulate)
+        self.per_loss = None  # the per_loss stage's set-up (gradmod.training.per_loss_step), when a rule has one
+        if hooks is not None and getattr(hooks, "per_loss", None) is not None:
+            self.per_loss = PerLossStep(model, hooks, self.dist)
 
     def add_callbacks(self, callbacks: Sequence[Any]) -> None:
         """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
@@ -150,26 +154,30 @@ class Trainer:
                 self.batch = i
                 self._optimizer_step()
         mean = self.loss_sum.item() / max(total, 1)
+        if self.per_loss is not None:
+            self.per_loss.end_epoch()
         self.batch, self.epoch_order = 0, None
         self.loss_sum = torch.zeros((), device=self.device)
         return mean
 
     def _stream(self, x: Tensor, y: Tensor, start: int):
         """(micro-batches in this rank's epoch, their stream from batch ``start`` on)."""
-        shard = (self.dist.rank, self.dist.world_size)
+        part = (self.dist.rank, self.dist.world_size)
         s = self.settings
         if s.sampling == "poisson":
             rate, steps = poisson_steps(len(y), s.batch_size, self.dist.world_size, s.accumulate)
             return steps * s.accumulate, poisson_batches(x, y, rate, steps, self.generator, s.accumulate,
-                                                         shard, start, self.device, s.loader_workers)
+                                                         part, start, self.device, s.loader_workers)
         total = batches_per_epoch(len(y), s.batch_size, self.dist.world_size)
-        return total, batches(x, y, s.batch_size, self.generator, shard, start, self.device, s.loader_workers)
+        return total, batches(x, y, s.batch_size, self.generator, part, start, self.device, s.loader_workers)
 
     def _backward(self, xb: Tensor, yb: Any, group: int, sync: bool) -> None:
         if len(yb) == 0:
             return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
         if self.private is not None:  # each example's own gradient; DDP reduces after the stage
             group, sync = 1, False
+        if self.per_loss is not None:  # the stage's own backward passes; it reduces what it needs
+            sync = False
         with no_sync(self.net, not sync):
             with self.amp.autocast():
                 losses = self.tasks.losses(self.net(xb), yb)  # one loss, or named ones
@@ -184,7 +192,9 @@ class Trainer:
         skip = False
         if self.private is not None:
             self.private.before_stage()
-        if self.hooks is not None and (self.hooks.has_fused or self.private is not None):
+        if self.per_loss is not None:
+            self.per_loss.before_stage()
+        if self.hooks is not None and self.hooks.needs_after_backward:
             skip = bool(self.hooks.after_backward())  # True: a group transform asks to skip
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it
         skip = skip or any(votes)
@@ -208,11 +218,11 @@ class Trainer:
     def test(self, data: Data) -> dict[str, Any]:
         """The record's test fields (``gradmod.training.tasks.results``): each rank evaluates
         its share, the means are combined."""
-        test_y = data.test_y[self.dist.shard]
+        test_y = data.test_y[self.dist.part]
         parts = None
         if self.dist.strategy == "fsdp":  # every forward gathers parameters: all ranks run as many
             parts = math.ceil(math.ceil(len(data.test_y) / self.dist.world_size) / self.settings.eval_batch_size)
-        means, names = evaluate_tasks(self.eval_net, data.test_x[self.dist.shard], test_y, self.tasks,
+        means, names = evaluate_tasks(self.eval_net, data.test_x[self.dist.part], test_y, self.tasks,
                                       batch_size=self.settings.eval_batch_size, device=self.device,
                                       loader_workers=self.settings.loader_workers, parts=parts)
         combined = self.dist.mean(list(means.values()), weight=len(test_y))
@@ -258,17 +268,17 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
     return means["loss"], means["metric/"]
 
 
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
-                batch_size: int, generator: torch.Generator, hooks=None,
-                on_step: Callable[[int], None] | None = None, progress: bool = False,
-                accumulate: int = 1, shard: tuple[int, int] = (0, 1), amp=None, guard=None,
-                device: torch.device | None = None, loader_workers: int | None = None) -> float:
+def bare_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
+               batch_size: int, generator: torch.Generator, hooks=None,
+               on_step: Callable[[int], None] | None = None, progress: bool = False,
+               accumulate: int = 1, part: tuple[int, int] = (0, 1), amp=None, guard=None,
+               device: torch.device | None = None, loader_workers: int | None = None) -> float:
     """One shuffled pass over (x, y) with a bare ``Trainer``; returns the mean training loss.
 
     ``hooks`` (a ``HookSet``) runs its fused stage before each optimizer step; ``guard``
     (a ``NonFiniteGuard``) counts non-finite gradients and may skip a step; ``amp`` sets
     the precision; ``on_step(i)`` runs after optimizer step ``i`` of this epoch.
-    ``accumulate``, ``shard``: see ``Trainer``.
+    ``accumulate``, ``part`` (this rank and the world size): see ``Trainer``.
     """
     class _OnStep(Callback):
         def on_step_end(self, trainer: Trainer) -> None:
@@ -276,7 +286,7 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y
 
     callbacks = ([NonFiniteCallback(guard)] if guard is not None else []) + ([_OnStep()] if on_step else [])
     device = y.device if device is None else device
-    dist = Dist(rank=shard[0], world_size=shard[1], device=device)
+    dist = Dist(rank=part[0], world_size=part[1], device=device)
     settings = TrainerSettings(batch_size=batch_size, accumulate=accumulate, progress=progress,
                                loader_workers=loader_workers, log_every=2**62)  # no log points: the caller reads
     trainer = Trainer(model, optimizer, settings, hooks=hooks, amp=amp, callbacks=callbacks, dist=dist,
