@@ -23,7 +23,7 @@ Sections:
          log read every step; log read every 50 steps; clip_logged (log, clamp, log) read every 50 steps
   ops    aten ops dispatched in one optimizer step of each contender (gradmod.testing.opcount.OpCounter),
          with the trainer's non-finite guard; deterministic, so the same on every machine
-  per_sample  one DP-SGD step at batch 64 (clip 1, noise 1) on Opacus' MNIST example net and a
+  per_sample  one DP-SGD step (clip 1, noise 1) on Opacus' MNIST example net, resnet18-GN, a small transformer and a
          784-512-512-10 MLP: plain step, Opacus (default and ghost mode, if installed), gradmod's
          per_sample stage; and each contender's peak memory, in a fresh process
          (see scripts/bench_per_sample.py)
@@ -93,6 +93,10 @@ RATIOS = [
     ("per_sample_mlp_over_opacus", "per_sample.mlp.gradmod", "per_sample.mlp.opacus", "<= 0.1", lambda r: r <= 0.1),
     ("per_sample_mlp_over_opacus_ghost", "per_sample.mlp.gradmod", "per_sample.mlp.opacus_ghost", "< 1", lambda r: r < 1),
     ("per_sample_mnist_over_plain", "per_sample.mnist.gradmod", "per_sample.mnist.plain", None, None),
+    ("per_sample_resnet18gn_over_plain", "per_sample.resnet18gn.gradmod", "per_sample.resnet18gn.plain", "<= 2.2",
+     lambda r: r <= 2.2),
+    ("per_sample_transformer_over_plain", "per_sample.transformer.gradmod", "per_sample.transformer.plain", "<= 1.6",
+     lambda r: r <= 1.6),
     ("per_sample_mlp_over_plain", "per_sample.mlp.gradmod", "per_sample.mlp.plain", None, None),
     ("opacus_mlp_over_plain", "per_sample.mlp.opacus", "per_sample.mlp.plain", None, None),
     ("opacus_ghost_mlp_over_plain", "per_sample.mlp.opacus_ghost", "per_sample.mlp.plain", None, None),

@@ -36,7 +36,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["items"] == {"epoch": 200, "eval": 50, "step": 2, "per_sample": 1, "per_loss": 1}[r["section"]]
     targets = {"epoch_speedup_vs_article", "epoch_gradmod_over_floor", "eval_speedup_vs_article", "hook_overhead",
-               "log_every_50_over_none"}
+               "log_every_50_over_none", "per_sample_resnet18gn_over_plain", "per_sample_transformer_over_plain"}
     if bench.per_sample.has_opacus():
         targets |= {"per_sample_mnist_over_opacus", "per_sample_mlp_over_opacus", "per_sample_mlp_over_opacus_ghost"}
     for m in bench.per_loss.MODELS:
