@@ -103,3 +103,8 @@ def test_rules_from_a_hook_file_and_log_statistics_reach_the_logger(tmp_path):
     assert all(float(r["grad/net.0.weight/calls"]) == 4 for r in logged)  # each read covers its 4 steps
     assert all(float(r["grad/net.2.bias/norm"]) > 0 for r in logged)
     assert callback.hooks is None  # removed at the end of fit
+
+
+def test_per_sample_rules_are_refused_in_one_line_at_setup(tmp_path):
+    with pytest.raises(ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Lightning: [^\n]*own loop$"):
+        _lightning(tmp_path, [GradmodCallback("dp")])

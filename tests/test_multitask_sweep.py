@@ -59,8 +59,7 @@ def test_single_task_report_has_no_task_table(tmp_path):
 
 @pytest.mark.slow
 def test_multi_mnist_sweep_over_methods_and_seeds(tmp_path):
-    methods = ["none"] + [h for h, t in (("mtl_sum", "sum"), ("pcgrad", "pcgrad"), ("mgda", "mgda"),
-                                         ("upgrad", "upgrad")) if per_loss_method(t)]
+    methods = ["none"] + [h for h, t in (("mtl_sum", "sum"), ("pcgrad", "pcgrad")) if per_loss_method(t)]
     run_train(tmp_path, "data=multi_mnist", "model=multi_lenet", "data.n_test=200", "trainer.epochs=1",
               "trainer.device=cpu", "trainer.progress=false", "trainer.threads=1", f"+hooks={','.join(methods)}",
               "seed=0,1", multirun=True)

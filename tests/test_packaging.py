@@ -24,11 +24,14 @@ def test_one_version_source():
     assert re.search(rf"^## {re.escape(major_minor)}\b", (ROOT / "CHANGELOG.md").read_text(), re.M)
 
 
-def test_every_shipped_config_is_package_data():
+def test_every_shipped_config_and_data_file_is_package_data():
+    """A file under gradmod/ that is not Python ships only if package-data names it."""
     globs = PYPROJECT["tool"]["setuptools"]["package-data"]["gradmod"]
-    files = [p.relative_to(ROOT / "gradmod").as_posix() for p in CONF.rglob("*") if p.is_file()]
-    assert files and all(p.endswith(".yaml") for p in files), "gradmod/conf/ holds only YAML files"
-    assert [p for p in files if not any(fnmatch.fnmatch(p, g) for g in globs)] == []
+    configs = [p for p in CONF.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert configs and all(p.suffix == ".yaml" for p in configs), "gradmod/conf/ holds only YAML files"
+    data = [p.relative_to(ROOT / "gradmod").as_posix() for p in (ROOT / "gradmod").rglob("*")
+            if p.is_file() and p.suffix not in (".py", ".pyc")]
+    assert [p for p in data if not any(fnmatch.fnmatch(p, g) for g in globs)] == []
 
 
 def test_console_script_runs_the_cli_on_the_shipped_configs():

@@ -256,7 +256,7 @@ def test_parameters_outside_the_rule_keep_their_plain_gradient_and_fused_runs_af
 def test_log_statistics_equal_the_per_example_reference():
     model, x, y, loss_fn = make("groupnorm_cnn")
     _, norms, g = reference(model, x, y, loss_fn, 1.0)
-    max_norm = float(norms.median())
+    max_norm = float(norms.sort().values[2:4].mean())  # between two norms: no tie to round either way
     hooks = attach(model, dp_rule(max_norm, extra=["log"]))
     loss_fn(model(x), y).mean().backward()
     hooks.after_backward()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -9,22 +11,24 @@ from torch import nn
 from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.group import GroupTransform
+from gradmod.hooks.rules import build_targets
 
 
 def test_every_shipped_transform_says_its_kind():
     assert set(registry.names("group")) == {"global_norm_clip", "agc", "zclip"}
     assert registry.names("per_sample") == ["per_sample_clip"]
-    assert registry.names("per_loss") == []
+    assert {"pcgrad", "mgda", "upgrad"} <= set(registry.names("per_loss"))
     assert {"clamp", "zero", "min_zero", "log", "scale", "sign", "norm_clip", "centralize", "noise"} \
         <= set(registry.names("elementwise"))
     assert registry.entry("log").observer and not registry.entry("clamp").observer
     assert "per_sample" in registry.entry("log").at_stage  # log keeps per-example statistics there
-    assert [registry.entry(n).stage for n in ("clamp", "agc", "per_sample_clip")] == [None, "fused", "per_sample"]
+    assert [registry.entry(n).stage for n in ("clamp", "agc", "per_sample_clip", "pcgrad")] == \
+        [None, "fused", "per_sample", "per_loss"]
 
 
 def test_stage_table_order_and_kinds():
     assert [s.name for s in stages.STAGES] == ["hook", "per_loss", "per_sample", "fused"]
-    assert stages.names() == ("hook", "per_sample", "fused")  # per_loss: reserved, not provided yet
+    assert stages.names() == ("hook", "per_loss", "per_sample", "fused")
     assert stages.default_names() == ("hook", "fused")
     assert stages.order("hook") < stages.order("per_loss") < stages.order("per_sample") < stages.order("fused")
     assert {k: stages.implied_by(k).name for k in ("group", "per_sample", "per_loss")} == \
@@ -84,14 +88,15 @@ def test_a_plugin_group_transform_runs_fused_over_the_whole_rule():
     hooks.remove()
 
 
-def test_per_loss_is_reserved_not_provided():
-    model = nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="'per_loss' is not a stage; allowed: hook, fused, per_sample"):
-        attach(model, {"r": {"params": "*", "stage": "per_loss", "transforms": ["zero"]}})
+def test_a_stage_the_table_reserves_is_refused_until_provided(monkeypatch):
+    reserved = tuple(replace(s, available=False) if s.name == "per_loss" else s for s in stages.STAGES)
+    monkeypatch.setattr(stages, "STAGES", reserved)
+    monkeypatch.setattr(stages, "_BY_NAME", {s.name: s for s in reserved})
     registry.register("task_weights", lambda: None, kind="per_loss")
+    model = nn.Linear(2, 1)
     with pytest.raises(ValueError, match="per_loss transform 'task_weights' runs at stage 'per_loss', which this "
                                          "version does not provide"):
-        attach(model, {"r": {"params": "*", "transforms": ["task_weights"]}})
+        build_targets(model, {"r": {"params": "*", "transforms": ["task_weights"]}})
 
 
 def test_a_transform_of_another_stage_is_refused_with_what_runs_there():
@@ -100,3 +105,19 @@ def test_a_transform_of_another_stage_is_refused_with_what_runs_there():
         attach(model, {"r": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}, "zclip"]}})
     assert "hooks.r.transforms: 'zclip' cannot run at stage 'per_sample'; allowed there: " in str(e.value)
     assert "log" in str(e.value) and "per_sample_clip" in str(e.value)
+
+
+def test_stages_act_in_the_table_order_and_the_plan_lists_them_so():
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    model(x).square().mean().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    rules = {"twice": {"params": "*", "stage": "fused", "transforms": [{"name": "scale", "factor": 2.0}]},
+             "dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1e6}]}}
+    with attach(model, rules) as hooks:
+        assert dict(hooks.chains)["weight"] == ["per_sample_clip", "scale"]  # per_sample before fused
+        model(x).square().mean().backward()
+        hooks.after_backward()
+    for p, g in zip(model.parameters(), plain):  # the per_sample mean (nothing clipped), then doubled
+        torch.testing.assert_close(p.grad, 2 * g)

@@ -127,7 +127,7 @@ def test_from_the_moment_a_run_owns_its_folder_it_says_running(mine, tmp_path):
 def test_a_killed_continuation_reads_as_killed_and_resume_auto_continues_it(mine):
     ended = raw_summary(mine)
     proc = run_train(mine, *KEEP, "trainer.epochs=3", "trainer.resume=auto", check=False,
-                     env={"GRADMOD_KILL_AT": "step:15"})
+                     env={"GRADMOD_KILL_AT": "step:17"})
     assert proc.returncode == -9, proc.stderr
     raw = raw_summary(mine)
     assert raw["status"] == "running" and raw["previous"] == ended  # not the stale "ok, 12 steps"
@@ -135,7 +135,7 @@ def test_a_killed_continuation_reads_as_killed_and_resume_auto_continues_it(mine
     assert sweep.read_job(mine, mine.parent)["status"] == "killed"  # the report reads it so too
     summary = run(compose_config(*KEEP, "trainer.epochs=3", "trainer.resume=auto"), mine)
     assert summary["status"] == "ok" and summary["steps"] == 18
-    assert summary["resumed_from"].endswith("step-000000014.pt") and summary["previous"]["status"] == "killed"
+    assert summary["resumed_from"].endswith("step-000000016.pt") and summary["previous"]["status"] == "killed"
 
 
 def test_a_running_summary_reads_as_running_while_its_run_holds_the_folder(tmp_path):
@@ -238,7 +238,7 @@ def test_sigterm_to_a_sweep_writes_the_report_and_names_what_did_not_run(tmp_pat
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={tmp_path}",
            *[a for a in RESUMABLE if not a.startswith("trainer.epochs")], "trainer.epochs=3", "seed=0,1,2"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    started = tmp_path / ".gradmod" / "jobs" / "1.json"
+    started = tmp_path / "1" / "metrics.jsonl"  # job 1 is training
     deadline = time.monotonic() + 500
     while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -298,17 +298,44 @@ def test_an_empty_run_folder_is_refused(tmp_path):
 # --- 7. start-up ----------------------------------------------------------------------------
 
 
+def _torch_loading(pid: int) -> bool:
+    """Whether the process has begun loading torch's native library (train.py's first lines ran)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("after", [0.5, 3.0])
+@pytest.mark.parametrize("after", [0.0, 3.0])
 def test_ctrl_c_during_start_up_is_one_line(tmp_path, after):
+    """Ctrl-C while torch is imported (``after`` 0: as soon as it starts loading) or later in
+    the start-up (Hydra composing, the run's checks): one line, exit 130."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",
                              *RESUMABLE], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+    deadline = time.monotonic() + 120
+    while not _torch_loading(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["interrupted by SIGINT before training started"]
+
+
+# --- one way out -----------------------------------------------------------------------------
+
+
+def test_a_run_ends_in_one_value_written_once(tmp_path):
+    ending = runner.execute(lambda: validate(compose_config(*KEEP, "trainer.epochs=-1")), tmp_path)
+    assert ending.status == "failed" and isinstance(ending.error, ValueError) and ending.exit_code == 2
+    assert raw_summary(tmp_path) == json.loads(json.dumps(ending.summary))  # what was written is what returned
+    assert not hasattr(ending.error, "gradmod_summary")  # nothing rides on the error
+    with pytest.raises(ValueError, match="trainer.epochs"):
+        ending.result()
+    ok = runner.execute(lambda: validate(compose_config(*KEEP, "trainer.epochs=1")), tmp_path / "ok")
+    assert ok.error is None and ok.exit_code == 0 and ok.result() == ok.summary and ok.status == "ok"
 
 
 # --- callback order, as data ----------------------------------------------------------------

@@ -227,3 +227,11 @@ def test_two_callbacks_on_one_tensor_name_the_one_callback_to_use(tmp_path):
                                          r"\(net.0.weight, .*\); give one callback several rule sources instead: "
                                          r"GradmodCallback\(\['(clip|log)', '(clip|log)'\]\)$"):
         t.train()
+
+
+def test_per_sample_rules_are_refused_in_one_line_at_train_begin(tmp_path):
+    t = trainer(tmp_path)
+    add_to(t, "dp")
+    with pytest.raises(ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Transformers' Trainer: "
+                                         r"[^\n]*attach the rules in your own loop$"):
+        t.train()

@@ -44,7 +44,7 @@ from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
 from gradmod.app.isolated import preload, run_forked
 from gradmod.app.job_files import JobFiles
-from gradmod.app.sweep_callback import stop_sweep
+from gradmod.app.sweep_callback import stop_asked, stop_sweep
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
 from gradmod.training.ranks import env_rank, follower_overrides
@@ -121,6 +121,8 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     """One job of a multirun, trained in a child process (``isolated``) so that a job killed
     by a signal ends only itself; its ending is recorded for the report (``sweep_jobs``)."""
     sweep_dir = hydra_cfg.sweep.dir
+    if stop_asked():  # a signal between two jobs: this one does not start
+        stop_sweep(sweep_dir, stop_asked())
     before = _run_marks(out_dir)
     preload(TRAINING)  # imported once here, inherited by every job's child
     record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
@@ -129,8 +131,8 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     sweep_jobs.finish(sweep_dir, record, status, summary, error)
     if status != "ok":
         log.error("job %s %s: %s", hydra_cfg.job.num, status, error)
-    if status == "interrupted":  # Ctrl-C or SIGTERM ends the sweep, as it ends a run, with its report
-        stop_sweep(sweep_dir, code - 128 if code > 0 else -code)
+    if status == "interrupted" or stop_asked():  # Ctrl-C or SIGTERM ends the sweep, as a run, with its report
+        stop_sweep(sweep_dir, stop_asked() or (code - 128 if code > 0 else -code))
     return {**(summary or {"test_accuracy": None, "test_loss": None}), "status": status, "error": error}
 
 

@@ -24,8 +24,9 @@ class SweepReport(Callback):
     record the jobs it will run (where the sweeper's list is known in advance: the basic
     sweeper's); when it ends, write the report from this sweep's records and exit with
     status 1 if any job did not end ``ok`` (failed, refused, killed, ...: each job's ending
-    was recorded, not raised). SIGINT or SIGTERM between two jobs stops the sweep with its
-    report (during a job, the job ends ``interrupted`` and the sweep stops the same way)."""
+    was recorded, not raised). SIGINT or SIGTERM between two jobs is noted (``stop_asked``)
+    and stops the sweep, with its report, before the next job; during a job the job gets it,
+    ends ``interrupted``, and the sweep stops the same way."""
 
     def __init__(self) -> None:
         self._handlers: dict[int, Any] = {}
@@ -37,14 +38,14 @@ class SweepReport(Callback):
         if jobs is not None:
             sweep_jobs.plan(sweep_dir, jobs)
 
-        def stop(signum: int, frame: Any) -> None:
-            stop_sweep(sweep_dir, signum)
-
-        self._handlers = {s: signal.signal(s, stop) for s in SIGNALS}
+        _ASKED.clear()
+        self._handlers = {s: signal.signal(s, _note) for s in SIGNALS}
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         for s, handler in self._handlers.items():
             signal.signal(s, handler)
+        if stop_asked():  # after the last job: the report says all ran
+            stop_sweep(config.hydra.sweep.dir, stop_asked())
         paths, rows = write_report(config.hydra.sweep.dir, ended=True)
         bad = [r for r in rows if r["status"] != "ok"]
         log.info("sweep report: %s, %s, %s", *paths.values())
@@ -53,6 +54,19 @@ class SweepReport(Callback):
                   + "; ".join(f"job {r['job']} {r['status']}: {r['error']}" for r in bad[:3])
                   + ("; ..." if len(bad) > 3 else "") + f" (see {paths['md']})", file=sys.stderr)
             raise SystemExit(1)
+
+
+_ASKED: list[int] = []  # the signal that asked the sweep to stop, noted by the handler
+
+
+def _note(signum: int, frame: Any) -> None:
+    """A handler only notes: raising here could land anywhere (a fork's after-hooks ignore it)."""
+    _ASKED[:] = [signum]
+
+
+def stop_asked() -> int:
+    """The signal that asked the sweep to stop between two jobs (0: none)."""
+    return _ASKED[0] if _ASKED else 0
 
 
 def stop_sweep(sweep_dir: str, signum: int) -> None:
@@ -66,8 +80,9 @@ def stop_sweep(sweep_dir: str, signum: int) -> None:
         raise SystemExit(128 + signum) from None
     missing = [r for r in rows if r["status"] == sweep_jobs.NOT_RUN]
     ran = len(rows) - len(missing)
-    named = "; not run: " + ", ".join(f"job {r['job']} ({' '.join(r['overrides'])})" for r in missing[:5]) + \
-        (", ..." if len(missing) > 5 else "") if missing else ""
+    shared = set.intersection(*(set(r["overrides"]) for r in rows))  # the job's own overrides name it
+    named = "; not run: " + ", ".join(f"job {r['job']} ({' '.join(o for o in r['overrides'] if o not in shared)})"
+                                      for r in missing[:5]) + (", ..." if len(missing) > 5 else "") if missing else ""
     print(f"sweep stopped by {name} after {ran} of {len(rows) if missing else f'{ran} or more'} jobs{named}; "
           f"report: {paths['md']}", file=sys.stderr)
     raise SystemExit(128 + signum)

@@ -8,6 +8,8 @@ order within a stage; the stages act in the order of ``gradmod.hooks.stages.STAG
 
 * ``hook``: ``Tensor.register_hook`` on the tensor; each backward's local gradient
   before it is accumulated into ``.grad`` (and before DDP's all-reduce).
+* ``per_loss``: ``backward(losses)`` with several named losses: the rule's parameters get
+  its method's combination of the task gradients (``gradmod.hooks.per_loss``).
 * ``per_sample``: each example's gradient (``gradmod.hooks.per_sample``); the clipped,
   noised mean is written at the start of ``after_backward()``.
 * ``fused``: ``after_backward()`` transforms the accumulated ``.grad`` tensors, grouped
@@ -26,13 +28,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
+from gradmod.hooks import stages
 from gradmod.hooks.chain import chain_hook, output_hook
+from gradmod.hooks.due import AfterBackwardDue
 from gradmod.hooks.fused import fused_transforms, run_fused
 from gradmod.hooks.ledger import RawLedger
 from gradmod.hooks.log_buffer import LogBuffer
+from gradmod.hooks.per_loss.stage import PerLossStage, per_loss_rules
 from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
-from gradmod.hooks.sharded import refuse_hook_stage, watch
+from gradmod.hooks.sharded import is_sharded, refuse_hook_stage, watch
 from gradmod.hooks.stages import STAGES
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
@@ -69,11 +74,14 @@ class HookSet:
         self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
         private = per_sample_rules(targets, params)
         self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
+        several = per_loss_rules(targets, params, modules)
+        self.per_loss = PerLossStage(model, several) if several else None
         # Every tensor this set transforms, so another attach call cannot hook it twice.
         self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         self._keys = {t.key for t in targets}
+        self._due = AfterBackwardDue(model, _sentinels(targets, params))  # a forgotten after_backward()
         for obj in self.owned:
             _OWNERS[obj] = self
 
@@ -93,17 +101,31 @@ class HookSet:
     def has_fused(self) -> bool:
         return bool(self._fused)
 
+    @property
+    def needs_after_backward(self) -> bool:
+        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample)."""
+        return any(stages.get(t.stage).needs_after_backward for t in self.targets)
+
     def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
         """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
-        ordered (a sequence) ones, whose gradients sum into ``.grad``."""
-        if isinstance(losses, Tensor):
+        ordered (a sequence) ones, whose gradients sum into ``.grad``. Under per_loss rules
+        their parameters get the rule's combination of the task gradients instead, every
+        other parameter the gradient of the sum."""
+        if isinstance(losses, Tensor) and self.per_loss is None:
             losses.backward()
             return
-        parts = list(losses.values()) if isinstance(losses, Mapping) else list(losses)
-        if not parts or not all(isinstance(x, Tensor) and x.dim() == 0 for x in parts):
-            raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of "
-                             "scalar losses")
+        named = _named_losses(losses, self.per_loss)
+        if self.per_loss is not None:
+            self.per_loss.grad_scale = self._grad_scale
+            self.per_loss.backward(named)
+            return
+        parts = list(named.values())
         sum(parts[1:], parts[0]).backward()
+
+    def end_epoch(self) -> None:
+        """Close an epoch for the per_loss methods that count in epochs (``dwa``)."""
+        if self.per_loss is not None:
+            self.per_loss.end_epoch()
 
     def after_backward(self) -> bool:
         """Finish the stages that act after backward, in their order (call before
@@ -111,6 +133,7 @@ class HookSet:
         gradient, then the fused stage transforms the accumulated gradients. Returns True
         when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
         only then is the host read), False otherwise."""
+        self._due.done()
         skip = False
         for stage in STAGES:
             skip = self._finish(stage.name) or skip
@@ -123,12 +146,6 @@ class HookSet:
         elif stage == "fused":
             return run_fused(self._fused)
         return False
-
-    @property
-    def expected_batch_size(self) -> float | None:
-        """The per_sample stage's divisor (the expected batch size under Poisson
-        sampling); None: the examples of the step's backward calls."""
-        return None if self.per_sample is None else self.per_sample.expected_batch_size
 
     def set_per_sample(self, *, expected_batch_size: float | None = None,
                        reduce: Callable[[list[Tensor]], None] | None = None, draws_noise: bool = True) -> None:
@@ -157,7 +174,8 @@ class HookSet:
         (key ``rule/transform``: total norm before it, clip coefficient)."""
         logs = [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps if s.observer]
         private = self.per_sample.records() if self.per_sample is not None else []
-        return logs + [(key, fn.record) for key, fn in self._groups] + private
+        several = self.per_loss.records() if self.per_loss is not None else []
+        return logs + [(key, fn.record) for key, fn in self._groups] + private + several
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
@@ -181,8 +199,11 @@ class HookSet:
         """What the hooks carry from step to step (the ``log`` windows in progress, the
         group transforms' state such as zclip's running mean and variance), for
         checkpoints: resuming with ``load_state_dict`` continues bit for bit."""
-        return {"log_windows": {key: obs.state_dict() for key, obs in self.observers()},
-                "group": {key: fn.state_dict() for key, fn in self._groups}}
+        state = {"log_windows": {key: obs.state_dict() for key, obs in self.observers()},
+                 "group": {key: fn.state_dict() for key, fn in self._groups}}
+        if self.per_loss is not None:  # the methods' state and the generator of their random choices
+            state["per_loss"] = self.per_loss.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         """Restore ``state_dict()``'s windows; ``device``: where this run's gradients are.
@@ -195,6 +216,8 @@ class HookSet:
         for key, fn in self._groups:
             if key in groups:
                 fn.load_state_dict(groups[key], device)
+        if self.per_loss is not None and "per_loss" in state:
+            self.per_loss.load_state_dict(state["per_loss"])
 
     def set_histograms(self, on: bool) -> None:
         """Bin the gradients of the next calls on the device (for the step before a read)."""
@@ -219,12 +242,15 @@ class HookSet:
 
     def remove(self) -> None:
         self._watch.remove()
+        self._due.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._fused.clear()
         if self.per_sample is not None:
             self.per_sample.remove()
+        if self.per_loss is not None:
+            self.per_loss.remove()
         self._keys = set()
         self.ledger.take()
         self.logs.clear()
@@ -238,6 +264,15 @@ class HookSet:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _sentinels(targets: list[Target], params: dict[str, nn.Parameter]) -> dict[str, tuple[str, nn.Parameter]]:
+    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes."""
+    out: dict[str, tuple[str, nn.Parameter]] = {}
+    for t in targets:
+        if t.kind == "param" and stages.get(t.stage).needs_after_backward:
+            out.setdefault(t.rule, (t.stage, params[t.name]))
+    return out
 
 
 def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
@@ -260,6 +295,7 @@ def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
         raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
     refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
+    refuse_sharded_per_loss(targets, dict(model.named_parameters()))
     previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
     replaced = previous if replace else []
     _refuse_overlap(model, targets, replaced)
@@ -268,6 +304,22 @@ def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
     hooks = HookSet(model, targets, loss_reduction)
     _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
+
+
+def _named_losses(losses: Any, stage: PerLossStage | None) -> dict[str, Tensor]:
+    """The losses by name (a sequence's by position); one line for what is not allowed."""
+    if isinstance(losses, Tensor):
+        rule = stage.rules[0].name
+        raise ValueError(f"hooks.{rule}: a per_loss rule combines the gradients of several losses, but "
+                         "hooks.backward got one scalar; give a mapping of named losses (or a sequence)")
+    named = dict(losses) if isinstance(losses, Mapping) else {str(i): x for i, x in enumerate(losses)}
+    if not named or not all(isinstance(x, Tensor) and x.dim() == 0 for x in named.values()):
+        raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of "
+                         "scalar losses")
+    if stage is not None and len(named) < 2:
+        raise ValueError(f"hooks.{stage.rules[0].name}: a per_loss rule combines the gradients of several "
+                         f"losses, but hooks.backward got one ({', '.join(map(str, named))}); give two or more")
+    return {str(k): v for k, v in named.items()}
 
 
 def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[HookSet]) -> None:
@@ -282,3 +334,11 @@ def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[Hook
         shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
         raise ValueError(f"attach: {shown} already carry hooks from another attach call (kept with replace=False, "
                          "or through another module); call remove() on that HookSet first, or select other tensors")
+
+
+def refuse_sharded_per_loss(targets: list[Target], params: dict[str, Tensor]) -> None:
+    """FSDP2 shards the parameters; the per_loss stage needs whole layers' task gradients."""
+    hit = next((t for t in targets if t.stage == "per_loss" and t.kind == "param" and is_sharded(params[t.name])), None)
+    if hit is not None:
+        raise ValueError(f"hooks.{hit.rule}: per_loss rules do not run on FSDP-sharded parameters ({hit.name!r}) "
+                         "yet; use DDP or one process")

@@ -22,6 +22,7 @@ from gradmod.hooks import group as _group  # noqa: F401  (registers the group tr
 from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: F401  (registers per_sample_clip)
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
+from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: F401  (registers the per_loss methods)
 from gradmod.hooks.per_sample import check_model
 
 STAGES = stages.names()  # the stages a rule may name, in order
@@ -119,6 +120,7 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
         targets.extend(_rule_targets(rule, spec, params, modules, stage))
     _check_observer_keys(targets)
     _check_per_sample(model, targets, params)
+    _check_per_loss(targets)
     return targets
 
 
@@ -166,7 +168,7 @@ def _check_forced(rule: str, asked: str | None, kind: str, stage: stages.Stage, 
     if not stage.available:
         raise ValueError(f"hooks.{rule}.transforms: {what} runs at stage {stage.name!r}, which this version "
                          f"does not provide; allowed stages: {', '.join(NAMED)}")
-    if kind == "module":
+    if kind == "module" and not stage.modules:
         raise ValueError(f"hooks.{rule}: {what} needs params ({stage.sees}), not modules")
     if asked is not None and asked != stage.name:
         raise ValueError(f"hooks.{rule}.stage: {what} acts on {stage.sees}; it runs at stage {stage.name!r} only")
@@ -180,6 +182,9 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
                          f"{', '.join(R.accepted_at(stage))} (put the others in a rule of their own)")
     if stage == "per_sample" and len(set(names)) < len(names):
         raise ValueError(f"hooks.{rule}.transforms: give {', '.join(R.accepted_at(stage))} at most once each")
+    if stage == "per_loss" and len(names) != 1:
+        raise ValueError(f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
+                         f"gradients into one update), got {', '.join(names)}; put the others in rules of their own")
 
 
 def _shared(step: R.BuiltTransform) -> bool:
@@ -214,6 +219,23 @@ def _check_per_sample(model: nn.Module, targets: list[Target], trainable: list[s
     if twice is not None:
         raise ValueError(f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
                          "gradient is clipped once: select it in one")
+
+
+def _check_per_loss(targets: list[Target]) -> None:
+    """Refuse what would make the per_loss stage wrong, each in one line."""
+    loss: dict[str, str] = {}
+    for t in targets:
+        if t.stage == "per_loss" and t.kind == "param":
+            if t.name in loss:
+                raise ValueError(f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
+                                 "each parameter gets one method's update: select it in one")
+            loss[t.name] = t.rule
+    clash = next((t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")),
+                 None)
+    if clash is not None:
+        raise ValueError(f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
+                         f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
+                         "or per_sample, not both (a fused rule after it is fine)")
 
 
 def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str],

@@ -5,8 +5,8 @@ the plan (``HookSet.describe``) and of ``HookSet.after_backward``:
 
 * ``hook``: ``Tensor.register_hook`` on the parameter (or a module's output); each
   backward's local gradient, before it is accumulated into ``.grad``.
-* ``per_loss``: several losses' gradients of the rule's parameters, aggregated into one
-  (``HookSet.backward(losses)``); reserved: no transform of this kind ships yet.
+* ``per_loss``: several losses' gradients of the rule's parameters (or of a module's
+  output), combined into one by ``HookSet.backward(losses)`` (``gradmod.hooks.per_loss``).
 * ``per_sample``: each example's gradient before the batch sum; the clipped, noised mean
   is written at the start of ``HookSet.after_backward``.
 * ``fused``: the accumulated ``.grad`` tensors after backward, grouped per transform.
@@ -39,8 +39,8 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("hook", ("elementwise",), None, default=True, modules=True, needs_after_backward=False,
           sees="each backward's local gradient"),
-    Stage("per_loss", ("per_loss",), "per_loss", default=False, modules=False, needs_after_backward=True,
-          available=False, sees="each loss's gradient"),
+    Stage("per_loss", ("per_loss",), "per_loss", default=False, modules=True, needs_after_backward=False,
+          sees="each loss's gradient"),
     Stage("per_sample", ("per_sample",), "per_sample", default=False, modules=False, needs_after_backward=True,
           sees="each example's gradient"),
     Stage("fused", ("elementwise", "group"), "group", default=True, modules=False, needs_after_backward=True,

@@ -19,9 +19,17 @@ def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: 
     callback cannot honour:
     ``zclip(on_spike="skip")`` (a callback cannot skip one optimizer step, and zeroing the
     gradients is not a skip under momentum or weight decay), and hook-stage rules when
-    ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled)."""
+    ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled), and per_sample
+    rules (see ``docs/privacy.md``)."""
     _refuse_shared(trainer, model, rules, stage, *shared)
     hooks = attach(model, rules, stage=stage, replace=False)
+    if hooks.per_sample is not None:
+        rule = hooks.per_sample.rules[0].name
+        hooks.remove()
+        raise ValueError(f"hooks.{rule}: per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: "
+                         "its loop scales the loss for accumulation and samples fixed-size batches, so neither the "
+                         "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
+                         "+hooks=dp) or attach the rules in your own loop")
     skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]
     hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]
     if skipping or (scaled and hooked):

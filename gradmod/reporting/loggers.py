@@ -154,7 +154,11 @@ class TensorBoardLogger(Logger):
 
     def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
         for key, s in stats.items():
-            self.writer.add_scalar(f"grad_norm/{key}", s["norm"], step)
+            if "norm" in s:
+                self.writer.add_scalar(f"grad_norm/{key}", s["norm"], step)
+            for field in ("norm_mean", "norm_max", "p50", "p90", "max"):  # per_sample: each example's norm
+                if field in s and "norm" not in s:
+                    self.writer.add_scalar(f"per_example_norm/{key}/{field}", s[field], step)
             if "frac_clipped" in s:
                 self.writer.add_scalar(f"frac_clipped/{split_key(key)[0]}", s["frac_clipped"], step)
             h = s.get("histogram")

@@ -196,6 +196,10 @@ def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path
     stats) as ``HookSet.read_stats`` returns them."""
     series, rules = _series(rows, "norm"), _rule_keys(rows)
     tensors = {k: v for k, v in series.items() if k not in rules}
+    examples = {f"{k} ({f})": v for f in ("norm_mean", "norm_max", "p50", "p90")
+                for k, v in _series(rows, f).items() if k.endswith(("/per_sample_clip", "/log"))}
+    if examples and not tensors and not rules:  # per_sample rules: each example's norm, before clipping
+        return _per_example_norms(examples, path)
     fig, axes = _panels(int(bool(tensors)) + int(bool(rules)) or 1)
     if tensors or not rules:
         ax, colors = axes[0], _tensor_colors(tensors)
@@ -220,14 +224,31 @@ def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path
     return _finish(fig, axes, path)
 
 
+def _per_example_norms(series: dict[str, tuple[list, list]], path: str | Path) -> Path:
+    fig, axes = _panels(1)
+    for key, (xs, ys) in sorted(series.items()):
+        axes[0].plot(xs, ys, label=key, marker="." if len(xs) < 3 else None)
+    axes[0].set(xlabel="optimizer step", ylabel="per-example gradient L2 norm",
+                title="per_sample rules: each example's gradient norm before clipping (mean, max or quantiles)")
+    return _finish(fig, axes, path)
+
+
 def plot_frac_clipped(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path) -> Path:
     """What the transforms changed, against the step, each panel saying what it counts: per
     tensor, the fraction of gradient elements the transforms between ``pre`` and ``post``
     changed (for ``clamp``: clipped; a smooth transform such as tanh changes nearly all);
     per rule, the fraction of a group transform's steps that clipped (clip_coef < 1)."""
     series, rules = _series(rows, "frac_clipped"), _rule_keys(rows)
-    tensors = {k: v for k, v in series.items() if k not in rules}
+    private = {k: v for k, v in series.items() if k.endswith("/per_sample_clip")}
+    tensors = {k: v for k, v in series.items() if k not in rules and k not in private}
     rule_series = {k: v for k, v in series.items() if k in rules}
+    if private and not tensors and not rule_series:
+        fig, axes = _panels(1)
+        for key, (xs, ys) in sorted(private.items()):
+            axes[0].plot(xs, ys, label=key.partition("/")[0], marker="." if len(xs) < 3 else None)
+        axes[0].set(xlabel="optimizer step", ylabel="fraction of examples clipped", ylim=(-0.02, 1.02),
+                    title="per_sample rules: fraction of examples whose gradient norm exceeded max_norm")
+        return _finish(fig, axes, path)
     fig, axes = _panels(int(bool(tensors)) + int(bool(rule_series)) or 1)
     if tensors:
         colors = _tensor_colors(tensors)

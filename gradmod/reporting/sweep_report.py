@@ -34,7 +34,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from gradmod.reporting import sweep_jobs
+from gradmod.reporting import run_summary, sweep_jobs
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +83,6 @@ def job_dirs(sweep_dir: str | Path) -> list[Path]:
     found |= {p.parent for p in root.rglob("summary.json")}
     found.discard(root)
     return sorted(found, key=lambda p: _job_key(p, root))
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _json_lines(path: Path) -> list[dict[str, Any]]:
@@ -146,7 +139,7 @@ def read_job(job_dir: Path, root: Path) -> dict[str, Any]:
     """A job's row from its folder alone (a sweep folder without job records)."""
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in yaml.safe_load(overrides_file.read_text()) or []] if overrides_file.exists() else []
-    summary = _read_json(job_dir / "summary.json")
+    summary = run_summary.read(job_dir)  # a run killed while running reads as killed
     if summary is None:
         summary = {"status": "incomplete", "error": "no summary.json (killed, or still running)"}
     return _row(job_dir.relative_to(root).as_posix(), overrides, summary, job_dir)

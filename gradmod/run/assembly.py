@@ -69,7 +69,8 @@ def build_trainer(run: Run) -> Parts:
     callbacks = [NonFiniteCallback(guard), diverged, schedule]
     if run.privacy is not None:
         callbacks.append(PrivacyCallback(cfg.privacy.accountant, cfg.privacy.delta, run.privacy.noise_multiplier,
-                                         run.privacy.sample_rate))
+                                         run.privacy.sample_rate, sampling=dp.sampling(cfg),
+                                         target_epsilon=cfg.privacy.target_epsilon, clip=run.hooks.per_sample.noisy))
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
     probe = GradCamProbe(model_factory(cfg.model, run.data), run.data, cfg.capture.gradcam_layer,
                          cfg.capture.gradcam_images, dist.device) if cfg.capture.gradcam else None

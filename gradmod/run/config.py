@@ -13,6 +13,7 @@ every trainer key with its comment), ``--help`` lists the keys from these classe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -38,8 +39,9 @@ MISSING: Any = "???"  # OmegaConf's mark for a value that must be given
 @dataclass
 class ModelConfig:
     """A shipped model by ``name``, or ``_target_`` called with ``args`` (on the command line:
-    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the shipped
-    ResNets' normalisation, batch | group (``gradmod.models``)."""
+    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the
+    normalisation, batch | group (``gradmod.models``; a ``_target_`` model's BatchNorm
+    layers are replaced by GroupNorm, ``gradmod.hooks.per_sample.replace_batchnorm``)."""
 
     name: str = MISSING
     norm: str = "batch"  # batch (BatchNorm2d) | group (GroupNorm(min(32, C), C): each example on its own, as +hooks=dp needs)
@@ -49,9 +51,6 @@ class ModelConfig:
     def __post_init__(self):
         target_or_choice("model", self, MODELS)
         choice("model.norm", self.norm, NORMS)
-        if self._target_ is not None and self.norm != "batch":
-            raise ValueError(f"model.norm={self.norm} applies to the shipped models only; "
-                             f"model._target_={self._target_} builds its own layers")
 
 
 @dataclass
@@ -62,7 +61,7 @@ class DataConfig:
     name: str = MISSING
     batch_size: int = 100  # the article's batch size
     fallback: bool = True  # offline: use the bundled 5,000-digit sample (with a warning)
-    n_test: int = 1000  # test digits held out of the bundled 5,000-digit sample (mnist_sample, or mnist falling back)
+    n_test: int = 1000  # test examples made from the bundled 5,000-digit sample's held-out digits (mnist_sample, multi_mnist, mnist falling back)
     sampling: str = "auto"  # shuffle | poisson (each example joins each step with q) | auto: poisson under DP noise
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
@@ -249,8 +248,8 @@ class PrivacyConfig:
         choice("privacy.accountant", self.accountant, ACCOUNTANTS)
         if not 0 < self.delta < 1:
             raise ValueError(f"privacy.delta={self.delta} must be in (0, 1), e.g. 1e-5 (below 1 / training set size)")
-        if self.target_epsilon is not None and self.target_epsilon <= 0:
-            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be > 0, or null")
+        if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
+            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be a finite number > 0, or null")
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -92,10 +93,8 @@ def check(cfg: Config) -> None:
                          "GradScaler does not give; use trainer.precision=fp32 or bf16")
     if target is not None:
         clips = [name for name, _ in _clips(cfg.hooks)]
-        if noisy:
-            raise ValueError(f"privacy.target_epsilon={target} and hooks.{noisy[0][0]}'s per_sample_clip "
-                             f"noise_multiplier={noisy[0][1]}: set one of them (the target picks the multiplier); "
-                             f"e.g. hooks.{noisy[0][0]}.transforms=[{{name:{CLIP},max_norm:1.0}}]")
+        if not (math.isfinite(target) and target > 0):
+            raise ValueError(f"privacy.target_epsilon={target} must be a finite number > 0, or null")
         if len(clips) != 1:
             found = f"found {', '.join(clips)}" if clips else "found none; add +hooks=dp"
             raise ValueError(f"privacy.target_epsilon needs exactly one rule with {CLIP} to give its noise to; {found}")
@@ -118,15 +117,21 @@ def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, An
     if sampling(cfg) == "shuffle":
         log.warning("data.sampling=shuffle with a noisy per_sample rule: the reported epsilon assumes Poisson "
                     "sampling (data.sampling=poisson), which shuffled batches do not give")
+    if cfg.privacy.delta >= 1.0 / train_size:
+        log.warning("privacy.delta=%g is not below 1 / training set size (%d examples): such a delta allows "
+                    "releasing an example outright; use e.g. %g", cfg.privacy.delta, train_size,
+                    10 ** math.floor(math.log10(0.1 / train_size)))
     rules = copy.deepcopy(cfg.hooks)
     if cfg.privacy.target_epsilon is None:
         (rule, sigma), = _noisy(rules)[:1]
     else:
-        (rule, _), = _clips(rules)
+        (rule, args), = _clips(rules)
         sigma = noise_for_epsilon(cfg.privacy.target_epsilon, cfg.privacy.delta, rate, steps, cfg.privacy.accountant)
         _set_noise(rules[rule], sigma)
-        log.info("privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f",
-                 cfg.privacy.target_epsilon, sigma, steps, rate)
+        replaced = f" (replacing hooks.{rule}'s noise_multiplier={args['noise_multiplier']})" \
+            if args.get("noise_multiplier") else ""
+        log.info("privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f%s",
+                 cfg.privacy.target_epsilon, sigma, steps, rate, replaced)
     return rules, Privacy(rule, sigma, rate, steps)
 
 

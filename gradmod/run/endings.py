@@ -104,6 +104,8 @@ def summary_of(error: BaseException, seconds: float) -> dict[str, Any]:
                        steps=error.step, checkpoint=str(error.checkpoint) if error.checkpoint else None)
     elif isinstance(error, Diverged):
         summary.update(status="diverged", error=str(error), step=error.step)
+    if getattr(error, "privacy", None):  # the epsilon the steps before the ending spent
+        summary["privacy"] = error.privacy
     return summary
 
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
+from gradmod.hooks.per_sample import replace_batchnorm
 from gradmod.hooks.rules import name_hint
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
@@ -127,6 +128,8 @@ def _target_model(cfg: ModelConfig) -> nn.Module:
         raise ValueError(f"model._target_={cfg._target_} returned a {type(model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"model._target_={cfg._target_} returned a module without trainable parameters")
+    if cfg.norm == "group":  # per-example gradients need no batch statistics: GroupNorm, as the shipped ResNets
+        model = replace_batchnorm(model)
     return model
 
 

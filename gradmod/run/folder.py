@@ -238,13 +238,14 @@ class RunFolder:
     def _refuse_links(self) -> None:
         """A run writes, moves and deletes only inside its own folder: a link among what it
         touches that leads out of the folder is refused before anything is written."""
-        root = self.out.resolve()
+        root = Path(os.path.realpath(self.out))
         names = [self.out / n for n in WRITTEN]
         names += [p for n in INSIDE if (self.out / n).is_dir() for p in sorted((self.out / n).iterdir())]
         for path in names:
-            if (path.is_symlink() or path.exists()) and not path.resolve().is_relative_to(root):
+            target = Path(os.path.realpath(path))  # a link loop too (realpath does not raise)
+            if (path.is_symlink() or path.exists()) and not target.is_relative_to(root):
                 raise ValueError(f"run folder {self.out}: {path.relative_to(self.out)} is a link to "
-                                 f"{path.resolve()}, outside the folder; a run writes, moves and deletes files only "
+                                 f"{target}, outside the folder; a run writes, moves and deletes files only "
                                  "in its own folder: replace the link with a folder or file of its own, or choose "
                                  "another hydra.run.dir")
 

@@ -39,7 +39,8 @@ from gradmod.run.setup import build_model, import_plugins, items, load, place
 from gradmod.run.state import Run
 from gradmod.training.callbacks import EpochLine, SyncCheckCallback
 from gradmod.training.distributed import Dist, env_rank
-from gradmod.training.interrupt import StopOnSignal
+from gradmod.training.interrupt import Interrupted, StopOnSignal
+from gradmod.training.nonfinite import Diverged
 from gradmod.training.peers import peer_lost
 from gradmod.training.privacy import PrivacyCallback
 from gradmod.training.speed import SyncCheck
@@ -148,7 +149,11 @@ def _fit(run: Run) -> dict[str, Any]:
         _file_callbacks(run, stack, folder, parts)
         if parts.trainer.settings.progress:
             stack.enter_context(logging_redirect_tqdm())  # log lines print above the bar, not through it
-        parts.trainer.fit(run.data, run.cfg.trainer.epochs)
+        try:
+            parts.trainer.fit(run.data, run.cfg.trainer.epochs)
+        except (Interrupted, Diverged) as e:  # the epsilon those steps spent is part of the ending
+            e.privacy = _privacy(parts.trainer)
+            raise
     summary = _summary(run, parts)
     if run.dist.is_main:
         endings.write(run.folder.out, summary)
@@ -185,7 +190,7 @@ def _summary(run: Run, parts: Parts) -> dict[str, Any]:
     """summary.json: the last epoch's numbers and what the run was."""
     cfg, data, trainer, guard = run.cfg, run.data, parts.trainer, parts.guard
     last = trainer.history[-1]
-    accountant = next((cb for cb in trainer.callbacks if isinstance(cb, PrivacyCallback)), None)
+    privacy = _privacy(trainer)
     return {
         "status": "ok", "test_accuracy": last["test_accuracy"], "test_loss": last["test_loss"],
         "test_metric": last.get("test_metric"), **({"tasks": last["tasks"]} if "tasks" in last else {}),
@@ -197,10 +202,16 @@ def _summary(run: Run, parts: Parts) -> dict[str, Any]:
         "skipped_steps": trainer.skipped, "nonfinite_steps": guard.bad_steps, "nonfinite": guard.nonfinite,
         "precision": trainer.amp.name,
         "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None, "seconds": parts.saver.seconds(),
-        **({"privacy": accountant.summary()} if accountant else {}),
+        **({"privacy": privacy} if privacy else {}),
         "run": run.claim.run_id, "parent": run.claim.parent,
         **({"previous": run.claim.previous} if run.claim.previous is not None else {}),
     }
+
+
+def _privacy(trainer) -> dict[str, Any] | None:
+    """summary.json's privacy block: present only where every step was clipped and noised."""
+    accountant = next((cb for cb in trainer.callbacks if isinstance(cb, PrivacyCallback)), None)
+    return accountant.summary() if accountant is not None else None
 
 
 def _result_line(summary: dict[str, Any]) -> str:

@@ -41,6 +41,9 @@ class Callback:
 
     def on_fit_start(self, trainer) -> None: ...
 
+    def on_missing_state(self, steps: int) -> None:
+        """A resume from a checkpoint of ``steps`` steps that holds no state of this callback."""
+
     def on_step_start(self, trainer) -> None: ...
 
     def on_after_backward(self, trainer) -> None: ...
