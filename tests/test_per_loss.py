@@ -340,11 +340,10 @@ def _rank(rank, world, port, rules, out):
                                   {"modules": "trunk", "stage": "per_loss", "transforms": ["mgda"]},
                                   {"params": "*", "transforms": ["geometric_mean"]}])
 def test_two_gloo_ranks_equal_one_process_on_the_joined_batch(rule, tmp_path):
-    import torch.multiprocessing as mp
-    from helpers import free_port
+    from helpers import free_port, spawn_ranks
 
     rules = {"r": rule}
-    mp.spawn(_rank, args=(2, free_port(), rules, str(tmp_path)), nprocs=2)
+    spawn_ranks(_rank, 2, free_port(), rules, str(tmp_path))
     torch.manual_seed(0)
     model = Shared(3).double()
     x, ys = _batch(3, False)
