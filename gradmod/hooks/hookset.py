@@ -26,7 +26,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
+from gradmod.hooks import stages
 from gradmod.hooks.chain import chain_hook, output_hook
+from gradmod.hooks.due import AfterBackwardDue
 from gradmod.hooks.fused import fused_transforms, run_fused
 from gradmod.hooks.ledger import RawLedger
 from gradmod.hooks.log_buffer import LogBuffer
@@ -74,6 +76,7 @@ class HookSet:
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         self._keys = {t.key for t in targets}
+        self._due = AfterBackwardDue(model, _sentinels(targets, params))  # a forgotten after_backward()
         for obj in self.owned:
             _OWNERS[obj] = self
 
@@ -93,6 +96,11 @@ class HookSet:
     def has_fused(self) -> bool:
         return bool(self._fused)
 
+    @property
+    def needs_after_backward(self) -> bool:
+        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample)."""
+        return any(stages.get(t.stage).needs_after_backward for t in self.targets)
+
     def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
         """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
         ordered (a sequence) ones, whose gradients sum into ``.grad``."""
@@ -111,6 +119,7 @@ class HookSet:
         gradient, then the fused stage transforms the accumulated gradients. Returns True
         when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
         only then is the host read), False otherwise."""
+        self._due.done()
         skip = False
         for stage in STAGES:
             skip = self._finish(stage.name) or skip
@@ -219,6 +228,7 @@ class HookSet:
 
     def remove(self) -> None:
         self._watch.remove()
+        self._due.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -238,6 +248,15 @@ class HookSet:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _sentinels(targets: list[Target], params: dict[str, nn.Parameter]) -> dict[str, tuple[str, nn.Parameter]]:
+    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes."""
+    out: dict[str, tuple[str, nn.Parameter]] = {}
+    for t in targets:
+        if t.kind == "param" and stages.get(t.stage).needs_after_backward:
+            out.setdefault(t.rule, (t.stage, params[t.name]))
+    return out
 
 
 def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,

@@ -57,7 +57,7 @@ class GradmodCallback(Callback):
             self._state = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.hooks is not None and self.hooks.has_fused:
+        if self.hooks is not None and self.hooks.needs_after_backward:
             self.hooks.after_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

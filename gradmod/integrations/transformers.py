@@ -62,7 +62,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
         _warn_shared_checkpoint(self, model, args)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        if self.hooks is not None and self.hooks.has_fused:
+        if self.hooks is not None and self.hooks.needs_after_backward:
             _unscale_once(optimizer)
             self.hooks.after_backward()
 

@@ -194,7 +194,7 @@ class Trainer:
             self.private.before_stage()
         if self.per_loss is not None:
             self.per_loss.before_stage()
-        if self.hooks is not None and (self.hooks.has_fused or self.private is not None):
+        if self.hooks is not None and self.hooks.needs_after_backward:
             skip = bool(self.hooks.after_backward())  # True: a group transform asks to skip
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it
         skip = skip or any(votes)
