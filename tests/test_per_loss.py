@@ -8,15 +8,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import torchjd.aggregation as tja  # the reference implementation (a test dependency, torchjd[full])
+import torchjd.scalarization as tjs
 from torch import nn
+from torchjd.autojac import backward as tj_backward
+from torchjd.autojac import jac_to_grad
 
 import gradmod
 from gradmod.hooks.per_loss import methods as M
-
-tja = pytest.importorskip("torchjd.aggregation")
-tjs = pytest.importorskip("torchjd.scalarization")
-from torchjd.autojac import backward as tj_backward
-from torchjd.autojac import jac_to_grad
 
 SEEDED = {"pcgrad", "random", "graddrop", "gradvac"}  # draw from the generator: same seed, same draws
 SOLVER = {"cagrad", "nash_mtl"}  # a numerical solver on both sides: 1e-4
