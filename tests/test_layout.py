@@ -89,7 +89,7 @@ def test_names_are_not_repeated_across_floors():
     import collections
 
     names = collections.Counter(p.name for p in PKG.rglob("*.py") if p.name != "__init__.py")
-    rooms = {"stats.py"}  # a stage's room keeps its statistics in its own stats.py (hooks/, hooks/per_sample/)
+    rooms = {"stats.py", "stage.py"}  # a stage's room: its own stage.py and stats.py (hooks/per_sample/, hooks/per_loss/)
     assert not [n for n, c in names.items() if c > 1 and n not in rooms], names
     assert not [n for n in names if n[:-3] in sys.stdlib_module_names]
 

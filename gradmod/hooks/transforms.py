@@ -166,7 +166,8 @@ register("centralize", centralize)
 register("norm_clip", norm_clip)
 register("noise", noise)
 
-# The shipped group and per_sample transforms register where they are defined: loaded with
+# The shipped group, per_sample and per_loss transforms register where they are defined: loaded with
 # the element-wise ones, so that names() lists every shipped transform whoever comes first.
 from gradmod.hooks import group as _group  # noqa: E402, F401
 from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: E402, F401
+from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: E402, F401
