@@ -30,25 +30,43 @@ def _checked(rule: str, step: T.Step, key: str, g: Tensor) -> Tensor | None:
     return out
 
 
+def _slots(steps: list[tuple[str, T.Step]]) -> list[tuple[str, int]]:
+    """Each step's (rule, position in the rule's transforms): where its ``log`` rows are batched."""
+    seen: dict[str, int] = {}
+    out = []
+    for rule, _ in steps:
+        out.append((rule, seen.get(rule, 0)))
+        seen[rule] = seen.get(rule, 0) + 1
+    return out
+
+
 def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.Parameter | None):
     """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
-    handed to ``hooks.logs`` (a ``LogBuffer``: computed for all tensors together at the
-    end of backward). The raw gradient goes to ``hooks.ledger`` (a ``RawLedger``) for the
-    non-finite count, before a transform such as clamp can turn inf into a number.
-    Under fp16 (``hooks.grad_scale`` set) the steps see the unscaled gradient, as in
-    fp32, and the result is scaled back for GradScaler; scales are powers of two, so
-    this is exact."""
+    handed to ``hooks.logs`` (a ``LogBuffer``: computed per rule and position for all
+    tensors together at the end of backward). The raw gradient goes to ``hooks.ledger`` (a
+    ``RawLedger``) for the non-finite count, before a transform such as clamp can turn inf
+    into a number. Under fp16 (``hooks.grad_scale`` set) the steps see the unscaled
+    gradient, as in fp32, and the result is scaled back for GradScaler; scales are powers
+    of two, so this is exact."""
     first = True
+    plan = [(rule, step, step.fn if isinstance(step.fn, GradStats) else None, slot)
+            for (rule, step), slot in zip(steps, _slots(steps))]
+    observes_only = all(obs is not None for _, _, obs, _ in plan)
 
-    def hook(grad: Tensor) -> Tensor:
+    def hook(grad: Tensor) -> Tensor | None:
         nonlocal first
         scale = hooks.grad_scale
         g = grad if scale is None else grad.float() * scale.reciprocal()
-        seen: list[tuple[GradStats, Tensor]] = []
+        if observes_only:  # nothing changes the gradient: no result to build
+            if param is None:
+                hooks.ledger.note(key, grad, grad, False)
+            _observe(hooks, [(obs, g, slot) for _, _, obs, slot in plan], grad, param)
+            return None
+        seen: list[tuple[GradStats, Tensor, tuple[str, int]]] = []
         changed = False
-        for rule, step in steps:
-            if isinstance(step.fn, GradStats) and not step.fn.histogram:
-                seen.append((step.fn, g))
+        for rule, step, obs, slot in plan:
+            if obs is not None:
+                seen.append((obs, g, slot))
                 continue
             out = _checked(rule, step, key, g) if first else step(g)
             if out is not None:
@@ -56,10 +74,18 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
         first = False
         result = grad if not changed else g if scale is None else (g * scale).to(grad.dtype)
         hooks.ledger.note(key, grad, result, param is not None)
-        hooks.logs.add(seen, result, param)
+        if seen:
+            _observe(hooks, seen, result, param)
         return result
 
     return hook
+
+
+def _observe(hooks: Any, seen: list, result: Tensor, param: nn.Parameter | None) -> None:
+    for obs, g, _ in seen:
+        if obs.histogram:  # the step before a log point: bin at once (the rows still batch)
+            obs.observe_histogram(g)
+    hooks.logs.add(seen, result, param)
 
 
 def output_hook(chain, rules: list[str], module: str):
