@@ -33,16 +33,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from gradmod.hooks.rules import attach  # noqa: E402
-from gradmod.testing.opcount import OpCounter  # noqa: E402
+from gradmod.hooks.rules import attach
+from gradmod.testing.opcount import OpCounter
 
 SHAPES = ((4, 64), (50, 64), (200, 64), (200, 16), (8, 1024))  # (blocks, width)
 BATCH, LR, READ_EVERY, RUN_STEPS = 32, 0.01, 50, 10

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from gradmod.hooks.reduce import BIG, stat_rows
 from gradmod.hooks.rules import attach

@@ -15,13 +15,15 @@ except ``zclip(on_spike="skip")``, whose answer the loop must read.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from gradmod.hooks.sharded import plain
 from gradmod.hooks.transforms import _number, _positive, register
+from gradmod.hooks.window import Window
 
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
 
@@ -33,27 +35,18 @@ def total_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
 
 
-class NormRecord:
+class NormRecord(Window):
     """Per call: total norm before the transform and clip coefficient, kept on the device;
-    read like a ``log`` window (``take``, ``summarize``, ``state_dict``)."""
-
-    COMPACT_AT = 256  # pending rows folded into one summary, so memory stays bounded
-    label = None
-    pre = None  # never paired with a ``log`` observer
-    histogram = False  # set by HookSet.set_histograms; a record takes none
+    a window of 2-column rows folded into a 5-value summary."""
 
     def __init__(self):
-        self.calls = 0
-        self._rows: list[Tensor] = []
+        super().__init__()
         self._summary: Tensor | None = None  # [norm sum, norm max, coef sum, coef min, clipped calls]
 
-    def add(self, norm: Tensor, coef: Tensor) -> None:
-        self._rows.append(torch.stack([plain(norm).float(), plain(coef).float()]))  # FSDP2: replicated values
-        self.calls += 1
-        if len(self._rows) >= self.COMPACT_AT:
-            self._summary, self._rows = self._fold(), []
+    def add(self, norm: Tensor, coef: Tensor) -> None:  # type: ignore[override]
+        super().add(torch.stack([plain(norm).float(), plain(coef).float()]))  # FSDP2: replicated values
 
-    def _fold(self) -> Tensor | None:
+    def _fold(self) -> Tensor | None:  # type: ignore[override]
         parts = [] if self._summary is None else [self._summary]
         if self._rows:
             r = torch.stack(self._rows)
@@ -65,9 +58,16 @@ class NormRecord:
         return torch.stack([a[0] + b[0], torch.maximum(a[1], b[1]), a[2] + b[2],
                             torch.minimum(a[3], b[3]), a[4] + b[4]])
 
+    def _compact(self) -> None:
+        self._summary, self._rows = self._fold(), []
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._summary = None
+
     def take(self) -> tuple[int, Tensor | None]:
-        out, calls = self._fold(), self.calls
-        self.calls, self._rows, self._summary = 0, [], None
+        out, calls = self._fold(), self.calls  # a summary alone is a window too
+        self._reset()
         return calls, out
 
     @staticmethod

@@ -30,7 +30,7 @@ from torch import Tensor
 # Entries from which a tensor is reduced alone; ATen's parallel grain (32768), so a row
 # reduction of a smaller tensor runs on one thread whatever the matrix around it.
 BIG = 1 << 15
-_LAYOUTS: dict[tuple, "Layout"] = {}
+_LAYOUTS: dict[tuple, Layout] = {}
 
 
 @dataclass

@@ -11,7 +11,7 @@ same numbers.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,7 +58,6 @@ class GradStats(Window):
         self.observe(grad)
         if self.histogram:
             self.observe_histogram(grad)
-        return None
 
     def observe(self, grad: Tensor) -> None:
         """This call's row, by the arithmetic of the batched paths (``stat_rows``), so every

@@ -10,7 +10,8 @@ step with one host sync.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,7 +34,10 @@ class Window:
         self._rows.append(row)
         self.calls += 1
         if len(self._rows) >= self.COMPACT_AT:
-            self._rows = [self._fold()]
+            self._compact()
+
+    def _compact(self) -> None:
+        self._rows = [self._fold()]
 
     @property
     def _sum(self) -> Tensor | None:
