@@ -14,10 +14,12 @@ Five MLPs, ``L x w``: L blocks of ``Linear(w, w)`` + ReLU and a 10-way head, bat
     zclip             zclip() (its defaults), fused
 
 Every contender keeps its statistics every step and reads them every 50 steps
-(``read_stats``), histograms binned in the step before each read, as the trainer does at its
-log points. All contenders of one shape run in one process, in runs of ``RUN_STEPS`` steps,
-the order rotating from round to round; a contender's time is the median of its runs, a
-ratio divides two such medians. Denormal floats are flushed (``torch.set_flush_denormal``):
+(``read_stats``), as the trainer does at its log points with the default (csv) logger. All
+contenders of one shape run in one process, in runs of ``RUN_STEPS`` steps, the order
+rotating from round to round; a contender's time is the median of its runs, a ratio divides
+two such medians. Times are the thread's CPU time (``time.thread_time``; one torch thread,
+so all of the step's work), which a shared machine's other processes inflate far less than
+the wall clock; the wall-clock medians are recorded beside them. Denormal floats are flushed (``torch.set_flush_denormal``):
 the deep models' gradients shrink through the denormal range, where CPU arithmetic is slow
 for the bare step as much as for the rules, and would hide what the rules cost.
 
@@ -83,8 +85,6 @@ class Contender:
 
     def step(self) -> None:
         self.steps += 1
-        if self.watch:
-            self.hooks.set_histograms(self.steps % READ_EVERY == 0)  # the step before a read
         self.opt.zero_grad(set_to_none=True)
         F.cross_entropy(self.model(self.x), self.y).backward()
         if self.hooks.has_fused:
@@ -99,7 +99,7 @@ class Contender:
 
 
 def ops_per_step(c: Contender) -> int:
-    """Aten ops of one step that neither bins nor reads (the 49 steps of 50 that do not)."""
+    """Aten ops of one step that does not read (the 49 steps of 50)."""
     while (c.steps + 1) % READ_EVERY in (0, 1):
         c.step()
     with OpCounter() as ops:
@@ -117,15 +117,17 @@ def measure_shape(blocks: int, width: int, rounds: int, run_steps: int, log=prin
         c.run(run_steps)  # warm-up
     names = list(contenders)
     seconds: dict[str, list[float]] = {n: [] for n in names}
+    wall: dict[str, list[float]] = {n: [] for n in names}
     gc.collect()
     gc.disable()  # a collection inside one contender's run would charge it alone
     try:
         for r in range(rounds):
             shift = r % len(names)
             for name in names[shift:] + names[:shift]:
-                t0 = time.perf_counter()
+                t0, w0 = time.thread_time(), time.perf_counter()
                 contenders[name].run(run_steps)
-                seconds[name].append((time.perf_counter() - t0) / run_steps)
+                seconds[name].append((time.thread_time() - t0) / run_steps)
+                wall[name].append((time.perf_counter() - w0) / run_steps)
     finally:
         gc.enable()
     bare = statistics.median(seconds["bare"])
@@ -134,7 +136,7 @@ def measure_shape(blocks: int, width: int, rounds: int, run_steps: int, log=prin
     for name in names:
         med = statistics.median(seconds[name])
         rows[name] = {"ms": 1000 * med, "x_bare": med / bare, "ops": ops[name], "ops_over_bare": ops[name] - ops["bare"],
-                      "runs_ms": [1000 * s for s in seconds[name]]}
+                      "wall_ms": 1000 * statistics.median(wall[name]), "runs_ms": [1000 * s for s in seconds[name]]}
         if name in TARGETS:
             rows[name].update(target=TARGETS[name], met=med / bare <= TARGETS[name])
     log(f"  scale {blocks}x{width} ({tensors} tensors) done", flush=True)
@@ -142,14 +144,17 @@ def measure_shape(blocks: int, width: int, rounds: int, run_steps: int, log=prin
 
 
 def measure(rounds: int, run_steps: int = RUN_STEPS, shapes=SHAPES, log=print) -> dict:
-    """Every shape's table; denormals flushed while it runs (see the module's note)."""
-    before = torch.set_flush_denormal(True)
+    """Every shape's table, on one torch thread with denormals flushed (see the module's note)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
     try:
         out = {f"{b}x{w}": measure_shape(b, w, rounds, run_steps, log) for b, w in shapes}
     finally:
-        torch.set_flush_denormal(False) if before else None
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
     return {"batch": BATCH, "read_every": READ_EVERY, "run_steps": run_steps, "rounds": rounds,
-            "threads": torch.get_num_threads(), "shapes": out}
+            "threads": 1, "clock": "thread_time", "shapes": out}
 
 
 def table(scale: dict) -> str:
@@ -175,7 +180,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--run-steps", type=int, default=RUN_STEPS, help=f"steps per timed run (default {RUN_STEPS})")
     p.add_argument("--shapes", default=",".join(f"{b}x{w}" for b, w in SHAPES), help="comma-separated LxW")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     scale = measure(args.rounds, args.run_steps, shapes)
     print(table(scale))

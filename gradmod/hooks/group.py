@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks.sharded import plain
+from gradmod.hooks.reduce import BIG
+from gradmod.hooks.sharded import is_sharded, plain
 from gradmod.hooks.transforms import _number, _positive, register
 from gradmod.hooks.window import Window
 
@@ -139,12 +140,13 @@ def _norm_type(transform: str, value: Any) -> float:
     return v
 
 
-def unit_norms(x: Tensor, norm_type: float = 2.0) -> Tensor:
+def unit_norms(x: Tensor, norm_type: float = 2.0, stacked: bool = False) -> Tensor:
     """Norm per output unit (over every dim but the first, kept for broadcasting);
-    a vector or scalar as a whole."""
-    if x.dim() <= 1:
-        return torch.linalg.vector_norm(x, norm_type)
-    return torch.linalg.vector_norm(x, norm_type, dim=tuple(range(1, x.dim())), keepdim=True)
+    a vector or scalar as a whole. ``stacked``: ``x`` is [k, *shape], k tensors' norms."""
+    lead = 1 if stacked else 0
+    if x.dim() <= 1 + lead:
+        return torch.linalg.vector_norm(x, norm_type, dim=tuple(range(lead, x.dim())), keepdim=stacked)
+    return torch.linalg.vector_norm(x, norm_type, dim=tuple(range(1 + lead, x.dim())), keepdim=True)
 
 
 class AGC(GroupTransform):
@@ -163,10 +165,29 @@ class AGC(GroupTransform):
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
         before = total_norm(grads)
-        for p, g in zip(params, grads):  # unit-wise norms have no foreach form
-            limit = unit_norms(p.detach(), self.norm_type).clamp_min(self.eps).mul_(self.clip_factor)
-            g.mul_((limit / unit_norms(g, self.norm_type).clamp_min(EPS)).clamp_max(1.0))
+        for ps, gs in _by_shape(params, grads):
+            if len(gs) == 1:
+                gs[0].mul_(self._coef(ps[0].detach(), gs[0]))
+            else:  # one set of unit-norm ops for all tensors of this shape (unit norms have no foreach form)
+                coef = self._coef(torch.stack([p.detach() for p in ps]), torch.stack(gs), stacked=True)
+                torch._foreach_mul_(gs, list(coef.unbind(0)))
         self.record.add(before, total_norm(grads) / (before + EPS))
+
+    def _coef(self, p: Tensor, g: Tensor, stacked: bool = False) -> Tensor:
+        """Each unit's factor min(1, clip_factor * max(|w|, eps) / max(|g|, 1e-6))."""
+        limit = unit_norms(p, self.norm_type, stacked).clamp_min(self.eps).mul_(self.clip_factor)
+        return (limit / unit_norms(g, self.norm_type, stacked).clamp_min(EPS)).clamp_max(1.0)
+
+
+def _by_shape(params: list[Tensor], grads: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:
+    """(params, grads) per shape; big or 0-d tensors alone (stacking them would copy much, or nothing to stack)."""
+    groups: dict[Any, tuple[list[Tensor], list[Tensor]]] = {}
+    for i, (p, g) in enumerate(zip(params, grads)):
+        key = i if g.numel() >= BIG or g.dim() == 0 or is_sharded(g) else (tuple(g.shape), g.dtype)
+        groups.setdefault(key, ([], []))
+        groups[key][0].append(p)
+        groups[key][1].append(g)
+    return list(groups.values())
 
 
 class ZClip(GroupTransform):
