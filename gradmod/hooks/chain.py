@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import transforms as T
+from gradmod.hooks.log_buffer import in_distributed
 from gradmod.hooks.stats import GradStats
 
 
@@ -52,10 +54,14 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
     plan = [(rule, step, step.fn if isinstance(step.fn, GradStats) else None, slot)
             for (rule, step), slot in zip(steps, _slots(steps))]
     observes_only = all(obs is not None for _, _, obs, _ in plan)
+    defer = _deferrable(steps, param)
 
     def hook(grad: Tensor) -> Tensor | None:
         nonlocal first
         scale = hooks.grad_scale
+        if defer is not None and scale is None and defer(param):
+            hooks.logs.defer(steps, param, key, hooks.ledger)
+            return None
         g = grad if scale is None else grad.float() * scale.reciprocal()
         if observes_only:  # nothing changes the gradient: no result to build
             if param is None:
@@ -68,7 +74,7 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
             if obs is not None:
                 seen.append((obs, g, slot))
                 continue
-            out = _checked(rule, step, key, g) if first else step(g)
+            out = _checked(rule, step, key, g) if first else step.fn(g)
             if out is not None:
                 g, changed = out, True
         first = False
@@ -79,6 +85,32 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
         return result
 
     return hook
+
+
+def _deferrable(steps: list[tuple[str, T.Step]], param: nn.Parameter | None):
+    """For a parameter whose chain is only transforms with an in-place foreach form: a test
+    of whether this call may leave the gradient to autograd and transform ``.grad`` in place
+    at the end of backward instead (one foreach op per step for all such tensors, no copy
+    per tensor). It may when ``.grad`` is empty, so that it will hold exactly this gradient,
+    and nothing looks at ``.grad`` before backward ends: this backward accumulates into it
+    (not ``autograd.grad``), builds no graph of its own, no other hook follows on the
+    parameter, and no DDP reducer reads it. Else the chain runs in the hook as usual."""
+    if param is None or not param.requires_grad or not steps:
+        return None
+    if not all(not isinstance(s.fn, GradStats) and not s.group and s.inplace is not None for _, s in steps):
+        return None
+    acc = param.view_as(param).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
+
+    def may(p: nn.Parameter) -> bool:
+        if p.grad is not None or torch.is_grad_enabled() or p._post_accumulate_grad_hooks is not None \
+                or len(p._backward_hooks or ()) != 1 or in_distributed():
+            return False
+        try:
+            return torch._C._will_engine_execute_node(acc)
+        except RuntimeError:  # autograd.grad(): nothing is accumulated
+            return False
+
+    return may
 
 
 def _observe(hooks: Any, seen: list, result: Tensor, param: nn.Parameter | None) -> None:

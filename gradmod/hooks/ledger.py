@@ -29,11 +29,8 @@ class RawLedger:
 
     def note(self, key: str, raw: Tensor, result: Tensor, is_param: bool) -> None:
         """One chain call on ``key``: ``raw`` came in, ``result`` went out."""
-        if not self.armed:
+        if not self.keeping():
             return
-        if not self.consumer and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         if not is_param:
             self.counted.append((key, torch.count_nonzero(raw * 0)))  # inf * 0 and nan * 0 are nan
         elif result is not raw:
@@ -46,6 +43,19 @@ class RawLedger:
         self.consumer = self.armed = True
         self.raw, self.counted, self.replaced = [], [], set()
         return out
+
+    def keeping(self) -> bool:
+        """Whether to keep what this backward's chains replace (counts the backward passes
+        while no one has taken)."""
+        if self.armed and not self.consumer and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        return self.armed
+
+    def add_counts(self, keys: list[str], counts: list[Tensor]) -> None:
+        """Counts of raw gradients a chain transformed in place in ``.grad`` (``keys``: parameters)."""
+        self.counted.extend(zip(keys, counts))
+        self.replaced.update(keys)
 
     def _backward_done(self) -> None:
         self._queued = False

@@ -29,6 +29,30 @@ class LogBuffer:
 
     def __init__(self) -> None:
         self._slots: dict[Slot, tuple[list[GradStats], list[Any]]] = {}  # slot -> (observers, sources)
+        self._deferred: dict[tuple, tuple[list, list[nn.Parameter], list[str]]] = {}  # chain -> (steps, params, keys)
+        self.ledger = None  # the raw-gradient ledger, told of what deferred chains replace
+
+    def _queue(self) -> None:
+        if not self._slots and not self._deferred:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def defer(self, steps: list, param: nn.Parameter, key: str, ledger) -> None:
+        """A chain of in-place-able transforms, applied to ``param.grad`` at the end of
+        backward, with every parameter of the same rules and steps in one foreach op each."""
+        self._queue()
+        self.ledger = ledger
+        group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
+        entry = self._deferred.setdefault(group, (steps, [], []))
+        entry[1].append(param)
+        entry[2].append(key)
+
+    def _run_deferred(self, deferred: dict) -> None:
+        for steps, params, keys in deferred.values():
+            grads = [p.grad for p in params]
+            if self.ledger is not None and self.ledger.keeping():  # the raw count, before the transforms
+                self.ledger.add_counts(keys, torch._foreach_norm(torch._foreach_mul(grads, 0), 0))  # inf*0, nan*0: nan
+            for _, step in steps:
+                step.inplace(grads)
 
     def add(self, seen: list[tuple[GradStats, Tensor, Slot]], result: Tensor, param: nn.Parameter | None) -> None:
         """One chain call's observations in chain order; ``result`` is what the chain
@@ -37,8 +61,7 @@ class LogBuffer:
             for obs, t, _ in seen:
                 obs.observe(t)
             return
-        if not self._slots:
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self._queue()
         # Holding the tensor autograd is about to store in an empty .grad would make it copy
         # the tensor; read that one from .grad at the end of backward instead.
         steal = param is not None and param.grad is None and not in_distributed()
@@ -50,8 +73,9 @@ class LogBuffer:
     def flush(self) -> None:
         """End of backward: each slot's rows, computed together (``pre`` slots come first,
         as in the chains)."""
-        slots = list(self._slots.values())
+        slots, deferred = list(self._slots.values()), self._deferred
         self.clear()
+        self._run_deferred(deferred)
         done: set[int] = set()
         for j, (observers, sources) in enumerate(slots):
             if j in done:
@@ -66,7 +90,7 @@ class LogBuffer:
             observe_pairs(observers, tensors, posts, [s.grad if isinstance(s, nn.Parameter) else s for s in after])
 
     def clear(self) -> None:
-        self._slots = {}
+        self._slots, self._deferred = {}, {}
 
 
 def _partner(slots: list, j: int) -> int | None:
