@@ -112,9 +112,9 @@ def measure_shape(blocks: int, width: int, rounds: int, run_steps: int, log=prin
     init = mlp(blocks, width)
     x, y = torch.randn(BATCH, width), torch.randint(0, 10, (BATCH,))
     contenders = {name: Contender(name, init, x, y) for name in CONTENDERS}
-    ops = {name: ops_per_step(c) for name, c in contenders.items()}
     for c in contenders.values():
         c.run(run_steps)  # warm-up
+    ops = {name: ops_per_step(c) for name, c in contenders.items()}  # in the steady state
     names = list(contenders)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     wall: dict[str, list[float]] = {n: [] for n in names}

@@ -76,7 +76,9 @@ def test_scale_section_times_every_contender_beside_its_ops(capsys):
         for name, r in rows.items():
             assert r["ms"] > 0 and r["wall_ms"] > 0 and r["ops"] >= rows["bare"]["ops"], name
             assert ("met" in r) == (name in bench.scale.TARGETS)
-        assert rows["clamp_hook"]["ops_over_bare"] == s["tensors"]  # one clamp per tensor
+        # clamp_min_ and clamp_max_ over every .grad at the end of backward (and, in the first two
+        # backward passes, the raw non-finite count, until the ledger sees nobody takes it)
+        assert rows["clamp_hook"]["ops_over_bare"] <= 4
     print(bench.scale.table(out))
     assert "clip_logged" in capsys.readouterr().out
     assert bench.parse_args(["--sections", "scale"]).sections == ["scale"]

@@ -55,12 +55,13 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
             for (rule, step), slot in zip(steps, _slots(steps))]
     observes_only = all(obs is not None for _, _, obs, _ in plan)
     defer = _deferrable(steps, param)
+    group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
 
     def hook(grad: Tensor) -> Tensor | None:
         nonlocal first
         scale = hooks.grad_scale
         if defer is not None and scale is None and defer(param):
-            hooks.logs.defer(steps, param, key, hooks.ledger)
+            hooks.logs.defer(group, steps, param, key, hooks.ledger)
             return None
         g = grad if scale is None else grad.float() * scale.reciprocal()
         if observes_only:  # nothing changes the gradient: no result to build

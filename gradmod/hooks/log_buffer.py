@@ -36,13 +36,16 @@ class LogBuffer:
         if not self._slots and not self._deferred:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
-    def defer(self, steps: list, param: nn.Parameter, key: str, ledger) -> None:
+    def defer(self, group: tuple, steps: list, param: nn.Parameter, key: str, ledger) -> None:
         """A chain of in-place-able transforms, applied to ``param.grad`` at the end of
-        backward, with every parameter of the same rules and steps in one foreach op each."""
-        self._queue()
-        self.ledger = ledger
-        group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
-        entry = self._deferred.setdefault(group, (steps, [], []))
+        backward, with every parameter of the same rules and steps (``group``) in one
+        foreach op each."""
+        if not self._deferred:
+            self._queue()
+            self.ledger = ledger
+        entry = self._deferred.get(group)
+        if entry is None:
+            entry = self._deferred[group] = (steps, [], [])
         entry[1].append(param)
         entry[2].append(key)
 
