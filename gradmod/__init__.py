@@ -2,14 +2,31 @@
 
 The hook core (``gradmod.hooks``: transforms, rules, statistics) imports torch only, so
 ``gradmod.attach`` works in any training loop; the Hydra runner lives in ``gradmod.app``.
+The names below load on first use, so that the command line checks a config before torch loads.
 """
 
-from gradmod.capture import FeatureExtractor, Recorder, grad_cam, list_hooks, summary, trace_shapes
-from gradmod.hooks import HookSet, attach, transforms
-from gradmod.weight_init import apply_init
+from __future__ import annotations
 
-__all__ = [
-    "FeatureExtractor", "HookSet", "Recorder", "apply_init", "attach", "grad_cam", "list_hooks",
-    "summary", "trace_shapes", "transforms",
-]
-__version__ = "0.2.0"
+import importlib
+from typing import Any
+
+_HOMES = {
+    "FeatureExtractor": "gradmod.capture", "Recorder": "gradmod.capture", "grad_cam": "gradmod.capture",
+    "list_hooks": "gradmod.capture", "summary": "gradmod.capture", "trace_shapes": "gradmod.capture",
+    "HookSet": "gradmod.hooks", "attach": "gradmod.hooks", "transforms": "gradmod.hooks",
+    "apply_init": "gradmod.weight_init",
+}
+__all__ = sorted(_HOMES)
+__version__ = "0.3.0.dev0"  # the one version source (pyproject reads it)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'gradmod' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

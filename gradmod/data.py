@@ -21,20 +21,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gradmod.labels import Labels
+
 log = logging.getLogger(__name__)
 
-DATASETS = ("mnist", "mnist_sample", "fake")
+DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text")
 
 
 @dataclass(frozen=True)
 class Data:
-    """Train and test tensors. Images are uint8 (scaled to [0, 1] per batch) or float."""
+    """Train and test tensors. Images are uint8 (scaled to [0, 1] per batch) or float;
+    token ids int64. Labels: one tensor, or ``Labels`` by task (``multi_mnist``)."""
 
     name: str  # the dataset really used, e.g. "mnist_sample" after an offline fallback
     train_x: Tensor
-    train_y: Tensor
+    train_y: Tensor | Labels
     test_x: Tensor
-    test_y: Tensor
+    test_y: Tensor | Labels
     num_classes: int = 10
 
     @property
@@ -45,7 +48,7 @@ class Data:
     def image_size(self) -> int:
         return self.train_x.shape[-1]
 
-    def to(self, device: torch.device | str) -> "Data":
+    def to(self, device: torch.device | str) -> Data:
         return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
                        test_x=self.test_x.to(device), test_y=self.test_y.to(device))
 
@@ -152,9 +155,61 @@ def _warn_fallback(data_dir: Path, reason: str) -> None:
         pass  # a read-only data folder: the full warning each time
 
 
+CANVAS = 36  # MultiMNIST's image side
+SHIFT = CANVAS - 28  # how far a digit may move from its corner
+
+
+def overlay_pairs(images: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> tuple[Tensor, Labels]:
+    """MultiMNIST (Sener and Koltun 2018): each digit with a random other one, one in the
+    upper left and the other in the lower right of a 36 x 36 canvas, each moved by up to
+    ``SHIFT // 2`` pixels from its corner, overlaid by the brighter pixel; labels ``left``
+    (the upper-left digit) and ``right``."""
+    n = len(images)
+    partner = (np.arange(n) + rng.integers(1, n, size=n)) % n  # another image, never the same one
+    shifts = rng.integers(0, SHIFT // 2 + 1, size=(n, 4))  # (left row, left col, right row, right col)
+    canvas = np.zeros((n, 1, CANVAS, CANVAS), dtype=np.uint8)
+    for i in range(n):
+        r, c = shifts[i, 0], shifts[i, 1]
+        canvas[i, :, r:r + 28, c:c + 28] = images[i]
+        r, c = SHIFT - shifts[i, 2], SHIFT - shifts[i, 3]
+        np.maximum(canvas[i, :, r:r + 28, c:c + 28], images[partner[i]], out=canvas[i, :, r:r + 28, c:c + 28])
+    t = torch.from_numpy
+    return t(canvas), Labels({"left": t(labels), "right": t(labels[partner])})
+
+
+def load_multi_mnist(seed: int = 0, n_test: int = 1000) -> Data:
+    """MultiMNIST made from the bundled digits, offline: the train and test canvases are
+    drawn from ``mnist_sample``'s train and test digits (no digit in both), all from ``seed``."""
+    train_x, train_y, test_x, test_y = load_mnist_sample(seed, n_test)
+    rng = np.random.default_rng([seed, 36])
+    train = overlay_pairs(train_x.numpy(), train_y.numpy(), rng)
+    test = overlay_pairs(test_x.numpy(), test_y.numpy(), rng)
+    return Data("multi_mnist", *train, *test)
+
+
+TEXT = Path(__file__).with_name("texts") / "lighthouse.txt"  # a short original story, bundled
+
+
+def load_char_text(seq_len: int = 32, stride: int = 8, test_share: float = 0.1) -> Data:
+    """Next-character prediction on the bundled text: windows of ``seq_len`` character ids
+    every ``stride`` characters, each labelled with the window one character later; the
+    text's last ``test_share`` gives the test windows. Classes: the text's characters."""
+    text = TEXT.read_text()
+    vocab = sorted(set(text))
+    ids = torch.tensor([vocab.index(ch) for ch in text])
+    cut = int(len(ids) * (1 - test_share))
+
+    def windows(part: Tensor) -> tuple[Tensor, Tensor]:
+        starts = torch.arange(0, len(part) - seq_len, stride)
+        index = starts[:, None] + torch.arange(seq_len)
+        return part[index], part[index + 1]
+
+    return Data("char_text", *windows(ids[:cut]), *windows(ids[cut:]), num_classes=len(vocab))
+
+
 def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: bool = True,
               n_test: int = 1000, **fake: int) -> Data:
-    """Load a dataset by name (``mnist``, ``mnist_sample``, ``fake``) on the CPU."""
+    """Load a dataset by name (``DATASETS``) on the CPU."""
     if name == "mnist":
         try:
             return _mnist(data_dir)
@@ -169,4 +224,8 @@ def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: boo
         return Data("mnist_sample", *load_mnist_sample(seed, n_test))
     if name == "fake":
         return _fake(seed, **fake)
+    if name == "multi_mnist":
+        return load_multi_mnist(seed, n_test)
+    if name == "char_text":
+        return load_char_text(**fake)
     raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")

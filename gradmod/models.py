@@ -7,6 +7,8 @@ gradients need). The MNIST CNN has no normalisation layer: ``norm`` changes noth
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
@@ -32,6 +34,47 @@ class MnistCNN(nn.Module):
         return self.l1(h.flatten(1))
 
 
+class MultiLeNet(nn.Module):
+    """MultiMNIST's shared-trunk LeNet (after Sener and Koltun 2018): ``trunk`` (two 5x5
+    convs with max-pooling and a Linear to 50 features), shared by the heads ``left`` and
+    ``right`` (two Linear layers each); forward returns ``{"left": logits, "right": logits}``.
+    Sized for 36x36 inputs."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, tasks: tuple[str, ...] = ("left", "right")):
+        super().__init__()
+        self.trunk = nn.Sequential(OrderedDict(
+            conv1=nn.Conv2d(in_channels, 10, kernel_size=5), pool1=nn.MaxPool2d(2), relu1=nn.ReLU(),
+            conv2=nn.Conv2d(10, 20, kernel_size=5), pool2=nn.MaxPool2d(2), relu2=nn.ReLU(),
+            flat=nn.Flatten(), fc=nn.Linear(20 * 6 * 6, 50), relu3=nn.ReLU()))
+        self.tasks = tasks
+        for task in tasks:
+            self.add_module(task, nn.Sequential(nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, num_classes)))
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        h = self.trunk(x)
+        return {task: getattr(self, task)(h) for task in self.tasks}
+
+
+class CharLM(nn.Module):
+    """A small causal character model: an embedding, two causal 1-D convolutions (each
+    position sees itself and the ``context - 1`` before it) and a Linear to the characters.
+    Input N x T character ids; output N x classes x T logits (as ``cross_entropy`` takes
+    them with N x T targets)."""
+
+    def __init__(self, num_classes: int, width: int = 64, context: int = 4):
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(num_classes, width)
+        self.conv1 = nn.Conv1d(width, width, kernel_size=context)
+        self.conv2 = nn.Conv1d(width, width, kernel_size=context)
+        self.fc = nn.Conv1d(width, num_classes, kernel_size=1)  # per position: a Linear over the features
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x).transpose(1, 2)  # N x width x T
+        h = F.relu(self.conv1(F.pad(h, (self.context - 1, 0))))  # left padding: no look ahead
+        h = F.relu(self.conv2(F.pad(h, (self.context - 1, 0))))
+        return self.fc(h)
+
 
 NORMS = ("batch", "group")
 
@@ -53,7 +96,7 @@ def _resnet(name: str, in_channels: int, num_classes: int, image_size: int, norm
     return model
 
 
-MODELS = ("mnist_cnn", "resnet18", "resnet50")
+MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm")
 
 
 def build_model(name: str, in_channels: int = 1, num_classes: int = 10, image_size: int = 28,
@@ -66,6 +109,13 @@ def build_model(name: str, in_channels: int = 1, num_classes: int = 10, image_si
             raise ValueError(f"model 'mnist_cnn' needs 28x28 images, got {image_size}x{image_size}; "
                              "use data=mnist or data=mnist_sample, or model=resnet18")
         return MnistCNN(in_channels, num_classes)
+    if name == "multi_lenet":
+        if image_size != 36:
+            raise ValueError(f"model 'multi_lenet' needs 36x36 images, got {image_size}x{image_size}; "
+                             "use data=multi_mnist")
+        return MultiLeNet(in_channels, num_classes)
+    if name == "char_lm":
+        return CharLM(num_classes)
     if name in ("resnet18", "resnet50"):
         return _resnet(name, in_channels, num_classes, image_size, norm)
     raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")

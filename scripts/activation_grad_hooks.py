@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     net.activation_hooks = None
     rules = {"no_negative": {"modules": "relu", "transforms": ["min_zero"]}}
     with gradmod.attach(net, rules) as hooks, Recorder(net, ["relu", "conv"]) as rec:
-        print("   plan:", hooks.plan)
+        print("   plan:", hooks.chains)
         net(image).sum().backward()
         relu_negative = bool((rec.grad("relu") < 0).any())
         conv_negative = bool((rec.grad("conv") < 0).any())

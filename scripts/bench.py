@@ -14,21 +14,25 @@ Sections:
   epoch  one training epoch with the article's clip hook (clamp to [-0.01, 0.01]):
          article  torchvision MNIST (the bundled sample written in MNIST's file format),
                   DataLoader(batch 100, shuffle) with Resize(28) + ToTensor, loss.item() per step
-         gradmod  gradmod.training.trainer.train_epoch on device-resident data, clip rule (hook stage)
+         gradmod  gradmod.training.trainer.bare_epoch on device-resident data, clip rule (hook stage)
          floor    forward, backward, optimizer step on batches already in memory, no hooks
   eval   article's batch-size-1 loop (DataLoader + ToTensor, .item() per image) against
          gradmod.training.trainer.evaluate (batched, trainer.eval_batch_size)
-  step   one epoch of gradmod.training.trainer.train_epoch with: no hooks; clip as hook stage; clip as
+  step   one epoch of gradmod.training.trainer.bare_epoch with: no hooks; clip as hook stage; clip as
          fused stage; torch.nn.utils.clip_grad_value_ after backward; global_norm_clip (fused);
          log read every step; log read every 50 steps; clip_logged (log, clamp, log) read every 50 steps
   ops    aten ops dispatched in one optimizer step of each contender (gradmod.testing.opcount.OpCounter),
          with the trainer's non-finite guard; deterministic, so the same on every machine
   scale  how each rule's cost grows with the model: five MLPs (4x64 ... 8x1024 Linear+ReLU blocks), batch 32,
          one thread, SGD, every rule on "*", ratios to the bare step and ops per step (scripts/bench_scale.py)
-  per_sample  one DP-SGD step at batch 64 (clip 1, noise 1) on Opacus' MNIST example net and a
+  per_sample  one DP-SGD step (clip 1, noise 1) on Opacus' MNIST example net, resnet18-GN, a small transformer and a
          784-512-512-10 MLP: plain step, Opacus (default and ghost mode, if installed), gradmod's
          per_sample stage; and each contender's peak memory, in a fresh process
          (see scripts/bench_per_sample.py)
+  per_loss  one multi-task step at batch 64: the sum of the losses (plain), torchjd 0.18 (mtl_backward +
+         jac_to_grad) and gradmod's per_loss stage with the same method, on a 784-512-512 trunk with
+         5 heads and a LeNet-like conv trunk with 2 heads; gradmod's modules mode and famo against plain;
+         each contender's peak memory in a fresh process (see scripts/bench_per_loss.py)
 """
 
 from __future__ import annotations
@@ -52,23 +56,25 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample section beside it
 
+import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 import bench_scale as scale  # noqa: E402
+
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
-from gradmod.hooks.rules import attach  # noqa: E402
+from gradmod.hooks import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
-from gradmod.run.runner import resolve_device  # noqa: E402
+from gradmod.run.setup import resolve_device  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402
 from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402
-from gradmod.training.trainer import evaluate, train_epoch  # noqa: E402
+from gradmod.training.trainer import bare_epoch, evaluate  # noqa: E402
 
 BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "scale")
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "scale")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # scale takes long: asked for by name
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
@@ -91,11 +97,24 @@ RATIOS = [
     ("per_sample_mlp_over_opacus", "per_sample.mlp.gradmod", "per_sample.mlp.opacus", "<= 0.1", lambda r: r <= 0.1),
     ("per_sample_mlp_over_opacus_ghost", "per_sample.mlp.gradmod", "per_sample.mlp.opacus_ghost", "< 1", lambda r: r < 1),
     ("per_sample_mnist_over_plain", "per_sample.mnist.gradmod", "per_sample.mnist.plain", None, None),
+    ("per_sample_resnet18gn_over_plain", "per_sample.resnet18gn.gradmod", "per_sample.resnet18gn.plain", "<= 2.2",
+     lambda r: r <= 2.2),
+    ("per_sample_transformer_over_plain", "per_sample.transformer.gradmod", "per_sample.transformer.plain", "<= 1.6",
+     lambda r: r <= 1.6),
     ("per_sample_mlp_over_plain", "per_sample.mlp.gradmod", "per_sample.mlp.plain", None, None),
     ("opacus_mlp_over_plain", "per_sample.mlp.opacus", "per_sample.mlp.plain", None, None),
     ("opacus_ghost_mlp_over_plain", "per_sample.mlp.opacus_ghost", "per_sample.mlp.plain", None, None),
 ]
-UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH}  # images per item of these units
+for _m in per_loss.MODELS:  # every Gramian method <= 0.7x torchjd's step; modules <= 1.3x plain; famo <= 1.05x
+    RATIOS += [(f"per_loss_{_m}_{x}_over_torchjd", f"per_loss.{_m}.gradmod_{x}", f"per_loss.{_m}.torchjd_{x}", "<= 0.7",
+                lambda r: r <= 0.7) for x in per_loss.METHODS]
+    RATIOS += [(f"per_loss_{_m}_modules_over_plain", f"per_loss.{_m}.gradmod_modules", f"per_loss.{_m}.plain", "<= 1.3",
+                lambda r: r <= 1.3),
+               (f"per_loss_{_m}_famo_over_plain", f"per_loss.{_m}.gradmod_famo", f"per_loss.{_m}.plain", "<= 1.05",
+                lambda r: r <= 1.05)]
+    RATIOS += [(f"per_loss_{_m}_torchjd_{x}_over_plain", f"per_loss.{_m}.torchjd_{x}", f"per_loss.{_m}.plain", None, None)
+               for x in ("upgrad", "mgda", "pcgrad")]
+UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}  # images per item of these units
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
 
 
@@ -223,7 +242,7 @@ class Bench:
 
         def run():
             for _ in range(epochs):
-                train_epoch(net, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen,
+                bare_epoch(net, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen,
                             hooks=hooks, on_step=on_step)
                 if read_every is not None:
                     hooks.read_stats()  # the trainer reads the rest of the window at the epoch's end
@@ -233,8 +252,12 @@ class Bench:
         model, opt, _ = self.model()
         params = list(model.parameters())
 
-        class AfterBackward:  # what train_epoch calls between backward and the optimizer step
-            has_fused = True
+        class AfterBackward:  # what bare_epoch calls for backward and before the optimizer step
+            needs_after_backward = True
+
+            @staticmethod
+            def backward(loss):
+                loss.backward()
 
             @staticmethod
             def after_backward():
@@ -243,7 +266,7 @@ class Bench:
         gen = torch.Generator().manual_seed(0)
 
         def run():
-            train_epoch(model, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen, hooks=AfterBackward)
+            bare_epoch(model, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen, hooks=AfterBackward)
         return run
 
     def floor(self) -> Callable[[], None]:
@@ -287,6 +310,9 @@ class Bench:
         steps = 1 if self.args.quick else per_sample.STEPS
         for name in per_sample.names():
             table[f"per_sample.{name}"] = (lambda name=name: per_sample.setup(name, steps), steps, "dp_step")
+        steps = 1 if self.args.quick else per_loss.STEPS
+        for name in per_loss.names():
+            table[f"per_loss.{name}"] = (lambda name=name: per_loss.setup(name, steps), steps, "mtl_step")
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -299,16 +325,18 @@ def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dic
     gc.freeze()  # set-up objects out of the collector's way: collecting before each run is then cheap
     names = list(runs)
     seconds: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}  # the process's CPU time: steadier on a shared machine
     for r in range(-warmup, repeats):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:  # rotate the order each repeat
             gc.collect()
             sync(bench.device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             runs[name]()
             sync(bench.device)
             if r >= 0:
                 seconds[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
         log(f"  {'warm-up' if r < 0 else f'repeat {r + 1}/{repeats}'} done", flush=True)
     gc.unfreeze()
     results = {}
@@ -317,7 +345,8 @@ def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dic
         med = statistics.median(s)
         images = items * UNIT_IMAGES.get(unit, 1)
         results[name] = {"section": name.split(".")[0], "seconds": s, "median_s": med, "min_s": min(s),
-                         "max_s": max(s), "items": items, "unit": unit, "per_item_ms": 1000 * med / items,
+                         "max_s": max(s), "cpu_seconds": cpu[name], "median_cpu_s": statistics.median(cpu[name]),
+                         "items": items, "unit": unit, "per_item_ms": 1000 * med / items,
                          "images_per_s": images / med}
     return results
 
@@ -331,7 +360,7 @@ OP_CONTENDERS = {  # name -> (rules, stage, non-finite guard); "bare" is the bas
 
 def op_counts(bench: Bench) -> dict[str, dict]:
     """Aten ops of one optimizer step (batch 100) per contender, after one warm-up step.
-    ``floor``: forward, backward and Adam's step in a plain loop; ``bare``: train_epoch
+    ``floor``: forward, backward and Adam's step in a plain loop; ``bare``: bare_epoch
     without hooks or non-finite guard; the others run with the trainer's guard (warn).
     ``over_bare``: ops beyond ``bare``, the measure the op budgets use."""
     xb, yb = bench.train_x[:BATCH], bench.train_y[:BATCH]
@@ -349,9 +378,9 @@ def op_counts(bench: Bench) -> dict[str, dict]:
         model, opt, hooks = bench.model(rules, stage)
         kw = dict(batch_size=BATCH, generator=torch.Generator().manual_seed(0), hooks=hooks,
                   guard=NonFiniteGuard(model, hooks, "warn") if guard else None)
-        train_epoch(model, opt, xb, yb, **kw)
+        bare_epoch(model, opt, xb, yb, **kw)
         with OpCounter() as ops:
-            train_epoch(model, opt, xb, yb, **kw)
+            bare_epoch(model, opt, xb, yb, **kw)
         hooks.remove()
         tensors = len(list(model.parameters()))
         bare = out.get("bare", {"ops": ops.count})["ops"]
@@ -369,18 +398,41 @@ def ops_table(ops: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def clock(result: dict) -> str:
+    """The median a ratio divides: the per_loss section's single-threaded steps compare CPU
+    time (on a shared machine wall time mostly measures the neighbours); the rest wall time."""
+    return "median_cpu_s" if result["section"] == "per_loss" and result["unit"] == "mtl_step" else "median_s"
+
+
 def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:
     out = {}
     for name, num, den, target, test in RATIOS:
         if num not in results or den not in results:
             continue
-        value = results[num]["median_s"] / results[den]["median_s"]
-        entry = {"value": value, "numerator": num, "denominator": den}
+        key = clock(results[num])
+        value = results[num][key] / results[den][key]
+        entry = {"value": value, "numerator": num, "denominator": den, "clock": key}
         if target is not None:
             entry.update(target=target, met=bool(test(value)))
         out[name] = entry
     if device.type == "cuda" and GPU_TARGET[0] in out:
         out[GPU_TARGET[0]].update(target=GPU_TARGET[1], met=bool(GPU_TARGET[2](out[GPU_TARGET[0]]["value"])))
+    return out
+
+
+def per_loss_memory(log=print) -> dict[str, dict]:
+    """Each per_loss contender's peak memory (fresh process each), and gradmod's over torchjd's."""
+    peaks = {}
+    for name in per_loss.peak_names():
+        peaks[name] = per_loss.peak_in_subprocess(name)
+        log(f"  peak memory of {name}: {peaks[name] / 2**20:.1f} MiB", flush=True)
+    out = {"peak_bytes": peaks, "ratios": {}}
+    for name, value in peaks.items():
+        model, contender = name.split(".")
+        other = f"{model}.{contender.replace('gradmod_', 'torchjd_')}"
+        if contender.startswith("gradmod_") and peaks.get(other, 0) > 0:
+            r = value / peaks[other]
+            out["ratios"][f"{model}_{contender}_peak_over_torchjd"] = {"value": r, "target": "< 1", "met": r < 1}
     return out
 
 
@@ -420,11 +472,13 @@ def machine(device: torch.device) -> dict:
 
 def table(results: dict[str, dict], rat: dict[str, dict]) -> str:
     base = {"epoch": "epoch.floor", "eval": "eval.gradmod", "step": "step.none"}
-    lines = [f"{'contender':<28} {'median s':>9} {'min s':>8} {'max s':>8} {'per item':>16} {'images/s':>9} {'x base':>7}"]
+    lines = [f"{'contender':<28} {'median s':>9} {'min s':>8} {'max s':>8} {'cpu s':>8} {'per item':>16} {'images/s':>9} "
+             f"{'x base':>7}"]
     for name, r in results.items():
         b = results.get(base.get(r["section"]) or f"{name.rpartition('.')[0]}.plain")
-        x = f"{r['median_s'] / b['median_s']:.3f}" if b else "-"
-        lines.append(f"{name:<28} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} "
+        key = clock(r)
+        x = f"{r[key] / b[key]:.3f}" if b else "-"
+        lines.append(f"{name:<28} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} {r['median_cpu_s']:>8.3f} "
                      f"{r['per_item_ms']:>8.3f} ms/{r['unit']:<7} {r['images_per_s']:>9.0f} {x:>7}")
     lines.append("")
     lines.append(f"{'ratio':<34} {'value':>7}  target")
@@ -449,9 +503,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"bench: {args.train_size} train / {args.test_size} test images on {device}, "
               f"{args.repeats} repeats (+{args.warmup} warm-up), sections {','.join(args.sections)}", flush=True)
         ops = op_counts(bench) if "ops" in args.sections else {}
+        timed = any(s not in ("ops", "scale") for s in args.sections)
         # Peak memory first (fresh processes, before this one grows): a failure shows early.
         memory = peak_memory() if "per_sample" in args.sections and not args.quick and device.type == "cpu" else {}
-        results = measure(bench, args.repeats, args.warmup) if any(x not in ("ops", "scale") for x in args.sections) else {}
+        if "per_loss" in args.sections and not args.quick and device.type == "cpu":
+            loss_memory = per_loss_memory()
+            memory = {"peak_bytes": {**memory.get("peak_bytes", {}), **loss_memory["peak_bytes"]},
+                      "ratios": {**memory.get("ratios", {}), **loss_memory["ratios"]}}
+        results = measure(bench, args.repeats, args.warmup) if timed else {}
         scaled = scale.measure(*((2, 2) if args.quick else (args.scale_rounds, scale.RUN_STEPS))) \
             if "scale" in args.sections else {}
     rat = ratios(results, device)

@@ -1,6 +1,8 @@
 """The ``per_sample`` section of scripts/bench.py: one DP-SGD step (per-example clipping to
-norm 1, noise multiplier 1, SGD) at batch 64, on Opacus' MNIST example net and on a
-784-512-512-10 MLP, by each contender:
+norm 1, noise multiplier 1, SGD) on Opacus' MNIST example net and a 784-512-512-10 MLP
+(batch 64), torchvision's resnet18 with GroupNorm at 3x32x32 and a small transformer
+(Embedding(1000, 128), two pre-norm blocks of MultiheadAttention(128, 4) and a 512-wide
+MLP, length 64; batch 32), by each contender:
 
     plain         forward, backward, SGD step: no per-example gradients
     opacus        Opacus' GradSampleModule + DPOptimizer (its default mode), if installed
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from gradmod.hooks.rules import attach  # noqa: E402
+from gradmod.hooks import attach  # noqa: E402
 
 BATCH = 64
 STEPS = 10  # optimizer steps per timed run
@@ -59,7 +61,44 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
 
 
-MODELS = {"mnist": (SampleConvNet, (1, 28, 28)), "mlp": (mlp, (784,))}
+def resnet18_gn() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(min(32, c), c))
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d: int = 128, heads: int = 4, hidden: int = 512):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class SmallTransformer(nn.Module):
+    def __init__(self, vocab: int = 1000, d: int = 128, classes: int = 10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(Block(d), Block(d))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, idx):
+        return self.head(self.blocks(self.emb(idx)).mean(1))
+
+
+# Opacus 1.6 runs neither of the others as built: resnet18's in-place ReLU after a full backward
+# hook is an autograd error, nn.MultiheadAttention needs its DPMultiheadAttention.
+OPACUS_RUNS = ("mnist", "mlp")
+# name -> (model, one example's shape (None: 64 token ids), batch)
+MODELS = {"mnist": (SampleConvNet, (1, 28, 28), BATCH), "mlp": (mlp, (784,), BATCH),
+          "resnet18gn": (resnet18_gn, (3, 32, 32), 32), "transformer": (SmallTransformer, None, 32)}
 CONTENDERS = ("plain", "opacus", "opacus_ghost", "gradmod")
 
 
@@ -74,17 +113,18 @@ def has_opacus() -> bool:
 def names() -> list[str]:
     """``model.contender`` for every contender that can run here."""
     usable = [c for c in CONTENDERS if has_opacus() or not c.startswith("opacus")]
-    return [f"{m}.{c}" for m in MODELS for c in usable]
+    return [f"{m}.{c}" for m in MODELS for c in usable if m in OPACUS_RUNS or not c.startswith("opacus")]
 
 
 def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
     """Build the contender (untimed) and return its timed run of ``steps`` optimizer steps."""
     model_name, contender = name.split(".")
-    build, shape = MODELS[model_name]
+    build, shape, batch = MODELS[model_name]
     torch.manual_seed(0)
     model = build()
     gen = torch.Generator().manual_seed(1)
-    data = [(torch.randn(BATCH, *shape, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen))
+    data = [(torch.randint(0, 1000, (batch, 64), generator=gen) if shape is None else
+             torch.randn(batch, *shape, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
             for _ in range(steps)]
     run = {"plain": _plain, "opacus": _opacus, "opacus_ghost": _opacus_ghost, "gradmod": _gradmod}[contender](model, data)
     if not contender.startswith("opacus"):
@@ -127,7 +167,7 @@ def _opacus(model, data):
 
     module = GradSampleModule(model)
     opt = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.01), noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                      expected_batch_size=BATCH)
+                      expected_batch_size=len(data[0][1]))
 
     def run():
         for x, y in data:
@@ -144,7 +184,7 @@ def _opacus_ghost(model, data):
 
     module = GradSampleModuleFastGradientClipping(model, max_grad_norm=CLIP, use_ghost_clipping=True)
     opt = DPOptimizerFastGradientClipping(torch.optim.SGD(module.parameters(), lr=0.01), noise_multiplier=SIGMA,
-                                          max_grad_norm=CLIP, expected_batch_size=BATCH)
+                                          max_grad_norm=CLIP, expected_batch_size=len(data[0][1]))
     criterion = DPLossFastGradientClipping(module, opt, nn.CrossEntropyLoss())
 
     def run():

@@ -42,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.testing.opcount import OpCounter
 
 SHAPES = ((4, 64), (50, 64), (200, 64), (200, 16), (8, 1024))  # (blocks, width)

@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
     rules = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -args.val, "max": args.val}]}}
     dummy_input = torch.ones(args.batch, 3, args.size, args.size, device=args.device)
     with gradmod.attach(model, rules) as hooks:
-        print(f"clamp({-args.val}, {args.val}) on {len(hooks.plan)} parameters")
+        print(f"clamp({-args.val}, {args.val}) on {len(hooks.chains)} parameters")
         pred = model(dummy_input)
         loss = pred.log().mean()  # NaN wherever pred < 0; its gradient 1/pred is finite
         loss.backward()

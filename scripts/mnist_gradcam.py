@@ -46,7 +46,7 @@ from gradmod.capture import Recorder, grad_cam
 from gradmod.data import load_mnist_sample
 from gradmod.models import MnistCNN
 from gradmod.reporting.plots import plot_gradcam, plot_grid, plot_image
-from gradmod.training.trainer import evaluate, train_epoch
+from gradmod.training.trainer import bare_epoch, evaluate
 
 
 def gradient_overlay(images: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     losses = []
     for epoch in range(args.epochs):
-        losses.append(train_epoch(model, optimizer, train_x, train_y, batch_size=100, generator=generator))
+        losses.append(bare_epoch(model, optimizer, train_x, train_y, batch_size=100, generator=generator))
         print(f"Epoch: {epoch + 1}, Loss: {losses[-1]:.3f}")
     _, accuracy = evaluate(model, test_x, test_y)
     print("Validation Acc", accuracy)

@@ -37,7 +37,7 @@ from gradmod.weight_init import apply_init
 class Node(nn.Module):
     """A module labelled with a number, holding child nodes: a tree to watch `apply` walk."""
 
-    def __init__(self, label: int, *children: "Node"):
+    def __init__(self, label: int, *children: Node):
         super().__init__()
         self.label = label
         for i, child in enumerate(children):

@@ -73,3 +73,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def per_loss_method(name: str) -> bool:
+    """Whether this build has the per_loss stage's method ``name`` (pcgrad, mgda, ...)."""
+    try:
+        from gradmod.hooks.per_loss.methods import is_method
+    except ImportError:  # a build without the per_loss stage
+        return False
+    return is_method(name)
+
+
+def _rank_then_exit(rank: int, fn, args: tuple) -> None:
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # done: skip the interpreter's teardown (see spawn_ranks)
+
+
+def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes (``torch.multiprocessing.spawn``). The ranks
+    hand their results over in files, so a rank whose ``fn`` returned has nothing left to do
+    and ends at once (``os._exit(0)``): the interpreter's teardown, where torch's gloo threads
+    can abort a finished process ("terminate called without an active exception"), is
+    skipped. A rank that raises ends as spawn reports it, with its traceback."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_then_exit, args=(fn, args), nprocs=nprocs, join=True)

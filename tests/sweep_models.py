@@ -12,3 +12,8 @@ def tiny(die: bool = False) -> nn.Module:
     if die:
         os.kill(os.getpid(), signal.SIGKILL)
     return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+
+
+def mlp() -> nn.Module:
+    """Two linear layers: parameter names ``1.*`` and ``3.*``, unlike any shipped model's."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 16), nn.ReLU(), nn.Linear(16, 10))

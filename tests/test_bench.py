@@ -26,23 +26,28 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     expected = {"epoch.article", "epoch.gradmod", "epoch.floor", "eval.article", "eval.gradmod", "eval.gradmod_b100", "step.none",
                 "step.clip_hook", "step.clip_fused", "step.clip_grad_value_", "step.norm_fused", "step.log_every_step",
-                "step.log_every_50", "step.clip_logged"} | {f"per_sample.{n}" for n in bench.per_sample.names()}
+                "step.log_every_50", "step.clip_logged"} | {f"per_sample.{n}" for n in bench.per_sample.names()} \
+        | {f"per_loss.{n}" for n in bench.per_loss.names()}
     assert set(report["results"]) == expected
     for name, r in report["results"].items():
         assert r["section"] == name.split(".")[0]
         assert len(r["seconds"]) == report["settings"]["repeats"] == 1
         assert all(s > 0 and math.isfinite(s) for s in r["seconds"])
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
-        assert r["items"] == {"epoch": 200, "eval": 50, "step": 2, "per_sample": 1}[r["section"]]
+        assert r["items"] == {"epoch": 200, "eval": 50, "step": 2, "per_sample": 1, "per_loss": 1}[r["section"]]
     targets = {"epoch_speedup_vs_article", "epoch_gradmod_over_floor", "eval_speedup_vs_article", "hook_overhead",
-               "log_every_50_over_none"}
+               "log_every_50_over_none", "per_sample_resnet18gn_over_plain", "per_sample_transformer_over_plain"}
     if bench.per_sample.has_opacus():
         targets |= {"per_sample_mnist_over_opacus", "per_sample_mlp_over_opacus", "per_sample_mlp_over_opacus_ghost"}
+    for m in bench.per_loss.MODELS:
+        targets |= {f"per_loss_{m}_modules_over_plain", f"per_loss_{m}_famo_over_plain"}
+        if bench.per_loss.has_torchjd():
+            targets |= {f"per_loss_{m}_{x}_over_torchjd" for x in bench.per_loss.METHODS}
     assert targets <= set(report["ratios"])
     for name, r in report["ratios"].items():
         assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
         num, den = report["results"][r["numerator"]], report["results"][r["denominator"]]
-        assert r["value"] == pytest.approx(num["median_s"] / den["median_s"])
+        assert r["value"] == pytest.approx(num[r["clock"]] / den[r["clock"]])
         assert ("target" in r) == (name in targets) and (name not in targets or isinstance(r["met"], bool))
     m = report["machine"]
     assert m["cores"] >= 1 and m["torch"] and m["device"] == "cpu" and len(m["load_average_before"]) == 3

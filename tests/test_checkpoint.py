@@ -12,6 +12,7 @@ import torch
 from helpers import RESUMABLE, run_train, same_params
 
 from gradmod.app.cli import run
+from gradmod.reporting import run_summary
 from gradmod.run import checkpoint_file as ckpt
 
 # A tiny run: 60 fake 28x28 images in batches of 10 -> 6 steps per epoch.
@@ -76,15 +77,16 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, compose_cfg, reference
     # Killed (SIGKILL, no cleanup) after step 9 of 12: mid epoch 2; the newest checkpoint is step 8.
     proc = run_train(tmp_path, *RESUMABLE, check=False, env={"GRADMOD_KILL_AT": "step:9"})
     assert proc.returncode == -9, proc.stderr
-    assert not (tmp_path / "summary.json").exists()
+    assert run_summary.read(tmp_path)["status"] == "killed"  # it said running; no process holds the folder
     assert ckpt.latest(tmp_path / "checkpoints")[1]["trainer"]["batch"] == 2  # mid-epoch position
     summary = _resume(compose_cfg, tmp_path)
     params, ref_summary, ref_metrics = reference
     same_params(torch.load(tmp_path / "model.pt"), params)
     assert summary["resumed_from"].endswith("step-000000008.pt")
     assert summary["train_loss"] == ref_summary["train_loss"] and summary["steps"] == 12
-    strip = lambda text: [{k: v for k, v in __import__("json").loads(ln).items() if "seconds" not in k}
-                          for ln in text.splitlines()]
+    def strip(text):
+        return [{k: v for k, v in __import__("json").loads(ln).items() if "seconds" not in k}
+                for ln in text.splitlines()]
     assert strip((tmp_path / "metrics.jsonl").read_text()) == strip(ref_metrics)
     # the CSV logger's files start afresh on resume and are refilled from the checkpoint's history
     assert (tmp_path / "metrics.csv").read_text().count("\n") == 3  # header + 2 epochs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "bound": 0.1}]}}
 

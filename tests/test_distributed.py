@@ -1,7 +1,7 @@
 """DDP and gradient accumulation: where each stage acts, against hand computations.
 
 The 2-process tests spawn two gloo processes on the CPU that go through gradmod's own
-path (``Dist.from_env`` -> ``Dist.wrap`` -> ``train_epoch``) and compare the parameters
+path (``Dist.from_env`` -> ``Dist.wrap`` -> ``bare_epoch``) and compare the parameters
 after one optimizer step with a single-process computation of the documented semantics:
 ``hook`` = mean over ranks of the transformed local gradients (the hook runs before DDP's
 all-reduce), ``fused`` = the transform of the averaged gradient (after it).
@@ -16,14 +16,13 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import ROOT, free_port, tiny_mlp
+from helpers import ROOT, free_port, spawn_ranks, tiny_mlp
 from torch import nn
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.training.distributed import Dist, follower_overrides, unwrap
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 BOUND = 0.05  # small enough that the clamp bites on some entries and not on others
 LR = 0.5
@@ -77,8 +76,8 @@ def run_gradmod(model: nn.Module, stage: str, world: int, rank: int, accumulate:
     x, y = tiny_data(world * accumulate * BATCH * steps)
     hooks = attach(unwrap(model), clip_rules(stage))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    train_epoch(model, optimizer, x, y, batch_size=BATCH, generator=torch.Generator().manual_seed(5),
-                hooks=hooks, accumulate=accumulate, shard=(rank, world))
+    bare_epoch(model, optimizer, x, y, batch_size=BATCH, generator=torch.Generator().manual_seed(5),
+                hooks=hooks, accumulate=accumulate, part=(rank, world))
     hooks.remove()
 
 
@@ -96,7 +95,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
             # What DDP puts into the all-reduce: the bucket of this rank's local gradients.
             seen = []
 
-            def comm_hook(state, bucket):
+            def comm_hook(state, bucket, seen=seen):  # this case's list
                 seen.append(bucket.buffer().abs().max().item())
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -114,7 +113,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_ddp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, 2, free_port(), str(out))
     return {(stage, k, r): torch.load(out / f"{stage}_{k}_rank{r}.pt")
             for stage, k in CASES for r in range(2)}
 
@@ -152,7 +151,7 @@ def test_accumulation_single_process(stage):
     x, y = tiny_data(3 * BATCH)
     hooks = attach(model, clip_rules(stage))
     steps = []
-    train_epoch(model, torch.optim.SGD(model.parameters(), lr=LR), x, y, batch_size=BATCH,
+    bare_epoch(model, torch.optim.SGD(model.parameters(), lr=LR), x, y, batch_size=BATCH,
                 generator=torch.Generator().manual_seed(5), hooks=hooks, accumulate=2, on_step=steps.append)
     assert steps == [1, 2]
     # Hand computation: the same two steps.
@@ -175,10 +174,10 @@ def test_accumulation_single_process(stage):
 def test_accumulating_two_half_batches_is_one_full_batch():
     b = tiny_model()
     x, y = tiny_data(2 * BATCH)
-    train_epoch(b, torch.optim.SGD(b.parameters(), lr=LR), x, y, batch_size=2 * BATCH,
+    bare_epoch(b, torch.optim.SGD(b.parameters(), lr=LR), x, y, batch_size=2 * BATCH,
                 generator=torch.Generator().manual_seed(5))
     c = tiny_model()
-    train_epoch(c, torch.optim.SGD(c.parameters(), lr=LR), x, y, batch_size=BATCH,
+    bare_epoch(c, torch.optim.SGD(c.parameters(), lr=LR), x, y, batch_size=BATCH,
                 generator=torch.Generator().manual_seed(5), accumulate=2)
     for p, q in zip(b.parameters(), c.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

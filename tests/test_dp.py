@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_config, free_port
+from helpers import compose_config, free_port, spawn_ranks
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.models import build_model
 from gradmod.training.callbacks import Callback
 from gradmod.training.loader import poisson_batches, poisson_steps
@@ -67,7 +67,7 @@ def test_poisson_shards_splits_resume_and_loader_path_agree():
         return [yb for _, yb in poisson_batches(x, y, 0.2, 4, g, **kw)]
 
     whole = draw()
-    ranks = [draw(shard=(r, 2)) for r in range(2)]
+    ranks = [draw(part=(r, 2)) for r in range(2)]
     for s, batch in enumerate(whole):  # the ranks split every global batch between them
         assert sorted(torch.cat([ranks[0][s], ranks[1][s]]).tolist()) == sorted(batch.tolist())
     split = draw(split=3)  # accumulation: the step's one Poisson batch in three parts
@@ -422,10 +422,7 @@ def _counting_allreduce(calls: list, bucket):
 def test_ddp_sums_clipped_gradients_over_ranks_and_draws_noise_once(tmp_path):
     # 2 ranks with per-rank batch 4 = one process with batch 8: the same Poisson (or shuffled)
     # examples per step, (sum of their clipped gradients + one noise draw) / 8.
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    mp.spawn(_ddp_dp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_dp_worker, 2, free_port(), str(tmp_path))
     for sampling, accumulate in (("poisson", 1), ("poisson", 2), ("shuffle", 1)):
         ranks = [torch.load(tmp_path / f"{sampling}{accumulate}_rank{r}.pt") for r in range(2)]
         single = _model()
@@ -458,3 +455,166 @@ def test_torchrun_dp_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     block = json.loads((run_dir / "summary.json").read_text())["privacy"]
     assert block["sample_rate"] == pytest.approx(10 / 60) and block["steps"] == 12
+
+
+# -- a privacy claim is true or absent --------------------------------------------------------
+
+@needs_opacus
+@pytest.mark.parametrize("target, words", [(1e308, "bounds nothing"), (1e-9, "unreachable")])
+def test_a_target_epsilon_out_of_reach_is_one_line_in_under_a_second(target, words):
+    import time
+
+    from gradmod.training.privacy import noise_for_epsilon
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=words) as err:
+        noise_for_epsilon(target, 1e-5, 0.01, 1000, "rdp")
+    assert time.perf_counter() - start < 1.0 and "\n" not in str(err.value)
+
+
+@needs_opacus
+def test_target_epsilon_replaces_the_shipped_noise_and_says_so(caplog):
+    from gradmod.app.config_store import validate
+    from gradmod.run import dp
+
+    cfg = validate(compose_config(*TINY, "+hooks=dp", "privacy.target_epsilon=3"))
+    dp.check(cfg)
+    with caplog.at_level("INFO"):
+        rules, privacy = dp.prepare(cfg, train_size=60, world_size=1)
+    assert rules["dp"]["transforms"][0]["noise_multiplier"] == privacy.noise_multiplier != 1.1
+    assert "replacing hooks.dp's noise_multiplier=1.1" in caplog.text
+    assert "privacy.delta=1e-05 is not below" not in caplog.text
+    small = validate(compose_config(*TINY, "+hooks=dp", "privacy.delta=0.05"))
+    with caplog.at_level("WARNING"):
+        dp.prepare(small, train_size=60, world_size=1)
+    assert "privacy.delta=0.05 is not below 1 / training set size (60 examples)" in caplog.text
+
+
+@needs_opacus
+def test_the_accountant_composes_steps_of_different_noise_and_rate():
+    from opacus.accountants import RDPAccountant
+
+    from gradmod.training.privacy import PrivacyCallback
+
+    cb = PrivacyCallback("rdp", 1e-5, 1.1, 0.1)
+    for _ in range(5):
+        cb.on_step_end(None)
+    cb.noise_multiplier, cb.sample_rate = 0.8, 0.05
+    for _ in range(7):
+        cb.on_step_end(None)
+    ref = RDPAccountant()
+    ref.history = [(1.1, 0.1, 5), (0.8, 0.05, 7)]
+    assert cb.epsilon() == pytest.approx(ref.get_epsilon(1e-5), rel=1e-12) and cb.steps == 12
+
+
+@needs_opacus
+def test_a_resume_that_would_make_the_claim_false_is_refused():
+    from gradmod.training.privacy import PrivacyCallback
+
+    cb = PrivacyCallback("rdp", 1e-5, 1.1, 0.1)
+    with pytest.raises(ValueError, match="4 steps ran without noise"):
+        cb.on_missing_state(4)
+    cb.on_missing_state(0)  # a fresh start has nothing to account
+    state = PrivacyCallback("prv", 1e-5, 1.1, 0.1).state_dict()
+    with pytest.raises(ValueError, match="privacy accountant was 'prv', this run's is 'rdp'"):
+        cb.load_state_dict(state)
+    for key, value in (("delta", 1e-6), ("sampling", "shuffle")):
+        with pytest.raises(ValueError, match=f"privacy {key} was"):
+            cb.load_state_dict({**cb.state_dict(), key: value})
+    with pytest.raises(ValueError, match="steps without noise"):
+        cb.load_state_dict({**cb.state_dict(), "history": [[0.0, 0.1, 3]]})
+
+
+@needs_opacus
+def test_a_target_run_extended_keeps_its_noise_and_says_the_target_is_exceeded():
+    from gradmod.hooks.per_sample.stats import PerSampleClip
+    from gradmod.training.privacy import PrivacyCallback
+
+    first = PrivacyCallback("rdp", 1e-5, 0.9, 0.1, target_epsilon=3.0)
+    for _ in range(200):
+        first.on_step_end(None)
+    clip = PerSampleClip(1.0, 1.2)  # the extended plan's (larger) noise
+    again = PrivacyCallback("rdp", 1e-5, 1.2, 0.1, target_epsilon=3.0, clip=clip)
+    again.load_state_dict(first.state_dict())
+    assert again.noise_multiplier == clip.noise_multiplier == 0.9
+    for _ in range(200):
+        again.on_step_end(None)
+    block = again.summary()
+    assert block["target_epsilon"] == 3.0 and block["target_exceeded"] == (block["epsilon"] > 3.0)
+    assert block["noise_multiplier"] == 0.9
+
+
+def test_interrupted_and_diverged_endings_carry_the_epsilon_spent():
+    from gradmod.run.endings import summary_of
+    from gradmod.training.nonfinite import Diverged
+
+    error = Diverged("loss nan", step=3)
+    error.privacy = {"epsilon": 1.5, "steps": 3}
+    assert summary_of(error, 1.0)["privacy"] == {"epsilon": 1.5, "steps": 3}
+    assert "privacy" not in summary_of(Diverged("loss nan", step=3), 1.0)
+
+
+@needs_opacus
+def test_resuming_a_run_without_noise_under_a_target_is_refused(tmp_path):
+    from gradmod.app.cli import run
+
+    _run(tmp_path / "plain", "+hooks=dp", NO_NOISE, "trainer.checkpoint_every_steps=4", "trainer.epochs=1")
+    first = tmp_path / "plain" / "checkpoints" / "step-000000004.pt"
+    with pytest.raises(ValueError, match="4 steps ran without noise"):
+        run(compose_config(*TINY, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=3", f"trainer.resume={first}"),
+            tmp_path / "resumed")
+
+
+def test_dp_plots_show_per_example_norms_and_the_fraction_of_examples_clipped(tmp_path, monkeypatch):
+    from gradmod.hooks.per_sample.stats import ClipRecord
+    from gradmod.reporting import plots
+
+    record = ClipRecord()
+    record.add_norms(torch.tensor([0.5, 2.0, 3.0]), 1.0)
+    record.add_norms(torch.tensor([4.0]), 1.0)
+    calls, window = record.take()
+    stats = ClipRecord.summarize(calls, window.tolist())
+    assert stats == {"frac_clipped": 0.75, "examples": 4, "calls": 2, "norm_mean": 2.375, "norm_max": 4.0}
+    seen = []
+    monkeypatch.setattr(plots, "_finish", lambda fig, axes, path: seen.append(
+        [(ax.get_title(), ax.get_ylabel(), len(ax.lines)) for ax in axes]))
+    rows = [(1, {"dp/per_sample_clip": stats}), (2, {"dp/per_sample_clip": stats})]
+    plots.plot_grad_norms(rows, tmp_path / "a.png")
+    plots.plot_frac_clipped(rows, tmp_path / "b.png")
+    (norms,), (clipped,) = seen
+    assert norms[1] == "per-example gradient L2 norm" and norms[2] == 2  # mean and max
+    assert clipped[1] == "fraction of examples clipped" and clipped[2] == 1
+
+
+@needs_opacus
+def test_bf16_and_tensorboard_with_a_dp_rule(tmp_path):
+    pytest.importorskip("tensorboard")
+    summary, metrics = _run(tmp_path, "+hooks=dp", "trainer.precision=bf16", "logger=tensorboard",
+                            "trainer.epochs=1", "trainer.log_every=2")
+    assert summary["status"] == "ok" and summary["precision"] == "bf16"
+    assert summary["privacy"]["epsilon"] == pytest.approx(metrics[-1]["epsilon"])
+    assert summary["privacy"]["epsilon"] > 0
+
+
+def test_model_norm_group_replaces_a_target_models_batchnorm():
+    pytest.importorskip("torchvision")
+    from gradmod.run.config import ModelConfig
+    from gradmod.run.factories import model_factory
+
+    cfg = ModelConfig(name="target", _target_="torchvision.models.resnet18", norm="group", args={"num_classes": 3})
+    model = model_factory(cfg, None)()
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert sum(isinstance(m, nn.GroupNorm) for m in model.modules()) == 20
+
+
+@needs_opacus
+def test_each_epoch_of_a_dp_run_says_its_epsilon_on_the_console(caplog):
+    from gradmod.training.privacy import PrivacyCallback
+
+    cb = PrivacyCallback("rdp", 1e-5, 1.1, 0.1)
+    for _ in range(10):
+        cb.on_step_end(None)
+    record = {"epoch": 1}
+    with caplog.at_level("INFO", logger="gradmod.training.privacy"):
+        cb.on_epoch_end(None, record)
+    assert f"epoch 1: epsilon {record['epsilon']:.4f} at delta 1e-05 after 10 steps (rdp accountant)" in caplog.text

@@ -63,7 +63,7 @@ def test_disk_full_while_checkpointing_is_a_failed_summary_naming_the_path(tmp_p
     calls, fsync = [0], ckpt.os.fsync
 
     def full_on_the_second(fd):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".pt.%d.tmp" % os.getpid()):  # a checkpoint's data
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f".pt.{os.getpid()}.tmp"):  # a checkpoint's data
             calls[0] += 1
             if calls[0] == 2:
                 raise OSError(errno.ENOSPC, "No space left on device")
@@ -104,7 +104,7 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_with_one_line(tmp_path
     assert proc.returncode == code, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"interrupted by SIG{name} after step 8; checkpoint "
                                                 f"{tmp_path / 'checkpoints' / 'step-000000008.pt'}; "
-                                                "continue with trainer.resume=auto"]
+                                                f"continue with trainer.resume=auto hydra.run.dir={tmp_path}"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == f"SIG{name}" and summary["steps"] == 8
     resumed = run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), tmp_path)

@@ -126,7 +126,7 @@ def test_help_page_keeps_whole_sentences_in_columns_and_names_the_keys():
                 "hooks.RULE.*", "${gradmod_help:docs}"):
         assert key in template, key
     docs = help_page.doc_lines(ROOT / "docs")
-    assert any(ln.startswith("  docs/sweeps.md ") for ln in docs) and len(docs) >= len(list((ROOT / "docs").glob("*")))
+    assert any(ln.startswith("  docs/guide/sweeps.md ") for ln in docs) and len(docs) >= len(list((ROOT / "docs").glob("*")))
 
 
 def test_columns_give_a_wide_name_a_line_of_its_own():

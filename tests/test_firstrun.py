@@ -13,7 +13,7 @@ from helpers import FAST, ROOT, run_train
 from hydra.errors import HydraException
 
 from gradmod.app.help import transform_lines
-from gradmod.hooks import attach, transforms
+from gradmod.hooks import attach, registry, transforms
 from gradmod.models import build_model
 from gradmod.reporting.plan import summarize_plan
 
@@ -34,8 +34,8 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
     assert "clamp(min=None, max=None, bound=None)" in page and "noise(std, decay=0.55)" in page
     for hook in (ROOT / "gradmod" / "conf" / "hooks").glob("*.yaml"):
         assert re.search(rf"^  {hook.stem}\s+\S", page, re.M), hook.stem
-    assert "  optimizer: adam, sgd\n" in page and "  model: mnist_cnn, resnet18, resnet50\n" in page
-    assert page.count("python train.py ") >= 3 and "outputs/DATE/TIME/" in page
+    assert "  optimizer: adam, sgd\n" in page and "  model: char_lm, mnist_cnn, multi_lenet, resnet18, resnet50\n" in page
+    assert page.count("\n  gradmod ") >= 3 and "outputs/DATE/TIME/" in page  # the examples, as the console script
 
 
 def test_help_lists_a_newly_registered_transform():
@@ -43,7 +43,7 @@ def test_help_lists_a_newly_registered_transform():
     try:
         assert any(line.strip().startswith("halve_for_help(factor=0.5)") for line in transform_lines())
     finally:
-        transforms._FACTORIES.pop("halve_for_help", None)
+        registry.unregister("halve_for_help")
 
 
 @pytest.mark.parametrize("override", ["optimizer=schema_sgd", "data=schema_fake", "logger=schema_tensorboard"])

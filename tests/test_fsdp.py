@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import free_port
+from helpers import free_port, spawn_ranks
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from gradmod.hooks import attach
 from gradmod.hooks.group import AGC
-from gradmod.hooks.rules import attach
+from gradmod.reporting import run_summary
 from gradmod.training.distributed import Dist
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 MAX_NORM = 0.05  # below the gradient's norm: the clip bites
 BOUND = 0.02
@@ -145,8 +145,8 @@ def _accumulate(rank: int) -> dict[str, torch.Tensor]:
     fully_shard(model)
     hooks = attach(model, RULES["norm"])
     x, y = labelled()
-    train_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), x, y, batch_size=2,
-                generator=torch.Generator().manual_seed(3), hooks=hooks, accumulate=2, shard=(rank, 2))
+    bare_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), x, y, batch_size=2,
+                generator=torch.Generator().manual_seed(3), hooks=hooks, accumulate=2, part=(rank, 2))
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
@@ -171,7 +171,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, free_port(), str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -320,7 +320,7 @@ def test_sigkill_then_resume_auto_equals_an_uninterrupted_run(tmp_path, strategy
     ok(torchrun(tmp_path / "reference", f"trainer.strategy={strategy}", *TINY))
     run_dir = tmp_path / "run"
     killed = torchrun(run_dir, f"trainer.strategy={strategy}", *TINY, kill={"GRADMOD_KILL_AT": "step:7"})
-    assert killed.returncode != 0 and not (run_dir / "summary.json").exists()
+    assert killed.returncode != 0 and run_summary.read(run_dir)["status"] == "killed"  # said running
     ok(torchrun(run_dir, f"trainer.strategy={strategy}", *TINY, "trainer.resume=auto"))
     assert summary(run_dir)["resumed_from"].endswith("step-000000006.pt")  # mid epoch 2 (4 steps each)
     assert summary(run_dir)["steps"] == summary(tmp_path / "reference")["steps"] == 8

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import free_port
+from helpers import free_port, spawn_ranks
 from torch import nn
 
 from gradmod.hooks import attach
@@ -423,10 +423,7 @@ def _ddp_clip_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_global_norm_clip_under_ddp_clips_the_averaged_gradient(tmp_path):
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    mp.spawn(_ddp_clip_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_clip_worker, 2, free_port(), str(tmp_path))
     # Reference: each rank's local gradient, averaged (DDP's all-reduce), then clip_grad_norm_.
     ref = tiny_model()
     x, y = batch(0)

@@ -13,7 +13,7 @@ from torch import nn
 
 import gradmod.run.runner as train_mod
 from gradmod.app.cli import run
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.training.nonfinite import NonFiniteError
 
 TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=20", "data.test_size=10",
@@ -54,7 +54,7 @@ def test_a_failing_run_removes_its_hooks(compose_cfg, tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_mod, "attach", spy)
     cfg = compose_cfg(*TINY, "trainer.nonfinite=raise", "+hooks=[clip,log]",
-                      "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: inf}]}")
+                      "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: 1e300}]}")
     with pytest.raises(NonFiniteError):
         run(cfg, tmp_path)
     assert _hook_count(seen[0]) == 0
@@ -96,7 +96,7 @@ def _bounded_log():
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        hooks.take_raw()  # as the trainer's guard does every step
+        hooks.take_raw_parts()  # as the trainer's guard does every step
         if step % 50 == 0:
             stats = hooks.read_stats()
             assert len(stats) == 5

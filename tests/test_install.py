@@ -89,6 +89,8 @@ def test_wheel_ships_the_configs_and_composes_with_a_users_folder(tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(wheels), str(source)], check=True, env=env, capture_output=True, timeout=600)
+    import gradmod as checkout
+    assert [w.name for w in wheels.glob("*.whl")] == [f"gradmod-{checkout.__version__}-py3-none-any.whl"]
     venv = _venv(tmp_path)
     python, gradmod = venv / "bin" / "python", venv / "bin" / "gradmod"
     pip = [str(python), "-m", "pip"]

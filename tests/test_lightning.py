@@ -13,9 +13,9 @@ from helpers import tiny_mlp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.integrations.lightning import GradmodCallback
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 N, BATCH, SEED, BOUND = 64, 8, 3, 0.01
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}
@@ -62,7 +62,7 @@ def _gradmod(rules, stage: str) -> dict[str, torch.Tensor]:
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     with attach(net, rules, stage=stage) as hooks:
-        train_epoch(net, opt, x, y, batch_size=BATCH, generator=torch.Generator().manual_seed(SEED), hooks=hooks)
+        bare_epoch(net, opt, x, y, batch_size=BATCH, generator=torch.Generator().manual_seed(SEED), hooks=hooks)
     return net.state_dict()
 
 
@@ -103,3 +103,8 @@ def test_rules_from_a_hook_file_and_log_statistics_reach_the_logger(tmp_path):
     assert all(float(r["grad/net.0.weight/calls"]) == 4 for r in logged)  # each read covers its 4 steps
     assert all(float(r["grad/net.2.bias/norm"]) > 0 for r in logged)
     assert callback.hooks is None  # removed at the end of fit
+
+
+def test_per_sample_rules_are_refused_in_one_line_at_setup(tmp_path):
+    with pytest.raises(ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Lightning: [^\n]*own loop$"):
+        _lightning(tmp_path, [GradmodCallback("dp")])

@@ -1,4 +1,4 @@
-"""The Lightning callback as a new user meets it: docs/lightning.md's example runs as written
+"""The Lightning callback as a new user meets it: docs/guide/lightning.md's example runs as written
 from another folder; several callbacks share one model; hooks live only while a stage runs;
 rule state resumes bit for bit per callback; what cannot work is refused in one line."""
 
@@ -21,7 +21,7 @@ N, BATCH = 32, 8
 def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypatch):
     from helpers import ROOT
 
-    doc = (ROOT / "docs" / "lightning.md").read_text()
+    doc = (ROOT / "docs" / "guide" / "lightning.md").read_text()
     code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
     seen = []  # every optimizer step, observed from outside: the gradients it has just used
     handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.extend(
@@ -29,7 +29,7 @@ def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)  # the example's files (lightning_logs/) land here
     try:
         ns = {"__name__": "__main__"}
-        exec(compile(code, str(ROOT / "docs" / "lightning.md"), "exec"), ns)
+        exec(compile(code, str(ROOT / "docs" / "guide" / "lightning.md"), "exec"), ns)
     finally:
         handle.remove()
     weights, biases = [m for d, m in seen if d > 1], [m for d, m in seen if d == 1]
@@ -100,9 +100,17 @@ def test_hooks_live_only_while_a_stage_runs(tmp_path, fit_first):
 def test_callbacks_on_one_tensor_are_refused_and_leave_nothing_attached(tmp_path):
     module, callbacks = Module(), [GradmodCallback(CLAMP), GradmodCallback({"z": {"params": "net.0.bias",
                                                                                  "transforms": ["zero"]}})]
-    with pytest.raises(ValueError, match=r"^attach: net.0.bias already carry hooks from another attach call"):
+    with pytest.raises(ValueError, match=r"^Lightning: two GradmodCallbacks on the same tensors \(net.0.bias\); give "
+                                         r"one callback several rule sources instead: "
+                                         r"GradmodCallback\(\[\{'clip': ...\}, \{'z': ...\}\]\)$"):
         trainer(tmp_path, callbacks).fit(module, loader())
     assert all(cb.hooks is None for cb in callbacks) and plain_gradients(module)
+
+
+def test_two_callbacks_of_shipped_files_on_one_model_name_the_one_callback_to_use(tmp_path):
+    with pytest.raises(ValueError, match=r"\(net.0.weight, net.0.bias, net.2.weight and more\); give one callback "
+                                         r"several rule sources instead: GradmodCallback\(\['clip', 'log'\]\)$"):
+        trainer(tmp_path, [GradmodCallback("clip"), GradmodCallback("log")]).fit(Module(), loader())
 
 
 def test_zclip_skip_is_refused_at_setup(tmp_path):

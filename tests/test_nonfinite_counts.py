@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.training.nonfinite import NonFiniteGuard, count_nonfinite
 
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from gradmod.data import Data
-from gradmod.hooks.rules import attach
-from gradmod.hooks.selection import build_targets
+from gradmod.hooks import attach
+from gradmod.hooks.rules import build_targets
 from gradmod.hooks.stats import GradStats
 from gradmod.reporting.loggers import CSVLogger, make_logger
 from gradmod.reporting.observe import GradCamProbe, pick_digits

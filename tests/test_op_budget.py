@@ -1,16 +1,16 @@
 """Op budgets per training step: aten ops counted with OpCounter (deterministic, so a
-real test where timings cannot be). MNIST CNN, Adam, one optimizer step of train_epoch."""
+real test where timings cannot be). MNIST CNN, Adam, one optimizer step of bare_epoch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.models import MnistCNN
 from gradmod.testing.opcount import OpCounter
 from gradmod.training.nonfinite import NonFiniteGuard
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 CLAMP = {"name": "clamp", "min": -0.01, "max": 0.01}
 RULES = {
@@ -31,9 +31,9 @@ def step_ops(rules: str, stage: str = "hook", guard: bool = True) -> tuple[int, 
     y = torch.tensor([3])
     kw = dict(batch_size=1, generator=torch.Generator().manual_seed(0), hooks=hooks,
               guard=NonFiniteGuard(model, hooks, "warn") if guard else None)
-    train_epoch(model, opt, x, y, **kw)
+    bare_epoch(model, opt, x, y, **kw)
     with OpCounter() as ops:
-        train_epoch(model, opt, x, y, **kw)
+        bare_epoch(model, opt, x, y, **kw)
     hooks.remove()
     return ops.count, len(list(model.parameters()))
 

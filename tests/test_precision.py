@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import tiny_mlp
 
 from gradmod.app.cli import run
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.precision import Precision
 

@@ -2,9 +2,11 @@
 
 import re
 
+import torch
 from helpers import ROOT
+from torch import nn
 
-from gradmod.hooks import transforms
+from gradmod.hooks import attach, registry
 
 
 def test_readme_python_example_runs(capsys):
@@ -13,7 +15,23 @@ def test_readme_python_example_runs(capsys):
     try:
         for code in blocks:
             exec(compile(code, "README.md", "exec"), {})
+        out = capsys.readouterr().out
+        assert "('conv2:output', ['log'])" in out and "'any_negative'" in out and "flip" in out
+        _plugin_group_transform_runs_fused()
     finally:
-        transforms._FACTORIES.pop("flip", None)
-    out = capsys.readouterr().out
-    assert "('conv2:output', ['log'])" in out and "'any_negative'" in out and "flip" in out
+        registry.unregister("flip")
+        registry.unregister("unit_norm")
+
+
+def _plugin_group_transform_runs_fused():
+    """The README's group transform: implied stage fused, the rule's gradients scaled to norm 1."""
+    assert registry.entry("unit_norm").kind == "group"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    with attach(model, {"u": {"params": "*", "transforms": ["unit_norm"]}}) as hooks:
+        assert {d["stage"] for d in hooks.describe()} == {"fused"}
+        model(torch.randn(5, 4)).sum().backward()
+        hooks.after_backward()
+        total = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+        assert abs(total.item() - 1.0) < 1e-5
+        assert hooks.read_stats()["u/unit_norm"]["calls"] == 1

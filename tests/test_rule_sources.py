@@ -55,7 +55,7 @@ def test_several_files_and_mappings_merge_by_rule_name():
 
 @pytest.mark.parametrize("spec, words", [
     (["clip", {"clip": {"params": "*", "transforms": ["zero"]}}], ["'clip'", "mapping #2", "rename"]),
-    ("lgo", ["'lgo' not found", "shipped hook files: agc, clip"]),
+    ("lgo", ["'lgo' not found", "shipped hook files: agc, ", " clip, ", " pcgrad, "]),
     ("nowhere/log.yaml", ["'nowhere/log.yaml' not found"]),
     ([3], ["item #1", "mapping"]),
 ])

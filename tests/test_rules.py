@@ -61,7 +61,7 @@ def test_zero_keeps_biases_fixed_under_adam(batch):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-    assert [n for n, _ in hooks.plan] == ["conv1.bias", "conv2.bias", "l1.bias"]
+    assert [n for n, _ in hooks.chains] == ["conv1.bias", "conv2.bias", "l1.bias"]
     for name, value in model.state_dict().items():
         changed = not torch.equal(value, before[name])
         assert changed == name.endswith("weight"), name
@@ -87,7 +87,7 @@ def test_modules_rule_equals_hand_written_activation_hook(batch):
     want = grads(hand, *batch)
     with gradmod.attach(ruled, {"pos": {"modules": "relu", "transforms": ["min_zero"]}}) as hooks:
         got = grads(ruled, *batch)
-        assert hooks.plan == [("relu:output", ["min_zero"])]
+        assert hooks.chains == [("relu:output", ["min_zero"])]
     plain = grads(ruled, *batch)  # hooks removed
     assert not torch.equal(want["conv.weight"], plain["conv.weight"]), "the rule must change something"
     for n in want:
@@ -119,7 +119,7 @@ def test_rules_chain_in_config_order(batch):
     }
     with gradmod.attach(model, rules) as hooks:
         got = grads(model, *batch)
-        assert dict(hooks.plan)["fc1.weight"] == ["clamp", "scale"]
+        assert dict(hooks.chains)["fc1.weight"] == ["clamp", "scale"]
     assert torch.allclose(got["fc1.weight"], 3 * plain["fc1.weight"].clamp(-0.01, 0.01))
     assert torch.allclose(got["fc1.bias"], 3 * plain["fc1.bias"])
 
@@ -174,7 +174,7 @@ def test_plan_lists_hook_stage_before_fused_as_they_run(batch):
     with gradmod.attach(model, rules) as hooks:
         grads(model, *batch)
         hooks.after_backward()
-        assert dict(hooks.plan)["fc1.weight"] == ["scale", "clamp"]
+        assert dict(hooks.chains)["fc1.weight"] == ["scale", "clamp"]
         assert [(d["tensor"], d["rule"]) for d in hooks.describe()] == [
             ("fc1.weight", "triple"), ("fc1.bias", "triple"), ("fc1.weight", "clip")]
         lines = hooks.format_plan().splitlines()[1:]

@@ -1,7 +1,7 @@
 """A finished run is sealed: its files change only when that same run continues and the
 continuation has started. Foreign checkpoints, older steps (timelines), resumes that do not
 fit, resume=auto with nothing to resume, two runs at once, start_over, and what a resume may
-change (docs/robustness.md)."""
+change (docs/reference/robustness.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from helpers import RESUMABLE, ROOT, compose_config
 
 from gradmod.app.cli import run
 from gradmod.app.config_store import validate
-from gradmod.run import endings
 from gradmod.run import checkpoint_file as ckpt
+from gradmod.run import endings
 from gradmod.run.factories import build_optimizer, param_groups
 from gradmod.run.folder import RunFolder
 from gradmod.run.resume import apply_optimizer, compare
@@ -219,7 +219,7 @@ def test_summary_seconds_cover_every_process_of_the_run(mine):
 
 @pytest.mark.slow
 def test_a_mid_epoch_resume_counts_the_whole_epochs_skipped_steps(tmp_path):
-    boom = "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: inf}]}"  # every step non-finite
+    boom = "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: 1e300}]}"  # every step non-finite
     skip_all = [*KEEP, "trainer.nonfinite=skip", boom]
     run(compose_config(*skip_all), tmp_path)
     eight = tmp_path / "checkpoints" / "step-000000008.pt"  # 2 of epoch 2's 6 steps done

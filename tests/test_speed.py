@@ -11,14 +11,14 @@ import torch.nn.functional as F
 
 from gradmod.app.cli import run
 from gradmod.data import Data, load_mnist_sample
+from gradmod.hooks import attach
 from gradmod.hooks import transforms as T
-from gradmod.hooks.rules import attach
 from gradmod.models import MnistCNN
-from gradmod.run import runner as train_mod
 from gradmod.run import factories as targets_mod
+from gradmod.run import runner as train_mod
 from gradmod.training.loader import batches, placement
 from gradmod.training.speed import compile_model, forbid_syncs, to_channels_last
-from gradmod.training.trainer import train_epoch
+from gradmod.training.trainer import bare_epoch
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode only "
@@ -50,7 +50,7 @@ def _compare_compiled(backend: str):
     h_eager, h_other = attach(eager, RULES), attach(other, RULES)
     compiled = compile_model(other, backend=backend)
     x, y = torch.rand(16, 1, 28, 28), torch.randint(0, 10, (16,))
-    for model, hooks in ((plain, None), (eager, h_eager), (compiled, h_other)):
+    for model, _hooks in ((plain, None), (eager, h_eager), (compiled, h_other)):
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
     for (n, p), q, r in zip(eager.named_parameters(), other.parameters(), plain.parameters()):
@@ -135,7 +135,7 @@ def test_training_through_the_loader_matches_device_training():
     for loader_workers in (None, 1):
         model = copy.deepcopy(base)
         opt = torch.optim.Adam(model.parameters())
-        train_epoch(model, opt, data.train_x, data.train_y, batch_size=16, generator=torch.Generator().manual_seed(1),
+        bare_epoch(model, opt, data.train_x, data.train_y, batch_size=16, generator=torch.Generator().manual_seed(1),
                     device=torch.device("cpu"), loader_workers=loader_workers)
         params.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*params))

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradmod.hooks import attach
 from gradmod.hooks.reduce import BIG, stat_rows
-from gradmod.hooks.rules import attach
 
 CLAMP = {"name": "clamp", "min": -1e-4, "max": 1e-4}
 

@@ -15,7 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from gradmod.app import cli
-from gradmod.hooks.rules import attach
+from gradmod.hooks import attach
 from gradmod.models import build_model
 from gradmod.reporting import sweep_report as sweep
 

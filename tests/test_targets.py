@@ -84,10 +84,10 @@ def test_loss_target_reaches_the_trainer(compose_cfg, tmp_path):
 def test_data_of_the_wrong_shape_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "bad_data.py").write_text("import torch\n"
                                           "def flat():\n    return (torch.zeros(4), torch.zeros(4)), (torch.zeros(2, 1), torch.zeros(2))\n"
-                                          "def floats():\n    return [(torch.zeros(3), 0.5)], [(torch.zeros(3), 1)]\n"
+                                          "def bools():\n    return [(torch.zeros(3), True)], [(torch.zeros(3), 1)]\n"
                                           "def scalars():\n    return [1, 2], [3, 4]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name, words in (("flat", ["train part", "shape (4,)"]), ("floats", ["train part", "class indices"]),
+    for name, words in (("flat", ["train part", "shape (4,)"]), ("bools", ["train part", "class indices", "float targets"]),
                         ("scalars", ["train part", "not (input, label) pairs"])):
         with pytest.raises(ValueError) as e:
             build_data(DataConfig(_target_=f"bad_data.{name}"), data_dir="unused", seed=0)

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from helpers import tiny_mlp
 
+from gradmod.hooks import attach
 from gradmod.hooks import transforms as T
-from gradmod.hooks.rules import attach
 from gradmod.testing.opcount import OpCounter
 
 BAD = {

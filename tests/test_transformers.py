@@ -181,7 +181,7 @@ def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypa
 
     from helpers import ROOT
 
-    doc = ROOT / "docs" / "transformers.md"
+    doc = ROOT / "docs" / "guide" / "transformers.md"
     code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
     monkeypatch.chdir(tmp_path)  # its output_dir lands here
     ns = {"__name__": "__main__"}
@@ -190,3 +190,48 @@ def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypa
     assert [r["step"] for r in history] == [8, 16, 24, 32]
     assert all(r["grad/net.1.weight/calls"] == 8 and r["grad/norm/global_norm_clip/clip_coef"] <= 1 for r in history)
     assert "'grad/net.1.weight/norm'" in capsys.readouterr().out
+
+
+def test_the_console_gets_one_line_per_log_and_report_to_gets_the_statistics(tmp_path, capsys):
+    """HF's printer shows one line instead of the ``grad/...`` entries; TensorBoard (a
+    ``report_to`` integration) and the callbacks before the printer get every entry."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    recorder = Recorder()
+    t = trainer(tmp_path, [recorder], report_to="tensorboard")
+    add_to(t, ["log", GNC])
+    t.train()
+    out = capsys.readouterr().out
+    assert "grad/" not in out, out  # PrinterCallback (disable_tqdm) prints each logs dict
+    lines = [ln for ln in out.splitlines() if ln.startswith("gradmod step")]
+    assert [ln.split(":")[0] for ln in lines] == ["gradmod step 2", "gradmod step 4"]
+    logged = [r for r in recorder.logs if "grad/net.0.weight/norm" in r]
+    entries = {k.removeprefix("grad/"): v for k, v in logged[-1].items() if k.startswith("grad/")}
+    norms = {k.rpartition("/")[0]: v for k, v in entries.items() if k.endswith("/norm")}
+    top = max(norms, key=norms.get)
+    tensors = {k.rpartition("/")[0] for k in entries}
+    assert lines[-1] == (f"gradmod step 4: {len(entries)} statistics of {len(tensors)} tensors to tensorboard; "
+                         f"largest norm {norms[top]:.4g} ({top})")
+    events = EventAccumulator(str(next(tmp_path.glob("**/events.out.tfevents.*")).parent))
+    events.Reload()
+    written = events.Scalars("train/grad/net.0.weight/norm")
+    assert [e.step for e in written] == [2, 4]
+    assert [e.value for e in written] == pytest.approx([r["grad/net.0.weight/norm"] for r in logged], rel=1e-6)
+
+
+def test_two_callbacks_on_one_tensor_name_the_one_callback_to_use(tmp_path):
+    t = trainer(tmp_path)
+    add_to(t, "clip")
+    add_to(t, "log")
+    with pytest.raises(ValueError, match=r"^Transformers' Trainer: two GradmodCallbacks on the same tensors "
+                                         r"\(net.0.weight, .*\); give one callback several rule sources instead: "
+                                         r"GradmodCallback\(\['(clip|log)', '(clip|log)'\]\)$"):
+        t.train()
+
+
+def test_per_sample_rules_are_refused_in_one_line_at_train_begin(tmp_path):
+    t = trainer(tmp_path)
+    add_to(t, "dp")
+    with pytest.raises(ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Transformers' Trainer: "
+                                         r"[^\n]*attach the rules in your own loop$"):
+        t.train()

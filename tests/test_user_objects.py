@@ -21,6 +21,7 @@ OBJ = "tests.user_objects"
 BASE = [f"data._target_={OBJ}.data", "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu",
         "trainer.progress=false", "trainer.threads=1"]
 TINY = f"model._target_={OBJ}.Tiny"
+INF_GRADIENTS = "+hooks.boom={params: '*', transforms: [{name: scale, factor: 1e300}]}"
 
 # (overrides, words the one stderr line must hold, exit status, summary status)
 CASES = [
@@ -50,7 +51,8 @@ CASES = [
     ([TINY, "+model.signal_name=TERM"], ["interrupted by SIGTERM before training started"], 143, "interrupted"),
     ([TINY, "+model.interrupt_twice_at=3"], ["interrupted by SIGINT after step 1"], 130, "interrupted"),
     # non-finite loss or parameters, under the default trainer.nonfinite=warn
-    ([TINY, "optimizer.lr=inf"], ["diverged: a parameter became non-finite", "at step 1"], 3, "diverged"),
+    # infinite gradients (optimizer.lr=inf itself is refused at validation; 1e300 is inf in float32)
+    ([TINY, INF_GRADIENTS], ["diverged: a parameter became non-finite", "at step 1"], 3, "diverged"),
     ([TINY, "+model.returns=nans"], ["diverged: the loss and a parameter", "at step 1"], 3, "diverged"),
     ([TINY, f"loss._target_={OBJ}.NanLossAt"], ["diverged: the loss and a parameter", "at step 3"], 3, "diverged"),
 ]
@@ -133,7 +135,7 @@ def test_diverged_ends_with_the_first_bad_step_in_process(tmp_path, compose_cfg)
     from gradmod.training.nonfinite import Diverged
 
     with pytest.raises(Diverged) as info:
-        run(compose_cfg(*RESUMABLE, "trainer.epochs=1", "optimizer.lr=inf"), tmp_path)
+        run(compose_cfg(*RESUMABLE, "trainer.epochs=1", INF_GRADIENTS), tmp_path)
     assert info.value.step == 1
     summary = _strict((tmp_path / "summary.json").read_text())
     assert summary["status"] == "diverged" and summary["step"] == 1

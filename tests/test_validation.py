@@ -19,6 +19,7 @@ from helpers import ROOT, run_train
 
 BASE = ["data=mnist_sample", "trainer.device=cpu", "trainer.epochs=1", "trainer.progress=false"]
 RULE = "+hooks.r={params: '*', transforms: [%s]}"
+BAD_CONF = f"hydra.searchpath=[file://{ROOT / 'tests' / 'bad_conf'}]"  # hook files with bad YAML values
 
 # (overrides, words the one error line must contain: the key, the bad value, what is allowed)
 CASES = [
@@ -90,11 +91,43 @@ CASES = [
     (["data.sampling=random"], ["data.sampling", "random", "auto, shuffle, poisson"]),
     (["privacy.accountant=gdp"], ["privacy.accountant", "gdp", "rdp, prv"]),
     (["privacy.delta=2"], ["privacy.delta=2", "(0, 1)"]),
-    (["+hooks=dp", "privacy.target_epsilon=3"], ["privacy.target_epsilon=3", "noise_multiplier=1.1", "set one"]),
+    (["+hooks=dp", "privacy.target_epsilon=nan"], ["privacy.target_epsilon=nan", "finite number > 0"]),
+    (["+hooks=dp", "privacy.target_epsilon=inf"], ["privacy.target_epsilon=inf", "finite number > 0"]),
+    (["+hooks=dp", "privacy.target_epsilon=-1"], ["privacy.target_epsilon=-1", "finite number > 0"]),
+    (["+hooks=dp", "privacy.target_epsilon=1e308"], ["privacy.target_epsilon=1e+308", "bounds nothing"]),
+    (["+hooks=dp", "privacy.target_epsilon=1e-9"], ["privacy.target_epsilon=1e-09", "unreachable"]),
     (["privacy.target_epsilon=3"], ["privacy.target_epsilon", "per_sample_clip", "+hooks=dp"]),
     (["+hooks=dp", "trainer.precision=fp16"], ["hooks.dp", "fp16", "fp32 or bf16"]),
     (["+hooks=dp", "model=resnet18"], ["BatchNorm", "model.norm=group"]),
     (["+hooks=[dp,clip]"], ["hooks.clip", "per_sample"]),
+    # a rule of the wrong shape
+    (["+hooks.r=5"], ["hooks.r=5", "not a rule", "mapping"]),
+    (["+hooks.r=[a, b]"], ["hooks.r=['a', 'b']", "not a rule", "mapping"]),
+    (["+hooks.r={params: '*', transforms: 5}"], ["hooks.r.transforms=5", "allowed", "a list of them"]),
+    ([BAD_CONF, "+hooks=number_transforms"], ["hooks.number_transforms.transforms=5", "allowed"]),
+    # noise_multiplier as YAML gives it: .nan, .inf, text; and as the command line does
+    ([BAD_CONF, "+hooks=nan_noise"], ["hooks.nan_noise", "noise_multiplier=nan", "finite number"]),
+    ([BAD_CONF, "+hooks=inf_noise"], ["hooks.inf_noise", "noise_multiplier=inf", "finite number"]),
+    ([BAD_CONF, "+hooks=text_noise"], ["hooks.text_noise", "noise_multiplier='abc'", "number"]),
+    (["+hooks=dp", "hooks.dp.transforms.0.noise_multiplier=inf"], ["hooks.dp", "noise_multiplier=inf", "finite"]),
+    (["+hooks=dp", "hooks.dp.transforms.0.noise_multiplier=abc"], ["hooks.dp", "noise_multiplier='abc'", "number"]),
+    # counts past a 64-bit integer, threads past the machine
+    (["trainer.epochs=99999999999999999999"], ["trainer.epochs=99999999999999999999", "too large", "2**63 - 1"]),
+    (["data.batch_size=99999999999999999999"], ["data.batch_size=99999999999999999999", "too large"]),
+    (["trainer.threads=100000"], ["trainer.threads=100000", "CPUs", "allowed: 0"]),
+    # values that can only diverge
+    (["optimizer.lr=inf"], ["optimizer.lr=inf", "finite number >= 0"]),
+    (["optimizer.lr=nan"], ["optimizer.lr=nan", "finite number >= 0"]),
+    (["optimizer=sgd", "optimizer.momentum=inf"], ["optimizer.momentum=inf", "finite number >= 0"]),
+    ([RULE % "{name: clamp, min: -1, max: inf}"], ["clamp", "max=inf", "finite number"]),
+    ([RULE % "{name: clamp, bound: inf}"], ["clamp", "bound=inf", "finite number"]),
+    ([RULE % "{name: scale, factor: inf}"], ["scale", "factor=inf", "finite number"]),
+    ([RULE % "{name: scale, factor: -inf}"], ["scale", "factor=-inf", "finite number"]),
+    ([RULE % "{name: norm_clip, max_norm: inf}"], ["norm_clip", "max_norm=inf", "finite number"]),
+    (["+hooks.r={params: '*', stage: fused, transforms: [{name: global_norm_clip, max_norm: inf}]}"],
+     ["global_norm_clip", "max_norm=inf", "finite number"]),
+    (["+hooks=dp", "hooks.dp.transforms.0.max_norm=inf"], ["per_sample_clip", "max_norm=inf", "finite number"]),
+    ([RULE % "{name: noise, std: nan}"], ["noise", "std=nan", "finite number"]),
 ]
 if not torch.cuda.is_available():
     CASES.append((["trainer.device=cuda"], ["trainer.device", "cuda", "not available", "cpu"]))
@@ -123,7 +156,7 @@ def test_every_bad_input_is_one_line(tmp_path):
                           capture_output=True, text=True, env=env, timeout=900)
     results = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert len(results) == len(CASES), proc.stderr
-    for (ov, words), res in zip(CASES, results):
+    for (_, words), res in zip(CASES, results):
         check(res["code"], res["stderr"], words)
     # nothing was trained: no run folder got a metrics file
     assert not list(tmp_path.glob("*/metrics.jsonl"))

@@ -2,8 +2,9 @@
 
 ``main()`` has Hydra compose the config from the shipped ``gradmod/conf/`` (a user's own
 folder joins it through ``--config-dir`` or ``hydra.searchpath``) and run ``job`` on it; ``job``
-checks the config (``validate``) and trains (``gradmod.run.runner.train``). Every ending
-is one line on stderr and an exit status (``gradmod.run.endings``): a config error found
+checks the config (``validate``) and trains (``gradmod.run.runner.execute``, which settles
+the run's ending once and returns it as a value). Every ending is one line on stderr and
+an exit status (``gradmod.run.endings``): a config error found
 while Hydra composes, or bad input found before training, exits 2; a failed file
 operation or an error raised in the user's own code 1 (``train.log`` keeps the
 traceback); a diverged run 3; a signal 128 + its number. A bug in gradmod keeps its
@@ -14,7 +15,9 @@ job killed by a signal ends only itself; a job that raises does not end the swee
 folder gets a ``summary.json`` with ``status: failed`` and the error (where the folder is
 its own), its log the traceback, and the sweep goes on. Each job records its ending in the
 sweep folder (``sweep_jobs``), and the sweep report (``gradmod.app.sweep_callback.SweepReport``)
-exits non-zero at the end when any job did not end ok.
+exits non-zero at the end when any job did not end ok. Ctrl-C or SIGTERM ends the sweep
+(the job in progress ends ``interrupted``) with the report of what ran, naming the jobs
+that did not; ``hydra.run.dir=''`` is refused (a run needs a folder of its own).
 """
 
 from __future__ import annotations
@@ -26,10 +29,9 @@ import os
 import re
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -40,14 +42,19 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
-from gradmod.app.isolated import run_forked
+from gradmod.app.isolated import preload, run_forked
 from gradmod.app.job_files import JobFiles
+from gradmod.app.sweep_callback import stop_asked, stop_sweep
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
-from gradmod.run import endings, runner
-from gradmod.run.folder import may_write
-from gradmod.training.distributed import env_rank, follower_overrides
-from gradmod.training.interrupt import Interrupted
+from gradmod.training.ranks import env_rank, follower_overrides
+
+if TYPE_CHECKING:
+    from gradmod.run import endings
+
+# Loaded once Hydra has composed the config (torch and the rest of training: seconds), so
+# that a config error is reported in a second; a sweep loads it before its jobs fork.
+TRAINING = "gradmod.run.runner"
 
 log = logging.getLogger("gradmod")
 
@@ -59,14 +66,14 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 def main(conf: str | Path = CONF) -> None:
     """Compose the config in ``conf`` from the command line and run ``job``; end in one line.
     The console script ``gradmod`` and ``python train.py`` both call it with the default."""
-    register_help(conf)  # gradmod --help
+    register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])))  # gradmod --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
     try:
         hydra.main(version_base="1.3", config_path=str(Path(conf).resolve()), config_name="config")(job)()
     except Exception as e:  # job ends its own errors (it exits); these are Hydra's and OmegaConf's
         code = _config_status(e)
-        if _USER_FULL_ERROR or code is None or hasattr(e, "gradmod_summary"):
+        if _USER_FULL_ERROR or code is None or e is _RAISED[0]:
             raise
         print(f"error: {describe(e)}", file=sys.stderr)
         sys.exit(code)
@@ -75,9 +82,14 @@ def main(conf: str | Path = CONF) -> None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
+_RAISED: list[BaseException | None] = [None]  # the error job raised itself (a bug): main keeps its traceback
+
+
 def run(cfg: DictConfig, out: str | Path) -> dict[str, Any]:
     """Python's way in: check a composed config (``hydra.compose``) and train into ``out``;
     returns the summary. Errors are raised as they are (``job`` turns them into endings)."""
+    from gradmod.run import runner
+
     return runner.train(validate(cfg), out)
 
 
@@ -87,7 +99,8 @@ def job(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     out = hydra_cfg.runtime.output_dir
     if hydra_cfg.mode != RunMode.MULTIRUN:
-        return _train(cfg, out, multirun=False)["test_accuracy"]
+        _refuse_no_folder(hydra_cfg.run.dir)
+        return _conclude(_train(cfg, out, multirun=False))["test_accuracy"]
     if not cfg.trainer.threads:
         # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
         threads = launcher_threads(hydra_cfg.launcher)
@@ -96,27 +109,41 @@ def job(cfg: DictConfig) -> float | None:
     return _sweep_job(cfg, hydra_cfg, out)["test_accuracy"]
 
 
+def _refuse_no_folder(run_dir: Any) -> None:
+    """``hydra.run.dir=''`` would train into the current folder, among whatever it holds."""
+    if not str(run_dir or "").strip():
+        print("error: hydra.run.dir is empty; a run needs a folder of its own: give hydra.run.dir=PATH, or leave "
+              "it out for a new folder under outputs/", file=sys.stderr)
+        sys.exit(2)
+
+
 def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     """One job of a multirun, trained in a child process (``isolated``) so that a job killed
     by a signal ends only itself; its ending is recorded for the report (``sweep_jobs``)."""
     sweep_dir = hydra_cfg.sweep.dir
+    if stop_asked():  # a signal between two jobs: this one does not start
+        stop_sweep(sweep_dir, stop_asked())
     before = _run_marks(out_dir)
+    preload(TRAINING)  # imported once here, inherited by every job's child
     record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
     code, summary = run_forked(lambda: _in_child(cfg, out_dir))
     status, error = _ending(code, summary, before, _run_marks(out_dir))
     sweep_jobs.finish(sweep_dir, record, status, summary, error)
     if status != "ok":
         log.error("job %s %s: %s", hydra_cfg.job.num, status, error)
-    if status == "interrupted" and code > 0:
-        sys.exit(code)  # Ctrl-C or SIGTERM ends the sweep, as it ends a run
+    if status == "interrupted" or stop_asked():  # Ctrl-C or SIGTERM ends the sweep, as a run, with its report
+        stop_sweep(sweep_dir, stop_asked() or (code - 128 if code > 0 else -code))
     return {**(summary or {"test_accuracy": None, "test_loss": None}), "status": status, "error": error}
 
 
 def _in_child(cfg: DictConfig, out_dir: str) -> tuple[int, dict[str, Any] | None]:
-    try:
-        return 0, _train(cfg, out_dir, multirun=True)
-    except SystemExit as e:  # interrupted: the run's own summary rides on the exception
-        return (e.code if isinstance(e.code, int) else 1), getattr(e.__context__, "gradmod_summary", None)
+    from gradmod.training.interrupt import Interrupted
+
+    ending = _train(cfg, out_dir, multirun=True)
+    if isinstance(ending.error, Interrupted):
+        _say(ending.error)
+        return ending.error.exit_code, ending.summary
+    return 0, ending.summary  # a failed job: recorded, and the sweep goes on
 
 
 def _run_marks(out_dir: str) -> tuple[bytes | None, ...]:
@@ -128,6 +155,8 @@ def _ending(code: int, summary: dict[str, Any] | None, before: tuple, after: tup
     """(status, error) of a sweep job from how its child ended. A job that did not end ok and
     left an earlier run's summary and run record as they were was refused: the folder is
     that run's, and the job wrote nothing of its own."""
+    if code in (-signal.SIGINT, -signal.SIGTERM):  # before the run could catch it
+        return "interrupted", f"interrupted by {signal.Signals(-code).name} before training started"
     if code < 0:
         name = signal.Signals(-code).name
         return "killed", f"killed by {name}" + (" (the OOM killer sends SIGKILL)" if name == "SIGKILL" else "")
@@ -147,30 +176,49 @@ def _read_bytes(path: Path) -> bytes | None:
         return None
 
 
-def _train(cfg: DictConfig, out: str, multirun: bool) -> dict[str, Any]:
-    """Train into ``out``; returns the summary. The job's ``.hydra/`` and ``train.log`` go into
-    ``out`` once the run owns it (``JobFiles``), or at its ending where the folder is free. An
-    error ends the run here: its summary, its line in train.log and on stderr, its exit
-    status; a sweep job that failed returns its summary instead, so the sweep goes on."""
-    start = time.perf_counter()
+def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
+    """Train into ``out``; returns how the run ended. The job's ``.hydra/`` and ``train.log`` go
+    into ``out`` once the run owns it (``JobFiles``), or at its ending where the folder is
+    free; an error's line (and, unless it is bad input or a signal, its traceback) goes into
+    the log. A failed job of a sweep keeps its traceback in its train.log, and the sweep's
+    console gets its one line (``_sweep_job``); the sweep goes on."""
+    from gradmod.run import runner  # torch: after Hydra composed the config
+    from gradmod.run.folder import may_write
+    from gradmod.training.interrupt import Interrupted
+
     with JobFiles(HydraConfig.get(), cfg) as files:
-        try:
-            return runner.train(validate(cfg), out, files.write)
-        except (Exception, Interrupted) as e:
-            main_rank = env_rank() == 0
-            summary = endings.settle(out if main_rank else None, e, time.perf_counter() - start, owned=False)
-            if main_rank and may_write(out):  # a free folder keeps the job's config and log with its ending
-                with contextlib.suppress(OSError):
-                    files.write(out)
-            if multirun and not isinstance(e, Interrupted):
-                log.error("job failed, the sweep goes on: %s\n%s", endings.message(e), _traceback(e))
-                return summary
-            _to_log_files(e)
-            code = endings.exit_status(e)
-            if code is None or _USER_FULL_ERROR:
-                raise  # a bug: its traceback
-            print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
-            sys.exit(code)  # here, not in main: Hydra would add a line of its own to a raised error
+        ending = runner.execute(lambda: validate(cfg), out, files.write)
+        e = ending.error
+        if e is None:
+            return ending
+        if not isinstance(e, (Exception, Interrupted)):
+            raise e  # SystemExit, KeyboardInterrupt: as they came
+        if env_rank() == 0 and may_write(out):  # a free folder keeps the job's config and log with its ending
+            with contextlib.suppress(OSError):
+                files.write(out)
+        _to_log_files(e)
+        return ending
+
+
+def _conclude(ending: endings.Ending) -> dict[str, Any]:
+    """A single run's ending: the summary when ok; else its line on stderr and exit status
+    (here, not in main: Hydra would add a line of its own to a raised error), or, for a
+    bug in gradmod, the error raised with its traceback."""
+    if ending.error is None:
+        return ending.summary
+    code = ending.exit_code
+    if code is None or _USER_FULL_ERROR:
+        _RAISED[0] = ending.error
+        raise ending.error
+    _say(ending.error)
+    sys.exit(code)
+
+
+def _say(e: BaseException) -> None:
+    from gradmod.run import endings
+    from gradmod.training.interrupt import Interrupted
+
+    print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
 
 
 def _config_status(e: BaseException) -> int | None:
@@ -185,6 +233,9 @@ def _config_status(e: BaseException) -> int | None:
 def _to_log_files(e: BaseException) -> None:
     """The ending's line in the run's log files (the terminal gets it once, from ``job``);
     the traceback too, unless the error is bad input or a signal, whose line says it all."""
+    from gradmod.run import endings
+    from gradmod.training.interrupt import Interrupted
+
     status = endings.exit_status(e)
     text = endings.message(e) if status is not None else f"{type(e).__name__}: {e}"
     if status != 2 and not isinstance(e, Interrupted):
@@ -202,6 +253,8 @@ def _traceback(e: BaseException) -> str:
 def describe(e: BaseException) -> str:
     """One line for a config error from Hydra or OmegaConf."""
     if _config_status(e) == 1:  # logging's "Unable to configure handler 'file'" hides the path
+        from gradmod.run import endings
+
         return endings.describe_os_error(e if isinstance(e, OSError) else e.__cause__)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")

@@ -25,6 +25,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from gradmod.run.config import (
     AdamConfig,
+    CharTextDataConfig,
     Config,
     DataConfig,
     FakeDataConfig,
@@ -40,6 +41,7 @@ def register() -> None:
     cs.store(name="base_config", node=Config)
     cs.store(group="schema/data", name="mnist", node=DataConfig)
     cs.store(group="schema/data", name="fake", node=FakeDataConfig)
+    cs.store(group="schema/data", name="char_text", node=CharTextDataConfig)
     cs.store(group="schema/optimizer", name="adam", node=AdamConfig)
     cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)

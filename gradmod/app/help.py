@@ -7,14 +7,18 @@ by itself), hook configs and group options from the files in ``gradmod/conf/``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import io
 import re
 import textwrap
+import tokenize
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from gradmod.hooks import transforms
+from gradmod.hooks import stages
+from gradmod.run import config as schemas
 
 HIDDEN_GROUPS = ("hooks", "hydra")  # hooks get their own section; hydra/ is Hydra's
 
@@ -24,6 +28,8 @@ WIDTH = 100  # the page's width
 
 def transform_lines() -> list[str]:
     """``name(arg=default, ...)  first sentence of the docstring`` for every registered transform."""
+    from gradmod.hooks import transforms  # torch: loaded for the help page only
+
     lines = []
     for name in transforms.names():
         factory = transforms.factory(name)
@@ -55,6 +61,37 @@ def columns(left: str, right: str, column: int = 36) -> list[str]:
     return [ln.rstrip() for ln in lines + [indent + w for w in wrapped[1:]]]
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's one-line doc: the comment on its line in the dataclass (a base class's
+    for a field a subclass only re-defaults)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass.__module__ != cls.__module__:
+            continue
+        own = {f.name for f in dataclasses.fields(klass)}
+        source = textwrap.dedent(inspect.getsource(klass))
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            m = re.match(r"    (\w+)\s*:", tok.line) if tok.type == tokenize.COMMENT else None
+            if m and m.group(1) in own:
+                docs[m.group(1)] = tok.string.lstrip("#").strip()
+    return docs
+
+
+# The nodes whose keys the help page lists from their schemas.
+KEY_NODES = {"trainer": schemas.TrainerConfig, "capture": schemas.CaptureConfig, "privacy": schemas.PrivacyConfig,
+             "data": schemas.DataConfig}
+
+
+def key_list(node: str, indent: int = 14) -> str:
+    """The keys of a config node, from its dataclass, wrapped for the Keys section."""
+    if node == "rule":  # a hook rule: its keys, then the stages one may name
+        words = [*(f.name for f in dataclasses.fields(schemas.RuleConfig))]
+        words[-1] += f" ({' | '.join(stages.names())})"
+    else:
+        words = [f.name for f in dataclasses.fields(KEY_NODES[node]) if not f.name.startswith("_") and f.name != "args"]
+    return f"\n{' ' * indent}".join(textwrap.wrap(", ".join(words), WIDTH - indent, break_on_hyphens=False))
+
+
 def hook_lines(conf: Path) -> list[str]:
     """``NAME  first sentence of the file's comment`` for every ``gradmod/conf/hooks/NAME.yaml``."""
     return [ln for f in sorted((conf / "hooks").glob("*.yaml")) for ln in columns(f.stem, _first_comment(f), 17)]
@@ -67,10 +104,12 @@ def group_lines(conf: Path) -> list[str]:
 
 
 def doc_lines(docs: Path | None) -> list[str]:
-    """``docs/NAME.md  its title`` for every page of the docs folder (none in an installed copy)."""
+    """``docs/PATH.md  its title`` for every page of the docs folder, its guide, reference,
+    design and benchmarks (none in an installed copy)."""
     if docs is None:
         return ["  (not installed with the package: the docs/ folder of the source repository)"]
-    return [ln for f in sorted(docs.glob("*.md")) for ln in columns(f"docs/{f.name}", _title(f), 26)]
+    pages = sorted(docs.rglob("*.md"), key=lambda f: (f.parent != docs, f.relative_to(docs).as_posix()))
+    return [ln for f in pages for ln in columns(f"docs/{f.relative_to(docs).as_posix()}", _title(f), 33)]
 
 
 def checkout_docs(conf: Path) -> Path | None:
@@ -95,15 +134,18 @@ def _first_comment(path: Path) -> str:
     return first_sentence(" ".join(block))
 
 
-def register_help(conf: str | Path) -> None:
-    """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder."""
+def register_help(conf: str | Path, page: bool = True) -> None:
+    """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder.
+    Hydra resolves the template while composing every run's config: without ``page`` (no
+    ``--help`` asked) the sections are left empty, so that no run loads torch for them."""
     conf = Path(conf)
     sections = {"transforms": transform_lines, "hooks": lambda: hook_lines(conf),
-                "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(checkout_docs(conf))}
+                "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(checkout_docs(conf)),
+                **{f"keys_{node}": (lambda node=node: [key_list(node)]) for node in [*KEY_NODES, "rule"]}}
 
     def section(name: str) -> str:
         if name not in sections:
             raise ValueError(f"gradmod_help:{name}: no such section; allowed: {', '.join(sections)}")
-        return "\n".join(sections[name]())
+        return "\n".join(sections[name]()) if page else ""
 
     OmegaConf.register_new_resolver("gradmod_help", section, replace=True, use_cache=False)

@@ -18,6 +18,7 @@ without the isolation, rather than risk a child that deadlocks in its first para
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -61,9 +62,29 @@ def _native_threads() -> set[int] | None:
         return None
 
 
-# The threads this process had when gradmod.app was imported (torch's own, started at
-# import); a native thread started since then, and not Python's, is one of torch's pools.
+# The threads this process had when gradmod.app was imported, with those that importing
+# torch starts (``preload``); a native thread started since, and not Python's, is one of
+# torch's pools.
 _AT_IMPORT = _native_threads()
+
+
+def preload(module: str) -> None:
+    """Import ``module`` (the training code, and with it torch) here, so that each forked
+    job inherits it instead of importing it again. The threads the import itself starts
+    are no pool: they join the baseline, unless a thread had started unexplained before."""
+    global _AT_IMPORT
+    if module in sys.modules:
+        return
+    before = _native_threads()
+    importlib.import_module(module)
+    after = _native_threads()
+    if None in (_AT_IMPORT, before, after) or _unexplained(before):
+        return
+    _AT_IMPORT = _AT_IMPORT | (after - before)
+
+
+def _unexplained(now: set[int]) -> set[int]:
+    return now - _AT_IMPORT - {t.native_id for t in threading.enumerate()}
 
 
 def fork_is_safe() -> bool:
@@ -73,11 +94,13 @@ def fork_is_safe() -> bool:
     now = _native_threads()
     if now is None or _AT_IMPORT is None:
         return False
-    return not now - _AT_IMPORT - {t.native_id for t in threading.enumerate()}
+    return not _unexplained(now)
 
 
 def _child(fn: Callable[[], ChildResult], write_end: int) -> None:
     code = 1
+    for s in (signal.SIGINT, signal.SIGTERM):  # not the sweep's handlers: until the run installs its own,
+        signal.signal(s, signal.SIG_DFL)       # a signal ends the job, which the parent reports as interrupted
     try:
         code, summary = fn()
         with os.fdopen(write_end, "w") as f:

@@ -1,11 +1,34 @@
-"""The hook core: transforms by name, rules that attach them, statistics they gather.
+"""The hook core: transforms by name (one registry), rules that attach them, the stages
+they run at, statistics they gather.
 
-Imports torch only: usable in any training loop, without the trainer or Hydra.
+Imports torch only: usable in any training loop, without the trainer or Hydra. The names
+below load on first use, so that the torch-free tables (``stages``, ``registry``) can be
+read by the command line before torch loads.
 """
 
-from gradmod.hooks import transforms
-from gradmod.hooks.rules import HookSet, attach
-from gradmod.hooks.selection import load_rules
-from gradmod.hooks.stats import GradStats
+from __future__ import annotations
 
-__all__ = ["GradStats", "HookSet", "attach", "load_rules", "transforms"]
+import importlib
+from typing import Any
+
+_HOMES = {
+    "HookSet": "gradmod.hooks.hookset", "attach": "gradmod.hooks.hookset", "register": "gradmod.hooks.registry",
+    "load_rules": "gradmod.hooks.rules", "GradStats": "gradmod.hooks.stats",
+}
+_MODULES = ("registry", "stages", "transforms")
+__all__ = sorted([*_HOMES, *_MODULES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(f"gradmod.hooks.{name}")
+    elif name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    else:
+        raise AttributeError(f"module 'gradmod.hooks' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -7,12 +7,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks import transforms as T
+from gradmod.hooks import registry as R
 from gradmod.hooks.log_buffer import in_distributed
-from gradmod.hooks.stats import GradStats
 
 
-def _checked(rule: str, step: T.Step, key: str, g: Tensor) -> Tensor | None:
+def _checked(rule: str, step: R.BuiltTransform, key: str, g: Tensor) -> Tensor | None:
     """Run a step and check what it did: the first call of each hook only, so that the
     check costs nothing afterwards (the version counter shows an in-place change)."""
     version = g._version
@@ -32,7 +31,7 @@ def _checked(rule: str, step: T.Step, key: str, g: Tensor) -> Tensor | None:
     return out
 
 
-def _slots(steps: list[tuple[str, T.Step]]) -> list[tuple[str, int]]:
+def _slots(steps: list[tuple[str, R.BuiltTransform]]) -> list[tuple[str, int]]:
     """Each step's (rule, position in the rule's transforms): where its ``log`` rows are batched."""
     seen: dict[str, int] = {}
     out = []
@@ -42,16 +41,16 @@ def _slots(steps: list[tuple[str, T.Step]]) -> list[tuple[str, int]]:
     return out
 
 
-def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.Parameter | None):
+def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, param: nn.Parameter | None):
     """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
     handed to ``hooks.logs`` (a ``LogBuffer``: computed per rule and position for all
     tensors together at the end of backward). The raw gradient goes to ``hooks.ledger`` (a
     ``RawLedger``) for the non-finite count, before a transform such as clamp can turn inf
-    into a number. Under fp16 (``hooks.grad_scale`` set) the steps see the unscaled
-    gradient, as in fp32, and the result is scaled back for GradScaler; scales are powers
-    of two, so this is exact."""
+    into a number. Under fp16 (``hooks.grad_scale``, set by ``set_grad_scale``) the steps
+    see the unscaled gradient, as in fp32, and the result is scaled back for GradScaler;
+    scales are powers of two, so this is exact."""
     first = True
-    plan = [(rule, step, step.fn if isinstance(step.fn, GradStats) else None, slot)
+    plan = [(rule, step, step.fn if step.observer else None, slot)
             for (rule, step), slot in zip(steps, _slots(steps))]
     observes_only = all(obs is not None for _, _, obs, _ in plan)
     defer = _deferrable(steps, param)
@@ -69,7 +68,7 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
                 hooks.ledger.note(key, grad, grad, False)
             _observe(hooks, [(obs, g, slot) for _, _, obs, slot in plan], grad, param)
             return None
-        seen: list[tuple[GradStats, Tensor, tuple[str, int]]] = []
+        seen: list[tuple[Any, Tensor, tuple[str, int]]] = []  # (GradStats, its gradient, slot)
         changed = False
         for rule, step, obs, slot in plan:
             if obs is not None:
@@ -88,7 +87,7 @@ def chain_hook(steps: list[tuple[str, T.Step]], hooks: Any, key: str, param: nn.
     return hook
 
 
-def _deferrable(steps: list[tuple[str, T.Step]], param: nn.Parameter | None):
+def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter | None):
     """For a parameter whose chain is only transforms with an in-place foreach form: a test
     of whether this call may leave the gradient to autograd and transform ``.grad`` in place
     at the end of backward instead (one foreach op per step for all such tensors, no copy
@@ -98,7 +97,7 @@ def _deferrable(steps: list[tuple[str, T.Step]], param: nn.Parameter | None):
     parameter, and no DDP reducer reads it. Else the chain runs in the hook as usual."""
     if param is None or not param.requires_grad or not steps:
         return None
-    if not all(not isinstance(s.fn, GradStats) and not s.group and s.inplace is not None for _, s in steps):
+    if not all(not s.observer and s.kind == "elementwise" and s.inplace is not None for _, s in steps):
         return None
     acc = param.view_as(param).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
 

@@ -3,8 +3,9 @@ backward, once per optimizer step, each rule's steps in config order.
 
 A step of a rule is applied to all the rule's gradients at once: a group transform
 (``gradmod.hooks.group``) gets them all; a transform with a foreach form makes one
-grouped call; ``log`` computes the rows of all the rule's tensors together; any other runs per tensor, each tensor with its own instance (observers
-and stateful transforms keep one state per tensor, as in the hook stage).
+grouped call; ``log`` computes the rows of all the rule's tensors together; any other
+runs per tensor, each tensor with its own instance (observers and stateful transforms
+keep one state per tensor, as in the hook stage).
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks import transforms as T
-from gradmod.hooks.stats import GradStats, observe_batch
+from gradmod.hooks import registry as R
+from gradmod.hooks.stats import observe_batch
 
 
 @dataclass
-class FusedStep:
+class FusedTransform:
     """One transform of one rule over the rule's tensors (names and parameters in model order)."""
 
     rule: str
-    steps: list[T.Step]  # per tensor; for a group transform the same Step every time
+    steps: list[R.BuiltTransform]  # per tensor; for a group transform the same BuiltTransform every time
     names: list[str]
     params: list[nn.Parameter]
     checked: bool = field(default=False)
@@ -35,12 +36,12 @@ class FusedStep:
             return None
         first = self.steps[0]
         grads = [self.params[i].grad for i in live]
-        if first.group:
+        if first.kind == "group":
             return first.fn.apply_([self.params[i] for i in live], grads)
         if first.inplace is not None:  # one grouped foreach call (stateless forms)
             first.inplace(grads)
             return None
-        if isinstance(first.fn, GradStats):  # the rule's rows together, as the hook stage batches them
+        if first.observer:  # the rule's rows together, as the hook stage batches them
             observers = [self.steps[i].fn for i in live]
             for obs, g in zip(observers, grads):
                 if obs.histogram:
@@ -68,17 +69,17 @@ class FusedStep:
                          f"stage needs shape {tuple(grad.shape)}, dtype {grad.dtype}, device {grad.device} (or None)")
 
 
-def fused_steps(targets, params: dict[str, nn.Parameter]) -> list[FusedStep]:
+def fused_transforms(targets, params: dict[str, nn.Parameter]) -> list[FusedTransform]:
     """The fused-stage targets as (rule, step index) groups, in config order."""
     by_rule: dict[str, list] = {}
     for t in targets:
         if t.stage == "fused":
             by_rule.setdefault(t.rule, []).append(t)
-    return [FusedStep(rule, [t.steps[i] for t in group], [t.name for t in group], [params[t.name] for t in group])
+    return [FusedTransform(rule, [t.steps[i] for t in group], [t.name for t in group], [params[t.name] for t in group])
             for rule, group in by_rule.items() for i in range(len(group[0].steps))]
 
 
-def run_fused(steps: list[FusedStep]) -> bool:
+def run_fused(steps: list[FusedTransform]) -> bool:
     """Run every step; True when a group transform asks to skip the optimizer step. The
     host reads that answer only when such a transform is configured to give one."""
     answers = [a for a in (s.run() for s in steps) if a is not None]

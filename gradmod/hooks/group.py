@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.reduce import BIG
+from gradmod.hooks.registry import register
 from gradmod.hooks.sharded import is_sharded, plain
-from gradmod.hooks.transforms import _number, _positive, register
+from gradmod.hooks.transforms import _number, _positive
 from gradmod.hooks.window import Window
 
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
@@ -96,6 +97,7 @@ class GroupTransform:
     and returns a device bool "skip this step", or None."""
 
     name = "group"
+    skip = False  # True: apply_ may answer "skip this step", which the loop must read
 
     def __init__(self):
         self.record = NormRecord()
@@ -134,7 +136,7 @@ class GlobalNormClip(GroupTransform):
 def _norm_type(transform: str, value: Any) -> float:
     if isinstance(value, str) and value.lower() in ("inf", "infinity"):
         return math.inf
-    v = _number(transform, "norm_type", value)
+    v = _number(transform, "norm_type", value, finite=False)
     if not (v >= 1):
         raise ValueError(f"transform {transform!r}: norm_type={value!r} must be >= 1 or 'inf'")
     return v
@@ -265,6 +267,6 @@ class ZClip(GroupTransform):
         self.mean, self.var, self.count = (None if state[k] is None else move(state[k]) for k in ("mean", "var", "count"))
 
 
-register("global_norm_clip", GlobalNormClip, group=True)
-register("agc", AGC, group=True)
-register("zclip", ZClip, group=True)
+register("global_norm_clip", GlobalNormClip, kind="group")
+register("agc", AGC, kind="group")
+register("zclip", ZClip, kind="group")

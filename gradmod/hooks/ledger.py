@@ -64,12 +64,3 @@ class RawLedger:
             self.armed = False
             self.raw, self.counted, self.replaced = [], [], set()
 
-    def take_counts(self) -> list[tuple[str, Tensor]]:
-        """(tensor name, device count of non-finite raw entries) summed per name, and a
-        fresh start; no host sync."""
-        raw, counted, _ = self.take()
-        counts = torch._foreach_norm(torch._foreach_mul([t for _, t in raw], 0), 0) if raw else []
-        out: dict[str, Tensor] = {}
-        for name, c in [(n, c) for (n, _), c in zip(raw, counts)] + counted:
-            out[name] = c if name not in out else out[name] + c
-        return list(out.items())

@@ -1,268 +1,355 @@
-"""Hook rules: attach the transforms the rules select, keep every handle (``HookSet``).
+"""Hook rules: what a rule selects (tensors by name) and the transforms each one gets.
 
 A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
-or ``{"modules": glob(s), ...}``. ``params`` selects ``model.named_parameters()`` and
-transforms each parameter's gradient; ``modules`` selects ``model.named_modules()`` and
-transforms the gradient of the module's *output* (the articles' ``x.register_hook``
-inside ``forward``). Several rules on one tensor chain in config order within a stage;
-hook-stage transforms run before fused ones (``HookSet.plan`` lists that order).
-
-Stages (``params`` rules only; ``modules`` rules always run as hooks):
-
-* ``hook``: ``Tensor.register_hook`` on the parameter; sees each backward's local
-  gradient before it is accumulated into ``.grad`` (and before DDP's all-reduce).
-* ``fused``: ``HookSet.after_backward()`` transforms the accumulated ``.grad`` tensors,
-  grouped per transform with ``torch._foreach_*`` ops, once per optimizer step; a
-  transform without a foreach form runs per tensor, each with its own state.
+or ``{"modules": glob(s), ...}``; a key set to null is unset. Names are verified, not
+trusted: a pattern that matches nothing is an error listing close names (``@last_layer``,
+besides globs, names the parameters of the last module holding any). A rule's stage
+is its own, else the default, unless a transform's kind implies one
+(``gradmod.hooks.stages``); the transforms must all run at that stage.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Mapping, Sequence
+import difflib
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
 
-import torch
-from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
+from torch import nn
 
-from gradmod.hooks import selection
-from gradmod.hooks import transforms as T
-from gradmod.hooks.chain import chain_hook, output_hook
-from gradmod.hooks.fused import fused_steps, run_fused
-from gradmod.hooks.ledger import RawLedger
-from gradmod.hooks.log_buffer import LogBuffer
-from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
-from gradmod.hooks.selection import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
-from gradmod.hooks.sharded import refuse_hook_stage, watch
-from gradmod.hooks.stats import GradStats
+from gradmod.hooks import group as _group  # noqa: F401  (registers the group transforms)
+from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: F401  (registers per_sample_clip)
+from gradmod.hooks import registry as R
+from gradmod.hooks import stages
+from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: F401  (registers the per_loss methods)
+from gradmod.hooks.per_sample import check_model
 
-# model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
-_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, list[HookSet]]" = weakref.WeakKeyDictionary()
-# hooked parameter or module -> the live HookSet holding its hooks, whatever root reached it.
-_OWNERS = WeakIdKeyDictionary()
+STAGES = stages.names()  # the stages a rule may name, in order
+DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
+NAMED = DEFAULT_STAGES + tuple(s for s in STAGES if s not in DEFAULT_STAGES)  # as messages list them
+RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
+LAST_LAYER = "@last_layer"  # in params or exclude: the last module's parameters (see _matches)
 
 
-class HookSet:
-    """The hooks one ``attach`` call registered. ``remove()`` (or leaving a ``with``
-    block) removes every handle; ``after_backward()`` runs the fused stage."""
+@dataclass
+class Target:
+    """One selected tensor and the transforms (in order) a rule applies to it."""
 
-    def __init__(self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean"):
-        self.targets = targets
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
-        self.ledger = RawLedger()  # raw gradients the chains replaced, for the non-finite count
-        self.logs = LogBuffer()  # the chains' log observations, until the end of backward
-        params = dict(model.named_parameters())
-        modules = dict(model.named_modules())
-        # One hook per tensor: its transforms from every rule, chained in config order.
-        hooked: dict[str, tuple[Target, list[tuple[str, T.Step]]]] = {}
-        for t in targets:
-            if t.stage == "hook":
-                hooked.setdefault(t.key, (t, []))[1].extend((t.rule, s) for s in t.steps)
-        for key, (t, steps) in hooked.items():
-            if t.kind == "param":
-                self._handles.append(params[t.name].register_hook(chain_hook(steps, self, key, params[t.name])))
-            else:
-                rules = list(dict.fromkeys(rule for rule, _ in steps))
-                hook = output_hook(chain_hook(steps, self, key, None), rules, t.name)
-                self._handles.append(modules[t.name].register_forward_hook(hook))
-        self.hooked_params = {t.name for t, _ in hooked.values() if t.kind == "param"}
-        self._fused = fused_steps(targets, params)  # (rule, step index) groups in config order
-        self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
-        private = per_sample_rules(targets, params)
-        self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
-        # Every tensor this set transforms, so another attach call cannot hook it twice.
-        self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
-        # fully_shard after attach would leave the rules on parameters no longer in the model.
-        self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
-        self._keys = {t.key for t in targets}
-        for obj in self.owned:
-            _OWNERS[obj] = self
+    rule: str
+    kind: str  # "param" | "module"
+    name: str
+    stage: str
+    steps: list[R.BuiltTransform]
 
     @property
-    def plan(self) -> list[tuple[str, list[str]]]:
-        """(tensor name, transform names) in application order; module outputs as ``name:output``."""
-        return selection.plan_of(self.targets)
-
-    def describe(self) -> list[dict[str, Any]]:
-        """The plan with rules, stages and arguments, for printing and saving (application order)."""
-        return selection.describe(self.targets)
-
-    def format_plan(self) -> str:
-        return selection.format_plan(selection.describe(self.targets))
-
-    @property
-    def has_fused(self) -> bool:
-        return bool(self._fused)
-
-    def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
-        """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
-        ordered (a sequence) ones, whose gradients sum into ``.grad``."""
-        if isinstance(losses, Tensor):
-            losses.backward()
-            return
-        parts = list(losses.values()) if isinstance(losses, Mapping) else list(losses)
-        if not parts or not all(isinstance(x, Tensor) and x.dim() == 0 for x in parts):
-            raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of "
-                             "scalar losses")
-        sum(parts[1:], parts[0]).backward()
-
-    def after_backward(self) -> bool:
-        """Run the fused stage on the accumulated gradients (call before optimizer.step).
-        Returns True when the optimizer step must be skipped (``zclip(on_spike="skip")``
-        saw a spike: only then is the host read), False otherwise. The per_sample stage
-        runs first: its parameters get their clipped, noised mean gradient."""
-        if self.per_sample is not None:
-            self.per_sample.finish()
-        return run_fused(self._fused)
-
-    @property
-    def expected_batch_size(self) -> float | None:
-        """The per_sample stage's divisor (the expected batch size under Poisson
-        sampling); None: the examples of the step's backward calls."""
-        return None if self.per_sample is None else self.per_sample.expected_batch_size
-
-    @expected_batch_size.setter
-    def expected_batch_size(self, value: float | None) -> None:
-        if self.per_sample is None:
-            raise ValueError("expected_batch_size is the per_sample stage's divisor; no rule runs at stage per_sample")
-        self.per_sample.expected_batch_size = value
-
-    def observers(self) -> list[tuple[str, Any]]:
-        """(statistics key, accumulator) for every ``log`` transform attached (key
-        ``tensor`` or ``tensor/label``), then every group transform's ``NormRecord``
-        (key ``rule/transform``: total norm before it, clip coefficient)."""
-        logs = [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps
-                if isinstance(s.fn, GradStats)]
-        private = self.per_sample.records() if self.per_sample is not None else []
-        return logs + [(key, fn.record) for key, fn in self._groups] + private
-
-    def read_stats(self) -> dict[str, dict[str, Any]]:
-        """Every ``log`` accumulator's window (and histogram, if one was taken), read
-        with a single host sync."""
-        pending = []
-        for key, obs in self.observers():
-            calls, acc = obs.take()
-            if acc is not None:
-                pending.append((key, obs, calls, acc, obs.pre is not None))
-        if not pending:
-            return {}
-        device = pending[0][3].device
-        flat = torch.cat([acc.to(device) for _, _, _, acc, _ in pending]).tolist()
-        out, i = {}, 0
-        for key, obs, calls, acc, paired in pending:
-            out[key] = obs.summarize(calls, flat[i:i + len(acc)], paired)
-            i += len(acc)
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """What the hooks carry from step to step (the ``log`` windows in progress, the
-        group transforms' state such as zclip's running mean and variance), for
-        checkpoints: resuming with ``load_state_dict`` continues bit for bit."""
-        return {"log_windows": {key: obs.state_dict() for key, obs in self.observers()},
-                "group": {key: fn.state_dict() for key, fn in self._groups}}
-
-    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
-        """Restore ``state_dict()``'s windows; ``device``: where this run's gradients are.
-        Windows of tensors this HookSet does not observe are ignored."""
-        windows = state.get("log_windows", {})
-        for key, obs in self.observers():
-            if key in windows:
-                obs.load_state_dict(windows[key], device)
-        groups = state.get("group", {})
-        for key, fn in self._groups:
-            if key in groups:
-                fn.load_state_dict(groups[key], device)
-
-    def set_histograms(self, on: bool) -> None:
-        """Bin the gradients of the next calls on the device (for the step before a read)."""
-        for _, obs in self.observers():
-            obs.histogram = on
-
-    @property
-    def replaced(self) -> set[str]:
-        """Parameters whose chain replaced the gradient since the last take."""
-        return self.ledger.replaced
-
-    def take_raw_parts(self) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[str]]:
-        """What the hooks kept since the last call, and a fresh start: (tensor name, raw
-        gradient to count) for chains that replaced a parameter's gradient, (module
-        output, count) already counted, and the parameters whose raw gradient is not in
-        their ``.grad``. ``NonFiniteGuard`` counts the tensors together with the rest."""
-        return self.ledger.take()
-
-    def take_raw(self) -> list[tuple[str, Tensor]]:
-        """(tensor name, device count of non-finite raw gradient entries) the hooks saw
-        replaced since the last call (summed per name), and a fresh start; no host sync.
-        Gradients a chain left unchanged are in ``.grad``, counted there."""
-        return self.ledger.take_counts()
-
-    def __len__(self) -> int:
-        """The tensors this set transforms (0 once removed): any rule makes it true."""
-        return len(self._keys)
-
-    def remove(self) -> None:
-        self._watch.remove()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._fused.clear()
-        if self.per_sample is not None:
-            self.per_sample.remove()
-        self._keys = set()
-        self.ledger.take()
-        self.logs.clear()
-        for obj in self.owned:  # free the tensors for another attach call
-            if _OWNERS.get(obj) is self:
-                del _OWNERS[obj]
-        self.owned = []
-
-    def __enter__(self) -> "HookSet":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
+    def key(self) -> str:
+        """The tensor's name in plans and statistics: a module's output is ``name:output``."""
+        return self.name if self.kind == "param" else f"{self.name}:output"
 
 
-def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
-           stage: str = "hook", replace: bool = True, loss_reduction: str = "mean") -> HookSet:
-    """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
-
-    ``stage`` is the default for rules that do not set one (a rule with a group
-    transform runs fused). Attaching again to the same model first removes the hooks of
-    the previous calls, so hooks never double; ``replace=False`` keeps them and adds a
-    second HookSet on other tensors (several callbacks on one model). Tensors that carry
-    a live HookSet that is not replaced (kept, or attached through another module such as
-    a wrapper) are refused: remove that one first.
-    ``loss_reduction``: how the loss combines the examples (``mean`` or ``sum``), so the
-    per_sample stage knows each example's gradient.
-    """
-    if stage not in DEFAULT_STAGES:
-        hint = "; per_sample is set per rule (or implied by per_sample_clip)" if stage == "per_sample" else ""
-        raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
-    targets = build_targets(model, rules, stage)  # validate everything before touching the model
-    refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
-    previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
-    replaced = previous if replace else []
-    _refuse_overlap(model, targets, replaced)
-    for old in replaced:
-        old.remove()
-    hooks = HookSet(model, targets, loss_reduction)
-    _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
-    return hooks
+def _patterns(rule: str, key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, Iterable) or isinstance(value, Mapping) or not value or \
+            not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"hooks.{rule}.{key}: {value!r} must be a glob or a non-empty list of globs")
+    return list(value)
 
 
-def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[HookSet]) -> None:
-    """A one-line error naming the tensors another live HookSet already transforms."""
-    params, modules = dict(model.named_parameters()), dict(model.named_modules())
-    taken = []
+def name_hint(pattern: str, names: list[str]) -> str:
+    """What to say after a name or glob matched nothing: the close names, else a few real ones."""
+    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
+    return f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
+
+
+def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) -> ValueError:
+    return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {name_hint(pattern, names)}")
+
+
+def _matches(rule: str, key: str, pattern: str, names: list[str], what: str) -> list[str]:
+    """The names ``pattern`` matches: a glob, or ``LAST_LAYER``: the parameters of the module
+    that holds the last of them in ``model.named_parameters()`` order (a classifier, on the
+    models that register it last: torchvision's and timm's)."""
+    if pattern != LAST_LAYER:
+        return fnmatch.filter(names, pattern)
+    if not what.startswith("parameter"):
+        raise ValueError(f"hooks.{rule}.{key}: {LAST_LAYER} selects parameters; a modules rule names its "
+                         "modules by their globs")
+    owner = names[-1].rpartition(".")[0] if names else None
+    return [n for n in names if n.rpartition(".")[0] == owner]
+
+
+def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
+    """The names a rule selects, in model order; a pattern matching nothing is an error."""
+    key = "params" if "params" in spec else "modules"
+    chosen: set[str] = set()
+    for pattern in _patterns(rule, key, spec[key]):
+        hits = _matches(rule, key, pattern, names, what)
+        if not hits:
+            raise _no_match(rule, key, pattern, names, what)
+        chosen.update(hits)
+    if spec.get("exclude") is not None:
+        for pattern in _patterns(rule, "exclude", spec["exclude"]):
+            hits = _matches(rule, "exclude", pattern, names, what)
+            if not hits:
+                raise _no_match(rule, "exclude", pattern, names, what)
+            chosen.difference_update(hits)
+    if not chosen:
+        raise ValueError(f"hooks.{rule}: exclude removes every {what} the rule selected")
+    return [n for n in names if n in chosen]
+
+
+def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
+                  stage: str = "hook") -> list[Target]:
+    """Check the rules against the model and return what to attach, in config order."""
+    if not isinstance(rules, Mapping) and rules is not None:
+        raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
+    params = [n for n, p in model.named_parameters() if p.requires_grad]
+    modules = [n for n, _ in model.named_modules() if n]
+    targets: list[Target] = []
+    for rule, spec in (rules or {}).items():
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"hooks.{rule}: a rule must be a mapping with params or modules and transforms")
+        spec = {k: v for k, v in spec.items() if v is not None}  # a null key is an unset one
+        unknown = [k for k in spec if k not in RULE_KEYS]
+        if unknown:
+            raise ValueError(f"hooks.{rule}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(RULE_KEYS)}")
+        if ("params" in spec) == ("modules" in spec):
+            raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
+        targets.extend(_rule_targets(rule, spec, params, modules, stage))
+    _check_observer_keys(targets)
+    _check_per_sample(model, targets, params)
+    _check_per_loss(targets)
+    return targets
+
+
+def _kind(name: str) -> str | None:
+    """The registered kind of ``name``; None for an unknown name (building it says so)."""
+    try:
+        return R.entry(name).kind
+    except ValueError:
+        return None
+
+
+def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list, default: str) -> str:
+    """The rule's stage: the one a transform's kind implies (a group transform runs fused,
+    where all the rule's gradients are there at once), else its own, else the default
+    (``modules`` rules: the hook stage)."""
+    asked = spec.get("stage")
+    rule_stage = asked or default
+    if rule_stage not in STAGES:
+        raise ValueError(f"hooks.{rule}.stage: {rule_stage!r} is not a stage; allowed: {', '.join(NAMED)}")
+    try:
+        names = [R.parse_spec(t)[0] for t in transforms]
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+    forced = sorted(((stages.implied_by(k), n) for n in names if (k := _kind(n)) and stages.implied_by(k)),
+                    key=lambda sn: stages.order(sn[0].name))
+    if forced:
+        stage, by = forced[0]
+        _check_forced(rule, asked, kind, stage, by)
+    elif kind == "param":
+        stage = stages.get(rule_stage)
+    elif asked in (None, "hook"):
+        return "hook"  # modules rules run as hooks, whatever the default
+    else:
+        stage = stages.get(asked)
+    if kind == "module" and not stage.modules:
+        raise ValueError(f"hooks.{rule}.stage: {stage.name!r} needs params ({stage.sees}); modules rules run "
+                         "as hooks")
+    _check_accepted(rule, stage.name, names)
+    return stage.name
+
+
+def _check_forced(rule: str, asked: str | None, kind: str, stage: stages.Stage, by: str) -> None:
+    """A transform whose kind implies ``stage``: the rule may not ask for another, nor be a modules rule."""
+    what = f"{_kind(by)} transform {by!r}"
+    if not stage.available:
+        raise ValueError(f"hooks.{rule}.transforms: {what} runs at stage {stage.name!r}, which this version "
+                         f"does not provide; allowed stages: {', '.join(NAMED)}")
+    if kind == "module" and not stage.modules:
+        raise ValueError(f"hooks.{rule}: {what} needs params ({stage.sees}), not modules")
+    if asked is not None and asked != stage.name:
+        raise ValueError(f"hooks.{rule}.stage: {what} acts on {stage.sees}; it runs at stage {stage.name!r} only")
+
+
+def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
+    """Every transform of the rule runs at its stage; one that needs the whole rule, once."""
+    other = [n for n in names if _kind(n) is not None and not R.runs_at(n, stage)]
+    if other:
+        raise ValueError(f"hooks.{rule}.transforms: {other[0]!r} cannot run at stage {stage!r}; allowed there: "
+                         f"{', '.join(R.accepted_at(stage))} (put the others in a rule of their own)")
+    if stage == "per_sample" and len(set(names)) < len(names):
+        raise ValueError(f"hooks.{rule}.transforms: give {', '.join(R.accepted_at(stage))} at most once each")
+    if stage == "per_loss" and len(names) != 1:
+        raise ValueError(f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
+                         f"gradients into one update), got {', '.join(names)}; put the others in rules of their own")
+
+
+def _shared(step: R.BuiltTransform) -> bool:
+    """A step that sees all of a rule's tensors together: one instance for the rule."""
+    return step.kind != "elementwise" or step.at is not None
+
+
+def _check_per_sample(model: nn.Module, targets: list[Target], trainable: list[str]) -> None:
+    """Refuse what would make the per_sample stage wrong, each in one line."""
+    private = [t for t in targets if t.stage == "per_sample"]
+    if not private:
+        return
+    check_model(model)
+    covered = {t.name: t.rule for t in private}
+    clash = next((t for t in targets if t.stage == "hook" and t.kind == "param" and t.name in covered), None)
+    if clash is not None:
+        raise ValueError(f"hooks.{clash.rule}: a hook-stage rule on {clash.name!r}, which per_sample rule "
+                         f"{covered[clash.name]!r} selects, would act on the batch gradient that the per_sample "
+                         "stage replaces; use stage fused (after it) or leave the parameter out")
+    noisy = sorted({t.rule for t in private for s in t.steps
+                    if s.kind == "per_sample" and s.fn.noise_multiplier > 0})
+    if len(noisy) > 1:
+        raise ValueError(f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
+                         "budget): put the parameters in one rule")
+    missing = [n for n in trainable if n not in covered]
+    if noisy and missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"hooks.{noisy[0]}: with noise every trained parameter must be in a per_sample rule, "
+                         f"else the privacy claim is false; not covered: {shown} (select them or set "
+                         "requires_grad=False)")
+    twice = next((t for t in private if [u.rule for u in private if u.name == t.name] != [t.rule]), None)
+    if twice is not None:
+        raise ValueError(f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
+                         "gradient is clipped once: select it in one")
+
+
+def _check_per_loss(targets: list[Target]) -> None:
+    """Refuse what would make the per_loss stage wrong, each in one line."""
+    loss: dict[str, str] = {}
     for t in targets:
-        owner = _OWNERS.get(params[t.name] if t.kind == "param" else modules[t.name])
-        if owner is not None and owner not in replaced and t.key not in taken:
-            taken.append(t.key)
-    if taken:
-        shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
-        raise ValueError(f"attach: {shown} already carry hooks from another attach call (kept with replace=False, "
-                         "or through another module); call remove() on that HookSet first, or select other tensors")
+        if t.stage == "per_loss" and t.kind == "param":
+            if t.name in loss:
+                raise ValueError(f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
+                                 "each parameter gets one method's update: select it in one")
+            loss[t.name] = t.rule
+    clash = next((t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")),
+                 None)
+    if clash is not None:
+        raise ValueError(f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
+                         f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
+                         "or per_sample, not both (a fused rule after it is fine)")
+
+
+def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str],
+                  default_stage: str) -> list[Target]:
+    kind = "param" if "params" in spec else "module"
+    transforms = spec.get("transforms")
+    if isinstance(transforms, (str, Mapping)):
+        transforms = [transforms]
+    if not transforms:
+        raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(R.names())}")
+    stage = _rule_stage(rule, spec, kind, transforms, default_stage)
+    names = select(rule, spec, params if kind == "param" else modules,
+                   "parameter (see model.named_parameters())" if kind == "param"
+                   else "module (see model.named_modules())")
+    shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
+    targets = []
+    for name in names:
+        try:  # per tensor: observers and stateful transforms keep their own state
+            steps = [shared.get(i) or R.build(t, stage) for i, t in enumerate(transforms)]
+        except ValueError as e:
+            raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+        shared.update((i, st) for i, st in enumerate(steps) if _shared(st))
+        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage)))
+    return targets
+
+
+def _label_observers(steps: list[R.BuiltTransform], stage: str) -> list[R.BuiltTransform]:
+    """``log`` first in a chain of several steps is ``pre``, last is ``post`` (an explicit
+    ``label`` wins); a chain that starts and ends with ``log`` pairs the two, so ``post``
+    reports the fraction of elements the transforms between them changed."""
+    if len(steps) < 2:
+        return steps
+    out = list(steps)
+    for i, label in ((0, "pre"), (len(out) - 1, "post")):
+        step = out[i]
+        if step.observer and step.fn.label is None:
+            out[i] = R.build({"name": step.name, **step.args, "label": label}, stage)
+    if out[0].observer and out[-1].observer:
+        first, last = out[0].fn, out[-1].fn
+        last.pre = first
+        # The fused stage transforms .grad in place, so pre must keep a copy.
+        first.keep = "clone" if stage == "fused" else "ref"
+    return out
+
+
+def observer_key(target: Target, obs: Any) -> str:
+    """The key of an observer's statistics: ``tensor`` or ``tensor/label``."""
+    return f"{target.key}/{obs.label}" if obs.label else target.key
+
+
+def _check_observer_keys(targets: list[Target]) -> None:
+    seen: dict[str, str] = {}
+    for key, rule, _ in group_steps(targets):
+        if key in seen:
+            raise ValueError(f"hooks.{rule}: transform {key.partition('/')[2]!r} appears twice in the rule; "
+                             "give it once (its statistics are keyed by rule and transform)")
+        seen[key] = rule
+    for t in targets:
+        for s in t.steps:
+            if s.observer:
+                key = observer_key(t, s.fn)
+                if key in seen:
+                    raise ValueError(f"hooks.{t.rule}: its log of {key!r} has the same key as one in rule "
+                                     f"{seen[key]!r}; give one of them a distinct label, e.g. {{name: log, label: {t.rule}}}")
+                seen[key] = t.rule
+
+
+def load_rules(rules: Mapping[str, Any] | str | Path | list | tuple) -> dict[str, Any]:
+    """Rules from a mapping, a hook config file (a path, or a shipped file's name such as
+    ``"clip"``), or a list of these merged by rule name (a name given twice is an error)."""
+    if isinstance(rules, (str, Path, list, tuple)):
+        from gradmod.hooks.rule_files import read_rules
+
+        rules = read_rules(rules)
+    if not isinstance(rules, Mapping):
+        raise ValueError(f"rules must be a mapping of rule name to rule or a hook config file, got {type(rules).__name__}")
+    return dict(rules)
+
+
+def group_steps(targets: list[Target]) -> list[tuple[str, str, R.BuiltTransform]]:
+    """(``rule/transform``, rule, step) of every group transform, once each, in config order."""
+    out, seen = [], set()
+    for t in targets:
+        for s in t.steps:
+            if s.kind == "group" and id(s) not in seen:
+                seen.add(id(s))
+                out.append((f"{t.rule}/{s.name}", t.rule, s))
+    return out
+
+
+def in_order(targets: list[Target]) -> list[Target]:
+    """The targets in application order: by stage (``stages.STAGES``), each in config order."""
+    return [t for stage in STAGES for t in targets if t.stage == stage]
+
+
+def chains_of(targets: list[Target]) -> list[tuple[str, list[str]]]:
+    """(tensor name, transform names) in application order; module outputs as ``name:output``."""
+    out: dict[str, list[str]] = {}
+    for t in in_order(targets):
+        out.setdefault(t.key, []).extend(s.name for s in t.steps)
+    return list(out.items())
+
+
+def describe(targets: list[Target]) -> list[dict[str, Any]]:
+    """The plan with rules, stages and arguments, for printing and saving (application order)."""
+    return [{"tensor": t.key, "rule": t.rule, "stage": t.stage, "transforms": [str(s) for s in t.steps]}
+            for t in in_order(targets)]
+
+
+def format_plan(rows: list[dict[str, Any]]) -> str:
+    """``describe``'s rows as text, one line per tensor and rule."""
+    if not rows:
+        return "hook plan: no rules"
+    width = max(len(d["tensor"]) for d in rows)
+    lines = [f"  {d['tensor']:<{width}}  {d['stage']:<5}  {d['rule']}: {' -> '.join(d['transforms'])}" for d in rows]
+    return "hook plan:\n" + "\n".join(lines)
+

@@ -76,8 +76,12 @@ def watch(model: torch.nn.Module, params: dict[str, Tensor]):
     def check(module, inputs) -> None:
         if not torch.is_grad_enabled():
             return
+        # torch.func.functional_call swaps plain tensors in for one call: only sharded
+        # replacements (fully_shard's DTensors) mean the rules were left behind
+        stale = [n for n, p in params.items() if _get(module, n) is not p and is_sharded(_get(module, n))]
+        if not stale and any(_get(module, n) is not p for n, p in params.items()):
+            return  # look again at the next forward, with the model's own parameters
         handle.remove()
-        stale = [n for n, p in params.items() if _get(module, n) is not p]
         if stale:
             message = (f"attach: the parameters the rules select were replaced after attach ({stale[0]!r} among "
                        "them), as fully_shard does; call gradmod.attach(model, rules) after fully_shard(model)")

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.reduce import Seen, stat_rows
+from gradmod.hooks.registry import register
 from gradmod.hooks.sharded import is_sharded, plain, sharded_rows
-from gradmod.hooks.transforms import Transform, register
+from gradmod.hooks.transforms import Transform
 from gradmod.hooks.window import Window
 
 
@@ -207,4 +208,4 @@ def log(label: str | None = None) -> Transform:
     return GradStats(label)
 
 
-register("log", log)
+register("log", log, observer=True)

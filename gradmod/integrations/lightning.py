@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gradmod.hooks import HookSet, load_rules
-from gradmod.integrations.support import attach_for, flat_stats
+from gradmod.integrations.support import attach_for, flat_stats, sources
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -35,6 +35,7 @@ class GradmodCallback(Callback):
     def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook",
                  log_every: int | None = None):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
+        self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
         self._state: dict[str, Any] = {}  # rule state to restore at the next training start
         self._read_at = 0  # the step of the last read: accumulated batches share a step
@@ -47,7 +48,9 @@ class GradmodCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.hooks is None:
             scaled = getattr(trainer.precision_plugin, "scaler", None) is not None  # fp16's GradScaler
-            self.hooks = attach_for("Lightning", pl_module, self.rules, self.stage, scaled)
+            peers = {cb.sources: cb.hooks for cb in trainer.callbacks
+                     if isinstance(cb, GradmodCallback) and cb is not self and cb.hooks is not None}
+            self.hooks = attach_for("Lightning", pl_module, self.rules, self.stage, scaled, (self.sources, peers))
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._read_at = trainer.global_step
@@ -57,7 +60,7 @@ class GradmodCallback(Callback):
             self._state = {}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.hooks is not None and self.hooks.has_fused:
+        if self.hooks is not None and self.hooks.needs_after_backward:
             self.hooks.after_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

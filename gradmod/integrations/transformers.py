@@ -8,7 +8,8 @@ rules are attached at ``on_train_begin`` and removed at ``on_train_end``; their 
 
 HF calls user callbacks after its reporting integrations and gives them no Trainer:
 ``add_to(trainer, rules)`` puts the callback first, so the ``grad/<tensor>/<field>``
-entries its ``on_log`` adds reach ``report_to`` and ``state.log_history``.
+entries its ``on_log`` adds reach ``report_to`` and ``state.log_history``; the console
+gets one line per log instead of them (``ConsoleLine``).
 Needs ``pip install "gradmod[transformers]"``.
 """
 
@@ -20,18 +21,19 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from gradmod.hooks import HookSet, load_rules
-from gradmod.integrations.support import attach_for, flat_stats
+from gradmod.integrations.support import attach_for, flat_stats, sources, stats_line
 
 try:
     from transformers import TrainerCallback
-    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 except ImportError as e:  # the optional extra is missing
     raise ImportError('gradmod.integrations.transformers needs Transformers: pip install "gradmod[transformers]"') from e
 
 # model -> the callbacks training it, to warn when several would share HF's checkpoint entry.
-_TRAINING: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+_TRAINING: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
 class GradmodCallback(TrainerCallback, ExportableState):
@@ -46,12 +48,14 @@ class GradmodCallback(TrainerCallback, ExportableState):
     def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook",
                  log_every: int | None = None):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
+        self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
         self.rule_state: dict[str, Any] = {}  # HF sets it from a checkpoint (JSON-ready form)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._detach(model)  # a train() that raised never reached on_train_end
-        hooks = attach_for("Transformers' Trainer", model, self.rules, self.stage, scaled=args.fp16)
+        peers = {cb.sources: cb.hooks for cb in _TRAINING.get(model, ()) if cb is not self and cb.hooks is not None}
+        hooks = attach_for("Transformers' Trainer", model, self.rules, self.stage, args.fp16, (self.sources, peers))
         if hooks.has_fused and args.max_grad_norm and args.max_grad_norm > 0:
             warnings.warn(f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
                           "rules see them; set max_grad_norm=0 to leave clipping to the rules", stacklevel=2)
@@ -62,7 +66,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
         _warn_shared_checkpoint(self, model, args)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        if self.hooks is not None and self.hooks.has_fused:
+        if self.hooks is not None and self.hooks.needs_after_backward:
             _unscale_once(optimizer)
             self.hooks.after_backward()
 
@@ -101,6 +105,7 @@ def add_to(trainer, rules: Mapping[str, Any] | str | Path | list, stage: str = "
     which HF does by re-creating the callback at the end of the list."""
     callback = GradmodCallback(rules, stage, log_every)
     trainer.callback_handler.callbacks.insert(0, callback)
+    _before_printer(trainer.callback_handler.callbacks, ConsoleLine())
     load = getattr(trainer, "_load_callback_state", None)
     if load is not None and not getattr(load, "keeps_gradmod_first", False):
         def load_then_put_first() -> None:
@@ -112,6 +117,24 @@ def add_to(trainer, rules: Mapping[str, Any] | str | Path | list, stage: str = "
         load_then_put_first.keeps_gradmod_first = True
         trainer._load_callback_state = load_then_put_first
     return callback
+
+
+class ConsoleLine(TrainerCallback):
+    """Just before HF's printer (``ProgressCallback`` or ``PrinterCallback``): the
+    ``grad/...`` entries leave the dict it prints (``report_to``'s integrations and the
+    callbacks before this one have had them; ``log_history`` keeps them), and one line
+    says what was logged where, instead of a dict of thousands of characters per log."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        grads = {key: logs.pop(key) for key in [k for k in (logs or {}) if k.startswith("grad/")]}
+        if grads and state.is_world_process_zero:
+            tqdm.write(stats_line(grads, state.global_step, args.report_to))
+
+
+def _before_printer(callbacks: list, line: ConsoleLine) -> None:
+    printers = [i for i, cb in enumerate(callbacks) if isinstance(cb, (ProgressCallback, PrinterCallback))]
+    if not any(isinstance(cb, ConsoleLine) for cb in callbacks):
+        callbacks.insert(printers[0] if printers else len(callbacks), line)
 
 
 def _unscale_once(optimizer) -> None:

@@ -12,6 +12,7 @@ Statistics keys are ``tensor`` or ``tensor/label`` (``label`` is ``pre``/``post`
 
 from __future__ import annotations
 
+import contextlib
 import csv
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,6 +22,17 @@ import numpy as np
 LOGGERS = ("csv", "tensorboard")
 STAT_COLUMNS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite", "frac_clipped", "calls",
                 "norm_max", "clip_coef", "clip_coef_min")  # the last three: group transforms (rule/transform)
+
+
+@contextlib.contextmanager
+def names_file(path: str | Path):
+    """An ``OSError`` that does not say which file (a write or flush to a full disk) names ``path``."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -51,6 +63,14 @@ class Logger:
         pass
 
 
+def flat_tasks(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record with ``tasks: {name: {field: v}}`` as columns ``name/field``."""
+    out = {k: v for k, v in record.items() if k != "tasks"}
+    for task, values in record.get("tasks", {}).items():
+        out.update({f"{task}/{field}": v for field, v in values.items()})
+    return out
+
+
 class CSVLogger(Logger):
     """``metrics.csv`` (one row per epoch, the scalar metrics) and ``grad_stats.csv``
     (one row per observed tensor per read), for spreadsheets and pandas."""
@@ -71,26 +91,30 @@ class CSVLogger(Logger):
         return self._stats
 
     def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
+        record = flat_tasks(record)
         if self._metrics is None:  # columns: the scalars of the first record
             columns = [k for k, v in record.items() if isinstance(v, (int, float, str))]
             self._metrics = csv.DictWriter(self._metrics_file, columns, extrasaction="ignore")
             self._metrics.writeheader()
-        self._metrics.writerow(dict(record))
-        self._metrics_file.flush()
+        with names_file(self._metrics_file.name):
+            self._metrics.writerow(dict(record))
+            self._metrics_file.flush()
 
     def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
         if not stats:
             return
         writer = self._stats_writer()
-        for key, s in stats.items():
-            tensor, label = split_key(key)
-            writer.writerow({"epoch": epoch, "step": step, "tensor": tensor, "label": label, **s})
-        self._stats_file.flush()
+        with names_file(self._stats_file.name):
+            for key, s in stats.items():
+                tensor, label = split_key(key)
+                writer.writerow({"epoch": epoch, "step": step, "tensor": tensor, "label": label, **s})
+            self._stats_file.flush()
 
     def close(self) -> None:
-        self._metrics_file.close()
-        if self._stats_file is not None:
-            self._stats_file.close()
+        for f in (self._metrics_file, self._stats_file):
+            if f is not None:
+                with names_file(f.name):
+                    f.close()
 
 
 class TensorBoardLogger(Logger):
@@ -119,14 +143,22 @@ class TensorBoardLogger(Logger):
 
     def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
         for field, tag in (("train_loss", "loss/train"), ("test_loss", "loss/test"),
-                           ("test_accuracy", "accuracy/test"), ("lr", "lr")):
-            if field in record:
+                           ("test_accuracy", "accuracy/test"), ("test_metric", "metric/test"), ("lr", "lr")):
+            if record.get(field) is not None:
                 self.writer.add_scalar(tag, record[field], step)
+        for task, values in record.get("tasks", {}).items():
+            for field, value in values.items():
+                if value is not None:
+                    self.writer.add_scalar(f"{field.replace('test_', '')}/test/{task}", value, step)
         self.writer.flush()
 
     def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
         for key, s in stats.items():
-            self.writer.add_scalar(f"grad_norm/{key}", s["norm"], step)
+            if "norm" in s:
+                self.writer.add_scalar(f"grad_norm/{key}", s["norm"], step)
+            for field in ("norm_mean", "norm_max", "p50", "p90", "max"):  # per_sample: each example's norm
+                if field in s and "norm" not in s:
+                    self.writer.add_scalar(f"per_example_norm/{key}/{field}", s[field], step)
             if "frac_clipped" in s:
                 self.writer.add_scalar(f"frac_clipped/{split_key(key)[0]}", s["frac_clipped"], step)
             h = s.get("histogram")

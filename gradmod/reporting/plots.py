@@ -14,15 +14,19 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Loss (train and test) and test accuracy per epoch, side by side."""
+    """Loss (train and test) and the test metric per epoch (each task's, with several), side by side."""
     epochs = [h["epoch"] for h in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
     ax_loss.plot(epochs, [h["test_loss"] for h in history], marker="o", label="test")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
+    ax_loss.set(xlabel="epoch", ylabel="loss (summed over tasks)" if "tasks" in history[-1] else "loss",
+                title="loss")
     ax_loss.legend()
-    ax_acc.plot(epochs, [h["test_accuracy"] for h in history], marker="o", color="tab:green")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy")
+    for name, values in _metric_series(history).items():
+        ax_acc.plot(epochs, [math.nan if v is None else v for v in values], marker="o", label=name or None)
+    ax_acc.set(xlabel="epoch", ylabel="test metric", title="test metric (accuracy for class labels)")
+    if "tasks" in history[-1]:
+        ax_acc.legend()
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
@@ -30,6 +34,14 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def _metric_series(history: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Task name -> its test metric per epoch ("" -> the single metric)."""
+    if "tasks" in history[-1]:
+        names = list(history[-1]["tasks"])
+        return {k: [h.get("tasks", {}).get(k, {}).get("test_metric") for h in history] for k in names}
+    return {"": [h.get("test_metric", h.get("test_accuracy")) for h in history]}
 
 
 def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], labels: Sequence[str],
@@ -41,7 +53,7 @@ def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], lab
     colors = plt.get_cmap("tab10" if len(order) <= 10 else "tab20").colors
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
     drawn = set()
-    for row, group, label in zip(rows, groups, labels):
+    for row, group in zip(rows, groups):
         if not row["curve"]:
             continue
         epochs = [c["epoch"] for c in row["curve"]]
@@ -49,7 +61,8 @@ def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], lab
                  "linestyle": "-" if row["status"] == "ok" else ":"}
         name = group if group not in drawn else None  # one legend entry per group
         drawn.add(group)
-        ax_acc.plot(epochs, [c["test_accuracy"] for c in row["curve"]], label=name, **style)
+        ax_acc.plot(epochs, [math.nan if c["test_accuracy"] is None else c["test_accuracy"] for c in row["curve"]],
+                    label=name, **style)
         ax_loss.plot(epochs, [c["test_loss"] for c in row["curve"]], **style)
     ax_acc.set(xlabel="epoch", ylabel="test accuracy", title=f"test accuracy, every job ({len(rows)})")
     ax_loss.set(xlabel="epoch", ylabel="test loss", title="test loss (dotted: did not end ok)")
@@ -183,6 +196,10 @@ def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path
     stats) as ``HookSet.read_stats`` returns them."""
     series, rules = _series(rows, "norm"), _rule_keys(rows)
     tensors = {k: v for k, v in series.items() if k not in rules}
+    examples = {f"{k} ({f})": v for f in ("norm_mean", "norm_max", "p50", "p90")
+                for k, v in _series(rows, f).items() if k.endswith(("/per_sample_clip", "/log"))}
+    if examples and not tensors and not rules:  # per_sample rules: each example's norm, before clipping
+        return _per_example_norms(examples, path)
     fig, axes = _panels(int(bool(tensors)) + int(bool(rules)) or 1)
     if tensors or not rules:
         ax, colors = axes[0], _tensor_colors(tensors)
@@ -207,14 +224,31 @@ def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path
     return _finish(fig, axes, path)
 
 
+def _per_example_norms(series: dict[str, tuple[list, list]], path: str | Path) -> Path:
+    fig, axes = _panels(1)
+    for key, (xs, ys) in sorted(series.items()):
+        axes[0].plot(xs, ys, label=key, marker="." if len(xs) < 3 else None)
+    axes[0].set(xlabel="optimizer step", ylabel="per-example gradient L2 norm",
+                title="per_sample rules: each example's gradient norm before clipping (mean, max or quantiles)")
+    return _finish(fig, axes, path)
+
+
 def plot_frac_clipped(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path) -> Path:
     """What the transforms changed, against the step, each panel saying what it counts: per
     tensor, the fraction of gradient elements the transforms between ``pre`` and ``post``
     changed (for ``clamp``: clipped; a smooth transform such as tanh changes nearly all);
     per rule, the fraction of a group transform's steps that clipped (clip_coef < 1)."""
     series, rules = _series(rows, "frac_clipped"), _rule_keys(rows)
-    tensors = {k: v for k, v in series.items() if k not in rules}
+    private = {k: v for k, v in series.items() if k.endswith("/per_sample_clip")}
+    tensors = {k: v for k, v in series.items() if k not in rules and k not in private}
     rule_series = {k: v for k, v in series.items() if k in rules}
+    if private and not tensors and not rule_series:
+        fig, axes = _panels(1)
+        for key, (xs, ys) in sorted(private.items()):
+            axes[0].plot(xs, ys, label=key.partition("/")[0], marker="." if len(xs) < 3 else None)
+        axes[0].set(xlabel="optimizer step", ylabel="fraction of examples clipped", ylim=(-0.02, 1.02),
+                    title="per_sample rules: fraction of examples whose gradient norm exceeded max_norm")
+        return _finish(fig, axes, path)
     fig, axes = _panels(int(bool(tensors)) + int(bool(rule_series)) or 1)
     if tensors:
         colors = _tensor_colors(tensors)

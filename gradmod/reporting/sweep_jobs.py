@@ -10,8 +10,11 @@ the sweep folder (never in its run folder, which a refused run must leave as it 
   the error, and the numbers of the summary the job returned.
 
 The sweep callback empties the folder when a multirun starts, so the records are this
-sweep's only. A record still ``running`` after the sweep ended is a job whose process died
-without a word (the launcher's worker killed): it is reported as ``killed``.
+sweep's only, and writes the sweep's jobs there where they are known in advance
+(``SWEEP/.gradmod/plan.json``). A record still ``running`` after the sweep ended is a job
+whose process died without a word (the launcher's worker killed): it is reported as
+``killed``; a record that cannot be read (cut short) as ``unreadable``; a planned job
+without a record, once the sweep ended (a signal stopped it), as ``not_run``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 JOBS = Path(".gradmod") / "jobs"
-NUMBERS = ("test_accuracy", "test_loss", "train_loss", "seconds", "steps", "skipped_steps", "nonfinite_steps",
-           "epochs", "signal")
+PLAN = Path(".gradmod") / "plan.json"
+NOT_RUN = "not_run"
+NUMBERS = ("test_accuracy", "test_loss", "test_metric", "tasks", "train_loss", "seconds", "steps", "skipped_steps",
+           "nonfinite_steps", "epochs", "signal")  # tasks: {name: {test_loss, test_metric}} of a multi-task run
 
 
 def jobs_dir(sweep_dir: str | Path) -> Path:
@@ -36,6 +41,12 @@ def jobs_dir(sweep_dir: str | Path) -> Path:
 def clear(sweep_dir: str | Path) -> None:
     """Forget an earlier sweep's records (a multirun into the same folder starts)."""
     shutil.rmtree(jobs_dir(sweep_dir), ignore_errors=True)
+    (Path(sweep_dir) / PLAN).unlink(missing_ok=True)
+
+
+def plan(sweep_dir: str | Path, jobs: list[list[str]]) -> None:
+    """Record the overrides of every job the sweep will run, in job order."""
+    _write(Path(sweep_dir) / PLAN, {"jobs": jobs})
 
 
 def _write(path: Path, record: Mapping[str, Any]) -> None:
@@ -75,17 +86,38 @@ def read(sweep_dir: str | Path, *, ended: bool) -> list[dict[str, Any]] | None:
     folder = jobs_dir(sweep_dir)
     if not folder.is_dir():
         return None
-    records = []
-    for path in folder.glob("*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
+    records = [_read_record(path) for path in folder.glob("*.json")]
+    if ended:
+        records += _not_run(sweep_dir, {r.get("num") for r in records})
     for r in records:
         if r.get("status") == "running" and (ended or not _alive(r)):
             r["status"] = "killed"
             r["error"] = "the job's process ended without a word (killed by a signal, e.g. the OOM killer's SIGKILL)"
-    return sorted(records, key=lambda r: r.get("num", 0))
+    return sorted(records, key=lambda r: r.get("num", 0) if isinstance(r.get("num", 0), int) else 1 << 62)
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """A job's record; one that cannot be read (a job killed as it wrote it) as ``unreadable``."""
+    try:
+        record = json.loads(path.read_text())
+        if isinstance(record, dict):
+            return record
+        problem = f"holds a JSON {type(record).__name__}, not a record"
+    except (OSError, ValueError) as e:
+        problem = f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
+    num = int(path.stem) if path.stem.isdigit() else 1 << 62  # not a job number: last
+    return {"num": num, "job": path.stem, "overrides": [], "status": "unreadable",
+            "error": f"the job's record {path} {problem}"}
+
+
+def _not_run(sweep_dir: str | Path, recorded: set) -> list[dict[str, Any]]:
+    """The planned jobs that have no record: the sweep stopped before they started."""
+    try:
+        jobs = json.loads((Path(sweep_dir) / PLAN).read_text())["jobs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [{"num": i, "job": str(i), "overrides": list(o), "status": NOT_RUN,
+             "error": "the sweep was stopped before this job started"} for i, o in enumerate(jobs) if i not in recorded]
 
 
 def _alive(record: Mapping[str, Any]) -> bool:

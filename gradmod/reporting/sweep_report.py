@@ -5,11 +5,14 @@ registered in ``gradmod/conf/config.yaml`` under ``hydra.callbacks``) writes, in
 
 * ``sweep.csv``: one row per job (``COLUMNS``): its overrides, status, final test accuracy
   and loss, the clipping statistics it recorded (mean over its log reads of ``clip_coef``,
-  ``frac_clipped`` and the total gradient norm), skipped steps, seconds and error;
+  ``frac_clipped`` and the total gradient norm), skipped steps, seconds and error; for a
+  multi-task sweep then each task's test metric and loss (``TASK/test_metric``, ...);
 * ``sweep.md``: the same table in Markdown (the overrides that differ between jobs; the
   shared ones above the table), then one row per group of jobs that differ only in
   ``seed=``: accuracy and loss as mean +- std over the seeds, the statistics' means, and a
-  note naming the groups whose accuracy is within the seed spread of the best;
+  note naming the groups whose accuracy is within the seed spread of the best; with several
+  tasks, a table of each task's metric as mean +- std over the seeds, per group
+  (a multi-task run's accuracy is the mean of its tasks' accuracies);
 * ``sweep_curves.png``: every job's test accuracy and loss per epoch, one colour per group.
 
 A job's ending comes from the record it wrote itself (``sweep_jobs``: ok, failed, refused,
@@ -31,7 +34,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from gradmod.reporting import sweep_jobs
+from gradmod.reporting import run_summary, sweep_jobs
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +85,6 @@ def job_dirs(sweep_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: _job_key(p, root))
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _json_lines(path: Path) -> list[dict[str, Any]]:
     """The records of a ``.jsonl`` file; a line cut short by a killed job is left out."""
     out = []
@@ -133,7 +129,8 @@ def _row(job: str, overrides: list[str], ending: Mapping[str, Any], job_dir: Pat
     """One job's row: its ending, plus the curve and statistics it wrote (``job_dir``, or None)."""
     stats = clip_stats(job_dir) if job_dir is not None else dict.fromkeys(STATS)
     return {"job": job, "overrides": overrides, "status": ending.get("status", "ok"),
-            "test_accuracy": ending.get("test_accuracy"), "test_loss": ending.get("test_loss"), **stats,
+            "test_accuracy": ending.get("test_accuracy"), "test_loss": ending.get("test_loss"),
+            "tasks": ending.get("tasks") or {}, **stats,
             "skipped_steps": ending.get("skipped_steps"), "seconds": ending.get("seconds"),
             "error": ending.get("error") or "", "curve": _curve(job_dir) if job_dir is not None else []}
 
@@ -142,7 +139,7 @@ def read_job(job_dir: Path, root: Path) -> dict[str, Any]:
     """A job's row from its folder alone (a sweep folder without job records)."""
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in yaml.safe_load(overrides_file.read_text()) or []] if overrides_file.exists() else []
-    summary = _read_json(job_dir / "summary.json")
+    summary = run_summary.read(job_dir)  # a run killed while running reads as killed
     if summary is None:
         summary = {"status": "incomplete", "error": "no summary.json (killed, or still running)"}
     return _row(job_dir.relative_to(root).as_posix(), overrides, summary, job_dir)
@@ -205,9 +202,25 @@ def by_group(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         acc, acc_std = _spread([r["test_accuracy"] for r in ok])
         loss, loss_std = _spread([r["test_loss"] for r in ok if r["test_loss"] is not None])
         out.append({"group": name, "jobs": len(members), "ok": len(ok), "accuracy": acc, "accuracy_std": acc_std,
-                    "loss": loss, "loss_std": loss_std,
+                    "loss": loss, "loss_std": loss_std, "tasks": _task_spread(ok),
                     **{k: _mean([r[k] for r in ok]) for k in (*STATS, "skipped_steps", "seconds")}})
     return sorted(out, key=lambda g: -1.0 if g["accuracy"] is None else -g["accuracy"])
+
+
+def task_names(rows: list[dict[str, Any]]) -> list[str]:
+    """The tasks of a multi-task sweep, in the order the jobs name them."""
+    return list(dict.fromkeys(k for r in rows for k in r.get("tasks") or {}))
+
+
+def _task_spread(ok: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Task -> its metric and loss as mean and sample std over the group's jobs that ended ok."""
+    out = {}
+    for task in task_names(ok):
+        values = [r["tasks"].get(task) or {} for r in ok]
+        metric, metric_std = _spread([v["test_metric"] for v in values if v.get("test_metric") is not None])
+        loss, loss_std = _spread([v["test_loss"] for v in values if v.get("test_loss") is not None])
+        out[task] = {"metric": metric, "metric_std": metric_std, "loss": loss, "loss_std": loss_std}
+    return out
 
 
 def spread_note(groups: list[dict[str, Any]]) -> str:
@@ -229,13 +242,15 @@ def spread_note(groups: list[dict[str, Any]]) -> str:
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    tasks = [(t, f) for t in task_names(rows) for f in ("test_metric", "test_loss")]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(COLUMNS)
+        writer.writerow([*COLUMNS, *(f"{t}/{field}" for t, field in tasks)])
         for r in rows:
             values = {**r, "overrides": " ".join(r["overrides"]),
                       "seconds": None if r["seconds"] is None else round(r["seconds"], 3)}
-            writer.writerow(["" if values[c] is None else values[c] for c in COLUMNS])
+            per_task = [(r["tasks"].get(t) or {}).get(field) for t, field in tasks]
+            writer.writerow(["" if v is None else v for v in [*(values[c] for c in COLUMNS), *per_task]])
 
 
 def _pm(mean: float | None, std: float | None, digits: int = 4) -> str:
@@ -276,7 +291,22 @@ def markdown(rows: list[dict[str, Any]], sweep_dir: str | Path = "") -> str:
                          f"{_num(g['skipped_steps'], 1)} | {_num(g['seconds'], 1)} |")
         note = spread_note(groups)
         lines += ["", note] if note else []
+        lines += _task_table(groups, task_names(rows))
     return "\n".join(lines) + "\n"
+
+
+def _task_table(groups: list[dict[str, Any]], tasks: list[str]) -> list[str]:
+    """Per group, each task's test metric (accuracy for class labels) as mean ± std over seeds."""
+    if not tasks:
+        return []
+    lines = ["", "## Per task, over seeds", "",
+             "Each task's test metric (accuracy for class labels), mean ± sample std over the group's jobs that "
+             "ended ok; the group's accuracy above is the mean over its tasks.", "",
+             "| group | jobs ok | " + " | ".join(tasks) + " |", "|---|---:|" + "---:|" * len(tasks)]
+    for g in groups:
+        cells = [_pm(g["tasks"].get(t, {}).get("metric"), g["tasks"].get(t, {}).get("metric_std")) for t in tasks]
+        lines.append(f"| {_cell(g['group'])} | {g['ok']}/{g['jobs']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_report(sweep_dir: str | Path, *, ended: bool = False) -> tuple[dict[str, Path], list[dict[str, Any]]]:

@@ -87,6 +87,8 @@ class Checkpointer(Callback):
             for cb in trainer.callbacks:
                 if cb.key in state["callbacks"]:
                     cb.load_state_dict(state["callbacks"][cb.key])
+                else:  # a callback this run added: it may refuse what the earlier steps did without it
+                    cb.on_missing_state(state["trainer"]["step"])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
             raise ValueError(f"trainer.resume: {path} does not fit this run's model, optimizer, scheduler or "
                              f"rules ({type(e).__name__}: {' '.join(str(e).split())})") from None

@@ -5,70 +5,52 @@ structured configs, so a typo fails while composing, and builds them with
 ``OmegaConf.to_object``; ``__post_init__`` checks values, so a bad one fails before any
 work. Python users can build them directly: ``Config(model=ModelConfig("mnist_cnn"), ...)``.
 
-``gradmod/conf/`` restates the defaults where users read them (``gradmod/conf/trainer/default.yaml`` lists
-every trainer key with its comment); ``tests/test_config_defaults.py`` holds the two equal.
+Each field's default and its one-line doc (the comment on its line) are the source:
+``gradmod/conf/`` restates them where users read them (``gradmod/conf/trainer/default.yaml`` lists
+every trainer key with its comment), ``--help`` lists the keys from these classes, and
+``tests/test_config_defaults.py`` holds the files equal to them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from gradmod.hooks.selection import DEFAULT_STAGES as HOOK_STAGES
 from gradmod.reporting.loggers import LOGGERS
-from gradmod.training.distributed import STRATEGIES
-from gradmod.training.loader import PLACEMENTS
-from gradmod.training.nonfinite import POLICIES as NONFINITE
-from gradmod.training.precision import DTYPES
+from gradmod.run import checks
+from gradmod.run.checks import (
+    ACCOUNTANTS,
+    DATASETS,
+    INITS,
+    MODELS,
+    NORMS,
+    SAMPLINGS,
+    at_least,
+    choice,
+    finite,
+    target_node,
+    target_or_choice,
+)
 
 MISSING: Any = "???"  # OmegaConf's mark for a value that must be given
-
-PRECISIONS = tuple(DTYPES)
-SAMPLINGS = ("auto", "shuffle", "poisson")
-ACCOUNTANTS = ("rdp", "prv")
-
-
-def choice(key: str, value: Any, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
-
-
-def at_least(key: str, value: Any, low: int) -> None:
-    if value < low:
-        raise ValueError(f"{key}={value} must be >= {low}")
-
-
-def target_or_choice(key: str, cfg: Any, allowed) -> None:
-    """A ``_target_`` node is the user's object (``name`` becomes the target's path, for
-    summaries); else ``name`` is a shipped one."""
-    if cfg._target_ is not None:
-        if not isinstance(cfg._target_, str) or "." not in cfg._target_:
-            raise ValueError(f"{key}._target_={cfg._target_!r} must be a dotted path, e.g. my_pkg.module.Name")
-        cfg.name = cfg._target_
-    else:
-        choice(f"{key}.name", cfg.name, allowed)
 
 
 @dataclass
 class ModelConfig:
     """A shipped model by ``name``, or ``_target_`` called with ``args`` (on the command line:
-    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the shipped
-    ResNets' normalisation, batch | group (``gradmod.models``)."""
+    the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the
+    normalisation, batch | group (``gradmod.models``; a ``_target_`` model's BatchNorm
+    layers are replaced by GroupNorm, ``gradmod.hooks.per_sample.replace_batchnorm``)."""
 
     name: str = MISSING
-    norm: str = "batch"
+    norm: str = "batch"  # batch (BatchNorm2d) | group (GroupNorm(min(32, C), C): each example on its own, as +hooks=dp needs)
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from gradmod.models import MODELS, NORMS
-
         target_or_choice("model", self, MODELS)
         choice("model.norm", self.norm, NORMS)
-        if self._target_ is not None and self.norm != "batch":
-            raise ValueError(f"model.norm={self.norm} applies to the shipped models only; "
-                             f"model._target_={self._target_} builds its own layers")
 
 
 @dataclass
@@ -77,24 +59,24 @@ class DataConfig:
     ``(train, test)`` (``gradmod.run.factories.build_data``)."""
 
     name: str = MISSING
-    batch_size: int = 100
-    fallback: bool = True  # mnist offline: use the bundled sample instead of failing
-    n_test: int = 1000
+    batch_size: int = 100  # the article's batch size
+    fallback: bool = True  # offline: use the bundled 5,000-digit sample (with a warning)
+    n_test: int = 1000  # test examples made from the bundled 5,000-digit sample's held-out digits (mnist_sample, multi_mnist, mnist falling back)
     sampling: str = "auto"  # shuffle | poisson (each example joins each step with q) | auto: poisson under DP noise
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from gradmod.data import DATASETS
-
         target_or_choice("data", self, DATASETS)
         choice("data.sampling", self.sampling, SAMPLINGS)
         at_least("data.batch_size", self.batch_size, 1)
         at_least("data.n_test", self.n_test, 1)
+        checks.int_fields("data.", self)
 
 
 @dataclass
 class FakeDataConfig(DataConfig):
+    batch_size: int = 32
     train_size: int = 256
     test_size: int = 64
     image_size: int = 224
@@ -109,6 +91,21 @@ class FakeDataConfig(DataConfig):
 
 
 @dataclass
+class CharTextDataConfig(DataConfig):
+    """``data=char_text``: windows of ``seq_len`` characters of the bundled text, one every
+    ``stride`` characters (``gradmod.data.load_char_text``)."""
+
+    batch_size: int = 32
+    seq_len: int = 32  # characters per window
+    stride: int = 8  # a window every this many characters
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key in ("seq_len", "stride"):
+            at_least(f"data.{key}", getattr(self, key), 1)
+
+
+@dataclass
 class OptimizerConfig:
     _target_: str = MISSING
     _partial_: bool = True  # the parameters come later, from the built model
@@ -120,11 +117,7 @@ class OptimizerConfig:
     args: Dict[str, Any] = field(default_factory=dict)  # a user optimizer's other arguments (+optimizer.KEY=...)
 
     def __post_init__(self):
-        if self.fused and self.foreach:
-            raise ValueError("optimizer.fused=true with optimizer.foreach=true: torch allows one of them; set the other null")
-        if self.lr < 0 or self.weight_decay < 0:
-            key, value = ("lr", self.lr) if self.lr < 0 else ("weight_decay", self.weight_decay)
-            raise ValueError(f"optimizer.{key}={value} must be >= 0")
+        checks.optimizer(self)
 
 
 @dataclass
@@ -135,6 +128,7 @@ class AdamConfig(OptimizerConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        finite("optimizer.eps", self.eps)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optimizer.betas={list(self.betas)} must be two numbers in [0, 1)")
 
@@ -148,57 +142,36 @@ class SGDConfig(OptimizerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        at_least("optimizer.momentum", self.momentum, 0)
+        finite("optimizer.momentum", self.momentum)
 
 
 @dataclass
 class TrainerConfig:
-    epochs: int = 10
-    device: str = "auto"
-    progress: bool = True
-    log_every: int = 50
-    eval_batch_size: int = 1000
-    hook_stage: str = "hook"
-    threads: int = 0
-    precision: str = "fp32"
-    compile: bool = False
-    channels_last: bool = False
-    accumulate: int = 1
-    strategy: str = "single"
-    checkpoint_every: int = 1
-    checkpoint_every_steps: int = 0
-    checkpoint_keep: int = 2
-    resume: Optional[str] = None
-    resume_accept: List[str] = field(default_factory=list)  # must-match keys a resume may change anyway
-    start_over: bool = False  # replace an earlier run's results in the run folder
-    nonfinite: str = "warn"
-    data_placement: str = "auto"
-    loader_workers: int = 2
-    sync_check: bool = False
+    epochs: int = 10  # the article's 10 epochs
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    progress: bool = True  # tqdm bars; quiet anyway when stderr is not a terminal
+    log_every: int = 50  # steps between reads of the `log` transform's statistics
+    eval_batch_size: int = 1000  # evaluation is batched (the article used batch 1)
+    hook_stage: str = "hook"  # default stage of rules that set none: hook | fused
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast + GradScaler); docs/reference/robustness.md
+    compile: bool = False  # torch.compile the model
+    channels_last: bool = False  # channels-last memory format for conv models
+    accumulate: int = 1  # micro-batches of data.batch_size per optimizer step (>= 1); loss divided by their number
+    strategy: str = "single"  # single (one process) | ddp | fsdp (under torchrun: one process per rank, see docs/guide/distributed.md)
+    checkpoint_every: int = 1  # epochs between checkpoints in <run>/checkpoints; 0 = none
+    checkpoint_every_steps: int = 0  # also every N optimizer steps (mid-epoch); 0 = none
+    checkpoint_keep: int = 2  # keep the newest k checkpoints
+    resume: Optional[str] = None  # null | auto (newest complete checkpoint of this run folder) | PATH
+    resume_accept: List[str] = field(default_factory=list)  # keys that must match on resume but may differ this once, e.g. [seed, data.batch_size] (docs/reference/robustness.md)
+    start_over: bool = False  # true: replace the earlier run's results in this run folder (else such a folder is refused)
+    nonfinite: str = "warn"  # non-finite raw gradients: warn (step anyway; read once per epoch, no per-step sync) | skip (the step) | raise
+    data_placement: str = "auto"  # auto (device when the data fits in half the free device memory) | device | loader (host memory, DataLoader)
+    loader_workers: int = 2  # DataLoader worker processes when data_placement resolves to loader; 0 = main process
+    sync_check: bool = False  # CUDA only: raise on a host sync in any step between two log points: true | false (not with precision=fp16 or nonfinite=skip|raise)
 
     def __post_init__(self):
-        for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):
-            at_least(f"trainer.{key}", getattr(self, key), 1)
-        for key in ("threads", "checkpoint_every", "checkpoint_every_steps", "loader_workers"):
-            at_least(f"trainer.{key}", getattr(self, key), 0)
-        if self.hook_stage == "per_sample":
-            raise ValueError("trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage "
-                             "(per_sample_clip implies it); allowed: hook, fused")
-        choice("trainer.hook_stage", self.hook_stage, HOOK_STAGES)
-        choice("trainer.precision", self.precision, PRECISIONS)
-        choice("trainer.strategy", self.strategy, STRATEGIES)
-        choice("trainer.nonfinite", self.nonfinite, NONFINITE)
-        choice("trainer.data_placement", self.data_placement, PLACEMENTS)
-        if self.sync_check and (self.precision == "fp16" or self.nonfinite != "warn"):
-            other = "trainer.precision=fp16" if self.precision == "fp16" else f"trainer.nonfinite={self.nonfinite}"
-            raise ValueError(f"trainer.sync_check=true with {other}: that reads the host every step, which sync_check "
-                             "forbids; use trainer.sync_check=false, or precision fp32|bf16 and nonfinite=warn")
-        if self.resume not in (None, "auto") and Path(self.resume).is_dir():
-            raise ValueError(f"trainer.resume={self.resume!r} is a folder; give a checkpoint file in it "
-                             f"({self.resume}/checkpoints/step-*.pt), or resume the run it holds with "
-                             f"trainer.resume=auto hydra.run.dir={self.resume}")
-        if self.resume not in (None, "auto") and not Path(self.resume).is_file():
-            raise ValueError(f"trainer.resume={self.resume!r}: no such file; allowed: auto, null or a checkpoint file")
+        checks.trainer(self)
 
 
 @dataclass
@@ -206,8 +179,6 @@ class InitConfig:
     name: str = "default"
 
     def __post_init__(self):
-        from gradmod.weight_init import INITS
-
         choice("init.name", self.name, INITS)
 
 
@@ -222,38 +193,35 @@ class LoggerConfig:
 @dataclass
 class TensorBoardLoggerConfig(LoggerConfig):
     name: str = "tensorboard"
-    histograms: bool = True
+    histograms: bool = True  # true: gradient histograms of every `log`ged tensor at each log_every step | false
 
 
 @dataclass
 class CaptureConfig:
-    gradcam: bool = False
-    gradcam_layer: str = "conv2"
-    gradcam_images: int = 8
+    gradcam: bool = False  # true: Grad-CAM overlays of fixed test digits -> gradcam.png (and per epoch in TensorBoard)
+    gradcam_layer: str = "conv2"  # a name from model.named_modules() with an N x C x H x W output (resnets: layer4)
+    gradcam_images: int = 8  # how many test digits (one per class in turn), >= 1
 
     def __post_init__(self):
         at_least("capture.gradcam_images", self.gradcam_images, 1)
 
 
-def _target_node(key: str, node: Any, cls: type) -> Any:
-    """A mapping from the config (``_target_``, ``_partial_`` and the call's arguments) as ``cls``."""
-    if node is None or isinstance(node, cls):
-        return node
-    if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
-        raise ValueError(f"{key} must be a mapping with a _target_ (a dotted path) and its arguments, got {node!r}")
-    rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args")}
-    return cls(_target_=node["_target_"], _partial_=bool(node.get("_partial_", cls._partial_)),
-               args={**rest, **(node.get("args") or {})})
-
-
 @dataclass
 class LossConfig:
     """``_target_`` called with ``args`` gives ``loss(output, target)``; with ``_partial_``,
-    the target itself is the loss (``functools.partial`` over ``args``)."""
+    the target itself is the loss (``functools.partial`` over ``args``). ``per_task``: null
+    applies the loss to each task's output and labels when the model returns several
+    (a mapping or tuple); false hands it the whole outputs and labels (a loss of your own
+    that returns a mapping of named losses); true always per task."""
 
     _target_: str = "torch.nn.CrossEntropyLoss"
     _partial_: bool = False
     args: Dict[str, Any] = field(default_factory=dict)
+    per_task: Optional[bool] = None  # null: per task when the model returns several outputs | true | false
+
+    def __post_init__(self):
+        if self.per_task not in (None, True, False):
+            raise ValueError(f"loss.per_task={self.per_task!r} is not allowed; allowed: null, true, false")
 
 
 @dataclass
@@ -272,23 +240,23 @@ class PrivacyConfig:
     noise: Opacus' ``accountant`` (rdp | prv) reports epsilon at ``delta``; ``target_epsilon``
     instead picks the noise multiplier that reaches it after the planned steps."""
 
-    accountant: str = "rdp"
-    delta: float = 1e-5
-    target_epsilon: Optional[float] = None
+    accountant: str = "rdp"  # rdp | prv (Opacus' accountants: pip install "gradmod[privacy]")
+    delta: float = 1e-5  # epsilon is reported at this delta (keep it below 1 / training set size)
+    target_epsilon: Optional[float] = None  # a number: the noise multiplier that reaches it after the planned steps (rules then set none)
 
     def __post_init__(self):
         choice("privacy.accountant", self.accountant, ACCOUNTANTS)
         if not 0 < self.delta < 1:
             raise ValueError(f"privacy.delta={self.delta} must be in (0, 1), e.g. 1e-5 (below 1 / training set size)")
-        if self.target_epsilon is not None and self.target_epsilon <= 0:
-            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be > 0, or null")
+        if self.target_epsilon is not None and not (math.isfinite(self.target_epsilon) and self.target_epsilon > 0):
+            raise ValueError(f"privacy.target_epsilon={self.target_epsilon} must be a finite number > 0, or null")
 
 
 @dataclass
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
-    are checked against the model by ``gradmod.hooks.selection.build_targets``."""
+    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
 
     params: Any = None
     modules: Any = None
@@ -311,17 +279,18 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
-    seed: int = 1234
-    data_dir: str = "data"
-    hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule (a RuleConfig or a mapping)
-    plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built
+    seed: int = 1234  # the article's seed; fixes init, data split and batch order on the CPU
+    data_dir: str = "data"  # where torchvision looks for (and downloads) MNIST
+    hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule; filled by the hooks group or the command line
+    plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built, e.g. [my_pkg.transforms]: their gradmod.hooks.transforms.register(...) calls make `transforms: [flip]` work
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
+    metric: Any = "auto"  # auto | accuracy | none | {_target_: ...}, or task name -> one of those
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 
     def __post_init__(self):
-        at_least("seed", self.seed, 0)
-        if self.seed >= 2**64:  # torch.manual_seed's range
-            raise ValueError(f"seed={self.seed} must be < 2**64 ({2**64})")
+        checks.seed(self.seed)
         self.hooks = {name: r.as_rule() if isinstance(r, RuleConfig) else r for name, r in self.hooks.items()}
-        self.loss = _target_node("loss", self.loss, LossConfig) or LossConfig()
-        self.scheduler = _target_node("scheduler", self.scheduler or None, SchedulerConfig)
+        checks.rules(self.hooks)
+        self.loss = target_node("loss", self.loss, LossConfig) or LossConfig()
+        checks.metric("metric", self.metric)
+        self.scheduler = target_node("scheduler", self.scheduler or None, SchedulerConfig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -45,11 +46,20 @@ def _clips(rules: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
             except ValueError:
                 continue  # attach reports a malformed transform with its rule
             if fn == CLIP:
+                _check_clip(name, t)
                 out.append((name, args))
     return out
 
 
-def per_sample_rules(rules: Mapping[str, Any]) -> list[str]:
+def _check_clip(rule: str, spec: Any) -> None:
+    """per_sample_clip's own checks of its arguments, before its noise multiplier is read."""
+    try:
+        T.build(spec)
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+
+
+def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
     """The rules at the per_sample stage: set so, or implied by per_sample_clip."""
     named = {name for name, spec in (rules or {}).items() if (spec or {}).get("stage") == "per_sample"}
     return sorted(named | {name for name, _ in _clips(rules)})
@@ -73,7 +83,7 @@ def sampling(cfg: Config) -> str:
 
 def check(cfg: Config) -> None:
     """The one-line refusals of DP-SGD's combinations, before the run claims its folder."""
-    t, private = cfg.trainer, per_sample_rules(cfg.hooks)
+    t, private = cfg.trainer, per_sample_rule_names(cfg.hooks)
     noisy, target = _noisy(cfg.hooks), cfg.privacy.target_epsilon
     if private and t.strategy not in PER_SAMPLE_STRATEGIES:
         raise ValueError(f"hooks.{private[0]}: the per_sample stage runs under trainer.strategy="
@@ -83,10 +93,8 @@ def check(cfg: Config) -> None:
                          "GradScaler does not give; use trainer.precision=fp32 or bf16")
     if target is not None:
         clips = [name for name, _ in _clips(cfg.hooks)]
-        if noisy:
-            raise ValueError(f"privacy.target_epsilon={target} and hooks.{noisy[0][0]}'s per_sample_clip "
-                             f"noise_multiplier={noisy[0][1]}: set one of them (the target picks the multiplier); "
-                             f"e.g. hooks.{noisy[0][0]}.transforms=[{{name:{CLIP},max_norm:1.0}}]")
+        if not (math.isfinite(target) and target > 0):
+            raise ValueError(f"privacy.target_epsilon={target} must be a finite number > 0, or null")
         if len(clips) != 1:
             found = f"found {', '.join(clips)}" if clips else "found none; add +hooks=dp"
             raise ValueError(f"privacy.target_epsilon needs exactly one rule with {CLIP} to give its noise to; {found}")
@@ -109,15 +117,21 @@ def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, An
     if sampling(cfg) == "shuffle":
         log.warning("data.sampling=shuffle with a noisy per_sample rule: the reported epsilon assumes Poisson "
                     "sampling (data.sampling=poisson), which shuffled batches do not give")
+    if cfg.privacy.delta >= 1.0 / train_size:
+        log.warning("privacy.delta=%g is not below 1 / training set size (%d examples): such a delta allows "
+                    "releasing an example outright; use e.g. %g", cfg.privacy.delta, train_size,
+                    10 ** math.floor(math.log10(0.1 / train_size)))
     rules = copy.deepcopy(cfg.hooks)
     if cfg.privacy.target_epsilon is None:
         (rule, sigma), = _noisy(rules)[:1]
     else:
-        (rule, _), = _clips(rules)
+        (rule, args), = _clips(rules)
         sigma = noise_for_epsilon(cfg.privacy.target_epsilon, cfg.privacy.delta, rate, steps, cfg.privacy.accountant)
         _set_noise(rules[rule], sigma)
-        log.info("privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f",
-                 cfg.privacy.target_epsilon, sigma, steps, rate)
+        replaced = f" (replacing hooks.{rule}'s noise_multiplier={args['noise_multiplier']})" \
+            if args.get("noise_multiplier") else ""
+        log.info("privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f%s",
+                 cfg.privacy.target_epsilon, sigma, steps, rate, replaced)
     return rules, Privacy(rule, sigma, rate, steps)
 
 

@@ -6,7 +6,8 @@ status     when                                                                 
 ok         training finished (``runner`` writes the results)                        0
 failed     an error stopped the run; ``error`` is one line, and where the user's    1 or 2
            own code raised it names that file:line (``train.log`` keeps the
-           traceback). Bad input is 2, a file operation or the user's code 1; a
+           traceback); a rank of many that died is named (``RankLost``). Bad
+           input is 2, a file operation, a lost rank or the user's code 1; a
            bug in gradmod keeps its traceback
 interrupted SIGINT or SIGTERM, before or during training: ``signal``, ``steps``,     130, 143
            ``checkpoint`` (see ``gradmod.training.interrupt``)
@@ -14,11 +15,16 @@ diverged   the loss or a parameter became non-finite, or a gradient did under   
            ``trainer.nonfinite=raise``: ``step`` is the first such optimizer step
 refused    the folder belongs to another run (its results, or its lock): nothing    2
            is written there; the summary is returned (a sweep reports it)
+running    the run owns its folder and has not ended; read where no process holds   -
+           the folder (``gradmod.reporting.run_summary``), it is ``killed``
 killed     the process was killed (SIGKILL, the OOM killer) and wrote nothing:      -
-           whoever started it records this one (``killed``)
+           whoever started it records this one (``killed``), and its ``running``
+           summary reads as it
 ========== ======================================================================== ==========
 
-A run writes its ending into its folder once it owns it; before that (refused at the
+A run's ending is settled once, as a value (``Ending``): ``gradmod.run.runner.execute``
+returns it, the command line turns it into its line and exit status. A run writes its
+ending into its folder once it owns it; before that (refused at the
 argument checks) only where it replaces no earlier run's files. Every summary goes through
 ``atomic.write_text`` (a reader never sees half a file) as strict JSON (non-finite numbers: null).
 """
@@ -26,6 +32,7 @@ argument checks) only where it replaces no earlier run's files. Every summary go
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import sysconfig
 import traceback
@@ -37,11 +44,35 @@ from gradmod.run import atomic
 from gradmod.run.folder import may_write
 from gradmod.training.interrupt import Interrupted
 from gradmod.training.nonfinite import Diverged
+from gradmod.training.peers import RankLost
 
-STATUSES = ("ok", "failed", "interrupted", "diverged", "refused", "killed")
+STATUSES = ("ok", "failed", "interrupted", "diverged", "refused", "killed")  # and "running", until one of them
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # gradmod/
 _LIBRARIES = tuple({Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+@dataclasses.dataclass(frozen=True)
+class Ending:
+    """How a run ended: its summary, and the error that ended it (None: ok)."""
+
+    summary: dict[str, Any]
+    error: BaseException | None = None
+
+    @property
+    def status(self) -> str:
+        return str(self.summary.get("status"))
+
+    @property
+    def exit_code(self) -> int | None:
+        """0 for ok; None for a bug in gradmod (its traceback is kept)."""
+        return 0 if self.error is None else exit_status(self.error)
+
+    def result(self) -> dict[str, Any]:
+        """The summary of a run that ended ok; else its error, raised."""
+        if self.error is not None:
+            raise self.error
+        return self.summary
 
 
 def write(out: str | Path, summary: dict[str, Any]) -> None:
@@ -49,20 +80,18 @@ def write(out: str | Path, summary: dict[str, Any]) -> None:
     atomic.write_text(Path(out) / "summary.json", json_text.dumps(summary, indent=2) + "\n")
 
 
-def settle(out: str | Path | None, error: BaseException, seconds: float, *, owned: bool) -> dict[str, Any]:
+def settle(out: str | Path | None, error: BaseException, seconds: float, *, owned: bool,
+           previous: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ending of a run that raised ``error``: written into ``out`` when the run owns it,
     or when it replaces no earlier run's files (``out`` None: this rank writes nothing);
-    returned, and kept on the error so that an outer caller does not settle it twice."""
-    if hasattr(error, "gradmod_summary"):
-        return error.gradmod_summary
-    summary = summary_of(error, seconds)
+    returned. ``previous``: the ending of the run this one continued, kept in the summary."""
+    summary = summary_of(error, seconds) | ({"previous": previous} if previous is not None else {})
     if out is not None and not owned and not may_write(out):
         if isinstance(error, ValueError):  # the folder's lock or results: this run may not use it
             summary.update(status="refused")
     elif out is not None:
         with contextlib.suppress(OSError):  # a full disk or a lost folder: the error itself says so
             write(out, summary)
-    error.gradmod_summary = summary
     return summary
 
 
@@ -75,6 +104,8 @@ def summary_of(error: BaseException, seconds: float) -> dict[str, Any]:
                        steps=error.step, checkpoint=str(error.checkpoint) if error.checkpoint else None)
     elif isinstance(error, Diverged):
         summary.update(status="diverged", error=str(error), step=error.step)
+    if getattr(error, "privacy", None):  # the epsilon the steps before the ending spent
+        summary["privacy"] = error.privacy
     return summary
 
 
@@ -89,6 +120,8 @@ def message(error: BaseException) -> str:
     """The one line the terminal shows for an ending that is not a bug."""
     if isinstance(error, OSError):
         return describe_os_error(error)
+    if isinstance(error, RankLost):
+        return str(error)
     where = user_frame(error)
     if where is not None:
         return f"{_typed(error)} (raised in {where}; the traceback is in train.log)"
@@ -101,7 +134,7 @@ def exit_status(error: BaseException) -> int | None:
         return error.exit_code
     if isinstance(error, Diverged):
         return 3
-    if isinstance(error, OSError) or user_frame(error) is not None:
+    if isinstance(error, (OSError, RankLost)) or user_frame(error) is not None:
         return 1
     if isinstance(error, ValueError):
         return 2

@@ -5,7 +5,9 @@ without Hydra.
 The contract, as in Hydra: a ``_target_`` is called with the arguments its config node
 holds (``args``) and nothing gradmod adds. A model target returns an ``nn.Module``; a data
 target returns ``(train, test)``, each a map-style dataset of ``(input, label)`` pairs or
-a pair of tensors ``(inputs, labels)``; a loss target returns ``loss(output, target)``.
+a pair of tensors ``(inputs, labels)``, the labels one tensor (class indices, or float
+targets for regression) or a mapping of them by task; a loss target returns
+``loss(output, target)``; a metric target ``metric(output, target)``.
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ import fnmatch
 import functools
 import importlib
 import inspect
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
-from gradmod.hooks.selection import name_hint
+from gradmod.hooks.per_sample import replace_batchnorm
+from gradmod.hooks.rules import name_hint
+from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
 from gradmod.run.config import DataConfig, LossConfig, ModelConfig, SchedulerConfig
+from gradmod.training.tasks import Tasks
 
 DATA_SHAPE = "must return (train, test), each a map-style dataset of (input, label) pairs or a pair of tensors"
 TOTAL_KEYS = ("T_max", "total_steps", "total_iters")  # null: the run's number of optimizer steps
@@ -123,6 +128,8 @@ def _target_model(cfg: ModelConfig) -> nn.Module:
         raise ValueError(f"model._target_={cfg._target_} returned a {type(model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"model._target_={cfg._target_} returned a module without trainable parameters")
+    if cfg.norm == "group":  # per-example gradients need no batch statistics: GroupNorm, as the shipped ResNets
+        model = replace_batchnorm(model)
     return model
 
 
@@ -137,14 +144,16 @@ def build_data(cfg: DataConfig, *, data_dir: str, seed: int) -> Data:
         raise ValueError(f"data._target_={cfg._target_} {DATA_SHAPE}; got {_describe(made)}")
     (train_x, train_y), (test_x, test_y) = (_tensors(cfg._target_, part, split) for part, split in
                                             zip(made, ("train", "test")))
-    num_classes = int(max(train_y.max(), test_y.max())) + 1
+    num_classes = max(class_count(train_y), class_count(test_y))
     return Data(cfg._target_, train_x, train_y, test_x, test_y, num_classes=max(num_classes, 2))
 
 
-def _tensors(target: str, part: Any, split: str) -> tuple[Tensor, Tensor]:
-    """(inputs, int64 labels) from a pair of tensors or a map-style dataset of pairs."""
+def _tensors(target: str, part: Any, split: str) -> tuple[Tensor, Tensor | Labels]:
+    """(inputs, labels) from a pair of tensors or a map-style dataset of pairs; labels by
+    task (a mapping) become ``Labels``."""
     where = f"data._target_={target} {DATA_SHAPE}; its {split} part"
-    if isinstance(part, (tuple, list)) and len(part) == 2 and all(isinstance(t, Tensor) for t in part):
+    if isinstance(part, (tuple, list)) and len(part) == 2 and isinstance(part[0], Tensor) \
+            and (isinstance(part[1], Tensor) or _tensor_map(part[1])):
         x, y = part
     elif hasattr(part, "__getitem__") and hasattr(part, "__len__"):
         if len(part) == 0:
@@ -153,15 +162,37 @@ def _tensors(target: str, part: Any, split: str) -> tuple[Tensor, Tensor]:
         if not all(isinstance(it, (tuple, list)) and len(it) == 2 for it in items):
             raise ValueError(f"{where} holds {_describe(items[0])}, not (input, label) pairs")
         x = torch.stack([torch.as_tensor(it[0]) for it in items])
-        y = torch.as_tensor([torch.as_tensor(it[1]).item() for it in items])
+        y = _stacked([it[1] for it in items])
     else:
         raise ValueError(f"{where} is {_describe(part)}")
-    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
+    if isinstance(y, Mapping):
+        return x, Labels({str(k): _checked(f"{where}, labels {k!r},", x, v) for k, v in y.items()})
+    return x, _checked(where, x, y)
+
+
+def _tensor_map(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, Tensor) for v in obj.values())
+
+
+def _stacked(labels: list[Any]) -> Tensor | dict[str, Tensor]:
+    if isinstance(labels[0], Mapping):
+        return {k: _stacked([it[k] for it in labels]) for k in labels[0]}
+    stacked = torch.stack([torch.as_tensor(it) for it in labels])
+    if not stacked.dtype.is_floating_point and stacked[0].numel() == 1:
+        return stacked.reshape(len(labels))  # a class index per example, however it was wrapped
+    return stacked
+
+
+def _checked(where: str, x: Tensor, y: Tensor) -> Tensor:
+    """Class indices as int64, regression targets as float32."""
+    if x.ndim < 2 or y.ndim < 1 or len(x) != len(y) or len(y) == 0:
         raise ValueError(f"{where} has inputs of shape {tuple(x.shape)} and labels of shape {tuple(y.shape)}; "
                          "want N x ... inputs and N labels")
-    if y.dtype.is_floating_point or y.dtype == torch.bool or int(y.min()) < 0:
-        raise ValueError(f"{where} has labels that are not class indices (integers >= 0)")
-    return x, y.long()
+    if y.dtype.is_floating_point:
+        return y.float()
+    if y.dtype == torch.bool or int(y.min()) < 0:
+        raise ValueError(f"{where} has labels that are neither class indices (integers >= 0) nor float targets")
+    return y.long()
 
 
 def _describe(obj: Any) -> str:
@@ -182,6 +213,26 @@ def build_loss(cfg: LossConfig) -> Callable[[Tensor, Tensor], Tensor]:
         raise ValueError(f"loss._target_={cfg._target_} returned a {type(fn).__name__}, which is not callable "
                          "as loss(output, target); use _partial_: true for a function")
     return fn
+
+
+def build_metric(spec: Any) -> Any:
+    """``metric``: a name as it is, a ``_target_`` mapping as the callable it builds (as a
+    loss's), task name -> either of those as a dict of them."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, Mapping) and "_target_" in spec:
+        rest = {k: v for k, v in spec.items() if k not in ("_target_", "_partial_", "args")}
+        node = LossConfig(spec["_target_"], bool(spec.get("_partial_", False)), {**rest, **(spec.get("args") or {})})
+        try:
+            return build_loss(node)
+        except ValueError as e:
+            raise ValueError(str(e).replace("loss._target_", "metric._target_")) from None
+    return {task: build_metric(inner) for task, inner in spec.items()}
+
+
+def build_tasks(loss: LossConfig, metric: Any) -> Tasks:
+    """The configured loss and metric(s), per task (``gradmod.training.tasks``)."""
+    return Tasks(build_loss(loss), build_metric(metric), loss.per_task)
 
 
 def _unset_totals(fn: Any, args: dict[str, Any]) -> list[str]:

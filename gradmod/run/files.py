@@ -8,6 +8,7 @@ and come back with the statistics' single read.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 import torch
 
 from gradmod.reporting import json_text
-from gradmod.reporting.loggers import Logger
+from gradmod.reporting.loggers import Logger, names_file
 from gradmod.reporting.observe import GradCamProbe
+from gradmod.run import atomic
 from gradmod.training.callbacks import Callback
 
 
@@ -25,7 +27,8 @@ class RunFiles(Callback):
     when a ``log`` is attached), the logger, and at the end ``model.pt``, ``curves.png``,
     ``grad_norms.png`` and ``frac_clipped.png``. Resumed (``trainer.resumed_from``): the
     checkpoint's records are written again and statistics lines after its step dropped.
-    ``close()`` closes whatever was opened, however the run ends."""
+    ``close()`` closes whatever was opened, however the run ends. A write that fails (a
+    full disk) raises an ``OSError`` naming its file."""
 
     def __init__(self, out: Path, logger: Logger):
         self.out, self.logger = Path(out), logger
@@ -60,15 +63,21 @@ class RunFiles(Callback):
     def on_fit_end(self, trainer) -> None:
         from gradmod.reporting.plots import plot_curves, plot_frac_clipped, plot_grad_norms
 
-        torch.save(trainer.dist.model_state(trainer.model), self.out / "model.pt")  # FSDP2: gathered
-        plot_curves(trainer.history, self.out / "curves.png")
+        buf = io.BytesIO()  # torch.save into a file says only "unexpected pos" when the disk is full
+        torch.save(trainer.dist.model_state(trainer.model), buf)  # FSDP2: gathered
+        atomic.write_bytes(self.out / "model.pt", buf.getvalue())
+        plots = [(plot_curves, trainer.history, "curves.png")]
         if self.rows:
-            plot_grad_norms(self.rows, self.out / "grad_norms.png")
+            plots.append((plot_grad_norms, self.rows, "grad_norms.png"))
             if any("frac_clipped" in s for _, stats in self.rows for s in stats.values()):
-                plot_frac_clipped(self.rows, self.out / "frac_clipped.png")
+                plots.append((plot_frac_clipped, self.rows, "frac_clipped.png"))
+        for plot, rows, name in plots:
+            with names_file(self.out / name):
+                plot(rows, self.out / name)
 
     def close(self) -> None:
-        self._stack.close()
+        with names_file(self.out):
+            self._stack.close()
 
     def _arm_histograms(self, trainer) -> None:
         """Bin gradients on the device during the step before a log point (TensorBoard)."""
@@ -77,8 +86,9 @@ class RunFiles(Callback):
 
     @staticmethod
     def _write(f, record: dict[str, Any]) -> None:
-        f.write(json_text.dumps(record) + "\n")  # a diverged run's nan: null
-        f.flush()
+        with names_file(f.name):
+            f.write(json_text.dumps(record) + "\n")  # a diverged run's nan: null
+            f.flush()
 
     def _open_stats(self, path: Path, resumed_step: int | None):
         """grad_stats.jsonl; resumed: keep the lines up to the checkpoint's step (and show

@@ -6,9 +6,13 @@ and no write before every check has passed.
 writing, what the run will be (a ``Claim``): a new run, the folder's run continued (from
 its newest checkpoint, or from an older one: a new timeline), or a fork of another run's
 checkpoint into an empty folder. It refuses in one line what would mix two runs or lose
-results. ``commit(claim)``, called once the run has also built and restored everything,
-makes the first writes: ``start_over``'s removal, the abandoned timeline moved aside, and
-``.gradmod/run.json``. See docs/robustness.md ("A finished run is sealed").
+results, and a link among the files a run touches that leads out of the folder (a run
+writes, moves and deletes only inside its own folder). ``commit(claim)``, called once the
+run has also built and restored everything, makes the first writes: ``start_over``'s
+removal, the abandoned timeline moved aside, ``.gradmod/run.json``, and ``summary.json``
+saying ``running`` (with the ending it continues under ``previous``) until the run writes
+its own ending (``gradmod.reporting.run_summary``). See docs/reference/robustness.md ("A finished
+run is sealed").
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ import json
 import logging
 import os
 import shutil
+import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradmod.reporting import json_text, run_summary
+from gradmod.reporting.run_summary import in_use
 from gradmod.run import atomic
 from gradmod.run import checkpoint_file as ckpt
 
@@ -32,6 +40,10 @@ log = logging.getLogger(__name__)
 OUTPUTS = ("summary.json", "metrics.jsonl", "model.pt", "grad_stats.jsonl", "hook_plan.json", "metrics.csv",
            "grad_stats.csv", "curves.png", "grad_norms.png", "frac_clipped.png", "gradcam.png")
 ABANDONED = "abandoned-"  # checkpoints/abandoned-<n>/: a timeline left by a resume from an older step
+# What a run writes, moves or deletes in its folder (with what checkpoints/, tensorboard/, .gradmod/
+# and .hydra/ hold): none of it may be a link that leads out of the folder.
+WRITTEN = (*OUTPUTS, "checkpoints", "tensorboard", ".gradmod", ".hydra", "train.log")
+INSIDE = ("checkpoints", "tensorboard", ".gradmod", ".hydra")
 
 
 def has_results(out: str | Path) -> list[str]:
@@ -55,21 +67,14 @@ def _trained(summary: Path) -> bool:
         s = json.loads(summary.read_text())
     except (OSError, ValueError):
         return True  # unreadable: keep it, to be safe
-    return not isinstance(s, dict) or s.get("status") == "ok" or bool(s.get("steps"))
+    if not isinstance(s, dict):
+        return True
+    earlier = s.get("previous")  # a continuation that did not end: the run it continued trained
+    return s.get("status") == "ok" or bool(s.get("steps")) or (isinstance(earlier, dict) and _ended_ok(earlier))
 
 
-def in_use(out: str | Path) -> bool:
-    """Whether a run holds the folder's lock now."""
-    path = Path(out) / ".gradmod" / "lock"
-    if not path.is_file():
-        return False
-    with open(path) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return False
+def _ended_ok(s: dict[str, Any]) -> bool:
+    return s.get("status") == "ok" or bool(s.get("steps"))
 
 
 def may_write(out: str | Path) -> bool:
@@ -86,6 +91,7 @@ class Claim:
     run_id: str
     found: tuple[Path, dict[str, Any]] | None = None
     parent: dict[str, Any] | None = None
+    previous: dict[str, Any] | None = None  # the folder's ending this run continues (summary.json)
     start_over: bool = False
     abandon: list[Path] = field(default_factory=list)  # this run's checkpoints after the one resumed
 
@@ -99,10 +105,12 @@ class RunFolder:
         self.checkpoints = self.out / "checkpoints"
         self.run_id: str | None = None
         self.owned = False
+        self.previous: dict[str, Any] | None = None  # the ending this run continues, once it owns the folder
         self._lock = None
 
     def claim(self, *, resume: str | None, start_over: bool) -> Claim:
         """Lock the folder and decide what this run is; a ``ValueError`` where it may not run."""
+        self._refuse_links()
         self._take_lock()
         try:
             return self._decide(resume, start_over)
@@ -111,7 +119,7 @@ class RunFolder:
             raise
 
     def _decide(self, resume: str | None, start_over: bool) -> Claim:
-        earlier, owner = has_results(self.out), self._read_run_id()
+        earlier, (owner, damage) = has_results(self.out), self._read_run_record()
         if start_over:
             if resume is not None:
                 raise ValueError(f"trainer.start_over=true discards the folder's results and cannot be combined "
@@ -124,6 +132,8 @@ class RunFolder:
                     "trainer.resume=auto, replace it with trainer.start_over=true, or choose another hydra.run.dir")
             return Claim(_new_id())
         if resume == "auto":
+            if owner is None and damage is not None:
+                self._refuse_without_record(damage)
             found = ckpt.latest(self.checkpoints, owner)
             if found is None:
                 return self._nothing_to_resume(earlier, owner)
@@ -146,7 +156,7 @@ class RunFolder:
         if theirs == owner and (owner is not None or earlier):
             later = [p for p in ckpt.checkpoints(self.checkpoints, owner)
                      if ckpt.step_of(p) > int(state["step"]) and p.resolve() != path.resolve()]
-            return Claim(owner or _new_id(), found, abandon=later)
+            return Claim(owner or _new_id(), found, abandon=later, previous=self._previous())
         if earlier:
             raise ValueError(f"trainer.resume={path}: the checkpoint belongs to run {theirs or '<unnamed>'}, but run "
                              f"folder {self.out} belongs to run {owner or '<unnamed>'} and holds its results; resume "
@@ -159,9 +169,10 @@ class RunFolder:
             self._remove_outputs()
         if claim.abandon:
             self._set_aside(claim.abandon, int(claim.found[1]["step"]))
-        self.run_id, self.owned = claim.run_id, True
+        self.run_id, self.owned, self.previous = claim.run_id, True, claim.previous
         record = {"run_id": claim.run_id, "pid": os.getpid(), "parent": claim.parent}
         atomic.write_text(self.meta / "run.json", json.dumps(record) + "\n")
+        atomic.write_text(self.out / "summary.json", json_text.dumps(running(claim), indent=2) + "\n")
 
     def release(self) -> None:
         if self._lock is not None:
@@ -191,11 +202,52 @@ class RunFolder:
         f.flush()
         self._lock = f
 
-    def _read_run_id(self) -> str | None:
+    def _read_run_record(self) -> tuple[str | None, str | None]:
+        """(the folder's run id, None) or (None, what is wrong with its record: missing, unreadable)."""
+        path = self.meta / "run.json"
+        if not path.exists():
+            return None, "is missing"
         try:
-            return json.loads((self.meta / "run.json").read_text())["run_id"]
-        except (OSError, ValueError, KeyError, TypeError):
+            run_id = json.loads(path.read_text())["run_id"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return None, f"cannot be read as a run record ({type(e).__name__}: {' '.join(str(e).split())})"
+        return (run_id, None) if isinstance(run_id, str) and run_id else (None, "names no run_id")
+
+    def _refuse_without_record(self, damage: str) -> None:
+        """resume=auto where the folder's checkpoints name runs but its run record is gone:
+        which run they continue is unknown, so nothing is resumed (or written)."""
+        runs = sorted({r for p in ckpt.checkpoints(self.checkpoints) if (r := ckpt.run_of(p))})
+        if not runs:
+            return  # no checkpoint that names a run: nothing to tell apart
+        hint = f'write {{"run_id": "{runs[0]}"}} there if they are this folder\'s run; ' if len(runs) == 1 else ""
+        raise ValueError(f"trainer.resume=auto: {self.meta / 'run.json'} {damage}, so it is unknown which run this "
+                         f"folder continues (its checkpoints are run {', '.join(runs)}'s): {hint}fork a checkpoint "
+                         "into a new hydra.run.dir with trainer.resume=<checkpoint>, or discard the folder's results "
+                         "with trainer.start_over=true")
+
+    def _previous(self) -> dict[str, Any] | None:
+        """The folder's ending, for the continuation's summary (``running`` with no owner: killed)."""
+        summary = run_summary.read(self.out, holding=True)
+        if not isinstance(summary, dict):
             return None
+        if summary.get("status") == "killed":
+            log.warning("run folder %s: its last run was killed while running (summary.json says running and no "
+                        "process holds the folder); continuing from its newest checkpoint", self.out)
+        return {k: v for k, v in summary.items() if k != "previous"}  # one ending back, not a chain
+
+    def _refuse_links(self) -> None:
+        """A run writes, moves and deletes only inside its own folder: a link among what it
+        touches that leads out of the folder is refused before anything is written."""
+        root = Path(os.path.realpath(self.out))
+        names = [self.out / n for n in WRITTEN]
+        names += [p for n in INSIDE if (self.out / n).is_dir() for p in sorted((self.out / n).iterdir())]
+        for path in names:
+            target = Path(os.path.realpath(path))  # a link loop too (realpath does not raise)
+            if (path.is_symlink() or path.exists()) and not target.is_relative_to(root):
+                raise ValueError(f"run folder {self.out}: {path.relative_to(self.out)} is a link to "
+                                 f"{target}, outside the folder; a run writes, moves and deletes files only "
+                                 "in its own folder: replace the link with a folder or file of its own, or choose "
+                                 "another hydra.run.dir")
 
     def _set_aside(self, later: list[Path], step: int) -> None:
         """A resume from an older step: the later checkpoints become an abandoned timeline."""
@@ -218,6 +270,13 @@ class RunFolder:
             shutil.rmtree(path)
         for path in (self.out / "tensorboard").glob("events.out.tfevents.*"):
             path.unlink()
+
+
+def running(claim: Claim) -> dict[str, Any]:
+    """The summary of a run in progress (``gradmod.reporting.run_summary``)."""
+    return {"status": "running", "run": claim.run_id, "pid": os.getpid(), "host": socket.gethostname(),
+            "started": time.time(), "test_accuracy": None, "test_loss": None,
+            **({"previous": claim.previous} if claim.previous is not None else {})}
 
 
 def _new_id() -> str:

@@ -5,23 +5,27 @@ only as a traceback inside the first step, or after a whole epoch (at evaluation
 a 6 TB allocation (a stray label of 10**9 sizes a shipped model's output layer). So:
 
 * data (``check_data``, before the model is built): train and test inputs of one shape,
-  ``uint8`` pixels or ``float32`` values, and no more classes than a model can hold;
-* model and loss (``check_model``, before the hooks are attached): one forward of two
-  training examples in eval mode (the random state put back) returns an N x classes
-  tensor whose classes cover every label, and the loss of it is a scalar tensor that
-  backpropagates into the model.
+  ``uint8`` pixels, ``float32`` values or ``int64`` token ids, and no more classes than a
+  model can hold;
+* model, loss and metric (``check_model``, before the hooks are attached): one forward of
+  two training examples in eval mode (the random state put back) returns a tensor with a
+  row per example (or a mapping or tuple of them, one per task's labels) whose classes
+  cover every class label, the loss of it is a scalar tensor (or a mapping of named
+  scalars) that backpropagates into the model, and the metric applies to the labels.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
+from gradmod.labels import Labels
+from gradmod.training.tasks import SINGLE, Tasks, by_task, is_class_labels
 
-INPUT_DTYPES = (torch.uint8, torch.float32)
+INPUT_DTYPES = (torch.uint8, torch.float32, torch.int64)
 MAX_CLASSES = 100_000  # a shipped model's output layer: labels beyond this are a mistake, not classes
 
 
@@ -34,46 +38,101 @@ def check_data(data: Data, model_key: str | None) -> None:
     for split, x in (("train", data.train_x), ("test", data.test_x)):
         if x.dtype not in INPUT_DTYPES:
             raise ValueError(f"data ({data.name}): {split} inputs are {x.dtype}; allowed: torch.uint8 (pixels "
-                             "0-255, scaled to [0, 1]) or torch.float32; convert them in the dataset, e.g. x.float()")
+                             "0-255, scaled to [0, 1]), torch.float32 or torch.int64 (token ids); convert them in "
+                             "the dataset, e.g. x.float()")
     if model_key is not None and data.num_classes > MAX_CLASSES:
         raise ValueError(f"data ({data.name}): the largest label is {data.num_classes - 1}, so {model_key} would need "
                          f"{data.num_classes} outputs; labels are class indices 0..C-1, C at most {MAX_CLASSES}")
 
 
-def check_model(model: nn.Module, data: Data, loss_fn: Callable[[Tensor, Tensor], Any], model_key: str,
-                loss_key: str) -> None:
-    """One forward and loss of two training examples, as the first step would compute them."""
+def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss_key: str) -> tuple[bool, str]:
+    """One forward, loss and metric of two training examples, as the first step would compute
+    them; returns (whether the loss is several named losses, the metrics for the log)."""
     device = next(model.parameters()).device
     x, y = as_float(data.train_x[:2].to(device)), data.train_y[:2].to(device)
     training = model.training
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model.eval()  # no batch-norm statistics change
         try:
-            out = model(x)
-            _check_output(out, len(x), model_key)
-            top = int(max(data.train_y.max(), data.test_y.max()))
-            if top >= out.shape[1]:
-                raise ValueError(f"data ({data.name}): label {top} is >= the {out.shape[1]} outputs of {model_key}; "
-                                 f"labels are class indices 0..{out.shape[1] - 1}")
-            _check_loss(loss_fn(out, y), loss_key)
+            out = _forward(model, x, data, model_key)
+            pairs = _pairs(out, y, model_key)
+            for task, (o, t) in pairs.items():
+                _check_classes(data, task, o, t, model_key)
+            losses = tasks.losses(out, y)
+            _check_loss(losses, loss_key)
+            tasks.metrics(out, y)  # a metric that does not apply to the labels fails here
+            return not isinstance(losses, Tensor), tasks.describe(out, y)
         finally:
             model.train(training)
 
 
-def _check_output(out: Any, n: int, key: str) -> None:
-    if not isinstance(out, Tensor):
-        raise ValueError(f"{key}: forward returned {_kind(out)}; it must return one tensor of logits, N x classes "
-                         "(e.g. return out['logits'] or out[0] in forward)")
-    if out.ndim != 2 or out.shape[0] != n:
-        raise ValueError(f"{key}: forward returned a tensor of shape {tuple(out.shape)} for {n} inputs; "
-                         "it must be N x classes")
+def check_per_loss(targets: list[Any], several: bool, strategy: str, loss_key: str) -> None:
+    """A per_loss rule needs several named losses, and runs on one process or under DDP."""
+    rules = list(dict.fromkeys(t.rule for t in targets if getattr(t, "stage", None) == "per_loss"))
+    if not rules:
+        return
+    if not several:
+        raise ValueError(f"hooks.{rules[0]} runs at stage per_loss, which combines several losses, and {loss_key} "
+                         "gives one scalar loss; use a model with several outputs (e.g. model=multi_lenet "
+                         "data=multi_mnist) or a loss that returns a mapping of named losses")
+    if strategy == "fsdp":
+        raise ValueError(f"hooks.{rules[0]} runs at stage per_loss, which trainer.strategy=fsdp does not support "
+                         "yet; use trainer.strategy=ddp or single")
+
+
+def _forward(model: nn.Module, x: Tensor, data: Data, key: str) -> Any:
+    if x.dtype != torch.int64:
+        return model(x)
+    try:
+        return model(x)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"data ({data.name}): train inputs are torch.int64 (token ids) and {key} fails on them "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); a model of token ids starts "
+                         "with an nn.Embedding; for numbers convert them in the dataset, e.g. x.float()") from None
+
+
+def _pairs(out: Any, y: Tensor | Labels, key: str) -> dict[str, tuple[Tensor, Tensor]]:
+    """(output, labels) per task, each output a tensor with a row per example."""
+    n = len(y)
+    if isinstance(y, Tensor) and not isinstance(out, Tensor):
+        raise ValueError(f"{key}: forward returned {_kind(out)} and the data has one label tensor; it must return "
+                         "one tensor of N x classes logits (e.g. return out['logits'] or out[0] in forward), or the "
+                         "data must give labels by task")
+    try:
+        pairs = by_task(out, y)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
+    for task, (o, _) in pairs.items():
+        if not isinstance(o, Tensor) or o.ndim < 1 or o.shape[0] != n:
+            got = f"a tensor of shape {tuple(o.shape)}" if isinstance(o, Tensor) else _kind(o)
+            where = f"output {task!r}" if task != SINGLE else "forward"
+            raise ValueError(f"{key}: {where} returned {got} for {n} inputs; it must be N x classes (N x ...)")
+    return pairs
+
+
+def _check_classes(data: Data, task: str, out: Tensor, y: Tensor, key: str) -> None:
+    """Every class label of the task (train and test) has an output, where the labels are classes."""
+    if not is_class_labels(y) or out.ndim < 2 or not out.dtype.is_floating_point:
+        return
+    train, test = (data.train_y, data.test_y) if task == SINGLE else (data.train_y[task], data.test_y[task])
+    top = int(max(train.max(), test.max()))
+    if top >= out.shape[1]:
+        what = "label" if task == SINGLE else f"label of {task!r}"
+        raise ValueError(f"data ({data.name}): {what} {top} is >= the {out.shape[1]} outputs of {key}; "
+                         f"labels are class indices 0..{out.shape[1] - 1}")
 
 
 def _check_loss(loss: Any, key: str) -> None:
+    if isinstance(loss, dict):
+        if not loss:
+            raise ValueError(f"{key}: the loss returned an empty mapping; it must name one or more scalar losses")
+        for name, part in loss.items():
+            _check_loss(part, f"{key} (its loss {name!r})")
+        return
     if not isinstance(loss, Tensor) or loss.ndim != 0:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else _kind(loss)
         raise ValueError(f"{key}: the loss returned {got}; it must return one scalar tensor "
-                         "(reduce it, e.g. .mean())")
+                         "(reduce it, e.g. .mean()), or a mapping of named scalar losses")
     if not loss.requires_grad:
         raise ValueError(f"{key}: the loss returned a tensor that does not depend on the model's output "
                          "(detached, or computed from .item()/numpy): no gradient can flow")

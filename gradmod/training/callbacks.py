@@ -9,18 +9,30 @@ in list order at every moment. The moments, in the order a step meets them:
 fused hook stage; return True to skip this step), ``on_log`` (at a log point, with the
 ``log`` statistics read), ``on_step_end``, ``on_epoch_end`` (with the epoch's record),
 ``on_fit_end``.
+
+Where a callback runs among the others is data on its class, checked whenever a Trainer
+gets its callbacks (``check_order``): ``before`` names the callbacks (by ``key``) that must
+run after it, each with the reason; ``last`` callbacks run after every other. Two
+callbacks with one state ``key`` are refused: a checkpoint keeps one state per key.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, ClassVar, Sequence
 
+from gradmod.reporting.console import epoch_line
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.speed import SyncCheck
+
+log = logging.getLogger(__name__)
 
 
 class Callback:
     """Does nothing at every moment; subclasses override what they need."""
+
+    before: ClassVar[dict[str, str]] = {}  # key of a callback that must run later -> why
+    last: ClassVar[bool] = False  # after every callback that is not ``last``
 
     @property
     def key(self) -> str:
@@ -28,6 +40,9 @@ class Callback:
         return type(self).__name__
 
     def on_fit_start(self, trainer) -> None: ...
+
+    def on_missing_state(self, steps: int) -> None:
+        """A resume from a checkpoint of ``steps`` steps that holds no state of this callback."""
 
     def on_step_start(self, trainer) -> None: ...
 
@@ -48,6 +63,23 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def check_order(callbacks: Sequence[Any]) -> None:
+    """A ``ValueError`` naming the first callback out of its declared place, or a state key
+    that two callbacks share."""
+    keys = [cb.key for cb in callbacks]
+    shared = next((k for k in keys if keys.count(k) > 1), None)
+    if shared is not None:
+        raise ValueError(f"two callbacks have the state key {shared!r}: a checkpoint keeps one state per key; "
+                         "give each callback a key of its own")
+    for i, cb in enumerate(callbacks):
+        for later, why in getattr(cb, "before", {}).items():
+            if later in keys[:i]:
+                raise ValueError(f"callback {cb.key} must run before {later} ({why}), but comes after it")
+        final = next((c for c in callbacks[:i] if getattr(c, "last", False)), None)
+        if final is not None and not getattr(cb, "last", False):
+            raise ValueError(f"callback {cb.key} comes after {final.key}, which runs last")
 
 
 class NonFiniteCallback(Callback):
@@ -77,8 +109,11 @@ class NonFiniteCallback(Callback):
 
 class SyncCheckCallback(Callback):
     """``trainer.sync_check``: on CUDA, a host sync from a step's first forward to its
-    optimizer step (hooks, fused stage and non-finite check included) raises. Put it last:
-    it allows syncs again once the other callbacks' ``on_before_optimizer_step`` ran."""
+    optimizer step (hooks, fused stage and non-finite check included) raises. Last: it
+    allows syncs again once the other callbacks' ``on_before_optimizer_step`` ran."""
+
+    last = True
+    before = {"StopOnSignal": "its checkpoint and collective come after the step's syncs are allowed again"}
 
     def __init__(self, check: SyncCheck):
         self.check = check
@@ -92,3 +127,14 @@ class SyncCheckCallback(Callback):
 
     def on_fit_end(self, trainer) -> None:
         self.check.allow()
+
+
+class EpochLine(Callback):
+    """One line per epoch on the console (``gradmod.reporting.console``), a terminal or a
+    redirected file alike; it comes after the callbacks that add to the record (epsilon)."""
+
+    def __init__(self, epochs: int | None = None):
+        self.epochs = epochs
+
+    def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
+        log.info("%s", epoch_line(record, self.epochs))

@@ -29,12 +29,15 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradmod.training import peers
+from gradmod.training.ranks import env_rank, follower_overrides  # noqa: F401  (importable from here too)
 
 STRATEGIES = ("single", "ddp", "fsdp")
 
@@ -55,12 +58,12 @@ class Dist:
         return self.rank == 0
 
     @property
-    def shard(self) -> slice:
-        """This rank's share of a tensor indexed along dim 0 (every element exactly once)."""
+    def part(self) -> slice:
+        """This rank's part of a tensor indexed along dim 0 (every element exactly once)."""
         return slice(self.rank, None, self.world_size)
 
     @classmethod
-    def from_env(cls, strategy: str, device: torch.device) -> "Dist":
+    def from_env(cls, strategy: str, device: torch.device) -> Dist:
         """Read the rank from the environment and check it; starts nothing."""
         if strategy not in STRATEGIES:
             raise ValueError(f"trainer.strategy={strategy!r} is not a strategy; allowed: {', '.join(STRATEGIES)}")
@@ -84,10 +87,11 @@ class Dist:
             torch.cuda.set_device(device)
         return cls(strategy, rank, world, local, device)
 
-    def start(self) -> "Dist":
+    def start(self) -> Dist:
         """Join the process group (a single process: nothing to join)."""
         if self.strategy != "single" and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            peers.note()  # a rank that dies later is named, not the connection it broke
         return self
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -160,6 +164,7 @@ class Dist:
 
     def close(self) -> None:
         if self.strategy != "single" and dist.is_initialized():
+            peers.forget()
             dist.destroy_process_group()
 
 
@@ -215,18 +220,3 @@ def no_sync(model: nn.Module, skip: bool):
     if skip and is_fsdp(model):
         return _fsdp_no_sync(model)
     return contextlib.nullcontext()
-
-
-def env_rank(environ: Mapping[str, str] | None = None) -> int:
-    """This process's rank as its launcher tells it (torchrun: RANK; SLURM: SLURM_PROCID); 0 alone."""
-    env = os.environ if environ is None else environ
-    return int(env.get("RANK", env.get("SLURM_PROCID", 0)))
-
-
-def follower_overrides(argv: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
-    """Hydra overrides for torchrun ranks > 0 of a single run: no run folder of their own
-    (rank 0 alone writes it), and only warnings on the console."""
-    if env_rank(environ) == 0 or {"-m", "--multirun"} & set(argv):
-        return []
-    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout",
-            "hydra.job_logging.root.level=WARNING"]

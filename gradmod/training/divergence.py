@@ -25,9 +25,10 @@ WHAT = {1: "the loss", 2: "a parameter", 3: "the loss and a parameter"}
 
 class DivergenceCallback(Callback):
     """Raises ``Diverged`` at the end of an epoch in which the loss or a parameter became
-    non-finite; put it before the callbacks that write checkpoints and run files."""
+    non-finite."""
 
     key = "divergence"
+    before = {"Checkpointer": "a diverged epoch leaves no checkpoint", "RunFiles": "nor a metrics line"}
 
     def __init__(self, params: Iterable[nn.Parameter]):
         self.params = list(params)

@@ -36,7 +36,7 @@ def all_reduce_sum(tensors: list[Tensor], divide: float = 1.0) -> None:
         t.copy_(part.view_as(t))
 
 
-class PerSampleStep:
+class PerSampleSetup:
     """Sets up ``hooks.per_sample`` for one Trainer: the divisor (``poisson``: the expected
     global batch ``batch_size * accumulate * world``; else the examples of the step, times
     the ranks), noise on rank 0 only, the all-reduce of the clipped sums."""
@@ -44,15 +44,13 @@ class PerSampleStep:
     def __init__(self, model: nn.Module, hooks, dist_: Dist, *, poisson: bool, batch_size: int, accumulate: int):
         self.stage, self.dist = hooks.per_sample, dist_
         world = dist_.world_size
-        if poisson:
-            hooks.expected_batch_size = float(batch_size * accumulate * world)
         clipped = {id(p) for r in self.stage.rules if r.clip is not None for p in r.params}
         self.plain = [p for p in model.parameters() if p.requires_grad and id(p) not in clipped]
-        if world > 1:
-            self.stage.draws_noise = dist_.is_main
-            # Poisson: the divisor is already global; shuffled: every rank counts the same examples.
-            divide = 1.0 if poisson else float(world)
-            self.stage.reduce = lambda sums: all_reduce_sum(sums, divide)
+        # Poisson: the divisor is already global; shuffled: every rank counts the same examples.
+        divide = 1.0 if poisson else float(world)
+        hooks.set_per_sample(expected_batch_size=float(batch_size * accumulate * world) if poisson else None,
+                             reduce=(lambda sums: all_reduce_sum(sums, divide)) if world > 1 else None,
+                             draws_noise=dist_.is_main)
 
     def before_stage(self) -> None:
         """DDP: the mean over ranks of the parameters the stage does not clip (DDP's own

@@ -9,6 +9,7 @@ stops every rank at the same step, agreed at each step's end."""
 from __future__ import annotations
 
 import contextlib
+import shlex
 import signal
 import threading
 from pathlib import Path
@@ -24,9 +25,11 @@ class Interrupted(BaseException):
     else before it started); ``checkpoint`` continues it. Like ``KeyboardInterrupt``, not
     an ``Exception``: code that handles errors (the user's, a factory's) lets it through."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None, started: bool = True):
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, started: bool = True,
+                 folder: Path | None = None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        where = f"checkpoint {checkpoint}; continue with trainer.resume=auto" if checkpoint else "no checkpoint"
+        again = f" hydra.run.dir={shlex.quote(str(folder))}" if folder is not None else ""  # the same folder
+        where = f"checkpoint {checkpoint}; continue with trainer.resume=auto{again}" if checkpoint else "no checkpoint"
         when = f"after step {step}; {where}" if started else "before training started"
         super().__init__(f"interrupted by {signal.Signals(signum).name} {when}")
 
@@ -37,11 +40,15 @@ class Interrupted(BaseException):
 
 class StopOnSignal(Callback):
     """Notes SIGINT/SIGTERM (``install``) and stops at the next step's end (or epoch's end),
-    after a checkpoint through ``saver`` (a ``Checkpointer``, or None for none). Installed
-    before training, it stops at once until ``on_fit_start``."""
+    after a checkpoint through ``saver`` (a ``Checkpointer``, or None for none); ``folder``,
+    the run folder, goes into the line that says how to continue. Installed
+    before training, it stops at once until ``on_fit_start``. Last: the step's other
+    callbacks are done when it stops the run."""
 
-    def __init__(self, saver=None):
-        self.saver, self.signum = saver, None
+    last = True
+
+    def __init__(self, saver=None, folder: Path | None = None):
+        self.saver, self.signum, self.folder = saver, None, folder
         self.trainer = None  # set when training starts: from then on a signal waits for the step's end
 
     @contextlib.contextmanager
@@ -83,4 +90,4 @@ class StopOnSignal(Callback):
         path = None
         if save and self.saver is not None:
             path = self.saver.save(trainer)  # rank 0 writes (the same step again is an atomic replace)
-        raise Interrupted(signum, trainer.step, path)
+        raise Interrupted(signum, trainer.step, path, folder=self.folder)

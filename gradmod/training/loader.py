@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from gradmod.data import Data, as_float
+from gradmod.labels import nbytes
 
 PLACEMENTS = ("auto", "device", "loader")
 DEVICE_SHARE = 0.5  # auto: the dataset may take at most this share of the free device memory
@@ -65,15 +66,15 @@ def placement(setting: str, data: Data, device: torch.device) -> str:
     if device.type != "cuda":
         return "device"
     free, _ = torch.cuda.mem_get_info(device)
-    size = sum(t.numel() * t.element_size() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
+    size = sum(nbytes(t) for t in (data.train_x, data.train_y, data.test_x, data.test_y))
     return "device" if size <= DEVICE_SHARE * free else "loader"
 
 
 def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
-            shard: tuple[int, int] = (0, 1), start: int = 0, device: torch.device | None = None,
+            part: tuple[int, int] = (0, 1), start: int = 0, device: torch.device | None = None,
             loader_workers: int | None = None, parts: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
-    shuffled by ``generator`` (a CPU generator) when one is given. ``shard=(rank, world)``
+    shuffled by ``generator`` (a CPU generator) when one is given. ``part=(rank, world)``
     keeps this rank's share of the shuffled order; ``start`` skips that many batches of it
     (resuming mid-epoch). With ``loader_workers`` set, a DataLoader gathers the same
     batches from host memory and copies them to ``device``. ``parts`` (unshuffled only):
@@ -88,7 +89,7 @@ def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | 
             yield as_float(xb), yb
         return
     order = torch.randperm(len(y), generator=generator)
-    rank, world = shard
+    rank, world = part
     if world > 1:  # every rank draws the same permutation: rank r takes every world-th index,
         order = order[rank:len(order) - len(order) % world:world]  # all ranks the same count
     if loader_workers is not None:
@@ -112,16 +113,16 @@ def steps_per_epoch(n: int, batch_size: int, world: int = 1, accumulate: int = 1
 
 
 def poisson_batches(x: Tensor, y: Tensor, sample_rate: float, steps: int, generator: torch.Generator,
-                    split: int = 1, shard: tuple[int, int] = (0, 1), start: int = 0,
+                    split: int = 1, part: tuple[int, int] = (0, 1), start: int = 0,
                     device: torch.device | None = None,
                     loader_workers: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
     """``steps`` Poisson batches: each example of (x, y) joins each with probability
     ``sample_rate`` (masks from ``generator``, on the host). Each batch comes as ``split``
     micro-batches (gradient accumulation: the step's one Poisson batch in near-equal parts,
-    possibly empty); ``shard=(rank, world)`` keeps this rank's share of every batch, drawn
+    possibly empty); ``part=(rank, world)`` keeps this rank's share of every batch, drawn
     from the whole dataset alike on every rank. ``start`` skips that many micro-batches."""
     device = x.device if device is None else device
-    rank, world = shard
+    rank, world = part
     index = []
     for _ in range(steps):
         chosen = (torch.rand(len(y), generator=generator) < sample_rate).nonzero().flatten()

@@ -3,7 +3,7 @@
 * ``bf16``: autocast, no scaler (bf16 has fp32's exponent range).
 * ``fp16``: autocast and ``torch.amp.GradScaler``. The loss is scaled before backward, so
   raw gradients are scaled. Hook-stage transforms are made scale-aware
-  (``HookSet.grad_scale``: they see the unscaled gradient, as in fp32); the fused stage
+  (``HookSet.set_grad_scale``: they see the unscaled gradient, as in fp32); the fused stage
   runs after ``unscale_``. A step GradScaler finds non-finite is skipped and the scale
   halved, as GradScaler always does.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
+from typing import Iterable, Mapping
 
 import torch
 
@@ -51,14 +52,19 @@ class Precision:
     def autocast(self):
         return nullcontext() if self.dtype is None else torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor, hooks=None) -> None:
-        if self.scaler is None:
-            loss.backward()
-            return
-        scaled = self.scaler.scale(loss)  # creates the scale tensor on first use
+    def backward(self, losses: torch.Tensor | Mapping[str, torch.Tensor], hooks=None) -> None:
+        """Backward of one loss or several named ones, each scaled under fp16, through
+        ``hooks.backward`` when there are hooks (a per_loss stage aggregates the tasks'
+        gradients there; it reads ``hooks.grad_scale`` to see them unscaled)."""
+        if self.scaler is not None:
+            losses = _scaled(self.scaler, losses)  # creates the scale tensor on first use
+            if hooks is not None:
+                hooks.set_grad_scale(_scale_tensor(self.scaler, next(iter(_values(losses))).device))
         if hooks is not None:
-            hooks.grad_scale = _scale_tensor(self.scaler, loss.device)
-        scaled.backward()
+            hooks.backward(losses)
+            return
+        parts = list(_values(losses))
+        sum(parts[1:], parts[0]).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:
@@ -93,3 +99,13 @@ def _scale_tensor(scaler: torch.amp.GradScaler, device: torch.device) -> torch.T
     if scale is None:
         scale = torch.tensor(scaler.get_scale(), device=device)
     return scale.reshape(())
+
+
+def _values(losses: torch.Tensor | Mapping[str, torch.Tensor]) -> Iterable[torch.Tensor]:
+    return [losses] if isinstance(losses, torch.Tensor) else losses.values()
+
+
+def _scaled(scaler: torch.amp.GradScaler, losses: torch.Tensor | Mapping[str, torch.Tensor]):
+    if isinstance(losses, torch.Tensor):
+        return scaler.scale(losses)
+    return {k: scaler.scale(v) for k, v in losses.items()}

@@ -28,10 +28,10 @@ def learning_rate(optimizer: torch.optim.Optimizer) -> float:
 class SchedulerCallback(Callback):
     """Steps ``scheduler`` after every optimizer step (skipped steps too, so the schedule
     follows the step count) and puts the rate into each epoch's record (``lr``: the
-    rate of the first parameter group for the next step), so metrics and loggers get it. Put it before the checkpointer: a checkpoint
-    then holds the schedule's state after the step it records."""
+    rate of the first parameter group for the next step), so metrics and loggers get it."""
 
     key = "scheduler"
+    before = {"Checkpointer": "a checkpoint holds the schedule's state after the step it records"}
 
     def __init__(self, scheduler: lr_scheduler.LRScheduler | None):
         self.scheduler = scheduler

@@ -21,11 +21,15 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradmod.data import Data
-from gradmod.training.callbacks import Callback, NonFiniteCallback
+from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
-from gradmod.training.dpsgd import PerSampleStep
+from gradmod.training.dpsgd import PerSampleSetup
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
+from gradmod.training.per_loss_step import PerLossStep
 from gradmod.training.precision import Precision
+from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
+from gradmod.training.tasks import evaluate as evaluate_tasks
+from gradmod.training.tasks import total as total_loss
 
 
 @dataclass(frozen=True)
@@ -65,15 +69,17 @@ class Trainer:
                  settings: TrainerSettings = TrainerSettings(), *, hooks=None, amp: Precision | None = None,
                  callbacks: Sequence[Any] = (), dist: Dist | None = None, net: nn.Module | None = None,
                  eval_net: nn.Module | None = None, generator: torch.Generator | None = None,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy, tasks: Tasks | None = None):
         self.model, self.optimizer, self.settings, self.hooks = model, optimizer, settings, hooks
         self.net = model if net is None else net
         self.eval_net = model if eval_net is None else eval_net
         self.dist = dist or Dist(device=next(model.parameters()).device)
         self.device = self.dist.device
         self.amp = amp or Precision("fp32", self.device)
-        self.callbacks = list(callbacks)
+        self.callbacks: list[Any] = []
+        self.add_callbacks(callbacks)
         self.loss_fn = loss_fn
+        self.tasks = tasks if tasks is not None else Tasks(loss_fn)  # the loss and metric, per task
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         # Where training stands (checkpoints save and restore exactly this).
         self.epoch, self.batch, self.step, self.skipped = 1, 0, 0, 0
@@ -86,8 +92,17 @@ class Trainer:
         self.resumed_from = None
         self.private = None  # the per_sample stage's set-up (gradmod.training.dpsgd), when a rule has one
         if hooks is not None and getattr(hooks, "per_sample", None) is not None:
-            self.private = PerSampleStep(model, hooks, self.dist, poisson=settings.sampling == "poisson",
+            self.private = PerSampleSetup(model, hooks, self.dist, poisson=settings.sampling == "poisson",
                                          batch_size=settings.batch_size, accumulate=settings.accumulate)
+        self.per_loss = None  # the per_loss stage's set-up (gradmod.training.per_loss_step), when a rule has one
+        if hooks is not None and getattr(hooks, "per_loss", None) is not None:
+            self.per_loss = PerLossStep(model, hooks, self.dist)
+
+    def add_callbacks(self, callbacks: Sequence[Any]) -> None:
+        """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
+        (``gradmod.training.callbacks.check_order``)."""
+        check_order([*self.callbacks, *callbacks])
+        self.callbacks.extend(callbacks)
 
     def fit(self, data: Data, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (from where a restored checkpoint left off)."""
@@ -99,12 +114,13 @@ class Trainer:
             t0 = time.perf_counter()
             train_loss = self.train_epoch(data.train_x, data.train_y)
             t1 = time.perf_counter()
-            test_loss, test_accuracy = self.test(data)
+            test = self.test(data)
             train_loss, = self.dist.mean([train_loss])
-            record = {"epoch": epoch, "step": self.step, "train_loss": train_loss, "test_loss": test_loss,
-                      "test_accuracy": test_accuracy, "seconds": time.perf_counter() - t0,
-                      "train_seconds": t1 - t0, "eval_seconds": time.perf_counter() - t1,
-                      "skipped_steps": self.skipped - self._skipped_before}
+            record = {"epoch": epoch, "step": self.step, "train_loss": train_loss, "test_loss": test["test_loss"],
+                      "test_accuracy": test["test_accuracy"], "test_metric": test["test_metric"],
+                      "seconds": time.perf_counter() - t0, "train_seconds": t1 - t0,
+                      "eval_seconds": time.perf_counter() - t1, "skipped_steps": self.skipped - self._skipped_before,
+                      **({"tasks": test["tasks"]} if "tasks" in test else {})}
             stats = self.log_point() or self.last_stats  # the latest window: pending now, else the last read
             if stats:
                 record["grad_stats"] = stats
@@ -138,31 +154,35 @@ class Trainer:
                 self.batch = i
                 self._optimizer_step()
         mean = self.loss_sum.item() / max(total, 1)
+        if self.per_loss is not None:
+            self.per_loss.end_epoch()
         self.batch, self.epoch_order = 0, None
         self.loss_sum = torch.zeros((), device=self.device)
         return mean
 
     def _stream(self, x: Tensor, y: Tensor, start: int):
         """(micro-batches in this rank's epoch, their stream from batch ``start`` on)."""
-        shard = (self.dist.rank, self.dist.world_size)
+        part = (self.dist.rank, self.dist.world_size)
         s = self.settings
         if s.sampling == "poisson":
             rate, steps = poisson_steps(len(y), s.batch_size, self.dist.world_size, s.accumulate)
             return steps * s.accumulate, poisson_batches(x, y, rate, steps, self.generator, s.accumulate,
-                                                         shard, start, self.device, s.loader_workers)
+                                                         part, start, self.device, s.loader_workers)
         total = batches_per_epoch(len(y), s.batch_size, self.dist.world_size)
-        return total, batches(x, y, s.batch_size, self.generator, shard, start, self.device, s.loader_workers)
+        return total, batches(x, y, s.batch_size, self.generator, part, start, self.device, s.loader_workers)
 
-    def _backward(self, xb: Tensor, yb: Tensor, group: int, sync: bool) -> None:
+    def _backward(self, xb: Tensor, yb: Any, group: int, sync: bool) -> None:
         if len(yb) == 0:
             return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
         if self.private is not None:  # each example's own gradient; DDP reduces after the stage
             group, sync = 1, False
+        if self.per_loss is not None:  # the stage's own backward passes; it reduces what it needs
+            sync = False
         with no_sync(self.net, not sync):
             with self.amp.autocast():
-                loss = self.loss_fn(self.net(xb), yb)
-            self.amp.backward(loss / group, self.hooks)
-        loss = loss.detach()
+                losses = self.tasks.losses(self.net(xb), yb)  # one loss, or named ones
+            self.amp.backward(scaled(losses, lambda t: t / group), self.hooks)
+        loss = total_loss(losses).detach()
         self.loss_sum += loss
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
 
@@ -172,7 +192,9 @@ class Trainer:
         skip = False
         if self.private is not None:
             self.private.before_stage()
-        if self.hooks is not None and (self.hooks.has_fused or self.private is not None):
+        if self.per_loss is not None:
+            self.per_loss.before_stage()
+        if self.hooks is not None and self.hooks.needs_after_backward:
             skip = bool(self.hooks.after_backward())  # True: a group transform asks to skip
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it
         skip = skip or any(votes)
@@ -193,16 +215,18 @@ class Trainer:
         self._call("on_log", stats)  # with histograms; ``last_stats`` holds the same without
         return self.last_stats
 
-    def test(self, data: Data) -> tuple[float, float]:
-        """(test loss, test accuracy): each rank evaluates its share, the means are combined."""
-        test_y = data.test_y[self.dist.shard]
+    def test(self, data: Data) -> dict[str, Any]:
+        """The record's test fields (``gradmod.training.tasks.results``): each rank evaluates
+        its share, the means are combined."""
+        test_y = data.test_y[self.dist.part]
         parts = None
         if self.dist.strategy == "fsdp":  # every forward gathers parameters: all ranks run as many
             parts = math.ceil(math.ceil(len(data.test_y) / self.dist.world_size) / self.settings.eval_batch_size)
-        loss, accuracy = evaluate(self.eval_net, data.test_x[self.dist.shard], test_y,
-                                  batch_size=self.settings.eval_batch_size, device=self.device,
-                                  loader_workers=self.settings.loader_workers, parts=parts)
-        return tuple(self.dist.mean([loss, accuracy], weight=len(test_y)))
+        means, names = evaluate_tasks(self.eval_net, data.test_x[self.dist.part], test_y, self.tasks,
+                                      batch_size=self.settings.eval_batch_size, device=self.device,
+                                      loader_workers=self.settings.loader_workers, parts=parts)
+        combined = self.dist.mean(list(means.values()), weight=len(test_y))
+        return results(dict(zip(means, combined)), names)
 
     def state_dict(self) -> dict[str, Any]:
         """Where training stands, for checkpoints: mid-epoch, the epoch in progress, the
@@ -236,31 +260,25 @@ class Trainer:
 def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
              device: torch.device | None = None, loader_workers: int | None = None,
              parts: int | None = None) -> tuple[float, float]:
-    """Batched evaluation: (mean cross-entropy, accuracy), read from the device once.
-    ``parts``: exactly that many batches of near-equal size instead (FSDP2's ranks)."""
-    model.eval()
-    device = y.device if device is None else device
-    loss = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device, dtype=torch.long)
-    for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers, parts=parts):
-        out = model(xb)
-        loss += F.cross_entropy(out, yb, reduction="sum")
-        correct += (out.argmax(1) == yb).sum()
-    loss_sum, n_correct = torch.stack([loss, correct.to(loss.dtype)]).tolist()
-    return loss_sum / len(y), n_correct / len(y)
+    """Batched evaluation of a classifier: (mean cross-entropy, accuracy), read from the
+    device once (``gradmod.training.tasks.evaluate`` for any loss and metric). ``parts``:
+    exactly that many batches of near-equal size instead (FSDP2's ranks)."""
+    means, _ = evaluate_tasks(model, x, y, CROSS_ENTROPY, batch_size=batch_size, device=device,
+                              loader_workers=loader_workers, parts=parts)
+    return means["loss"], means["metric/"]
 
 
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
-                batch_size: int, generator: torch.Generator, hooks=None,
-                on_step: Callable[[int], None] | None = None, progress: bool = False,
-                accumulate: int = 1, shard: tuple[int, int] = (0, 1), amp=None, guard=None,
-                device: torch.device | None = None, loader_workers: int | None = None) -> float:
+def bare_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
+               batch_size: int, generator: torch.Generator, hooks=None,
+               on_step: Callable[[int], None] | None = None, progress: bool = False,
+               accumulate: int = 1, part: tuple[int, int] = (0, 1), amp=None, guard=None,
+               device: torch.device | None = None, loader_workers: int | None = None) -> float:
     """One shuffled pass over (x, y) with a bare ``Trainer``; returns the mean training loss.
 
     ``hooks`` (a ``HookSet``) runs its fused stage before each optimizer step; ``guard``
     (a ``NonFiniteGuard``) counts non-finite gradients and may skip a step; ``amp`` sets
     the precision; ``on_step(i)`` runs after optimizer step ``i`` of this epoch.
-    ``accumulate``, ``shard``: see ``Trainer``.
+    ``accumulate``, ``part`` (this rank and the world size): see ``Trainer``.
     """
     class _OnStep(Callback):
         def on_step_end(self, trainer: Trainer) -> None:
@@ -268,7 +286,7 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y
 
     callbacks = ([NonFiniteCallback(guard)] if guard is not None else []) + ([_OnStep()] if on_step else [])
     device = y.device if device is None else device
-    dist = Dist(rank=shard[0], world_size=shard[1], device=device)
+    dist = Dist(rank=part[0], world_size=part[1], device=device)
     settings = TrainerSettings(batch_size=batch_size, accumulate=accumulate, progress=progress,
                                loader_workers=loader_workers, log_every=2**62)  # no log points: the caller reads
     trainer = Trainer(model, optimizer, settings, hooks=hooks, amp=amp, callbacks=callbacks, dist=dist,

@@ -14,21 +14,42 @@ Nothing per example outlives the backward that made it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_sample_layers import FUNC, Form, form_of
-from gradmod.hooks.per_sample_stats import PerSampleClip, PerSampleLog
+from gradmod.hooks.per_sample.assign import Layer, assign
+from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
+from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
+from gradmod.hooks.per_sample.tracing import batch_dim, trace
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
 
 
-def _detach(x: Any) -> Any:
-    return x.detach() if isinstance(x, Tensor) else x
+def _detach(x: Any, dtype: torch.dtype | None = None) -> Any:
+    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
+    if not isinstance(x, Tensor):
+        return x
+    x = x.detach()
+    return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
+
+
+def _get(model: nn.Module, name: str) -> Tensor | None:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
+
+
+def _training() -> bool:
+    """A forward worth following: gradients on, and no torch.func transform (ours replaying
+    a module, or the user's) running it."""
+    return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
 
 def check_model(model: nn.Module) -> None:
@@ -47,16 +68,6 @@ class Rule:
     params: list[nn.Parameter]
     clip: PerSampleClip | None = None
     log: PerSampleLog | None = None
-
-
-@dataclass
-class Layer:
-    """A module holding selected parameters: its form and the local names it must answer for."""
-
-    module: nn.Module
-    form: Form
-    names: dict[str, nn.Parameter]  # local name -> parameter
-    materialise: bool = False  # weights shared with another layer: per-example tensors needed
 
 
 @dataclass
@@ -88,37 +99,81 @@ class PerSampleStage:
     """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor
     under Poisson sampling (else the examples counted this step); ``generator``: the
     noise's; ``reduce``: called on the clipped sums (after this rank's noise) before the
-    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none."""
+    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none.
+    The layers are set up at the model's first training forward, from its trace."""
 
     def __init__(self, model: nn.Module, rules: list[Rule], loss_reduction: str = "mean"):
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
-        self.rules, self.loss_reduction = rules, loss_reduction
+        self.model, self.rules, self.loss_reduction = model, rules, loss_reduction
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
         self.reduce: Callable[[list[Tensor]], None] | None = None
         self.draws_noise = True
         self.examples = 0  # examples whose clipped gradients are in the sums of this step
         self._rule_of = {id(p): r for r in rules for p in r.params}
+        self._names = {id(p): n for n, p in model.named_parameters() if id(p) in self._rule_of}
         self._sums: dict[int, Tensor] = {}  # id(param) -> clipped sum of this step
         self._calls: list[Call] = []
-        self._queued = False
-        self.layers = self._layers(model)
-        self._handles = [layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
-                         for layer in self.layers]
+        self._got: dict[int, Tensor | None] = {}  # parameters autograd gave a gradient in this backward
+        self._batch_dependent: set[int] = set()  # whose batch gradient is no sum of per-example ones
+        self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
+        self._verify = True  # the first backward checks the followed calls against autograd
+        self._queued = self._tracing = False
+        self.layers: list[Layer] | None = None  # set up at the first training forward
+        self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
 
-    def _layers(self, model: nn.Module) -> list[Layer]:
-        layers, holders = [], {}
-        for _, m in model.named_modules():
-            names = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in self._rule_of}
-            if names:
-                layers.append(Layer(m, form_of(m), names))
-                for p in names.values():
-                    holders.setdefault(id(p), []).append(layers[-1])
-        for shared in (ls for ls in holders.values() if len(ls) > 1):
-            for layer in shared:
-                layer.materialise = True
-        return layers
+    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.layers is not None or self._tracing or not _training() or self._swapped():
+            return
+        self._tracing = True
+        try:
+            found = trace(module, args, kwargs, set(self._rule_of))
+        finally:
+            self._tracing = False
+        if found is None:
+            raise ValueError(f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
+                             f"(dim {batch_dim(module)}); the stage needs the batch in the model's inputs")
+        params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
+        self.layers = assign(self.model, found, params)
+        self._refuse(self.layers)
+        self._batch_dependent = {id(p) for layer in self.layers if batch_dependent(layer.module)
+                                 for p in layer.names.values()}
+        self._handles += [layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
+                          for layer in self.layers]
+        # after the trace: a lazy module's parameters exist only once a forward ran
+        self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
+
+    def _swapped(self) -> bool:
+        """torch.func.functional_call runs the model with other tensors: not its training."""
+        return any(_get(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
+
+    def _rule_of_params(self) -> list[Tensor]:
+        return [p for r in self.rules for p in r.params]
+
+    def _refuse(self, layers: list[Layer]) -> None:
+        names = {id(m): n for n, m in self.model.named_modules()}
+        for layer in layers:
+            why = layer.form.refusal(layer.module)
+            if why:
+                p = self._names[id(next(iter(layer.names.values())))]
+                raise ValueError(f"per_sample: {p!r} is in {names.get(id(layer.module)) or 'the model'} "
+                                 f"({type(layer.module).__name__}), whose per-example gradient the stage cannot "
+                                 f"give with {why}; change the layer or leave its parameters out of the rule")
+
+    def _arrived(self, p: Tensor):
+        """A hook on the parameter: its whole gradient of this backward, from every use.
+        The first backward keeps it, to check that the calls followed add up to it."""
+        def hook(g: Tensor) -> None:
+            self._got[id(p)] = g if self._verify else None
+            self._queue()
+
+        return hook
+
+    def _queue(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     @property
     def noisy(self) -> PerSampleClip | None:
@@ -127,17 +182,19 @@ class PerSampleStage:
 
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            # torch.func transforms (ours replaying a module, or the user's) are not a training step
-            if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            if self._tracing or not _training():
                 return
-            outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, Tensor)]
+            outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
                 return
-            if layer.form is FUNC:
-                inputs = (tuple(_detach(x) for x in args), kwargs)
-            else:  # a known layer's one input, however it was passed
-                inputs = _detach(args[0] if args else next(iter(kwargs.values())))
-            call = Call(layer, inputs, [(t.shape, t.dtype, t.device) for t in outs], [None] * len(outs))
+            dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
+            if layer.form.whole_call:
+                inputs = Inputs(*pytree.tree_map(lambda x: _detach(x, dtype), (args, kwargs)), layer.in_dims)
+            else:  # a closed form's one input, however it was passed, batch first
+                first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
+                inputs = _detach(first, dtype).movedim(layer.first_in, 0)
+            call = Call(layer, inputs, [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs],
+                        [None] * len(outs))
             self._calls.append(call)
             for k, t in enumerate(outs):
                 if t.requires_grad:
@@ -147,10 +204,11 @@ class PerSampleStage:
 
     def _grad_hook(self, call: Call, k: int):
         def hook(g: Tensor) -> None:
-            call.grads[k] = g.detach()
-            if not self._queued:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            dtype = next(iter(call.layer.names.values())).dtype
+            if g.is_floating_point():  # autocast's bf16 gradients round more: the sum check allows for it
+                self._grad_eps = max(self._grad_eps, torch.finfo(g.dtype).eps)
+            call.grads[k] = g.detach() if g.dtype == dtype or not g.is_floating_point() else g.detach().to(dtype)
+            self._queue()
 
         return hook
 
@@ -158,24 +216,61 @@ class PerSampleStage:
         """Clip this backward's per-example gradients into the step's sums."""
         calls = [c for c in self._calls if any(g is not None for g in c.grads)]
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
+        got, self._got = self._got, {}
+        self._check_covered(calls, got)
         if not calls:
             return
-        bsz = self._clip(calls)
+        bsz = self._clip(calls, got if self._verify else None)
+        self._verify = False
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:
                     p.grad = None
         self.examples += bsz
 
-    def _clip(self, calls: list[Call]) -> int:
-        first = next(g for g in calls[0].grads if g is not None)
-        bsz = first.shape[0]
+    def _check_covered(self, calls: list[Call], got: dict[int, Tensor | None]) -> None:
+        """Every parameter autograd gave a gradient came through a call the stage follows."""
+        covered = {id(p) for c in calls for p in c.layer.names.values()}
+        missing = [i for i in got if i not in covered]
+        if not missing:
+            return
+        name = self._names[missing[0]]
+        if self.layers is None:
+            raise ValueError(f"per_sample: {name!r} got a gradient before the attached model's first training "
+                             "forward set the stage up; call the model you attached (not one of its parts)")
+        raise ValueError(f"per_sample: {name!r} got a gradient from outside every module call the stage follows "
+                         "(used outside the model's forward, e.g. in the loss, or in a way its first forward did "
+                         "not); its per-example gradient is unknown, so it is neither clipped nor kept")
+
+    def _check_sums(self, ghost, full, got: dict[int, Tensor | None], like: Tensor) -> None:
+        """The followed calls' gradients add up to autograd's: no use of a parameter escaped them."""
+        ones = {r.name: torch.ones_like(like) for r in self.rules}
+        summed = self._weighted(ghost, full, ones)
+        scale = max((float(g.norm()) for g in got.values() if g is not None), default=0.0)
+        for p, g in summed.items():
+            whole = got.get(id(p))
+            if whole is None or id(p) in self._batch_dependent:
+                continue
+            # rounding: relative to this gradient, or to the largest where this one is ~0 exactly
+            eps = max(torch.finfo(g.dtype).eps, self._grad_eps)
+            tol = (10 if eps > 1e-4 else 1e3) * eps * max(float(whole.norm()), 1e-3 * scale) + 1e-30
+            if float((g - whole).norm()) > tol:
+                raise ValueError(f"per_sample: {self._names[id(p)]!r} got part of its gradient outside the module "
+                                 "calls the stage follows (used outside the model's forward, e.g. in the loss); "
+                                 "that part has no per-example split, so the parameter cannot be clipped")
+
+    def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
+        b0 = self._grads(calls[0])
+        bsz = (b0[0][0].shape[b0[0][1]] if calls[0].layer.form.whole_call else b0.shape[0])
         scale = float(bsz) if self.loss_reduction == "mean" else 1.0  # per-example = scale * what b gives
-        norms2 = {r.name: first.new_zeros(bsz, dtype=torch.float32) for r in self.rules}
+        dtype = torch.promote_types(calls[0].shapes[0][1], torch.float32)  # norms in float32 or better
+        norms2 = {r.name: torch.zeros(bsz, dtype=dtype, device=calls[0].shapes[0][2]) for r in self.rules}
         ghost, full = self._norms(calls, norms2)
         norms = {r: v.sqrt() * scale for r, v in norms2.items()}
         clip = {r.name: (r.clip.max_norm / (norms[r.name] + EPS)).clamp(max=1.0) * scale
                 for r in self.rules if r.clip is not None}
+        if got is not None:
+            self._check_sums(ghost, full, got, next(iter(norms.values())))
         for p, g in self._weighted(ghost, full, clip).items():
             self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
         self._record(ghost, full, norms, scale)
@@ -189,6 +284,7 @@ class PerSampleStage:
         for c in calls:
             seen[id(c.layer)] = seen.get(id(c.layer), 0) + 1
         ghost, full = [], {}
+        norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
             b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
             if c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b):
@@ -197,10 +293,10 @@ class PerSampleStage:
                     full[p] = g if p not in full else full[p] + g
             else:
                 for n, v in form.norms2(c.layer.module, c.inputs, b, names).items():
-                    norms2[self._rule_of[id(c.layer.names[n])].name] += v.float()
+                    norms2[self._rule_of[id(c.layer.names[n])].name] += v.to(norms2_dtype)
                 ghost.append((c, b))
         for p, g in full.items():
-            norms2[self._rule_of[id(p)].name] += g.flatten(1).float().square().sum(1)
+            norms2[self._rule_of[id(p)].name] += _rows(g).to(norms2_dtype).square().sum(1)
         return ghost, full
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
@@ -212,7 +308,7 @@ class PerSampleStage:
             if r.clip is not None:
                 r.clip.record.add_norms(norms[r.name], r.clip.max_norm)
             if r.log is not None:
-                sq = sum(means[p].float().square().sum() for p in r.params if p in means)
+                sq = sum(means[p].to(norms[r.name].dtype).square().sum() for p in r.params if p in means)
                 r.log.add_norms(norms[r.name], norms[r.name].new_tensor(0.0) + sq)
 
     def _weighted(self, ghost, full, weights: dict[str, Tensor]) -> dict[nn.Parameter, Tensor]:
@@ -233,13 +329,22 @@ class PerSampleStage:
         return out
 
     def _grads(self, c: Call):
-        """The output gradient(s) of a call; outputs that got none count as zeros."""
+        """The output gradient(s) of a call (outputs that got none count as zeros): for a
+        whole-call form (gradient, batch dim) pairs, else the first, batch first."""
         grads = [g if g is not None else torch.zeros(s, dtype=dt, device=dev)
                  for g, (s, dt, dev) in zip(c.grads, c.shapes)]
-        return tuple(grads) if c.layer.form is FUNC else grads[0]
+        if c.layer.form.whole_call:
+            return list(zip(grads, c.layer.out_dims))
+        return grads[0].movedim(c.layer.out_dims[0], 0)
 
     def finish(self) -> None:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
+        if self.layers is None:
+            stray = next((n for r in self.rules if r.clip for p in r.params if p.grad is not None
+                          for n in [self._names.get(id(p))]), None)
+            if stray is not None:
+                raise ValueError(f"per_sample: {stray!r} got a gradient, but the attached model never ran a training "
+                                 "forward to set the stage up; call the model you attached (not one of its parts)")
         if not self.examples and self.expected_batch_size is None:
             return  # nothing seen; under Poisson sampling an empty step still gets its noise
         n = float(self.expected_batch_size or self.examples)

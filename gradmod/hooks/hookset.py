@@ -1,0 +1,344 @@
+"""``HookSet``: attach the transforms the rules select, keep every handle, run the stages.
+
+A rule (``gradmod.hooks.rules``) with ``params`` transforms each selected parameter's
+gradient; one with ``modules`` the gradient of the module's *output* (the articles'
+``x.register_hook`` inside ``forward``). Several rules on one tensor chain in config
+order within a stage; the stages act in the order of ``gradmod.hooks.stages.STAGES``
+(``HookSet.chains`` lists that order):
+
+* ``hook``: ``Tensor.register_hook`` on the tensor; each backward's local gradient
+  before it is accumulated into ``.grad`` (and before DDP's all-reduce).
+* ``per_loss``: ``backward(losses)`` with several named losses: the rule's parameters get
+  its method's combination of the task gradients (``gradmod.hooks.per_loss``).
+* ``per_sample``: each example's gradient (``gradmod.hooks.per_sample``); the clipped,
+  noised mean is written at the start of ``after_backward()``.
+* ``fused``: ``after_backward()`` transforms the accumulated ``.grad`` tensors, grouped
+  per transform with ``torch._foreach_*`` ops, once per optimizer step; a transform
+  without a foreach form runs per tensor, each with its own state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from gradmod.hooks import registry as R
+from gradmod.hooks import rules as selection
+from gradmod.hooks import stages
+from gradmod.hooks.chain import chain_hook, output_hook
+from gradmod.hooks.due import AfterBackwardDue
+from gradmod.hooks.fused import fused_transforms, run_fused
+from gradmod.hooks.ledger import RawLedger
+from gradmod.hooks.log_buffer import LogBuffer
+from gradmod.hooks.per_loss.stage import PerLossStage, per_loss_rules
+from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
+from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
+from gradmod.hooks.sharded import is_sharded, refuse_hook_stage, watch
+from gradmod.hooks.stages import STAGES
+
+# model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, list[HookSet]] = weakref.WeakKeyDictionary()
+# hooked parameter or module -> the live HookSet holding its hooks, whatever root reached it.
+_OWNERS = WeakIdKeyDictionary()
+
+
+class HookSet:
+    """The hooks one ``attach`` call registered. ``remove()`` (or leaving a ``with``
+    block) removes every handle; ``after_backward()`` runs the fused stage."""
+
+    def __init__(self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean"):
+        self.targets = targets
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
+        self.ledger = RawLedger()  # raw gradients the chains replaced, for the non-finite count
+        self.logs = LogBuffer()  # the chains' log observations, until the end of backward
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        # One hook per tensor: its transforms from every rule, chained in config order.
+        hooked: dict[str, tuple[Target, list[tuple[str, R.BuiltTransform]]]] = {}
+        for t in targets:
+            if t.stage == "hook":
+                hooked.setdefault(t.key, (t, []))[1].extend((t.rule, s) for s in t.steps)
+        for key, (t, steps) in hooked.items():
+            if t.kind == "param":
+                self._handles.append(params[t.name].register_hook(chain_hook(steps, self, key, params[t.name])))
+            else:
+                rules = list(dict.fromkeys(rule for rule, _ in steps))
+                hook = output_hook(chain_hook(steps, self, key, None), rules, t.name)
+                self._handles.append(modules[t.name].register_forward_hook(hook))
+        self._fused = fused_transforms(targets, params)  # (rule, step index) groups in config order
+        self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
+        private = per_sample_rules(targets, params)
+        self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
+        several = per_loss_rules(targets, params, modules)
+        self.per_loss = PerLossStage(model, several) if several else None
+        # Every tensor this set transforms, so another attach call cannot hook it twice.
+        self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
+        # fully_shard after attach would leave the rules on parameters no longer in the model.
+        self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
+        self._keys = {t.key for t in targets}
+        self._due = AfterBackwardDue(model, _sentinels(targets, params))  # a forgotten after_backward()
+        for obj in self.owned:
+            _OWNERS[obj] = self
+
+    @property
+    def chains(self) -> list[tuple[str, list[str]]]:
+        """(tensor name, transform names) in application order; module outputs as ``name:output``."""
+        return selection.chains_of(self.targets)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The plan with rules, stages and arguments, for printing and saving (application order)."""
+        return selection.describe(self.targets)
+
+    def format_plan(self) -> str:
+        return selection.format_plan(selection.describe(self.targets))
+
+    @property
+    def has_fused(self) -> bool:
+        return bool(self._fused)
+
+    @property
+    def needs_after_backward(self) -> bool:
+        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample)."""
+        return any(stages.get(t.stage).needs_after_backward for t in self.targets)
+
+    def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
+        """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
+        ordered (a sequence) ones, whose gradients sum into ``.grad``. Under per_loss rules
+        their parameters get the rule's combination of the task gradients instead, every
+        other parameter the gradient of the sum."""
+        if isinstance(losses, Tensor) and self.per_loss is None:
+            losses.backward()
+            return
+        named = _named_losses(losses, self.per_loss)
+        if self.per_loss is not None:
+            self.per_loss.grad_scale = self._grad_scale
+            self.per_loss.backward(named)
+            return
+        parts = list(named.values())
+        sum(parts[1:], parts[0]).backward()
+
+    def end_epoch(self) -> None:
+        """Close an epoch for the per_loss methods that count in epochs (``dwa``)."""
+        if self.per_loss is not None:
+            self.per_loss.end_epoch()
+
+    def after_backward(self) -> bool:
+        """Finish the stages that act after backward, in their order (call before
+        optimizer.step): the per_sample stage's parameters get their clipped, noised mean
+        gradient, then the fused stage transforms the accumulated gradients. Returns True
+        when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
+        only then is the host read), False otherwise."""
+        self._due.done()
+        skip = False
+        for stage in STAGES:
+            skip = self._finish(stage.name) or skip
+        return skip
+
+    def _finish(self, stage: str) -> bool:
+        """What ``after_backward`` does for one stage; True: skip the optimizer step."""
+        if stage == "per_sample" and self.per_sample is not None:
+            self.per_sample.finish()
+        elif stage == "fused":
+            return run_fused(self._fused)
+        return False
+
+    def set_per_sample(self, *, expected_batch_size: float | None = None,
+                       reduce: Callable[[list[Tensor]], None] | None = None, draws_noise: bool = True) -> None:
+        """Set up the per_sample stage for a loop: ``expected_batch_size``, the divisor
+        under Poisson sampling (None: the examples of the step's backward calls);
+        ``reduce``, called on the clipped sums (after this rank's noise) before the
+        division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none."""
+        if self.per_sample is None:
+            raise ValueError("set_per_sample: no rule runs at stage per_sample")
+        stage = self.per_sample
+        stage.expected_batch_size, stage.reduce, stage.draws_noise = expected_batch_size, reduce, draws_noise
+
+    @property
+    def grad_scale(self) -> Tensor | None:
+        """GradScaler's scale of the backward in progress (fp16), or None."""
+        return self._grad_scale
+
+    def set_grad_scale(self, scale: Tensor | None) -> None:
+        """Under fp16, the loss scale of the next backward (a device tensor): hook-stage
+        transforms then see the unscaled gradient, as in fp32."""
+        self._grad_scale = scale
+
+    def observers(self) -> list[tuple[str, Any]]:
+        """(statistics key, accumulator) for every ``log`` transform attached (key
+        ``tensor`` or ``tensor/label``), then every group transform's ``NormRecord``
+        (key ``rule/transform``: total norm before it, clip coefficient)."""
+        logs = [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps if s.observer]
+        private = self.per_sample.records() if self.per_sample is not None else []
+        several = self.per_loss.records() if self.per_loss is not None else []
+        return logs + [(key, fn.record) for key, fn in self._groups] + private + several
+
+    def read_stats(self) -> dict[str, dict[str, Any]]:
+        """Every ``log`` accumulator's window (and histogram, if one was taken), read
+        with a single host sync."""
+        pending = []
+        for key, obs in self.observers():
+            calls, acc = obs.take()
+            if acc is not None:
+                pending.append((key, obs, calls, acc, obs.pre is not None))
+        if not pending:
+            return {}
+        device = pending[0][3].device
+        flat = torch.cat([acc.to(device) for _, _, _, acc, _ in pending]).tolist()
+        out, i = {}, 0
+        for key, obs, calls, acc, paired in pending:
+            out[key] = obs.summarize(calls, flat[i:i + len(acc)], paired)
+            i += len(acc)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the hooks carry from step to step (the ``log`` windows in progress, the
+        group transforms' state such as zclip's running mean and variance), for
+        checkpoints: resuming with ``load_state_dict`` continues bit for bit."""
+        state = {"log_windows": {key: obs.state_dict() for key, obs in self.observers()},
+                 "group": {key: fn.state_dict() for key, fn in self._groups}}
+        if self.per_loss is not None:  # the methods' state and the generator of their random choices
+            state["per_loss"] = self.per_loss.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        """Restore ``state_dict()``'s windows; ``device``: where this run's gradients are.
+        Windows of tensors this HookSet does not observe are ignored."""
+        windows = state.get("log_windows", {})
+        for key, obs in self.observers():
+            if key in windows:
+                obs.load_state_dict(windows[key], device)
+        groups = state.get("group", {})
+        for key, fn in self._groups:
+            if key in groups:
+                fn.load_state_dict(groups[key], device)
+        if self.per_loss is not None and "per_loss" in state:
+            self.per_loss.load_state_dict(state["per_loss"])
+
+    def set_histograms(self, on: bool) -> None:
+        """Bin the gradients of the next calls on the device (for the step before a read)."""
+        for _, obs in self.observers():
+            obs.histogram = on
+
+    @property
+    def replaced(self) -> set[str]:
+        """Parameters whose chain replaced the gradient since the last take."""
+        return self.ledger.replaced
+
+    def take_raw_parts(self) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[str]]:
+        """What the hooks kept since the last call, and a fresh start: (tensor name, raw
+        gradient to count) for chains that replaced a parameter's gradient, (module
+        output, count) already counted, and the parameters whose raw gradient is not in
+        their ``.grad``. ``NonFiniteGuard`` counts the tensors together with the rest."""
+        return self.ledger.take()
+
+    def __len__(self) -> int:
+        """The tensors this set transforms (0 once removed): any rule makes it true."""
+        return len(self._keys)
+
+    def remove(self) -> None:
+        self._watch.remove()
+        self._due.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._fused.clear()
+        if self.per_sample is not None:
+            self.per_sample.remove()
+        if self.per_loss is not None:
+            self.per_loss.remove()
+        self._keys = set()
+        self.ledger.take()
+        self.logs.clear()
+        for obj in self.owned:  # free the tensors for another attach call
+            if _OWNERS.get(obj) is self:
+                del _OWNERS[obj]
+        self.owned = []
+
+    def __enter__(self) -> HookSet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _sentinels(targets: list[Target], params: dict[str, nn.Parameter]) -> dict[str, tuple[str, nn.Parameter]]:
+    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes."""
+    out: dict[str, tuple[str, nn.Parameter]] = {}
+    for t in targets:
+        if t.kind == "param" and stages.get(t.stage).needs_after_backward:
+            out.setdefault(t.rule, (t.stage, params[t.name]))
+    return out
+
+
+def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
+           stage: str = "hook", replace: bool = True, loss_reduction: str = "mean") -> HookSet:
+    """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
+
+    ``stage`` is the default for rules that do not set one (a rule with a group
+    transform runs fused). Attaching again to the same model first removes the hooks of
+    the previous calls, so hooks never double; ``replace=False`` keeps them and adds a
+    second HookSet on other tensors (several callbacks on one model). Tensors that carry
+    a live HookSet that is not replaced (kept, or attached through another module such as
+    a wrapper) are refused: remove that one first.
+    ``loss_reduction``: how the loss combines the examples (``mean`` or ``sum``), so the
+    per_sample stage knows each example's gradient.
+    """
+    if stage not in DEFAULT_STAGES:
+        hint = "; per_sample is set per rule (or implied by per_sample_clip)" if stage == "per_sample" else ""
+        raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
+    targets = build_targets(model, rules, stage)  # validate everything before touching the model
+    refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
+    refuse_sharded_per_loss(targets, dict(model.named_parameters()))
+    previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
+    replaced = previous if replace else []
+    _refuse_overlap(model, targets, replaced)
+    for old in replaced:
+        old.remove()
+    hooks = HookSet(model, targets, loss_reduction)
+    _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
+    return hooks
+
+
+def _named_losses(losses: Any, stage: PerLossStage | None) -> dict[str, Tensor]:
+    """The losses by name (a sequence's by position); one line for what is not allowed."""
+    if isinstance(losses, Tensor):
+        rule = stage.rules[0].name
+        raise ValueError(f"hooks.{rule}: a per_loss rule combines the gradients of several losses, but "
+                         "hooks.backward got one scalar; give a mapping of named losses (or a sequence)")
+    named = dict(losses) if isinstance(losses, Mapping) else {str(i): x for i, x in enumerate(losses)}
+    if not named or not all(isinstance(x, Tensor) and x.dim() == 0 for x in named.values()):
+        raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of "
+                         "scalar losses")
+    if stage is not None and len(named) < 2:
+        raise ValueError(f"hooks.{stage.rules[0].name}: a per_loss rule combines the gradients of several "
+                         f"losses, but hooks.backward got one ({', '.join(map(str, named))}); give two or more")
+    return {str(k): v for k, v in named.items()}
+
+
+def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[HookSet]) -> None:
+    """A one-line error naming the tensors another live HookSet already transforms."""
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    taken = []
+    for t in targets:
+        owner = _OWNERS.get(params[t.name] if t.kind == "param" else modules[t.name])
+        if owner is not None and owner not in replaced and t.key not in taken:
+            taken.append(t.key)
+    if taken:
+        shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
+        raise ValueError(f"attach: {shown} already carry hooks from another attach call (kept with replace=False, "
+                         "or through another module); call remove() on that HookSet first, or select other tensors")
+
+
+def refuse_sharded_per_loss(targets: list[Target], params: dict[str, Tensor]) -> None:
+    """FSDP2 shards the parameters; the per_loss stage needs whole layers' task gradients."""
+    hit = next((t for t in targets if t.stage == "per_loss" and t.kind == "param" and is_sharded(params[t.name])), None)
+    if hit is not None:
+        raise ValueError(f"hooks.{hit.rule}: per_loss rules do not run on FSDP-sharded parameters ({hit.name!r}) "
+                         "yet; use DDP or one process")

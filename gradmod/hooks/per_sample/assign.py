@@ -1,0 +1,114 @@
+"""Which module call answers for each parameter of a per_sample rule, from the trace.
+
+A parameter every use of which ran inside the forward of a module that holds it and has a
+closed form (Linear, Conv, norms, Embedding, RNNs, a registered form) is that module's. Any
+other (used functionally, by a parent, by two modules, through a parametrization) goes to
+the general path: ``torch.func`` on the smallest module whose forward covers every use and
+whose outputs all carry the batch. Where no module does, one line names the parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
+from gradmod.hooks.per_sample.tracing import UNKNOWN, Trace
+
+
+@dataclass
+class Layer:
+    """A module whose calls the stage follows: its form, the parameters (local, possibly
+    dotted names) it answers for, and the batch dimension of its inputs and outputs."""
+
+    module: nn.Module
+    form: Form
+    names: dict[str, nn.Parameter]  # local name -> parameter
+    in_dims: Any = None  # the (args, kwargs) tree of batch dims (None: a shared leaf)
+    out_dims: list = field(default_factory=list)
+    materialise: bool = False  # weights shared with another layer: per-example tensors needed
+
+    @property
+    def first_in(self) -> Any:
+        return next(iter(pytree.tree_leaves(self.in_dims)), None)
+
+
+def _direct(m: nn.Module, p: nn.Parameter) -> str | None:
+    return next((n for n, q in m.named_parameters(recurse=False, remove_duplicate=False) if q is p), None)
+
+
+def _dotted(m: nn.Module, p: nn.Parameter) -> str | None:
+    return next((n for n, q in m.named_parameters(remove_duplicate=False) if q is p), None)
+
+
+def _leaves(dims) -> list:
+    return [d for d in pytree.tree_leaves(dims)]
+
+
+def _closed(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
+    """``m`` holds ``p``, has a closed form, and its calls' batch dims are known."""
+    dims = trace.dims.get(id(m), UNKNOWN)
+    if _direct(m, p) is None or form_of(m) is FUNC or dims == UNKNOWN:
+        return False
+    ins, outs = dims
+    first = next(iter(_leaves(ins)), None)
+    return isinstance(first, int) and bool(outs) and all(isinstance(d, int) for d in outs)
+
+
+def _general(m: nn.Module, trace: Trace) -> bool:
+    """``m``'s calls split per example: every input's batch dim known, every output batched."""
+    dims = trace.dims.get(id(m), UNKNOWN)
+    if dims == UNKNOWN:
+        return False
+    ins, outs = dims
+    leaves = _leaves(ins)
+    return (UNKNOWN not in leaves and any(isinstance(d, int) for d in leaves)
+            and bool(outs) and all(isinstance(d, int) for d in outs))
+
+
+def _cover(p: nn.Parameter, uses: list[tuple], trace: Trace) -> nn.Module | None:
+    """The deepest module running during every use of ``p`` that holds it and splits per example."""
+    common = [m for m in uses[0] if all(any(m is u for u in stack) for stack in uses[1:])]
+    return next((m for m in reversed(common) if _dotted(m, p) is not None and _general(m, trace)), None)
+
+
+def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter]) -> list[Layer]:
+    """The layers answering for ``params`` (name -> parameter). Unused parameters get
+    none (a gradient for one is refused at the backward that brings it)."""
+    modules = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    layers: dict[tuple[int, bool], Layer] = {}
+    for name, p in params.items():
+        uses = trace.uses.get(id(p))
+        if not uses:
+            continue
+        inner = list({id(s[-1]): s[-1] for s in uses}.values())
+        if all(_closed(m, p, trace) for m in inner):
+            for m in inner:
+                _layer(layers, m, form_of(m), trace, False).names[_direct(m, p)] = p
+            continue
+        m = _cover(p, uses, trace)
+        if m is None:
+            users = ", ".join(sorted({modules.get(id(s[-1]), "?") or type(model).__name__ for s in uses}))
+            raise ValueError(f"per_sample: {name!r} (used by {users}) has no module whose forward covers every use "
+                             "and whose outputs all carry the batch, so its per-example gradient cannot be known; "
+                             "use it inside one module's forward, or leave it out of the rule")
+        _layer(layers, m, FUNC, trace, True).names[_dotted(m, p)] = p
+    out = list(layers.values())
+    held: dict[int, int] = {}
+    for layer in out:
+        for p in layer.names.values():
+            held[id(p)] = held.get(id(p), 0) + 1
+    for layer in out:
+        layer.materialise = any(held[id(p)] > 1 for p in layer.names.values())
+    return out
+
+
+def _layer(layers: dict, m: nn.Module, form: Form, trace: Trace, general: bool) -> Layer:
+    key = (id(m), general)
+    if key not in layers:
+        ins, outs = trace.dims[id(m)]
+        layers[key] = Layer(m, form, {}, ins, outs)
+    return layers[key]

@@ -1,0 +1,444 @@
+"""Per-example gradients of one layer from its saved input ``a`` and output gradient ``b``.
+
+Each form answers three questions about the parameters (local names) it is asked for:
+``norms2`` (each example's squared gradient norm, ``[B]``), ``weighted`` (``sum_i w_i g_i``,
+the clipped sum as one matmul) and ``per_example`` (``[B, *param]``, only where a parameter
+needs it: a layer called twice in one forward, or weights shared between layers).
+Linear, Conv and Embedding compute norms without materialising ``[B, *param]`` where that
+pays ("ghost" norms: ``|a_i||b_i|`` for a Linear on 2-D input, Gram matrices for sequences
+and convolutions); RNNs replay their recurrence once for the gates' gradients; any other
+module goes through ``torch.func`` (vmap of its vjp). A form sees its input and output
+gradient with the batch first (the stage moves it there, from the dimension its trace of
+the first forward found); a ``whole_call`` form gets every input and output gradient.
+``register_form(layer_type, form)`` adds a form for a layer type of a user's own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from torch.utils import _pytree as pytree
+
+
+def _bcast(w: Tensor, like: Tensor) -> Tensor:
+    """Per-example weights ``[B]`` shaped to multiply ``like`` (batch first)."""
+    return w.view(-1, *[1] * (like.dim() - 1)).to(like.dtype)
+
+
+# Elements of a [B, *param] tensor worth keeping during one backward: below this the
+# per-example weights (one matmul; norms and the weighted sum are then cheap) beat
+# Gram-matrix norms plus a second matmul for the weighted sum; above it, memory decides.
+MATERIALISE_MAX = 1 << 24
+
+
+def _rows(g: Tensor) -> Tensor:
+    """``[B, *param]`` as ``[B, numel]`` (a 0-dim parameter too)."""
+    return g.reshape(g.shape[0], -1)
+
+
+class Form:
+    """Defaults from ``per_example``: right for every layer, fast for small parameters.
+    Subclass it and implement ``per_example(m, a, b, names)``: ``a`` the layer's input,
+    ``b`` its output gradient (batch first), ``names`` the local names of the parameters
+    asked for; return ``{name: [B, *param.shape]}``, example i's gradient of each."""
+
+    whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
+
+    def refusal(self, m: nn.Module) -> str | None:
+        """Why this form cannot give ``m``'s per-example gradients (None: it can)."""
+        return None
+
+    def per_example(self, m: nn.Module, a: Any, b: Tensor, names: set[str]) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def materialises(self, m: nn.Module, a: Any, b: Tensor) -> bool:
+        """Whether ``per_example`` (then norms and the weighted sum from it) is the cheaper way."""
+        return True
+
+    def norms2(self, m, a, b, names) -> dict[str, Tensor]:
+        return {n: _rows(g).square().sum(1) for n, g in self.per_example(m, a, b, names).items()}
+
+    def weighted(self, m, a, b, w: Tensor, names) -> dict[str, Tensor]:
+        return {n: torch.tensordot(w.to(g.dtype), g, 1) for n, g in self.per_example(m, a, b, names).items()}
+
+
+def _seq(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Input and output gradient as ``[B, T, features]`` (T = 1 for 2-D inputs)."""
+    return a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], -1, b.shape[-1])
+
+
+def _gram_pays(t: int, d_in: int, d_out: int) -> bool:
+    """Gram matrices (``T^2 (d_in + d_out)``) cost less than the per-example weight (``T d_in d_out``)."""
+    return t * (d_in + d_out) < d_in * d_out
+
+
+def _small(bsz: int, m: nn.Module) -> bool:
+    return bsz * m.weight.numel() <= MATERIALISE_MAX
+
+
+class LinearForm(Form):
+    def materialises(self, m, a, b):
+        """On sequences, where the per-example weights are small (on 2-D input |a_i||b_i| is cheaper)."""
+        return a.dim() > 2 and _small(len(a), m)
+
+    def per_example(self, m, a, b, names):
+        A, G = _seq(a, b)
+        out = {}
+        if "weight" in names:
+            out["weight"] = torch.bmm(G.mT, A)
+        if "bias" in names:
+            out["bias"] = G.sum(1)
+        return out
+
+    def norms2(self, m, a, b, names):
+        A, G = _seq(a, b)
+        out = {}
+        if "weight" in names:
+            if A.shape[1] == 1:  # |b_i a_i^T| = |a_i| |b_i|
+                out["weight"] = A.square().sum((1, 2)) * G.square().sum((1, 2))
+            elif _gram_pays(A.shape[1], A.shape[2], G.shape[2]):
+                out["weight"] = (torch.bmm(A, A.mT) * torch.bmm(G, G.mT)).sum((1, 2))
+            else:
+                out["weight"] = torch.bmm(G.mT, A).square().sum((1, 2))
+        if "bias" in names:
+            out["bias"] = G.sum(1).square().sum(1)
+        return out
+
+    def weighted(self, m, a, b, w, names):
+        out = {}
+        G = (b * _bcast(w, b)).reshape(-1, b.shape[-1])
+        if "weight" in names:
+            out["weight"] = G.T @ a.reshape(-1, a.shape[-1])
+        if "bias" in names:
+            out["bias"] = G.sum(0)
+        return out
+
+
+class ConvForm(Form):
+    """Conv1d/2d/3d: the input unfolded into patches ``[B, groups, L, C_g * K]``, the output
+    gradient as ``[B, groups, O_g, L]``; the weight gradient of example i is their product."""
+
+    @staticmethod
+    def _patches(m: nn.Module, x: Tensor) -> Tensor:
+        """``[B, groups, C_g * K, L]``: ``Tensor.unfold`` per spatial dimension (faster
+        than im2col on a CPU, and any dimension and padding mode)."""
+        bsz = x.shape[0]
+        d = x.dim() - 2
+        pad = m._reversed_padding_repeated_twice
+        if any(pad):
+            x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+        for i in range(d):  # each spatial dim -> (windows, kernel taps), taps appended last
+            k, s, dil = m.kernel_size[i], m.stride[i], m.dilation[i]
+            x = x.unfold(2 + i, dil * (k - 1) + 1, s)
+            if dil > 1:
+                x = x[..., ::dil]
+        length = math.prod(x.shape[2:2 + d])
+        x = x.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d)).reshape(bsz, m.groups, -1, length)
+        return x
+
+    @staticmethod
+    def _grads(m: nn.Module, b: Tensor) -> Tensor:
+        return b.reshape(b.shape[0], m.groups, b.shape[1] // m.groups, -1)  # [B, g, O_g, L]
+
+    def materialises(self, m, a, b):
+        return _small(len(b), m)
+
+    def per_example(self, m, a, b, names):
+        out = {}
+        G = self._grads(m, b)
+        if "weight" in names:
+            P = self._patches(m, a)
+            out["weight"] = torch.matmul(G, P.mT).reshape(b.shape[0], *m.weight.shape)
+        if "bias" in names:
+            out["bias"] = G.sum(3).flatten(1)
+        return out
+
+    def norms2(self, m, a, b, names):
+        out = {}
+        G = self._grads(m, b)
+        if "weight" in names:
+            P = self._patches(m, a)
+            if _gram_pays(P.shape[3], P.shape[2], G.shape[2]):
+                out["weight"] = (P.mT @ P * (G.mT @ G)).sum((1, 2, 3))
+            else:
+                out["weight"] = torch.matmul(G, P.mT).square().sum((1, 2, 3))
+        if "bias" in names:
+            out["bias"] = G.sum(3).square().sum((1, 2))
+        return out
+
+    def weighted(self, m, a, b, w, names):
+        out = {}
+        G = self._grads(m, b * _bcast(w, b))
+        if "weight" in names:
+            P = self._patches(m, a)
+            # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
+            gw = torch.einsum("bgol,bgkl->gok", G, P)
+            out["weight"] = gw.reshape(m.weight.shape)
+        if "bias" in names:
+            out["bias"] = G.sum((0, 3)).flatten()
+        return out
+
+
+def _affine(b: Tensor, xhat: Tensor, dims: tuple[int, ...], names: set[str]) -> dict[str, Tensor]:
+    """Per-example weight (``sum b * xhat``) and bias (``sum b``) over ``dims``: every dim
+    that is neither the batch nor a parameter dim."""
+    out = {}
+    if "weight" in names:
+        out["weight"] = (b * xhat).sum(dims) if dims else b * xhat
+    if "bias" in names:
+        out["bias"] = b.sum(dims) if dims else b
+    return out
+
+
+class LayerNormForm(Form):
+    def per_example(self, m, a, b, names):
+        xhat = F.layer_norm(a, m.normalized_shape, eps=m.eps)
+        return _affine(b, xhat, tuple(range(1, b.dim() - len(m.normalized_shape))), names)  # the trailing dims stay
+
+
+class GroupNormForm(Form):
+    def per_example(self, m, a, b, names):
+        xhat = F.group_norm(a, m.num_groups, eps=m.eps)
+        return _affine(b, xhat, tuple(range(2, b.dim())), names)  # channels are dim 1
+
+
+class EmbeddingForm(Form):
+    """Rows gathered by index: the gradient of example i adds ``b_it`` to row ``idx_it``."""
+
+    def refusal(self, m):
+        if m.max_norm is not None:
+            return "max_norm (its forward rescales the rows the whole batch looked up, in place)"
+        return None
+
+    def materialises(self, m, a, b):
+        return False
+
+    @staticmethod
+    def _flat(m, idx: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        idx = idx.reshape(idx.shape[0], -1)
+        b = b.reshape(idx.shape[0], -1, b.shape[-1])
+        if m.padding_idx is not None:  # torch gives the padding row no gradient
+            b = b * (idx != m.padding_idx).unsqueeze(-1).to(b.dtype)
+        return idx, b
+
+    def per_example(self, m, a, b, names):
+        idx, G = self._flat(m, a, b)
+        out = G.new_zeros(idx.shape[0], *m.weight.shape)
+        out.scatter_add_(1, idx.unsqueeze(-1).expand_as(G), G)
+        return {"weight": out}
+
+    def norms2(self, m, a, b, names):
+        idx, G = self._flat(m, a, b)
+        same = (idx.unsqueeze(2) == idx.unsqueeze(1)).to(G.dtype)  # tokens that share a row
+        return {"weight": (same * (G @ G.mT)).sum((1, 2))}
+
+    def weighted(self, m, a, b, w, names):
+        idx, G = self._flat(m, a, b)
+        out = G.new_zeros(m.weight.shape)
+        return {"weight": out.index_add_(0, idx.flatten(), (G * _bcast(w, G)).flatten(0, 1))}
+
+
+
+class Conv1DForm(Form):
+    """Hugging Face's ``Conv1D``: a Linear whose weight is stored ``[in, out]``."""
+
+    def materialises(self, m, a, b):
+        return LINEAR.materialises(m, a, b)
+
+    def per_example(self, m, a, b, names):
+        out = LINEAR.per_example(m, a, b, names)
+        if "weight" in out:
+            out["weight"] = out["weight"].mT
+        return out
+
+    def norms2(self, m, a, b, names):
+        return LINEAR.norms2(m, a, b, names)
+
+    def weighted(self, m, a, b, w, names):
+        out = LINEAR.weighted(m, a, b, w, names)
+        if "weight" in out:
+            out["weight"] = out["weight"].T
+        return out
+
+
+class Inputs:
+    """One call's inputs as the module got them, with each tensor's batch dimension
+    (``dims``: the same tree as ``(args, kwargs)``, None where a leaf is shared)."""
+
+    def __init__(self, args: tuple, kwargs: dict, dims: Any):
+        self.args, self.kwargs, self.dims = args, kwargs, dims
+
+
+def _insert(x: Any, d: int | None) -> Any:
+    return x.unsqueeze(d) if d is not None else x
+
+
+class FuncForm(Form):
+    """Any module: ``vmap`` over the batch of the gradient of ``sum_k <output_k(x_i), b_ik>``
+    with respect to the parameters asked for (local, possibly dotted names: a module answers
+    for its children's parameters where it uses them itself), by ``torch.func``."""
+
+    whole_call = True
+
+    def per_example(self, m, a: Inputs, b: list, names):
+        grads = [g for g, _ in b]
+        out_dims = [d for _, d in b]
+        params = {n: m.get_parameter(n).detach() for n in names}
+
+        def inner(p, args, kwargs, gs):
+            args, kwargs = pytree.tree_map(_insert, (args, kwargs), a.dims)
+            outs = [o for o in pytree.tree_leaves(functional_call(m, p, args, kwargs)) if isinstance(o, Tensor)]
+            return sum((o * g.unsqueeze(d)).sum() for o, g, d in zip(outs, gs, out_dims))
+
+        args_dims, kwargs_dims = a.dims
+        return vmap(grad(inner), in_dims=(None, args_dims, kwargs_dims, out_dims))(params, a.args, a.kwargs, grads)
+
+
+class RNNForm(Form):
+    """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: the recurrence replayed once with autograd for
+    the gradient of each step's input and hidden projections (``x W_ih^T + b_ih``, ``h W_hh^T
+    + b_hh``); example i's weight gradient is then a sum over its steps, as for a Linear
+    on a sequence. Every layer and direction; dropout between layers, ``proj_size`` and
+    packed sequences are refused when the layer is set up (``refusal``)."""
+
+    whole_call = True
+
+    def refusal(self, m: nn.Module) -> str | None:
+        if getattr(m, "proj_size", 0):
+            return "proj_size > 0"
+        if m.dropout and m.training and m.num_layers > 1:
+            return "dropout between layers (its masks cannot be replayed)"
+        return None
+
+    def per_example(self, m, a: Inputs, b: list, names):
+        x = a.args[0] if a.args else a.kwargs["input"]
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            raise ValueError(f"{type(m).__name__}: the per_sample stage takes batched 3-D input tensors "
+                             "(not packed sequences or unbatched input)")
+        hx = a.args[1] if len(a.args) > 1 else a.kwargs.get("hx")
+        x = x.movedim(0 if m.batch_first else 1, 0).detach().requires_grad_()  # a graph to differentiate
+        with torch.enable_grad():
+            outs, taps = self._replay(m, x, hx)
+            grads = [g.movedim(0 if m.batch_first else 1, 0) if k == 0 else g for k, (g, _) in enumerate(b)]
+            flat = [t for tap in taps.values() for t in (tap[1], *tap[3])]
+            got = torch.autograd.grad(outs[:len(grads)], flat, grads, allow_unused=True)
+        got = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, got)]
+        return self._weights(taps, got, names)
+
+    @staticmethod
+    def _weights(taps: dict, got: list, names) -> dict[str, Tensor]:
+        out, k = {}, 0
+        for sfx, (inp, _, prev, steps) in taps.items():
+            g_in, g_h = got[k], torch.stack(got[k + 1:k + 1 + len(steps)], 1)
+            k += 1 + len(steps)
+            parts = {f"weight_ih{sfx}": (g_in, inp), f"bias_ih{sfx}": (g_in, None),
+                     f"weight_hh{sfx}": (g_h, prev), f"bias_hh{sfx}": (g_h, None)}
+            for n, (g, x) in parts.items():
+                if n in names:
+                    out[n] = g.sum(1) if x is None else torch.bmm(g.mT, x)
+        return out
+
+    def _replay(self, m, x: Tensor, hx):
+        """Outputs (the output batch first; h_n, c_n as torch gives them) and, per layer and direction,
+        (its input, the input projection, the previous hidden states, each step's hidden projection)."""
+        lstm, dirs = isinstance(m, nn.LSTM), 2 if m.bidirectional else 1
+        bsz, size = x.shape[0], m.hidden_size
+        if hx is None:
+            zeros = x.new_zeros(m.num_layers * dirs, bsz, size)
+            hx = (zeros, zeros) if lstm else zeros
+        h0, c0 = (hx if lstm else (hx, None))
+        taps, hs, cs, inp = {}, [], [], x
+        for layer in range(m.num_layers):
+            outs = []
+            for d in range(dirs):
+                sfx, j = f"_l{layer}" + ("_reverse" if d else ""), layer * dirs + d
+                seq = inp.flip(1) if d else inp
+                h = h0[j].detach().requires_grad_()
+                c = None if c0 is None else c0[j].detach().requires_grad_()
+                gi = F.linear(seq, getattr(m, f"weight_ih{sfx}").detach(), _bias(m, f"bias_ih{sfx}"))
+                prev, steps, ys = [], [], []
+                for t in range(seq.shape[1]):
+                    prev.append(h)
+                    gh = F.linear(h, getattr(m, f"weight_hh{sfx}").detach(), _bias(m, f"bias_hh{sfx}"))
+                    steps.append(gh)
+                    h, c = self._cell(m, gi[:, t], gh, h, c)
+                    ys.append(h)
+                y = torch.stack(ys, 1)
+                outs.append(y.flip(1) if d else y)
+                taps[sfx] = (seq, gi, torch.stack(prev, 1), steps)
+                hs.append(h)
+                cs.append(c)
+            inp = torch.cat(outs, -1)
+        result = [inp, torch.stack(hs)] + ([torch.stack(cs)] if lstm else [])
+        return result, taps
+
+    @staticmethod
+    def _cell(m, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None):
+        if isinstance(m, nn.LSTM):
+            i, f, g, o = (gi + gh).chunk(4, -1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c), c
+        if isinstance(m, nn.GRU):
+            ir, iz, i_n = gi.chunk(3, -1)
+            hr, hz, h_n = gh.chunk(3, -1)
+            r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+            n = torch.tanh(i_n + r * h_n)
+            return (1 - z) * n + z * h, None
+        act = torch.tanh if m.nonlinearity == "tanh" else torch.relu
+        return act(gi + gh), None
+
+
+def _bias(m: nn.Module, name: str) -> Tensor | None:
+    b = getattr(m, name, None) if m.bias else None
+    return None if b is None else b.detach()
+
+
+LINEAR, CONV, FUNC, RNN = LinearForm(), ConvForm(), FuncForm(), RNNForm()
+FORMS: dict[type, Form] = {
+    nn.Linear: LINEAR, nn.Conv1d: CONV, nn.Conv2d: CONV, nn.Conv3d: CONV,
+    nn.LayerNorm: LayerNormForm(), nn.GroupNorm: GroupNormForm(), nn.Embedding: EmbeddingForm(),
+    nn.RNN: RNN, nn.LSTM: RNN, nn.GRU: RNN,
+}
+# Forms of other libraries' layers, found by the type's module and name (nothing imported).
+NAMED_FORMS: dict[tuple[str, str], Form] = {("transformers.pytorch_utils", "Conv1D"): Conv1DForm()}
+
+
+def register_form(layer_type: type, form: Form | None = None):
+    """Make ``form`` (a ``Form`` instance) the per-example form of ``layer_type`` and of its
+    subclasses that keep its ``forward``. Usable as a decorator of a Form subclass:
+    ``@register_form(MyLayer)``. The form must answer for every parameter the layer holds
+    directly; uses of them outside ``layer_type.forward`` go to the general path."""
+    if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+        raise TypeError(f"register_form: layer_type must be an nn.Module subclass, not {layer_type!r}")
+    if form is None:
+        def decorate(cls):
+            register_form(layer_type, cls())
+            return cls
+        return decorate
+    if not isinstance(form, Form):
+        raise TypeError(f"register_form: form must be a gradmod.hooks.per_sample.Form instance, not {type(form).__name__}")
+    FORMS[layer_type] = form
+    return form
+
+
+def batch_dependent(m: nn.Module) -> bool:
+    """A layer whose batch gradient is not the sum of its examples' (so no sum can check them)."""
+    return isinstance(m, nn.Embedding) and m.scale_grad_by_freq
+
+
+def form_of(m: nn.Module) -> Form:
+    """The closed form for ``m``'s type when ``m`` runs that type's own forward, else ``torch.func``."""
+    named = NAMED_FORMS.get((type(m).__module__, type(m).__name__))
+    if named is not None:
+        return named
+    for cls in reversed(list(FORMS)):  # the latest registration first: a user's form wins
+        if isinstance(m, cls) and type(m).forward is cls.forward:
+            if isinstance(m, nn.Embedding) and (m.scale_grad_by_freq or m.sparse):
+                return FUNC
+            return FORMS[cls]
+    return FUNC

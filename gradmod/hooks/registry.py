@@ -1,0 +1,204 @@
+"""The one registry of transforms: name -> entry (factory, kind, optional forms).
+
+A config entry ``{name: clamp, min: -0.01, max: 0.01}`` becomes
+``entry("clamp").factory(min=-0.01, max=0.01)``. The entry's *kind* says what the factory
+builds and so at which stage it may run (``gradmod.hooks.stages``):
+
+* ``elementwise``: ``grad -> Tensor | None`` on one tensor, never modifying ``grad`` in
+  place (``None`` leaves it as it is); stage ``hook`` or ``fused``, the rule's choice. An
+  optional ``foreach`` factory builds an in-place form over a list of ``.grad`` tensors,
+  used by the fused stage (without one it calls the function per tensor).
+* ``group``: one object per rule acting on all its gradients together, a subclass of
+  ``gradmod.hooks.group.GroupTransform`` (``apply_(params, grads)`` in place); implies
+  stage ``fused``.
+* ``per_sample``: read by the per_sample stage on each example's gradient (as
+  ``per_sample_clip``); implies stage ``per_sample``.
+* ``per_loss``: read by the per_loss stage on each loss's gradient; implies ``per_loss``.
+
+An entry may also have a form at another stage (``register_at_stage``): ``log`` is
+element-wise, and at the per_sample stage keeps per-example statistics instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, Callable, Mapping
+
+from gradmod.hooks import stages
+
+KINDS = ("elementwise", "group", "per_sample", "per_loss")
+
+# How a transform of one's own gets a name (train.py imports the modules named in plugins).
+OWN_TRANSFORMS = ("a transform of your own is registered with transforms.register, "
+                  "in a module given as plugins=[my_pkg.x]")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered transform: what builds it and what kind it is."""
+
+    name: str
+    factory: Callable[..., Any]
+    kind: str = "elementwise"
+    foreach: Callable[..., Any] | None = None  # elementwise: in-place form over a list of gradients
+    observer: bool = False  # keeps statistics and returns None (``log``: a GradStats accumulator)
+    at_stage: Mapping[str, Callable[..., Any]] = field(default_factory=dict)  # stage -> factory there
+
+    @property
+    def stage(self) -> str | None:
+        """The stage this kind forces on a rule; None: the rule chooses (element-wise)."""
+        implied = stages.implied_by(self.kind)
+        return None if implied is None else implied.name
+
+
+_ENTRIES: dict[str, Entry] = {}
+
+
+def _check(name: str, factory: Any, kind: str, foreach: Any, observer: bool) -> None:
+    where = f"register({name!r})"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"transforms.register: name must be a non-empty str, got {name!r}")
+    if factory is not None and not callable(factory):
+        raise TypeError(f"transforms.{where}: factory must be callable, got {type(factory).__name__}")
+    if foreach is not None and not callable(foreach):
+        raise TypeError(f"transforms.{where}: foreach must be callable or None, got {type(foreach).__name__}")
+    if kind not in KINDS:
+        raise ValueError(f"transforms.{where}: kind={kind!r}; allowed: {', '.join(KINDS)}")
+    if foreach is not None and kind != "elementwise":
+        raise ValueError(f"transforms.{where}: a {kind} transform has no foreach form (elementwise only)")
+    if observer and kind != "elementwise":
+        raise ValueError(f"transforms.{where}: observer=True is for elementwise transforms only")
+
+
+def register(name: str, factory: Callable[..., Any] | None = None, *, kind: str = "elementwise",
+             foreach: Callable[..., Any] | None = None, observer: bool = False, overwrite: bool = False):
+    """Register ``factory(**args)`` under ``name`` as a transform of ``kind``; usable as a
+    decorator (``@register("name", kind="group")``).
+
+    ``kind``: one of ``KINDS`` (see the module docstring for what each factory returns).
+    ``foreach(**args)``: for an element-wise transform, an in-place function over a list
+    of gradients for the fused stage. ``observer``: the transform keeps statistics with
+    ``GradStats``' protocol and returns None. A name is registered once unless
+    ``overwrite=True``. Bad arguments fail here, not when a rule is attached.
+    """
+    _check(name, factory, kind, foreach, observer)
+
+    def add(f):
+        if not callable(f):
+            raise TypeError(f"transforms.register({name!r}): factory must be callable, got {type(f).__name__}")
+        if name in _ENTRIES and not overwrite:
+            raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
+        _ENTRIES[name] = Entry(name, f, kind, foreach, observer)
+        return f
+
+    return add(factory) if factory is not None else add
+
+
+def register_at_stage(name: str, stage: str, factory: Callable[..., Any]) -> None:
+    """The form the registered transform ``name`` takes at ``stage`` (a stage its kind does
+    not run at), e.g. ``log`` at the per_sample stage."""
+    if name not in _ENTRIES:
+        raise ValueError(f"register_at_stage: transform {name!r} is not registered; register it first")
+    if stage not in stages.names(available_only=False):
+        raise ValueError(f"register_at_stage({name!r}): stage {stage!r}; allowed: {', '.join(stages.names())}")
+    if not callable(factory):
+        raise TypeError(f"register_at_stage({name!r}): factory must be callable, got {type(factory).__name__}")
+    e = _ENTRIES[name]
+    _ENTRIES[name] = replace(e, at_stage={**e.at_stage, stage: factory})
+
+
+def unregister(name: str) -> None:
+    """Remove ``name`` (a plugin's or a test's transform); unknown names are ignored."""
+    _ENTRIES.pop(name, None)
+
+
+def names(kind: str | None = None) -> list[str]:
+    """The registered transform names (of one kind, if given)."""
+    return sorted(n for n, e in _ENTRIES.items() if kind is None or e.kind == kind)
+
+
+def entry(name: str) -> Entry:
+    """The entry registered under ``name``; a ValueError listing the names otherwise."""
+    if name not in _ENTRIES:
+        raise ValueError(f"unknown transform {name!r}; allowed: {', '.join(names())}; {OWN_TRANSFORMS}")
+    return _ENTRIES[name]
+
+
+def factory(name: str) -> Callable[..., Any]:
+    """The factory registered under ``name`` (its signature lists the transform's arguments)."""
+    return entry(name).factory
+
+
+def runs_at(name: str, stage: str) -> bool:
+    """Whether transform ``name`` may be in a rule at ``stage`` (its kind, or a form there)."""
+    e = entry(name)
+    return e.kind in stages.get(stage).accepts or stage in e.at_stage
+
+
+def accepted_at(stage: str) -> list[str]:
+    """The transform names a rule at ``stage`` may hold, in registration order."""
+    return [n for n in _ENTRIES if runs_at(n, stage)]
+
+
+@dataclass(frozen=True)
+class BuiltTransform:
+    """One configured transform: its name, arguments and function. ``at``: the stage
+    whose form ``fn`` is (``register_at_stage``), None for the entry's own factory."""
+
+    name: str
+    args: dict[str, Any] = field(default_factory=dict)
+    fn: Any = field(default=None, repr=False, compare=False)
+    at: str | None = None
+
+    def __call__(self, grad):
+        return self.fn(grad)
+
+    @property
+    def kind(self) -> str:
+        return entry(self.name).kind
+
+    @property
+    def observer(self) -> bool:
+        """``fn`` is a ``GradStats`` accumulator (the entry's own form of an observer)."""
+        return self.at is None and entry(self.name).observer
+
+    @cached_property
+    def inplace(self) -> Callable[[list], None] | None:
+        """The in-place foreach form, built once (the fused stage calls it every step)."""
+        foreach = entry(self.name).foreach if self.at is None else None
+        return None if foreach is None else foreach(**self.args)
+
+    def __str__(self) -> str:
+        if not self.args:
+            return self.name
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.args.items())})"
+
+
+def parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``"zero"`` or ``{"name": "clamp", "min": ..., "max": ...}`` -> (name, args)."""
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+        args = {str(k): v for k, v in spec.items() if k != "name"}
+        return spec["name"], args
+    raise ValueError(f"a transform must be a name or a mapping with 'name' and its arguments, got {spec!r}")
+
+
+def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTransform:
+    """Build a transform from its config entry (in its form at ``stage`` if it has one
+    there); bad names or arguments are a ValueError."""
+    name, args = parse_spec(spec)
+    e = entry(name)
+    at = stage if stage in e.at_stage else None
+    make = e.factory if at is None else e.at_stage[at]
+    params = inspect.signature(make).parameters
+    unknown = [k for k in args if k not in params]
+    if unknown:
+        allowed = ", ".join(params) or "no arguments"
+        raise ValueError(f"transform {name!r} got unknown argument(s) {', '.join(unknown)}; allowed: {allowed}")
+    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in args]
+    if missing:
+        raise ValueError(f"transform {name!r} needs argument(s) {', '.join(missing)}")
+    return BuiltTransform(name, args, make(**args), at)

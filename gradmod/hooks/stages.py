@@ -1,0 +1,75 @@
+"""The stages, in one table: when a rule's transforms act on a parameter's gradient.
+
+``STAGES`` lists them in the order they finish writing a gradient, which is the order of
+the plan (``HookSet.describe``) and of ``HookSet.after_backward``:
+
+* ``hook``: ``Tensor.register_hook`` on the parameter (or a module's output); each
+  backward's local gradient, before it is accumulated into ``.grad``.
+* ``per_loss``: several losses' gradients of the rule's parameters (or of a module's
+  output), combined into one by ``HookSet.backward(losses)`` (``gradmod.hooks.per_loss``).
+* ``per_sample``: each example's gradient before the batch sum; the clipped, noised mean
+  is written at the start of ``HookSet.after_backward``.
+* ``fused``: the accumulated ``.grad`` tensors after backward, grouped per transform.
+
+Each stage names the transform kinds it runs (``accepts``) and the kind that puts a rule
+there whatever the rule's ``stage:`` says (``implied_by``): a group transform runs fused
+(all the rule's gradients at once), a per_sample transform per_sample, a per_loss one
+per_loss. The kinds are the registry's (``gradmod.hooks.registry.KINDS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its name, the transform kinds it runs, the kind that implies it."""
+
+    name: str
+    accepts: tuple[str, ...]  # transform kinds a rule at this stage may hold
+    implied_by: str | None  # a rule holding a transform of this kind runs here
+    default: bool  # may be attach(stage=...)'s default for rules that set none
+    modules: bool  # modules: rules (a module's output gradient) run here
+    needs_after_backward: bool  # HookSet.after_backward() finishes its work before optimizer.step()
+    available: bool = True  # False: the name and order are reserved, the stage is not built yet
+    sees: str = ""  # what its transforms act on, for messages
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("hook", ("elementwise",), None, default=True, modules=True, needs_after_backward=False,
+          sees="each backward's local gradient"),
+    Stage("per_loss", ("per_loss",), "per_loss", default=False, modules=True, needs_after_backward=False,
+          sees="each loss's gradient"),
+    Stage("per_sample", ("per_sample",), "per_sample", default=False, modules=False, needs_after_backward=True,
+          sees="each example's gradient"),
+    Stage("fused", ("elementwise", "group"), "group", default=True, modules=False, needs_after_backward=True,
+          sees="all the rule's accumulated .grad after backward"),
+)
+
+_BY_NAME = {s.name: s for s in STAGES}
+
+
+def get(name: str) -> Stage:
+    """The stage called ``name``; a KeyError for an unknown name (callers word their own error)."""
+    return _BY_NAME[name]
+
+
+def names(*, available_only: bool = True) -> tuple[str, ...]:
+    """The stage names in order (the reserved ones too with ``available_only=False``)."""
+    return tuple(s.name for s in STAGES if s.available or not available_only)
+
+
+def default_names() -> tuple[str, ...]:
+    """The stages a rule may get when it sets none (``attach(stage=...)``)."""
+    return tuple(s.name for s in STAGES if s.default and s.available)
+
+
+def order(name: str) -> int:
+    """The stage's position: a smaller one acts on a gradient before a larger one."""
+    return STAGES.index(_BY_NAME[name])
+
+
+def implied_by(kind: str) -> Stage | None:
+    """The stage a transform of ``kind`` forces on its rule, or None (element-wise: the rule's choice)."""
+    return next((s for s in STAGES if s.implied_by == kind), None)

@@ -1,0 +1,43 @@
+"""The console's one line per epoch: what someone watching a run, or reading its redirected
+output, needs to see that it goes on and how well."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+BOOKKEEPING = ("epoch", "step", "seconds", "train_seconds", "eval_seconds", "skipped_steps", "grad_stats")
+
+
+def epoch_line(numbers: Mapping[str, Any], epochs: int | None = None) -> str:
+    """``epoch 2/10: train_loss 0.4123 test_loss 0.3981 test_accuracy 0.8812 epsilon 1.234 (3.1 s)``:
+    every number of an epoch's record in its order (losses, test metrics, epsilon: whatever
+    the record holds; a mapping's as ``name.key``, each task's) but the bookkeeping;
+    skipped steps where there were some."""
+    head = f"epoch {numbers.get('epoch', '?')}" + (f"/{epochs}" if epochs else "")
+    shown = [f"{key} {_number(value)}" for key, value in _flat(numbers)]
+    if numbers.get("skipped_steps"):
+        shown.append(f"skipped_steps {numbers['skipped_steps']}")
+    seconds = numbers.get("seconds")
+    return f"{head}: {' '.join(shown)}" + (f" ({seconds:.1f} s)" if _is_number(seconds) else "")
+
+
+def _flat(numbers: Mapping[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    out = []
+    for key, value in numbers.items():
+        if key in BOOKKEEPING or (key == "test_metric" and value == numbers.get("test_accuracy")):
+            continue  # a one-output classifier's metric is the accuracy already shown
+        if isinstance(value, Mapping) and not prefix:
+            out += _flat(value, f"{key}.") if key != "tasks" else \
+                [kv for task, inner in value.items() if isinstance(inner, Mapping) for kv in _flat(inner, f"{task}.")]
+        elif _is_number(value):
+            out.append((prefix + key, value))
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:.4g}"

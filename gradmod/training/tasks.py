@@ -1,0 +1,204 @@
+"""What a step optimizes and what evaluation reports: the configured loss and metric, per task.
+
+A model returns one tensor, or a mapping (or tuple) of outputs by task; the data holds one
+label tensor or ``Labels`` by task. ``Tasks.losses`` gives one scalar loss, or a mapping of
+named scalar losses: the configured loss applied to each task's output and labels
+(``per_task``: when the model returns several outputs, unless set false), or a loss of the
+user's own that takes the whole outputs and labels and returns a mapping itself.
+
+Metrics (``metric``): ``accuracy`` (the argmax over dimension 1 equals the class label;
+per token for sequences), ``none``, a callable ``metric(output, target) -> scalar`` (the
+batch's mean), or ``auto``: accuracy for integer class labels, none for other labels. One
+spec for every task, or a mapping of task name -> spec. Evaluation reports the loss and the
+metric as batch-size-weighted means over the test set, read from the device once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from gradmod.labels import Labels
+
+METRICS = ("auto", "accuracy", "none")
+SINGLE = ""  # the task name of a single-output, single-label run
+
+
+def accuracy(output: Tensor, target: Tensor) -> Tensor:
+    """The fraction of predictions (argmax over dimension 1) equal to the class label."""
+    return (output.argmax(1) == target).float().mean()
+
+
+def is_class_labels(y: Tensor) -> bool:
+    return not y.dtype.is_floating_point and y.dtype != torch.bool
+
+
+def total(losses: Tensor | Mapping[str, Tensor]) -> Tensor:
+    """The sum of the named losses (the loss itself when there is one)."""
+    if isinstance(losses, Tensor):
+        return losses
+    parts = list(losses.values())
+    return sum(parts[1:], parts[0])
+
+
+def scaled(losses: Tensor | Mapping[str, Tensor], fn: Callable[[Tensor], Tensor]) -> Tensor | dict[str, Tensor]:
+    """``fn`` applied to each loss (a micro-batch's 1/k, GradScaler's scale)."""
+    return fn(losses) if isinstance(losses, Tensor) else {k: fn(v) for k, v in losses.items()}
+
+
+def by_task(output: Any, y: Tensor | Labels) -> dict[str, tuple[Tensor, Tensor]]:
+    """(output, labels) per task: a mapping of outputs matched to ``Labels`` by name, a tuple
+    by the labels' order, one tensor with one label tensor as the task ``SINGLE``."""
+    if isinstance(output, Tensor) and isinstance(y, Tensor):
+        return {SINGLE: (output, y)}
+    if isinstance(output, (tuple, list)) and isinstance(y, Labels) and len(output) == len(y.keys()):
+        output = dict(zip(y.keys(), output))
+    if isinstance(output, Mapping) and isinstance(y, Labels) and set(output) == set(y.keys()):
+        return {k: (output[k], y[k]) for k in y.keys()}
+    raise ValueError(f"the model returned {_kind(output)} and the data holds {_kind(y)}: outputs and labels "
+                     "must match, one tensor with one label tensor, or a mapping (or tuple) of outputs with "
+                     "labels by the same task names")
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, Tensor):
+        return "one tensor"
+    if isinstance(obj, Labels):
+        return f"labels for {', '.join(obj.keys())}"
+    if isinstance(obj, Mapping):
+        return f"outputs for {', '.join(map(str, obj))}"
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {len(obj)} outputs"
+    return f"a {type(obj).__name__}"
+
+
+class Tasks:
+    """The configured loss and metric(s). ``metric``: one spec (``METRICS`` or a callable),
+    or task name -> spec; ``per_task``: None (per task when the model returns several
+    outputs), True or False (the loss takes the whole outputs and labels)."""
+
+    def __init__(self, loss_fn: Callable[..., Any], metric: Any = "auto", per_task: bool | None = None):
+        self.loss_fn, self.metric, self.per_task = loss_fn, metric, per_task
+
+    def losses(self, output: Any, y: Tensor | Labels) -> Tensor | dict[str, Tensor]:
+        """One scalar loss, or named scalar losses (a dict)."""
+        several = not isinstance(output, Tensor)
+        if self.per_task or (self.per_task is None and several):
+            return {k: self.loss_fn(o, t) for k, (o, t) in by_task(output, y).items()}
+        made = self.loss_fn(output, y)
+        return dict(made) if isinstance(made, Mapping) else made
+
+    def metric_of(self, task: str, y: Tensor) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """The task's metric function (None: no metric), ``auto`` resolved by its labels."""
+        spec = self.metric.get(task, "auto") if isinstance(self.metric, Mapping) else self.metric
+        if callable(spec):
+            return spec
+        if spec == "auto":
+            return accuracy if is_class_labels(y) else None
+        if spec == "accuracy":
+            if not is_class_labels(y):
+                where = f"metric.{task}" if task else "metric"
+                raise ValueError(f"{where}=accuracy needs integer class labels, and the labels are {y.dtype}; "
+                                 f"use {where}=none or a _target_ metric")
+            return accuracy
+        if spec == "none":
+            return None
+        raise ValueError(f"metric={spec!r} is not allowed; allowed: {', '.join(METRICS)} or a _target_")
+
+    def metric_name(self, task: str, y: Tensor) -> str:
+        """``accuracy``, ``none`` or the callable's name, for summaries and reports."""
+        fn = self.metric_of(task, y)
+        return "none" if fn is None else "accuracy" if fn is accuracy else _name(fn)
+
+    def metrics(self, output: Any, y: Tensor | Labels) -> dict[str, Tensor]:
+        """Task -> the batch's metric, for the tasks that have one."""
+        out = {}
+        pairs = by_task(output, y) if self.metric not in ("auto", "none") else by_task_or_single(output, y)
+        for task, (o, t) in pairs.items():
+            fn = self.metric_of(task, t)
+            if fn is not None:
+                out[task] = torch.as_tensor(fn(o, t)).detach().float().reshape(())
+        return out
+
+    def describe(self, output: Any, y: Tensor | Labels) -> str:
+        """``metric: accuracy`` or ``metrics: left=accuracy, right=none`` for the start of a run."""
+        found = by_task_or_single(output, y)
+        unknown = [k for k in self.metric if k not in found] if isinstance(self.metric, Mapping) else []
+        if unknown:
+            raise ValueError(f"metric.{unknown[0]}: there is no task {unknown[0]!r}; the tasks are "
+                             f"{', '.join(found) or '(none: one output)'}")
+        pairs = [(task, self.metric_name(task, t)) for task, (_, t) in found.items()]
+        if not pairs:
+            return "metric: none (the outputs and labels do not pair by task)"
+        if pairs == [(SINGLE, pairs[0][1])]:
+            return f"metric: {pairs[0][1]}"
+        return "metrics: " + ", ".join(f"{k}={v}" for k, v in pairs)
+
+
+def _name(fn: Any) -> str:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    return f"{getattr(inner, '__module__', '')}.{getattr(inner, '__qualname__', type(inner).__name__)}".lstrip(".")
+
+
+CROSS_ENTROPY = Tasks(torch.nn.functional.cross_entropy, "accuracy")  # the classification default
+
+
+def evaluation_sums(tasks: Tasks, output: Any, y: Tensor | Labels) -> dict[str, Tensor]:
+    """One batch's loss and metrics times its size: ``loss`` (the total), ``loss/<task>``
+    for named losses, ``metric/<task>`` (task ``SINGLE`` for a one-output run)."""
+    n = len(y)
+    losses = tasks.losses(output, y)
+    sums = {"loss": total(losses).detach().float() * n}
+    if not isinstance(losses, Tensor):
+        sums.update({f"loss/{k}": v.detach().float() * n for k, v in losses.items()})
+    sums.update({f"metric/{k}": v * n for k, v in tasks.metrics(output, y).items()})
+    return sums
+
+
+def results(means: Mapping[str, float], metric_names: Mapping[str, str]) -> dict[str, Any]:
+    """The record's test fields from the means of ``evaluation_sums`` and each task's metric
+    name: ``test_loss``; ``test_metric`` (a one-output run's metric, else None);
+    ``test_accuracy`` (the accuracy, or the mean of the tasks' accuracies when every task's
+    metric is accuracy; else None); with named tasks, ``tasks: {name: {test_loss, test_metric}}``."""
+    names = list(dict.fromkeys([k.split("/", 1)[1] for k in means if "/" in k]))
+    out: dict[str, Any] = {"test_loss": means["loss"], "test_metric": means.get(f"metric/{SINGLE}")}
+    accuracies = [means.get(f"metric/{k}") for k, m in metric_names.items() if m == "accuracy"]
+    every = metric_names and len(accuracies) == len(metric_names)
+    out["test_accuracy"] = sum(accuracies) / len(accuracies) if every else None
+    if names and names != [SINGLE]:
+        out["tasks"] = {k: {"test_loss": means.get(f"loss/{k}"), "test_metric": means.get(f"metric/{k}")}
+                        for k in names}
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: Tensor, y: Tensor | Labels, tasks: Tasks = CROSS_ENTROPY, *,
+             batch_size: int = 1000, device: torch.device | None = None, loader_workers: int | None = None,
+             parts: int | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    """Batched evaluation: (the means of ``evaluation_sums`` over the examples, read from the
+    device once; each task's metric name). ``parts``: exactly that many batches (FSDP2)."""
+    from gradmod.training.loader import batches
+
+    model.eval()
+    device = y.device if device is None else device
+    sums: dict[str, Tensor] = {}
+    names: dict[str, str] = {}
+    for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers, parts=parts):
+        out = model(xb)
+        for k, v in evaluation_sums(tasks, out, yb).items():
+            sums[k] = sums[k] + v if k in sums else v
+        if not names:
+            names = {task: tasks.metric_name(task, t) for task, (_, t) in by_task_or_single(out, yb).items()}
+    keys = list(sums)
+    values = torch.stack([sums[k] for k in keys]).tolist() if keys else []
+    return {k: v / max(len(y), 1) for k, v in zip(keys, values)}, names
+
+
+def by_task_or_single(output: Any, y: Tensor | Labels) -> dict[str, tuple[Tensor, Tensor]]:
+    """``by_task``, or nothing when a loss of the user's own takes outputs ``by_task`` cannot pair."""
+    try:
+        return by_task(output, y)
+    except ValueError:
+        return {}

@@ -1,0 +1,183 @@
+"""The ``per_loss`` section of scripts/bench.py: one multi-task step (forward, backward of
+several losses, SGD step) by each contender, at batch 64 on one thread:
+
+    plain            the sum of the losses, one backward
+    torchjd_<m>      torchjd 0.18: mtl_backward(losses, features) + jac_to_grad(trunk, <m>)
+    gradmod_<m>      attach(model, {<m> on "trunk.*"}) and hooks.backward(losses)
+    gradmod_modules  <m> = upgrad on the trunk's output (``modules: trunk``)
+    gradmod_famo     famo on every parameter (a loss weighting: no task gradients)
+
+Models: ``mlp5``, a 784-512-512 trunk with 5 classification heads (Linear 512-10); and
+``lenet``, a LeNet-like conv trunk (MultiMNIST's 36x36 input) with 2 heads (50-50-10).
+
+Peak memory: each contender runs a few steps in a fresh process; the growth of its peak
+resident set over the set-up is reported.
+
+    python scripts/bench_per_loss.py --peak mlp5.gradmod_upgrad   # what bench.py runs per contender
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from gradmod.hooks import attach  # noqa: E402
+
+BATCH = 64
+STEPS = 3  # optimizer steps per timed run
+METHODS = ("pcgrad", "mgda", "cagrad", "imtl_g", "aligned_mtl", "upgrad", "dualproj", "gradvac", "nash_mtl",
+           "mean", "sum", "random")
+
+
+class MultiMLP(nn.Module):
+    def __init__(self, tasks: int = 5):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU())
+        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(512, 10) for i in range(tasks)})
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return z, {n: h(z) for n, h in self.heads.items()}
+
+
+class MultiLeNet(nn.Module):
+    def __init__(self, tasks: int = 2):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(1, 10, 9), nn.MaxPool2d(2), nn.ReLU(), nn.Conv2d(10, 20, 5),
+                                   nn.MaxPool2d(2), nn.ReLU(), nn.Flatten(), nn.Linear(500, 50), nn.ReLU())
+        self.heads = nn.ModuleDict({f"t{i}": nn.Sequential(nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, 10))
+                                    for i in range(tasks)})
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return z, {n: h(z) for n, h in self.heads.items()}
+
+
+MODELS = {"mlp5": (MultiMLP, (784,)), "lenet": (MultiLeNet, (1, 36, 36))}
+
+
+def has_torchjd() -> bool:
+    try:
+        import torchjd  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def names() -> list[str]:
+    """``model.contender`` for every contender that can run here."""
+    out = []
+    for m in MODELS:
+        out.append(f"{m}.plain")
+        for method in METHODS:
+            if has_torchjd():
+                out.append(f"{m}.torchjd_{method}")
+            out.append(f"{m}.gradmod_{method}")
+        out += [f"{m}.gradmod_modules", f"{m}.gradmod_famo"]
+    return out
+
+
+def _torchjd_aggregator(method: str, k: int):
+    from torchjd import aggregation as A
+
+    return {"pcgrad": A.PCGrad, "mgda": A.MGDA, "cagrad": lambda: A.CAGrad(c=0.5), "imtl_g": A.IMTLG,
+            "aligned_mtl": A.AlignedMTL, "upgrad": A.UPGrad, "dualproj": A.DualProj, "gradvac": A.GradVac,
+            "nash_mtl": lambda: A.NashMTL(n_tasks=k), "mean": A.Mean, "sum": A.Sum, "random": A.Random}[method]()
+
+
+def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
+    """Build the contender (untimed) and return its timed run of ``steps`` optimizer steps."""
+    model_name, contender = name.split(".")
+    build, shape = MODELS[model_name]
+    torch.manual_seed(0)
+    model = build()
+    k = len(model.heads)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(BATCH, *shape, generator=gen),
+             {n: torch.randint(0, 10, (BATCH,), generator=gen) for n in model.heads}) for _ in range(steps)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def losses(x, ys):
+        z, out = model(x)
+        return z, {n: F.cross_entropy(out[n], ys[n]) for n in out}
+
+    if contender == "plain":
+        def step(x, ys):
+            _, L = losses(x, ys)
+            sum(L.values()).backward()
+    elif contender.startswith("torchjd_"):
+        from torchjd.autojac import jac_to_grad, mtl_backward
+
+        agg, trunk = _torchjd_aggregator(contender.removeprefix("torchjd_"), k), list(model.trunk.parameters())
+
+        def step(x, ys):
+            z, L = losses(x, ys)
+            mtl_backward(list(L.values()), features=z)
+            jac_to_grad(trunk, agg)
+    else:
+        method = contender.removeprefix("gradmod_")
+        rule = {"modules": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]},
+                "famo": {"params": "*", "transforms": ["famo"]}}.get(method, {"params": "trunk.*", "transforms": [method]})
+        hooks = attach(model, {"mtl": rule})
+
+        def step(x, ys):
+            hooks.backward(losses(x, ys)[1])
+
+    def run():
+        for x, ys in data:
+            opt.zero_grad(set_to_none=True)
+            step(x, ys)
+            opt.step()
+    return run
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+MEMORY = ("upgrad", "mgda", "pcgrad", "mean")  # the methods whose peak memory bench.py measures
+
+
+def peak_names() -> list[str]:
+    """The contenders whose peak memory is measured (a fresh process each)."""
+    keep = ("plain", "gradmod_modules", "gradmod_famo", *(f"{s}_{m}" for m in MEMORY for s in ("torchjd", "gradmod")))
+    return [n for n in names() if n.split(".")[1] in keep]
+
+
+def peak(name: str, steps: int = 3) -> int:
+    """Bytes the peak resident set grows by over ``steps`` steps after the set-up (Linux:
+    the high-water mark is reset after the set-up through /proc/self/clear_refs)."""
+    run = setup(name, steps)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _status_kib("VmRSS")
+    run()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def peak_in_subprocess(name: str) -> int:
+    """``peak(name)`` in a fresh process, so one contender's peak cannot hide another's."""
+    out = subprocess.run([sys.executable, __file__, "--peak", name], capture_output=True, text=True, check=True,
+                         env={"OMP_NUM_THREADS": "1", **os.environ})
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
+        torch.set_num_threads(1)
+        print(json.dumps({"peak_bytes": peak(sys.argv[2])}))
+    else:
+        print(__doc__)

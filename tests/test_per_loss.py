@@ -1,0 +1,432 @@
+"""The per_loss stage against torchjd 0.18: weights on random Gramians, one step's .grad on a
+shared-trunk model, loss weightings over many steps; its refusals, statistics and state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradmod
+from gradmod.hooks.per_loss import methods as M
+
+tja = pytest.importorskip("torchjd.aggregation")
+tjs = pytest.importorskip("torchjd.scalarization")
+from torchjd.autojac import backward as tj_backward
+from torchjd.autojac import jac_to_grad
+
+SEEDED = {"pcgrad", "random", "graddrop", "gradvac"}  # draw from the generator: same seed, same draws
+SOLVER = {"cagrad", "nash_mtl"}  # a numerical solver on both sides: 1e-4
+REFERENCE = {
+    "pcgrad": lambda k: tja.PCGrad(), "mgda": lambda k: tja.MGDA(), "cagrad": lambda k: tja.CAGrad(c=0.5),
+    "imtl_g": lambda k: tja.IMTLG(), "aligned_mtl": lambda k: tja.AlignedMTL(), "upgrad": lambda k: tja.UPGrad(),
+    "dualproj": lambda k: tja.DualProj(), "gradvac": lambda k: tja.GradVac(), "mean": lambda k: tja.Mean(),
+    "sum": lambda k: tja.Sum(), "random": lambda k: tja.Random(), "nash_mtl": lambda k: tja.NashMTL(n_tasks=k),
+    "graddrop": lambda k: tja.GradDrop(),
+}
+GRAMIAN = sorted(m for m in REFERENCE if m != "graddrop")
+
+
+def _jacobian(k: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    J = torch.randn(k, d, generator=g, dtype=torch.float64)
+    J[0] = -0.7 * J[1] + 0.3 * J[0]  # at least one conflicting pair
+    return J
+
+
+@pytest.mark.parametrize("name", GRAMIAN)
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_weights_equal_torchjd_on_random_jacobians(name, k):
+    method, ref = M.build(name, {}), REFERENCE[name](k)
+    gen = torch.Generator()
+    for seed in range(4):  # several calls: the stateful methods carry their state along
+        J = _jacobian(k, 40, 100 * k + seed)
+        torch.manual_seed(seed)
+        expected = ref(J)
+        gen.manual_seed(seed)
+        got = method.weights(J @ J.T, gen) @ J
+        tol = 1e-4 if name in SOLVER else 1e-10
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+def test_graddrop_equals_torchjd_on_a_random_jacobian():
+    J = _jacobian(4, 50, 7)
+    torch.manual_seed(3)
+    expected = tja.GradDrop()(J)
+    U = torch.rand(J.shape[1], generator=torch.Generator().manual_seed(3), dtype=J.dtype)
+    torch.testing.assert_close(M.build("graddrop", {}).aggregate(J, U), expected, rtol=1e-12, atol=1e-12)
+
+
+class Shared(nn.Module):
+    """A shared trunk (Linear layers, or convolutions then Linear) and one head per task."""
+
+    def __init__(self, k: int, conv: bool = False):
+        super().__init__()
+        if conv:
+            self.trunk = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1),
+                                       nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 12), nn.ReLU())
+        else:
+            self.trunk = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
+        self.heads = nn.ModuleDict({f"t{i}": nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
+                                    for i in range(k)})
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return {name: h(z) for name, h in self.heads.items()}
+
+
+def _batch(k: int, conv: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 1, 8, 8, generator=g) if conv else torch.randn(6, 10, generator=g)
+    ys = {f"t{i}": torch.randint(0, 3, (6,), generator=g) for i in range(k)}
+    return x.double(), ys
+
+
+def _losses(model, x, ys):
+    out = model(x)
+    return {n: F.cross_entropy(out[n], ys[n]) for n in out}
+
+
+def _reference_grads(model, x, ys, aggregator, seed):
+    """torchjd: the trunk's Jacobian aggregated into .grad; the heads the gradient of the sum."""
+    losses = _losses(model, x, ys)
+    trunk = list(model.trunk.parameters())
+    heads = list(model.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses.values()), heads, retain_graph=True)
+    tj_backward(list(losses.values()), inputs=trunk)
+    torch.manual_seed(seed)
+    jac_to_grad(trunk, aggregator)
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+@pytest.mark.parametrize("k", [2, 5])
+def test_one_step_grad_equals_torchjd(name, k):
+    torch.manual_seed(0)
+    model = Shared(k).double()
+    x, ys = _batch(k, False)
+    expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](k), seed=11)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(11)
+    hooks.backward(_losses(model, x, ys))
+    tol = 1e-4 if name in SOLVER else 1e-6
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=tol, atol=tol, msg=n)
+
+
+@pytest.mark.parametrize("name", ["pcgrad", "upgrad", "mgda", "graddrop"])
+def test_one_step_grad_equals_torchjd_with_convolutions(name):
+    torch.manual_seed(1)
+    model = Shared(3, conv=True).double()
+    x, ys = _batch(3, True)
+    expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](3), seed=5)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(5)
+    hooks.backward(_losses(model, x, ys))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-6, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["upgrad", "mgda", "pcgrad"])
+def test_modules_rule_aggregates_the_representation_gradient(name):
+    """A hand-written reference: the task gradients of the trunk's output, aggregated by
+    torchjd, pushed through the trunk; the heads the gradient of the sum."""
+    torch.manual_seed(2)
+    k = 3
+    model = Shared(k).double()
+    x, ys = _batch(k, False)
+    ref = copy.deepcopy(model)
+    z = ref.trunk(x)
+    losses = [F.cross_entropy(h(z), ys[n]) for n, h in ref.heads.items()]
+    Jz = torch.stack([torch.autograd.grad(L, z, retain_graph=True)[0] for L in losses])
+    torch.manual_seed(4)
+    agg = REFERENCE[name](k)(Jz.flatten(1)).view_as(z)
+    heads = list(ref.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    z.backward(agg)
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(4)
+    hooks.backward(_losses(model, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=n)
+
+
+def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
+    """``steps`` SGD steps with gradmod's weighting and with torchjd's scalarizer, side by side."""
+    torch.manual_seed(3)
+    k = 3
+    ours, theirs = Shared(k).double(), None
+    theirs = copy.deepcopy(ours)
+    hooks = gradmod.attach(ours, {"w": {"params": "*", "transforms": [{"name": name, **args}]}})
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.05)
+    extra = list(scalarizer.parameters()) if name == "uw" else []
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    opt_s = torch.optim.Adam(extra, lr=args.get("lr", 0.001)) if extra else None
+    for step in range(steps):
+        x, ys = _batch(k, False, seed=step)
+        opt_a.zero_grad()
+        hooks.backward(_losses(ours, x, ys))
+        opt_a.step()
+        opt_b.zero_grad()
+        L = torch.stack(list(_losses(theirs, x, ys).values()))
+        if name == "famo" and step > 0:
+            scalarizer.update(L)  # ours takes the next batch's losses as the after-step losses
+        scalarizer(L).backward()
+        opt_b.step()
+        if opt_s is not None:
+            opt_s.step()
+            opt_s.zero_grad()
+        if (step + 1) % epoch == 0:
+            hooks.end_epoch()
+            if name == "dwa":
+                scalarizer.step()
+    return ours, theirs
+
+
+@pytest.mark.parametrize("name,args,make", [
+    ("geometric_mean", {}, lambda: tjs.GeometricMean()),
+    ("uw", {"lr": 0.01}, lambda: tjs.UW(3)),
+    ("dwa", {}, lambda: tjs.DWA()),
+    ("famo", {}, lambda: tjs.FAMO(3)),
+])
+def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, make):
+    ours, theirs = _train_weighting(name, args, make())
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=n)
+
+
+def test_statistics_are_the_task_gradients_norms_cosines_and_conflicts():
+    torch.manual_seed(5)
+    model = Shared(3).double()
+    x, ys = _batch(3, False)
+    losses = _losses(model, x, ys)
+    trunk = list(model.trunk.parameters())
+    J = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(L, trunk, retain_graph=True)])
+                     for L in losses.values()])
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["mgda"]}})
+    hooks.backward(_losses(model, x, ys))
+    stats = hooks.read_stats()["mtl/mgda"]
+    norms = J.norm(dim=1)
+    for i, n in enumerate(losses):
+        assert stats[f"norm/{n}"] == pytest.approx(norms[i].item(), rel=1e-9)
+    cos = (J[0] @ J[1] / (norms[0] * norms[1])).item()
+    assert stats["cos/t0,t1"] == pytest.approx(cos, rel=1e-9)
+    G = J @ J.T
+    conflicts = sum(float(G[i, j] < 0) for i in range(3) for j in range(i + 1, 3)) / 3
+    assert stats["conflict"] == pytest.approx(conflicts)
+    w = M.build("mgda", {}).weights(G, torch.Generator())
+    assert [stats[f"weight/{n}"] for n in losses] == pytest.approx(w.tolist(), rel=1e-9)
+    assert stats["calls"] == 1
+
+
+@pytest.mark.parametrize("name", ["gradvac", "pcgrad", "famo", "uw", "nash_mtl"])
+def test_resume_from_state_dict_is_bit_identical(name):
+    def run(model, hooks, opt, steps):
+        for step in steps:
+            x, ys = _batch(3, False, seed=step)
+            opt.zero_grad()
+            hooks.backward(_losses(model, x, ys))
+            opt.step()
+
+    params = "*" if name in ("famo", "uw") else "trunk.*"
+    rules = {"mtl": {"params": params, "transforms": [name]}}
+    torch.manual_seed(6)
+    straight = Shared(3).double()
+    start = copy.deepcopy(straight)
+    hooks = gradmod.attach(straight, rules)
+    hooks.per_loss.generator.manual_seed(9)
+    opt = torch.optim.SGD(straight.parameters(), lr=0.1)
+    run(straight, hooks, opt, range(6))
+
+    first = copy.deepcopy(start)
+    hooks = gradmod.attach(first, rules)
+    hooks.per_loss.generator.manual_seed(9)
+    opt = torch.optim.SGD(first.parameters(), lr=0.1)
+    run(first, hooks, opt, range(3))
+    state, model_state = copy.deepcopy(hooks.state_dict()), copy.deepcopy(first.state_dict())
+    hooks.remove()
+
+    resumed = copy.deepcopy(start)
+    resumed.load_state_dict(model_state)
+    hooks = gradmod.attach(resumed, rules)
+    hooks.load_state_dict(state)
+    opt = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    run(resumed, hooks, opt, range(3, 6))
+    for (n, p), q in zip(resumed.named_parameters(), straight.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_refusals_are_one_line():
+    model = Shared(2).double()
+    x, ys = _batch(2, False)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["pcgrad"]}})
+    with pytest.raises(ValueError, match=r"hooks\.mtl: a per_loss rule .* got one scalar"):
+        hooks.backward(sum(_losses(model, x, ys).values()))
+    with pytest.raises(ValueError, match="got one"):
+        hooks.backward({"t0": _losses(model, x, ys)["t0"]})
+    with pytest.raises(RuntimeError, match=r"hooks\.mtl: .*through hooks.backward"):
+        sum(_losses(model, x, ys).values()).backward()
+    hooks.remove()
+    bad = [
+        ({"a": {"params": "trunk.*", "transforms": ["pcgrad", "mgda"]}}, "exactly one"),
+        ({"a": {"params": "trunk.*", "transforms": ["pcgrad", "clamp"]}}, "'clamp' cannot run at stage 'per_loss'"),
+        ({"a": {"params": "trunk.*", "stage": "fused", "transforms": ["upgrad"]}}, "stage 'per_loss' only"),
+        ({"a": {"params": "trunk.*", "transforms": [{"name": "cagrad", "c": -1}]}}, "c=-1"),
+        ({"a": {"params": "trunk.*", "transforms": [{"name": "mgda", "foo": 1}]}}, "unknown argument"),
+        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
+          "b": {"params": "trunk.0.*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}}, "not both"),
+        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
+          "b": {"params": "trunk.0.*", "transforms": [{"name": "clamp", "bound": 1.0}]}}, "not both"),
+        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
+          "b": {"params": "trunk.0.*", "transforms": ["mgda"]}}, "also in per_loss rule"),
+    ]
+    for rules, message in bad:
+        with pytest.raises(ValueError, match=message) as e:
+            gradmod.attach(model, rules)
+        assert "\n" not in str(e.value)
+
+
+def test_a_fused_rule_after_per_loss_sees_the_aggregate():
+    torch.manual_seed(7)
+    model = Shared(2).double()
+    ref = copy.deepcopy(model)
+    x, ys = _batch(2, False)
+    hooks = gradmod.attach(ref, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    hooks.backward(_losses(ref, x, ys))
+    torch.nn.utils.clip_grad_norm_(list(ref.trunk.parameters()), 0.01)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]},
+                                   "clip": {"params": "trunk.*", "transforms": [{"name": "global_norm_clip",
+                                                                                "max_norm": 0.01}]}})
+    hooks.backward(_losses(model, x, ys))
+    hooks.after_backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9)
+
+
+def _rank(rank, world, port, rules, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = Shared(3).double()
+    x, ys = _batch(3, False)
+    share = slice(rank * 3, rank * 3 + 3)  # this rank's half of the batch
+
+    def mean_(tensors):
+        for t in tensors:
+            dist.all_reduce(t)
+            t.div_(world)
+
+    hooks = gradmod.attach(model, rules)
+    hooks.per_loss.reduce = mean_
+    hooks.per_loss.generator.manual_seed(2)
+    hooks.backward(_losses(model, x[share], {n: y[share] for n, y in ys.items()}))
+    # A params rule's update is already the global one; DDP averages every other gradient.
+    own = rules["r"].get("params") == "trunk.*"
+    mean_([p.grad for n, p in model.named_parameters() if not (own and n.startswith("trunk"))])
+    torch.save({n: p.grad for n, p in model.named_parameters()}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", [{"params": "trunk.*", "transforms": ["upgrad"]},
+                                  {"modules": "trunk", "stage": "per_loss", "transforms": ["mgda"]},
+                                  {"params": "*", "transforms": ["geometric_mean"]}])
+def test_two_gloo_ranks_equal_one_process_on_the_joined_batch(rule, tmp_path):
+    import torch.multiprocessing as mp
+    from helpers import free_port
+
+    rules = {"r": rule}
+    mp.spawn(_rank, args=(2, free_port(), rules, str(tmp_path)), nprocs=2)
+    torch.manual_seed(0)
+    model = Shared(3).double()
+    x, ys = _batch(3, False)
+    hooks = gradmod.attach(model, rules)
+    hooks.per_loss.generator.manual_seed(2)
+    hooks.backward(_losses(model, x, ys))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-6, atol=1e-9, msg=f"rank {rank}: {n}")
+
+
+class Twice(nn.Module):
+    """A trunk whose Linear and Conv each run twice per forward (their task gradient sums the calls)."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.trunk = nn.ModuleDict({"conv": nn.Conv2d(2, 2, 3, padding=1), "norm": nn.GroupNorm(1, 2),
+                                    "lin": nn.Linear(8, 8)})
+        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(8, 3) for i in range(k)})
+
+    def forward(self, x):
+        t = self.trunk
+        h = torch.tanh(t["conv"](torch.tanh(t["conv"](x))))
+        h = t["norm"](h).flatten(1)[:, :8]
+        z = torch.tanh(t["lin"](torch.tanh(t["lin"](h))))
+        return {n: head(z) for n, head in self.heads.items()}
+
+
+@pytest.mark.parametrize("name", ["upgrad", "pcgrad", "graddrop"])
+def test_layers_called_twice_and_other_layers_equal_torchjd(name):
+    torch.manual_seed(8)
+    model = Twice(3).double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, 4, 4, generator=g).double()
+    ys = {f"t{i}": torch.randint(0, 3, (5,), generator=g) for i in range(3)}
+    expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](3), seed=5)
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(5)
+    hooks.backward(_losses(model, x, ys))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-6, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["nash_mtl", "famo"])
+def test_scaled_losses_give_the_weights_of_the_unscaled_ones(name):
+    """fp16's GradScaler multiplies the losses: the weights must not see the factor."""
+    params = "*" if name == "famo" else "trunk.*"
+    torch.manual_seed(9)
+    model = Shared(3).double()
+    ref = copy.deepcopy(model)
+    rules = {"mtl": {"params": params, "transforms": [name]}}
+    hooks, ref_hooks = gradmod.attach(model, rules), gradmod.attach(ref, rules, replace=False)
+    hooks.set_grad_scale(torch.tensor(1024.0))
+    for step in range(2):
+        x, ys = _batch(3, False, seed=step)
+        hooks.backward({n: 1024.0 * L for n, L in _losses(model, x, ys).items()})
+        ref_hooks.backward(_losses(ref, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad / 1024.0, q.grad, rtol=1e-5, atol=1e-9, msg=n)
+
+
+def test_bf16_autocast_runs_and_stays_close_to_float32():
+    torch.manual_seed(10)
+    model = Shared(2)
+    ref = copy.deepcopy(model)
+    x, ys = _batch(2, False)
+    x = x.float()
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = _losses(model, x, ys)
+    hooks.backward(losses)
+    ref_hooks = gradmod.attach(ref, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    ref_hooks.backward(_losses(ref, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad, rtol=0.1, atol=0.02, msg=n)
+
+
+def test_fsdp_sharded_parameters_are_refused(monkeypatch):
+    import gradmod.hooks.hookset as R
+
+    monkeypatch.setattr(R, "is_sharded", lambda t: True)
+    with pytest.raises(ValueError, match="FSDP-sharded"):
+        gradmod.attach(Shared(2), {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})

@@ -1,0 +1,123 @@
+"""One registry of transforms whose entries say their kind, and the stage table it points to."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from gradmod.hooks import attach, registry, stages
+from gradmod.hooks import transforms as T
+from gradmod.hooks.group import GroupTransform
+from gradmod.hooks.rules import build_targets
+
+
+def test_every_shipped_transform_says_its_kind():
+    assert set(registry.names("group")) == {"global_norm_clip", "agc", "zclip"}
+    assert registry.names("per_sample") == ["per_sample_clip"]
+    assert {"pcgrad", "mgda", "upgrad"} <= set(registry.names("per_loss"))
+    assert {"clamp", "zero", "min_zero", "log", "scale", "sign", "norm_clip", "centralize", "noise"} \
+        <= set(registry.names("elementwise"))
+    assert registry.entry("log").observer and not registry.entry("clamp").observer
+    assert "per_sample" in registry.entry("log").at_stage  # log keeps per-example statistics there
+    assert [registry.entry(n).stage for n in ("clamp", "agc", "per_sample_clip", "pcgrad")] == \
+        [None, "fused", "per_sample", "per_loss"]
+
+
+def test_stage_table_order_and_kinds():
+    assert [s.name for s in stages.STAGES] == ["hook", "per_loss", "per_sample", "fused"]
+    assert stages.names() == ("hook", "per_loss", "per_sample", "fused")
+    assert stages.default_names() == ("hook", "fused")
+    assert stages.order("hook") < stages.order("per_loss") < stages.order("per_sample") < stages.order("fused")
+    assert {k: stages.implied_by(k).name for k in ("group", "per_sample", "per_loss")} == \
+        {"group": "fused", "per_sample": "per_sample", "per_loss": "per_loss"}
+    assert stages.implied_by("elementwise") is None
+    # every kind runs at some stage, every stage runs only known kinds
+    assert {k for s in stages.STAGES for k in s.accepts} == set(registry.KINDS)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"kind": "batch"}, "kind='batch'; allowed: elementwise, group, per_sample, per_loss"),
+    ({"kind": "group", "foreach": lambda: None}, "a group transform has no foreach form"),
+    ({"kind": "per_sample", "observer": True}, "observer=True is for elementwise transforms only"),
+])
+def test_register_refuses_a_bad_kind_in_one_line(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        registry.register("bad_kind", lambda: None, **kwargs)
+    assert "bad_kind" not in registry.names()
+
+
+def test_transforms_register_is_the_registry_with_group_as_a_kind():
+    T.register("alias_group", lambda: None, group=True)
+    T.register("alias_plain", lambda: (lambda g: g))
+    assert registry.entry("alias_group").kind == "group" and registry.entry("alias_plain").kind == "elementwise"
+    registry.unregister("alias_group")
+    assert "alias_group" not in T.names()
+
+
+class UnitNorm(GroupTransform):
+    """A plugin's group transform: all the rule's gradients scaled to total L2 norm 1."""
+
+    name = "unit_norm"
+
+    def apply_(self, params, grads):
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        coef = 1.0 / (norm + 1e-6)
+        torch._foreach_mul_(grads, coef)
+        self.record.add(norm, coef)
+
+
+def test_a_plugin_group_transform_runs_fused_over_the_whole_rule():
+    registry.register("unit_norm", UnitNorm, kind="group")
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), torch.randn(5, 4)
+    model(x).square().sum().backward()
+    expected = [p.grad / torch.cat([q.grad.flatten() for q in model.parameters()]).norm() for p in model.parameters()]
+    model.zero_grad()
+    hooks = attach(model, {"u": {"params": "*", "transforms": ["unit_norm"]}})  # default stage hook: implied fused
+    assert {d["stage"] for d in hooks.describe()} == {"fused"}
+    model(x).square().sum().backward()
+    hooks.after_backward()
+    for p, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, want)
+    assert hooks.read_stats()["u/unit_norm"]["calls"] == 1
+    with pytest.raises(ValueError, match="group transform 'unit_norm' .* it runs at stage 'fused' only"):
+        attach(model, {"u": {"params": "*", "stage": "hook", "transforms": ["unit_norm"]}})
+    hooks.remove()
+
+
+def test_a_stage_the_table_reserves_is_refused_until_provided(monkeypatch):
+    reserved = tuple(replace(s, available=False) if s.name == "per_loss" else s for s in stages.STAGES)
+    monkeypatch.setattr(stages, "STAGES", reserved)
+    monkeypatch.setattr(stages, "_BY_NAME", {s.name: s for s in reserved})
+    registry.register("task_weights", lambda: None, kind="per_loss")
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="per_loss transform 'task_weights' runs at stage 'per_loss', which this "
+                                         "version does not provide"):
+        build_targets(model, {"r": {"params": "*", "transforms": ["task_weights"]}})
+
+
+def test_a_transform_of_another_stage_is_refused_with_what_runs_there():
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError) as e:
+        attach(model, {"r": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}, "zclip"]}})
+    assert "hooks.r.transforms: 'zclip' cannot run at stage 'per_sample'; allowed there: " in str(e.value)
+    assert "log" in str(e.value) and "per_sample_clip" in str(e.value)
+
+
+def test_stages_act_in_the_table_order_and_the_plan_lists_them_so():
+    torch.manual_seed(0)
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    model(x).square().mean().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    rules = {"twice": {"params": "*", "stage": "fused", "transforms": [{"name": "scale", "factor": 2.0}]},
+             "dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1e6}]}}
+    with attach(model, rules) as hooks:
+        assert dict(hooks.chains)["weight"] == ["per_sample_clip", "scale"]  # per_sample before fused
+        model(x).square().mean().backward()
+        hooks.after_backward()
+    for p, g in zip(model.parameters(), plain):  # the per_sample mean (nothing clipped), then doubled
+        torch.testing.assert_close(p.grad, 2 * g)
