@@ -10,7 +10,7 @@ from helpers import RESUMABLE, compose_config
 @pytest.fixture(autouse=True)
 def _transform_registry():
     """A transform a test registers lives for that test only (the help page lists the registry)."""
-    import gradmod.hooks.rules  # noqa: F401  (the built-in transforms registered before the snapshot)
+    import gradmod.hooks.hookset  # noqa: F401  (every shipped transform registered before the copy)
     from gradmod.hooks import registry
 
     saved = registry._ENTRIES.copy()

@@ -8,15 +8,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import torchjd.aggregation as tja  # the reference implementation (a test dependency, torchjd[full])
+import torchjd.scalarization as tjs
 from torch import nn
+from torchjd.autojac import backward as tj_backward
+from torchjd.autojac import jac_to_grad
 
 import gradmod
 from gradmod.hooks.per_loss import methods as M
-
-tja = pytest.importorskip("torchjd.aggregation")
-tjs = pytest.importorskip("torchjd.scalarization")
-from torchjd.autojac import backward as tj_backward
-from torchjd.autojac import jac_to_grad
 
 SEEDED = {"pcgrad", "random", "graddrop", "gradvac"}  # draw from the generator: same seed, same draws
 SOLVER = {"cagrad", "nash_mtl"}  # a numerical solver on both sides: 1e-4
@@ -340,11 +339,10 @@ def _rank(rank, world, port, rules, out):
                                   {"modules": "trunk", "stage": "per_loss", "transforms": ["mgda"]},
                                   {"params": "*", "transforms": ["geometric_mean"]}])
 def test_two_gloo_ranks_equal_one_process_on_the_joined_batch(rule, tmp_path):
-    import torch.multiprocessing as mp
-    from helpers import free_port
+    from helpers import free_port, spawn_ranks
 
     rules = {"r": rule}
-    mp.spawn(_rank, args=(2, free_port(), rules, str(tmp_path)), nprocs=2)
+    spawn_ranks(_rank, 2, free_port(), rules, str(tmp_path))
     torch.manual_seed(0)
     model = Shared(3).double()
     x, ys = _batch(3, False)

@@ -165,3 +165,8 @@ register("sign", sign, foreach=lambda: torch._foreach_sign_)
 register("centralize", centralize)
 register("norm_clip", norm_clip)
 register("noise", noise)
+
+# The shipped group and per_sample transforms register where they are defined: loaded with
+# the element-wise ones, so that names() lists every shipped transform whoever comes first.
+from gradmod.hooks import group as _group  # noqa: E402, F401
+from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: E402, F401

@@ -230,7 +230,7 @@ class PerLossStage:
                                             allow_unused=True, materialize_grads=False))
         rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
         out = []
-        for j, x in enumerate(inputs):
+        for j in range(len(inputs)):
             got = [r[j] for r in rows]
             if all(g is None for g in got):
                 out.append(None)
