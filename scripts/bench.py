@@ -23,6 +23,8 @@ Sections:
          log read every step; log read every 50 steps; clip_logged (log, clamp, log) read every 50 steps
   ops    aten ops dispatched in one optimizer step of each contender (gradmod.testing.opcount.OpCounter),
          with the trainer's non-finite guard; deterministic, so the same on every machine
+  scale  how each rule's cost grows with the model: five MLPs (4x64 ... 8x1024 Linear+ReLU blocks), batch 32,
+         one thread, SGD, every rule on "*", ratios to the bare step and ops per step (scripts/bench_scale.py)
   per_sample  one DP-SGD step (clip 1, noise 1) on Opacus' MNIST example net, resnet18-GN, a small transformer and a
          784-512-512-10 MLP: plain step, Opacus (default and ghost mode, if installed), gradmod's
          per_sample stage; and each contender's peak memory, in a fresh process
@@ -56,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample secti
 
 import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
+import bench_scale as scale  # noqa: E402
 
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks import attach  # noqa: E402
@@ -71,7 +74,8 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss")
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "scale")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # scale takes long: asked for by name
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
 # median(numerator) / median(denominator). "cuda" targets apply only on a GPU.
@@ -125,11 +129,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--full", action="store_true", help="MNIST's size: --train-size 60000 --test-size 10000")
     p.add_argument("--epochs", type=int, default=1, help="epochs per timed run in the epoch section (default 1)")
     p.add_argument("--eval-batch-size", type=int, default=1000, help="gradmod's evaluation batch (default 1000, trainer.eval_batch_size)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but scale)")
     p.add_argument("--compile", action="store_true", help="also time gradmod's epoch with torch.compile (slow to compile)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default="outputs/bench/bench.json", help="where to write the results")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run: 200/50 images, 1 repeat, no warm-up")
+    p.add_argument("--scale-rounds", type=int, default=15, help="timed runs per contender in the scale section (default 15)")
     args = p.parse_args(argv)
     if args.full:
         args.train_size, args.test_size = 60_000, 10_000
@@ -497,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"bench: {args.train_size} train / {args.test_size} test images on {device}, "
               f"{args.repeats} repeats (+{args.warmup} warm-up), sections {','.join(args.sections)}", flush=True)
         ops = op_counts(bench) if "ops" in args.sections else {}
-        timed = any(s != "ops" for s in args.sections)
+        timed = any(s not in ("ops", "scale") for s in args.sections)
         # Peak memory first (fresh processes, before this one grows): a failure shows early.
         memory = peak_memory() if "per_sample" in args.sections and not args.quick and device.type == "cpu" else {}
         if "per_loss" in args.sections and not args.quick and device.type == "cpu":
@@ -505,6 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
             memory = {"peak_bytes": {**memory.get("peak_bytes", {}), **loss_memory["peak_bytes"]},
                       "ratios": {**memory.get("ratios", {}), **loss_memory["ratios"]}}
         results = measure(bench, args.repeats, args.warmup) if timed else {}
+        scaled = scale.measure(*((2, 2) if args.quick else (args.scale_rounds, scale.RUN_STEPS))) \
+            if "scale" in args.sections else {}
     rat = ratios(results, device)
     report = {
         "machine": {**machine(device), "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
@@ -514,10 +522,13 @@ def main(argv: list[str] | None = None) -> dict:
         "ratios": rat,
         "ops": ops,
         "memory": memory,
+        "scale": scaled,
     }
     print(table(results, rat))
     if ops:
         print(ops_table(ops))
+    if scaled:
+        print(scale.table(scaled))
     for name, r in memory.get("ratios", {}).items():
         print(f"{name:<34} {r['value']:>7.3f}  {r['target']}: {'met' if r['met'] else 'NOT met'}")
     out = Path(args.json)

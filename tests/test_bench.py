@@ -67,3 +67,24 @@ def test_bench_full_tiles_the_sample_to_mnist_sizes_and_unknown_sections_are_ref
     with pytest.raises(SystemExit):
         bench.parse_args(["--sections", "epoch,nope"])
     assert bench.tile(bench.torch.arange(3), 7).tolist() == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_scale_section_times_every_contender_beside_its_ops(capsys):
+    """The scale section on two small shapes: every contender's ratio to bare and ops per step."""
+    bench = _bench()
+    out = bench.scale.measure(rounds=1, run_steps=1, shapes=((2, 8), (1, 16)))
+    assert list(out["shapes"]) == ["2x8", "1x16"]
+    for s in out["shapes"].values():
+        rows = s["contenders"]
+        assert set(rows) == set(bench.scale.CONTENDERS)
+        assert rows["bare"]["x_bare"] == 1.0 and rows["bare"]["ops_over_bare"] == 0
+        for name, r in rows.items():
+            assert r["ms"] > 0 and r["wall_ms"] > 0 and r["ops"] >= rows["bare"]["ops"], name
+            assert ("met" in r) == (name in bench.scale.TARGETS)
+        # clamp_min_ and clamp_max_ over every .grad at the end of backward (and, in the first two
+        # backward passes, the raw non-finite count, until the ledger sees nobody takes it)
+        assert rows["clamp_hook"]["ops_over_bare"] <= 4
+    print(bench.scale.table(out))
+    assert "clip_logged" in capsys.readouterr().out
+    assert bench.parse_args(["--sections", "scale"]).sections == ["scale"]
+    assert "scale" not in bench.parse_args([]).sections  # asked for by name

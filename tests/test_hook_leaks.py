@@ -105,3 +105,21 @@ def _bounded_log():
     assert counts[1000] == counts[100]
     assert all(obs.calls == 0 and obs._sum is None for _, obs in hooks.observers())
     hooks.remove()
+
+
+def test_a_loop_without_a_guard_keeps_no_raw_gradients():
+    """The chains keep the raw gradients they replace for the non-finite guard; with none
+    taking them, the ledger stops after two backward passes instead of growing; with a
+    consumer it keeps every backward's (accumulation) until taken."""
+    clip = {"clip": {"params": "*", "transforms": [{"name": "clamp", "bound": 1e-3}]}}
+    for consumer in (False, True):
+        model = nn.Linear(4, 3)
+        hooks = attach(model, clip)
+        if consumer:
+            hooks.take_raw_parts()  # what the trainer's guard does when it is built
+        for _ in range(5):
+            model(torch.randn(8, 4)).sum().backward()
+        raw, counted, replaced = hooks.take_raw_parts()  # the first backward's transformed .grad in place: counted
+        assert len(raw) + len(counted) == (10 if consumer else 0)
+        assert replaced == ({"weight", "bias"} if consumer else set())
+        hooks.remove()

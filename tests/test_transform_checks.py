@@ -52,12 +52,13 @@ def test_the_check_runs_on_the_first_call_only():
     hooks = attach(model, {"c": {"params": "*", "transforms": [{"name": "clamp", "min": -0.1, "max": 0.1}]}})
     _backward(model)
     with OpCounter() as first_free:
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=False)  # .grad held: the chain runs in each hook
         _backward(model)
     hooks.remove()
     bare = _model()
+    _backward(bare)
     with OpCounter() as unhooked:
-        bare.zero_grad(set_to_none=True)
+        bare.zero_grad(set_to_none=False)
         _backward(bare)
     assert first_free.count - unhooked.count == 4  # one clamp per parameter, nothing else
     assert first_free.by_op["aten.clamp.default"] == 4

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
+from gradmod.hooks.log_buffer import in_distributed
 
 
 def _checked(rule: str, step: R.BuiltTransform, key: str, g: Tensor) -> Tensor | None:
@@ -29,36 +31,93 @@ def _checked(rule: str, step: R.BuiltTransform, key: str, g: Tensor) -> Tensor |
     return out
 
 
+def _slots(steps: list[tuple[str, R.BuiltTransform]]) -> list[tuple[str, int]]:
+    """Each step's (rule, position in the rule's transforms): where its ``log`` rows are batched."""
+    seen: dict[str, int] = {}
+    out = []
+    for rule, _ in steps:
+        out.append((rule, seen.get(rule, 0)))
+        seen[rule] = seen.get(rule, 0) + 1
+    return out
+
+
 def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, param: nn.Parameter | None):
     """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
-    handed to ``hooks.logs`` (a ``LogBuffer``: computed for all tensors together at the
-    end of backward). The raw gradient goes to ``hooks.ledger`` (a ``RawLedger``) for the
-    non-finite count, before a transform such as clamp can turn inf into a number.
-    Under fp16 (``hooks.grad_scale``, set by ``set_grad_scale``) the steps see the unscaled gradient, as in
-    fp32, and the result is scaled back for GradScaler; scales are powers of two, so
-    this is exact."""
+    handed to ``hooks.logs`` (a ``LogBuffer``: computed per rule and position for all
+    tensors together at the end of backward). The raw gradient goes to ``hooks.ledger`` (a
+    ``RawLedger``) for the non-finite count, before a transform such as clamp can turn inf
+    into a number. Under fp16 (``hooks.grad_scale``, set by ``set_grad_scale``) the steps
+    see the unscaled gradient, as in fp32, and the result is scaled back for GradScaler;
+    scales are powers of two, so this is exact."""
     first = True
+    plan = [(rule, step, step.fn if step.observer else None, slot)
+            for (rule, step), slot in zip(steps, _slots(steps))]
+    observes_only = all(obs is not None for _, _, obs, _ in plan)
+    defer = _deferrable(steps, param)
+    group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
 
-    def hook(grad: Tensor) -> Tensor:
+    def hook(grad: Tensor) -> Tensor | None:
         nonlocal first
         scale = hooks.grad_scale
+        if defer is not None and scale is None and defer(param):
+            hooks.logs.defer(group, steps, param, key, hooks.ledger)
+            return None
         g = grad if scale is None else grad.float() * scale.reciprocal()
-        seen: list[tuple[Any, Tensor]] = []  # (GradStats, the gradient it observes)
+        if observes_only:  # nothing changes the gradient: no result to build
+            if param is None:
+                hooks.ledger.note(key, grad, grad, False)
+            _observe(hooks, [(obs, g, slot) for _, _, obs, slot in plan], grad, param)
+            return None
+        seen: list[tuple[Any, Tensor, tuple[str, int]]] = []  # (GradStats, its gradient, slot)
         changed = False
-        for rule, step in steps:
-            if step.observer and not step.fn.histogram:
-                seen.append((step.fn, g))
+        for rule, step, obs, slot in plan:
+            if obs is not None:
+                seen.append((obs, g, slot))
                 continue
-            out = _checked(rule, step, key, g) if first else step(g)
+            out = _checked(rule, step, key, g) if first else step.fn(g)
             if out is not None:
                 g, changed = out, True
         first = False
         result = grad if not changed else g if scale is None else (g * scale).to(grad.dtype)
         hooks.ledger.note(key, grad, result, param is not None)
-        hooks.logs.add(seen, result, param)
+        if seen:
+            _observe(hooks, seen, result, param)
         return result
 
     return hook
+
+
+def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter | None):
+    """For a parameter whose chain is only transforms with an in-place foreach form: a test
+    of whether this call may leave the gradient to autograd and transform ``.grad`` in place
+    at the end of backward instead (one foreach op per step for all such tensors, no copy
+    per tensor). It may when ``.grad`` is empty, so that it will hold exactly this gradient,
+    and nothing looks at ``.grad`` before backward ends: this backward accumulates into it
+    (not ``autograd.grad``), builds no graph of its own, no other hook follows on the
+    parameter, and no DDP reducer reads it. Else the chain runs in the hook as usual."""
+    if param is None or not param.requires_grad or not steps:
+        return None
+    if not all(not s.observer and s.kind == "elementwise" and s.inplace is not None for _, s in steps):
+        return None
+    acc = param.view_as(param).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
+
+    def may(p: nn.Parameter) -> bool:
+        if p.grad is not None or torch.is_grad_enabled() or p._post_accumulate_grad_hooks is not None \
+                or len(p._backward_hooks or ()) != 1 or in_distributed():
+            return False
+        try:
+            return torch._C._will_engine_execute_node(acc)
+        except RuntimeError:  # autograd.grad(): nothing is accumulated
+            return False
+
+    return may
+
+
+def _observe(hooks: Any, seen: list, result: Tensor, param: nn.Parameter | None) -> None:
+    for obs, g, _ in seen:
+        if obs.histogram:  # the step before a log point: bin at once (the rows still batch)
+            obs.observe_histogram(g)
+    hooks.logs.add(seen, result, param)
 
 
 def output_hook(chain, rules: list[str], module: str):

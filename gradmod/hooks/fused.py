@@ -3,8 +3,9 @@ backward, once per optimizer step, each rule's steps in config order.
 
 A step of a rule is applied to all the rule's gradients at once: a group transform
 (``gradmod.hooks.group``) gets them all; a transform with a foreach form makes one
-grouped call; any other runs per tensor, each tensor with its own instance (observers
-and stateful transforms keep one state per tensor, as in the hook stage).
+grouped call; ``log`` computes the rows of all the rule's tensors together; any other
+runs per tensor, each tensor with its own instance (observers and stateful transforms
+keep one state per tensor, as in the hook stage).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
+from gradmod.hooks.stats import observe_batch
 
 
 @dataclass
@@ -38,6 +40,13 @@ class FusedTransform:
             return first.fn.apply_([self.params[i] for i in live], grads)
         if first.inplace is not None:  # one grouped foreach call (stateless forms)
             first.inplace(grads)
+            return None
+        if first.observer:  # the rule's rows together, as the hook stage batches them
+            observers = [self.steps[i].fn for i in live]
+            for obs, g in zip(observers, grads):
+                if obs.histogram:
+                    obs.observe_histogram(g)
+            observe_batch(observers, grads)
             return None
         for i, g in zip(live, grads):
             out = self.steps[i](g)

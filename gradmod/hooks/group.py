@@ -15,14 +15,17 @@ except ``zclip(on_spike="skip")``, whose answer the loop must read.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradmod.hooks.reduce import BIG
 from gradmod.hooks.registry import register
-from gradmod.hooks.sharded import plain
+from gradmod.hooks.sharded import is_sharded, plain
 from gradmod.hooks.transforms import _number, _positive
+from gradmod.hooks.window import Window
 
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
 
@@ -34,27 +37,18 @@ def total_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
 
 
-class NormRecord:
+class NormRecord(Window):
     """Per call: total norm before the transform and clip coefficient, kept on the device;
-    read like a ``log`` window (``take``, ``summarize``, ``state_dict``)."""
-
-    COMPACT_AT = 256  # pending rows folded into one summary, so memory stays bounded
-    label = None
-    pre = None  # never paired with a ``log`` observer
-    histogram = False  # set by HookSet.set_histograms; a record takes none
+    a window of 2-column rows folded into a 5-value summary."""
 
     def __init__(self):
-        self.calls = 0
-        self._rows: list[Tensor] = []
+        super().__init__()
         self._summary: Tensor | None = None  # [norm sum, norm max, coef sum, coef min, clipped calls]
 
-    def add(self, norm: Tensor, coef: Tensor) -> None:
-        self._rows.append(torch.stack([plain(norm).float(), plain(coef).float()]))  # FSDP2: replicated values
-        self.calls += 1
-        if len(self._rows) >= self.COMPACT_AT:
-            self._summary, self._rows = self._fold(), []
+    def add(self, norm: Tensor, coef: Tensor) -> None:  # type: ignore[override]
+        super().add(torch.stack([plain(norm).float(), plain(coef).float()]))  # FSDP2: replicated values
 
-    def _fold(self) -> Tensor | None:
+    def _fold(self) -> Tensor | None:  # type: ignore[override]
         parts = [] if self._summary is None else [self._summary]
         if self._rows:
             r = torch.stack(self._rows)
@@ -66,9 +60,16 @@ class NormRecord:
         return torch.stack([a[0] + b[0], torch.maximum(a[1], b[1]), a[2] + b[2],
                             torch.minimum(a[3], b[3]), a[4] + b[4]])
 
+    def _compact(self) -> None:
+        self._summary, self._rows = self._fold(), []
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._summary = None
+
     def take(self) -> tuple[int, Tensor | None]:
-        out, calls = self._fold(), self.calls
-        self.calls, self._rows, self._summary = 0, [], None
+        out, calls = self._fold(), self.calls  # a summary alone is a window too
+        self._reset()
         return calls, out
 
     @staticmethod
@@ -141,12 +142,13 @@ def _norm_type(transform: str, value: Any) -> float:
     return v
 
 
-def unit_norms(x: Tensor, norm_type: float = 2.0) -> Tensor:
+def unit_norms(x: Tensor, norm_type: float = 2.0, stacked: bool = False) -> Tensor:
     """Norm per output unit (over every dim but the first, kept for broadcasting);
-    a vector or scalar as a whole."""
-    if x.dim() <= 1:
-        return torch.linalg.vector_norm(x, norm_type)
-    return torch.linalg.vector_norm(x, norm_type, dim=tuple(range(1, x.dim())), keepdim=True)
+    a vector or scalar as a whole. ``stacked``: ``x`` is [k, *shape], k tensors' norms."""
+    lead = 1 if stacked else 0
+    if x.dim() <= 1 + lead:
+        return torch.linalg.vector_norm(x, norm_type, dim=tuple(range(lead, x.dim())), keepdim=stacked)
+    return torch.linalg.vector_norm(x, norm_type, dim=tuple(range(1 + lead, x.dim())), keepdim=True)
 
 
 class AGC(GroupTransform):
@@ -165,10 +167,29 @@ class AGC(GroupTransform):
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
         before = total_norm(grads)
-        for p, g in zip(params, grads):  # unit-wise norms have no foreach form
-            limit = unit_norms(p.detach(), self.norm_type).clamp_min(self.eps).mul_(self.clip_factor)
-            g.mul_((limit / unit_norms(g, self.norm_type).clamp_min(EPS)).clamp_max(1.0))
+        for ps, gs in _by_shape(params, grads):
+            if len(gs) == 1:
+                gs[0].mul_(self._coef(ps[0].detach(), gs[0]))
+            else:  # one set of unit-norm ops for all tensors of this shape (unit norms have no foreach form)
+                coef = self._coef(torch.stack([p.detach() for p in ps]), torch.stack(gs), stacked=True)
+                torch._foreach_mul_(gs, list(coef.unbind(0)))
         self.record.add(before, total_norm(grads) / (before + EPS))
+
+    def _coef(self, p: Tensor, g: Tensor, stacked: bool = False) -> Tensor:
+        """Each unit's factor min(1, clip_factor * max(|w|, eps) / max(|g|, 1e-6))."""
+        limit = unit_norms(p, self.norm_type, stacked).clamp_min(self.eps).mul_(self.clip_factor)
+        return (limit / unit_norms(g, self.norm_type, stacked).clamp_min(EPS)).clamp_max(1.0)
+
+
+def _by_shape(params: list[Tensor], grads: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:
+    """(params, grads) per shape; big or 0-d tensors alone (stacking them would copy much, or nothing to stack)."""
+    groups: dict[Any, tuple[list[Tensor], list[Tensor]]] = {}
+    for i, (p, g) in enumerate(zip(params, grads)):
+        key = i if g.numel() >= BIG or g.dim() == 0 or is_sharded(g) else (tuple(g.shape), g.dtype)
+        groups.setdefault(key, ([], []))
+        groups[key][0].append(p)
+        groups[key][1].append(g)
+    return list(groups.values())
 
 
 class ZClip(GroupTransform):

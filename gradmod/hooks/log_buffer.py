@@ -1,8 +1,10 @@
 """``log`` observations of one backward, computed together at its end.
 
-At the hook stage a chain does not run its ``log`` observers: it hands them the tensors
-they saw, and at the end of backward ``batch_rows`` computes the rows of all of them in a
-few ops, so ``log`` costs few kernel launches however many tensors it watches.
+At the hook stage a chain does not run its ``log`` observers on small gradients: it hands
+them the tensors they saw, and at the end of backward ``observe_batch`` computes the rows of
+each rule's observers at each chain position in a few ops for all their tensors, so ``log``
+costs few kernel launches however many tensors it watches. A big gradient (``BIG``
+entries or more) is observed at once, in its hook, while it is still in cache.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks.stats import GradStats, batch_rows
+from gradmod.hooks.reduce import BIG
+from gradmod.hooks.stats import GradStats, observe_batch, observe_pairs
+
+Slot = tuple[str, int]  # (rule, position in the rule's transforms)
 
 
 def in_distributed() -> bool:
@@ -20,44 +25,82 @@ def in_distributed() -> bool:
 
 
 class LogBuffer:
-    """The observations pending until the end of the current backward."""
+    """The observations pending until the end of the current backward, per slot."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[GradStats, Any]] = []  # (observer, its source)
-        self._pairs: list[tuple[GradStats, Any, GradStats, Any]] = []  # (pre, its source, post, its source)
+        self._slots: dict[Slot, tuple[list[GradStats], list[Any]]] = {}  # slot -> (observers, sources)
+        self._deferred: dict[tuple, tuple[list, list[nn.Parameter], list[str]]] = {}  # chain -> (steps, params, keys)
+        self.ledger = None  # the raw-gradient ledger, told of what deferred chains replace
 
-    def add(self, seen: list[tuple[GradStats, Tensor]], result: Tensor, param: nn.Parameter | None) -> None:
-        """One chain call's observations; ``result`` is what the chain returned for ``param``
-        (None for a module output)."""
-        if not seen:
-            return
-        if not self._pending and not self._pairs:
+    def _queue(self) -> None:
+        if not self._slots and not self._deferred:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def defer(self, group: tuple, steps: list, param: nn.Parameter, key: str, ledger) -> None:
+        """A chain of in-place-able transforms, applied to ``param.grad`` at the end of
+        backward, with every parameter of the same rules and steps (``group``) in one
+        foreach op each."""
+        if not self._deferred:
+            self._queue()
+            self.ledger = ledger
+        entry = self._deferred.get(group)
+        if entry is None:
+            entry = self._deferred[group] = (steps, [], [])
+        entry[1].append(param)
+        entry[2].append(key)
+
+    def _run_deferred(self, deferred: dict) -> None:
+        for steps, params, keys in deferred.values():
+            grads = [p.grad for p in params]
+            if self.ledger is not None and self.ledger.keeping():  # the raw count, before the transforms
+                self.ledger.add_counts(keys, torch._foreach_norm(torch._foreach_mul(grads, 0), 0))  # inf*0, nan*0: nan
+            for _, step in steps:
+                step.inplace(grads)
+
+    def add(self, seen: list[tuple[GradStats, Tensor, Slot]], result: Tensor, param: nn.Parameter | None) -> None:
+        """One chain call's observations in chain order; ``result`` is what the chain
+        returned for ``param`` (None for a module output)."""
+        if seen[0][1].numel() >= BIG:  # one tensor's chain: every observation has its size
+            for obs, t, _ in seen:
+                obs.observe(t)
+            return
+        self._queue()
         # Holding the tensor autograd is about to store in an empty .grad would make it copy
         # the tensor; read that one from .grad at the end of backward instead.
         steal = param is not None and param.grad is None and not in_distributed()
-        sources = [(obs, param if steal and t is result else t) for obs, t in seen]
-        waiting: dict[int, tuple[GradStats, Any]] = {}  # pre observers of this call, until their post
-        for obs, src in sources:
-            if obs.pre is not None and id(obs.pre) in waiting:
-                self._pairs.append((*waiting.pop(id(obs.pre)), obs, src))
-            elif obs.keep is not None:
-                waiting[id(obs)] = (obs, src)
-            else:
-                self._pending.append((obs, src))
-        self._pending.extend(waiting.values())
+        for obs, t, slot in seen:
+            observers, sources = self._slots.setdefault(slot, ([], []))
+            observers.append(obs)
+            sources.append(param if steal and t is result else t)
 
     def flush(self) -> None:
-        """End of backward: the rows of every pending observation, computed together."""
-        pairs, singles = self._pairs, self._pending
+        """End of backward: each slot's rows, computed together (``pre`` slots come first,
+        as in the chains)."""
+        slots, deferred = list(self._slots.values()), self._deferred
         self.clear()
-        order = [p for p, _, _, _ in pairs] + [q for _, _, q, _ in pairs] + [o for o, _ in singles]
-        sources = [s for _, s, _, _ in pairs] + [s for _, _, _, s in pairs] + [s for _, s in singles]
-        tensors = [s.grad if isinstance(s, nn.Parameter) else s for s in sources]
-        if not tensors:
-            return
-        for obs, row in zip(order, batch_rows(tensors, len(pairs))):
-            obs.add_row(row)
+        self._run_deferred(deferred)
+        done: set[int] = set()
+        for j, (observers, sources) in enumerate(slots):
+            if j in done:
+                continue
+            tensors = [s.grad if isinstance(s, nn.Parameter) else s for s in sources]
+            k = _partner(slots, j) if observers[0].keep is not None else None
+            if k is None:
+                observe_batch(observers, tensors)
+                continue
+            done.add(k)
+            posts, after = slots[k]
+            observe_pairs(observers, tensors, posts, [s.grad if isinstance(s, nn.Parameter) else s for s in after])
 
     def clear(self) -> None:
-        self._pairs, self._pending = [], []
+        self._slots, self._deferred = {}, {}
+
+
+def _partner(slots: list, j: int) -> int | None:
+    """The slot whose observers are the ``post`` partners of slot ``j``'s, in order."""
+    pres = slots[j][0]
+    for k in range(j + 1, len(slots)):
+        posts = slots[k][0]
+        if len(posts) == len(pres) and all(q.pre is p for p, q in zip(pres, posts)):
+            return k
+    return None

@@ -11,17 +11,18 @@ same numbers.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from gradmod.hooks.reduce import Seen, stat_rows
 from gradmod.hooks.registry import register
 from gradmod.hooks.sharded import is_sharded, plain, sharded_rows
-from gradmod.hooks.transforms import Transform
+from gradmod.hooks.window import Window
 
 
-class GradStats:
+class GradStats(Window):
     """The ``log`` transform: statistics of every gradient it sees, accumulated on the
     gradient's device so that observing costs no host sync. ``read()`` syncs once.
 
@@ -32,7 +33,8 @@ class GradStats:
     A ``post`` observer paired with the ``pre`` observer of the same rule (``log`` first
     and last in its chain) also reports ``frac_clipped``: the mean fraction of elements
     that the transforms between them changed (for ``clamp``: the elements clipped to a
-    bound). ``pre`` keeps a reference to the gradient it saw until ``post`` compares.
+    bound). ``pre`` keeps what it saw (``keep``: "ref", or "clone" where gradients change
+    in place) until ``post`` compares.
 
     With ``histogram`` set (the trainer sets it for the step before a read), the call
     also bins the gradient on the device; the last such call's histogram is read with
@@ -41,49 +43,49 @@ class GradStats:
 
     FIELDS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite", "frac_clipped")
     BINS = 30
-    COMPACT_AT = 256  # pending rows folded into one on the device, so memory stays bounded
 
     def __init__(self, label: str | None = None):
+        super().__init__()
         self.label = label
-        self.calls = 0
-        self._rows: list[Tensor] = []  # per call (or folded window): FIELDS, as sums except min and max
         self._zero: Tensor | None = None  # frac_clipped of an unpaired call
         self.pre: GradStats | None = None  # set on a ``post`` observer: its ``pre`` partner
         self.keep: str | None = None  # on a ``pre`` observer: "ref", or "clone" where grads change in place
-        self._seen: Tensor | None = None
+        self._seen: Seen | None = None
         self.histogram = False
         self._hist: Tensor | None = None
 
     def __call__(self, grad: Tensor) -> None:
-        # The same arithmetic as the batched hook-stage path (batch_rows), so both stages
-        # report the same bits.
+        self.observe(grad)
+        if self.histogram:
+            self.observe_histogram(grad)
+
+    def observe(self, grad: Tensor) -> None:
+        """This call's row, by the arithmetic of the batched paths (``stat_rows``), so every
+        stage reports the same bits."""
         g = grad.detach()
-        before = None
-        if self.pre is not None and self.pre._seen is not None:
-            before, self.pre._seen = self.pre._seen, None
+        if is_sharded(g):  # FSDP2: the full tensor's numbers
+            self._sharded(g)
+            return
+        rows, _, seen = stat_rows([g], self.take_before(), self.keep)
+        self._seen = seen
+        self.add(rows[0])
+
+    def take_before(self):
+        """The ``pre`` partner's view of the same gradient (once), or None."""
+        if self.pre is None or self.pre._seen is None:
+            return None
+        before, self.pre._seen = self.pre._seen, None
+        return before
+
+    def _sharded(self, g: Tensor) -> None:
+        before = self.take_before()
         if self.keep is not None:
             self._seen = g.clone() if self.keep == "clone" else g
-        rows = sharded_rows if is_sharded(g) else batch_rows  # FSDP2: the full tensor's numbers
-        row = rows([g], 0)[0] if before is None else rows([before, g], 1)[1]
-        if self.histogram:
-            self._hist = self.bin(plain(g).float())  # FSDP2: gathers the gradient, at histogram steps only
-        self.add_row(row)
-        return None
+        self.add_row(sharded_rows([g], 0)[0] if before is None else sharded_rows([before, g], 1)[1])
 
-    @property
-    def _sum(self) -> Tensor | None:
-        """The pending window as one row (None when empty)."""
-        return self._fold() if self._rows else None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The window in progress (calls and its row), for checkpoints."""
-        return {"calls": self.calls, "window": self._sum}
-
-    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
-        """Continue the saved window; ``device``: where this run's gradients are."""
-        window = state["window"]
-        self.calls = state["calls"]
-        self._rows = [] if window is None else [window if device is None else window.to(device)]
+    def observe_histogram(self, g: Tensor) -> None:
+        """Bin ``g`` for the next read (FSDP2: gathers the gradient, at histogram steps only)."""
+        self._hist = self.bin(plain(g.detach()).float())
 
     def _fold(self) -> Tensor:
         """The pending rows as one row: sums, except min (column 1) and max (column 2)."""
@@ -114,20 +116,19 @@ class GradStats:
         return torch.cat([head, counts])
 
     def add_row(self, row: Tensor) -> None:
-        """A row computed elsewhere (``batch_rows``) for one call."""
-        self._rows.append(row)
-        self.calls += 1
-        if len(self._rows) >= self.COMPACT_AT:
-            self._rows = [self._fold()]
+        """A row computed elsewhere (``stat_rows``) for one call."""
+        self.add(row)
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._hist = None
 
     def take(self) -> tuple[int, Tensor | None]:
         """The pending window (calls, device tensor) and a fresh start; no sync. The
         tensor is the FIELDS, then ``bin()``'s values when a histogram was taken."""
-        acc = self._fold() if self._rows else None
-        out = acc if self._hist is None or acc is None else torch.cat([acc, self._hist])
-        calls = self.calls
-        self.calls, self._rows, self._hist = 0, [], None
-        return calls, out
+        hist = self._hist
+        calls, acc = super().take()
+        return calls, acc if hist is None or acc is None else torch.cat([acc, hist])
 
     @staticmethod
     def summarize(calls: int, values: list[float], paired: bool = False) -> dict[str, Any]:
@@ -150,56 +151,64 @@ class GradStats:
             }
         return out
 
-    def read(self) -> dict[str, Any] | None:
-        calls, acc = self.take()
-        return None if acc is None else self.summarize(calls, acc.tolist(), self.pre is not None)
-
-
-_SEGMENTS: dict[tuple, tuple[Tensor, Tensor]] = {}  # (sizes, device) -> (lengths, sizes as float)
-
-
-def _segments(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-    """The segment lengths and element counts of one layout, built once per layout."""
-    key = (sizes, str(device))
-    if key not in _SEGMENTS:
-        if len(_SEGMENTS) > 64:  # layouts change only with the batch size of module outputs
-            _SEGMENTS.clear()
-        n = torch.tensor(sizes, device=device)
-        _SEGMENTS[key] = (n, n.float())
-    return _SEGMENTS[key]
-
-
 def batch_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
-    """``GradStats`` rows (FIELDS) of many gradients in one go: a handful of ops for all
-    of them plus one per tensor (a flattening view); NaN propagates into min and max
-    as in the per-call path. The first ``paired`` tensors are ``pre`` observations and
-    the next ``paired`` their ``post`` partners (same shapes), whose rows get
-    ``frac_clipped``; every other row gets 0 there."""
-    gf = [t.detach().float() for t in tensors]
-    sizes = tuple(t.numel() for t in gf)
-    lengths, count = _segments(sizes, gf[0].device)
-    flat = torch.cat([t.reshape(-1) for t in gf])
-    nonfinite = (flat * 0).isnan()  # inf * 0 and nan * 0 are nan: one flag for both
-    sums = torch.segment_reduce(torch.stack([flat, flat < 0, nonfinite], 1), "sum", lengths=lengths, axis=0)
-    # max of (x, -x) per tensor: the largest and minus the smallest entry; NaN propagates.
-    extremes = torch.segment_reduce(torch.stack([flat, -flat], 1), "max", lengths=lengths, axis=0)
-    clipped = torch.zeros(len(gf), device=flat.device)
-    if paired:
-        split = sum(sizes[:paired])
-        before, after = flat[:split], flat[split:2 * split]
-        changed = (after != before) & ~((after != after) & (before != before))  # nan -> nan is no change
-        per_pair = torch.segment_reduce(changed.float(), "sum", lengths=lengths[paired:2 * paired])
-        clipped[paired:2 * paired] = per_pair / count[paired:2 * paired]
-    means = sums / count[:, None]
-    lo, hi = (-extremes).unbind(1)[1], extremes.unbind(1)[0]
-    mean, negative, _ = means.unbind(1)
-    rows = torch.stack([torch.stack(torch._foreach_norm(gf)), lo, hi, mean, negative, sums.unbind(1)[2], clipped], 1)
-    return list(rows.unbind(0))
+    """``GradStats`` rows of ``tensors`` in their order (``stat_rows``): the first ``paired``
+    are ``pre`` observations, the next ``paired`` their ``post`` partners (same shapes),
+    whose rows get ``frac_clipped``; every other row gets 0 there."""
+    out: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    seen = None
+    for lo, hi, keep in ((0, paired, "ref"), (paired, 2 * paired, None), (2 * paired, len(tensors), None)):
+        if hi > lo:
+            rows, order, kept = stat_rows(tensors[lo:hi], seen if lo == paired and paired else None, keep)
+            seen = kept if keep else seen
+            for i, row in zip(order, rows.unbind(0)):
+                out[lo + i] = row
+    return out
 
 
-def log(label: str | None = None) -> Transform:
+def observe_batch(observers: list[GradStats], tensors: list[Tensor]) -> None:
+    """The rows of one rule's observers at one chain position (one per tensor), computed
+    together. ``post`` observers compare with what their ``pre`` partners kept of the same
+    tensors, in the same order (both positions see the same tensors)."""
+    if any(is_sharded(t) for t in tensors):
+        for obs, t in zip(observers, tensors):
+            obs.observe(t)
+        return
+    before = observers[0].take_before()
+    for obs in observers[1:]:
+        if obs.pre is not None:
+            obs.pre._seen = None
+    keep = observers[0].keep
+    rows, order, seen = stat_rows(tensors, before, keep)
+    _add(observers, rows, order)
+    if keep is not None:
+        for obs in observers:
+            obs._seen = seen
+
+
+def observe_pairs(pres: list[GradStats], before: list[Tensor], posts: list[GradStats], after: list[Tensor]) -> None:
+    """``observe_batch`` of a ``pre`` position and its ``post`` partners (``posts[i].pre is
+    pres[i]``) in one go: the same bits as the two apart, fewer ops."""
+    if any(is_sharded(t) for t in before + after):
+        observe_batch(pres, before)
+        observe_batch(posts, after)
+        return
+    rows, order, _ = stat_rows(before + after, paired=True)
+    _add(pres + posts, rows, order)
+
+
+def _add(observers: list[GradStats], rows: Tensor, order: list[int]) -> None:
+    for i, row in zip(order, rows.unbind(0)):
+        observers[i].add(row)
+
+
+def log(label: str | None = None) -> GradStats:
     """Leave the gradient unchanged; accumulate its statistics on the device."""
     return GradStats(label)
 
 
 register("log", log, observer=True)
+
+# The other shipped transforms load with ``log`` when this module comes first (after it is
+# registered: per_sample_clip's module gives ``log`` its per_sample form).
+from gradmod.hooks import transforms as _transforms  # noqa: E402, F401

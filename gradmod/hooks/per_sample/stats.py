@@ -5,7 +5,6 @@ log points by ``HookSet.read_stats`` (keys ``<rule>/per_sample_clip`` and ``<rul
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,44 +13,17 @@ from torch import Tensor
 from gradmod.hooks import stats as _stats  # noqa: F401  (log is registered before its per_sample form)
 from gradmod.hooks.registry import register, register_at_stage
 from gradmod.hooks.transforms import _positive
+from gradmod.hooks.window import Window
 
 
-class Window:
-    """Rows added per backward, folded on the device; read like a ``log`` window."""
-
-    label = None
-    pre = None  # never paired with a hook-stage ``log``
-    histogram = False  # set by HookSet.set_histograms; these windows take none
-    COMPACT_AT = 256
-
-    def __init__(self):
-        self.calls = 0
-        self._rows: list[Tensor] = []
-
-    def add(self, row: Tensor) -> None:
-        self._rows.append(row)
-        self.calls += 1
-        if len(self._rows) >= self.COMPACT_AT:
-            self._rows = [self._fold()]
+class SumWindow(Window):
+    """Rows summed over the window."""
 
     def _fold(self) -> Tensor:
         return torch.stack(self._rows).sum(0)
 
-    def take(self) -> tuple[int, Tensor | None]:
-        out, calls = (self._fold() if self._rows else None), self.calls
-        self.calls, self._rows = 0, []
-        return calls, out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "window": self._fold() if self._rows else None}
-
-    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
-        window = state["window"]
-        self.calls = state["calls"]
-        self._rows = [] if window is None else [window if device is None else window.to(device)]
-
-
-class ClipRecord(Window):
+class ClipRecord(SumWindow):
     """Per backward: examples whose norm exceeded ``max_norm``, examples, the sum and the
     largest of their (unclipped) norms."""
 
@@ -93,7 +65,7 @@ class PerSampleClip:
                         "(set up by attach), not on a batch gradient")
 
 
-class PerSampleLog(Window):
+class PerSampleLog(SumWindow):
     """``log`` at the per_sample stage. Per backward of B examples with unclipped
     per-example gradients g_i and their mean g: the norms' p50, p90 and max, and the two
     estimates of the gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et

@@ -1,0 +1,190 @@
+"""The ``log`` statistics of many gradients in few passes over them.
+
+``stat_rows(tensors)`` gives each tensor's row (``GradStats.FIELDS``): L2 norm, min, max,
+mean, fraction of negative entries, non-finite count, and, for a ``post`` observer, the
+fraction of entries the transforms since its ``pre`` partner changed.
+
+How the work is split, so the cost follows the arithmetic and not the tensor count:
+
+* a tensor of ``BIG`` entries or more is reduced alone (viewed as one row), a handful of
+  passes over it; at the hook stage this runs in the tensor's hook, while it is in cache;
+* smaller tensors of one shape are stacked into a ``[k, n]`` matrix and reduced along its
+  rows: a few ops for all of them;
+* a small tensor alone in its shape joins one flat buffer reduced per segment.
+
+A row depends only on its tensor and on which tensors share the call (a row reduction of
+fewer than ``BIG`` entries is one thread's, whatever the matrix; a segment's, wherever it
+lies), so the hook stage (rows per rule and chain position, at the end of backward) and the
+fused stage (per rule and step) give the same bits. A ``pre`` and ``post`` pair of one call
+splits by the ``pre`` tensors, so computing the two together or apart is the same too.
+Nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# Entries from which a tensor is reduced alone; ATen's parallel grain (32768), so a row
+# reduction of a smaller tensor runs on one thread whatever the matrix around it.
+BIG = 1 << 15
+_LAYOUTS: dict[tuple, Layout] = {}
+
+
+@dataclass
+class Layout:
+    """How one layout (the tensors' shapes, in order; ``copies`` 2 for pre and post) splits."""
+
+    groups: list[list[int]]  # indices of same-shape small tensors, two or more each
+    singles: list[int]  # small tensors alone in their shape (or empty)
+    bigs: list[int]
+    copies: int
+    order: list[int]  # tensor index of each output row
+    lengths: Tensor  # the singles' sizes, per copy (segment lengths)
+    divisor: Tensor  # [rows, 7]: turns sums into means and fractions
+    zeros: list[Tensor]  # per part, a zero column for an unpaired frac_clipped
+
+
+def layout(tensors: list[Tensor], copies: int = 1) -> Layout:
+    """The split of ``tensors`` (the first of ``copies`` equal-shaped lists), built once per layout."""
+    key = (tuple(tuple(t.shape) for t in tensors), tensors[0].device, copies)
+    cached = _LAYOUTS.get(key)
+    if cached is not None:
+        return cached
+    shapes: dict[tuple, list[int]] = {}
+    bigs = []
+    for i, t in enumerate(tensors):
+        if t.numel() >= BIG:
+            bigs.append(i)
+        else:  # an empty gradient keeps to itself: a segment of length 0
+            shapes.setdefault(tuple(t.shape) if t.numel() else ("empty", i), []).append(i)
+    groups = [ix for ix in shapes.values() if len(ix) > 1]
+    singles = [ix[0] for ix in shapes.values() if len(ix) == 1]
+    n, device = len(tensors), tensors[0].device
+    rep = [[i + c * n for c in range(copies) for i in ix] for ix in groups]
+    order = [i for ix in rep for i in ix] + [i + c * n for c in range(copies) for i in singles] + \
+        [i + c * n for i in bigs for c in range(copies)]
+    sizes = torch.tensor([float(tensors[i % n].numel()) for i in order], device=device)
+    one = torch.ones_like(sizes)
+    parts = [len(ix) for ix in rep] + ([copies * len(singles)] if singles else []) + [1] * (copies * len(bigs))
+    out = Layout(groups, singles, bigs, copies, order,
+                 torch.tensor([tensors[i].numel() for i in singles] * copies, device=device),
+                 torch.stack([one, one, one, sizes, -sizes, one, sizes], 1),  # mean, -(-count)/n, changed/n
+                 [torch.zeros(k, device=device) for k in parts])
+    if len(_LAYOUTS) > 256:  # layouts change only with module outputs' batch sizes
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = out
+    return out
+
+
+@dataclass
+class Seen:
+    """What a ``post`` partner compares with: a ``pre`` call's parts (copies of small tensors)."""
+
+    parts: list[Tensor]
+
+
+def _float(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+def _parts(tensors: list[Tensor], lay: Layout) -> list[Tensor]:
+    """Per group its [copies * k, n] matrix (a copy), the singles' flat buffer (a copy),
+    each big tensor as [1, n] (a view), copies next to each other."""
+    n = len(tensors) // lay.copies
+    out = []
+    for g in lay.groups:
+        m = _float(torch.stack([tensors[i + c * n] for c in range(lay.copies) for i in g]))
+        out.append(m if m.dim() == 2 else m.reshape(m.shape[0], -1))
+    if lay.singles:
+        out.append(_float(torch.cat([_flat(tensors[i + c * n]) for c in range(lay.copies) for i in lay.singles])))
+    out.extend(_float(tensors[i + c * n]).reshape(1, -1) for i in lay.bigs for c in range(lay.copies))
+    return out
+
+
+def _flags(x: Tensor) -> Tensor:
+    """1.0 where ``x`` is not finite, else 0 (inf * 0 and nan * 0 are nan)."""
+    return (x * 0).nan_to_num_(nan=1.0)
+
+
+def _changed(a: Tensor, b: Tensor) -> Tensor:
+    """Where ``b`` differs from ``a``; nan to nan is no change (fmax is nan only for two nans)."""
+    return torch.ne(a, b) ^ torch.isnan(torch.fmax(a, b))
+
+
+def _matrix(m: Tensor, clipped: Tensor) -> Tensor:
+    """[k, 7] sums of each row of ``m``: norm, min, max, sum, minus the negatives, non-finite, ``clipped``."""
+    lo, hi = torch.aminmax(m, dim=1)
+    neg = torch.sign(m).clamp_(max=0).nansum(1)  # sign(nan) is nan, left out
+    return torch.stack([torch.linalg.vector_norm(m, dim=1), lo, hi, m.sum(1), neg,
+                        _flags(m).sum(1), clipped], 1)
+
+
+def _segments(flat: Tensor, lengths: Tensor, tensors: list[Tensor], clipped: Tensor) -> Tensor:
+    """``_matrix``'s columns per segment of ``flat``."""
+    def seg(x: Tensor, how: str = "sum") -> Tensor:
+        return torch.segment_reduce(x, how, lengths=lengths)
+
+    norms = torch.stack(torch._foreach_norm([_float(t) for t in tensors]))
+    neg = torch.sign(flat).clamp_(max=0).nan_to_num_(nan=0.0)
+    return torch.stack([norms, seg(flat, "min"), seg(flat, "max"), seg(flat), seg(neg), seg(_flags(flat)), clipped], 1)
+
+
+def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
+    k = x.shape[0] // 2
+    return x[:k], x[k:]
+
+
+def _clipped(lay: Layout, parts: list[Tensor], before: Seen | None) -> list[Tensor]:
+    """Per part, the frac_clipped column before division: changed entries of the ``post``
+    rows (the second copy, or every row against ``before``), 0 for the others."""
+    g, s = len(lay.groups), 1 if lay.singles else 0
+    if lay.copies == 1 and before is None:
+        return lay.zeros
+    out = []
+    for j, part in enumerate(parts):
+        flat = s and j == g
+        if lay.copies == 2:  # bigs alternate pre, post; other parts hold the pre half first
+            if j >= g + s and (j - g - s) % 2 == 0:
+                out.append(lay.zeros[j])
+                continue
+            a, b = (parts[j - 1], part) if j >= g + s else _halves(part)
+        else:
+            a, b = before.parts[j], part
+        c = _changed(a, b)
+        c = torch.segment_reduce(c.float(), "sum", lengths=lay.lengths[:len(lay.singles)]) if flat \
+            else c.sum(1, dtype=torch.float32)
+        out.append(c if lay.copies == 1 or j >= g + s else torch.cat([lay.zeros[j][:c.shape[0]], c]))
+    return out
+
+
+def stat_rows(tensors: list[Tensor], before: Seen | None = None, keep: str | None = None,
+              paired: bool = False) -> tuple[Tensor, list[int], Seen | None]:
+    """(rows [len(tensors), 7], the tensor index of each row, what a ``post`` partner
+    compares with). ``paired``: the first half of ``tensors`` are ``pre`` observations, the
+    second half their ``post`` partners, whose rows get ``frac_clipped``. ``before``: a
+    ``pre`` call's ``Seen`` of the same tensors before the transforms, for the same.
+    ``keep``: None, ``"ref"``, or ``"clone"`` where the tensors change in place before the
+    partner looks (small tensors are copied anyway)."""
+    with torch.no_grad():
+        copies = 2 if paired else 1
+        lay = layout(tensors[:len(tensors) // copies], copies)
+        parts = _parts(tensors, lay)
+        clipped = _clipped(lay, parts, before)
+        g = len(lay.groups)
+        cols = [_matrix(m, c) for m, c in zip(parts[:g], clipped)]
+        if lay.singles:
+            singles = [tensors[i + c * (len(tensors) // copies)] for c in range(copies) for i in lay.singles]
+            cols.append(_segments(parts[g], lay.lengths, singles, clipped[g]))
+        off = g + (1 if lay.singles else 0)
+        cols.extend(_matrix(b, c) for b, c in zip(parts[off:], clipped[off:]))
+        rows = (torch.cat(cols) if len(cols) > 1 else cols[0]) / lay.divisor
+        if keep == "clone" and lay.bigs:  # a big tensor's part is a view of it
+            parts = parts[:off] + [b.clone() for b in parts[off:]]
+        return rows, lay.order, None if keep is None else Seen(parts)

@@ -1,0 +1,102 @@
+"""`log` statistics computed together (gradmod.hooks.reduce): each row against torch's own
+reductions of its tensor, and the same bits in both stages and however pairs are batched."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradmod.hooks import attach
+from gradmod.hooks.reduce import BIG, stat_rows
+
+CLAMP = {"name": "clamp", "min": -1e-4, "max": 1e-4}
+
+
+def _reference(t: torch.Tensor, before: torch.Tensor | None = None) -> list[float]:
+    x = t.double().flatten()
+    n = x.numel()
+    finite = torch.isfinite(x)
+    changed = 0.0
+    if before is not None:
+        b = before.double().flatten()
+        changed = float(((x != b) & ~(x.isnan() & b.isnan())).sum()) / n
+    return [float(x.norm()), float(x.min()), float(x.max()), float(x.mean()), float((x < 0).sum()) / n,
+            float((~finite).sum()), changed]
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g), torch.randn(7, generator=g),
+          torch.randn(3, 3, 2, generator=g), torch.randn(BIG + 5, generator=g), torch.randn(5, generator=g)]
+    ts[1][0, 0], ts[3][1, 1, 1], ts[4][7] = math.inf, math.nan, -math.inf
+    return ts
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return all((math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5, abs=1e-6) for a, b in zip(got, want))
+
+
+def test_each_row_matches_torch_on_the_tensor_alone():
+    ts = _tensors()
+    rows, order, _ = stat_rows(ts)
+    assert sorted(order) == list(range(len(ts)))
+    for i, row in zip(order, rows.tolist()):
+        assert _close(row, _reference(ts[i])), (i, row, _reference(ts[i]))
+    exact = [[float(ts[i].min()), float(ts[i].max())] for i in order]  # min and max exactly (nan as nan)
+    assert str([row[1:3] for row in rows.tolist()]) == str(exact)
+
+
+def test_pairs_together_give_the_bits_of_pre_then_post_apart_and_count_changes():
+    before = _tensors()
+    after = [t.clamp(-0.5, 0.5) for t in before]
+    together, order, _ = stat_rows(before + after, paired=True)
+    pre, pre_order, seen = stat_rows(before, keep="ref")
+    post, post_order, _ = stat_rows(after, before=seen)
+    apart = dict(zip(pre_order, pre.unbind(0))) | {len(before) + i: r for i, r in zip(post_order, post.unbind(0))}
+    for i, row in zip(order, together.unbind(0)):
+        assert torch.equal(row.view(torch.int32), apart[i].view(torch.int32)), i  # bits, nan included
+    for i, row in zip(post_order, post.tolist()):
+        assert _close(row, _reference(after[i], before[i]))
+        assert row[6] > 0  # the clamp changed entries of every tensor
+
+
+class Mixed(nn.Module):
+    """A big weight, same-shape small tensors, and small tensors alone in their shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(200, 200)  # 40,000 entries: reduced alone
+        self.a = nn.Linear(200, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)  # b's and c's weights and biases: one shape each
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.c(torch.relu(self.b(torch.relu(self.a(torch.relu(self.big(x))))))))
+
+
+@pytest.mark.parametrize("transforms", [["log"], ["log", CLAMP, "log"]])
+def test_both_stages_report_the_same_bits_on_every_path(transforms):
+    torch.manual_seed(0)
+    model = Mixed()
+    stats = {}
+    for stage in ("hook", "fused"):
+        m = copy.deepcopy(model)
+        with attach(m, {"watch": {"params": "*", "transforms": transforms}}, stage=stage) as hooks:
+            for seed in range(3):
+                g = torch.Generator().manual_seed(seed)
+                x, y = torch.randn(8, 200, generator=g), torch.randint(0, 3, (8,), generator=g)
+                m.zero_grad(set_to_none=True)
+                scale = torch.ones(3) if seed != 1 else torch.tensor([1.0, math.inf, 1.0])  # inf in one step
+                F.cross_entropy(m(x) * scale, y).backward()
+                hooks.after_backward()
+            stats[stage] = hooks.read_stats()
+    assert repr(stats["hook"]) == repr(stats["fused"])  # every number to the last digit, nan as nan
+    assert any(s["nonfinite"] > 0 for s in stats["hook"].values())
+    if len(transforms) > 1:
+        assert stats["hook"]["big.weight/post"]["frac_clipped"] > 0
