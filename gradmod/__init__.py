@@ -11,9 +11,15 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "FeatureExtractor": "gradmod.capture", "Recorder": "gradmod.capture", "grad_cam": "gradmod.capture",
-    "list_hooks": "gradmod.capture", "summary": "gradmod.capture", "trace_shapes": "gradmod.capture",
-    "HookSet": "gradmod.hooks", "attach": "gradmod.hooks", "transforms": "gradmod.hooks",
+    "FeatureExtractor": "gradmod.capture",
+    "Recorder": "gradmod.capture",
+    "grad_cam": "gradmod.capture",
+    "list_hooks": "gradmod.capture",
+    "summary": "gradmod.capture",
+    "trace_shapes": "gradmod.capture",
+    "HookSet": "gradmod.hooks",
+    "attach": "gradmod.hooks",
+    "transforms": "gradmod.hooks",
     "apply_init": "gradmod.weight_init",
 }
 __all__ = sorted(_HOMES)

@@ -49,8 +49,13 @@ class Data:
         return self.train_x.shape[-1]
 
     def to(self, device: torch.device | str) -> Data:
-        return replace(self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
-                       test_x=self.test_x.to(device), test_y=self.test_y.to(device))
+        return replace(
+            self,
+            train_x=self.train_x.to(device),
+            train_y=self.train_y.to(device),
+            test_x=self.test_x.to(device),
+            test_y=self.test_y.to(device),
+        )
 
 
 def as_float(x: Tensor) -> Tensor:
@@ -79,11 +84,12 @@ def load_mnist_sample(seed: int = 0, n_test: int = 1000) -> tuple[Tensor, Tensor
     images, labels = _read_sample()
     classes = np.unique(labels)
     if not 0 < n_test < len(labels) or n_test % len(classes):
-        raise ValueError(f"data.n_test={n_test} must be a multiple of {len(classes)} between "
-                         f"{len(classes)} and {len(labels) - len(classes)}")
+        raise ValueError(
+            f"data.n_test={n_test} must be a multiple of {len(classes)} between "
+            f"{len(classes)} and {len(labels) - len(classes)}"
+        )
     rng = np.random.default_rng(seed)
-    test = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[: n_test // len(classes)]
-                           for c in classes])
+    test = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[: n_test // len(classes)] for c in classes])
     train = np.setdiff1d(np.arange(len(labels)), test)
     train, test = rng.permutation(train), rng.permutation(test)
     t = torch.from_numpy
@@ -117,8 +123,7 @@ def _mnist(data_dir: str) -> Data:
     return Data("mnist", *splits)
 
 
-def _fake(seed: int, train_size: int, test_size: int, image_size: int, channels: int,
-          num_classes: int) -> Data:
+def _fake(seed: int, train_size: int, test_size: int, image_size: int, channels: int, num_classes: int) -> Data:
     from torchvision.datasets import FakeData
     from torchvision.transforms.functional import pil_to_tensor
 
@@ -133,7 +138,7 @@ def _fake(seed: int, train_size: int, test_size: int, image_size: int, channels:
 def _one_line(e: BaseException, limit: int = 300) -> str:
     """torchvision's download error spreads its reason (one per mirror) over several lines."""
     text = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 FALLBACK_NOTE = ".gradmod_mnist_fallback"  # in data_dir: the full warning was shown once already
@@ -146,8 +151,11 @@ def _warn_fallback(data_dir: Path, reason: str) -> None:
     if note.is_file():
         log.warning("MNIST unavailable: using the bundled 5,000-digit sample (data=mnist_sample)")
         return
-    log.warning("MNIST unavailable (%s): using the bundled sample of 5,000 real MNIST digits "
-                "(data=mnist_sample); set data.fallback=false to make this an error", reason)
+    log.warning(
+        "MNIST unavailable (%s): using the bundled sample of 5,000 real MNIST digits "
+        "(data=mnist_sample); set data.fallback=false to make this an error",
+        reason,
+    )
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         note.write_text(f"{reason}\n")
@@ -170,9 +178,9 @@ def overlay_pairs(images: np.ndarray, labels: np.ndarray, rng: np.random.Generat
     canvas = np.zeros((n, 1, CANVAS, CANVAS), dtype=np.uint8)
     for i in range(n):
         r, c = shifts[i, 0], shifts[i, 1]
-        canvas[i, :, r:r + 28, c:c + 28] = images[i]
+        canvas[i, :, r : r + 28, c : c + 28] = images[i]
         r, c = SHIFT - shifts[i, 2], SHIFT - shifts[i, 3]
-        np.maximum(canvas[i, :, r:r + 28, c:c + 28], images[partner[i]], out=canvas[i, :, r:r + 28, c:c + 28])
+        np.maximum(canvas[i, :, r : r + 28, c : c + 28], images[partner[i]], out=canvas[i, :, r : r + 28, c : c + 28])
     t = torch.from_numpy
     return t(canvas), Labels({"left": t(labels), "right": t(labels[partner])})
 
@@ -207,8 +215,9 @@ def load_char_text(seq_len: int = 32, stride: int = 8, test_share: float = 0.1) 
     return Data("char_text", *windows(ids[:cut]), *windows(ids[cut:]), num_classes=len(vocab))
 
 
-def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: bool = True,
-              n_test: int = 1000, **fake: int) -> Data:
+def load_data(
+    name: str, *, data_dir: str = "data", seed: int = 0, fallback: bool = True, n_test: int = 1000, **fake: int
+) -> Data:
     """Load a dataset by name (``DATASETS``) on the CPU."""
     if name == "mnist":
         try:
@@ -216,8 +225,10 @@ def load_data(name: str, *, data_dir: str = "data", seed: int = 0, fallback: boo
         except (RuntimeError, OSError) as e:
             reason = _one_line(e)
             if not fallback:
-                raise ValueError(f"data=mnist: MNIST is not under data_dir={data_dir!r} and could not be "
-                                 f"downloaded ({reason}); set data.fallback=true or use data=mnist_sample") from None
+                raise ValueError(
+                    f"data=mnist: MNIST is not under data_dir={data_dir!r} and could not be "
+                    f"downloaded ({reason}); set data.fallback=true or use data=mnist_sample"
+                ) from None
             _warn_fallback(Path(data_dir), reason)
             name = "mnist_sample"
     if name == "mnist_sample":

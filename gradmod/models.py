@@ -42,10 +42,19 @@ class MultiLeNet(nn.Module):
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, tasks: tuple[str, ...] = ("left", "right")):
         super().__init__()
-        self.trunk = nn.Sequential(OrderedDict(
-            conv1=nn.Conv2d(in_channels, 10, kernel_size=5), pool1=nn.MaxPool2d(2), relu1=nn.ReLU(),
-            conv2=nn.Conv2d(10, 20, kernel_size=5), pool2=nn.MaxPool2d(2), relu2=nn.ReLU(),
-            flat=nn.Flatten(), fc=nn.Linear(20 * 6 * 6, 50), relu3=nn.ReLU()))
+        self.trunk = nn.Sequential(
+            OrderedDict(
+                conv1=nn.Conv2d(in_channels, 10, kernel_size=5),
+                pool1=nn.MaxPool2d(2),
+                relu1=nn.ReLU(),
+                conv2=nn.Conv2d(10, 20, kernel_size=5),
+                pool2=nn.MaxPool2d(2),
+                relu2=nn.ReLU(),
+                flat=nn.Flatten(),
+                fc=nn.Linear(20 * 6 * 6, 50),
+                relu3=nn.ReLU(),
+            )
+        )
         self.tasks = tasks
         for task in tasks:
             self.add_module(task, nn.Sequential(nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, num_classes)))
@@ -91,28 +100,38 @@ def _resnet(name: str, in_channels: int, num_classes: int, image_size: int, norm
         # Small images (MNIST's 28x28) lose everything to the 7x7/2 stem: use a 3x3/1 stem.
         # The max-pool stays, halving the cost of every later block on the CPU.
         small = image_size < 64
-        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3 if small else 7,
-                                stride=1 if small else 2, padding=1 if small else 3, bias=False)
+        model.conv1 = nn.Conv2d(
+            in_channels,
+            64,
+            kernel_size=3 if small else 7,
+            stride=1 if small else 2,
+            padding=1 if small else 3,
+            bias=False,
+        )
     return model
 
 
 MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm")
 
 
-def build_model(name: str, in_channels: int = 1, num_classes: int = 10, image_size: int = 28,
-                norm: str = "batch") -> nn.Module:
+def build_model(
+    name: str, in_channels: int = 1, num_classes: int = 10, image_size: int = 28, norm: str = "batch"
+) -> nn.Module:
     """Build a model by name, adapted to the data's channels, image size and classes."""
     if norm not in NORMS:
         raise ValueError(f"model.norm={norm!r} is not allowed; allowed: {', '.join(NORMS)}")
     if name == "mnist_cnn":
         if image_size != 28:
-            raise ValueError(f"model 'mnist_cnn' needs 28x28 images, got {image_size}x{image_size}; "
-                             "use data=mnist or data=mnist_sample, or model=resnet18")
+            raise ValueError(
+                f"model 'mnist_cnn' needs 28x28 images, got {image_size}x{image_size}; "
+                "use data=mnist or data=mnist_sample, or model=resnet18"
+            )
         return MnistCNN(in_channels, num_classes)
     if name == "multi_lenet":
         if image_size != 36:
-            raise ValueError(f"model 'multi_lenet' needs 36x36 images, got {image_size}x{image_size}; "
-                             "use data=multi_mnist")
+            raise ValueError(
+                f"model 'multi_lenet' needs 36x36 images, got {image_size}x{image_size}; use data=multi_mnist"
+            )
         return MultiLeNet(in_channels, num_classes)
     if name == "char_lm":
         return CharLM(num_classes)

@@ -89,8 +89,10 @@ def main(argv=None) -> dict:
         print(f"   forward_hook({type(module).__name__}, input={shapes(input)}, output={tuple(output.shape)})")
 
     def backward_hook(module, grad_input, grad_output):
-        print(f"   full_backward_hook({type(module).__name__}, grad_input={shapes(grad_input)}, "
-              f"grad_output={shapes(grad_output)})")
+        print(
+            f"   full_backward_hook({type(module).__name__}, grad_input={shapes(grad_input)}, "
+            f"grad_output={shapes(grad_output)})"
+        )
 
     handles = [m.register_forward_hook(forward_hook) for m in (net.conv, net.fc1)]
     handles += [m.register_full_backward_hook(backward_hook) for m in (net.conv, net.fc1)]

@@ -93,49 +93,111 @@ RATIOS = [
     ("clip_logged_over_none", "step.clip_logged", "step.none", None, None),
     ("none_over_floor", "step.none", "epoch.floor", None, None),
     ("compiled_speedup", "epoch.gradmod", "epoch.gradmod_compiled", None, None),
-    ("per_sample_mnist_over_opacus", "per_sample.mnist.gradmod", "per_sample.mnist.opacus", "<= 1.0", lambda r: r <= 1.0),
+    (
+        "per_sample_mnist_over_opacus",
+        "per_sample.mnist.gradmod",
+        "per_sample.mnist.opacus",
+        "<= 1.0",
+        lambda r: r <= 1.0,
+    ),
     ("per_sample_mlp_over_opacus", "per_sample.mlp.gradmod", "per_sample.mlp.opacus", "<= 0.1", lambda r: r <= 0.1),
-    ("per_sample_mlp_over_opacus_ghost", "per_sample.mlp.gradmod", "per_sample.mlp.opacus_ghost", "< 1", lambda r: r < 1),
+    (
+        "per_sample_mlp_over_opacus_ghost",
+        "per_sample.mlp.gradmod",
+        "per_sample.mlp.opacus_ghost",
+        "< 1",
+        lambda r: r < 1,
+    ),
     ("per_sample_mnist_over_plain", "per_sample.mnist.gradmod", "per_sample.mnist.plain", None, None),
-    ("per_sample_resnet18gn_over_plain", "per_sample.resnet18gn.gradmod", "per_sample.resnet18gn.plain", "<= 2.2",
-     lambda r: r <= 2.2),
-    ("per_sample_transformer_over_plain", "per_sample.transformer.gradmod", "per_sample.transformer.plain", "<= 1.6",
-     lambda r: r <= 1.6),
+    (
+        "per_sample_resnet18gn_over_plain",
+        "per_sample.resnet18gn.gradmod",
+        "per_sample.resnet18gn.plain",
+        "<= 2.2",
+        lambda r: r <= 2.2,
+    ),
+    (
+        "per_sample_transformer_over_plain",
+        "per_sample.transformer.gradmod",
+        "per_sample.transformer.plain",
+        "<= 1.6",
+        lambda r: r <= 1.6,
+    ),
     ("per_sample_mlp_over_plain", "per_sample.mlp.gradmod", "per_sample.mlp.plain", None, None),
     ("opacus_mlp_over_plain", "per_sample.mlp.opacus", "per_sample.mlp.plain", None, None),
     ("opacus_ghost_mlp_over_plain", "per_sample.mlp.opacus_ghost", "per_sample.mlp.plain", None, None),
 ]
 for _m in per_loss.MODELS:  # every Gramian method <= 0.7x torchjd's step; modules <= 1.3x plain; famo <= 1.05x
-    RATIOS += [(f"per_loss_{_m}_{x}_over_torchjd", f"per_loss.{_m}.gradmod_{x}", f"per_loss.{_m}.torchjd_{x}", "<= 0.7",
-                lambda r: r <= 0.7) for x in per_loss.METHODS]
-    RATIOS += [(f"per_loss_{_m}_modules_over_plain", f"per_loss.{_m}.gradmod_modules", f"per_loss.{_m}.plain", "<= 1.3",
-                lambda r: r <= 1.3),
-               (f"per_loss_{_m}_famo_over_plain", f"per_loss.{_m}.gradmod_famo", f"per_loss.{_m}.plain", "<= 1.05",
-                lambda r: r <= 1.05)]
-    RATIOS += [(f"per_loss_{_m}_torchjd_{x}_over_plain", f"per_loss.{_m}.torchjd_{x}", f"per_loss.{_m}.plain", None, None)
-               for x in ("upgrad", "mgda", "pcgrad")]
+    RATIOS += [
+        (
+            f"per_loss_{_m}_{x}_over_torchjd",
+            f"per_loss.{_m}.gradmod_{x}",
+            f"per_loss.{_m}.torchjd_{x}",
+            "<= 0.7",
+            lambda r: r <= 0.7,
+        )
+        for x in per_loss.METHODS
+    ]
+    RATIOS += [
+        (
+            f"per_loss_{_m}_modules_over_plain",
+            f"per_loss.{_m}.gradmod_modules",
+            f"per_loss.{_m}.plain",
+            "<= 1.3",
+            lambda r: r <= 1.3,
+        ),
+        (
+            f"per_loss_{_m}_famo_over_plain",
+            f"per_loss.{_m}.gradmod_famo",
+            f"per_loss.{_m}.plain",
+            "<= 1.05",
+            lambda r: r <= 1.05,
+        ),
+    ]
+    RATIOS += [
+        (f"per_loss_{_m}_torchjd_{x}_over_plain", f"per_loss.{_m}.torchjd_{x}", f"per_loss.{_m}.plain", None, None)
+        for x in ("upgrad", "mgda", "pcgrad")
+    ]
 UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}  # images per item of these units
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto (default: cpu)")
     p.add_argument("--repeats", type=int, default=9, help="timed runs of every contender (default 9)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of every contender first (default 1)")
-    p.add_argument("--train-size", type=int, default=4000,
-                   help="training images: the sample's 4,000-image train split, tiled or cut (default 4000)")
+    p.add_argument(
+        "--train-size",
+        type=int,
+        default=4000,
+        help="training images: the sample's 4,000-image train split, tiled or cut (default 4000)",
+    )
     p.add_argument("--test-size", type=int, default=1000, help="test images, the 1,000-image split tiled or cut")
     p.add_argument("--full", action="store_true", help="MNIST's size: --train-size 60000 --test-size 10000")
     p.add_argument("--epochs", type=int, default=1, help="epochs per timed run in the epoch section (default 1)")
-    p.add_argument("--eval-batch-size", type=int, default=1000, help="gradmod's evaluation batch (default 1000, trainer.eval_batch_size)")
-    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but scale)")
-    p.add_argument("--compile", action="store_true", help="also time gradmod's epoch with torch.compile (slow to compile)")
+    p.add_argument(
+        "--eval-batch-size",
+        type=int,
+        default=1000,
+        help="gradmod's evaluation batch (default 1000, trainer.eval_batch_size)",
+    )
+    p.add_argument(
+        "--sections",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but scale)",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="also time gradmod's epoch with torch.compile (slow to compile)"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default="outputs/bench/bench.json", help="where to write the results")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run: 200/50 images, 1 repeat, no warm-up")
-    p.add_argument("--scale-rounds", type=int, default=15, help="timed runs per contender in the scale section (default 15)")
+    p.add_argument(
+        "--scale-rounds", type=int, default=15, help="timed runs per contender in the scale section (default 15)"
+    )
     args = p.parse_args(argv)
     if args.full:
         args.train_size, args.test_size = 60_000, 10_000
@@ -169,7 +231,12 @@ class Bench:
     def __init__(self, args: argparse.Namespace, device: torch.device, raw_root: str):
         self.args, self.device = args, device
         x, y, tx, ty = load_mnist_sample(seed=0, n_test=1000)
-        self.cpu = (tile(x, args.train_size), tile(y, args.train_size), tile(tx, args.test_size), tile(ty, args.test_size))
+        self.cpu = (
+            tile(x, args.train_size),
+            tile(y, args.train_size),
+            tile(tx, args.test_size),
+            tile(ty, args.test_size),
+        )
         self.train_x, self.train_y, self.test_x, self.test_y = (t.to(device) for t in self.cpu)
         write_mnist_raw(raw_root, self.cpu[0], self.cpu[1], train=True)
         write_mnist_raw(raw_root, self.cpu[2], self.cpu[3], train=False)
@@ -211,6 +278,7 @@ class Bench:
                     loss.backward()
                     opt.step()
                     running += loss.item()
+
         return run
 
     def article_eval(self) -> Callable[[], None]:
@@ -225,27 +293,32 @@ class Bench:
                 for data, target in loader:
                     data, target = data.to(device), target.to(device)
                     correct += (model(data).argmax(1) == target).sum().item()
+
         return run
 
     # --- gradmod ----------------------------------------------------------------------
 
-    def gradmod_epoch(self, rules=CLIP, stage="hook", epochs=1, compiled=False,
-                      read_every: int | None = None) -> Callable[[], None]:
+    def gradmod_epoch(
+        self, rules=CLIP, stage="hook", epochs=1, compiled=False, read_every: int | None = None
+    ) -> Callable[[], None]:
         model, opt, hooks = self.model(rules, stage)
         net = compile_model(model) if compiled else model
         gen = torch.Generator().manual_seed(0)
         on_step = None
         if read_every is not None:
+
             def on_step(i: int) -> None:
                 if i % read_every == 0:
                     hooks.read_stats()
 
         def run():
             for _ in range(epochs):
-                bare_epoch(net, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen,
-                            hooks=hooks, on_step=on_step)
+                bare_epoch(
+                    net, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen, hooks=hooks, on_step=on_step
+                )
                 if read_every is not None:
                     hooks.read_stats()  # the trainer reads the rest of the window at the epoch's end
+
         return run
 
     def clip_grad_value(self) -> Callable[[], None]:
@@ -267,6 +340,7 @@ class Bench:
 
         def run():
             bare_epoch(model, opt, self.train_x, self.train_y, batch_size=BATCH, generator=gen, hooks=AfterBackward)
+
         return run
 
     def floor(self) -> Callable[[], None]:
@@ -281,6 +355,7 @@ class Bench:
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
+
         return run
 
     def gradmod_eval(self, batch_size: int) -> Callable[[], None]:
@@ -344,16 +419,29 @@ def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dic
         _, items, unit = contenders[name]
         med = statistics.median(s)
         images = items * UNIT_IMAGES.get(unit, 1)
-        results[name] = {"section": name.split(".")[0], "seconds": s, "median_s": med, "min_s": min(s),
-                         "max_s": max(s), "cpu_seconds": cpu[name], "median_cpu_s": statistics.median(cpu[name]),
-                         "items": items, "unit": unit, "per_item_ms": 1000 * med / items,
-                         "images_per_s": images / med}
+        results[name] = {
+            "section": name.split(".")[0],
+            "seconds": s,
+            "median_s": med,
+            "min_s": min(s),
+            "max_s": max(s),
+            "cpu_seconds": cpu[name],
+            "median_cpu_s": statistics.median(cpu[name]),
+            "items": items,
+            "unit": unit,
+            "per_item_ms": 1000 * med / items,
+            "images_per_s": images / med,
+        }
     return results
 
 
 OP_CONTENDERS = {  # name -> (rules, stage, non-finite guard); "bare" is the base of the budgets
-    "bare": ({}, "hook", False), "none": ({}, "hook", True), "clip_hook": (CLIP, "hook", True),
-    "clip_fused": (CLIP, "fused", True), "log": (LOG, "hook", True), "clip_logged": (CLIP_LOGGED, "hook", True),
+    "bare": ({}, "hook", False),
+    "none": ({}, "hook", True),
+    "clip_hook": (CLIP, "hook", True),
+    "clip_fused": (CLIP, "fused", True),
+    "log": (LOG, "hook", True),
+    "clip_logged": (CLIP_LOGGED, "hook", True),
     "norm_fused": (NORM, "fused", True),
 }
 
@@ -376,16 +464,24 @@ def op_counts(bench: Bench) -> dict[str, dict]:
     out = {"floor": {"ops": floor[-1]}}
     for name, (rules, stage, guard) in OP_CONTENDERS.items():
         model, opt, hooks = bench.model(rules, stage)
-        kw = dict(batch_size=BATCH, generator=torch.Generator().manual_seed(0), hooks=hooks,
-                  guard=NonFiniteGuard(model, hooks, "warn") if guard else None)
+        kw = dict(
+            batch_size=BATCH,
+            generator=torch.Generator().manual_seed(0),
+            hooks=hooks,
+            guard=NonFiniteGuard(model, hooks, "warn") if guard else None,
+        )
         bare_epoch(model, opt, xb, yb, **kw)
         with OpCounter() as ops:
             bare_epoch(model, opt, xb, yb, **kw)
         hooks.remove()
         tensors = len(list(model.parameters()))
         bare = out.get("bare", {"ops": ops.count})["ops"]
-        out[name] = {"ops": ops.count, "over_bare": ops.count - bare, "tensors": tensors,
-                     "over_bare_per_tensor": (ops.count - bare) / tensors}
+        out[name] = {
+            "ops": ops.count,
+            "over_bare": ops.count - bare,
+            "tensors": tensors,
+            "over_bare_per_tensor": (ops.count - bare) / tensors,
+        }
     return out
 
 
@@ -462,9 +558,16 @@ def machine(device: torch.device) -> dict:
         pass
     import torchvision
 
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "torchvision": torchvision.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "device": str(device)}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -472,14 +575,18 @@ def machine(device: torch.device) -> dict:
 
 def table(results: dict[str, dict], rat: dict[str, dict]) -> str:
     base = {"epoch": "epoch.floor", "eval": "eval.gradmod", "step": "step.none"}
-    lines = [f"{'contender':<28} {'median s':>9} {'min s':>8} {'max s':>8} {'cpu s':>8} {'per item':>16} {'images/s':>9} "
-             f"{'x base':>7}"]
+    lines = [
+        f"{'contender':<28} {'median s':>9} {'min s':>8} {'max s':>8} {'cpu s':>8} {'per item':>16} {'images/s':>9} "
+        f"{'x base':>7}"
+    ]
     for name, r in results.items():
         b = results.get(base.get(r["section"]) or f"{name.rpartition('.')[0]}.plain")
         key = clock(r)
         x = f"{r[key] / b[key]:.3f}" if b else "-"
-        lines.append(f"{name:<28} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} {r['median_cpu_s']:>8.3f} "
-                     f"{r['per_item_ms']:>8.3f} ms/{r['unit']:<7} {r['images_per_s']:>9.0f} {x:>7}")
+        lines.append(
+            f"{name:<28} {r['median_s']:>9.3f} {r['min_s']:>8.3f} {r['max_s']:>8.3f} {r['median_cpu_s']:>8.3f} "
+            f"{r['per_item_ms']:>8.3f} ms/{r['unit']:<7} {r['images_per_s']:>9.0f} {x:>7}"
+        )
     lines.append("")
     lines.append(f"{'ratio':<34} {'value':>7}  target")
     for name, r in rat.items():
@@ -500,23 +607,36 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="gradmod-bench-") as raw_root:
         bench = Bench(args, device, raw_root)
-        print(f"bench: {args.train_size} train / {args.test_size} test images on {device}, "
-              f"{args.repeats} repeats (+{args.warmup} warm-up), sections {','.join(args.sections)}", flush=True)
+        print(
+            f"bench: {args.train_size} train / {args.test_size} test images on {device}, "
+            f"{args.repeats} repeats (+{args.warmup} warm-up), sections {','.join(args.sections)}",
+            flush=True,
+        )
         ops = op_counts(bench) if "ops" in args.sections else {}
         timed = any(s not in ("ops", "scale") for s in args.sections)
         # Peak memory first (fresh processes, before this one grows): a failure shows early.
         memory = peak_memory() if "per_sample" in args.sections and not args.quick and device.type == "cpu" else {}
         if "per_loss" in args.sections and not args.quick and device.type == "cpu":
             loss_memory = per_loss_memory()
-            memory = {"peak_bytes": {**memory.get("peak_bytes", {}), **loss_memory["peak_bytes"]},
-                      "ratios": {**memory.get("ratios", {}), **loss_memory["ratios"]}}
+            memory = {
+                "peak_bytes": {**memory.get("peak_bytes", {}), **loss_memory["peak_bytes"]},
+                "ratios": {**memory.get("ratios", {}), **loss_memory["ratios"]},
+            }
         results = measure(bench, args.repeats, args.warmup) if timed else {}
-        scaled = scale.measure(*((2, 2) if args.quick else (args.scale_rounds, scale.RUN_STEPS))) \
-            if "scale" in args.sections else {}
+        scaled = (
+            scale.measure(*((2, 2) if args.quick else (args.scale_rounds, scale.RUN_STEPS)))
+            if "scale" in args.sections
+            else {}
+        )
     rat = ratios(results, device)
     report = {
-        "machine": {**machine(device), "load_average_before": list(load_before), "load_average_after": list(os.getloadavg())},
-        "settings": {k: v for k, v in vars(args).items() if k != "json"} | {"batch_size": BATCH, "steps_per_epoch": bench.steps},
+        "machine": {
+            **machine(device),
+            "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()),
+        },
+        "settings": {k: v for k, v in vars(args).items() if k != "json"}
+        | {"batch_size": BATCH, "steps_per_epoch": bench.steps},
         "command": " ".join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
         "results": results,
         "ratios": rat,

@@ -36,8 +36,20 @@ from gradmod.hooks import attach  # noqa: E402
 
 BATCH = 64
 STEPS = 3  # optimizer steps per timed run
-METHODS = ("pcgrad", "mgda", "cagrad", "imtl_g", "aligned_mtl", "upgrad", "dualproj", "gradvac", "nash_mtl",
-           "mean", "sum", "random")
+METHODS = (
+    "pcgrad",
+    "mgda",
+    "cagrad",
+    "imtl_g",
+    "aligned_mtl",
+    "upgrad",
+    "dualproj",
+    "gradvac",
+    "nash_mtl",
+    "mean",
+    "sum",
+    "random",
+)
 
 
 class MultiMLP(nn.Module):
@@ -54,10 +66,20 @@ class MultiMLP(nn.Module):
 class MultiLeNet(nn.Module):
     def __init__(self, tasks: int = 2):
         super().__init__()
-        self.trunk = nn.Sequential(nn.Conv2d(1, 10, 9), nn.MaxPool2d(2), nn.ReLU(), nn.Conv2d(10, 20, 5),
-                                   nn.MaxPool2d(2), nn.ReLU(), nn.Flatten(), nn.Linear(500, 50), nn.ReLU())
-        self.heads = nn.ModuleDict({f"t{i}": nn.Sequential(nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, 10))
-                                    for i in range(tasks)})
+        self.trunk = nn.Sequential(
+            nn.Conv2d(1, 10, 9),
+            nn.MaxPool2d(2),
+            nn.ReLU(),
+            nn.Conv2d(10, 20, 5),
+            nn.MaxPool2d(2),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(500, 50),
+            nn.ReLU(),
+        )
+        self.heads = nn.ModuleDict(
+            {f"t{i}": nn.Sequential(nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, 10)) for i in range(tasks)}
+        )
 
     def forward(self, x):
         z = self.trunk(x)
@@ -91,9 +113,20 @@ def names() -> list[str]:
 def _torchjd_aggregator(method: str, k: int):
     from torchjd import aggregation as A
 
-    return {"pcgrad": A.PCGrad, "mgda": A.MGDA, "cagrad": lambda: A.CAGrad(c=0.5), "imtl_g": A.IMTLG,
-            "aligned_mtl": A.AlignedMTL, "upgrad": A.UPGrad, "dualproj": A.DualProj, "gradvac": A.GradVac,
-            "nash_mtl": lambda: A.NashMTL(n_tasks=k), "mean": A.Mean, "sum": A.Sum, "random": A.Random}[method]()
+    return {
+        "pcgrad": A.PCGrad,
+        "mgda": A.MGDA,
+        "cagrad": lambda: A.CAGrad(c=0.5),
+        "imtl_g": A.IMTLG,
+        "aligned_mtl": A.AlignedMTL,
+        "upgrad": A.UPGrad,
+        "dualproj": A.DualProj,
+        "gradvac": A.GradVac,
+        "nash_mtl": lambda: A.NashMTL(n_tasks=k),
+        "mean": A.Mean,
+        "sum": A.Sum,
+        "random": A.Random,
+    }[method]()
 
 
 def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
@@ -104,8 +137,13 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
     model = build()
     k = len(model.heads)
     gen = torch.Generator().manual_seed(1)
-    data = [(torch.randn(BATCH, *shape, generator=gen),
-             {n: torch.randint(0, 10, (BATCH,), generator=gen) for n in model.heads}) for _ in range(steps)]
+    data = [
+        (
+            torch.randn(BATCH, *shape, generator=gen),
+            {n: torch.randint(0, 10, (BATCH,), generator=gen) for n in model.heads},
+        )
+        for _ in range(steps)
+    ]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def losses(x, ys):
@@ -113,6 +151,7 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
         return z, {n: F.cross_entropy(out[n], ys[n]) for n in out}
 
     if contender == "plain":
+
         def step(x, ys):
             _, L = losses(x, ys)
             sum(L.values()).backward()
@@ -127,8 +166,10 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
             jac_to_grad(trunk, agg)
     else:
         method = contender.removeprefix("gradmod_")
-        rule = {"modules": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]},
-                "famo": {"params": "*", "transforms": ["famo"]}}.get(method, {"params": "trunk.*", "transforms": [method]})
+        rule = {
+            "modules": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]},
+            "famo": {"params": "*", "transforms": ["famo"]},
+        }.get(method, {"params": "trunk.*", "transforms": [method]})
         hooks = attach(model, {"mtl": rule})
 
         def step(x, ys):
@@ -139,6 +180,7 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
             opt.zero_grad(set_to_none=True)
             step(x, ys)
             opt.step()
+
     return run
 
 
@@ -170,8 +212,13 @@ def peak(name: str, steps: int = 3) -> int:
 
 def peak_in_subprocess(name: str) -> int:
     """``peak(name)`` in a fresh process, so one contender's peak cannot hide another's."""
-    out = subprocess.run([sys.executable, __file__, "--peak", name], capture_output=True, text=True, check=True,
-                         env={"OMP_NUM_THREADS": "1", **os.environ})
+    out = subprocess.run(
+        [sys.executable, __file__, "--peak", name],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"OMP_NUM_THREADS": "1", **os.environ},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 

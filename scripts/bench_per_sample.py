@@ -97,8 +97,12 @@ class SmallTransformer(nn.Module):
 # hook is an autograd error, nn.MultiheadAttention needs its DPMultiheadAttention.
 OPACUS_RUNS = ("mnist", "mlp")
 # name -> (model, one example's shape (None: 64 token ids), batch)
-MODELS = {"mnist": (SampleConvNet, (1, 28, 28), BATCH), "mlp": (mlp, (784,), BATCH),
-          "resnet18gn": (resnet18_gn, (3, 32, 32), 32), "transformer": (SmallTransformer, None, 32)}
+MODELS = {
+    "mnist": (SampleConvNet, (1, 28, 28), BATCH),
+    "mlp": (mlp, (784,), BATCH),
+    "resnet18gn": (resnet18_gn, (3, 32, 32), 32),
+    "transformer": (SmallTransformer, None, 32),
+}
 CONTENDERS = ("plain", "opacus", "opacus_ghost", "gradmod")
 
 
@@ -123,10 +127,18 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
     torch.manual_seed(0)
     model = build()
     gen = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, 1000, (batch, 64), generator=gen) if shape is None else
-             torch.randn(batch, *shape, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
-            for _ in range(steps)]
-    run = {"plain": _plain, "opacus": _opacus, "opacus_ghost": _opacus_ghost, "gradmod": _gradmod}[contender](model, data)
+    data = [
+        (
+            torch.randint(0, 1000, (batch, 64), generator=gen)
+            if shape is None
+            else torch.randn(batch, *shape, generator=gen),
+            torch.randint(0, 10, (batch,), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+    run = {"plain": _plain, "opacus": _opacus, "opacus_ghost": _opacus_ghost, "gradmod": _gradmod}[contender](
+        model, data
+    )
     if not contender.startswith("opacus"):
         return run
 
@@ -134,6 +146,7 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             run()
+
     return quiet
 
 
@@ -145,6 +158,7 @@ def _plain(model, data):
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             opt.step()
+
     return run
 
 
@@ -158,6 +172,7 @@ def _gradmod(model, data):
             F.cross_entropy(model(x), y).backward()
             hooks.after_backward()
             opt.step()
+
     return run
 
 
@@ -166,14 +181,19 @@ def _opacus(model, data):
     from opacus.optimizers import DPOptimizer
 
     module = GradSampleModule(model)
-    opt = DPOptimizer(torch.optim.SGD(module.parameters(), lr=0.01), noise_multiplier=SIGMA, max_grad_norm=CLIP,
-                      expected_batch_size=len(data[0][1]))
+    opt = DPOptimizer(
+        torch.optim.SGD(module.parameters(), lr=0.01),
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        expected_batch_size=len(data[0][1]),
+    )
 
     def run():
         for x, y in data:
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(module(x), y).backward()
             opt.step()
+
     return run
 
 
@@ -183,8 +203,12 @@ def _opacus_ghost(model, data):
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     module = GradSampleModuleFastGradientClipping(model, max_grad_norm=CLIP, use_ghost_clipping=True)
-    opt = DPOptimizerFastGradientClipping(torch.optim.SGD(module.parameters(), lr=0.01), noise_multiplier=SIGMA,
-                                          max_grad_norm=CLIP, expected_batch_size=len(data[0][1]))
+    opt = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(module.parameters(), lr=0.01),
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        expected_batch_size=len(data[0][1]),
+    )
     criterion = DPLossFastGradientClipping(module, opt, nn.CrossEntropyLoss())
 
     def run():
@@ -192,6 +216,7 @@ def _opacus_ghost(model, data):
             opt.zero_grad(set_to_none=True)
             criterion(module(x), y).backward()
             opt.step()
+
     return run
 
 
@@ -214,8 +239,13 @@ def peak(name: str, steps: int = 3) -> int:
 
 def peak_in_subprocess(name: str) -> int:
     """``peak(name)`` in a fresh process, so one contender's peak cannot hide another's."""
-    out = subprocess.run([sys.executable, __file__, "--peak", name], capture_output=True, text=True, check=True,
-                         env={"OMP_NUM_THREADS": "1", **os.environ})
+    out = subprocess.run(
+        [sys.executable, __file__, "--peak", name],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"OMP_NUM_THREADS": "1", **os.environ},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 

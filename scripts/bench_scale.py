@@ -60,8 +60,16 @@ CONTENDERS: dict[str, tuple[list, str] | None] = {  # name -> (transforms on "*"
     "zclip": (["zclip"], "fused"),
 }
 # contender -> (ratio to bare it must stay within); every row
-TARGETS = {"clamp_hook": 1.10, "clamp_fused": 1.03, "log_hook": 1.3, "log_fused": 1.3, "clip_logged": 1.4,
-           "global_norm_clip": 1.10, "agc": 1.10, "zclip": 1.10}
+TARGETS = {
+    "clamp_hook": 1.10,
+    "clamp_fused": 1.03,
+    "log_hook": 1.3,
+    "log_fused": 1.3,
+    "clip_logged": 1.4,
+    "global_norm_clip": 1.10,
+    "agc": 1.10,
+    "zclip": 1.10,
+}
 
 
 def mlp(blocks: int, width: int) -> nn.Module:
@@ -135,8 +143,14 @@ def measure_shape(blocks: int, width: int, rounds: int, run_steps: int, log=prin
     rows = {}
     for name in names:
         med = statistics.median(seconds[name])
-        rows[name] = {"ms": 1000 * med, "x_bare": med / bare, "ops": ops[name], "ops_over_bare": ops[name] - ops["bare"],
-                      "wall_ms": 1000 * statistics.median(wall[name]), "runs_ms": [1000 * s for s in seconds[name]]}
+        rows[name] = {
+            "ms": 1000 * med,
+            "x_bare": med / bare,
+            "ops": ops[name],
+            "ops_over_bare": ops[name] - ops["bare"],
+            "wall_ms": 1000 * statistics.median(wall[name]),
+            "runs_ms": [1000 * s for s in seconds[name]],
+        }
         if name in TARGETS:
             rows[name].update(target=TARGETS[name], met=med / bare <= TARGETS[name])
     log(f"  scale {blocks}x{width} ({tensors} tensors) done", flush=True)
@@ -153,8 +167,15 @@ def measure(rounds: int, run_steps: int = RUN_STEPS, shapes=SHAPES, log=print) -
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
-    return {"batch": BATCH, "read_every": READ_EVERY, "run_steps": run_steps, "rounds": rounds,
-            "threads": 1, "clock": "thread_time", "shapes": out}
+    return {
+        "batch": BATCH,
+        "read_every": READ_EVERY,
+        "run_steps": run_steps,
+        "rounds": rounds,
+        "threads": 1,
+        "clock": "thread_time",
+        "shapes": out,
+    }
 
 
 def table(scale: dict) -> str:

@@ -55,10 +55,19 @@ def main(argv=None) -> dict:
     finite = all(torch.isfinite(g).all() for g in grads)
     in_range = -args.val <= lo and hi <= args.val
     clipped = sum(int((g.abs() == args.val).sum()) for g in grads)
-    print(f"every gradient in [{-args.val}, {args.val}]: {in_range} (min {lo:.4f}, max {hi:.4f}, "
-          f"all finite: {finite}, {clipped:,} entries at the bound)")
-    return {"in_range": in_range, "finite": finite, "min": lo, "max": hi, "clipped": clipped,
-            "loss": loss.item(), "model": model}
+    print(
+        f"every gradient in [{-args.val}, {args.val}]: {in_range} (min {lo:.4f}, max {hi:.4f}, "
+        f"all finite: {finite}, {clipped:,} entries at the bound)"
+    )
+    return {
+        "in_range": in_range,
+        "finite": finite,
+        "min": lo,
+        "max": hi,
+        "clipped": clipped,
+        "loss": loss.item(),
+        "model": model,
+    }
 
 
 if __name__ == "__main__":

@@ -51,8 +51,7 @@ from gradmod.training.trainer import bare_epoch, evaluate
 
 def gradient_overlay(images: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The article's map and overlay: channel-summed gradient, upsampled, plus the image, / max."""
-    grad_map = F.interpolate(grads.sum(1, keepdim=True), size=images.shape[-2:], mode="bilinear",
-                             align_corners=True)
+    grad_map = F.interpolate(grads.sum(1, keepdim=True), size=images.shape[-2:], mode="bilinear", align_corners=True)
     cam = grad_map + images
     return grad_map[:, 0], (cam / cam.amax(dim=(1, 2, 3), keepdim=True))[:, 0]
 
@@ -93,8 +92,9 @@ def main(argv=None) -> dict:
         print("label:", label.shape)
         output = model(img)
         print("output:", output.shape)
-        figures.append(plot_grid(save.output("conv2")[0], out / "feature_maps.png",
-                                 title="conv2 feature maps (32 channels)"))
+        figures.append(
+            plot_grid(save.output("conv2")[0], out / "feature_maps.png", title="conv2 feature maps (32 channels)")
+        )
 
         idx = torch.argmax(output)
         output[0, idx].backward()
@@ -118,19 +118,44 @@ def main(argv=None) -> dict:
         _, overlays = gradient_overlay(imgs.cpu(), grads)
         stored = len(save.grads["conv2"])
     titles = [f"{y} -> {p}" for y, p in zip(labels.tolist(), preds.tolist())]
-    figures.append(plot_grid(overlays, out / "overlays_32.png", cmap="viridis", titles=titles,
-                             title="gradient map + digit, each digit with its own gradient"))
-    print(f"32 overlays from {len({g.sum().item() for g in grads})} distinct gradients; "
-          f"gradients stored by the recorder: {stored}")
+    figures.append(
+        plot_grid(
+            overlays,
+            out / "overlays_32.png",
+            cmap="viridis",
+            titles=titles,
+            title="gradient map + digit, each digit with its own gradient",
+        )
+    )
+    print(
+        f"32 overlays from {len({g.sum().item() for g in grads})} distinct gradients; "
+        f"gradients stored by the recorder: {stored}"
+    )
 
     cams = grad_cam(model, "conv2", imgs)
-    figures.append(plot_gradcam(imgs, cams, out / "gradcam_32.png", titles=titles,
-                                title="Grad-CAM of conv2 (predicted class) over the digit"))
+    figures.append(
+        plot_gradcam(
+            imgs,
+            cams,
+            out / "gradcam_32.png",
+            titles=titles,
+            title="Grad-CAM of conv2 (predicted class) over the digit",
+        )
+    )
     for path in figures:
         print("wrote", path)
-    return {"losses": losses, "accuracy": accuracy, "grads": grads, "images": imgs.cpu(),
-            "preds": preds.cpu(), "overlays": overlays, "cams": cams, "figures": figures,
-            "model": model, "stored": stored}
+    return {
+        "losses": losses,
+        "accuracy": accuracy,
+        "grads": grads,
+        "images": imgs.cpu(),
+        "preds": preds.cpu(),
+        "overlays": overlays,
+        "cams": cams,
+        "figures": figures,
+        "model": model,
+        "stored": stored,
+    }
 
 
 if __name__ == "__main__":

@@ -29,8 +29,7 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
 
     size = INPUTS[args.model]
-    model = build_model(args.model, in_channels=size[0], num_classes=1000 if size[0] == 3 else 10,
-                        image_size=size[-1])
+    model = build_model(args.model, in_channels=size[0], num_classes=1000 if size[0] == 3 else 10, image_size=size[-1])
     text = summary(model, input_size=[list(size)])  # (channels, height, width), as the article
     print(text)
     return text

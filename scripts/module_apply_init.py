@@ -74,8 +74,10 @@ def main(argv=None) -> dict:
         print(f"   backward hook on model[{module.name}] ({module}), grad_output {tuple(grad_output[0].shape)}")
 
     relu_layer = model[1]
-    handles = [relu_layer.register_forward_pre_hook(my_forward_pre_hook),
-               relu_layer.register_forward_hook(my_forward_hook)]
+    handles = [
+        relu_layer.register_forward_pre_hook(my_forward_pre_hook),
+        relu_layer.register_forward_hook(my_forward_hook),
+    ]
     for name, layer in model.named_children():
         layer.name = name
         handles.append(layer.register_full_backward_hook(my_backward_hook))
@@ -111,8 +113,13 @@ def main(argv=None) -> dict:
         bias_zero = bool((layer.bias == 0).all())
         init_ok &= w_max <= bound and bias_zero
         print(f"   {name}: max |weight| {w_max:.3f} <= bound {bound:.3f}: {w_max <= bound}, bias all zero: {bias_zero}")
-    return {"backward_order": backward_order, "hooks_before": listing.total + 1, "hooks_after": after,
-            "apply_order": order, "init_ok": init_ok}
+    return {
+        "backward_order": backward_order,
+        "hooks_before": listing.total + 1,
+        "hooks_after": after,
+        "apply_order": order,
+        "init_ok": init_ok,
+    }
 
 
 if __name__ == "__main__":

@@ -22,9 +22,20 @@ CONF = ROOT / "gradmod" / "conf"
 # A tiny, fast run on the bundled sample: the overrides most end-to-end tests start from.
 FAST = ["data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
 # Two epochs of 6 steps on 28x28 FakeData, a checkpoint every 4 steps: the resume tests' run.
-RESUMABLE = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
-             "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
-             "trainer.threads=1", "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
+RESUMABLE = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=60",
+    "data.test_size=20",
+    "data.batch_size=10",
+    "trainer.epochs=2",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.checkpoint_every_steps=4",
+    "+hooks=[clip,log]",
+]
 
 
 def compose_config(*overrides: str):
@@ -37,13 +48,20 @@ def compose_config(*overrides: str):
         GlobalHydra.instance().clear()
 
 
-def run_train(tmp_path: Path, *overrides: str, multirun: bool = False, check: bool = True,
-              env: dict | None = None) -> subprocess.CompletedProcess:
+def run_train(
+    tmp_path: Path, *overrides: str, multirun: bool = False, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python train.py`` in a subprocess with its outputs under ``tmp_path``."""
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     entry = "tests/kill_driver.py" if "GRADMOD_KILL_AT" in (env or {}) else "train.py"  # see kill_driver
-    cmd = [sys.executable, str(ROOT / entry), *(["-m"] if multirun else []),
-           f"{dir_key}={tmp_path}", f"data_dir={tmp_path / 'data'}", *overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / entry),
+        *(["-m"] if multirun else []),
+        f"{dir_key}={tmp_path}",
+        f"data_dir={tmp_path / 'data'}",
+        *overrides,
+    ]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
     if check and proc.returncode != 0:

@@ -46,8 +46,10 @@ class TwoHeads(nn.Module):
 def cls_and_reg(outputs, labels):
     """A loss of the user's own over the whole outputs: named losses of different kinds."""
     logits, value = outputs
-    return {"cls": nn.functional.cross_entropy(logits, labels["cls"]),
-            "reg": nn.functional.mse_loss(value, labels["reg"])}
+    return {
+        "cls": nn.functional.cross_entropy(logits, labels["cls"]),
+        "reg": nn.functional.mse_loss(value, labels["reg"]),
+    }
 
 
 def mean_abs_error(output, target):

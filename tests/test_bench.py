@@ -24,10 +24,26 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     bench = _bench()
     report = bench.main(["--quick", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-    expected = {"epoch.article", "epoch.gradmod", "epoch.floor", "eval.article", "eval.gradmod", "eval.gradmod_b100", "step.none",
-                "step.clip_hook", "step.clip_fused", "step.clip_grad_value_", "step.norm_fused", "step.log_every_step",
-                "step.log_every_50", "step.clip_logged"} | {f"per_sample.{n}" for n in bench.per_sample.names()} \
+    expected = (
+        {
+            "epoch.article",
+            "epoch.gradmod",
+            "epoch.floor",
+            "eval.article",
+            "eval.gradmod",
+            "eval.gradmod_b100",
+            "step.none",
+            "step.clip_hook",
+            "step.clip_fused",
+            "step.clip_grad_value_",
+            "step.norm_fused",
+            "step.log_every_step",
+            "step.log_every_50",
+            "step.clip_logged",
+        }
+        | {f"per_sample.{n}" for n in bench.per_sample.names()}
         | {f"per_loss.{n}" for n in bench.per_loss.names()}
+    )
     assert set(report["results"]) == expected
     for name, r in report["results"].items():
         assert r["section"] == name.split(".")[0]
@@ -35,8 +51,15 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         assert all(s > 0 and math.isfinite(s) for s in r["seconds"])
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["items"] == {"epoch": 200, "eval": 50, "step": 2, "per_sample": 1, "per_loss": 1}[r["section"]]
-    targets = {"epoch_speedup_vs_article", "epoch_gradmod_over_floor", "eval_speedup_vs_article", "hook_overhead",
-               "log_every_50_over_none", "per_sample_resnet18gn_over_plain", "per_sample_transformer_over_plain"}
+    targets = {
+        "epoch_speedup_vs_article",
+        "epoch_gradmod_over_floor",
+        "eval_speedup_vs_article",
+        "hook_overhead",
+        "log_every_50_over_none",
+        "per_sample_resnet18gn_over_plain",
+        "per_sample_transformer_over_plain",
+    }
     if bench.per_sample.has_opacus():
         targets |= {"per_sample_mnist_over_opacus", "per_sample_mlp_over_opacus", "per_sample_mlp_over_opacus_ghost"}
     for m in bench.per_loss.MODELS:
@@ -53,7 +76,13 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     assert m["cores"] >= 1 and m["torch"] and m["device"] == "cpu" and len(m["load_average_before"]) == 3
     ops = report["ops"]
     assert set(ops) == {"floor", "bare", "none", "clip_hook", "clip_fused", "log", "clip_logged", "norm_fused"}
-    assert ops["floor"]["ops"] < ops["bare"]["ops"] <= ops["none"]["ops"] < ops["clip_hook"]["ops"] < ops["clip_logged"]["ops"]
+    assert (
+        ops["floor"]["ops"]
+        < ops["bare"]["ops"]
+        <= ops["none"]["ops"]
+        < ops["clip_hook"]["ops"]
+        < ops["clip_logged"]["ops"]
+    )
     assert ops["clip_hook"]["over_bare"] <= 2 * ops["clip_hook"]["tensors"] + 4
     assert ops["clip_logged"]["over_bare"] <= 12 * ops["clip_logged"]["tensors"]
     table = capsys.readouterr().out

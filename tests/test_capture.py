@@ -57,8 +57,18 @@ def test_trace_shapes_children_and_leaves():
     model = resnet18(weights=None)
     lines = []
     shapes = trace_shapes(model, torch.ones(2, 3, 64, 64), print_fn=lines.append)
-    assert [n for n, _ in shapes] == ["conv1", "bn1", "relu", "maxpool", "layer1", "layer2",
-                                      "layer3", "layer4", "avgpool", "fc"]
+    assert [n for n, _ in shapes] == [
+        "conv1",
+        "bn1",
+        "relu",
+        "maxpool",
+        "layer1",
+        "layer2",
+        "layer3",
+        "layer4",
+        "avgpool",
+        "fc",
+    ]
     assert lines[0] == "conv1: torch.Size([2, 64, 32, 32])"
     assert lines[-1] == "fc: torch.Size([2, 1000])"
     leaves = trace_shapes(model, torch.ones(1, 3, 64, 64), leaves=True, print_fn=None)
@@ -252,7 +262,10 @@ def test_summary_is_the_articles_table():
     assert summary(MnistCNN(), (1, 28, 28)) == ARTICLE_TABLE
     rows = summary_rows(MnistCNN(), (1, 28, 28))
     assert [(r.layer, r.output_shape, r.params) for r in rows] == [
-        ("Conv2d-1", [-1, 32, 28, 28], 320), ("Conv2d-2", [-1, 32, 14, 14], 9248), ("Linear-3", [-1, 10], 15690)]
+        ("Conv2d-1", [-1, 32, 28, 28], 320),
+        ("Conv2d-2", [-1, 32, 14, 14], 9248),
+        ("Linear-3", [-1, 10], 15690),
+    ]
 
 
 def test_summary_counts_frozen_and_shared_parameters_once():
@@ -279,8 +292,12 @@ def test_list_hooks_sees_every_kind_and_remove_clears_them():
     ]
     entries, total = list_hooks(model)
     assert set(entries) == {
-        ("", "_forward_pre_hooks", 1), ("conv1", "_forward_hooks", 2), ("conv2", "_backward_hooks", 1),
-        ("l1", "_backward_pre_hooks", 1), ("l1.bias", "_backward_hooks", 1)}
+        ("", "_forward_pre_hooks", 1),
+        ("conv1", "_forward_hooks", 2),
+        ("conv2", "_backward_hooks", 1),
+        ("l1", "_backward_pre_hooks", 1),
+        ("l1.bias", "_backward_hooks", 1),
+    }
     assert total == 6
     for h in handles:
         h.remove()

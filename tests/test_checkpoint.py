@@ -84,9 +84,12 @@ def test_sigkill_mid_epoch_then_resume_is_exact(tmp_path, compose_cfg, reference
     same_params(torch.load(tmp_path / "model.pt"), params)
     assert summary["resumed_from"].endswith("step-000000008.pt")
     assert summary["train_loss"] == ref_summary["train_loss"] and summary["steps"] == 12
+
     def strip(text):
-        return [{k: v for k, v in __import__("json").loads(ln).items() if "seconds" not in k}
-                for ln in text.splitlines()]
+        return [
+            {k: v for k, v in __import__("json").loads(ln).items() if "seconds" not in k} for ln in text.splitlines()
+        ]
+
     assert strip((tmp_path / "metrics.jsonl").read_text()) == strip(ref_metrics)
     # the CSV logger's files start afresh on resume and are refilled from the checkpoint's history
     assert (tmp_path / "metrics.csv").read_text().count("\n") == 3  # header + 2 epochs

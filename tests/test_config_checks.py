@@ -28,8 +28,10 @@ def test_restated_names_are_the_registries():
 
 
 def test_the_schemas_and_their_checks_load_without_torch():
-    code = ("import sys; import gradmod.app.config_store; import gradmod.run.config; "
-            "heavy = [m for m in ('torch', 'torchvision') if m in sys.modules]; print(heavy)")
+    code = (
+        "import sys; import gradmod.app.config_store; import gradmod.run.config; "
+        "heavy = [m for m in ('torch', 'torchvision') if m in sys.modules]; print(heavy)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -53,12 +55,15 @@ def test_threads_at_most_the_cpus(monkeypatch):
         TrainerConfig(threads=5)
 
 
-@pytest.mark.parametrize("rule,words", [
-    (5, "hooks.r=5 is not a rule"),
-    (["a", "b"], "hooks.r=\\['a', 'b'\\] is not a rule"),
-    ({"params": "*", "transforms": 5}, "hooks.r.transforms=5 is not allowed"),
-    ({"params": "*", "transforms": ["zero", 3]}, "hooks.r.transforms=\\['zero', 3\\] is not allowed"),
-])
+@pytest.mark.parametrize(
+    "rule,words",
+    [
+        (5, "hooks.r=5 is not a rule"),
+        (["a", "b"], "hooks.r=\\['a', 'b'\\] is not a rule"),
+        ({"params": "*", "transforms": 5}, "hooks.r.transforms=5 is not allowed"),
+        ({"params": "*", "transforms": ["zero", 3]}, "hooks.r.transforms=\\['zero', 3\\] is not allowed"),
+    ],
+)
 def test_a_rule_of_the_wrong_shape_is_refused(rule, words):
     with pytest.raises(ValueError, match=words):
         Config(model=ModelConfig("mnist_cnn"), hooks={"r": rule})

@@ -37,12 +37,17 @@ def test_trainer_yaml_lists_every_trainer_key_with_its_default():
     assert _yaml("trainer/default.yaml") == _defaults(C.TrainerConfig)
 
 
-@pytest.mark.parametrize("name, schema", [("optimizer/sgd.yaml", C.SGDConfig),
-                                          ("optimizer/adam.yaml", C.AdamConfig),
-                                          ("logger/tensorboard.yaml", C.TensorBoardLoggerConfig),
-                                          ("logger/csv.yaml", C.LoggerConfig),
-                                          ("init/default.yaml", C.InitConfig),
-                                          ("loss/cross_entropy.yaml", C.LossConfig)])
+@pytest.mark.parametrize(
+    "name, schema",
+    [
+        ("optimizer/sgd.yaml", C.SGDConfig),
+        ("optimizer/adam.yaml", C.AdamConfig),
+        ("logger/tensorboard.yaml", C.TensorBoardLoggerConfig),
+        ("logger/csv.yaml", C.LoggerConfig),
+        ("init/default.yaml", C.InitConfig),
+        ("loss/cross_entropy.yaml", C.LossConfig),
+    ],
+)
 def test_option_files_restate_their_schema_defaults(name, schema):
     data, defaults = _yaml(name), _defaults(schema)
     assert set(data) <= set(defaults), f"{name} sets keys its schema lacks"
@@ -51,8 +56,9 @@ def test_option_files_restate_their_schema_defaults(name, schema):
 
 def test_root_yaml_restates_the_root_defaults():
     data, defaults = _yaml("config.yaml"), _defaults(C.Config)
-    assert {k: data[k] for k in ("seed", "data_dir", "hooks", "plugins")} == \
-        {k: defaults[k] for k in ("seed", "data_dir", "hooks", "plugins")}
+    assert {k: data[k] for k in ("seed", "data_dir", "hooks", "plugins")} == {
+        k: defaults[k] for k in ("seed", "data_dir", "hooks", "plugins")
+    }
     assert data["capture"] == _defaults(C.CaptureConfig)
 
 
@@ -79,7 +85,7 @@ def _comments(path, node: str | None = None) -> dict[str, str]:
             inside, key = line.startswith(f"{node}:"), None
             continue
         m = re.match(rf"{indent}(\w+):.*?(?:\s#\s?(.*))?$", line) if inside else None
-        if m and not line[len(indent):].startswith(" "):
+        if m and not line[len(indent) :].startswith(" "):
             key = m.group(1) if m.group(2) else None
             if key:
                 out[key] = m.group(2).strip()
@@ -127,9 +133,14 @@ def test_every_option_file_restates_its_schema_defaults_and_docs(group, path):
     assert commented == {k: docs.get(k) for k in commented}, f"{path.name}: a comment differs from the field's doc"
 
 
-@pytest.mark.parametrize("path, node, schema", [("trainer/default.yaml", None, C.TrainerConfig),
-                                                ("config.yaml", "privacy", C.PrivacyConfig),
-                                                ("config.yaml", "capture", C.CaptureConfig)])
+@pytest.mark.parametrize(
+    "path, node, schema",
+    [
+        ("trainer/default.yaml", None, C.TrainerConfig),
+        ("config.yaml", "privacy", C.PrivacyConfig),
+        ("config.yaml", "capture", C.CaptureConfig),
+    ],
+)
 def test_full_listings_give_every_key_its_doc(path, node, schema):
     """The files the README and --help send users to list every key with the field's doc."""
     docs = help_page.field_docs(schema)

@@ -39,8 +39,7 @@ def tiny_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def clip_rules(stage: str) -> dict:
-    return {"clip": {"params": "*", "stage": stage,
-                     "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}
+    return {"clip": {"params": "*", "stage": stage, "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}
 
 
 def expected_params(stage: str, world: int, accumulate: int, steps: int = 1) -> dict[str, torch.Tensor]:
@@ -71,13 +70,21 @@ def expected_params(stage: str, world: int, accumulate: int, steps: int = 1) -> 
     return {n: p.detach().clone() for n, p in zip(names, model.parameters())}
 
 
-def run_gradmod(model: nn.Module, stage: str, world: int, rank: int, accumulate: int,
-                steps: int = 1) -> None:
+def run_gradmod(model: nn.Module, stage: str, world: int, rank: int, accumulate: int, steps: int = 1) -> None:
     x, y = tiny_data(world * accumulate * BATCH * steps)
     hooks = attach(unwrap(model), clip_rules(stage))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    bare_epoch(model, optimizer, x, y, batch_size=BATCH, generator=torch.Generator().manual_seed(5),
-                hooks=hooks, accumulate=accumulate, part=(rank, world))
+    bare_epoch(
+        model,
+        optimizer,
+        x,
+        y,
+        batch_size=BATCH,
+        generator=torch.Generator().manual_seed(5),
+        hooks=hooks,
+        accumulate=accumulate,
+        part=(rank, world),
+    )
     hooks.remove()
 
 
@@ -85,8 +92,9 @@ CASES = [("hook", 1), ("fused", 1), ("hook", 2), ("fused", 2)]
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist = Dist.from_env("ddp", torch.device("cpu"))
     try:
@@ -104,8 +112,10 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
             model.register_comm_hook(None, comm_hook)
             run_gradmod(model, stage, world, rank, accumulate)
             params = {n: p.detach() for n, p in unwrap(model).named_parameters()}
-            torch.save({"params": params, "allreduce_input_max": seen},
-                       os.path.join(out, f"{stage}_{accumulate}_rank{rank}.pt"))
+            torch.save(
+                {"params": params, "allreduce_input_max": seen},
+                os.path.join(out, f"{stage}_{accumulate}_rank{rank}.pt"),
+            )
     finally:
         dist.close()
 
@@ -114,8 +124,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     spawn_ranks(_ddp_worker, 2, free_port(), str(out))
-    return {(stage, k, r): torch.load(out / f"{stage}_{k}_rank{r}.pt")
-            for stage, k in CASES for r in range(2)}
+    return {(stage, k, r): torch.load(out / f"{stage}_{k}_rank{r}.pt") for stage, k in CASES for r in range(2)}
 
 
 @pytest.mark.parametrize("stage,accumulate", CASES)
@@ -123,8 +132,9 @@ def test_ddp_step_matches_documented_stage_semantics(ddp_results, stage, accumul
     rank0, rank1 = (ddp_results[stage, accumulate, r]["params"] for r in range(2))
     expected = expected_params(stage, world=2, accumulate=accumulate)
     other = expected_params("fused" if stage == "hook" else "hook", world=2, accumulate=accumulate)
-    assert any(not torch.allclose(expected[n], other[n], atol=1e-6) for n in expected), \
+    assert any(not torch.allclose(expected[n], other[n], atol=1e-6) for n in expected), (
         "the test data must tell the stages apart"
+    )
     for name in expected:
         assert torch.equal(rank0[name], rank1[name]), f"{name} differs between ranks"
         torch.testing.assert_close(rank0[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -151,15 +161,25 @@ def test_accumulation_single_process(stage):
     x, y = tiny_data(3 * BATCH)
     hooks = attach(model, clip_rules(stage))
     steps = []
-    bare_epoch(model, torch.optim.SGD(model.parameters(), lr=LR), x, y, batch_size=BATCH,
-                generator=torch.Generator().manual_seed(5), hooks=hooks, accumulate=2, on_step=steps.append)
+    bare_epoch(
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        x,
+        y,
+        batch_size=BATCH,
+        generator=torch.Generator().manual_seed(5),
+        hooks=hooks,
+        accumulate=2,
+        on_step=steps.append,
+    )
     assert steps == [1, 2]
     # Hand computation: the same two steps.
     ref = tiny_model()
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(5)).split(BATCH)
     for group in ([order[0], order[1]], [order[2]]):
-        grads = [torch.autograd.grad(F.cross_entropy(ref(x[i]), y[i]) / len(group), list(ref.parameters()))
-                 for i in group]
+        grads = [
+            torch.autograd.grad(F.cross_entropy(ref(x[i]), y[i]) / len(group), list(ref.parameters())) for i in group
+        ]
         if stage == "hook":  # each micro-batch's gradient (of loss / k), then summed
             update = [sum(g.clamp(-BOUND, BOUND) for g in gs) for gs in zip(*grads)]
         else:  # the sum, then clamped
@@ -174,11 +194,24 @@ def test_accumulation_single_process(stage):
 def test_accumulating_two_half_batches_is_one_full_batch():
     b = tiny_model()
     x, y = tiny_data(2 * BATCH)
-    bare_epoch(b, torch.optim.SGD(b.parameters(), lr=LR), x, y, batch_size=2 * BATCH,
-                generator=torch.Generator().manual_seed(5))
+    bare_epoch(
+        b,
+        torch.optim.SGD(b.parameters(), lr=LR),
+        x,
+        y,
+        batch_size=2 * BATCH,
+        generator=torch.Generator().manual_seed(5),
+    )
     c = tiny_model()
-    bare_epoch(c, torch.optim.SGD(c.parameters(), lr=LR), x, y, batch_size=BATCH,
-                generator=torch.Generator().manual_seed(5), accumulate=2)
+    bare_epoch(
+        c,
+        torch.optim.SGD(c.parameters(), lr=LR),
+        x,
+        y,
+        batch_size=BATCH,
+        generator=torch.Generator().manual_seed(5),
+        accumulate=2,
+    )
     for p, q in zip(b.parameters(), c.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
@@ -210,10 +243,27 @@ def test_follower_overrides():
 def test_torchrun_two_ranks_end_to_end(tmp_path):
     """The documented DDP command on 2 gloo ranks: rank 0 alone writes the run folder."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           str(ROOT / "train.py"), "trainer.strategy=ddp", "+hooks=clip", f"hydra.run.dir={run_dir}",
-           "data=fake", "data.image_size=28", "data.channels=1", "data.train_size=64", "data.test_size=33",
-           "data.batch_size=16", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port",
+        str(free_port()),
+        str(ROOT / "train.py"),
+        "trainer.strategy=ddp",
+        "+hooks=clip",
+        f"hydra.run.dir={run_dir}",
+        "data=fake",
+        "data.image_size=28",
+        "data.channels=1",
+        "data.train_size=64",
+        "data.test_size=33",
+        "data.batch_size=16",
+        "trainer.epochs=1",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

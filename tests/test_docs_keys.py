@@ -13,21 +13,48 @@ from omegaconf import OmegaConf
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
 CONF_FILES = sorted(CONF.rglob("*.yaml"))
 TEXTS = DOCS + CONF_FILES
-GROUP_KEY = re.compile(r"(?<![\w/.+])(trainer|data|optimizer|capture|logger|init|model|privacy)\.([a-z_]+)\b(?![(\w/])")  # +key: an added argument
+GROUP_KEY = re.compile(
+    r"(?<![\w/.+])(trainer|data|optimizer|capture|logger|init|model|privacy)\.([a-z_]+)\b(?![(\w/])"
+)  # +key: an added argument
 HOOK_NAME = re.compile(r"(?:\+hooks=\[?|gradmod/conf/hooks/|hooks=)([a-z_]+(?:,[a-z_]+)*)")
 CONF_PATH = re.compile(r"(?<![\w/])(gradmod/conf/[a-z_/.-]+\.yaml)")  # NAME.yaml is a placeholder
 # A file of the repository: a path under one of its folders, or a top-level file.
-FILE = re.compile(r"(?<![\w/.:-])((?:gradmod|tests|scripts|docs|examples|\.ci)/[\w./-]*\w|train\.py|pyproject\.toml|"
-                  r"CHANGELOG\.md|LICENSE)(?![\w(])")
+FILE = re.compile(
+    r"(?<![\w/.:-])((?:gradmod|tests|scripts|docs|examples|\.ci)/[\w./-]*\w|train\.py|pyproject\.toml|"
+    r"CHANGELOG\.md|LICENSE)(?![\w(])"
+)
 MODULE = re.compile(r"(?<![\w./])(gradmod(?:\.\w+)+)")
 FLAG = re.compile(r"(?:gradmod|train\.py) (?:-m )?(--[a-z-]+)")
-HYDRA_FLAGS = {"--help", "--hydra-help", "--cfg", "--info", "--config-dir", "--config-path", "--config-name",
-               "--multirun", "--run", "--resolve", "--package", "--shell-completion", "--version"}
-PLACEHOLDER = re.compile(r"\b(?:NAME|FILE|PATH|DATE|TIME|RULE)\b|<|\*|\.\.\.")  # NAME, <run>, step-*.pt: not a real path
+HYDRA_FLAGS = {
+    "--help",
+    "--hydra-help",
+    "--cfg",
+    "--info",
+    "--config-dir",
+    "--config-path",
+    "--config-name",
+    "--multirun",
+    "--run",
+    "--resolve",
+    "--package",
+    "--shell-completion",
+    "--version",
+}
+PLACEHOLDER = re.compile(
+    r"\b(?:NAME|FILE|PATH|DATE|TIME|RULE)\b|<|\*|\.\.\."
+)  # NAME, <run>, step-*.pt: not a real path
 TYPO_EXAMPLES = {"trainer.epoch"}  # the docs' example of a typo and its one-line error
 FILES = {"model.pt", "privacy.md"}  # file names that look like keys
-RUN_FILES = {"train.log", "summary.json", "metrics.jsonl", "metrics.csv", "grad_stats.jsonl", "grad_stats.csv",
-             "hook_plan.json", "model.pt"}
+RUN_FILES = {
+    "train.log",
+    "summary.json",
+    "metrics.jsonl",
+    "metrics.csv",
+    "grad_stats.jsonl",
+    "grad_stats.csv",
+    "hook_plan.json",
+    "model.pt",
+}
 LINK = re.compile(r"\]\((?!https?:|mailto:)([^)\s#]*)(?:#([\w-]+))?\)")
 
 

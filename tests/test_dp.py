@@ -31,13 +31,23 @@ except ImportError:
 # Accounting needs Opacus (the privacy extra); sampling, the stage and the models do not.
 needs_opacus = pytest.mark.skipif(opacus is None, reason="the privacy extra: pip install 'gradmod[privacy]'")
 
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
-        "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
-        "trainer.threads=1"]
+TINY = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=60",
+    "data.test_size=20",
+    "data.batch_size=10",
+    "trainer.epochs=2",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "trainer.threads=1",
+]
 NO_NOISE = "hooks.dp.transforms=[{name: per_sample_clip, max_norm: 1.0}]"
 
 
 # -- Poisson sampling ------------------------------------------------------------------------
+
 
 def _labels(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(n, dtype=torch.float32)[:, None], torch.arange(n)
@@ -72,13 +82,14 @@ def test_poisson_shards_splits_resume_and_loader_path_agree():
         assert sorted(torch.cat([ranks[0][s], ranks[1][s]]).tolist()) == sorted(batch.tolist())
     split = draw(split=3)  # accumulation: the step's one Poisson batch in three parts
     assert len(split) == 12
-    assert all(torch.equal(torch.cat(split[3 * s:3 * s + 3]), whole[s]) for s in range(4))
+    assert all(torch.equal(torch.cat(split[3 * s : 3 * s + 3]), whole[s]) for s in range(4))
     assert all(torch.equal(a, b) for a, b in zip(draw(split=3, start=5), split[5:], strict=True))  # resumed mid-epoch
     assert all(torch.equal(a, b) for a, b in zip(draw(loader_workers=0), whole, strict=True))  # host-memory path
     assert poisson_steps(60, 10) == (1 / 6, 6) and poisson_steps(60, 5, world=2, accumulate=3) == (0.5, 2)
 
 
 # -- the per_sample stage in the Trainer -----------------------------------------------------
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
@@ -91,8 +102,12 @@ def _data(n: int = 40):
 
 
 def _dp_rules(noise: float = 0.0, max_norm: float = 0.3) -> dict:
-    return {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": max_norm,
-                                                  "noise_multiplier": noise}]}}
+    return {
+        "dp": {
+            "params": "*",
+            "transforms": [{"name": "per_sample_clip", "max_norm": max_norm, "noise_multiplier": noise}],
+        }
+    }
 
 
 class _Grads(Callback):
@@ -106,13 +121,18 @@ class _Grads(Callback):
         return False
 
 
-def _train(model, *, batch_size: int, accumulate: int = 1, noise: float = 0.0, sampling: str = "poisson",
-           callbacks=()):
+def _train(model, *, batch_size: int, accumulate: int = 1, noise: float = 0.0, sampling: str = "poisson", callbacks=()):
     x, y = _data()
     hooks = attach(model, _dp_rules(noise))
     settings = TrainerSettings(batch_size=batch_size, accumulate=accumulate, sampling=sampling, log_every=2**62)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), settings, hooks=hooks,
-                      callbacks=list(callbacks), generator=torch.Generator().manual_seed(7))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        settings,
+        hooks=hooks,
+        callbacks=list(callbacks),
+        generator=torch.Generator().manual_seed(7),
+    )
     trainer.train_epoch(x, y)
     hooks.remove()
     return trainer
@@ -167,8 +187,14 @@ def test_an_empty_poisson_step_still_adds_noise():
     assert 0 in sizes
     model, grads = _model(), _Grads()
     hooks = attach(model, _dp_rules(noise=1.0))
-    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainerSettings(batch_size=1, sampling="poisson"),
-            hooks=hooks, callbacks=[grads], generator=torch.Generator().manual_seed(7)).train_epoch(x, y)
+    Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainerSettings(batch_size=1, sampling="poisson"),
+        hooks=hooks,
+        callbacks=[grads],
+        generator=torch.Generator().manual_seed(7),
+    ).train_epoch(x, y)
     hooks.remove()
     assert len(grads.seen) == 20
     for n, step in zip(sizes, grads.seen):
@@ -183,8 +209,14 @@ def test_noise_std_is_sigma_c_over_expected_batch():
     hooks = attach(model, _dp_rules(noise=2.0, max_norm=0.5))
     grads = _Grads()
     settings = TrainerSettings(batch_size=25, sampling="poisson")
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), settings,
-                      hooks=hooks, callbacks=[grads], generator=torch.Generator().manual_seed(0))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        settings,
+        hooks=hooks,
+        callbacks=[grads],
+        generator=torch.Generator().manual_seed(0),
+    )
     trainer.train_epoch(x, y)
     hooks.remove()
     sample = torch.cat([g[0].flatten() for g in grads.seen])  # 4 steps x 2000 draws
@@ -194,14 +226,22 @@ def test_noise_std_is_sigma_c_over_expected_batch():
 
 # -- accounting ------------------------------------------------------------------------------
 
+
 def _rdp_integer_orders(sigma: float, q: float, steps: int, delta: float) -> float:
     """Mironov, Talwar and Zhang (2019): the sampled Gaussian's RDP at integer orders a,
     log A_a = log sum_k C(a, k) (1 - q)^(a - k) q^k exp((k^2 - k) / (2 sigma^2)), converted
     to (epsilon, delta) as in Balle et al. (2020)."""
     best = math.inf
     for a in range(2, 256):
-        terms = [math.lgamma(a + 1) - math.lgamma(k + 1) - math.lgamma(a - k + 1) + (a - k) * math.log1p(-q)
-                 + k * math.log(q) + (k * k - k) / (2 * sigma ** 2) for k in range(a + 1)]
+        terms = [
+            math.lgamma(a + 1)
+            - math.lgamma(k + 1)
+            - math.lgamma(a - k + 1)
+            + (a - k) * math.log1p(-q)
+            + k * math.log(q)
+            + (k * k - k) / (2 * sigma**2)
+            for k in range(a + 1)
+        ]
         top = max(terms)
         rdp = steps * (top + math.log(sum(math.exp(t - top) for t in terms))) / (a - 1)
         eps = rdp - (math.log(delta) + math.log(a)) / (a - 1) + math.log((a - 1) / a)
@@ -271,12 +311,16 @@ def test_per_sample_refused_under_other_strategies():
 
     cfg = validate(compose_config(*TINY, "+hooks=dp"))
     cfg.trainer.strategy = "fsdp"  # a strategy the per_sample stage does not know
-    with pytest.raises(ValueError, match=r"^hooks.dp: the per_sample stage runs under trainer.strategy=single\|ddp "
-                                         r"only, not fsdp$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.dp: the per_sample stage runs under trainer.strategy=single\|ddp "
+        r"only, not fsdp$",
+    ):
         dp.check(cfg)
 
 
 # -- model.norm ------------------------------------------------------------------------------
+
 
 def test_group_norm_resnet_has_no_batchnorm_and_the_same_parameters():
     group = build_model("resnet18", 3, 10, 32, norm="group")
@@ -288,6 +332,7 @@ def test_group_norm_resnet_has_no_batchnorm_and_the_same_parameters():
 
 
 # -- through train.py ------------------------------------------------------------------------
+
 
 def _run(out, *overrides):
     from gradmod.app.cli import run
@@ -346,8 +391,9 @@ def test_target_epsilon_fills_the_rules_noise():
     cfg = validate(compose_config(*TINY, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=2", "trainer.epochs=3"))
     rules, privacy = dp.prepare(cfg, train_size=1000, world_size=1)
     assert (privacy.rule, privacy.sample_rate, privacy.steps) == ("dp", 0.01, 300)
-    assert rules["dp"]["transforms"] == [{"name": "per_sample_clip", "max_norm": 1.0,
-                                          "noise_multiplier": privacy.noise_multiplier}]
+    assert rules["dp"]["transforms"] == [
+        {"name": "per_sample_clip", "max_norm": 1.0, "noise_multiplier": privacy.noise_multiplier}
+    ]
     assert cfg.hooks["dp"]["transforms"][0].get("noise_multiplier") is None  # the config itself is left alone
     eps = []
     for sigma in (privacy.noise_multiplier, privacy.noise_multiplier * 0.98):
@@ -372,22 +418,34 @@ def test_target_epsilon_picks_the_noise_multiplier(tmp_path):
 
 @needs_opacus
 def test_resnet18_with_group_norm_trains_privately(tmp_path):
-    summary, _ = _run(tmp_path, "+hooks=dp", "model=resnet18", "model.norm=group",
-                      "data.channels=3", "data.image_size=16", "data.train_size=8", "data.test_size=4",
-                      "data.batch_size=4", "trainer.epochs=1", "trainer.checkpoint_every=0")
+    summary, _ = _run(
+        tmp_path,
+        "+hooks=dp",
+        "model=resnet18",
+        "model.norm=group",
+        "data.channels=3",
+        "data.image_size=16",
+        "data.train_size=8",
+        "data.test_size=4",
+        "data.batch_size=4",
+        "trainer.epochs=1",
+        "trainer.checkpoint_every=0",
+    )
     assert summary["status"] == "ok" and summary["privacy"]["steps"] == 2
     assert math.isfinite(summary["train_loss"])
 
 
 # -- DDP: 2 gloo processes -------------------------------------------------------------------
 
+
 def _ddp_dp_worker(rank: int, world: int, port: int, out: str) -> None:
     import os
 
     from gradmod.training.distributed import Dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist = Dist.from_env("ddp", torch.device("cpu"))
     try:
@@ -399,14 +457,24 @@ def _ddp_dp_worker(rank: int, world: int, port: int, out: str) -> None:
             net.register_comm_hook(calls, _counting_allreduce)
             torch.manual_seed(11)  # the noise's generator: rank 0 draws, as a single process would
             x, y = _data()
-            settings = TrainerSettings(batch_size=4 // accumulate, accumulate=accumulate, sampling=sampling,
-                                       log_every=2**62)
-            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), settings, hooks=hooks, dist=dist,
-                              net=net, generator=torch.Generator().manual_seed(7))
+            settings = TrainerSettings(
+                batch_size=4 // accumulate, accumulate=accumulate, sampling=sampling, log_every=2**62
+            )
+            trainer = Trainer(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.5),
+                settings,
+                hooks=hooks,
+                dist=dist,
+                net=net,
+                generator=torch.Generator().manual_seed(7),
+            )
             trainer.train_epoch(x, y)
             hooks.remove()
-            torch.save({"params": [p.detach() for p in model.parameters()], "calls": len(calls),
-                        "steps": trainer.step}, os.path.join(out, f"{sampling}{accumulate}_rank{rank}.pt"))
+            torch.save(
+                {"params": [p.detach() for p in model.parameters()], "calls": len(calls), "steps": trainer.step},
+                os.path.join(out, f"{sampling}{accumulate}_rank{rank}.pt"),
+            )
     finally:
         dist.close()
 
@@ -447,9 +515,20 @@ def test_torchrun_dp_run(tmp_path):
 
     port = free_port()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(port),
-           str(ROOT / "train.py"), "trainer.strategy=ddp", "+hooks=dp", f"hydra.run.dir={run_dir}", *TINY,
-           "data.batch_size=5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port",
+        str(port),
+        str(ROOT / "train.py"),
+        "trainer.strategy=ddp",
+        "+hooks=dp",
+        f"hydra.run.dir={run_dir}",
+        *TINY,
+        "data.batch_size=5",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -458,6 +537,7 @@ def test_torchrun_dp_run(tmp_path):
 
 
 # -- a privacy claim is true or absent --------------------------------------------------------
+
 
 @needs_opacus
 @pytest.mark.parametrize("target, words", [(1e308, "bounds nothing"), (1e-9, "unreachable")])
@@ -561,8 +641,10 @@ def test_resuming_a_run_without_noise_under_a_target_is_refused(tmp_path):
     _run(tmp_path / "plain", "+hooks=dp", NO_NOISE, "trainer.checkpoint_every_steps=4", "trainer.epochs=1")
     first = tmp_path / "plain" / "checkpoints" / "step-000000004.pt"
     with pytest.raises(ValueError, match="4 steps ran without noise"):
-        run(compose_config(*TINY, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=3", f"trainer.resume={first}"),
-            tmp_path / "resumed")
+        run(
+            compose_config(*TINY, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=3", f"trainer.resume={first}"),
+            tmp_path / "resumed",
+        )
 
 
 def test_dp_plots_show_per_example_norms_and_the_fraction_of_examples_clipped(tmp_path, monkeypatch):
@@ -576,8 +658,11 @@ def test_dp_plots_show_per_example_norms_and_the_fraction_of_examples_clipped(tm
     stats = ClipRecord.summarize(calls, window.tolist())
     assert stats == {"frac_clipped": 0.75, "examples": 4, "calls": 2, "norm_mean": 2.375, "norm_max": 4.0}
     seen = []
-    monkeypatch.setattr(plots, "_finish", lambda fig, axes, path: seen.append(
-        [(ax.get_title(), ax.get_ylabel(), len(ax.lines)) for ax in axes]))
+    monkeypatch.setattr(
+        plots,
+        "_finish",
+        lambda fig, axes, path: seen.append([(ax.get_title(), ax.get_ylabel(), len(ax.lines)) for ax in axes]),
+    )
     rows = [(1, {"dp/per_sample_clip": stats}), (2, {"dp/per_sample_clip": stats})]
     plots.plot_grad_norms(rows, tmp_path / "a.png")
     plots.plot_frac_clipped(rows, tmp_path / "b.png")
@@ -589,8 +674,9 @@ def test_dp_plots_show_per_example_norms_and_the_fraction_of_examples_clipped(tm
 @needs_opacus
 def test_bf16_and_tensorboard_with_a_dp_rule(tmp_path):
     pytest.importorskip("tensorboard")
-    summary, metrics = _run(tmp_path, "+hooks=dp", "trainer.precision=bf16", "logger=tensorboard",
-                            "trainer.epochs=1", "trainer.log_every=2")
+    summary, metrics = _run(
+        tmp_path, "+hooks=dp", "trainer.precision=bf16", "logger=tensorboard", "trainer.epochs=1", "trainer.log_every=2"
+    )
     assert summary["status"] == "ok" and summary["precision"] == "bf16"
     assert summary["privacy"]["epsilon"] == pytest.approx(metrics[-1]["epsilon"])
     assert summary["privacy"]["epsilon"] > 0

@@ -19,13 +19,16 @@ from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.resume import apply_optimizer, compare
 
 
-@pytest.mark.parametrize("change, named", [
-    (["seed=3"], ["seed: 1234 -> 3"]),
-    (["data.batch_size=20"], ["data.batch_size: 10 -> 20"]),
-    (["model=resnet18"], ["model.name"]),
-    (["hooks.clip.transforms.0.max=0.5"], ["hooks.clip.transforms"]),
-    (["seed=3", "data.train_size=40"], ["seed: 1234 -> 3", "data.train_size: 60 -> 40"]),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (["seed=3"], ["seed: 1234 -> 3"]),
+        (["data.batch_size=20"], ["data.batch_size: 10 -> 20"]),
+        (["model=resnet18"], ["model.name"]),
+        (["hooks.clip.transforms.0.max=0.5"], ["hooks.clip.transforms"]),
+        (["seed=3", "data.train_size=40"], ["seed: 1234 -> 3", "data.train_size: 60 -> 40"]),
+    ],
+)
 def test_resume_refuses_what_must_match_naming_each(tmp_path, compose_cfg, change, named):
     run(compose_cfg(*RESUMABLE), tmp_path)
     before = (tmp_path / "summary.json").read_bytes()
@@ -102,9 +105,11 @@ def test_sizes_that_train_but_surprise_warn(tmp_path, compose_cfg, caplog):
 def test_a_signal_finishes_the_step_checkpoints_and_exits_with_one_line(tmp_path, compose_cfg, reference, name, code):
     proc = run_train(tmp_path, *RESUMABLE, check=False, env={"GRADMOD_KILL_AT": "step:7", "GRADMOD_KILL_SIGNAL": name})
     assert proc.returncode == code, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"interrupted by SIG{name} after step 8; checkpoint "
-                                                f"{tmp_path / 'checkpoints' / 'step-000000008.pt'}; "
-                                                f"continue with trainer.resume=auto hydra.run.dir={tmp_path}"]
+    assert proc.stderr.strip().splitlines() == [
+        f"interrupted by SIG{name} after step 8; checkpoint "
+        f"{tmp_path / 'checkpoints' / 'step-000000008.pt'}; "
+        f"continue with trainer.resume=auto hydra.run.dir={tmp_path}"
+    ]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == f"SIG{name}" and summary["steps"] == 8
     resumed = run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), tmp_path)
@@ -117,7 +122,9 @@ def _soak(tmp_path, compose_cfg, reference, runs: int, seed: int) -> None:
     for i in range(runs):
         out = tmp_path / f"run{i}"
         step, name = rng.randint(1, 11), rng.choice(["KILL", "TERM", "INT"])
-        proc = run_train(out, *RESUMABLE, check=False, env={"GRADMOD_KILL_AT": f"step:{step}", "GRADMOD_KILL_SIGNAL": name})
+        proc = run_train(
+            out, *RESUMABLE, check=False, env={"GRADMOD_KILL_AT": f"step:{step}", "GRADMOD_KILL_SIGNAL": name}
+        )
         expected = -9 if name == "KILL" else 128 + signal.Signals["SIG" + name]
         assert proc.returncode == expected, (i, step, name, proc.stderr)
         summary = run(compose_cfg(*RESUMABLE, "trainer.resume=auto"), out)

@@ -27,11 +27,11 @@ from gradmod.run.factories import build_scheduler
 SPIRALS = {
     "__init__.py": "",
     "nets.py": "from torch import nn\n\n\nclass PointMLP(nn.Sequential):\n"
-               "    def __init__(self, hidden=8):\n"
-               "        super().__init__(nn.Linear(2, hidden), nn.ReLU(), nn.Linear(hidden, 2))\n",
+    "    def __init__(self, hidden=8):\n"
+    "        super().__init__(nn.Linear(2, hidden), nn.ReLU(), nn.Linear(hidden, 2))\n",
     "data.py": "import torch\n\n\ndef make(n=48):\n    g = torch.Generator().manual_seed(0)\n"
-               "    x = torch.randn(2 * n, 2, generator=g)\n    y = (x[:, 0] > 0).long()\n"
-               "    return (x[:n], y[:n]), (x[n:], y[n:])\n",
+    "    x = torch.randn(2 * n, 2, generator=g)\n    y = (x[:, 0] > 0).long()\n"
+    "    return (x[:n], y[:n]), (x[n:], y[n:])\n",
     "opt.py": "import torch\n\n\nclass MySGD(torch.optim.SGD):\n    pass\n",
 }
 
@@ -44,36 +44,59 @@ def test_own_objects_import_from_the_current_folder(tmp_path):
     for name, text in SPIRALS.items():
         (project / "spirals" / name).write_text(text)
     run = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run}", "model._target_=spirals.nets.PointMLP",
-           "+model.hidden=16", "data._target_=spirals.data.make", "optimizer=sgd",
-           "optimizer._target_=spirals.opt.MySGD", "optimizer.weight_decay=0.1", "optimizer.no_decay=[*.bias]",
-           "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
-    proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"hydra.run.dir={run}",
+        "model._target_=spirals.nets.PointMLP",
+        "+model.hidden=16",
+        "data._target_=spirals.data.make",
+        "optimizer=sgd",
+        "optimizer._target_=spirals.opt.MySGD",
+        "optimizer.weight_decay=0.1",
+        "optimizer.no_decay=[*.bias]",
+        "trainer.epochs=1",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=project, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert proc.returncode == 0, proc.stderr
     saved = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
     assert saved["model"]["name"] == "spirals.nets.PointMLP" and saved["data"]["name"] == "spirals.data.make"
     assert saved["capture"]["gradcam_layer"] is None
     log = (run / "train.log").read_text()
     assert "on spirals.data.make (48 test examples)" in log
-    assert "optimizer groups (optimizer.no_decay): weight_decay=0.1: 0.weight, 2.weight; weight_decay=0: 0.bias, " \
-           "2.bias" in log
+    assert (
+        "optimizer groups (optimizer.no_decay): weight_decay=0.1: 0.weight, 2.weight; weight_decay=0: 0.bias, "
+        "2.bias" in log
+    )
     assert json.loads((run / "summary.json").read_text())["model"] == "spirals.nets.PointMLP"
 
 
 def test_a_target_that_does_not_import_names_the_import_path(compose_cfg):
     from gradmod.app.config_store import validate
 
-    with pytest.raises(ValueError, match=r"No module named 'nowhere_pkg'\); it is imported from the current "
-                                         r"folder, PYTHONPATH or an installed package"):
+    with pytest.raises(
+        ValueError,
+        match=r"No module named 'nowhere_pkg'\); it is imported from the current "
+        r"folder, PYTHONPATH or an installed package",
+    ):
         validate(compose_cfg("optimizer._target_=nowhere_pkg.Opt"))
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("model.hidden=64", "unknown key model.hidden; allowed there: name, norm, _target_, args; "
-                        "to append to your config use +model.hidden=64"),
-    ("plugins=my_pkg.x", "plugins=my_pkg.x: plugins is a list; write plugins=[my_pkg.x]"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "model.hidden=64",
+            "unknown key model.hidden; allowed there: name, norm, _target_, args; "
+            "to append to your config use +model.hidden=64",
+        ),
+        ("plugins=my_pkg.x", "plugins=my_pkg.x: plugins is a list; write plugins=[my_pkg.x]"),
+    ],
+)
 def test_config_errors_say_what_to_type(compose_cfg, monkeypatch, override, expected):
     monkeypatch.setattr(sys, "argv", ["train.py", override])
     with pytest.raises(Exception) as e:
@@ -99,8 +122,9 @@ def _lrs(cfg: SchedulerConfig, total: int) -> list[float]:
 
 def test_a_schedule_left_without_its_length_gets_the_runs():
     left_out = SchedulerConfig(_target_="gradmod.training.schedule.warmup_cosine", args={"warmup_steps": 2})
-    given = SchedulerConfig(_target_="gradmod.training.schedule.warmup_cosine",
-                            args={"warmup_steps": 2, "total_steps": 10})
+    given = SchedulerConfig(
+        _target_="gradmod.training.schedule.warmup_cosine", args={"warmup_steps": 2, "total_steps": 10}
+    )
     assert _lrs(left_out, 10) == _lrs(given, 10)
     cosine = _lrs(SchedulerConfig(_target_="torch.optim.lr_scheduler.CosineAnnealingLR"), 8)
     assert cosine == pytest.approx([0.5 * (1 + torch.cos(torch.tensor(torch.pi * t / 8)).item()) for t in range(8)])
@@ -122,19 +146,32 @@ def test_help_page_keeps_whole_sentences_in_columns_and_names_the_keys():
     zclip = " ".join(" ".join(section).split("zclip(")[1].split())
     assert zclip.endswith(".") and "After warmup_steps" not in zclip  # one whole sentence
     template = (ROOT / "gradmod" / "conf" / "hydra" / "help" / "gradmod.yaml").read_text()
-    for key in ("model._target_=", "+model.width=64", "optimizer.no_decay", "scheduler=NAME", "loss._target_",
-                "hooks.RULE.*", "${gradmod_help:docs}"):
+    for key in (
+        "model._target_=",
+        "+model.width=64",
+        "optimizer.no_decay",
+        "scheduler=NAME",
+        "loss._target_",
+        "hooks.RULE.*",
+        "${gradmod_help:docs}",
+    ):
         assert key in template, key
     docs = help_page.doc_lines(ROOT / "docs")
-    assert any(ln.startswith("  docs/guide/sweeps.md ") for ln in docs) and len(docs) >= len(list((ROOT / "docs").glob("*")))
+    assert any(ln.startswith("  docs/guide/sweeps.md ") for ln in docs) and len(docs) >= len(
+        list((ROOT / "docs").glob("*"))
+    )
 
 
 def test_columns_give_a_wide_name_a_line_of_its_own():
     assert help_page.columns("short", "Says a thing.", 10) == ["  short   Says a thing."]
-    assert help_page.columns("a_very_long(name=1)", "Says a thing.", 10) == ["  a_very_long(name=1)",
-                                                                             "          Says a thing."]
-    assert help_page.first_sentence("One (Smith et al. 2021): e.g. a thing\nover two lines. Two.") == \
-        "One (Smith et al. 2021): e.g. a thing over two lines."
+    assert help_page.columns("a_very_long(name=1)", "Says a thing.", 10) == [
+        "  a_very_long(name=1)",
+        "          Says a thing.",
+    ]
+    assert (
+        help_page.first_sentence("One (Smith et al. 2021): e.g. a thing\nover two lines. Two.")
+        == "One (Smith et al. 2021): e.g. a thing over two lines."
+    )
 
 
 def _figure(monkeypatch, plot, rows, tmp_path):
@@ -154,18 +191,30 @@ def _figure(monkeypatch, plot, rows, tmp_path):
 
 def test_plots_tell_per_tensor_from_per_rule(monkeypatch, tmp_path):
     rule = {"norm": 3.0, "norm_max": 4.0, "clip_coef": 0.4, "clip_coef_min": 0.3, "frac_clipped": 1.0, "calls": 5}
-    rows = [(s, {"gn/global_norm_clip": rule, "l1.weight/pre": {"norm": 2.0},
-                 "l1.weight/post": {"norm": 1.0, "frac_clipped": 0.25}}) for s in (5, 10)]
+    rows = [
+        (
+            s,
+            {
+                "gn/global_norm_clip": rule,
+                "l1.weight/pre": {"norm": 2.0},
+                "l1.weight/post": {"norm": 1.0, "frac_clipped": 0.25},
+            },
+        )
+        for s in (5, 10)
+    ]
     norms = _figure(monkeypatch, plots.plot_grad_norms, rows, tmp_path)
     assert norms[0][0].startswith("gradient norm per tensor") and "gn/global_norm_clip" not in norms[0][2]
     assert norms[1][0].startswith("total gradient norm per rule") and norms[1][2] == ["rule gn (global_norm_clip)"]
     fracs = _figure(monkeypatch, plots.plot_frac_clipped, rows, tmp_path)
-    assert fracs[0][:2] == ("per tensor: fraction of gradient elements the transforms changed (clamp: clipped)",
-                            "fraction of elements changed") and fracs[0][2] == ["l1.weight"]
+    assert fracs[0][:2] == (
+        "per tensor: fraction of gradient elements the transforms changed (clamp: clipped)",
+        "fraction of elements changed",
+    ) and fracs[0][2] == ["l1.weight"]
     assert fracs[1][1] == "fraction of steps clipped" and fracs[1][2] == ["rule gn (global_norm_clip)"]
     only_rule = [(5, {"gn/global_norm_clip": rule})]
-    assert [a[1] for a in _figure(monkeypatch, plots.plot_frac_clipped, only_rule, tmp_path)] == \
-        ["fraction of steps clipped"]
+    assert [a[1] for a in _figure(monkeypatch, plots.plot_frac_clipped, only_rule, tmp_path)] == [
+        "fraction of steps clipped"
+    ]
 
 
 def test_the_offline_warning_is_long_once_then_one_short_line(monkeypatch, tmp_path, caplog):

@@ -20,8 +20,9 @@ from gradmod.reporting.plan import summarize_plan
 
 def _train(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_help_page_lists_hooks_transforms_real_groups_and_examples():
@@ -34,12 +35,14 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
     assert "clamp(min=None, max=None, bound=None)" in page and "noise(std, decay=0.55)" in page
     for hook in (ROOT / "gradmod" / "conf" / "hooks").glob("*.yaml"):
         assert re.search(rf"^  {hook.stem}\s+\S", page, re.M), hook.stem
-    assert "  optimizer: adam, sgd\n" in page and "  model: char_lm, mnist_cnn, multi_lenet, resnet18, resnet50\n" in page
+    assert (
+        "  optimizer: adam, sgd\n" in page and "  model: char_lm, mnist_cnn, multi_lenet, resnet18, resnet50\n" in page
+    )
     assert page.count("\n  gradmod ") >= 3 and "outputs/DATE/TIME/" in page  # the examples, as the console script
 
 
 def test_help_lists_a_newly_registered_transform():
-    transforms.register("halve_for_help", lambda factor=0.5: (lambda g: g * factor))
+    transforms.register("halve_for_help", lambda factor=0.5: lambda g: g * factor)
     try:
         assert any(line.strip().startswith("halve_for_help(factor=0.5)") for line in transform_lines())
     finally:
@@ -69,11 +72,13 @@ def test_plugins_register_transforms_for_train_py(tmp_path):
         "            f.write('x\\n')\n"
         "        return -grad\n"
         "    return apply\n\n"
-        "transforms.register('count', count)\n")
+        "transforms.register('count', count)\n"
+    )
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{tmp_path / 'outside'}", "CALLS": str(calls)}
-    run_train(run_dir, *FAST, "plugins=[my_pkg.transforms]", '+hooks.f={params: "*.bias", transforms: [count]}',
-              env=env)
+    run_train(
+        run_dir, *FAST, "plugins=[my_pkg.transforms]", '+hooks.f={params: "*.bias", transforms: [count]}', env=env
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     plan = json.loads((run_dir / "hook_plan.json").read_text())
     assert [p["transforms"] for p in plan] == [["count"]] * len(plan) and len(plan) == 3  # the CNN's 3 biases
@@ -89,15 +94,18 @@ def test_unknown_plugin_is_one_line(tmp_path):
 
 def test_console_plan_is_one_line_per_rule():
     model = build_model("resnet50", in_channels=3, num_classes=10, image_size=32)
-    rules = {"clip": {"params": "*", "exclude": "*.bias", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]},
-             "watch": {"modules": ["layer1", "layer2"], "transforms": ["log"]}}
+    rules = {
+        "clip": {"params": "*", "exclude": "*.bias", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]},
+        "watch": {"modules": ["layer1", "layer2"], "transforms": ["log"]},
+    }
     with attach(model, rules) as hooks:
         plan = hooks.describe()
         text = summarize_plan(plan, rules)
     n_clip = sum(1 for p in model.named_parameters() if not p[0].endswith(".bias"))
     assert text.splitlines()[1:] == [
         f"  clip: {n_clip} tensors matching '*' except '*.bias' -> clamp(min=-0.01, max=0.01)",
-        "  watch: layer1:output, layer2:output -> log"]
+        "  watch: layer1:output, layer2:output -> log",
+    ]
     assert len(plan) == n_clip + 2  # hook_plan.json keeps every tensor
 
 
@@ -122,7 +130,8 @@ def test_readme_api_example_runs_beside_a_gradmod_folder(tmp_path):
     script = tmp_path / "example.py"
     script.write_text("\n".join(blocks))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "('conv2:output', ['log'])" in proc.stdout and "'flip'" in proc.stdout

@@ -58,8 +58,13 @@ def sharded_model() -> nn.Module:
 
 RULES = {
     "norm": {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": MAX_NORM}]}},
-    "log": {"watch": {"params": "*", "stage": "fused", "transforms": [
-        {"name": "log"}, {"name": "clamp", "min": -BOUND, "max": BOUND}, {"name": "log"}]}},
+    "log": {
+        "watch": {
+            "params": "*",
+            "stage": "fused",
+            "transforms": [{"name": "log"}, {"name": "clamp", "min": -BOUND, "max": BOUND}, {"name": "log"}],
+        }
+    },
     "agc": {"agc": {"params": "*", "transforms": [{"name": "agc", "clip_factor": 0.01}]}},
 }
 
@@ -145,14 +150,24 @@ def _accumulate(rank: int) -> dict[str, torch.Tensor]:
     fully_shard(model)
     hooks = attach(model, RULES["norm"])
     x, y = labelled()
-    bare_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), x, y, batch_size=2,
-                generator=torch.Generator().manual_seed(3), hooks=hooks, accumulate=2, part=(rank, 2))
+    bare_epoch(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        x,
+        y,
+        batch_size=2,
+        generator=torch.Generator().manual_seed(3),
+        hooks=hooks,
+        accumulate=2,
+        part=(rank, 2),
+    )
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist = Dist.from_env("fsdp", torch.device("cpu")).start()
     try:
@@ -274,16 +289,36 @@ def test_rules_attached_before_fully_shard_fail_at_the_first_backward(fsdp):
 # --- train.py under torchrun: fsdp against ddp, resume, signals (slow: several 2-process runs) ---
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=80", "data.test_size=33",
-        "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false",
-        "trainer.checkpoint_every_steps=3", "trainer.eval_batch_size=4", "+hooks=norm"]  # 5 test batches a rank
+TINY = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=80",
+    "data.test_size=33",
+    "data.batch_size=10",
+    "trainer.epochs=2",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "trainer.checkpoint_every_steps=3",
+    "trainer.eval_batch_size=4",
+    "+hooks=norm",
+]  # 5 test batches a rank
 
 
 def torchrun(run_dir: Path, *overrides: str, kill: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=2 train.py`` (or the kill driver, with ``kill``'s variables)."""
     entry = ROOT / ("tests/kill_driver.py" if kill else "train.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           str(entry), f"hydra.run.dir={run_dir}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port",
+        str(free_port()),
+        str(entry),
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(kill or {})}
     return subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, env=env, timeout=900)
 
@@ -305,8 +340,16 @@ def test_train_fsdp_matches_ddp_and_both_resume(tmp_path):
         ok(torchrun(run_dir, f"trainer.strategy={strategy}", *common))
         first = summary(run_dir)
         assert first["world_size"] == 2 and first["epochs"] == 2
-        ok(torchrun(run_dir, f"trainer.strategy={strategy}", *common[:2], "trainer.epochs=3",
-                    *common[3:], "trainer.resume=auto"))
+        ok(
+            torchrun(
+                run_dir,
+                f"trainer.strategy={strategy}",
+                *common[:2],
+                "trainer.epochs=3",
+                *common[3:],
+                "trainer.resume=auto",
+            )
+        )
         resumed = summary(run_dir)
         assert resumed["epochs"] == 3 and resumed["resumed_from"].endswith(f"step-{first['steps']:09d}.pt")
         accuracy[strategy] = (first["test_accuracy"], resumed["test_accuracy"])
@@ -334,9 +377,14 @@ def test_sigkill_then_resume_auto_equals_an_uninterrupted_run(tmp_path, strategy
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, strategy):
     run_dir = tmp_path / "run"
-    proc = torchrun(run_dir, f"trainer.strategy={strategy}", *TINY, "trainer.checkpoint_every_steps=0",
-                    "trainer.checkpoint_every=0",
-                    kill={"GRADMOD_KILL_AT": "step:2", "GRADMOD_KILL_SIGNAL": "TERM", "GRADMOD_KILL_RANK": "1"})
+    proc = torchrun(
+        run_dir,
+        f"trainer.strategy={strategy}",
+        *TINY,
+        "trainer.checkpoint_every_steps=0",
+        "trainer.checkpoint_every=0",
+        kill={"GRADMOD_KILL_AT": "step:2", "GRADMOD_KILL_SIGNAL": "TERM", "GRADMOD_KILL_RANK": "1"},
+    )
     assert proc.returncode != 0
     assert "Connection closed by peer" not in proc.stdout + proc.stderr
     stopped = summary(run_dir)

@@ -96,9 +96,13 @@ def test_mixed_stages_per_rule_match_all_hook():
     rules = {"clip": {**CHAIN["clip"], "stage": "fused"}, "nonneg": CHAIN["nonneg"]}
     # Hook rules run first, during backward, so config order must put fused rules last for
     # the stages to agree; here clip (fused) then min_zero (hook) commute.
-    assert all(torch.equal(a, b) for a, b in zip(_grads(model, rules, "hook").values(),
-                                                    _grads(model, {"clip": CHAIN["clip"], "nonneg": CHAIN["nonneg"]},
-                                                           "hook").values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            _grads(model, rules, "hook").values(),
+            _grads(model, {"clip": CHAIN["clip"], "nonneg": CHAIN["nonneg"]}, "hook").values(),
+        )
+    )
 
 
 def test_training_with_fused_clip_matches_hook_clip():

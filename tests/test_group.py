@@ -84,9 +84,16 @@ def test_log_around_a_group_transform_reports_before_and_after():
 
 def test_global_norm_clip_chains_in_config_order():
     model, ref = tiny_model(), tiny_model()
-    rules = {"g": {"params": "*", "transforms": [{"name": "scale", "factor": 3.0},
-                                                 {"name": "global_norm_clip", "max_norm": 0.3},
-                                                 {"name": "clamp", "min": -0.01, "max": 0.01}]}}
+    rules = {
+        "g": {
+            "params": "*",
+            "transforms": [
+                {"name": "scale", "factor": 3.0},
+                {"name": "global_norm_clip", "max_norm": 0.3},
+                {"name": "clamp", "min": -0.01, "max": 0.01},
+            ],
+        }
+    }
     hooks = attach(model, rules, stage="fused")
     backward(model, 1)
     backward(ref, 1)
@@ -104,10 +111,12 @@ def test_global_norm_clip_fp16_autocast_gradscaler_unscaled():
     model, ref = tiny_model(), tiny_model()
     hooks = attach(model, rule({"name": "global_norm_clip", "max_norm": 0.5}), stage="fused")
     runs = []
-    for net, clip in ((model, hooks.after_backward),
-                      (ref, lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))):
+    for net, clip in (
+        (model, hooks.after_backward),
+        (ref, lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)),
+    ):
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
         for step in range(3):
             opt.zero_grad(set_to_none=True)
             x, y = batch(step)
@@ -255,14 +264,17 @@ def test_zclip_resumes_bit_identically():
     assert any(not torch.equal(p, q) for p, q in zip(whole.parameters(), fresh.parameters()))
 
 
-@pytest.mark.parametrize("spec, words", [
-    ({"name": "global_norm_clip", "max_norm": 0}, ["max_norm=0", "> 0"]),
-    ({"name": "global_norm_clip", "max_norm": 1, "norm_type": 0.5}, ["norm_type=0.5", "inf"]),
-    ({"name": "agc", "clip_factor": -1}, ["clip_factor=-1", "> 0"]),
-    ({"name": "zclip", "alpha": 1.5}, ["alpha=1.5", "(0, 1)"]),
-    ({"name": "zclip", "warmup_steps": 0}, ["warmup_steps=0", ">= 1"]),
-    ({"name": "zclip", "on_spike": "drop"}, ["on_spike='drop'", "clip, skip"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"name": "global_norm_clip", "max_norm": 0}, ["max_norm=0", "> 0"]),
+        ({"name": "global_norm_clip", "max_norm": 1, "norm_type": 0.5}, ["norm_type=0.5", "inf"]),
+        ({"name": "agc", "clip_factor": -1}, ["clip_factor=-1", "> 0"]),
+        ({"name": "zclip", "alpha": 1.5}, ["alpha=1.5", "(0, 1)"]),
+        ({"name": "zclip", "warmup_steps": 0}, ["warmup_steps=0", ">= 1"]),
+        ({"name": "zclip", "on_spike": "drop"}, ["on_spike='drop'", "clip, skip"]),
+    ],
+)
 def test_bad_arguments_are_one_line(spec, words):
     with pytest.raises(ValueError) as e:
         attach(tiny_model(), rule(spec), stage="fused")
@@ -300,7 +312,10 @@ SCALE2 = {"s": {"params": "*", "transforms": [{"name": "scale", "factor": 2.0}]}
 def test_attach_through_another_root_is_refused():
     model = tiny_model()
     hooks = attach(model, SCALE2)
-    with pytest.raises(ValueError, match=r"attach: 0\.0\.weight, 0\.0\.bias, 0\.3\.weight, 0\.3\.bias, 0\.4\.weight and 1 more already carry"):
+    with pytest.raises(
+        ValueError,
+        match=r"attach: 0\.0\.weight, 0\.0\.bias, 0\.3\.weight, 0\.3\.bias, 0\.4\.weight and 1 more already carry",
+    ):
         attach(nn.Sequential(model), {"s": {"params": "*", "transforms": ["zero"]}})
     sub = tiny_model()
     sub_hooks = attach(sub[3], SCALE2)
@@ -335,10 +350,12 @@ def test_modules_rules_overlap_is_refused():
 def test_register_checks_its_arguments_at_once():
     from gradmod.hooks import transforms as T
 
-    for args, kwargs, words in [((42,), {}, "name must be a non-empty str"),
-                                (("",), {}, "name must be a non-empty str"),
-                                (("bad_factory", 5), {}, "factory must be callable"),
-                                (("bad_foreach", lambda: None), {"foreach": 3}, "foreach must be callable")]:
+    for args, kwargs, words in [
+        ((42,), {}, "name must be a non-empty str"),
+        (("",), {}, "name must be a non-empty str"),
+        (("bad_factory", 5), {}, "factory must be callable"),
+        (("bad_foreach", lambda: None), {"foreach": 3}, "foreach must be callable"),
+    ]:
         with pytest.raises(TypeError, match=words):
             T.register(*args, **kwargs)
     with pytest.raises(TypeError, match="factory must be callable"):
@@ -346,11 +363,14 @@ def test_register_checks_its_arguments_at_once():
     assert not {"bad_factory", "bad_foreach", "bad_decorated"} & set(T.names())
 
 
-@pytest.mark.parametrize("result, words", [
-    ("shape", ["shape (1,)", "needs shape (4, 1, 3, 3)"]),
-    ("dtype", ["dtype torch.float64", "dtype torch.float32"]),
-    ("list", ["returned list"]),
-])
+@pytest.mark.parametrize(
+    "result, words",
+    [
+        ("shape", ["shape (1,)", "needs shape (4, 1, 3, 3)"]),
+        ("dtype", ["dtype torch.float64", "dtype torch.float32"]),
+        ("list", ["returned list"]),
+    ],
+)
 def test_fused_result_is_checked_on_the_first_call(result, words):
     from gradmod.hooks import transforms as T
 
@@ -367,6 +387,7 @@ def test_fused_result_is_checked_on_the_first_call(result, words):
 
 
 # --- cost: aten ops per step, counted (deterministic, unlike timings) --------------------
+
 
 def counted_step(model, opt, hooks=None) -> Counter[str]:
     """The aten ops of one step, by name without the overload (``_foreach_norm``)."""
@@ -401,6 +422,7 @@ def test_global_norm_clip_step_costs_a_few_ops_and_no_host_sync():
 
 # --- DDP: the fused stage sees the all-reduced (averaged) gradient -----------------------
 
+
 def _ddp_clip_worker(rank: int, world: int, port: int, out: str) -> None:
     import os
 
@@ -433,7 +455,7 @@ def test_global_norm_clip_under_ddp_clips_the_averaged_gradient(tmp_path):
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     for r in range(2):
         grads = torch.load(tmp_path / f"rank{r}.pt")
-        for (name, q) in ref.named_parameters():
+        for name, q in ref.named_parameters():
             torch.testing.assert_close(grads[name], q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 

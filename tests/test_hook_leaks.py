@@ -16,21 +16,33 @@ from gradmod.app.cli import run
 from gradmod.hooks import attach
 from gradmod.training.nonfinite import NonFiniteError
 
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=20", "data.test_size=10",
-        "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",
-        "trainer.checkpoint_every=0"]
+TINY = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=20",
+    "data.test_size=10",
+    "data.batch_size=10",
+    "trainer.epochs=1",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "trainer.checkpoint_every=0",
+]
 
 
 def _hook_count(model: nn.Module) -> int:
-    return sum(len(p._backward_hooks or {}) for p in model.parameters()) + \
-        sum(len(m._forward_hooks) for m in model.modules())
+    return sum(len(p._backward_hooks or {}) for p in model.parameters()) + sum(
+        len(m._forward_hooks) for m in model.modules()
+    )
 
 
 def test_attaching_twice_does_not_double():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2))
-    rules = {"s": {"params": "*", "transforms": [{"name": "scale", "factor": 2.0}]},
-             "o": {"modules": "0", "transforms": ["log"]}}
+    rules = {
+        "s": {"params": "*", "transforms": [{"name": "scale", "factor": 2.0}]},
+        "o": {"modules": "0", "transforms": ["log"]},
+    }
     x = torch.randn(4, 3)
     model(x).sum().backward()
     plain = [p.grad.clone() for p in model.parameters()]
@@ -53,8 +65,12 @@ def test_a_failing_run_removes_its_hooks(compose_cfg, tmp_path, monkeypatch):
         return attach(model, rules, **kwargs)
 
     monkeypatch.setattr(train_mod, "attach", spy)
-    cfg = compose_cfg(*TINY, "trainer.nonfinite=raise", "+hooks=[clip,log]",
-                      "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: 1e300}]}")
+    cfg = compose_cfg(
+        *TINY,
+        "trainer.nonfinite=raise",
+        "+hooks=[clip,log]",
+        "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: 1e300}]}",
+    )
     with pytest.raises(NonFiniteError):
         run(cfg, tmp_path)
     assert _hook_count(seen[0]) == 0
@@ -62,9 +78,15 @@ def test_a_failing_run_removes_its_hooks(compose_cfg, tmp_path, monkeypatch):
 
 def test_multirun_in_one_process_starts_every_job_with_the_same_hook_count(tmp_path):
     probe = tmp_path / "probe.txt"
-    proc = run_train(tmp_path, *TINY, "+hooks=[clip,log]", "seed=1,2,3",
-                     "+hydra.callbacks.probe._target_=tests.hook_probe.HookProbe",
-                     multirun=True, env={"GRADMOD_HOOK_PROBE": str(probe)})
+    proc = run_train(
+        tmp_path,
+        *TINY,
+        "+hooks=[clip,log]",
+        "seed=1,2,3",
+        "+hydra.callbacks.probe._target_=tests.hook_probe.HookProbe",
+        multirun=True,
+        env={"GRADMOD_HOOK_PROBE": str(probe)},
+    )
     counts = [int(c) for c in probe.read_text().split()]
     assert counts == [0, 0, 0], proc.stdout
 
@@ -80,8 +102,9 @@ def test_log_memory_is_bounded_over_1000_steps(monkeypatch):
 
 def _bounded_log():
     model = tiny_mlp(4, 3, 2)
-    hooks = attach(model, {"log": {"params": "*", "transforms": ["log"]},
-                           "out": {"modules": "0", "transforms": ["log"]}})
+    hooks = attach(
+        model, {"log": {"params": "*", "transforms": ["log"]}, "out": {"modules": "0", "transforms": ["log"]}}
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
 

@@ -21,8 +21,14 @@ class Node(nn.Module):
 
 
 def small_net():
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(8 * 6 * 6, 20), nn.Linear(20, 5, bias=False))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 20),
+        nn.Linear(20, 5, bias=False),
+    )
 
 
 def test_apply_visits_in_post_order():

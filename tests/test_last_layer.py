@@ -24,11 +24,14 @@ def params_of(model: nn.Module, module: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if id(p) in own]
 
 
-@pytest.mark.parametrize("model,head", [
-    (tiny_mlp(4, 8, 8, 3), "4"),
-    (build_model("mnist_cnn"), "l1"),
-    (build_model("resnet18", num_classes=10), "fc"),
-])
+@pytest.mark.parametrize(
+    "model,head",
+    [
+        (tiny_mlp(4, 8, 8, 3), "4"),
+        (build_model("mnist_cnn"), "l1"),
+        (build_model("resnet18", num_classes=10), "fc"),
+    ],
+)
 def test_the_agc_rule_leaves_out_the_classifier(model, head):
     names = [n for n, _ in model.named_parameters()]
     assert clipped(model) == [n for n in names if not n.startswith(head + ".")]
@@ -46,8 +49,9 @@ def test_last_layer_in_a_modules_rule_is_one_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet10t", "vit_tiny_patch16_224", "efficientnet_b0", "convnext_atto",
-                                  "mobilenetv3_small_050"])
+@pytest.mark.parametrize(
+    "name", ["resnet10t", "vit_tiny_patch16_224", "efficientnet_b0", "convnext_atto", "mobilenetv3_small_050"]
+)
 def test_last_layer_is_timms_classifier(name):
     timm = pytest.importorskip("timm")
     model = timm.create_model(name, pretrained=False, num_classes=10)
@@ -60,11 +64,24 @@ def test_last_layer_is_timms_classifier(name):
 def test_agc_sweeps_a_users_model_and_a_failing_job_is_one_line(tmp_path):
     """The shipped agc file on a model of the user's; the job whose loss raises prints one
     line, its traceback is in its own train.log."""
-    proc = run_train(tmp_path, "data=fake", "data.image_size=28", "data.channels=1", "data.train_size=40",
-                     "data.test_size=20", "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu",
-                     "trainer.progress=false", "trainer.threads=1", "model._target_=tests.sweep_models.mlp",
-                     "+hooks=agc", "loss._target_=torch.nn.CrossEntropyLoss,tests.user_objects.LossThatRaises",
-                     multirun=True, check=False)
+    proc = run_train(
+        tmp_path,
+        "data=fake",
+        "data.image_size=28",
+        "data.channels=1",
+        "data.train_size=40",
+        "data.test_size=20",
+        "data.batch_size=10",
+        "trainer.epochs=1",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        "trainer.threads=1",
+        "model._target_=tests.sweep_models.mlp",
+        "+hooks=agc",
+        "loss._target_=torch.nn.CrossEntropyLoss,tests.user_objects.LossThatRaises",
+        multirun=True,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "Traceback" not in out, out

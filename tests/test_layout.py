@@ -13,7 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "gradmod"
 
 # What each floor may import from gradmod: the floors below it, and the modules beside them.
-BESIDE = {"gradmod.models", "gradmod.data", "gradmod.labels", "gradmod.capture", "gradmod.weight_init", "gradmod.testing"}
+BESIDE = {
+    "gradmod.models",
+    "gradmod.data",
+    "gradmod.labels",
+    "gradmod.capture",
+    "gradmod.weight_init",
+    "gradmod.testing",
+}
 MAY_IMPORT = {
     "hooks": {"gradmod.hooks"},
     "reporting": {"gradmod.reporting", "gradmod.hooks"} | BESIDE,
@@ -79,8 +86,14 @@ def test_no_module_imports_itself_back():
                     todo.append(nxt)
         return False
 
-    circles = sorted(m for m in graph if "." in m and not m.endswith("__init__") and reach(m)
-                     and graph[m] - {p for p in known if m.startswith(p + ".")})
+    circles = sorted(
+        m
+        for m in graph
+        if "." in m
+        and not m.endswith("__init__")
+        and reach(m)
+        and graph[m] - {p for p in known if m.startswith(p + ".")}
+    )
     assert not circles, f"modules on an import circle: {circles}"
 
 
@@ -89,7 +102,10 @@ def test_names_are_not_repeated_across_floors():
     import collections
 
     names = collections.Counter(p.name for p in PKG.rglob("*.py") if p.name != "__init__.py")
-    rooms = {"stats.py", "stage.py"}  # a stage's room: its own stage.py and stats.py (hooks/per_sample/, hooks/per_loss/)
+    rooms = {
+        "stats.py",
+        "stage.py",
+    }  # a stage's room: its own stage.py and stats.py (hooks/per_sample/, hooks/per_loss/)
     assert not [n for n, c in names.items() if c > 1 and n not in rooms], names
     assert not [n for n in names if n[:-3] in sys.stdlib_module_names]
 
@@ -118,6 +134,11 @@ print("ok")
 
 
 def test_hook_core_works_without_hydra_or_omegaconf():
-    proc = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCKED],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

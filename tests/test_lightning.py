@@ -50,9 +50,18 @@ def _lightning(tmp_path, callbacks=(), **trainer_args) -> dict[str, torch.Tensor
     x, y = _data()
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED)).tolist()  # gradmod's epoch order
     module = Module(_net())
-    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=trainer_args.pop("logger", False),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path, callbacks=list(callbacks), **trainer_args)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=trainer_args.pop("logger", False),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=list(callbacks),
+        **trainer_args,
+    )
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order))
     return {k: v.clone() for k, v in module.net.state_dict().items()}
 
@@ -83,7 +92,9 @@ def test_clip_equals_gradmods_trainer_and_gradient_clip_val(tmp_path, stage):
 
 def test_global_norm_clip_equals_gradient_clip_val_norm(tmp_path):
     max_norm = 0.5
-    rules = {"gnc": {"params": "*", "stage": "fused", "transforms": [{"name": "global_norm_clip", "max_norm": max_norm}]}}
+    rules = {
+        "gnc": {"params": "*", "stage": "fused", "transforms": [{"name": "global_norm_clip", "max_norm": max_norm}]}
+    }
     ours = _lightning(tmp_path, [GradmodCallback(rules)])
     ref = _lightning(tmp_path, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
     for k in ours:
@@ -106,5 +117,7 @@ def test_rules_from_a_hook_file_and_log_statistics_reach_the_logger(tmp_path):
 
 
 def test_per_sample_rules_are_refused_in_one_line_at_setup(tmp_path):
-    with pytest.raises(ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Lightning: [^\n]*own loop$"):
+    with pytest.raises(
+        ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Lightning: [^\n]*own loop$"
+    ):
         _lightning(tmp_path, [GradmodCallback("dp")])

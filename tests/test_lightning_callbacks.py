@@ -18,14 +18,18 @@ from gradmod.integrations.lightning import GradmodCallback
 
 N, BATCH = 32, 8
 
+
 def test_the_docs_example_runs_as_written_from_another_folder(tmp_path, monkeypatch):
     from helpers import ROOT
 
     doc = (ROOT / "docs" / "guide" / "lightning.md").read_text()
     code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
     seen = []  # every optimizer step, observed from outside: the gradients it has just used
-    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.extend(
-        (p.dim(), p.grad.abs().max().item()) for g in opt.param_groups for p in g["params"]))
+    handle = register_optimizer_step_post_hook(
+        lambda opt, args, kwargs: seen.extend(
+            (p.dim(), p.grad.abs().max().item()) for g in opt.param_groups for p in g["params"]
+        )
+    )
     monkeypatch.chdir(tmp_path)  # the example's files (lightning_logs/) land here
     try:
         ns = {"__name__": "__main__"}
@@ -51,8 +55,9 @@ class Module(L.LightningModule):
         return F.cross_entropy(self.net(x), y)
 
     def test_step(self, batch, batch_idx):
-        self.seen_hooks.append(all(cb.hooks is not None for cb in self.trainer.callbacks
-                                   if isinstance(cb, GradmodCallback)))
+        self.seen_hooks.append(
+            all(cb.hooks is not None for cb in self.trainer.callbacks if isinstance(cb, GradmodCallback))
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
@@ -65,9 +70,17 @@ def loader() -> DataLoader:
 
 
 def trainer(tmp_path, callbacks, epochs: int = 1) -> L.Trainer:
-    return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                     callbacks=callbacks)
+    return L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
 
 
 def plain_gradients(module: Module) -> bool:
@@ -75,8 +88,10 @@ def plain_gradients(module: Module) -> bool:
     module.zero_grad(set_to_none=True)
     x, y = next(iter(loader()))
     F.cross_entropy(module.net(x), y).backward()
-    return all(p.grad.count_nonzero() > 0 for p in module.parameters()) and \
-        max(p.grad.abs().max() for p in module.parameters()) > 0.01
+    return (
+        all(p.grad.count_nonzero() > 0 for p in module.parameters())
+        and max(p.grad.abs().max() for p in module.parameters()) > 0.01
+    )
 
 
 ZERO = {"zero": {"params": "net.2.*", "transforms": ["zero"]}}
@@ -98,25 +113,36 @@ def test_hooks_live_only_while_a_stage_runs(tmp_path, fit_first):
 
 
 def test_callbacks_on_one_tensor_are_refused_and_leave_nothing_attached(tmp_path):
-    module, callbacks = Module(), [GradmodCallback(CLAMP), GradmodCallback({"z": {"params": "net.0.bias",
-                                                                                 "transforms": ["zero"]}})]
-    with pytest.raises(ValueError, match=r"^Lightning: two GradmodCallbacks on the same tensors \(net.0.bias\); give "
-                                         r"one callback several rule sources instead: "
-                                         r"GradmodCallback\(\[\{'clip': ...\}, \{'z': ...\}\]\)$"):
+    module, callbacks = (
+        Module(),
+        [GradmodCallback(CLAMP), GradmodCallback({"z": {"params": "net.0.bias", "transforms": ["zero"]}})],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^Lightning: two GradmodCallbacks on the same tensors \(net.0.bias\); give "
+        r"one callback several rule sources instead: "
+        r"GradmodCallback\(\[\{'clip': ...\}, \{'z': ...\}\]\)$",
+    ):
         trainer(tmp_path, callbacks).fit(module, loader())
     assert all(cb.hooks is None for cb in callbacks) and plain_gradients(module)
 
 
 def test_two_callbacks_of_shipped_files_on_one_model_name_the_one_callback_to_use(tmp_path):
-    with pytest.raises(ValueError, match=r"\(net.0.weight, net.0.bias, net.2.weight and more\); give one callback "
-                                         r"several rule sources instead: GradmodCallback\(\['clip', 'log'\]\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(net.0.weight, net.0.bias, net.2.weight and more\); give one callback "
+        r"several rule sources instead: GradmodCallback\(\['clip', 'log'\]\)$",
+    ):
         trainer(tmp_path, [GradmodCallback("clip"), GradmodCallback("log")]).fit(Module(), loader())
 
 
 def test_zclip_skip_is_refused_at_setup(tmp_path):
     rules = {"z": {"params": "*", "stage": "fused", "transforms": [{"name": "zclip", "on_spike": "skip"}]}}
-    with pytest.raises(ValueError, match=r"^hooks.z: zclip\(on_spike='skip'\) cannot skip an optimizer step "
-                                         r"under Lightning; use on_spike: clip$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.z: zclip\(on_spike='skip'\) cannot skip an optimizer step "
+        r"under Lightning; use on_spike: clip$",
+    ):
         trainer(tmp_path, [GradmodCallback(rules)]).fit(Module(), loader())
 
 
@@ -128,13 +154,17 @@ def test_hook_stage_rules_under_fp16_are_refused_and_fused_ones_run(tmp_path):
         t.strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
         return t
 
-    with pytest.raises(ValueError, match=r"^hooks.clip: hook-stage rules would see fp16's scaled gradients; "
-                                         r"use stage: fused \(it runs after unscaling\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.clip: hook-stage rules would see fp16's scaled gradients; "
+        r"use stage: fused \(it runs after unscaling\)$",
+    ):
         fp16(CLAMP).fit(Module(), loader())
     fused = {"clip": {**CLAMP["clip"], "stage": "fused"}}
     module, seen = Module(), []
-    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.append(
-        max(p.grad.abs().max().item() for p in module.net[0].parameters())))
+    handle = register_optimizer_step_post_hook(
+        lambda opt, args, kwargs: seen.append(max(p.grad.abs().max().item() for p in module.net[0].parameters()))
+    )
     try:
         fp16(fused).fit(module, loader())
     finally:
@@ -146,8 +176,18 @@ def test_hook_stage_rules_under_fp16_are_refused_and_fused_ones_run(tmp_path):
 
 def zclips() -> list[GradmodCallback]:
     """Two callbacks with running state, one per layer: spikes get clipped after 2 steps of warm-up."""
-    return [GradmodCallback({name: {"params": f"net.{i}.*", "stage": "fused", "transforms": [
-        {"name": "zclip", "warmup_steps": 2, "z_threshold": 0.5, "alpha": 0.9}]}}) for i, name in ((0, "a"), (2, "b"))]
+    return [
+        GradmodCallback(
+            {
+                name: {
+                    "params": f"net.{i}.*",
+                    "stage": "fused",
+                    "transforms": [{"name": "zclip", "warmup_steps": 2, "z_threshold": 0.5, "alpha": 0.9}],
+                }
+            }
+        )
+        for i, name in ((0, "a"), (2, "b"))
+    ]
 
 
 def test_two_stateful_callbacks_resume_bit_identically(tmp_path):
@@ -157,8 +197,10 @@ def test_two_stateful_callbacks_resume_bit_identically(tmp_path):
     first, callbacks = Module(), zclips()
     t = trainer(tmp_path, callbacks)
     t.fit(first, loader())
-    assert {cb.state_key for cb in callbacks} == {"GradmodCallback{'rules': 'a', 'stage': 'hook'}",
-                                                  "GradmodCallback{'rules': 'b', 'stage': 'hook'}"}
+    assert {cb.state_key for cb in callbacks} == {
+        "GradmodCallback{'rules': 'a', 'stage': 'hook'}",
+        "GradmodCallback{'rules': 'b', 'stage': 'hook'}",
+    }
     t.save_checkpoint(tmp_path / "half.ckpt")
     saved = torch.load(tmp_path / "half.ckpt", weights_only=False)["callbacks"]
     assert [saved[cb.state_key]["group"][f"{r}/zclip"]["steps"] for cb, r in zip(callbacks, "ab")] == [4, 4]
@@ -177,10 +219,23 @@ def test_log_reads_once_per_step_under_accumulation(tmp_path):
 
     from lightning.pytorch.loggers import CSVLogger
 
-    t = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=CSVLogger(tmp_path, name="run", version=0),
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  default_root_dir=tmp_path, accumulate_grad_batches=2, log_every_n_steps=1,
-                  callbacks=[GradmodCallback("log", log_every=2)])
+    t = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="run", version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        callbacks=[GradmodCallback("log", log_every=2)],
+    )
     t.fit(Module(), DataLoader(TensorDataset(torch.randn(64, 6), torch.randint(3, (64,))), batch_size=BATCH))
-    rows = [r for r in csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")) if r.get("grad/net.0.weight/calls")]
+    rows = [
+        r
+        for r in csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv"))
+        if r.get("grad/net.0.weight/calls")
+    ]
     assert [(int(r["step"]), float(r["grad/net.0.weight/calls"])) for r in rows] == [(2, 4.0), (4, 4.0)]

@@ -18,13 +18,24 @@ def _job(root: Path, name: str, overrides: list[str], left: float, right: float)
     d = root / name
     (d / ".hydra").mkdir(parents=True)
     (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(overrides)))
-    tasks = {"left": {"test_loss": 1 - left, "test_metric": left}, "right": {"test_loss": 1 - right,
-                                                                         "test_metric": right}}
-    summary = {"status": "ok", "test_accuracy": (left + right) / 2, "test_loss": 2 - left - right, "tasks": tasks,
-               "seconds": 3.0}
+    tasks = {
+        "left": {"test_loss": 1 - left, "test_metric": left},
+        "right": {"test_loss": 1 - right, "test_metric": right},
+    }
+    summary = {
+        "status": "ok",
+        "test_accuracy": (left + right) / 2,
+        "test_loss": 2 - left - right,
+        "tasks": tasks,
+        "seconds": 3.0,
+    }
     (d / "summary.json").write_text(json.dumps(summary))
-    (d / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "test_accuracy": summary["test_accuracy"],
-                                                 "test_loss": summary["test_loss"], "tasks": tasks}) + "\n")
+    (d / "metrics.jsonl").write_text(
+        json.dumps(
+            {"epoch": 1, "test_accuracy": summary["test_accuracy"], "test_loss": summary["test_loss"], "tasks": tasks}
+        )
+        + "\n"
+    )
 
 
 def test_report_gives_each_task_its_spread(tmp_path):
@@ -60,9 +71,19 @@ def test_single_task_report_has_no_task_table(tmp_path):
 @pytest.mark.slow
 def test_multi_mnist_sweep_over_methods_and_seeds(tmp_path):
     methods = ["none"] + [h for h, t in (("mtl_sum", "sum"), ("pcgrad", "pcgrad")) if per_loss_method(t)]
-    run_train(tmp_path, "data=multi_mnist", "model=multi_lenet", "data.n_test=200", "trainer.epochs=1",
-              "trainer.device=cpu", "trainer.progress=false", "trainer.threads=1", f"+hooks={','.join(methods)}",
-              "seed=0,1", multirun=True)
+    run_train(
+        tmp_path,
+        "data=multi_mnist",
+        "model=multi_lenet",
+        "data.n_test=200",
+        "trainer.epochs=1",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        "trainer.threads=1",
+        f"+hooks={','.join(methods)}",
+        "seed=0,1",
+        multirun=True,
+    )
     rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
     assert len(rows) == 2 * len(methods) and all(r["status"] == "ok" for r in rows)
     assert all(0.1 < float(r["left/test_metric"]) <= 1 and 0.1 < float(r["right/test_metric"]) <= 1 for r in rows)

@@ -50,8 +50,9 @@ def _data(n=40):
 
 
 def _epoch(model, opt, x, y, hooks=None, guard=None):
-    return bare_epoch(model, opt, x, y, batch_size=10, generator=torch.Generator().manual_seed(1),
-                       hooks=hooks, guard=guard)
+    return bare_epoch(
+        model, opt, x, y, batch_size=10, generator=torch.Generator().manual_seed(1), hooks=hooks, guard=guard
+    )
 
 
 @pytest.mark.parametrize("inject", ["nan_input", "inf_hook"])
@@ -62,8 +63,12 @@ def test_skip_leaves_parameters_and_optimizer_state_unchanged(inject):
     x, y = _data()
     _epoch(model, opt, x, y)  # some real steps first, so Adam has state to protect
     params, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    hooks = attach(model, {"boom": {"modules": "fc", "transforms": [{"name": "scale", "factor": 1e300}]},
-                           **CLIP} if inject == "inf_hook" else CLIP)
+    hooks = attach(
+        model,
+        {"boom": {"modules": "fc", "transforms": [{"name": "scale", "factor": 1e300}]}, **CLIP}
+        if inject == "inf_hook"
+        else CLIP,
+    )
     if inject == "nan_input":
         x = x.clone()
         x[:, 0] = float("nan")  # NaN inputs in every batch
@@ -134,10 +139,21 @@ def test_transform_made_inf_is_caught_after_transforms():
 
 
 def test_run_counts_skipped_steps_in_metrics_and_summary(compose_cfg, tmp_path):
-    cfg = compose_cfg("data=fake", "data.image_size=28", "data.channels=1", "data.train_size=30",
-                      "data.test_size=10", "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu",
-                      "trainer.progress=false", "trainer.checkpoint_every=0", "trainer.nonfinite=skip", "+hooks=clip",
-                      "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: 1e300}]}")
+    cfg = compose_cfg(
+        "data=fake",
+        "data.image_size=28",
+        "data.channels=1",
+        "data.train_size=30",
+        "data.test_size=10",
+        "data.batch_size=10",
+        "trainer.epochs=2",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        "trainer.checkpoint_every=0",
+        "trainer.nonfinite=skip",
+        "+hooks=clip",
+        "+hooks.boom={modules: conv2, transforms: [{name: scale, factor: 1e300}]}",
+    )
     summary = run(cfg, tmp_path)
     assert summary["skipped_steps"] == 6 and summary["nonfinite_steps"] == 6 and summary["nonfinite"] > 0
     records = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -71,10 +71,20 @@ def test_lr_1e10_run_reports_no_nonfinite_steps(compose_cfg, tmp_path):
     """The robustness review's case: huge but finite gradients are not non-finite."""
     from gradmod.app.cli import run
 
-    cfg = compose_cfg("data=fake", "data.image_size=28", "data.channels=1", "data.train_size=40",
-                      "data.test_size=10", "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu",
-                      "trainer.progress=false", "trainer.checkpoint_every=0", "trainer.nonfinite=skip",
-                      "optimizer.lr=1e10")
+    cfg = compose_cfg(
+        "data=fake",
+        "data.image_size=28",
+        "data.channels=1",
+        "data.train_size=40",
+        "data.test_size=10",
+        "data.batch_size=10",
+        "trainer.epochs=1",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        "trainer.checkpoint_every=0",
+        "trainer.nonfinite=skip",
+        "optimizer.lr=1e10",
+    )
     summary = run(cfg, tmp_path)
     assert summary["nonfinite_steps"] == summary["skipped_steps"]
     assert (summary["nonfinite"] == 0) == (summary["nonfinite_steps"] == 0)

@@ -30,8 +30,9 @@ class Tiny(nn.Module):
 
 
 def _labels(rules):
-    return [[s.fn.label if isinstance(s.fn, GradStats) else s.name for s in t.steps]
-            for t in build_targets(Tiny(), rules)][0]
+    return [
+        [s.fn.label if isinstance(s.fn, GradStats) else s.name for s in t.steps] for t in build_targets(Tiny(), rules)
+    ][0]
 
 
 def test_log_first_and_last_are_labelled_pre_and_post():
@@ -58,8 +59,10 @@ def test_pre_post_norms_and_fraction_clipped_equal_numpy(stage):
     model = Tiny()
     hooks = attach(model, LOGGED, stage=stage)
     rng = np.random.default_rng(0)
-    given = [{n: rng.normal(0, 0.012, tuple(p.shape)).astype(np.float32) for n, p in model.named_parameters()}
-             for _ in range(2)]
+    given = [
+        {n: rng.normal(0, 0.012, tuple(p.shape)).astype(np.float32) for n, p in model.named_parameters()}
+        for _ in range(2)
+    ]
     for g in given:  # two optimizer steps in one window: the stats are means over the calls
         model.zero_grad(set_to_none=True)
         sum((p * torch.from_numpy(g[n])).sum() for n, p in model.named_parameters()).backward()
@@ -134,8 +137,10 @@ def test_csv_logger_writes_rows(tmp_path):
     logger.log_metrics(10, {"epoch": 1, "step": 10, "train_loss": 0.5, "grad_stats": {"x": {}}})
     logger.close()
     rows = list(csv.DictReader(open(tmp_path / "grad_stats.csv")))
-    assert [(r["tensor"], r["label"], r["norm"], r["frac_clipped"]) for r in rows] == \
-        [("a", "pre", "2.0", ""), ("a", "post", "1.0", "0.25")]
+    assert [(r["tensor"], r["label"], r["norm"], r["frac_clipped"]) for r in rows] == [
+        ("a", "pre", "2.0", ""),
+        ("a", "post", "1.0", "0.25"),
+    ]
     assert list(csv.DictReader(open(tmp_path / "metrics.csv"))) == [{"epoch": "1", "step": "10", "train_loss": "0.5"}]
 
 
@@ -149,7 +154,9 @@ def test_logger_config_errors_name_the_key(tmp_path):
 def test_tensorboard_requested_but_not_installed(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # None in sys.modules: import fails
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    with pytest.raises(ValueError, match=r"logger\.name=tensorboard needs the tensorboard package.*gradmod\[tensorboard\]"):
+    with pytest.raises(
+        ValueError, match=r"logger\.name=tensorboard needs the tensorboard package.*gradmod\[tensorboard\]"
+    ):
         make_logger({"name": "tensorboard"}, tmp_path)
 
 
@@ -166,7 +173,9 @@ def test_pick_digits_takes_classes_in_turn():
 
 
 def test_gradcam_probe_checks_its_config():
-    with pytest.raises(ValueError, match=r"capture\.gradcam_layer='conv3' is not a module of model mnist_cnn; close names: conv"):
+    with pytest.raises(
+        ValueError, match=r"capture\.gradcam_layer='conv3' is not a module of model mnist_cnn; close names: conv"
+    ):
         GradCamProbe("mnist_cnn", _data(), "conv3", 4, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"capture\.gradcam_images=0 must be an integer >= 1"):
         GradCamProbe("mnist_cnn", _data(), "conv2", 0, torch.device("cpu"))

@@ -20,8 +20,15 @@ from gradmod.app.cli import run
 CLIP = 0.01
 # 1000 training digits in batches of 100: 10 steps. One thread: the test machines are
 # shared, and oversubscribed threads slow tiny convolutions more than they help.
-SMALL = [*FAST, "data.n_test=4000", "+hooks=clip_logged", "logger=tensorboard",
-         "capture.gradcam=true", "capture.gradcam_images=4", "trainer.threads=1"]
+SMALL = [
+    *FAST,
+    "data.n_test=4000",
+    "+hooks=clip_logged",
+    "logger=tensorboard",
+    "capture.gradcam=true",
+    "capture.gradcam_images=4",
+    "trainer.threads=1",
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -86,8 +93,9 @@ def test_tensorboard_events_hold_the_expected_tags_and_values(logged_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out, summary, seen = logged_run
-    ea = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0, "images": 0,
-                                                                    "tensors": 0})
+    ea = EventAccumulator(
+        str(out / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0}
+    )
     ea.Reload()
     tags = ea.Tags()
     names = list(seen["pre"])
@@ -112,7 +120,7 @@ def test_tensorboard_events_hold_the_expected_tags_and_values(logged_run):
         h = e.histogram_value
         assert h.num == pre.size and sum(h.bucket) == pre.size
         assert (h.min, h.max) == pytest.approx((pre.min(), pre.max()), rel=1e-6)
-        assert h.sum_squares == pytest.approx(np.sum(pre ** 2), rel=1e-4)
+        assert h.sum_squares == pytest.approx(np.sum(pre**2), rel=1e-4)
     post = ea.Histograms("grad/l1.weight/post")[-1].histogram_value
     assert post.max <= CLIP + 1e-9 and post.min >= -CLIP - 1e-9
     images = ea.Images("gradcam")
@@ -145,8 +153,14 @@ def _count_host_reads(monkeypatch):
 
 def test_host_reads_grow_by_one_per_log_point_not_per_step(tmp_path, monkeypatch):
     # Random 28x28 digits, 200 in batches of 10: 20 cheap steps.
-    tiny = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=200", "data.test_size=20",
-            "data.batch_size=10"]
+    tiny = [
+        "data=fake",
+        "data.image_size=28",
+        "data.channels=1",
+        "data.train_size=200",
+        "data.test_size=20",
+        "data.batch_size=10",
+    ]
     cfg_dense, cfg_sparse = _cfg(*tiny, "trainer.log_every=4"), _cfg(*tiny, "trainer.log_every=20")
     counts = _count_host_reads(monkeypatch)
     run(cfg_dense, tmp_path / "dense")  # reads at steps 4, 8, 12, 16, 20
@@ -163,9 +177,18 @@ def test_host_reads_grow_by_one_per_log_point_not_per_step(tmp_path, monkeypatch
 
 
 def test_run_without_hooks_writes_csv_and_gradcam_but_no_gradient_plots(tmp_path):
-    cfg = compose_config(*FAST, "data=fake", "data.image_size=28", "data.channels=1", "data.train_size=40",
-                         "data.test_size=20", "data.batch_size=10", "capture.gradcam=true",
-                         "capture.gradcam_images=3", "trainer.threads=1")
+    cfg = compose_config(
+        *FAST,
+        "data=fake",
+        "data.image_size=28",
+        "data.channels=1",
+        "data.train_size=40",
+        "data.test_size=20",
+        "data.batch_size=10",
+        "capture.gradcam=true",
+        "capture.gradcam_images=3",
+        "trainer.threads=1",
+    )
     run(cfg, tmp_path)  # no hooks at all: an empty `hooks` config must work
     assert (tmp_path / "gradcam.png").stat().st_size > 0 and (tmp_path / "metrics.csv").exists()
     assert not (tmp_path / "grad_norms.png").exists() and not (tmp_path / "tensorboard").exists()

@@ -29,8 +29,12 @@ def step_ops(rules: str, stage: str = "hook", guard: bool = True) -> tuple[int, 
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randint(0, 255, (1, 1, 28, 28), dtype=torch.uint8)
     y = torch.tensor([3])
-    kw = dict(batch_size=1, generator=torch.Generator().manual_seed(0), hooks=hooks,
-              guard=NonFiniteGuard(model, hooks, "warn") if guard else None)
+    kw = dict(
+        batch_size=1,
+        generator=torch.Generator().manual_seed(0),
+        hooks=hooks,
+        guard=NonFiniteGuard(model, hooks, "warn") if guard else None,
+    )
     bare_epoch(model, opt, x, y, **kw)
     with OpCounter() as ops:
         bare_epoch(model, opt, x, y, **kw)

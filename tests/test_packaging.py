@@ -29,8 +29,11 @@ def test_every_shipped_config_and_data_file_is_package_data():
     globs = PYPROJECT["tool"]["setuptools"]["package-data"]["gradmod"]
     configs = [p for p in CONF.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     assert configs and all(p.suffix == ".yaml" for p in configs), "gradmod/conf/ holds only YAML files"
-    data = [p.relative_to(ROOT / "gradmod").as_posix() for p in (ROOT / "gradmod").rglob("*")
-            if p.is_file() and p.suffix not in (".py", ".pyc")]
+    data = [
+        p.relative_to(ROOT / "gradmod").as_posix()
+        for p in (ROOT / "gradmod").rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc")
+    ]
     assert [p for p in data if not any(fnmatch.fnmatch(p, g) for g in globs)] == []
 
 

@@ -20,10 +20,18 @@ from gradmod.hooks.per_loss import methods as M
 SEEDED = {"pcgrad", "random", "graddrop", "gradvac"}  # draw from the generator: same seed, same draws
 SOLVER = {"cagrad", "nash_mtl"}  # a numerical solver on both sides: 1e-4
 REFERENCE = {
-    "pcgrad": lambda k: tja.PCGrad(), "mgda": lambda k: tja.MGDA(), "cagrad": lambda k: tja.CAGrad(c=0.5),
-    "imtl_g": lambda k: tja.IMTLG(), "aligned_mtl": lambda k: tja.AlignedMTL(), "upgrad": lambda k: tja.UPGrad(),
-    "dualproj": lambda k: tja.DualProj(), "gradvac": lambda k: tja.GradVac(), "mean": lambda k: tja.Mean(),
-    "sum": lambda k: tja.Sum(), "random": lambda k: tja.Random(), "nash_mtl": lambda k: tja.NashMTL(n_tasks=k),
+    "pcgrad": lambda k: tja.PCGrad(),
+    "mgda": lambda k: tja.MGDA(),
+    "cagrad": lambda k: tja.CAGrad(c=0.5),
+    "imtl_g": lambda k: tja.IMTLG(),
+    "aligned_mtl": lambda k: tja.AlignedMTL(),
+    "upgrad": lambda k: tja.UPGrad(),
+    "dualproj": lambda k: tja.DualProj(),
+    "gradvac": lambda k: tja.GradVac(),
+    "mean": lambda k: tja.Mean(),
+    "sum": lambda k: tja.Sum(),
+    "random": lambda k: tja.Random(),
+    "nash_mtl": lambda k: tja.NashMTL(n_tasks=k),
     "graddrop": lambda k: tja.GradDrop(),
 }
 GRAMIAN = sorted(m for m in REFERENCE if m != "graddrop")
@@ -65,12 +73,21 @@ class Shared(nn.Module):
     def __init__(self, k: int, conv: bool = False):
         super().__init__()
         if conv:
-            self.trunk = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1),
-                                       nn.ReLU(), nn.Flatten(), nn.Linear(4 * 3 * 3, 12), nn.ReLU())
+            self.trunk = nn.Sequential(
+                nn.Conv2d(1, 3, 3),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Conv2d(3, 4, 3, padding=1),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(4 * 3 * 3, 12),
+                nn.ReLU(),
+            )
         else:
             self.trunk = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
-        self.heads = nn.ModuleDict({f"t{i}": nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
-                                    for i in range(k)})
+        self.heads = nn.ModuleDict(
+            {f"t{i}": nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3)) for i in range(k)}
+        )
 
     def forward(self, x):
         z = self.trunk(x)
@@ -189,12 +206,15 @@ def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
     return ours, theirs
 
 
-@pytest.mark.parametrize("name,args,make", [
-    ("geometric_mean", {}, lambda: tjs.GeometricMean()),
-    ("uw", {"lr": 0.01}, lambda: tjs.UW(3)),
-    ("dwa", {}, lambda: tjs.DWA()),
-    ("famo", {}, lambda: tjs.FAMO(3)),
-])
+@pytest.mark.parametrize(
+    "name,args,make",
+    [
+        ("geometric_mean", {}, lambda: tjs.GeometricMean()),
+        ("uw", {"lr": 0.01}, lambda: tjs.UW(3)),
+        ("dwa", {}, lambda: tjs.DWA()),
+        ("famo", {}, lambda: tjs.FAMO(3)),
+    ],
+)
 def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, make):
     ours, theirs = _train_weighting(name, args, make())
     for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
@@ -207,8 +227,9 @@ def test_statistics_are_the_task_gradients_norms_cosines_and_conflicts():
     x, ys = _batch(3, False)
     losses = _losses(model, x, ys)
     trunk = list(model.trunk.parameters())
-    J = torch.stack([torch.cat([g.flatten() for g in torch.autograd.grad(L, trunk, retain_graph=True)])
-                     for L in losses.values()])
+    J = torch.stack(
+        [torch.cat([g.flatten() for g in torch.autograd.grad(L, trunk, retain_graph=True)]) for L in losses.values()]
+    )
     hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["mgda"]}})
     hooks.backward(_losses(model, x, ys))
     stats = hooks.read_stats()["mtl/mgda"]
@@ -279,12 +300,27 @@ def test_refusals_are_one_line():
         ({"a": {"params": "trunk.*", "stage": "fused", "transforms": ["upgrad"]}}, "stage 'per_loss' only"),
         ({"a": {"params": "trunk.*", "transforms": [{"name": "cagrad", "c": -1}]}}, "c=-1"),
         ({"a": {"params": "trunk.*", "transforms": [{"name": "mgda", "foo": 1}]}}, "unknown argument"),
-        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
-          "b": {"params": "trunk.0.*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}}, "not both"),
-        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
-          "b": {"params": "trunk.0.*", "transforms": [{"name": "clamp", "bound": 1.0}]}}, "not both"),
-        ({"a": {"params": "trunk.*", "transforms": ["upgrad"]},
-          "b": {"params": "trunk.0.*", "transforms": ["mgda"]}}, "also in per_loss rule"),
+        (
+            {
+                "a": {"params": "trunk.*", "transforms": ["upgrad"]},
+                "b": {"params": "trunk.0.*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]},
+            },
+            "not both",
+        ),
+        (
+            {
+                "a": {"params": "trunk.*", "transforms": ["upgrad"]},
+                "b": {"params": "trunk.0.*", "transforms": [{"name": "clamp", "bound": 1.0}]},
+            },
+            "not both",
+        ),
+        (
+            {
+                "a": {"params": "trunk.*", "transforms": ["upgrad"]},
+                "b": {"params": "trunk.0.*", "transforms": ["mgda"]},
+            },
+            "also in per_loss rule",
+        ),
     ]
     for rules, message in bad:
         with pytest.raises(ValueError, match=message) as e:
@@ -300,9 +336,13 @@ def test_a_fused_rule_after_per_loss_sees_the_aggregate():
     hooks = gradmod.attach(ref, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
     hooks.backward(_losses(ref, x, ys))
     torch.nn.utils.clip_grad_norm_(list(ref.trunk.parameters()), 0.01)
-    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]},
-                                   "clip": {"params": "trunk.*", "transforms": [{"name": "global_norm_clip",
-                                                                                "max_norm": 0.01}]}})
+    hooks = gradmod.attach(
+        model,
+        {
+            "mtl": {"params": "trunk.*", "transforms": ["upgrad"]},
+            "clip": {"params": "trunk.*", "transforms": [{"name": "global_norm_clip", "max_norm": 0.01}]},
+        },
+    )
     hooks.backward(_losses(model, x, ys))
     hooks.after_backward()
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -335,9 +375,14 @@ def _rank(rank, world, port, rules, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", [{"params": "trunk.*", "transforms": ["upgrad"]},
-                                  {"modules": "trunk", "stage": "per_loss", "transforms": ["mgda"]},
-                                  {"params": "*", "transforms": ["geometric_mean"]}])
+@pytest.mark.parametrize(
+    "rule",
+    [
+        {"params": "trunk.*", "transforms": ["upgrad"]},
+        {"modules": "trunk", "stage": "per_loss", "transforms": ["mgda"]},
+        {"params": "*", "transforms": ["geometric_mean"]},
+    ],
+)
 def test_two_gloo_ranks_equal_one_process_on_the_joined_batch(rule, tmp_path):
     from helpers import free_port, spawn_ranks
 
@@ -360,8 +405,9 @@ class Twice(nn.Module):
 
     def __init__(self, k: int):
         super().__init__()
-        self.trunk = nn.ModuleDict({"conv": nn.Conv2d(2, 2, 3, padding=1), "norm": nn.GroupNorm(1, 2),
-                                    "lin": nn.Linear(8, 8)})
+        self.trunk = nn.ModuleDict(
+            {"conv": nn.Conv2d(2, 2, 3, padding=1), "norm": nn.GroupNorm(1, 2), "lin": nn.Linear(8, 8)}
+        )
         self.heads = nn.ModuleDict({f"t{i}": nn.Linear(8, 3) for i in range(k)})
 
     def forward(self, x):

@@ -21,8 +21,22 @@ from gradmod.training.trainer import Trainer, TrainerSettings
 BATCH = 6  # per rank
 LR = 0.3
 # None: no rule (the trainer sums the losses); the rest: a per_loss rule on the trunk, once registered.
-METHODS = [None, "sum", "mean", "pcgrad", "mgda", "cagrad", "upgrad", "imtl_g", "aligned_mtl", "dualproj",
-           "famo", "uw", "dwa", "geometric_mean"]
+METHODS = [
+    None,
+    "sum",
+    "mean",
+    "pcgrad",
+    "mgda",
+    "cagrad",
+    "upgrad",
+    "imtl_g",
+    "aligned_mtl",
+    "dualproj",
+    "famo",
+    "uw",
+    "dwa",
+    "geometric_mean",
+]
 
 
 class TwoTasks(nn.Module):
@@ -51,8 +65,9 @@ def rules(method: str | None) -> dict:
     return {} if method is None else {"mtl": {"params": "trunk.*", "transforms": [method]}}
 
 
-def one_step(method: str | None, dist: Dist | None = None, batch: int = 2 * BATCH,
-             precision: str = "fp32") -> dict[str, torch.Tensor]:
+def one_step(
+    method: str | None, dist: Dist | None = None, batch: int = 2 * BATCH, precision: str = "fp32"
+) -> dict[str, torch.Tensor]:
     """One SGD step of the Trainer on the 2 * BATCH examples (each rank its share)."""
     model = TwoTasks()
     hooks = attach(model, rules(method))
@@ -60,17 +75,25 @@ def one_step(method: str | None, dist: Dist | None = None, batch: int = 2 * BATC
     amp = Precision(precision, torch.device("cpu"))
     if amp.scaler is not None:  # a scale whose gradients fit in fp16: the step is taken, not skipped
         amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=LR), TrainerSettings(batch_size=batch,
-                      log_every=2**62), hooks=hooks, dist=dist, net=net, amp=amp,
-                      generator=torch.Generator().manual_seed(5))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        TrainerSettings(batch_size=batch, log_every=2**62),
+        hooks=hooks,
+        dist=dist,
+        net=net,
+        amp=amp,
+        generator=torch.Generator().manual_seed(5),
+    )
     trainer.train_epoch(*data(2 * BATCH))
     hooks.remove()
     return {n: p.detach().clone() for n, p in unwrap(model).named_parameters()}
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist = Dist.from_env("ddp", torch.device("cpu"))
     try:
@@ -112,8 +135,9 @@ def test_two_ddp_processes_equal_one_on_the_joined_batch(ddp_params, method):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("method", [None, "sum", "pcgrad", "mgda", "upgrad", "cagrad", "nash_mtl", "famo", "uw"],
-                         ids=str)
+@pytest.mark.parametrize(
+    "method", [None, "sum", "pcgrad", "mgda", "upgrad", "cagrad", "nash_mtl", "famo", "uw"], ids=str
+)
 def test_mixed_precision_steps_like_fp32(method, precision):
     """fp16's GradScaler scales each loss; the step (and any aggregate) sees the unscaled
     gradients, so the step equals fp32's up to half precision's rounding."""

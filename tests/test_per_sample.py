@@ -31,7 +31,7 @@ class Scale(nn.Module):
 
     def forward(self, x):
         w = self.w.view(1, -1, *[1] * (x.dim() - 2))
-        return x * w + torch.tanh(x) * w ** 2
+        return x * w + torch.tanh(x) * w**2
 
 
 class GroupNormCNN(nn.Module):
@@ -133,8 +133,12 @@ def reference(model, x, y, loss_fn, max_norm, divisor=None):
 
 CASES = {
     "groupnorm_cnn": (GroupNormCNN, lambda: torch.randn(6, 3, 8, 8), lambda: torch.randint(0, 4, (6,)), class_loss),
-    "convs": (Convs, lambda: (torch.randn(6, 2, 9), torch.randn(6, 1, 4, 5, 3)), lambda: torch.randint(0, 3, (6,)),
-              class_loss),
+    "convs": (
+        Convs,
+        lambda: (torch.randn(6, 2, 9), torch.randn(6, 1, 4, 5, 3)),
+        lambda: torch.randint(0, 3, (6,)),
+        class_loss,
+    ),
     "custom_io": (CustomIO, lambda: torch.randint(0, 7, (6, 4)), lambda: torch.randint(0, 3, (6,)), class_loss),
     "sequence": (Sequence, lambda: torch.randint(0, 11, (6, 5)), lambda: torch.randint(0, 11, (6, 5)), seq_loss),
 }
@@ -191,8 +195,9 @@ def test_opacus_equal_on_its_mnist_example_net():
     theirs = copy.deepcopy(ours)
     x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
     gsm = opacus.GradSampleModule(theirs)
-    opt = opacus.optimizers.DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.1), noise_multiplier=0.0,
-                                        max_grad_norm=0.05, expected_batch_size=16)
+    opt = opacus.optimizers.DPOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=0.05, expected_batch_size=16
+    )
     F.cross_entropy(gsm(x), y).backward()
     opt.pre_step()
     hooks = attach(ours, dp_rule(0.05))
@@ -240,8 +245,10 @@ def test_parameters_outside_the_rule_keep_their_plain_gradient_and_fused_runs_af
     plain = copy.deepcopy(model)
     loss_fn(plain(x), y).mean().backward()
     head = {k for k, _ in model.named_parameters() if k.startswith("fc.")}
-    rules = {**dp_rule(0.1, params="fc.*"), "double": {"params": "fc.*", "stage": "fused",
-                                                       "transforms": [{"name": "scale", "factor": 2.0}]}}
+    rules = {
+        **dp_rule(0.1, params="fc.*"),
+        "double": {"params": "fc.*", "stage": "fused", "transforms": [{"name": "scale", "factor": 2.0}]},
+    }
     hooks = attach(model, rules)
     loss_fn(model(x), y).mean().backward()
     hooks.after_backward()
@@ -249,7 +256,11 @@ def test_parameters_outside_the_rule_keep_their_plain_gradient_and_fused_runs_af
     norms = torch.sqrt(sum(per_example[k].flatten(1).square().sum(1) for k in head))
     coef = (0.1 / (norms + 1e-6)).clamp(max=1.0)
     for name, p in model.named_parameters():
-        want = 2 * torch.tensordot(coef, per_example[name], 1) / 6 if name in head else dict(plain.named_parameters())[name].grad
+        want = (
+            2 * torch.tensordot(coef, per_example[name], 1) / 6
+            if name in head
+            else dict(plain.named_parameters())[name].grad
+        )
         torch.testing.assert_close(p.grad, want, atol=1e-6, rtol=1e-4, msg=name)
 
 
@@ -288,20 +299,37 @@ def test_log_only_rule_leaves_the_gradient_alone():
     assert hooks.read_stats()["watch/log"]["max"] == pytest.approx(norms.max().item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("rules, match", [
-    ({**dp_rule(), "c": {"params": "fc.*", "transforms": [{"name": "clamp", "max": 1}]}},
-     "hook-stage rule on 'fc.weight'"),
-    ({"a": dp_rule(noise=1.0, params="c*")["dp"], "b": dp_rule(noise=1.0, params=["gn.*", "scale.*", "ln.*", "fc.*"])["dp"]},
-     "both add noise"),
-    (dp_rule(noise=1.0, params="fc.*"), "not covered: c1.weight"),
-    ({"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}, "clamp"]}},
-     "'clamp' cannot run at stage 'per_sample'"),
-    ({"dp": {"modules": "fc", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}}, "needs params"),
-    ({"dp": {"params": "*", "stage": "fused", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}},
-     "stage 'per_sample' only"),
-    (dp_rule(max_norm=0), "max_norm=0 must be > 0"),
-    ({"a": dp_rule(params="fc.*")["dp"], "b": dp_rule(params="fc.bias")["dp"]}, "'fc.bias' is in two per_sample rules"),
-])
+@pytest.mark.parametrize(
+    "rules, match",
+    [
+        (
+            {**dp_rule(), "c": {"params": "fc.*", "transforms": [{"name": "clamp", "max": 1}]}},
+            "hook-stage rule on 'fc.weight'",
+        ),
+        (
+            {
+                "a": dp_rule(noise=1.0, params="c*")["dp"],
+                "b": dp_rule(noise=1.0, params=["gn.*", "scale.*", "ln.*", "fc.*"])["dp"],
+            },
+            "both add noise",
+        ),
+        (dp_rule(noise=1.0, params="fc.*"), "not covered: c1.weight"),
+        (
+            {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}, "clamp"]}},
+            "'clamp' cannot run at stage 'per_sample'",
+        ),
+        ({"dp": {"modules": "fc", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}}, "needs params"),
+        (
+            {"dp": {"params": "*", "stage": "fused", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}},
+            "stage 'per_sample' only",
+        ),
+        (dp_rule(max_norm=0), "max_norm=0 must be > 0"),
+        (
+            {"a": dp_rule(params="fc.*")["dp"], "b": dp_rule(params="fc.bias")["dp"]},
+            "'fc.bias' is in two per_sample rules",
+        ),
+    ],
+)
 def test_refusals_are_one_line(rules, match):
     model, *_ = make("groupnorm_cnn")
     with pytest.raises(ValueError, match=match) as err:
@@ -370,5 +398,8 @@ def test_resnet18_with_groupnorm_and_inplace_relu():
 def test_per_sample_is_no_default_stage_for_the_trainer():
     from gradmod.run.config import TrainerConfig
 
-    with pytest.raises(ValueError, match="trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage .*; allowed: hook, fused"):
+    with pytest.raises(
+        ValueError,
+        match="trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage .*; allowed: hook, fused",
+    ):
         TrainerConfig(hook_stage="per_sample")

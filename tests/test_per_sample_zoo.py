@@ -18,8 +18,12 @@ RTOL = 1e-12
 
 
 def dp_rule(max_norm=1.0, noise=0.0):
-    return {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": max_norm,
-                                                   "noise_multiplier": noise}]}}
+    return {
+        "dp": {
+            "params": "*",
+            "transforms": [{"name": "per_sample_clip", "max_norm": max_norm, "noise_multiplier": noise}],
+        }
+    }
 
 
 def split(x, i, dim):
@@ -34,9 +38,8 @@ def loop_reference(model, x, y, loss_fn, dim=0):
     for i in range(len(y)):
         model.zero_grad(set_to_none=True)
         xi = split(x, i, dim)
-        loss_fn(model(*xi) if isinstance(xi, tuple) else model(xi), y[i:i + 1]).sum().backward()
-        per.append({n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
-                    for n, p in model.named_parameters()})
+        loss_fn(model(*xi) if isinstance(xi, tuple) else model(xi), y[i : i + 1]).sum().backward()
+        per.append({n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
     model.zero_grad(set_to_none=True)
     norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in d.values())) for d in per])
     max_norm = float(norms.median())
@@ -178,8 +181,12 @@ register_form(Affine, AffineForm())
 
 
 def rnn_case(cls, batch_first, **kw):
-    return lambda: Pool(cls(4, 5, batch_first=batch_first, **kw), 5 * (2 if kw.get("bidirectional") else 1),
-                        time_dim=1 if batch_first else 0, pick=lambda out: out[0])
+    return lambda: Pool(
+        cls(4, 5, batch_first=batch_first, **kw),
+        5 * (2 if kw.get("bidirectional") else 1),
+        time_dim=1 if batch_first else 0,
+        pick=lambda out: out[0],
+    )
 
 
 def conv1d_hf():
@@ -200,34 +207,75 @@ CASES = {
     "mha_batch_first": (lambda: Pool(MHA(True), 8), lambda: seq(4, 5, 8), 4, ce, 0),
     "mha_seq_first_t_eq_b": (lambda: Pool(MHA(False), 8, time_dim=0), lambda: seq(4, 4, 8, first=False), 4, ce, 1),
     "mha_bias_kv": (lambda: Pool(MHA(True, add_bias_kv=True), 8), lambda: seq(4, 5, 8), 4, ce, 0),
-    "encoder_layer": (lambda: Pool(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 8),
-                      lambda: seq(4, 5, 8), 4, ce, 0),
-    "encoder_layer_seq_first": (lambda: Pool(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=True), 8,
-                                             time_dim=0), lambda: seq(4, 4, 8, first=False), 4, ce, 1),
-    "decoder_layer": (lambda: Pool(nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 8),
-                      lambda: (seq(4, 5, 8), seq(4, 3, 8)), 4, ce, 0),
+    "encoder_layer": (
+        lambda: Pool(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 8),
+        lambda: seq(4, 5, 8),
+        4,
+        ce,
+        0,
+    ),
+    "encoder_layer_seq_first": (
+        lambda: Pool(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, norm_first=True), 8, time_dim=0),
+        lambda: seq(4, 4, 8, first=False),
+        4,
+        ce,
+        1,
+    ),
+    "decoder_layer": (
+        lambda: Pool(nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 8),
+        lambda: (seq(4, 5, 8), seq(4, 3, 8)),
+        4,
+        ce,
+        0,
+    ),
     "lstm_outputs": (rnn_case(nn.LSTM, True), lambda: seq(4, 6, 4), 4, ce, 0),
-    "lstm_seq_first_t_eq_b": (rnn_case(nn.LSTM, False, num_layers=2, bidirectional=True), lambda: seq(4, 4, 4, False),
-                              4, ce, 1),
+    "lstm_seq_first_t_eq_b": (
+        rnn_case(nn.LSTM, False, num_layers=2, bidirectional=True),
+        lambda: seq(4, 4, 4, False),
+        4,
+        ce,
+        1,
+    ),
     "lstm_h_n": (lambda: LastHidden(nn.LSTM(4, 5, batch_first=True)), lambda: seq(4, 6, 4), 4, ce, 0),
     "gru": (rnn_case(nn.GRU, True, num_layers=2), lambda: seq(4, 6, 4), 4, ce, 0),
     "gru_h_n_seq_first": (lambda: LastHidden(nn.GRU(4, 5, bidirectional=True)), lambda: seq(4, 4, 4, False), 4, ce, 1),
     "rnn_relu": (rnn_case(nn.RNN, True, nonlinearity="relu", bias=False), lambda: seq(4, 6, 4), 4, ce, 0),
-    "embedding_padding": (lambda: Pool(nn.Embedding(9, 5, padding_idx=0), 5),
-                          lambda: torch.randint(0, 9, (4, 6)), 4, ce, 0),
+    "embedding_padding": (
+        lambda: Pool(nn.Embedding(9, 5, padding_idx=0), 5),
+        lambda: torch.randint(0, 9, (4, 6)),
+        4,
+        ce,
+        0,
+    ),
     "hf_conv1d": (lambda: Pool(conv1d_hf(), 3), lambda: seq(4, 6, 5), 4, ce, 0),
-    "weight_norm_out_eq_b": (lambda: nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(5, 4)), nn.Tanh(),
-                                                   nn.Linear(4, 3)), lambda: torch.randn(4, 5), 4, ce, 0),
+    "weight_norm_out_eq_b": (
+        lambda: nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(5, 4)), nn.Tanh(), nn.Linear(4, 3)),
+        lambda: torch.randn(4, 5),
+        4,
+        ce,
+        0,
+    ),
     "functional_use": (Functional, lambda: torch.randn(4, 5), 4, ce, 0),
     "tied_functional": (Tied, lambda: torch.randint(0, 11, (4, 5)), (4, 5, 11), seq_ce, 0),
     "parent_uses_child": (ParentUsesChild, lambda: torch.randn(4, 5), 4, ce, 0),
     "zero_dim_param": (ZeroDim, lambda: torch.randn(4, 5), 4, ce, 0),
     "custom_form": (lambda: Pool(nn.Sequential(nn.Linear(5, 6), Affine(6)), 6), lambda: seq(4, 3), 4, ce, 0),
-    "conv_groupnorm": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
-                                             nn.Flatten(), nn.Linear(4 * 25, 3)),
-                       lambda: torch.randn(4, 2, 5, 5), 4, ce, 0),
-    "instance_norm": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3), nn.InstanceNorm1d(3, affine=True), nn.Flatten(),
-                                            nn.Linear(3 * 4, 3)), lambda: torch.randn(4, 2, 6), 4, ce, 0),
+    "conv_groupnorm": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 25, 3)
+        ),
+        lambda: torch.randn(4, 2, 5, 5),
+        4,
+        ce,
+        0,
+    ),
+    "instance_norm": (
+        lambda: nn.Sequential(nn.Conv1d(2, 3, 3), nn.InstanceNorm1d(3, affine=True), nn.Flatten(), nn.Linear(3 * 4, 3)),
+        lambda: torch.randn(4, 2, 6),
+        4,
+        ce,
+        0,
+    ),
 }
 
 
@@ -262,16 +310,25 @@ def test_zoo_equals_the_per_example_loop(case):
 
 def tiny_gpt2():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=23, n_positions=8, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=23, n_positions=8, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def tiny_bert():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=23, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=16, max_position_embeddings=8, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, num_labels=3)
+    cfg = transformers.BertConfig(
+        vocab_size=23,
+        hidden_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=8,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
     return transformers.BertForSequenceClassification(cfg)
 
 
@@ -321,8 +378,9 @@ def test_a_parameter_used_in_the_loss_is_refused_not_dropped():
 def test_embedding_max_norm_and_lstm_projection_are_refused():
     msg = first_backward_error(nn.Embedding(5, 3, max_norm=1.0), torch.randint(0, 5, (4, 2)), lambda out: out.sum())
     assert "max_norm" in msg and "Embedding" in msg
-    msg = first_backward_error(nn.LSTM(3, 4, proj_size=2, batch_first=True), torch.randn(4, 2, 3),
-                               lambda out: out[0].sum())
+    msg = first_backward_error(
+        nn.LSTM(3, 4, proj_size=2, batch_first=True), torch.randn(4, 2, 3), lambda out: out[0].sum()
+    )
     assert "proj_size" in msg
 
 
@@ -394,8 +452,22 @@ def opacus_layers():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("kind", ["linear", "conv1d", "conv2d", "conv3d", "layernorm", "groupnorm", "instancenorm",
-                                  "embedding", "dplstm", "dpgru", "dp_attention"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "linear",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "layernorm",
+        "groupnorm",
+        "instancenorm",
+        "embedding",
+        "dplstm",
+        "dpgru",
+        "dp_attention",
+    ],
+)
 def test_opacus_layers_equal_opacus_and_the_loop(kind):
     opacus = pytest.importorskip("opacus")
     import copy
@@ -409,8 +481,9 @@ def test_opacus_layers_equal_opacus_and_the_loop(kind):
     theirs = copy.deepcopy(model)
     _, max_norm = loop_reference(model, x, y, ce)
     gsm = opacus.GradSampleModule(theirs)
-    opt = opacus.optimizers.DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.1), noise_multiplier=0.0,
-                                        max_grad_norm=max_norm, expected_batch_size=4)
+    opt = opacus.optimizers.DPOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.1), noise_multiplier=0.0, max_grad_norm=max_norm, expected_batch_size=4
+    )
     F.cross_entropy(gsm(x), y).backward()
     opt.pre_step()
     check(model, x, y, ce)  # ours against the loop, to 1e-12
@@ -438,5 +511,6 @@ def test_replace_batchnorm_gives_groupnorm_over_the_same_channels():
     from gradmod.hooks.per_sample import replace_batchnorm
 
     model = replace_batchnorm(nn.Sequential(nn.Conv2d(1, 48, 3), nn.BatchNorm2d(48), nn.Sequential(nn.BatchNorm1d(6))))
-    assert [(type(m).__name__, m.num_groups, m.num_channels) for m in model.modules() if isinstance(m, nn.GroupNorm)] \
-        == [("GroupNorm", 16, 48), ("GroupNorm", 2, 6)]
+    assert [
+        (type(m).__name__, m.num_groups, m.num_channels) for m in model.modules() if isinstance(m, nn.GroupNorm)
+    ] == [("GroupNorm", 16, 48), ("GroupNorm", 2, 6)]

@@ -42,7 +42,7 @@ def test_fp16_scaled_gradients_get_fp32_thresholds(stage):
     amp = Precision("fp16", CPU)  # the scaler only; the forward stays fp32 for exact arithmetic
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     amp.backward(_loss(model), hooks)
-    assert amp.scale() == 2.0 ** 16
+    assert amp.scale() == 2.0**16
     amp.unscale_(opt)
     if hooks.has_fused:
         hooks.after_backward()
@@ -61,7 +61,7 @@ def test_without_scale_awareness_the_threshold_would_be_wrong():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler.scale(_loss(model)).backward()  # hooks.grad_scale left unset
     scaler.unscale_(opt)
-    assert max(p.grad.abs().max() for p in model.parameters()) <= 0.01 / 2 ** 16
+    assert max(p.grad.abs().max() for p in model.parameters()) <= 0.01 / 2**16
     hooks.remove()
 
 
@@ -70,7 +70,7 @@ def test_fp16_overflow_is_skipped_by_the_scaler_even_under_raise():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = copy.deepcopy(model.state_dict())
     amp = Precision("fp16", CPU)
-    amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)  # overflows fp32 gradients
+    amp.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)  # overflows fp32 gradients
     guard = NonFiniteGuard(model, None, "raise")
     amp.backward(_loss(model) * 1e10)
     guard.observe()
@@ -78,17 +78,27 @@ def test_fp16_overflow_is_skipped_by_the_scaler_even_under_raise():
     skip = guard.check(amp.scale())
     amp.step(opt, skip)
     assert skip and guard.skipped == 1
-    assert amp.scale() == 2.0 ** 126  # backed off
+    assert amp.scale() == 2.0**126  # backed off
     for k, v in before.items():
         assert torch.equal(model.state_dict()[k], v)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_run_on_cpu(compose_cfg, tmp_path, precision):
-    cfg = compose_cfg("data=fake", "data.image_size=28", "data.channels=1", "data.train_size=40",
-                      "data.test_size=10", "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu",
-                      "trainer.progress=false", "trainer.checkpoint_every=0", f"trainer.precision={precision}",
-                      "+hooks=[clip,log]")
+    cfg = compose_cfg(
+        "data=fake",
+        "data.image_size=28",
+        "data.channels=1",
+        "data.train_size=40",
+        "data.test_size=10",
+        "data.batch_size=10",
+        "trainer.epochs=1",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        "trainer.checkpoint_every=0",
+        f"trainer.precision={precision}",
+        "+hooks=[clip,log]",
+    )
     summary = run(cfg, tmp_path)
     assert summary["precision"] == precision and summary["steps"] == 4
     assert torch.isfinite(torch.tensor(summary["train_loss"]))

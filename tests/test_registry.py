@@ -18,12 +18,17 @@ def test_every_shipped_transform_says_its_kind():
     assert set(registry.names("group")) == {"global_norm_clip", "agc", "zclip"}
     assert registry.names("per_sample") == ["per_sample_clip"]
     assert {"pcgrad", "mgda", "upgrad"} <= set(registry.names("per_loss"))
-    assert {"clamp", "zero", "min_zero", "log", "scale", "sign", "norm_clip", "centralize", "noise"} \
-        <= set(registry.names("elementwise"))
+    assert {"clamp", "zero", "min_zero", "log", "scale", "sign", "norm_clip", "centralize", "noise"} <= set(
+        registry.names("elementwise")
+    )
     assert registry.entry("log").observer and not registry.entry("clamp").observer
     assert "per_sample" in registry.entry("log").at_stage  # log keeps per-example statistics there
-    assert [registry.entry(n).stage for n in ("clamp", "agc", "per_sample_clip", "pcgrad")] == \
-        [None, "fused", "per_sample", "per_loss"]
+    assert [registry.entry(n).stage for n in ("clamp", "agc", "per_sample_clip", "pcgrad")] == [
+        None,
+        "fused",
+        "per_sample",
+        "per_loss",
+    ]
 
 
 def test_stage_table_order_and_kinds():
@@ -31,18 +36,24 @@ def test_stage_table_order_and_kinds():
     assert stages.names() == ("hook", "per_loss", "per_sample", "fused")
     assert stages.default_names() == ("hook", "fused")
     assert stages.order("hook") < stages.order("per_loss") < stages.order("per_sample") < stages.order("fused")
-    assert {k: stages.implied_by(k).name for k in ("group", "per_sample", "per_loss")} == \
-        {"group": "fused", "per_sample": "per_sample", "per_loss": "per_loss"}
+    assert {k: stages.implied_by(k).name for k in ("group", "per_sample", "per_loss")} == {
+        "group": "fused",
+        "per_sample": "per_sample",
+        "per_loss": "per_loss",
+    }
     assert stages.implied_by("elementwise") is None
     # every kind runs at some stage, every stage runs only known kinds
     assert {k for s in stages.STAGES for k in s.accepts} == set(registry.KINDS)
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"kind": "batch"}, "kind='batch'; allowed: elementwise, group, per_sample, per_loss"),
-    ({"kind": "group", "foreach": lambda: None}, "a group transform has no foreach form"),
-    ({"kind": "per_sample", "observer": True}, "observer=True is for elementwise transforms only"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"kind": "batch"}, "kind='batch'; allowed: elementwise, group, per_sample, per_loss"),
+        ({"kind": "group", "foreach": lambda: None}, "a group transform has no foreach form"),
+        ({"kind": "per_sample", "observer": True}, "observer=True is for elementwise transforms only"),
+    ],
+)
 def test_register_refuses_a_bad_kind_in_one_line(kwargs, words):
     with pytest.raises(ValueError, match=words):
         registry.register("bad_kind", lambda: None, **kwargs)
@@ -51,7 +62,7 @@ def test_register_refuses_a_bad_kind_in_one_line(kwargs, words):
 
 def test_transforms_register_is_the_registry_with_group_as_a_kind():
     T.register("alias_group", lambda: None, group=True)
-    T.register("alias_plain", lambda: (lambda g: g))
+    T.register("alias_plain", lambda: lambda g: g)
     assert registry.entry("alias_group").kind == "group" and registry.entry("alias_plain").kind == "elementwise"
     registry.unregister("alias_group")
     assert "alias_group" not in T.names()
@@ -94,8 +105,10 @@ def test_a_stage_the_table_reserves_is_refused_until_provided(monkeypatch):
     monkeypatch.setattr(stages, "_BY_NAME", {s.name: s for s in reserved})
     registry.register("task_weights", lambda: None, kind="per_loss")
     model = nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="per_loss transform 'task_weights' runs at stage 'per_loss', which this "
-                                         "version does not provide"):
+    with pytest.raises(
+        ValueError,
+        match="per_loss transform 'task_weights' runs at stage 'per_loss', which this version does not provide",
+    ):
         build_targets(model, {"r": {"params": "*", "transforms": ["task_weights"]}})
 
 
@@ -113,8 +126,10 @@ def test_stages_act_in_the_table_order_and_the_plan_lists_them_so():
     model(x).square().mean().backward()
     plain = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    rules = {"twice": {"params": "*", "stage": "fused", "transforms": [{"name": "scale", "factor": 2.0}]},
-             "dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1e6}]}}
+    rules = {
+        "twice": {"params": "*", "stage": "fused", "transforms": [{"name": "scale", "factor": 2.0}]},
+        "dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1e6}]},
+    }
     with attach(model, rules) as hooks:
         assert dict(hooks.chains)["weight"] == ["per_sample_clip", "scale"]  # per_sample before fused
         model(x).square().mean().backward()

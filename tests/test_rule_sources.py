@@ -53,12 +53,15 @@ def test_several_files_and_mappings_merge_by_rule_name():
     assert merged["zero"] == ZERO["zero"] and merged["clip"] == load_rules("clip")["clip"]
 
 
-@pytest.mark.parametrize("spec, words", [
-    (["clip", {"clip": {"params": "*", "transforms": ["zero"]}}], ["'clip'", "mapping #2", "rename"]),
-    ("lgo", ["'lgo' not found", "shipped hook files: agc, ", " clip, ", " pcgrad, "]),
-    ("nowhere/log.yaml", ["'nowhere/log.yaml' not found"]),
-    ([3], ["item #1", "mapping"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (["clip", {"clip": {"params": "*", "transforms": ["zero"]}}], ["'clip'", "mapping #2", "rename"]),
+        ("lgo", ["'lgo' not found", "shipped hook files: agc, ", " clip, ", " pcgrad, "]),
+        ("nowhere/log.yaml", ["'nowhere/log.yaml' not found"]),
+        ([3], ["item #1", "mapping"]),
+    ],
+)
 def test_bad_rule_sources_are_one_line(spec, words):
     with pytest.raises(ValueError) as e:
         load_rules(spec)
@@ -152,11 +155,14 @@ def test_agc_norm_type_is_checked():
 
 
 @pytest.mark.slow  # timm's import and a ResNet: about 10 s
-@pytest.mark.parametrize("mode, transform", [
-    ("agc", {"name": "agc", "clip_factor": 0.01, "norm_type": 1.0}),
-    ("norm", {"name": "global_norm_clip", "max_norm": 0.01, "norm_type": 1.0}),
-    ("value", {"name": "clamp", "min": -0.01, "max": 0.01}),
-])
+@pytest.mark.parametrize(
+    "mode, transform",
+    [
+        ("agc", {"name": "agc", "clip_factor": 0.01, "norm_type": 1.0}),
+        ("norm", {"name": "global_norm_clip", "max_norm": 0.01, "norm_type": 1.0}),
+        ("value", {"name": "clamp", "min": -0.01, "max": 0.01}),
+    ],
+)
 def test_timms_dispatch_clip_grad_on_its_resnet10t(mode, transform):
     timm = pytest.importorskip("timm", reason="timm is not installed (pip install timm)")
     from timm.utils.clip_grad import dispatch_clip_grad

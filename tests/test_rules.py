@@ -42,7 +42,9 @@ def test_clip_equals_clip_grad_value(batch):
     torch.manual_seed(1)
     hooked, plain = Small(), Small()
     plain.load_state_dict(hooked.state_dict())
-    with gradmod.attach(hooked, {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}):
+    with gradmod.attach(
+        hooked, {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
+    ):
         got = grads(hooked, *batch)
     want = grads(plain, *batch)
     torch.nn.utils.clip_grad_value_(plain.parameters(), 0.01)
@@ -124,15 +126,25 @@ def test_rules_chain_in_config_order(batch):
     assert torch.allclose(got["fc1.bias"], 3 * plain["fc1.bias"])
 
 
-@pytest.mark.parametrize("spec", [
-    {"name": "clamp", "min": -0.01, "max": 0.01}, "zero", "min_zero", {"name": "scale", "factor": -2.0}, "sign",
-    {"name": "norm_clip", "max_norm": 0.1}, "centralize",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "clamp", "min": -0.01, "max": 0.01},
+        "zero",
+        "min_zero",
+        {"name": "scale", "factor": -2.0},
+        "sign",
+        {"name": "norm_clip", "max_norm": 0.1},
+        "centralize",
+    ],
+)
 def test_fused_stage_equals_hook_stage(spec, batch):
     torch.manual_seed(4)
     model = Small()
-    rules = {"a": {"params": "*", "exclude": "conv.bias", "transforms": [spec]},
-             "b": {"params": "fc1.*", "transforms": [{"name": "clamp", "max": 0.05}]}}
+    rules = {
+        "a": {"params": "*", "exclude": "conv.bias", "transforms": [spec]},
+        "b": {"params": "fc1.*", "transforms": [{"name": "clamp", "max": 0.05}]},
+    }
     with gradmod.attach(model, rules, stage="hook"):
         want = grads(model, *batch)
     with gradmod.attach(model, rules, stage="fused") as hooks:
@@ -156,10 +168,15 @@ def test_log_reads_all_statistics_in_one_go(batch):
 
 def test_describe_and_format_plan():
     model = Small()
-    hooks = gradmod.attach(model, {"clip": {"params": "fc1.*", "stage": "fused",
-                                            "transforms": [{"name": "clamp", "min": -1, "max": 1}]}})
-    assert hooks.describe()[0] == {"tensor": "fc1.weight", "rule": "clip", "stage": "fused",
-                                   "transforms": ["clamp(min=-1, max=1)"]}
+    hooks = gradmod.attach(
+        model, {"clip": {"params": "fc1.*", "stage": "fused", "transforms": [{"name": "clamp", "min": -1, "max": 1}]}}
+    )
+    assert hooks.describe()[0] == {
+        "tensor": "fc1.weight",
+        "rule": "clip",
+        "stage": "fused",
+        "transforms": ["clamp(min=-1, max=1)"],
+    }
     assert "fc1.bias" in hooks.format_plan()
     hooks.remove()
 
@@ -169,14 +186,23 @@ def test_plan_lists_hook_stage_before_fused_as_they_run(batch):
     (hooks run during backward, the fused stage after it): the plan says so."""
     model = Small()
     plain = grads(model, *batch)
-    rules = {"clip": {"params": "fc1.weight", "stage": "fused", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]},
-             "triple": {"params": "fc1.*", "transforms": [{"name": "scale", "factor": 3.0}]}}
+    rules = {
+        "clip": {
+            "params": "fc1.weight",
+            "stage": "fused",
+            "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}],
+        },
+        "triple": {"params": "fc1.*", "transforms": [{"name": "scale", "factor": 3.0}]},
+    }
     with gradmod.attach(model, rules) as hooks:
         grads(model, *batch)
         hooks.after_backward()
         assert dict(hooks.chains)["fc1.weight"] == ["scale", "clamp"]
         assert [(d["tensor"], d["rule"]) for d in hooks.describe()] == [
-            ("fc1.weight", "triple"), ("fc1.bias", "triple"), ("fc1.weight", "clip")]
+            ("fc1.weight", "triple"),
+            ("fc1.bias", "triple"),
+            ("fc1.weight", "clip"),
+        ]
         lines = hooks.format_plan().splitlines()[1:]
         assert "triple: scale" in lines[0] and "clip: clamp" in lines[2]
         got = model.fc1.weight.grad
@@ -184,23 +210,36 @@ def test_plan_lists_hook_stage_before_fused_as_they_run(batch):
     assert not torch.equal(got, 3 * plain["fc1.weight"].clamp(-0.01, 0.01))  # not config order
 
 
-@pytest.mark.parametrize("rules, message", [
-    ({"r": {"params": "fc.weight", "transforms": ["zero"]}},
-     "hooks.r.params: 'fc.weight' matches no parameter (see model.named_parameters()); close names: fc1.weight"),
-    ({"r": {"modules": "rleu", "transforms": ["zero"]}}, "hooks.r.modules: 'rleu' matches no module"),
-    ({"r": {"params": "*", "exclude": "nothing*", "transforms": ["zero"]}}, "hooks.r.exclude: 'nothing*' matches no"),
-    ({"r": {"params": "fc1.*", "exclude": "fc1.*", "transforms": ["zero"]}}, "exclude removes every"),
-    ({"r": {"params": "*", "transforms": ["zeroo"]}}, "hooks.r.transforms: unknown transform 'zeroo'; allowed:"),
-    ({"r": {"params": "*", "transforms": [{"name": "clamp", "min": 1, "max": 0}]}},
-     "hooks.r.transforms: transform 'clamp': min=1 is greater than max=0"),
-    ({"r": {"params": "*", "transforms": []}}, "hooks.r.transforms: give at least one of"),
-    ({"r": {"params": "*", "modules": "conv", "transforms": ["zero"]}}, "give exactly one of 'params' or 'modules'"),
-    ({"r": {"params": "*", "transform": ["zero"]}}, "unknown key(s) transform; allowed: params, modules"),
-    ({"r": {"params": "*", "stage": "late", "transforms": ["zero"]}}, "hooks.r.stage: 'late' is not a stage"),
-    ({"r": {"modules": "relu", "stage": "fused", "transforms": ["zero"]}}, "'fused' needs params"),
-    ({"r": {"params": [], "transforms": ["zero"]}}, "must be a glob or a non-empty list of globs"),
-    ({"r": "zero"}, "hooks.r: a rule must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "rules, message",
+    [
+        (
+            {"r": {"params": "fc.weight", "transforms": ["zero"]}},
+            "hooks.r.params: 'fc.weight' matches no parameter (see model.named_parameters()); close names: fc1.weight",
+        ),
+        ({"r": {"modules": "rleu", "transforms": ["zero"]}}, "hooks.r.modules: 'rleu' matches no module"),
+        (
+            {"r": {"params": "*", "exclude": "nothing*", "transforms": ["zero"]}},
+            "hooks.r.exclude: 'nothing*' matches no",
+        ),
+        ({"r": {"params": "fc1.*", "exclude": "fc1.*", "transforms": ["zero"]}}, "exclude removes every"),
+        ({"r": {"params": "*", "transforms": ["zeroo"]}}, "hooks.r.transforms: unknown transform 'zeroo'; allowed:"),
+        (
+            {"r": {"params": "*", "transforms": [{"name": "clamp", "min": 1, "max": 0}]}},
+            "hooks.r.transforms: transform 'clamp': min=1 is greater than max=0",
+        ),
+        ({"r": {"params": "*", "transforms": []}}, "hooks.r.transforms: give at least one of"),
+        (
+            {"r": {"params": "*", "modules": "conv", "transforms": ["zero"]}},
+            "give exactly one of 'params' or 'modules'",
+        ),
+        ({"r": {"params": "*", "transform": ["zero"]}}, "unknown key(s) transform; allowed: params, modules"),
+        ({"r": {"params": "*", "stage": "late", "transforms": ["zero"]}}, "hooks.r.stage: 'late' is not a stage"),
+        ({"r": {"modules": "relu", "stage": "fused", "transforms": ["zero"]}}, "'fused' needs params"),
+        ({"r": {"params": [], "transforms": ["zero"]}}, "must be a glob or a non-empty list of globs"),
+        ({"r": "zero"}, "hooks.r: a rule must be a mapping"),
+    ],
+)
 def test_bad_rules_are_clear_value_errors(rules, message):
     model = Small()
     with pytest.raises(ValueError) as e:
@@ -214,8 +253,10 @@ def test_hookset_counts_the_tensors_it_transforms_whatever_the_stage(batch):
     ``if hooks: hooks.after_backward()`` runs its stage (here: == clip_grad_norm_)."""
     model, plain = Small(), Small()
     plain.load_state_dict(model.state_dict())
-    rules = {"norm": {"params": "fc1.*", "transforms": [{"name": "global_norm_clip", "max_norm": 0.01}]},
-             "relu": {"modules": "relu", "transforms": [{"name": "scale", "factor": 2.0}]}}
+    rules = {
+        "norm": {"params": "fc1.*", "transforms": [{"name": "global_norm_clip", "max_norm": 0.01}]},
+        "relu": {"modules": "relu", "transforms": [{"name": "scale", "factor": 2.0}]},
+    }
     hooks = gradmod.attach(model, {"norm": rules["norm"]})
     assert len(hooks) == 2 and hooks
     grads(model, *batch)

@@ -33,8 +33,11 @@ ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 def snapshot(out: Path) -> dict[str, bytes]:
     """Every file under ``out`` (through no link) but the lock, which names its last holder."""
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and not p.is_symlink() and p.relative_to(out) != Path(".gradmod/lock")}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.relative_to(out) != Path(".gradmod/lock")
+    }
 
 
 def raw_summary(out: Path) -> dict:
@@ -112,13 +115,19 @@ def test_a_link_that_stays_inside_the_folder_is_the_folders_own(mine):
 
 def test_from_the_moment_a_run_owns_its_folder_it_says_running(mine, tmp_path):
     seen = []
-    first = runner.train(validate(compose_config(*KEEP, "trainer.epochs=1")), tmp_path / "new",
-                         on_owned=lambda out: seen.append(raw_summary(out)))
+    first = runner.train(
+        validate(compose_config(*KEEP, "trainer.epochs=1")),
+        tmp_path / "new",
+        on_owned=lambda out: seen.append(raw_summary(out)),
+    )
     assert seen[0]["status"] == "running" and seen[0]["pid"] == os.getpid() and "previous" not in seen[0]
     assert seen[0]["run"] == first["run"]
     ended = raw_summary(mine)
-    again = runner.train(validate(compose_config(*KEEP, "trainer.epochs=3", "trainer.resume=auto")), mine,
-                         on_owned=lambda out: seen.append(raw_summary(out)))
+    again = runner.train(
+        validate(compose_config(*KEEP, "trainer.epochs=3", "trainer.resume=auto")),
+        mine,
+        on_owned=lambda out: seen.append(raw_summary(out)),
+    )
     assert seen[1]["status"] == "running" and seen[1]["previous"] == ended  # the earlier ending, kept
     assert again["status"] == "ok" and again["previous"] == ended and again["steps"] == 18
 
@@ -126,8 +135,9 @@ def test_from_the_moment_a_run_owns_its_folder_it_says_running(mine, tmp_path):
 @pytest.mark.slow
 def test_a_killed_continuation_reads_as_killed_and_resume_auto_continues_it(mine):
     ended = raw_summary(mine)
-    proc = run_train(mine, *KEEP, "trainer.epochs=3", "trainer.resume=auto", check=False,
-                     env={"GRADMOD_KILL_AT": "step:17"})
+    proc = run_train(
+        mine, *KEEP, "trainer.epochs=3", "trainer.resume=auto", check=False, env={"GRADMOD_KILL_AT": "step:17"}
+    )
     assert proc.returncode == -9, proc.stderr
     raw = raw_summary(mine)
     assert raw["status"] == "running" and raw["previous"] == ended  # not the stale "ok, 12 steps"
@@ -178,12 +188,19 @@ def test_a_full_disk_at_the_end_of_a_run_names_the_file(tmp_path):
     full.mkdir()
     if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs a mount namespace (unshare -rm) for a small tmpfs")
-    args = [f"hydra.run.dir={full}", *(a for a in RESUMABLE if not a.startswith("+hooks")),
-            "trainer.checkpoint_every_steps=0", "trainer.checkpoint_every=0", "trainer.epochs=1"]
-    script = (f"mount -t tmpfs -o size=96k tmpfs {full} && exec {sys.executable} {ROOT / 'train.py'} "
-              + " ".join(f"'{a}'" for a in args))
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=ENV,
-                          cwd=tmp_path, timeout=600)
+    args = [
+        f"hydra.run.dir={full}",
+        *(a for a in RESUMABLE if not a.startswith("+hooks")),
+        "trainer.checkpoint_every_steps=0",
+        "trainer.checkpoint_every=0",
+        "trainer.epochs=1",
+    ]
+    script = f"mount -t tmpfs -o size=96k tmpfs {full} && exec {sys.executable} {ROOT / 'train.py'} " + " ".join(
+        f"'{a}'" for a in args
+    )
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=600
+    )
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: cannot write {full / 'model.pt'}: No space left on device"]
 
@@ -191,9 +208,19 @@ def test_a_full_disk_at_the_end_of_a_run_names_the_file(tmp_path):
 @pytest.mark.slow
 def test_a_rank_killed_under_ddp_is_named_in_the_summary(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "kill_driver.py"), f"hydra.run.dir={run_dir}", "trainer.strategy=ddp",
-           *RESUMABLE, "trainer.epochs=3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port",
+        str(free_port()),
+        str(ROOT / "tests" / "kill_driver.py"),
+        f"hydra.run.dir={run_dir}",
+        "trainer.strategy=ddp",
+        *RESUMABLE,
+        "trainer.epochs=3",
+    ]
     env = {**ENV, "GRADMOD_KILL_AT": "step:3", "GRADMOD_KILL_RANK": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode != 0
@@ -206,8 +233,17 @@ def test_a_rank_killed_under_ddp_is_named_in_the_summary(tmp_path):
 
 
 def _record(sweep_dir: Path, num: int, **fields) -> None:
-    record = {"num": num, "job": str(num), "dir": str(sweep_dir / str(num)), "overrides": [f"seed={num}"],
-              "status": "ok", "test_accuracy": 0.5, "test_loss": 1.0, "started": 0.0, **fields}
+    record = {
+        "num": num,
+        "job": str(num),
+        "dir": str(sweep_dir / str(num)),
+        "overrides": [f"seed={num}"],
+        "status": "ok",
+        "test_accuracy": 0.5,
+        "test_loss": 1.0,
+        "started": 0.0,
+        **fields,
+    }
     (sweep_dir / ".gradmod" / "jobs").mkdir(parents=True, exist_ok=True)
     (sweep_dir / ".gradmod" / "jobs" / f"{num}.json").write_text(json.dumps(record))
 
@@ -230,13 +266,23 @@ def test_planned_jobs_without_a_record_are_not_run_once_the_sweep_ended(tmp_path
     assert [r["status"] for r in sweep.collect(tmp_path, ended=False)] == ["ok"]
     rows = sweep.collect(tmp_path, ended=True)
     assert [(r["job"], r["status"], r["overrides"]) for r in rows] == [
-        ("0", "ok", ["seed=0"]), ("1", "not_run", ["seed=1"]), ("2", "not_run", ["seed=2"])]
+        ("0", "ok", ["seed=0"]),
+        ("1", "not_run", ["seed=1"]),
+        ("2", "not_run", ["seed=2"]),
+    ]
 
 
 @pytest.mark.slow
 def test_sigterm_to_a_sweep_writes_the_report_and_names_what_did_not_run(tmp_path):
-    cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={tmp_path}",
-           *[a for a in RESUMABLE if not a.startswith("trainer.epochs")], "trainer.epochs=3", "seed=0,1,2"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "-m",
+        f"hydra.sweep.dir={tmp_path}",
+        *[a for a in RESUMABLE if not a.startswith("trainer.epochs")],
+        "trainer.epochs=3",
+        "seed=0,1,2",
+    ]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started = tmp_path / "1" / "metrics.jsonl"  # job 1 is training
     deadline = time.monotonic() + 500
@@ -286,12 +332,20 @@ def test_two_runs_started_together_get_a_folder_each(tmp_path):
 
 @pytest.mark.slow
 def test_an_empty_run_folder_is_refused(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra.run.dir=''", *RESUMABLE], cwd=tmp_path,
-                          env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "hydra.run.dir=''", *RESUMABLE],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: hydra.run.dir is empty; a run needs a folder of its own: "
-                                                "give hydra.run.dir=PATH, or leave it out for a new folder under "
-                                                "outputs/"]
+    assert proc.stderr.strip().splitlines() == [
+        "error: hydra.run.dir is empty; a run needs a folder of its own: "
+        "give hydra.run.dir=PATH, or leave it out for a new folder under "
+        "outputs/"
+    ]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -311,9 +365,14 @@ def _torch_loading(pid: int) -> bool:
 def test_ctrl_c_during_start_up_is_one_line(tmp_path, after):
     """Ctrl-C while torch is imported (``after`` 0: as soon as it starts loading) or later in
     the start-up (Hydra composing, the run's checks): one line, exit 130."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",
-                             *RESUMABLE], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *RESUMABLE],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not _torch_loading(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)

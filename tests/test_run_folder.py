@@ -14,14 +14,28 @@ from gradmod.app.cli import run
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.folder import RunFolder
 
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
-        "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",
-        "trainer.threads=1", "trainer.checkpoint_every_steps=2", "trainer.checkpoint_keep=2"]
+TINY = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=60",
+    "data.test_size=20",
+    "data.batch_size=10",
+    "trainer.epochs=1",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "trainer.threads=1",
+    "trainer.checkpoint_every_steps=2",
+    "trainer.checkpoint_keep=2",
+]
 
 
 def _snapshot(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and ".gradmod" not in p.parts and p.name != "train.log"}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and ".gradmod" not in p.parts and p.name != "train.log"
+    }
 
 
 def test_an_earlier_runs_folder_is_refused_and_left_as_it_was(tmp_path, compose_cfg):

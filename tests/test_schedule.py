@@ -13,8 +13,17 @@ from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.config import AdamConfig, SGDConfig
 from gradmod.run.factories import build_optimizer, build_scheduler, default_fused, param_groups
 
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
-        "data.batch_size=10", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false"]
+TINY = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=60",
+    "data.test_size=20",
+    "data.batch_size=10",
+    "trainer.epochs=2",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+]
 
 
 def _lrs(scheduler, optimizer, n):
@@ -37,11 +46,14 @@ def test_shipped_schedules_match_torch(compose_cfg, name):
     q = nn.Parameter(torch.zeros(1))
     ref_opt = torch.optim.SGD([q], lr=0.1)
     lr = torch.optim.lr_scheduler
-    ref = {"cosine": lambda: lr.CosineAnnealingLR(ref_opt, T_max=60),
-           "step": lambda: lr.StepLR(ref_opt, step_size=7, gamma=0.5),
-           "onecycle": lambda: lr.OneCycleLR(ref_opt, max_lr=0.01, total_steps=60, pct_start=0.3),
-           "warmup_cosine": lambda: lr.SequentialLR(ref_opt, [lr.LinearLR(ref_opt, 0.01, 1.0, total_iters=20),
-                                                              lr.CosineAnnealingLR(ref_opt, T_max=40)], [20])}[name]()
+    ref = {
+        "cosine": lambda: lr.CosineAnnealingLR(ref_opt, T_max=60),
+        "step": lambda: lr.StepLR(ref_opt, step_size=7, gamma=0.5),
+        "onecycle": lambda: lr.OneCycleLR(ref_opt, max_lr=0.01, total_steps=60, pct_start=0.3),
+        "warmup_cosine": lambda: lr.SequentialLR(
+            ref_opt, [lr.LinearLR(ref_opt, 0.01, 1.0, total_iters=20), lr.CosineAnnealingLR(ref_opt, T_max=40)], [20]
+        ),
+    }[name]()
     assert ours == _lrs(ref, ref_opt, 60)
     assert len(set(ours)) > 3  # the rate really moves
 
@@ -69,8 +81,12 @@ def test_no_decay_groups_and_their_errors():
     decayed, exempt = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
     assert [p is q for p, q in zip(decayed["params"], [model[0].weight, model[2].weight])] == [True, True]
-    assert {id(p) for p in exempt["params"]} == {id(model[0].bias), id(model[1].weight), id(model[1].bias),
-                                                 id(model[2].bias)}
+    assert {id(p) for p in exempt["params"]} == {
+        id(model[0].bias),
+        id(model[1].weight),
+        id(model[1].bias),
+        id(model[2].bias),
+    }
     with pytest.raises(ValueError, match=r"optimizer.no_decay: '\*bn\*' matches no parameter; .*1.bias"):
         param_groups(model.named_parameters(), ["*bn*"])
 

@@ -40,8 +40,9 @@ def script(name):
 def test_tensor_hook_basics(capsys):
     result = script("tensor_hook_basics").main([])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == ("tensor([0.4000, 0.4000, 0.4000, 0.4000, 0.4000]) "
-                        "tensor([0.2000, 0.2000, 0.2000, 0.2000, 0.2000])")
+    assert lines[0] == (
+        "tensor([0.4000, 0.4000, 0.4000, 0.4000, 0.4000]) tensor([0.2000, 0.2000, 0.2000, 0.2000, 0.2000])"
+    )
     assert torch.equal(result["a_grad"], torch.full((5,), 0.4))
     assert torch.equal(result["b_grad"], torch.full((5,), 0.2))
     assert torch.allclose(result["scaled_a_grad"], torch.full((5,), 4.0))
@@ -64,8 +65,9 @@ def test_verbose_shapes_prints_the_articles_ten_lines(capsys):
 
 def test_feature_extractor_small(capsys):
     shapes = script("feature_extractor").main(["--batch", "2", "--size", "64"])
-    assert capsys.readouterr().out == \
-        "{'layer4': torch.Size([2, 2048, 2, 2]), 'avgpool': torch.Size([2, 2048, 1, 1])}\n"
+    assert (
+        capsys.readouterr().out == "{'layer4': torch.Size([2, 2048, 2, 2]), 'avgpool': torch.Size([2, 2048, 1, 1])}\n"
+    )
     assert list(shapes) == ["layer4", "avgpool"]
 
 
@@ -77,8 +79,9 @@ def test_feature_extractor_unknown_layer():
 @pytest.mark.slow
 def test_feature_extractor_prints_the_articles_shapes(capsys):
     script("feature_extractor").main([])
-    assert capsys.readouterr().out == \
-        "{'layer4': torch.Size([10, 2048, 7, 7]), 'avgpool': torch.Size([10, 2048, 1, 1])}\n"
+    assert (
+        capsys.readouterr().out == "{'layer4': torch.Size([10, 2048, 7, 7]), 'avgpool': torch.Size([10, 2048, 1, 1])}\n"
+    )
 
 
 def check_clipper(result, out, batch, size):
@@ -120,7 +123,7 @@ def test_activation_grad_hooks(capsys):
     # forward hooks run during forward, backward hooks last layer first
     order = [line.strip().split("(")[0] for line in out.splitlines() if "hook(" in line or ":" in line]
     start, end = order.index("forward: start"), order.index("forward: end; backward: start")
-    assert order[start + 1:end] == ["forward_hook", "forward_hook"]
+    assert order[start + 1 : end] == ["forward_hook", "forward_hook"]
     assert "full_backward_hook(Conv2d, grad_input=[(1, 3, 8, 8)], grad_output=[(1, 10, 4, 4)])" in out
 
 
@@ -140,7 +143,11 @@ def test_module_apply_init(capsys):
     assert "   total before: 6, after: 0" in out
     assert result["init_ok"]
     # forward pre-hook before the forward hook, both before any backward hook
-    assert out.index("before ReLU()'s forward") < out.index("after ReLU()'s forward") < out.index("backward hook on model[")
+    assert (
+        out.index("before ReLU()'s forward")
+        < out.index("after ReLU()'s forward")
+        < out.index("backward hook on model[")
+    )
     assert out.count("bias all zero: True") == 2
 
 
@@ -163,8 +170,13 @@ def test_mnist_gradcam_quick(capsys, tmp_path):
     lines = out.splitlines()
     assert re.fullmatch(r"Epoch: 1, Loss: \d\.\d{3}", lines[0])
     assert lines[1].startswith("Validation Acc ")
-    assert lines[2:7] == ["img: torch.Size([1, 1, 28, 28])", "label: torch.Size([1])",
-                          "output: torch.Size([1, 10])", "(14, 14)", "(28, 28)"]
+    assert lines[2:7] == [
+        "img: torch.Size([1, 1, 28, 28])",
+        "label: torch.Size([1])",
+        "output: torch.Size([1, 10])",
+        "(14, 14)",
+        "(28, 28)",
+    ]
     assert "32 overlays from 32 distinct gradients; gradients stored by the recorder: 1" in out
     names = ["feature_maps", "gradients", "gradient_map", "digit", "overlay", "overlays_32", "gradcam_32"]
     for name in names:
@@ -176,7 +188,7 @@ def test_mnist_gradcam_quick(capsys, tmp_path):
     handle = model.conv2.register_forward_hook(lambda m, a, o: acts.append(o))
     for i in (0, 5, 31):
         acts.clear()
-        logits = model(images[i:i + 1])
+        logits = model(images[i : i + 1])
         (alone,) = torch.autograd.grad(logits[0, preds[i]], acts[0])
         torch.testing.assert_close(grads[i], alone[0], rtol=1e-4, atol=1e-6)
     handle.remove()

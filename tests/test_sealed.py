@@ -29,8 +29,11 @@ KEEP = [*RESUMABLE, "trainer.checkpoint_keep=10"]  # checkpoints at steps 4, 6, 
 
 def snapshot(out: Path) -> dict[str, bytes]:
     """Every file of the folder but the lock (which names the last holder)."""
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.relative_to(out) != Path(".gradmod/lock")}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.relative_to(out) != Path(".gradmod/lock")
+    }
 
 
 def run_id(out: Path) -> str:
@@ -59,12 +62,15 @@ def mine(finished_runs, tmp_path):
     return out
 
 
-def test_another_runs_checkpoint_is_refused_in_a_finished_folder_and_forks_into_a_new_one(mine, finished_runs,
-                                                                                           tmp_path):
+def test_another_runs_checkpoint_is_refused_in_a_finished_folder_and_forks_into_a_new_one(
+    mine, finished_runs, tmp_path
+):
     theirs = ckpt.checkpoints(finished_runs["other"] / "checkpoints")[2]  # step 8
     before = snapshot(mine)
-    with pytest.raises(ValueError, match=f"belongs to run {run_id(finished_runs['other'])}, but run folder .* "
-                                         f"belongs to run {run_id(mine)}"):
+    with pytest.raises(
+        ValueError,
+        match=f"belongs to run {run_id(finished_runs['other'])}, but run folder .* belongs to run {run_id(mine)}",
+    ):
         run(compose_config(*KEEP, "seed=7", f"trainer.resume={theirs}"), mine)
     assert snapshot(mine) == before
 
@@ -103,14 +109,17 @@ def _older_format(folder: Path) -> None:
     ckpt.save(folder / "checkpoints", {**state, "format": 1, "step": 13}, keep=10, run=ckpt.run_of(path))
 
 
-@pytest.mark.parametrize("change, match", [
-    (["optimizer.no_decay=[conv1.bias]"], "optimizer.no_decay"),
-    (["scheduler=cosine"], "scheduler"),
-    (["+loss.args.label_smoothing=0.1"], "loss.args.label_smoothing"),
-    ([_older_format], "written by another gradmod version"),
-    (["trainer.epochs=1"], "trainer.epochs=1 is fewer than the 2 epoch"),
-    (["trainer.start_over=true"], "cannot be combined with trainer.resume=auto"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (["optimizer.no_decay=[conv1.bias]"], "optimizer.no_decay"),
+        (["scheduler=cosine"], "scheduler"),
+        (["+loss.args.label_smoothing=0.1"], "loss.args.label_smoothing"),
+        ([_older_format], "written by another gradmod version"),
+        (["trainer.epochs=1"], "trainer.epochs=1 is fewer than the 2 epoch"),
+        (["trainer.start_over=true"], "cannot be combined with trainer.resume=auto"),
+    ],
+)
 def test_a_resume_that_does_not_fit_leaves_every_file_as_it_was(mine, change, match):
     if callable(change[0]):
         change[0](mine)
@@ -128,10 +137,19 @@ def test_a_schedule_cannot_change_under_a_resume(tmp_path):
     is one line. None of them writes."""
     run(compose_config(*RESUMABLE, "scheduler=cosine", "trainer.epochs=1"), tmp_path)
     before = snapshot(tmp_path)
-    for change, match in ((["scheduler=cosine"], r"trainer.epochs: 1 -> 2.*resume_accept=\[trainer.epochs\]"),
-                          (["scheduler=step", "trainer.epochs=1"], "scheduler._target_"),
-                          (["scheduler=warmup_cosine", "scheduler.warmup_steps=2", "trainer.epochs=1",
-                            "trainer.resume_accept=[scheduler]"], "does not fit .*KeyError")):
+    for change, match in (
+        (["scheduler=cosine"], r"trainer.epochs: 1 -> 2.*resume_accept=\[trainer.epochs\]"),
+        (["scheduler=step", "trainer.epochs=1"], "scheduler._target_"),
+        (
+            [
+                "scheduler=warmup_cosine",
+                "scheduler.warmup_steps=2",
+                "trainer.epochs=1",
+                "trainer.resume_accept=[scheduler]",
+            ],
+            "does not fit .*KeyError",
+        ),
+    ):
         with pytest.raises(ValueError, match=match) as e:
             run(compose_config(*RESUMABLE, "trainer.resume=auto", *change), tmp_path)
         assert "\n" not in str(e.value)
@@ -163,9 +181,14 @@ def test_the_loser_of_two_runs_on_one_folder_writes_nothing(mine):
     holder = RunFolder(mine)
     holder.claim(resume="auto", start_over=False)
     try:
-        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={mine}", *KEEP, "seed=2",
-                               "trainer.resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={mine}", *KEEP, "seed=2", "trainer.resume=auto"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        )
     finally:
         holder.release()
     assert proc.returncode == 2 and "in use by another run" in proc.stderr, proc.stderr
@@ -231,9 +254,16 @@ def test_a_mid_epoch_resume_counts_the_whole_epochs_skipped_steps(tmp_path):
 @pytest.mark.slow
 def test_zclip_statistics_after_a_resume_are_bit_identical(tmp_path):
     """One window of 30 norms, resumed after 21: summed as one run sums them, to the last bit."""
-    zclip = [*(o for o in RESUMABLE if not o.startswith(("+hooks", "data.train_size", "trainer.epochs"))),
-             "data.train_size=300", "trainer.epochs=1", "trainer.checkpoint_every_steps=7", "trainer.log_every=1000",
-             "trainer.checkpoint_keep=10", "+hooks=[zclip,log]", "hooks.zclip.transforms.0.warmup_steps=3"]
+    zclip = [
+        *(o for o in RESUMABLE if not o.startswith(("+hooks", "data.train_size", "trainer.epochs"))),
+        "data.train_size=300",
+        "trainer.epochs=1",
+        "trainer.checkpoint_every_steps=7",
+        "trainer.log_every=1000",
+        "trainer.checkpoint_keep=10",
+        "+hooks=[zclip,log]",
+        "hooks.zclip.transforms.0.warmup_steps=3",
+    ]
     run(compose_config(*zclip), tmp_path)
     uninterrupted = (tmp_path / "grad_stats.jsonl").read_text()
     run(compose_config(*zclip, f"trainer.resume={tmp_path / 'checkpoints' / 'step-000000021.pt'}"), tmp_path)

@@ -28,8 +28,11 @@ ACTIONS = ("fresh", "auto", "older", "foreign", "changed", "kill", "term", "trun
 
 
 def snapshot(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.relative_to(out) != Path(".gradmod/lock") and "data" not in p.relative_to(out).parts}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.relative_to(out) != Path(".gradmod/lock") and "data" not in p.relative_to(out).parts
+    }
 
 
 def own_checkpoints(out: Path) -> list[Path]:
@@ -55,8 +58,12 @@ def act(action: str, out: Path, foreign: Path, rng: random.Random):
             path = rng.choice(mine)
             path.write_bytes(path.read_bytes()[: rng.randrange(1, path.stat().st_size)])
         return None
-    resume = {"fresh": [], "auto": ["trainer.resume=auto"], "changed": ["trainer.resume=auto", "seed=5"],
-              "foreign": [f"trainer.resume={foreign}"]}.get(action, ["trainer.resume=auto"])
+    resume = {
+        "fresh": [],
+        "auto": ["trainer.resume=auto"],
+        "changed": ["trainer.resume=auto", "seed=5"],
+        "foreign": [f"trainer.resume={foreign}"],
+    }.get(action, ["trainer.resume=auto"])
     usable = [p for p in mine if _verifies(p)]
     if action in ("older", "kill", "term") and usable:  # from the oldest: a new timeline, steps left to kill at
         resume = [f"trainer.resume={usable[0]}"]

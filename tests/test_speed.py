@@ -21,8 +21,10 @@ from gradmod.training.speed import compile_model, forbid_syncs, to_channels_last
 from gradmod.training.trainer import bare_epoch
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode only "
-                                                 "watches CUDA syncs, and this machine has none")
+needs_cuda = pytest.mark.skipif(
+    not CUDA,
+    reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode only watches CUDA syncs, and this machine has none",
+)
 
 RULES = {
     "clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.004, "max": 0.004}]},
@@ -81,8 +83,16 @@ def test_trainer_compile_trains_the_compiled_model_with_hooks(compose_cfg, tmp_p
 
     monkeypatch.setattr(train_mod, "compile_model", fake_compile)
     monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data())
-    cfg = compose_cfg("data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",
-                      "trainer.compile=true", "trainer.log_every=1000", "+hooks=[clip,log]", "data.batch_size=16")
+    cfg = compose_cfg(
+        "data=mnist_sample",
+        "trainer.epochs=1",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        "trainer.compile=true",
+        "trainer.log_every=1000",
+        "+hooks=[clip,log]",
+        "data.batch_size=16",
+    )
     summary = run(cfg, tmp_path)
     assert len(compiled) == 1
     stats = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["grad_stats"]
@@ -108,8 +118,10 @@ def test_channels_last_keeps_hooks_and_gradients():
 
 
 def test_bad_values_are_one_line_errors(compose_cfg, tmp_path):
-    for override, key in (("trainer.loader_workers=-1", "trainer.loader_workers"),
-                          ("trainer.data_placement=gpu", "trainer.data_placement")):
+    for override, key in (
+        ("trainer.loader_workers=-1", "trainer.loader_workers"),
+        ("trainer.data_placement=gpu", "trainer.data_placement"),
+    ):
         cfg = compose_cfg("data=mnist_sample", "trainer.device=cpu", override)
         with pytest.raises(ValueError, match=key):
             run(cfg, tmp_path)
@@ -119,8 +131,16 @@ def test_bad_values_are_one_line_errors(compose_cfg, tmp_path):
 def test_loader_path_gives_the_device_paths_batches(workers):
     data = _small_data(50, 10)
     a = list(batches(data.train_x, data.train_y, 16, torch.Generator().manual_seed(7)))
-    b = list(batches(data.train_x, data.train_y, 16, torch.Generator().manual_seed(7),
-                     device=torch.device("cpu"), loader_workers=workers))
+    b = list(
+        batches(
+            data.train_x,
+            data.train_y,
+            16,
+            torch.Generator().manual_seed(7),
+            device=torch.device("cpu"),
+            loader_workers=workers,
+        )
+    )
     assert [len(yb) for _, yb in b] == [16, 16, 16, 2]
     for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
@@ -135,8 +155,16 @@ def test_training_through_the_loader_matches_device_training():
     for loader_workers in (None, 1):
         model = copy.deepcopy(base)
         opt = torch.optim.Adam(model.parameters())
-        bare_epoch(model, opt, data.train_x, data.train_y, batch_size=16, generator=torch.Generator().manual_seed(1),
-                    device=torch.device("cpu"), loader_workers=loader_workers)
+        bare_epoch(
+            model,
+            opt,
+            data.train_x,
+            data.train_y,
+            batch_size=16,
+            generator=torch.Generator().manual_seed(1),
+            device=torch.device("cpu"),
+            loader_workers=loader_workers,
+        )
         params.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*params))
 
@@ -151,8 +179,15 @@ def test_placement():
 
 def test_trainer_loader_placement_runs(compose_cfg, tmp_path, monkeypatch):
     monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data())
-    cfg = compose_cfg("data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false",
-                      "trainer.data_placement=loader", "trainer.loader_workers=0", "data.batch_size=16")
+    cfg = compose_cfg(
+        "data=mnist_sample",
+        "trainer.epochs=1",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        "trainer.data_placement=loader",
+        "trainer.loader_workers=0",
+        "data.batch_size=16",
+    )
     assert run(cfg, tmp_path)["steps"] == 4
 
 
@@ -174,9 +209,17 @@ def test_training_steps_between_log_points_never_sync(compose_cfg, tmp_path, mon
     """trainer.sync_check=true sets sync debug mode 'error' between log points: a run with
     clip (hook), clip (fused) and log hooks finishes, so none of those steps synced."""
     monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data(256, 64))
-    cfg = compose_cfg("data=mnist_sample", "trainer.epochs=2", "trainer.device=cuda", "trainer.progress=false",
-                      "trainer.sync_check=true", "trainer.log_every=5", "+hooks=[clip,log]", "data.batch_size=16",
-                      "+hooks.fclip={params: 'l1.*', stage: fused, transforms: [{name: clamp, min: -0.001, max: 0.001}]}")
+    cfg = compose_cfg(
+        "data=mnist_sample",
+        "trainer.epochs=2",
+        "trainer.device=cuda",
+        "trainer.progress=false",
+        "trainer.sync_check=true",
+        "trainer.log_every=5",
+        "+hooks=[clip,log]",
+        "data.batch_size=16",
+        "+hooks.fclip={params: 'l1.*', stage: fused, transforms: [{name: clamp, min: -0.001, max: 0.001}]}",
+    )
     summary = run(cfg, tmp_path)
     assert summary["steps"] == 32 and summary["device"].startswith("cuda")
 
@@ -186,9 +229,15 @@ def test_sync_check_catches_a_syncing_transform(compose_cfg, tmp_path, monkeypat
     """The negative control: the same check raises when a transform reads a value."""
     T.register("test_sync_item", _syncing_transform, overwrite=True)
     monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data(64, 16))
-    cfg = compose_cfg("data=mnist_sample", "trainer.epochs=1", "trainer.device=cuda", "trainer.progress=false",
-                      "trainer.sync_check=true", "data.batch_size=16",
-                      "+hooks.bad={params: 'l1.bias', transforms: [test_sync_item]}")
+    cfg = compose_cfg(
+        "data=mnist_sample",
+        "trainer.epochs=1",
+        "trainer.device=cuda",
+        "trainer.progress=false",
+        "trainer.sync_check=true",
+        "data.batch_size=16",
+        "+hooks.bad={params: 'l1.bias', transforms: [test_sync_item]}",
+    )
     with pytest.raises(RuntimeError, match="synchroniz"):
         run(cfg, tmp_path)
     assert torch.cuda.get_sync_debug_mode() == 0, "the check is switched off again after the error"

@@ -25,17 +25,26 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("override,words", [
-    ("trainer.epoch=3", ["unknown key trainer.epoch", "did you mean trainer.epochs?"]),
-    ("trainer.epochs=abc", ["trainer.epochs", "abc"]),
-    ("model=nope", ["model=nope", "allowed", "mnist_cnn"]),
-    ("+hooks=nope", ["hooks=nope", "allowed", "clip"]),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("trainer.epoch=3", ["unknown key trainer.epoch", "did you mean trainer.epochs?"]),
+        ("trainer.epochs=abc", ["trainer.epochs", "abc"]),
+        ("model=nope", ["model=nope", "allowed", "mnist_cnn"]),
+        ("+hooks=nope", ["hooks=nope", "allowed", "clip"]),
+    ],
+)
 def test_a_config_error_needs_no_torch(tmp_path, override, words):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, f"hydra.run.dir={tmp_path}", override],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TORCH, f"hydra.run.dir={tmp_path}", override],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr

@@ -25,20 +25,35 @@ def _reference(t: torch.Tensor, before: torch.Tensor | None = None) -> list[floa
     if before is not None:
         b = before.double().flatten()
         changed = float(((x != b) & ~(x.isnan() & b.isnan())).sum()) / n
-    return [float(x.norm()), float(x.min()), float(x.max()), float(x.mean()), float((x < 0).sum()) / n,
-            float((~finite).sum()), changed]
+    return [
+        float(x.norm()),
+        float(x.min()),
+        float(x.max()),
+        float(x.mean()),
+        float((x < 0).sum()) / n,
+        float((~finite).sum()),
+        changed,
+    ]
 
 
 def _tensors() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    ts = [torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g), torch.randn(7, generator=g),
-          torch.randn(3, 3, 2, generator=g), torch.randn(BIG + 5, generator=g), torch.randn(5, generator=g)]
+    ts = [
+        torch.randn(4, 8, generator=g),
+        torch.randn(4, 8, generator=g),
+        torch.randn(7, generator=g),
+        torch.randn(3, 3, 2, generator=g),
+        torch.randn(BIG + 5, generator=g),
+        torch.randn(5, generator=g),
+    ]
     ts[1][0, 0], ts[3][1, 1, 1], ts[4][7] = math.inf, math.nan, -math.inf
     return ts
 
 
 def _close(got: list[float], want: list[float]) -> bool:
-    return all((math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5, abs=1e-6) for a, b in zip(got, want))
+    return all(
+        (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5, abs=1e-6) for a, b in zip(got, want)
+    )
 
 
 def test_each_row_matches_torch_on_the_tensor_alone():

@@ -20,8 +20,16 @@ from gradmod.models import build_model
 from gradmod.reporting import sweep_report as sweep
 
 # Tiny random 28x28 images: a job costs well under a second once Python is up.
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=64", "data.test_size=32",
-        "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false"]
+TINY = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=64",
+    "data.test_size=32",
+    "trainer.epochs=2",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+]
 BOUND = "hooks.clip.transforms.0.bound"  # the Optuna example's tuned key: the clip rule's own bound
 
 
@@ -59,8 +67,16 @@ def test_multirun_basic_launcher_survives_a_failing_job(tmp_path):
 
 
 def test_multirun_joblib_launcher_survives_a_failing_job(tmp_path):
-    proc = run_train(tmp_path, *TINY, "+hooks=zero", "data.batch_size=0,32", "hydra/launcher=joblib",
-                     "hydra.launcher.n_jobs=2", multirun=True, check=False)
+    proc = run_train(
+        tmp_path,
+        *TINY,
+        "+hooks=zero",
+        "data.batch_size=0,32",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        multirun=True,
+        check=False,
+    )
     check_failing_sweep(tmp_path, proc)
     import joblib
 
@@ -105,9 +121,13 @@ def hand_sweep(tmp_path):
     ok = lambda acc: {"status": "ok", "test_accuracy": acc, "test_loss": 1 - acc, "seconds": 12.5}  # noqa: E731
     fake_job(root, "0", ["trainer.epochs=2", "+hooks=clip", "seed=0"], ok(0.90), [0.8, 0.9])
     fake_job(root, "1", ["trainer.epochs=2", "+hooks=clip", "seed=1"], ok(0.94), [0.85, 0.94])
-    fake_job(root, "2", ["trainer.epochs=2", "+hooks=zero", "seed=0"],
-             {"status": "failed", "error": "ValueError: a | b", "test_accuracy": None, "test_loss": None,
-              "seconds": 0.5}, [])
+    fake_job(
+        root,
+        "2",
+        ["trainer.epochs=2", "+hooks=zero", "seed=0"],
+        {"status": "failed", "error": "ValueError: a | b", "test_accuracy": None, "test_loss": None, "seconds": 0.5},
+        [],
+    )
     fake_job(root, "10", ["trainer.epochs=2", "+hooks=zero", "seed=1"], None, [0.5])  # killed after epoch 1
     (root / "multirun.yaml").write_text("hydra: {}\n")
     return root
@@ -187,8 +207,11 @@ def test_optuna_example_composes():
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "gradmod" / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["experiment=clip_optuna", "hooks.clip.transforms.0.bound=0.03"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="config",
+            overrides=["experiment=clip_optuna", "hooks.clip.transforms.0.bound=0.03"],
+            return_hydra_config=True,
+        )
     GlobalHydra.instance().clear()
     sweeper = cfg.hydra.sweeper
     assert sweeper._target_ == "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
@@ -221,9 +244,21 @@ def test_slurm_preset_runs_the_local_task_function(tmp_path, monkeypatch):
             return self._debug.map_array(fn, *args)
 
     monkeypatch.setattr(submitit, "AutoExecutor", LocalSlurm)
-    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
-                                      "hydra.launcher.timeout_min=30", f"hydra.sweep.dir={tmp_path}",
-                                      *TINY, "+hooks=clip", "seed=3"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "train.py",
+            "-m",
+            "hydra/launcher=slurm",
+            "hydra.launcher.partition=gpu",
+            "hydra.launcher.timeout_min=30",
+            f"hydra.sweep.dir={tmp_path}",
+            *TINY,
+            "+hooks=clip",
+            "seed=3",
+        ],
+    )
     try:  # exactly `python train.py -m ...`, in this process
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     finally:

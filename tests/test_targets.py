@@ -15,14 +15,32 @@ from gradmod.app.cli import run
 from gradmod.run.config import DataConfig, LossConfig
 from gradmod.run.factories import build_data, build_loss
 
-TINY = ["data=fake", "data.image_size=28", "data.channels=1", "data.train_size=60", "data.test_size=20",
-        "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
+TINY = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=60",
+    "data.test_size=20",
+    "data.batch_size=10",
+    "trainer.epochs=1",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+]
 EXAMPLE = {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'examples'}"}
 
 
 def test_example_package_trains_through_train_py(tmp_path):
-    proc = run_train(tmp_path, f"hydra.searchpath=[file://{ROOT / 'examples' / 'conf'}]", "experiment=blobs", "+hooks=clip",
-                     "+model.width=8", "trainer.epochs=2", "trainer.device=cpu", "trainer.progress=false", env=EXAMPLE)
+    proc = run_train(
+        tmp_path,
+        f"hydra.searchpath=[file://{ROOT / 'examples' / 'conf'}]",
+        "experiment=blobs",
+        "+hooks=clip",
+        "+model.width=8",
+        "trainer.epochs=2",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        env=EXAMPLE,
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model"] == "my_pkg.nets.TinyNet" and summary["dataset"] == "my_pkg.data.make"
     width, dim, classes = 8, 16, 4  # +model.width=8 reached TinyNet: fc1, bn, fc2
@@ -44,14 +62,17 @@ def _error(compose_cfg, tmp_path, *overrides) -> str:
     return msg
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["model._target_=no_such_pkg.Net"], ["model._target_", "no_such_pkg.Net", "does not import"]),
-    (["model._target_=torch.zeros", "+model.size=[3]"], ["model._target_=torch.zeros", "Tensor", "nn.Module"]),
-    (["model._target_=torch.nn.Linear", "+model.in_featurs=3"], ["model._target_=torch.nn.Linear", "in_featurs"]),
-    (["data._target_=torch.zeros", "+data.size=[3]"], ["data._target_=torch.zeros", "(train, test)"]),
-    (["loss._target_=torch.zeros", "+loss.size=[1]"], ["loss._target_", "not callable"]),
-    (["+model.width=3"], ["model.width", "allowed", "name"]),  # a shipped model takes no extra keys
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["model._target_=no_such_pkg.Net"], ["model._target_", "no_such_pkg.Net", "does not import"]),
+        (["model._target_=torch.zeros", "+model.size=[3]"], ["model._target_=torch.zeros", "Tensor", "nn.Module"]),
+        (["model._target_=torch.nn.Linear", "+model.in_featurs=3"], ["model._target_=torch.nn.Linear", "in_featurs"]),
+        (["data._target_=torch.zeros", "+data.size=[3]"], ["data._target_=torch.zeros", "(train, test)"]),
+        (["loss._target_=torch.zeros", "+loss.size=[1]"], ["loss._target_", "not callable"]),
+        (["+model.width=3"], ["model.width", "allowed", "name"]),  # a shipped model takes no extra keys
+    ],
+)
 def test_target_errors_are_one_line_naming_the_key(compose_cfg, tmp_path, overrides, words):
     msg = _error(compose_cfg, tmp_path, *overrides)
     for word in words:
@@ -62,8 +83,9 @@ def test_data_target_dataset_and_tensor_pair_become_the_same_tensors(monkeypatch
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     from my_pkg.data import Blobs, make
 
-    data = build_data(DataConfig(_target_="my_pkg.data.make", args={"n_train": 20, "n_test": 6, "dim": 3}),
-                      data_dir="unused", seed=0)
+    data = build_data(
+        DataConfig(_target_="my_pkg.data.make", args={"n_train": 20, "n_test": 6, "dim": 3}), data_dir="unused", seed=0
+    )
     train = Blobs(20, 3, 4, seed=1)  # the dataset form, read item by item
     assert torch.equal(data.train_x, train.x) and torch.equal(data.train_y, train.y)
     assert torch.equal(data.test_x, make(20, 6, 3)[1][0])  # the tensor-pair form, as given
@@ -72,23 +94,28 @@ def test_data_target_dataset_and_tensor_pair_become_the_same_tensors(monkeypatch
 
 def test_loss_target_reaches_the_trainer(compose_cfg, tmp_path):
     base = run(compose_cfg(*TINY), tmp_path / "base")
-    same = run(compose_cfg(*TINY, "loss._target_=torch.nn.functional.cross_entropy", "+loss._partial_=true"),
-               tmp_path / "same")
-    margin = run(compose_cfg(*TINY, "loss._target_=torch.nn.MultiMarginLoss", "+loss.margin=1.0"),
-                 tmp_path / "margin")
+    same = run(
+        compose_cfg(*TINY, "loss._target_=torch.nn.functional.cross_entropy", "+loss._partial_=true"), tmp_path / "same"
+    )
+    margin = run(compose_cfg(*TINY, "loss._target_=torch.nn.MultiMarginLoss", "+loss.margin=1.0"), tmp_path / "margin")
     assert same["train_loss"] == base["train_loss"]  # the function equals the default module
     # near-zero logits over 10 classes: cross-entropy ~ ln 10 = 2.3, the multi-class hinge ~ 9/10
     assert base["train_loss"] > 2.0 and 0.5 < margin["train_loss"] < 1.2
 
 
 def test_data_of_the_wrong_shape_is_one_line(tmp_path, monkeypatch):
-    (tmp_path / "bad_data.py").write_text("import torch\n"
-                                          "def flat():\n    return (torch.zeros(4), torch.zeros(4)), (torch.zeros(2, 1), torch.zeros(2))\n"
-                                          "def bools():\n    return [(torch.zeros(3), True)], [(torch.zeros(3), 1)]\n"
-                                          "def scalars():\n    return [1, 2], [3, 4]\n")
+    (tmp_path / "bad_data.py").write_text(
+        "import torch\n"
+        "def flat():\n    return (torch.zeros(4), torch.zeros(4)), (torch.zeros(2, 1), torch.zeros(2))\n"
+        "def bools():\n    return [(torch.zeros(3), True)], [(torch.zeros(3), 1)]\n"
+        "def scalars():\n    return [1, 2], [3, 4]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    for name, words in (("flat", ["train part", "shape (4,)"]), ("bools", ["train part", "class indices", "float targets"]),
-                        ("scalars", ["train part", "not (input, label) pairs"])):
+    for name, words in (
+        ("flat", ["train part", "shape (4,)"]),
+        ("bools", ["train part", "class indices", "float targets"]),
+        ("scalars", ["train part", "not (input, label) pairs"]),
+    ):
         with pytest.raises(ValueError) as e:
             build_data(DataConfig(_target_=f"bad_data.{name}"), data_dir="unused", seed=0)
         assert str(e.value).startswith(f"data._target_=bad_data.{name} must return (train, test)"), str(e.value)

@@ -35,9 +35,17 @@ def _metrics(out) -> list[dict]:
 def test_regression_trains_and_reports_its_own_loss(compose_cfg, tmp_path):
     from tests.task_objects import regression
 
-    cfg = compose_cfg(*CPU, f"data._target_={OBJ}.regression", "data.batch_size=20", "trainer.epochs=15",
-                      "model._target_=torch.nn.Linear", "+model.in_features=4", "+model.out_features=1",
-                      "loss=mse", "optimizer.lr=0.05")
+    cfg = compose_cfg(
+        *CPU,
+        f"data._target_={OBJ}.regression",
+        "data.batch_size=20",
+        "trainer.epochs=15",
+        "model._target_=torch.nn.Linear",
+        "+model.in_features=4",
+        "+model.out_features=1",
+        "loss=mse",
+        "optimizer.lr=0.05",
+    )
     summary = run(cfg, tmp_path)
     model = torch.nn.Linear(4, 1)
     model.load_state_dict(torch.load(tmp_path / "model.pt"))
@@ -52,8 +60,15 @@ def test_regression_trains_and_reports_its_own_loss(compose_cfg, tmp_path):
 
 
 def test_accuracy_on_float_targets_is_one_line(compose_cfg, tmp_path):
-    cfg = compose_cfg(*CPU, f"data._target_={OBJ}.regression", "model._target_=torch.nn.Linear",
-                      "+model.in_features=4", "+model.out_features=1", "loss=mse", "metric=accuracy")
+    cfg = compose_cfg(
+        *CPU,
+        f"data._target_={OBJ}.regression",
+        "model._target_=torch.nn.Linear",
+        "+model.in_features=4",
+        "+model.out_features=1",
+        "loss=mse",
+        "metric=accuracy",
+    )
     with pytest.raises(ValueError, match=r"^metric=accuracy needs integer class labels.*float32; use metric=none"):
         run(cfg, tmp_path)
     assert not (tmp_path / "summary.json").exists() or _summary(tmp_path)["status"] == "failed"
@@ -118,8 +133,9 @@ def test_multi_lenet_has_a_trunk_and_two_heads():
 
 
 def test_multi_mnist_reports_every_task(compose_cfg, tmp_path):
-    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "trainer.epochs=1", "data.n_test=200",
-                      "optimizer.lr=0.003")
+    cfg = compose_cfg(
+        *CPU, "data=multi_mnist", "model=multi_lenet", "trainer.epochs=1", "data.n_test=200", "optimizer.lr=0.003"
+    )
     summary = run(cfg, tmp_path)
     data = load_data("multi_mnist", seed=cfg.seed, n_test=200)
     model = MultiLeNet()
@@ -144,10 +160,17 @@ def test_multi_mnist_reports_every_task(compose_cfg, tmp_path):
 def test_a_loss_of_ones_own_names_its_losses_and_metrics_go_per_task(compose_cfg, tmp_path):
     from tests.task_objects import TwoHeads, cls_and_reg, mean_abs_error, two_targets
 
-    cfg = compose_cfg(*CPU, f"data._target_={OBJ}.two_targets", "data.batch_size=20", "trainer.epochs=3",
-                      f"model._target_={OBJ}.TwoHeads", f"loss._target_={OBJ}.cls_and_reg", "+loss._partial_=true",
-                      "+loss.per_task=false",
-                      f"metric={{cls: accuracy, reg: {{_target_: {OBJ}.mean_abs_error, _partial_: true}}}}")
+    cfg = compose_cfg(
+        *CPU,
+        f"data._target_={OBJ}.two_targets",
+        "data.batch_size=20",
+        "trainer.epochs=3",
+        f"model._target_={OBJ}.TwoHeads",
+        f"loss._target_={OBJ}.cls_and_reg",
+        "+loss._partial_=true",
+        "+loss.per_task=false",
+        f"metric={{cls: accuracy, reg: {{_target_: {OBJ}.mean_abs_error, _partial_: true}}}}",
+    )
     summary = run(cfg, tmp_path)
     model = TwoHeads()
     model.load_state_dict(torch.load(tmp_path / "model.pt"))
@@ -195,8 +218,11 @@ def _targets(stage: str) -> list:
 
 
 def test_a_per_loss_rule_with_one_scalar_loss_is_one_line():
-    with pytest.raises(ValueError, match=r"^hooks.surgery runs at stage per_loss, which combines several losses, "
-                                         r"and loss._target_=x gives one scalar loss; use a model"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.surgery runs at stage per_loss, which combines several losses, "
+        r"and loss._target_=x gives one scalar loss; use a model",
+    ):
         check_per_loss(_targets("per_loss"), several=False, strategy="single", loss_key="loss._target_=x")
     with pytest.raises(ValueError, match=r"^hooks.surgery runs at stage per_loss, which trainer.strategy=fsdp"):
         check_per_loss(_targets("per_loss"), several=True, strategy="fsdp", loss_key="loss._target_=x")
@@ -207,8 +233,11 @@ def test_a_per_loss_rule_with_one_scalar_loss_is_one_line():
 @pytest.mark.skipif(not per_loss_method("pcgrad"), reason="a build without the per_loss stage")
 def test_train_refuses_a_per_loss_rule_on_one_loss_before_training(compose_cfg, tmp_path):
     cfg = compose_cfg(*CPU, "data=mnist_sample", "+hooks.s={params: 'conv*', transforms: [pcgrad]}")
-    with pytest.raises(ValueError, match=r"^hooks.s runs at stage per_loss, which combines several losses, and "
-                                         r"loss._target_=torch.nn.CrossEntropyLoss gives one scalar loss"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.s runs at stage per_loss, which combines several losses, and "
+        r"loss._target_=torch.nn.CrossEntropyLoss gives one scalar loss",
+    ):
         run(cfg, tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -216,8 +245,15 @@ def test_train_refuses_a_per_loss_rule_on_one_loss_before_training(compose_cfg, 
 @pytest.mark.slow
 @pytest.mark.skipif(not per_loss_method("pcgrad"), reason="a build without the per_loss stage")
 def test_multi_mnist_trains_with_a_shipped_per_loss_file(compose_cfg, tmp_path):
-    cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "+hooks=pcgrad", "trainer.epochs=1",
-                      "data.n_test=200", "optimizer.lr=0.003")
+    cfg = compose_cfg(
+        *CPU,
+        "data=multi_mnist",
+        "model=multi_lenet",
+        "+hooks=pcgrad",
+        "trainer.epochs=1",
+        "data.n_test=200",
+        "optimizer.lr=0.003",
+    )
     summary = run(cfg, tmp_path)
     assert summary["hook_plan"] and all(d["stage"] == "per_loss" for d in summary["hook_plan"])
     assert {d["tensor"].split(".")[0] for d in summary["hook_plan"]} == {"trunk"}
@@ -226,8 +262,11 @@ def test_multi_mnist_trains_with_a_shipped_per_loss_file(compose_cfg, tmp_path):
 
 def test_gradcam_with_labels_by_task_is_one_line(compose_cfg, tmp_path):
     cfg = compose_cfg(*CPU, "data=multi_mnist", "model=multi_lenet", "capture.gradcam=true")
-    with pytest.raises(ValueError, match=r"^capture.gradcam=true needs one label tensor; data \(multi_mnist\) has "
-                                         r"labels by task \(left, right\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^capture.gradcam=true needs one label tensor; data \(multi_mnist\) has "
+        r"labels by task \(left, right\)",
+    ):
         run(cfg, tmp_path)
 
 

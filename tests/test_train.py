@@ -40,8 +40,13 @@ def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hoo
         pytest.skip("the per_loss stage's transforms are not registered in this build")
     norm = ["model.norm=group"] if hooks == "dp" else []  # per-example gradients: no BatchNorm
     cfg = compose_cfg(f"+hooks={hooks}", f"model={model}", *norm)
-    net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=36 if model == "multi_lenet" else 28,
-                      norm=cfg.model.norm)
+    net = build_model(
+        cfg.model.name,
+        in_channels=1,
+        num_classes=10,
+        image_size=36 if model == "multi_lenet" else 28,
+        norm=cfg.model.norm,
+    )
     with attach(net, cfg.hooks, stage=cfg.trainer.hook_stage) as hs:
         if hooks == "none":  # the baseline: no rules at all
             assert not cfg.hooks and not hs.chains
@@ -59,11 +64,18 @@ def test_hook_configs_compose_together_and_overrides_reach_the_rule(compose_cfg)
 
 
 def test_run_writes_the_run_folder(compose_cfg, tmp_path):
-    cfg = compose_cfg(*FAST, "trainer.epochs=2", "+hooks=[clip,log]", "trainer.log_every=10",
-                      f"data_dir={tmp_path / 'data'}")
+    cfg = compose_cfg(
+        *FAST, "trainer.epochs=2", "+hooks=[clip,log]", "trainer.log_every=10", f"data_dir={tmp_path / 'data'}"
+    )
     summary = run(cfg, tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} >= {"summary.json", "metrics.jsonl", "hook_plan.json",
-                                                     "model.pt", "curves.png", "grad_stats.jsonl"}
+    assert {p.name for p in tmp_path.iterdir()} >= {
+        "summary.json",
+        "metrics.jsonl",
+        "hook_plan.json",
+        "model.pt",
+        "curves.png",
+        "grad_stats.jsonl",
+    }
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["dataset"] == "mnist_sample" and on_disk["device"] == "cpu" and on_disk["epochs"] == 2
@@ -109,8 +121,9 @@ def test_zero_hook_run_keeps_biases_at_init(compose_cfg, tmp_path):
 
 
 def test_cli_run_prints_plan_and_falls_back_offline(tmp_path):
-    proc = run_train(tmp_path, "trainer.epochs=1", "trainer.progress=false", "+hooks=clip",
-                     "hooks.clip.transforms.0.max=0.1")
+    proc = run_train(
+        tmp_path, "trainer.epochs=1", "trainer.progress=false", "+hooks=clip", "hooks.clip.transforms.0.max=0.1"
+    )
     log = proc.stdout + proc.stderr
     assert "WARNING" in log and "bundled sample" in log
     assert "clamp(min=-0.01, max=0.1)" in log
@@ -172,8 +185,9 @@ def test_trainer_threads_holds_for_the_run_only(compose_cfg, tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        summary = run(compose_cfg(*FAST, "trainer.threads=1", "data.n_test=4000", f"data_dir={tmp_path / 'data'}"),
-                      tmp_path)
+        summary = run(
+            compose_cfg(*FAST, "trainer.threads=1", "data.n_test=4000", f"data_dir={tmp_path / 'data'}"), tmp_path
+        )
         assert summary["threads"] == 1
         assert torch.get_num_threads() == 3  # the next job of an in-process sweep gets the old count
     finally:

@@ -69,7 +69,9 @@ def test_hook_stage_log_matches_an_independent_computation():
     grads: dict[str, list[torch.Tensor]] = {}
     for n, p in model.named_parameters():  # registered first: sees the raw gradient
         p.register_hook(lambda g, n=n: grads.setdefault(n, []).append(g.double()))
-    hooks = attach(model, {"c": {"params": "*", "transforms": ["log", {"name": "clamp", "min": -0.05, "max": 0.05}, "log"]}})
+    hooks = attach(
+        model, {"c": {"params": "*", "transforms": ["log", {"name": "clamp", "min": -0.05, "max": 0.05}, "log"]}}
+    )
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         _backward(model)

@@ -56,11 +56,24 @@ class Recorder(TrainerCallback):
 
 
 def trainer(tmp_path, callbacks=(), **overrides) -> Trainer:
-    args = dict(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
-                num_train_epochs=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
-                report_to="none", use_cpu=True, logging_steps=2, save_strategy="no", disable_tqdm=True)
-    return Trainer(model=Tiny(), args=TrainingArguments(**{**args, **overrides}), train_dataset=Data(),
-                   callbacks=list(callbacks))
+    args = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE,
+        num_train_epochs=1,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    return Trainer(
+        model=Tiny(), args=TrainingArguments(**{**args, **overrides}), train_dataset=Data(), callbacks=list(callbacks)
+    )
 
 
 def params(t: Trainer) -> list[torch.Tensor]:
@@ -119,8 +132,13 @@ def test_hf_clipping_with_fused_rules_warns(tmp_path):
         t.train()
 
 
-ZCLIP = {"z": {"params": "*", "stage": "fused", "transforms": [
-    {"name": "zclip", "warmup_steps": 1, "z_threshold": 0.3, "alpha": 0.5}]}}
+ZCLIP = {
+    "z": {
+        "params": "*",
+        "stage": "fused",
+        "transforms": [{"name": "zclip", "warmup_steps": 1, "z_threshold": 0.3, "alpha": 0.5}],
+    }
+}
 
 
 def test_zclip_state_resumes_bit_identically_from_an_hf_checkpoint(tmp_path):
@@ -149,8 +167,11 @@ def test_zclip_skip_is_refused_in_one_line(tmp_path):
     rules = {"z": {"params": "*", "stage": "fused", "transforms": [{"name": "zclip", "on_spike": "skip"}]}}
     t = trainer(tmp_path)
     add_to(t, rules)
-    with pytest.raises(ValueError, match=r"^hooks.z: zclip\(on_spike='skip'\) cannot skip an optimizer step "
-                                         r"under Transformers' Trainer; use on_spike: clip$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.z: zclip\(on_spike='skip'\) cannot skip an optimizer step "
+        r"under Transformers' Trainer; use on_spike: clip$",
+    ):
         t.train()
 
 
@@ -158,8 +179,11 @@ def test_hook_stage_rules_under_fp16_are_refused(tmp_path):
     callback = GradmodCallback(CLAMP)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     args.fp16 = True  # as on a GPU; the refusal comes before any scaled gradient
-    with pytest.raises(ValueError, match=r"^hooks.clip: hook-stage rules would see fp16's scaled gradients; "
-                                         r"use stage: fused"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.clip: hook-stage rules would see fp16's scaled gradients; "
+        r"use stage: fused",
+    ):
         callback.on_train_begin(args, None, None, model=Tiny())
     assert callback.hooks is None
 
@@ -210,8 +234,10 @@ def test_the_console_gets_one_line_per_log_and_report_to_gets_the_statistics(tmp
     norms = {k.rpartition("/")[0]: v for k, v in entries.items() if k.endswith("/norm")}
     top = max(norms, key=norms.get)
     tensors = {k.rpartition("/")[0] for k in entries}
-    assert lines[-1] == (f"gradmod step 4: {len(entries)} statistics of {len(tensors)} tensors to tensorboard; "
-                         f"largest norm {norms[top]:.4g} ({top})")
+    assert lines[-1] == (
+        f"gradmod step 4: {len(entries)} statistics of {len(tensors)} tensors to tensorboard; "
+        f"largest norm {norms[top]:.4g} ({top})"
+    )
     events = EventAccumulator(str(next(tmp_path.glob("**/events.out.tfevents.*")).parent))
     events.Reload()
     written = events.Scalars("train/grad/net.0.weight/norm")
@@ -223,15 +249,21 @@ def test_two_callbacks_on_one_tensor_name_the_one_callback_to_use(tmp_path):
     t = trainer(tmp_path)
     add_to(t, "clip")
     add_to(t, "log")
-    with pytest.raises(ValueError, match=r"^Transformers' Trainer: two GradmodCallbacks on the same tensors "
-                                         r"\(net.0.weight, .*\); give one callback several rule sources instead: "
-                                         r"GradmodCallback\(\['(clip|log)', '(clip|log)'\]\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^Transformers' Trainer: two GradmodCallbacks on the same tensors "
+        r"\(net.0.weight, .*\); give one callback several rule sources instead: "
+        r"GradmodCallback\(\['(clip|log)', '(clip|log)'\]\)$",
+    ):
         t.train()
 
 
 def test_per_sample_rules_are_refused_in_one_line_at_train_begin(tmp_path):
     t = trainer(tmp_path)
     add_to(t, "dp")
-    with pytest.raises(ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Transformers' Trainer: "
-                                         r"[^\n]*attach the rules in your own loop$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.dp: per_sample rules .* are refused under Transformers' Trainer: "
+        r"[^\n]*attach the rules in your own loop$",
+    ):
         t.train()

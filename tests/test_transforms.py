@@ -20,15 +20,18 @@ def fused_stage(spec, grads: list[torch.Tensor]) -> None:
         hooks.after_backward()
 
 
-@pytest.mark.parametrize("spec, expected", [
-    ({"name": "clamp", "min": -0.01, "max": 0.01}, [-0.01, -0.005, 0.0, 0.003, 0.01]),
-    ({"name": "clamp", "min": 0.0}, [0.0, 0.0, 0.0, 0.003, 2.0]),
-    ({"name": "clamp", "bound": 0.01}, [-0.01, -0.005, 0.0, 0.003, 0.01]),
-    ("zero", [0.0] * 5),
-    ("min_zero", [0.0, 0.0, 0.0, 0.003, 2.0]),
-    ({"name": "scale", "factor": 2}, [-1.0, -0.01, 0.0, 0.006, 4.0]),
-    ("sign", [-1.0, -1.0, 0.0, 1.0, 1.0]),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ({"name": "clamp", "min": -0.01, "max": 0.01}, [-0.01, -0.005, 0.0, 0.003, 0.01]),
+        ({"name": "clamp", "min": 0.0}, [0.0, 0.0, 0.0, 0.003, 2.0]),
+        ({"name": "clamp", "bound": 0.01}, [-0.01, -0.005, 0.0, 0.003, 0.01]),
+        ("zero", [0.0] * 5),
+        ("min_zero", [0.0, 0.0, 0.0, 0.003, 2.0]),
+        ({"name": "scale", "factor": 2}, [-1.0, -0.01, 0.0, 0.006, 4.0]),
+        ("sign", [-1.0, -1.0, 0.0, 1.0, 1.0]),
+    ],
+)
 def test_transform_values_and_input_untouched(spec, expected):
     grad = G.clone()
     step = T.build(spec)
@@ -85,19 +88,22 @@ def test_log_norm_and_mean():
     assert s["any_negative"] is False and s["frac_negative"] == 0.0
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"name": "clamp", "min": 1.0, "max": -1.0}, "min=1.0 is greater than max=-1.0"),
-    ({"name": "clamp"}, "needs bound, or min, max or both"),
-    ({"name": "clamp", "min": "a"}, "must be a number"),
-    ({"name": "clamp", "lo": 1}, "unknown argument(s) lo; allowed: min, max, bound"),
-    ({"name": "clamp", "bound": 0.01, "max": 0.02}, "give bound (the range [-bound, bound]) or min/max, not both"),
-    ({"name": "clamp", "bound": -0.01}, "bound=-0.01 must be >= 0"),
-    ("clampp", "unknown transform 'clampp'; allowed: "),
-    ({"name": "noise", "std": -1}, "std=-1 must be >= 0"),
-    ({"name": "norm_clip", "max_norm": 0}, "must be > 0"),
-    ({"name": "scale"}, "needs argument(s) factor"),
-    (3, "a transform must be a name or a mapping"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"name": "clamp", "min": 1.0, "max": -1.0}, "min=1.0 is greater than max=-1.0"),
+        ({"name": "clamp"}, "needs bound, or min, max or both"),
+        ({"name": "clamp", "min": "a"}, "must be a number"),
+        ({"name": "clamp", "lo": 1}, "unknown argument(s) lo; allowed: min, max, bound"),
+        ({"name": "clamp", "bound": 0.01, "max": 0.02}, "give bound (the range [-bound, bound]) or min/max, not both"),
+        ({"name": "clamp", "bound": -0.01}, "bound=-0.01 must be >= 0"),
+        ("clampp", "unknown transform 'clampp'; allowed: "),
+        ({"name": "noise", "std": -1}, "std=-1 must be >= 0"),
+        ({"name": "norm_clip", "max_norm": 0}, "must be > 0"),
+        ({"name": "scale"}, "needs argument(s) factor"),
+        (3, "a transform must be a name or a mapping"),
+    ],
+)
 def test_bad_specs_are_clear_value_errors(spec, message):
     with pytest.raises(ValueError) as e:
         T.build(spec)

@@ -18,33 +18,67 @@ from helpers import RESUMABLE, ROOT
 from gradmod.app.cli import run
 
 OBJ = "tests.user_objects"
-BASE = [f"data._target_={OBJ}.data", "data.batch_size=10", "trainer.epochs=1", "trainer.device=cpu",
-        "trainer.progress=false", "trainer.threads=1"]
+BASE = [
+    f"data._target_={OBJ}.data",
+    "data.batch_size=10",
+    "trainer.epochs=1",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "trainer.threads=1",
+]
 TINY = f"model._target_={OBJ}.Tiny"
 INF_GRADIENTS = "+hooks.boom={params: '*', transforms: [{name: scale, factor: 1e300}]}"
 
 # (overrides, words the one stderr line must hold, exit status, summary status)
 CASES = [
-    ([TINY, "+model.returns=tuple"], [f"model._target_={OBJ}.Tiny", "forward returned a tuple of 2", "one tensor"],
-     2, "failed"),
+    (
+        [TINY, "+model.returns=tuple"],
+        [f"model._target_={OBJ}.Tiny", "forward returned a tuple of 2", "one tensor"],
+        2,
+        "failed",
+    ),
     ([TINY, "+model.returns=dict"], ["forward returned a dict of 1", "N x classes"], 2, "failed"),
     ([TINY, "+data.top_label=1000000000"], ["label 1000000000 is >= the 4 outputs", "0..3"], 2, "failed"),
     (["+data.top_label=1000000000"], ["largest label is 1000000000", "model.name=mnist_cnn", "C at most"], 2, "failed"),
     ([TINY, "+data.dtype=float64"], ["train inputs are torch.float64", "torch.uint8", "torch.float32"], 2, "failed"),
     ([TINY, "+data.dtype=int64"], ["train inputs are torch.int64", "x.float()"], 2, "failed"),
     ([TINY, "+data.test_shape=[1,9,9]"], ["train inputs are 1x8x8 but test inputs are 1x9x9"], 2, "failed"),
-    ([TINY, f"loss._target_={OBJ}.vector_loss", "+loss._partial_=true"],
-     [f"loss._target_={OBJ}.vector_loss", "shape (2,)", "one scalar tensor"], 2, "failed"),
-    ([TINY, f"loss._target_={OBJ}.detached_loss", "+loss._partial_=true"],
-     ["detached_loss", "does not depend on the model's output", "no gradient"], 2, "failed"),
-    ([TINY, "plugins=[raising_plugin]"],
-     ["plugins: importing 'raising_plugin' raised ZeroDivisionError at", "raising_plugin.py:2"], 2, "failed"),
-    ([TINY, "plugins=[syntax_plugin]"], ["plugins: importing 'syntax_plugin' raised SyntaxError", "line 1"],
-     2, "failed"),
-    ([f"model._target_={OBJ}.Nested", "+hooks.r={modules: block, transforms: [zero]}"],
-     ["hooks.r.modules", "module 'block' returns dict", "flat tuple"], 2, "failed"),
-    ([TINY, f"loss._target_={OBJ}.LossThatRaises"],
-     ["ValueError: loss went wrong", "user_objects.py:", "traceback is in train.log"], 1, "failed"),
+    (
+        [TINY, f"loss._target_={OBJ}.vector_loss", "+loss._partial_=true"],
+        [f"loss._target_={OBJ}.vector_loss", "shape (2,)", "one scalar tensor"],
+        2,
+        "failed",
+    ),
+    (
+        [TINY, f"loss._target_={OBJ}.detached_loss", "+loss._partial_=true"],
+        ["detached_loss", "does not depend on the model's output", "no gradient"],
+        2,
+        "failed",
+    ),
+    (
+        [TINY, "plugins=[raising_plugin]"],
+        ["plugins: importing 'raising_plugin' raised ZeroDivisionError at", "raising_plugin.py:2"],
+        2,
+        "failed",
+    ),
+    (
+        [TINY, "plugins=[syntax_plugin]"],
+        ["plugins: importing 'syntax_plugin' raised SyntaxError", "line 1"],
+        2,
+        "failed",
+    ),
+    (
+        [f"model._target_={OBJ}.Nested", "+hooks.r={modules: block, transforms: [zero]}"],
+        ["hooks.r.modules", "module 'block' returns dict", "flat tuple"],
+        2,
+        "failed",
+    ),
+    (
+        [TINY, f"loss._target_={OBJ}.LossThatRaises"],
+        ["ValueError: loss went wrong", "user_objects.py:", "traceback is in train.log"],
+        1,
+        "failed",
+    ),
     # signals before training and a second Ctrl-C: interrupted, never a traceback
     ([TINY, "+data.signal_name=TERM"], ["interrupted by SIGTERM before training started"], 143, "interrupted"),
     ([TINY, "+data.signal_name=INT"], ["interrupted by SIGINT before training started"], 130, "interrupted"),
@@ -72,8 +106,15 @@ def _drive(tmp_path, cases: list[list[str]]) -> list[dict]:
     lines = "".join(json.dumps([f"hydra.run.dir={tmp_path / str(i)}", *BASE, *ov]) + "\n" for i, ov in enumerate(cases))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_driver.py")], input=lines, cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "cli_driver.py")],
+        input=lines,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     results = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert len(results) == len(cases), proc.stderr
     return results
@@ -120,14 +161,20 @@ def test_each_wrong_object_is_one_line_with_its_status(tmp_path):
 
 def test_a_restore_error_keeps_its_key_lists(tmp_path, compose_cfg):
     run(compose_cfg(*RESUMABLE, "trainer.epochs=1"), tmp_path)
-    cfg = compose_cfg(*RESUMABLE, "trainer.resume=auto", f"model._target_={OBJ}.Tiny", "+model.classes=10",
-                      "data.image_size=8", "trainer.resume_accept=[model,data]")
+    cfg = compose_cfg(
+        *RESUMABLE,
+        "trainer.resume=auto",
+        f"model._target_={OBJ}.Tiny",
+        "+model.classes=10",
+        "data.image_size=8",
+        "trainer.resume_accept=[model,data]",
+    )
     with pytest.raises(ValueError) as info:
         run(cfg, tmp_path)
     message = str(info.value)
     assert "\n" not in message
-    assert "Missing key(s) in state_dict: \"fc.weight\", \"fc.bias\"" in message
-    assert "Unexpected key(s) in state_dict: \"conv1.weight\"" in message
+    assert 'Missing key(s) in state_dict: "fc.weight", "fc.bias"' in message
+    assert 'Unexpected key(s) in state_dict: "conv1.weight"' in message
 
 
 def test_diverged_ends_with_the_first_bad_step_in_process(tmp_path, compose_cfg):
@@ -147,8 +194,11 @@ def test_every_ending_is_strict_json(tmp_path):
     from gradmod.training.interrupt import Interrupted
     from gradmod.training.nonfinite import Diverged
 
-    for error, status in [(Diverged("diverged at step 7", 7), "diverged"), (ValueError("a\nb"), "failed"),
-                          (Interrupted(15, 0, None, started=False), "interrupted")]:
+    for error, status in [
+        (Diverged("diverged at step 7", 7), "diverged"),
+        (ValueError("a\nb"), "failed"),
+        (Interrupted(15, 0, None, started=False), "interrupted"),
+    ]:
         summary = endings.summary_of(error, float("nan"))
         endings.write(tmp_path, summary)
         written = _strict((tmp_path / "summary.json").read_text())

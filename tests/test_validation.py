@@ -66,17 +66,26 @@ CASES = [
     ([RULE % "{name: clamp, min: 1, max: 0}"], ["clamp", "min=1", "max=0", "min <= max"]),
     ([RULE % "{name: noise, std: -1}"], ["noise", "std=-1", ">= 0"]),
     ([RULE % "{name: clamp, lo: 1}"], ["clamp", "lo", "allowed: min, max"]),
-    (["+hooks.r={params: 'conv3.*', transforms: [zero]}"], ["hooks.r.params", "conv3.*", "close names", "conv2.weight"]),
+    (
+        ["+hooks.r={params: 'conv3.*', transforms: [zero]}"],
+        ["hooks.r.params", "conv3.*", "close names", "conv2.weight"],
+    ),
     (["+hooks.r={modules: conv9, transforms: [zero]}"], ["hooks.r.modules", "conv9", "close names", "conv2"]),
     (["+hooks.r={params: '*', transforms: [zero], stage: nope}"], ["hooks.r.stage", "nope", "hook, fused"]),
     (["+hooks.r={params: '*', prams: x, transforms: [zero]}"], ["hooks.r", "prams", "allowed", "params"]),
-    (["+hooks.r={params: '*', stage: hook, transforms: [{name: global_norm_clip, max_norm: 1}]}"],
-     ["hooks.r.stage", "global_norm_clip", "'fused' only"]),
+    (
+        ["+hooks.r={params: '*', stage: hook, transforms: [{name: global_norm_clip, max_norm: 1}]}"],
+        ["hooks.r.stage", "global_norm_clip", "'fused' only"],
+    ),
     ([RULE % "{name: global_norm_clip, max_norm: 0}"], ["global_norm_clip", "max_norm=0", "> 0"]),
-    (["trainer.sync_check=true", "trainer.precision=fp16"], ["trainer.sync_check=true", "trainer.precision=fp16",
-                                                             "every step", "sync_check=false"]),
-    (["trainer.sync_check=true", "trainer.nonfinite=skip"], ["trainer.sync_check=true", "trainer.nonfinite=skip",
-                                                             "every step", "nonfinite=warn"]),
+    (
+        ["trainer.sync_check=true", "trainer.precision=fp16"],
+        ["trainer.sync_check=true", "trainer.precision=fp16", "every step", "sync_check=false"],
+    ),
+    (
+        ["trainer.sync_check=true", "trainer.nonfinite=skip"],
+        ["trainer.sync_check=true", "trainer.nonfinite=skip", "every step", "nonfinite=warn"],
+    ),
     (["trainer.epoch=3"], ["trainer.epoch", "did you mean trainer.epochs?", "allowed"]),
     (["+trainer.epoch=3"], ["trainer.epoch", "did you mean trainer.epochs?", "allowed"]),
     (["+hooks=clip", "hooks.clip.stag=fused"], ["hooks.clip.stag", "did you mean hooks.clip.stage?"]),
@@ -124,8 +133,10 @@ CASES = [
     ([RULE % "{name: scale, factor: inf}"], ["scale", "factor=inf", "finite number"]),
     ([RULE % "{name: scale, factor: -inf}"], ["scale", "factor=-inf", "finite number"]),
     ([RULE % "{name: norm_clip, max_norm: inf}"], ["norm_clip", "max_norm=inf", "finite number"]),
-    (["+hooks.r={params: '*', stage: fused, transforms: [{name: global_norm_clip, max_norm: inf}]}"],
-     ["global_norm_clip", "max_norm=inf", "finite number"]),
+    (
+        ["+hooks.r={params: '*', stage: fused, transforms: [{name: global_norm_clip, max_norm: inf}]}"],
+        ["global_norm_clip", "max_norm=inf", "finite number"],
+    ),
     (["+hooks=dp", "hooks.dp.transforms.0.max_norm=inf"], ["per_sample_clip", "max_norm=inf", "finite number"]),
     ([RULE % "{name: noise, std: nan}"], ["noise", "std=nan", "finite number"]),
 ]
@@ -148,12 +159,21 @@ def test_table_has_enough_cases():
 
 def test_every_bad_input_is_one_line(tmp_path):
     """All cases through train.py's __main__, in one process."""
-    lines = "".join(json.dumps([f"hydra.run.dir={tmp_path / str(i)}", f"data_dir={tmp_path / 'data'}", *BASE, *ov])
-                    + "\n" for i, (ov, _) in enumerate(CASES))
+    lines = "".join(
+        json.dumps([f"hydra.run.dir={tmp_path / str(i)}", f"data_dir={tmp_path / 'data'}", *BASE, *ov]) + "\n"
+        for i, (ov, _) in enumerate(CASES)
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_driver.py")], input=lines, cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "cli_driver.py")],
+        input=lines,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     results = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert len(results) == len(CASES), proc.stderr
     for (_, words), res in zip(CASES, results):

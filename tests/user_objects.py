@@ -12,8 +12,14 @@ from torch import nn
 from torch.nn import functional as F
 
 
-def data(n: int = 40, shape: tuple = (1, 8, 8), test_shape: tuple | None = None, dtype: str = "uint8",
-         top_label: int | None = None, signal_name: str | None = None):
+def data(
+    n: int = 40,
+    shape: tuple = (1, 8, 8),
+    test_shape: tuple | None = None,
+    dtype: str = "uint8",
+    top_label: int | None = None,
+    signal_name: str | None = None,
+):
     """(train, test) pairs of N x shape inputs and labels 0..3; ``signal_name`` sends this
     process that signal while loading (a Ctrl-C or kill during data loading)."""
     if signal_name:
@@ -36,8 +42,13 @@ class Tiny(nn.Module):
     (``tensor``, ``tuple``, ``dict``, ``nans``); ``signal_name``: sent at build time;
     ``interrupt_twice_at``: two SIGINTs during that forward call (a second Ctrl-C)."""
 
-    def __init__(self, classes: int = 4, returns: str = "tensor", signal_name: str | None = None,
-                 interrupt_twice_at: int | None = None):
+    def __init__(
+        self,
+        classes: int = 4,
+        returns: str = "tensor",
+        signal_name: str | None = None,
+        interrupt_twice_at: int | None = None,
+    ):
         if signal_name:
             os.kill(os.getpid(), signal.Signals["SIG" + signal_name])
             time.sleep(0.5)

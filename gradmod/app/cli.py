@@ -112,8 +112,11 @@ def job(cfg: DictConfig) -> float | None:
 def _refuse_no_folder(run_dir: Any) -> None:
     """``hydra.run.dir=''`` would train into the current folder, among whatever it holds."""
     if not str(run_dir or "").strip():
-        print("error: hydra.run.dir is empty; a run needs a folder of its own: give hydra.run.dir=PATH, or leave "
-              "it out for a new folder under outputs/", file=sys.stderr)
+        print(
+            "error: hydra.run.dir is empty; a run needs a folder of its own: give hydra.run.dir=PATH, or leave "
+            "it out for a new folder under outputs/",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 
@@ -274,8 +277,11 @@ def describe(e: BaseException) -> str:
         return _not_a_list(cause.full_key)
     if isinstance(cause, OmegaConfBaseException):
         return one_line(cause) + more
-    lines = [ln.strip() for ln in str(e).splitlines()
-             if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))]
+    lines = [
+        ln.strip()
+        for ln in str(e).splitlines()
+        if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))
+    ]
     return "; ".join(lines)
 
 
@@ -289,8 +295,10 @@ def _not_a_list(key: str) -> str:
 def _hooks_twice() -> str:
     """``+hooks=clip +hooks=zero``: Hydra takes one value per group; hook configs combine in a list."""
     names = [n for a in sys.argv[1:] if a.startswith("+hooks=") for n in a[7:].strip("[]").split(",") if n]
-    return (f"+hooks is given {sum(a.startswith('+hooks=') for a in sys.argv[1:])} times; hook configs combine "
-            f"in one list: +hooks=[{','.join(names) or 'clip,log'}]")
+    return (
+        f"+hooks is given {sum(a.startswith('+hooks=') for a in sys.argv[1:])} times; hook configs combine "
+        f"in one list: +hooks=[{','.join(names) or 'clip,log'}]"
+    )
 
 
 def _group_options(group: str, message: str) -> list[str] | None:

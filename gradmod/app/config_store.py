@@ -98,8 +98,11 @@ def _target_arguments(cfg: DictConfig) -> None:
         with open_dict(node):
             for k in extra:
                 value = node._get_node(k)
-                node.args[k] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) \
-                    or OmegaConf.is_list(value) else node[k]
+                node.args[k] = (
+                    OmegaConf.to_container(value, resolve=True)
+                    if isinstance(value, DictConfig) or OmegaConf.is_list(value)
+                    else node[k]
+                )
                 del node[k]
 
 
@@ -134,8 +137,10 @@ def _check_data_dir(cfg: DictConfig) -> None:
         return
     path = Path(str(cfg.data_dir))
     if path.exists() and (not path.is_dir() or not os.access(path, os.R_OK | os.X_OK)):
-        raise ValueError(f"data_dir={str(path)!r} is not a readable folder; point data_dir at a folder "
-                         "holding MNIST (or where it may be downloaded)")
+        raise ValueError(
+            f"data_dir={str(path)!r} is not a readable folder; point data_dir at a folder "
+            "holding MNIST (or where it may be downloaded)"
+        )
 
 
 def current_folder_first() -> None:
@@ -152,8 +157,14 @@ def as_built(cfg: DictConfig) -> DictConfig | None:
     None when that is ``cfg`` itself. A ``_target_`` node's ``name`` is its target (not the
     shipped default it replaced), and Grad-CAM's layer is null for a user's model without
     ``capture.gradcam`` (``conv2`` names a layer of the shipped CNN)."""
-    targets = [k for k in TARGET_NODES if isinstance(cfg.get(k), DictConfig) and cfg[k].get("_target_")
-               and "name" in cfg[k] and cfg[k].name != cfg[k]._target_]
+    targets = [
+        k
+        for k in TARGET_NODES
+        if isinstance(cfg.get(k), DictConfig)
+        and cfg[k].get("_target_")
+        and "name" in cfg[k]
+        and cfg[k].name != cfg[k]._target_
+    ]
     if not targets:
         return None
     built = OmegaConf.create(OmegaConf.to_container(cfg))  # untyped: gradcam_layer may be null here

@@ -78,8 +78,12 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 # The nodes whose keys the help page lists from their schemas.
-KEY_NODES = {"trainer": schemas.TrainerConfig, "capture": schemas.CaptureConfig, "privacy": schemas.PrivacyConfig,
-             "data": schemas.DataConfig}
+KEY_NODES = {
+    "trainer": schemas.TrainerConfig,
+    "capture": schemas.CaptureConfig,
+    "privacy": schemas.PrivacyConfig,
+    "data": schemas.DataConfig,
+}
 
 
 def key_list(node: str, indent: int = 14) -> str:
@@ -139,9 +143,13 @@ def register_help(conf: str | Path, page: bool = True) -> None:
     Hydra resolves the template while composing every run's config: without ``page`` (no
     ``--help`` asked) the sections are left empty, so that no run loads torch for them."""
     conf = Path(conf)
-    sections = {"transforms": transform_lines, "hooks": lambda: hook_lines(conf),
-                "groups": lambda: group_lines(conf), "docs": lambda: doc_lines(checkout_docs(conf)),
-                **{f"keys_{node}": (lambda node=node: [key_list(node)]) for node in [*KEY_NODES, "rule"]}}
+    sections = {
+        "transforms": transform_lines,
+        "hooks": lambda: hook_lines(conf),
+        "groups": lambda: group_lines(conf),
+        "docs": lambda: doc_lines(checkout_docs(conf)),
+        **{f"keys_{node}": (lambda node=node: [key_list(node)]) for node in [*KEY_NODES, "rule"]},
+    }
 
     def section(name: str) -> str:
         if name not in sections:

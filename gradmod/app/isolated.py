@@ -100,7 +100,7 @@ def fork_is_safe() -> bool:
 def _child(fn: Callable[[], ChildResult], write_end: int) -> None:
     code = 1
     for s in (signal.SIGINT, signal.SIGTERM):  # not the sweep's handlers: until the run installs its own,
-        signal.signal(s, signal.SIG_DFL)       # a signal ends the job, which the parent reports as interrupted
+        signal.signal(s, signal.SIG_DFL)  # a signal ends the job, which the parent reports as interrupted
     try:
         code, summary = fn()
         with os.fdopen(write_end, "w") as f:

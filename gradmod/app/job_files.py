@@ -36,9 +36,11 @@ class JobFiles:
 
     def __init__(self, hydra_cfg: DictConfig, cfg: DictConfig):
         built = as_built(cfg)  # a _target_ object's name, not the shipped default it replaced
-        self.texts = {"config.yaml": OmegaConf.to_yaml(cfg if built is None else built),  # before the job changes it
-                      "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
-                      "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task)}
+        self.texts = {
+            "config.yaml": OmegaConf.to_yaml(cfg if built is None else built),  # before the job changes it
+            "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
+            "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+        }
         self.log_name = f"{hydra_cfg.job.name}.log"
         self.held = _Held()
         self.file: logging.FileHandler | None = None

@@ -50,9 +50,13 @@ class SweepReport(Callback):
         bad = [r for r in rows if r["status"] != "ok"]
         log.info("sweep report: %s, %s, %s", *paths.values())
         if bad:
-            print(f"error: {len(bad)} of {len(rows)} jobs did not end ok: "
-                  + "; ".join(f"job {r['job']} {r['status']}: {r['error']}" for r in bad[:3])
-                  + ("; ..." if len(bad) > 3 else "") + f" (see {paths['md']})", file=sys.stderr)
+            print(
+                f"error: {len(bad)} of {len(rows)} jobs did not end ok: "
+                + "; ".join(f"job {r['job']} {r['status']}: {r['error']}" for r in bad[:3])
+                + ("; ..." if len(bad) > 3 else "")
+                + f" (see {paths['md']})",
+                file=sys.stderr,
+            )
             raise SystemExit(1)
 
 
@@ -81,10 +85,18 @@ def stop_sweep(sweep_dir: str, signum: int) -> None:
     missing = [r for r in rows if r["status"] == sweep_jobs.NOT_RUN]
     ran = len(rows) - len(missing)
     shared = set.intersection(*(set(r["overrides"]) for r in rows))  # the job's own overrides name it
-    named = "; not run: " + ", ".join(f"job {r['job']} ({' '.join(o for o in r['overrides'] if o not in shared)})"
-                                      for r in missing[:5]) + (", ..." if len(missing) > 5 else "") if missing else ""
-    print(f"sweep stopped by {name} after {ran} of {len(rows) if missing else f'{ran} or more'} jobs{named}; "
-          f"report: {paths['md']}", file=sys.stderr)
+    named = (
+        "; not run: "
+        + ", ".join(f"job {r['job']} ({' '.join(o for o in r['overrides'] if o not in shared)})" for r in missing[:5])
+        + (", ..." if len(missing) > 5 else "")
+        if missing
+        else ""
+    )
+    print(
+        f"sweep stopped by {name} after {ran} of {len(rows) if missing else f'{ran} or more'} jobs{named}; "
+        f"report: {paths['md']}",
+        file=sys.stderr,
+    )
     raise SystemExit(128 + signum)
 
 

@@ -5,7 +5,6 @@ for one-shot functions, `remove()` / `with` for the classes), so `list_hooks(mod
 reads the same before and after.
 """
 
-
 from gradmod.capture.features import FeatureExtractor, Recorder, grad_cam, trace_shapes
 from gradmod.capture.listing import HookEntry, HookListing, list_hooks, summary, summary_rows
 
@@ -20,4 +19,3 @@ __all__ = [
     "HookEntry",
     "HookListing",
 ]
-

@@ -169,7 +169,9 @@ def grad_cam(model: nn.Module, layer, inputs: torch.Tensor, target=None) -> torc
                 raise ValueError(f"layer {layer!r} did not run in the forward pass")
             acts = captured[-1]
             if acts.dim() != 4:
-                raise ValueError(f"grad_cam needs an N x C x H x W activation; layer {layer!r} gave {tuple(acts.shape)}")
+                raise ValueError(
+                    f"grad_cam needs an N x C x H x W activation; layer {layer!r} gave {tuple(acts.shape)}"
+                )
             if target is None:
                 target = logits.argmax(dim=1)
             target = torch.as_tensor(target, device=logits.device).expand(logits.shape[0])

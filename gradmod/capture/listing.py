@@ -33,12 +33,14 @@ def summary_rows(model: nn.Module, input_size, batch_size: int = -1, dtype=torch
         shape = output_shape(output)
         shape = [[batch_size, *s[1:]] for s in shape] if isinstance(shape, list) else [batch_size, *shape[1:]]
         own = list(module.parameters(recurse=False))
-        rows.append(SummaryRow(
-            f"{type(module).__name__}-{len(rows) + 1}",
-            shape,
-            sum(p.numel() for p in own),
-            sum(p.numel() for p in own if p.requires_grad),
-        ))
+        rows.append(
+            SummaryRow(
+                f"{type(module).__name__}-{len(rows) + 1}",
+                shape,
+                sum(p.numel() for p in own),
+                sum(p.numel() for p in own if p.requires_grad),
+            )
+        )
 
     leaves = [m for m in model.modules() if not any(m.children()) and m is not model]
     # Batch of 2, as torchsummary, so BatchNorm accepts it.

@@ -12,8 +12,11 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "HookSet": "gradmod.hooks.hookset", "attach": "gradmod.hooks.hookset", "register": "gradmod.hooks.registry",
-    "load_rules": "gradmod.hooks.rules", "GradStats": "gradmod.hooks.stats",
+    "HookSet": "gradmod.hooks.hookset",
+    "attach": "gradmod.hooks.hookset",
+    "register": "gradmod.hooks.registry",
+    "load_rules": "gradmod.hooks.rules",
+    "GradStats": "gradmod.hooks.stats",
 }
 _MODULES = ("registry", "stages", "transforms")
 __all__ = sorted([*_HOMES, *_MODULES])

@@ -18,16 +18,19 @@ def _checked(rule: str, step: R.BuiltTransform, key: str, g: Tensor) -> Tensor |
     out = step(g)
     where = f"hooks.{rule}: transform {step.name!r} on {key!r}"
     if g._version != version:
-        raise ValueError(f"{where} modified the gradient in place; a transform must return a new tensor "
-                         "(e.g. grad.clamp(...), not grad.clamp_(...))")
+        raise ValueError(
+            f"{where} modified the gradient in place; a transform must return a new tensor "
+            "(e.g. grad.clamp(...), not grad.clamp_(...))"
+        )
     if out is None:
         return None
     if not isinstance(out, Tensor):
         raise ValueError(f"{where} returned {type(out).__name__}; a transform returns a Tensor or None")
     got, want = (tuple(out.shape), out.dtype, out.device), (tuple(g.shape), g.dtype, g.device)
     if got != want:
-        raise ValueError(f"{where} returned shape/dtype/device {got}, the gradient has {want}; "
-                         "a transform must keep all three")
+        raise ValueError(
+            f"{where} returned shape/dtype/device {got}, the gradient has {want}; a transform must keep all three"
+        )
     return out
 
 
@@ -50,8 +53,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
     see the unscaled gradient, as in fp32, and the result is scaled back for GradScaler;
     scales are powers of two, so this is exact."""
     first = True
-    plan = [(rule, step, step.fn if step.observer else None, slot)
-            for (rule, step), slot in zip(steps, _slots(steps))]
+    plan = [(rule, step, step.fn if step.observer else None, slot) for (rule, step), slot in zip(steps, _slots(steps))]
     observes_only = all(obs is not None for _, _, obs, _ in plan)
     defer = _deferrable(steps, param)
     group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
@@ -102,8 +104,13 @@ def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter |
     acc = param.view_as(param).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
 
     def may(p: nn.Parameter) -> bool:
-        if p.grad is not None or torch.is_grad_enabled() or p._post_accumulate_grad_hooks is not None \
-                or len(p._backward_hooks or ()) != 1 or in_distributed():
+        if (
+            p.grad is not None
+            or torch.is_grad_enabled()
+            or p._post_accumulate_grad_hooks is not None
+            or len(p._backward_hooks or ()) != 1
+            or in_distributed()
+        ):
             return False
         try:
             return torch._C._will_engine_execute_node(acc)
@@ -131,9 +138,11 @@ def output_hook(chain, rules: list[str], module: str):
             kinds = sorted({type(t).__name__ for t in outputs if not isinstance(t, Tensor) and t is not None})
             inside = f" holding {', '.join(kinds)}" if outputs is output else ""
             keys = " and ".join(f"hooks.{r}.modules" for r in rules)
-            raise ValueError(f"{keys}: module {module!r} returns {type(output).__name__}"
-                             f"{inside}; a modules: rule needs a module that returns a tensor or a flat tuple of "
-                             "tensors (select its parameters with params: instead)")
+            raise ValueError(
+                f"{keys}: module {module!r} returns {type(output).__name__}"
+                f"{inside}; a modules: rule needs a module that returns a tensor or a flat tuple of "
+                "tensors (select its parameters with params: instead)"
+            )
         for t in outputs:
             if t is not None and t.requires_grad:
                 t.register_hook(chain)

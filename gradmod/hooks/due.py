@@ -29,8 +29,9 @@ class AfterBackwardDue:
         self._due: dict[str, tuple[str, nn.Parameter, int]] = {}  # rule -> (stage, parameter, its version)
         # FSDP2 writes sharded .grad itself: no accumulation to watch there.
         plain = {rule: sp for rule, sp in sentinels.items() if not is_sharded(sp[1])}
-        self._handles = [p.register_post_accumulate_grad_hook(self._backward_hook(rule, stage))
-                         for rule, (stage, p) in plain.items()]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._backward_hook(rule, stage)) for rule, (stage, p) in plain.items()
+        ]
         if self._handles:
             self._handles.append(model.register_forward_pre_hook(self._before_forward))
             _install()
@@ -67,8 +68,10 @@ class AfterBackwardDue:
         for rule, (stage, _, _) in self._due.items():
             by_stage.setdefault(stage, []).append(rule)
         where = ", ".join(f"rules at stage {s} ({', '.join(r)})" for s, r in by_stage.items())
-        return (f"gradmod: hooks.after_backward() was not called after the last backward; {where} need it "
-                "before optimizer.step()")
+        return (
+            f"gradmod: hooks.after_backward() was not called after the last backward; {where} need it "
+            "before optimizer.step()"
+        )
 
     def remove(self) -> None:
         for h in self._handles:

@@ -60,13 +60,22 @@ class FusedTransform:
     def _check(self, transform: str, tensor: str, grad: Tensor, out) -> None:
         """A result written into ``.grad`` must be a tensor just like it (checked on the
         first call only, so a step pays nothing for it)."""
-        if isinstance(out, Tensor) and out.shape == grad.shape and out.dtype == grad.dtype \
-                and out.device == grad.device:
+        if (
+            isinstance(out, Tensor)
+            and out.shape == grad.shape
+            and out.dtype == grad.dtype
+            and out.device == grad.device
+        ):
             return
-        got = (f"shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}" if isinstance(out, Tensor)
-               else type(out).__name__)
-        raise ValueError(f"hooks.{self.rule}: transform {transform!r} returned {got} for {tensor!r}; the fused "
-                         f"stage needs shape {tuple(grad.shape)}, dtype {grad.dtype}, device {grad.device} (or None)")
+        got = (
+            f"shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}"
+            if isinstance(out, Tensor)
+            else type(out).__name__
+        )
+        raise ValueError(
+            f"hooks.{self.rule}: transform {transform!r} returned {got} for {tensor!r}; the fused "
+            f"stage needs shape {tuple(grad.shape)}, dtype {grad.dtype}, device {grad.device} (or None)"
+        )
 
 
 def fused_transforms(targets, params: dict[str, nn.Parameter]) -> list[FusedTransform]:
@@ -75,8 +84,11 @@ def fused_transforms(targets, params: dict[str, nn.Parameter]) -> list[FusedTran
     for t in targets:
         if t.stage == "fused":
             by_rule.setdefault(t.rule, []).append(t)
-    return [FusedTransform(rule, [t.steps[i] for t in group], [t.name for t in group], [params[t.name] for t in group])
-            for rule, group in by_rule.items() for i in range(len(group[0].steps))]
+    return [
+        FusedTransform(rule, [t.steps[i] for t in group], [t.name for t in group], [params[t.name] for t in group])
+        for rule, group in by_rule.items()
+        for i in range(len(group[0].steps))
+    ]
 
 
 def run_fused(steps: list[FusedTransform]) -> bool:

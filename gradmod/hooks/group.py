@@ -57,8 +57,9 @@ class NormRecord(Window):
         if len(parts) < 2:
             return parts[0] if parts else None
         a, b = parts
-        return torch.stack([a[0] + b[0], torch.maximum(a[1], b[1]), a[2] + b[2],
-                            torch.minimum(a[3], b[3]), a[4] + b[4]])
+        return torch.stack(
+            [a[0] + b[0], torch.maximum(a[1], b[1]), a[2] + b[2], torch.minimum(a[3], b[3]), a[4] + b[4]]
+        )
 
     def _compact(self) -> None:
         self._summary, self._rows = self._fold(), []
@@ -75,8 +76,14 @@ class NormRecord(Window):
     @staticmethod
     def summarize(calls: int, values: list[float], paired: bool = False) -> dict[str, Any]:
         norm_sum, norm_max, coef_sum, coef_min, clipped = values[:5]
-        return {"norm": norm_sum / calls, "norm_max": norm_max, "clip_coef": coef_sum / calls,
-                "clip_coef_min": coef_min, "frac_clipped": clipped / calls, "calls": calls}
+        return {
+            "norm": norm_sum / calls,
+            "norm_max": norm_max,
+            "clip_coef": coef_sum / calls,
+            "clip_coef_min": coef_min,
+            "frac_clipped": clipped / calls,
+            "calls": calls,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         # The rows as they are, not folded: a resumed run then sums them in the same order
@@ -106,8 +113,10 @@ class GroupTransform:
         raise NotImplementedError
 
     def __call__(self, grad: Tensor) -> Tensor | None:
-        raise TypeError(f"{self.name!r} is a group transform: it runs at the fused stage over all "
-                        "of a rule's gradients (HookSet.after_backward), not on one tensor")
+        raise TypeError(
+            f"{self.name!r} is a group transform: it runs at the fused stage over all "
+            "of a rule's gradients (HookSet.after_backward), not on one tensor"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -205,8 +214,7 @@ class ZClip(GroupTransform):
     name = "zclip"
     ON_SPIKE = ("clip", "skip")
 
-    def __init__(self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25,
-                 on_spike: str = "clip"):
+    def __init__(self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, on_spike: str = "clip"):
         super().__init__()
         self.alpha = _number(self.name, "alpha", alpha)
         if not 0 < self.alpha < 1:
@@ -264,7 +272,9 @@ class ZClip(GroupTransform):
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         self.steps = int(state["steps"])
         move = (lambda t: t) if device is None else (lambda t: t.to(device))
-        self.mean, self.var, self.count = (None if state[k] is None else move(state[k]) for k in ("mean", "var", "count"))
+        self.mean, self.var, self.count = (
+            None if state[k] is None else move(state[k]) for k in ("mean", "var", "count")
+        )
 
 
 register("global_norm_clip", GlobalNormClip, kind="group")

@@ -147,8 +147,13 @@ class HookSet:
             return run_fused(self._fused)
         return False
 
-    def set_per_sample(self, *, expected_batch_size: float | None = None,
-                       reduce: Callable[[list[Tensor]], None] | None = None, draws_noise: bool = True) -> None:
+    def set_per_sample(
+        self,
+        *,
+        expected_batch_size: float | None = None,
+        reduce: Callable[[list[Tensor]], None] | None = None,
+        draws_noise: bool = True,
+    ) -> None:
         """Set up the per_sample stage for a loop: ``expected_batch_size``, the divisor
         under Poisson sampling (None: the examples of the step's backward calls);
         ``reduce``, called on the clipped sums (after this rank's noise) before the
@@ -191,7 +196,7 @@ class HookSet:
         flat = torch.cat([acc.to(device) for _, _, _, acc, _ in pending]).tolist()
         out, i = {}, 0
         for key, obs, calls, acc, paired in pending:
-            out[key] = obs.summarize(calls, flat[i:i + len(acc)], paired)
+            out[key] = obs.summarize(calls, flat[i : i + len(acc)], paired)
             i += len(acc)
         return out
 
@@ -199,8 +204,10 @@ class HookSet:
         """What the hooks carry from step to step (the ``log`` windows in progress, the
         group transforms' state such as zclip's running mean and variance), for
         checkpoints: resuming with ``load_state_dict`` continues bit for bit."""
-        state = {"log_windows": {key: obs.state_dict() for key, obs in self.observers()},
-                 "group": {key: fn.state_dict() for key, fn in self._groups}}
+        state = {
+            "log_windows": {key: obs.state_dict() for key, obs in self.observers()},
+            "group": {key: fn.state_dict() for key, fn in self._groups},
+        }
         if self.per_loss is not None:  # the methods' state and the generator of their random choices
             state["per_loss"] = self.per_loss.state_dict()
         return state
@@ -275,8 +282,13 @@ def _sentinels(targets: list[Target], params: dict[str, nn.Parameter]) -> dict[s
     return out
 
 
-def attach(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
-           stage: str = "hook", replace: bool = True, loss_reduction: str = "mean") -> HookSet:
+def attach(
+    model: nn.Module,
+    rules: Mapping[str, Mapping[str, Any]] | None,
+    stage: str = "hook",
+    replace: bool = True,
+    loss_reduction: str = "mean",
+) -> HookSet:
     """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
 
     ``stage`` is the default for rules that do not set one (a rule with a group
@@ -310,15 +322,18 @@ def _named_losses(losses: Any, stage: PerLossStage | None) -> dict[str, Tensor]:
     """The losses by name (a sequence's by position); one line for what is not allowed."""
     if isinstance(losses, Tensor):
         rule = stage.rules[0].name
-        raise ValueError(f"hooks.{rule}: a per_loss rule combines the gradients of several losses, but "
-                         "hooks.backward got one scalar; give a mapping of named losses (or a sequence)")
+        raise ValueError(
+            f"hooks.{rule}: a per_loss rule combines the gradients of several losses, but "
+            "hooks.backward got one scalar; give a mapping of named losses (or a sequence)"
+        )
     named = dict(losses) if isinstance(losses, Mapping) else {str(i): x for i, x in enumerate(losses)}
     if not named or not all(isinstance(x, Tensor) and x.dim() == 0 for x in named.values()):
-        raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of "
-                         "scalar losses")
+        raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of scalar losses")
     if stage is not None and len(named) < 2:
-        raise ValueError(f"hooks.{stage.rules[0].name}: a per_loss rule combines the gradients of several "
-                         f"losses, but hooks.backward got one ({', '.join(map(str, named))}); give two or more")
+        raise ValueError(
+            f"hooks.{stage.rules[0].name}: a per_loss rule combines the gradients of several "
+            f"losses, but hooks.backward got one ({', '.join(map(str, named))}); give two or more"
+        )
     return {str(k): v for k, v in named.items()}
 
 
@@ -332,13 +347,17 @@ def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[Hook
             taken.append(t.key)
     if taken:
         shown = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
-        raise ValueError(f"attach: {shown} already carry hooks from another attach call (kept with replace=False, "
-                         "or through another module); call remove() on that HookSet first, or select other tensors")
+        raise ValueError(
+            f"attach: {shown} already carry hooks from another attach call (kept with replace=False, "
+            "or through another module); call remove() on that HookSet first, or select other tensors"
+        )
 
 
 def refuse_sharded_per_loss(targets: list[Target], params: dict[str, Tensor]) -> None:
     """FSDP2 shards the parameters; the per_loss stage needs whole layers' task gradients."""
     hit = next((t for t in targets if t.stage == "per_loss" and t.kind == "param" and is_sharded(params[t.name])), None)
     if hit is not None:
-        raise ValueError(f"hooks.{hit.rule}: per_loss rules do not run on FSDP-sharded parameters ({hit.name!r}) "
-                         "yet; use DDP or one process")
+        raise ValueError(
+            f"hooks.{hit.rule}: per_loss rules do not run on FSDP-sharded parameters ({hit.name!r}) "
+            "yet; use DDP or one process"
+        )

@@ -63,4 +63,3 @@ class RawLedger:
         if self._backwards >= 2 and not self.consumer:
             self.armed = False
             self.raw, self.counted, self.replaced = [], [], set()
-

@@ -64,15 +64,24 @@ def layout(tensors: list[Tensor], copies: int = 1) -> Layout:
     singles = [ix[0] for ix in shapes.values() if len(ix) == 1]
     n, device = len(tensors), tensors[0].device
     rep = [[i + c * n for c in range(copies) for i in ix] for ix in groups]
-    order = [i for ix in rep for i in ix] + [i + c * n for c in range(copies) for i in singles] + \
-        [i + c * n for i in bigs for c in range(copies)]
+    order = (
+        [i for ix in rep for i in ix]
+        + [i + c * n for c in range(copies) for i in singles]
+        + [i + c * n for i in bigs for c in range(copies)]
+    )
     sizes = torch.tensor([float(tensors[i % n].numel()) for i in order], device=device)
     one = torch.ones_like(sizes)
     parts = [len(ix) for ix in rep] + ([copies * len(singles)] if singles else []) + [1] * (copies * len(bigs))
-    out = Layout(groups, singles, bigs, copies, order,
-                 torch.tensor([tensors[i].numel() for i in singles] * copies, device=device),
-                 torch.stack([one, one, one, sizes, -sizes, one, sizes], 1),  # mean, -(-count)/n, changed/n
-                 [torch.zeros(k, device=device) for k in parts])
+    out = Layout(
+        groups,
+        singles,
+        bigs,
+        copies,
+        order,
+        torch.tensor([tensors[i].numel() for i in singles] * copies, device=device),
+        torch.stack([one, one, one, sizes, -sizes, one, sizes], 1),  # mean, -(-count)/n, changed/n
+        [torch.zeros(k, device=device) for k in parts],
+    )
     if len(_LAYOUTS) > 256:  # layouts change only with module outputs' batch sizes
         _LAYOUTS.clear()
     _LAYOUTS[key] = out
@@ -122,12 +131,12 @@ def _matrix(m: Tensor, clipped: Tensor) -> Tensor:
     """[k, 7] sums of each row of ``m``: norm, min, max, sum, minus the negatives, non-finite, ``clipped``."""
     lo, hi = torch.aminmax(m, dim=1)
     neg = torch.sign(m).clamp_(max=0).nansum(1)  # sign(nan) is nan, left out
-    return torch.stack([torch.linalg.vector_norm(m, dim=1), lo, hi, m.sum(1), neg,
-                        _flags(m).sum(1), clipped], 1)
+    return torch.stack([torch.linalg.vector_norm(m, dim=1), lo, hi, m.sum(1), neg, _flags(m).sum(1), clipped], 1)
 
 
 def _segments(flat: Tensor, lengths: Tensor, tensors: list[Tensor], clipped: Tensor) -> Tensor:
     """``_matrix``'s columns per segment of ``flat``."""
+
     def seg(x: Tensor, how: str = "sum") -> Tensor:
         return torch.segment_reduce(x, how, lengths=lengths)
 
@@ -158,14 +167,18 @@ def _clipped(lay: Layout, parts: list[Tensor], before: Seen | None) -> list[Tens
         else:
             a, b = before.parts[j], part
         c = _changed(a, b)
-        c = torch.segment_reduce(c.float(), "sum", lengths=lay.lengths[:len(lay.singles)]) if flat \
+        c = (
+            torch.segment_reduce(c.float(), "sum", lengths=lay.lengths[: len(lay.singles)])
+            if flat
             else c.sum(1, dtype=torch.float32)
-        out.append(c if lay.copies == 1 or j >= g + s else torch.cat([lay.zeros[j][:c.shape[0]], c]))
+        )
+        out.append(c if lay.copies == 1 or j >= g + s else torch.cat([lay.zeros[j][: c.shape[0]], c]))
     return out
 
 
-def stat_rows(tensors: list[Tensor], before: Seen | None = None, keep: str | None = None,
-              paired: bool = False) -> tuple[Tensor, list[int], Seen | None]:
+def stat_rows(
+    tensors: list[Tensor], before: Seen | None = None, keep: str | None = None, paired: bool = False
+) -> tuple[Tensor, list[int], Seen | None]:
     """(rows [len(tensors), 7], the tensor index of each row, what a ``post`` partner
     compares with). ``paired``: the first half of ``tensors`` are ``pre`` observations, the
     second half their ``post`` partners, whose rows get ``frac_clipped``. ``before``: a
@@ -174,7 +187,7 @@ def stat_rows(tensors: list[Tensor], before: Seen | None = None, keep: str | Non
     partner looks (small tensors are copied anyway)."""
     with torch.no_grad():
         copies = 2 if paired else 1
-        lay = layout(tensors[:len(tensors) // copies], copies)
+        lay = layout(tensors[: len(tensors) // copies], copies)
         parts = _parts(tensors, lay)
         clipped = _clipped(lay, parts, before)
         g = len(lay.groups)

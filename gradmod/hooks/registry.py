@@ -31,8 +31,9 @@ from gradmod.hooks import stages
 KINDS = ("elementwise", "group", "per_sample", "per_loss")
 
 # How a transform of one's own gets a name (train.py imports the modules named in plugins).
-OWN_TRANSFORMS = ("a transform of your own is registered with transforms.register, "
-                  "in a module given as plugins=[my_pkg.x]")
+OWN_TRANSFORMS = (
+    "a transform of your own is registered with transforms.register, in a module given as plugins=[my_pkg.x]"
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,15 @@ def _check(name: str, factory: Any, kind: str, foreach: Any, observer: bool) -> 
         raise ValueError(f"transforms.{where}: observer=True is for elementwise transforms only")
 
 
-def register(name: str, factory: Callable[..., Any] | None = None, *, kind: str = "elementwise",
-             foreach: Callable[..., Any] | None = None, observer: bool = False, overwrite: bool = False):
+def register(
+    name: str,
+    factory: Callable[..., Any] | None = None,
+    *,
+    kind: str = "elementwise",
+    foreach: Callable[..., Any] | None = None,
+    observer: bool = False,
+    overwrite: bool = False,
+):
     """Register ``factory(**args)`` under ``name`` as a transform of ``kind``; usable as a
     decorator (``@register("name", kind="group")``).
 

@@ -40,7 +40,9 @@ def read_rule_file(spec: str | Path) -> dict[str, Any]:
     path = hook_file(spec)
     rules = yaml.safe_load(path.read_text()) or {}
     if not isinstance(rules, Mapping):
-        raise ValueError(f"hook file {str(path)!r} must hold a mapping of rule name to rule, got {type(rules).__name__}")
+        raise ValueError(
+            f"hook file {str(path)!r} must hold a mapping of rule name to rule, got {type(rules).__name__}"
+        )
     return {k: v for k, v in rules.items() if k != "defaults"}
 
 
@@ -51,8 +53,9 @@ def merge_rules(parts: list[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
     for source, rules in parts:
         for name, rule in rules.items():
             if name in origin:
-                raise ValueError(f"rule {name!r} is in both {origin[name]} and {source}; "
-                                 "rules merge by name, so rename one of them")
+                raise ValueError(
+                    f"rule {name!r} is in both {origin[name]} and {source}; rules merge by name, so rename one of them"
+                )
             out[name], origin[name] = rule, source
     return out
 
@@ -68,6 +71,8 @@ def read_rules(spec: Any) -> dict[str, Any]:
         elif isinstance(item, Mapping):
             parts.append((f"mapping #{i + 1}", item))
         else:
-            raise ValueError(f"rules: item #{i + 1} is a {type(item).__name__}; allowed: a mapping, "
-                             "a hook file path or a shipped name")
+            raise ValueError(
+                f"rules: item #{i + 1} is a {type(item).__name__}; allowed: a mapping, "
+                "a hook file path or a shipped name"
+            )
     return merge_rules(parts)

@@ -51,8 +51,12 @@ class Target:
 def _patterns(rule: str, key: str, value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, Iterable) or isinstance(value, Mapping) or not value or \
-            not all(isinstance(v, str) and v for v in value):
+    if (
+        not isinstance(value, Iterable)
+        or isinstance(value, Mapping)
+        or not value
+        or not all(isinstance(v, str) and v for v in value)
+    ):
         raise ValueError(f"hooks.{rule}.{key}: {value!r} must be a glob or a non-empty list of globs")
     return list(value)
 
@@ -74,8 +78,9 @@ def _matches(rule: str, key: str, pattern: str, names: list[str], what: str) -> 
     if pattern != LAST_LAYER:
         return fnmatch.filter(names, pattern)
     if not what.startswith("parameter"):
-        raise ValueError(f"hooks.{rule}.{key}: {LAST_LAYER} selects parameters; a modules rule names its "
-                         "modules by their globs")
+        raise ValueError(
+            f"hooks.{rule}.{key}: {LAST_LAYER} selects parameters; a modules rule names its modules by their globs"
+        )
     owner = names[-1].rpartition(".")[0] if names else None
     return [n for n in names if n.rpartition(".")[0] == owner]
 
@@ -100,8 +105,7 @@ def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> l
     return [n for n in names if n in chosen]
 
 
-def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None,
-                  stage: str = "hook") -> list[Target]:
+def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None, stage: str = "hook") -> list[Target]:
     """Check the rules against the model and return what to attach, in config order."""
     if not isinstance(rules, Mapping) and rules is not None:
         raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
@@ -114,7 +118,9 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
         spec = {k: v for k, v in spec.items() if v is not None}  # a null key is an unset one
         unknown = [k for k in spec if k not in RULE_KEYS]
         if unknown:
-            raise ValueError(f"hooks.{rule}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(RULE_KEYS)}")
+            raise ValueError(
+                f"hooks.{rule}: unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(RULE_KEYS)}"
+            )
         if ("params" in spec) == ("modules" in spec):
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
         targets.extend(_rule_targets(rule, spec, params, modules, stage))
@@ -144,8 +150,10 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list,
         names = [R.parse_spec(t)[0] for t in transforms]
     except ValueError as e:
         raise ValueError(f"hooks.{rule}.transforms: {e}") from None
-    forced = sorted(((stages.implied_by(k), n) for n in names if (k := _kind(n)) and stages.implied_by(k)),
-                    key=lambda sn: stages.order(sn[0].name))
+    forced = sorted(
+        ((stages.implied_by(k), n) for n in names if (k := _kind(n)) and stages.implied_by(k)),
+        key=lambda sn: stages.order(sn[0].name),
+    )
     if forced:
         stage, by = forced[0]
         _check_forced(rule, asked, kind, stage, by)
@@ -156,8 +164,7 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list,
     else:
         stage = stages.get(asked)
     if kind == "module" and not stage.modules:
-        raise ValueError(f"hooks.{rule}.stage: {stage.name!r} needs params ({stage.sees}); modules rules run "
-                         "as hooks")
+        raise ValueError(f"hooks.{rule}.stage: {stage.name!r} needs params ({stage.sees}); modules rules run as hooks")
     _check_accepted(rule, stage.name, names)
     return stage.name
 
@@ -166,8 +173,10 @@ def _check_forced(rule: str, asked: str | None, kind: str, stage: stages.Stage, 
     """A transform whose kind implies ``stage``: the rule may not ask for another, nor be a modules rule."""
     what = f"{_kind(by)} transform {by!r}"
     if not stage.available:
-        raise ValueError(f"hooks.{rule}.transforms: {what} runs at stage {stage.name!r}, which this version "
-                         f"does not provide; allowed stages: {', '.join(NAMED)}")
+        raise ValueError(
+            f"hooks.{rule}.transforms: {what} runs at stage {stage.name!r}, which this version "
+            f"does not provide; allowed stages: {', '.join(NAMED)}"
+        )
     if kind == "module" and not stage.modules:
         raise ValueError(f"hooks.{rule}: {what} needs params ({stage.sees}), not modules")
     if asked is not None and asked != stage.name:
@@ -178,13 +187,17 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
     """Every transform of the rule runs at its stage; one that needs the whole rule, once."""
     other = [n for n in names if _kind(n) is not None and not R.runs_at(n, stage)]
     if other:
-        raise ValueError(f"hooks.{rule}.transforms: {other[0]!r} cannot run at stage {stage!r}; allowed there: "
-                         f"{', '.join(R.accepted_at(stage))} (put the others in a rule of their own)")
+        raise ValueError(
+            f"hooks.{rule}.transforms: {other[0]!r} cannot run at stage {stage!r}; allowed there: "
+            f"{', '.join(R.accepted_at(stage))} (put the others in a rule of their own)"
+        )
     if stage == "per_sample" and len(set(names)) < len(names):
         raise ValueError(f"hooks.{rule}.transforms: give {', '.join(R.accepted_at(stage))} at most once each")
     if stage == "per_loss" and len(names) != 1:
-        raise ValueError(f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
-                         f"gradients into one update), got {', '.join(names)}; put the others in rules of their own")
+        raise ValueError(
+            f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
+            f"gradients into one update), got {', '.join(names)}; put the others in rules of their own"
+        )
 
 
 def _shared(step: R.BuiltTransform) -> bool:
@@ -201,24 +214,31 @@ def _check_per_sample(model: nn.Module, targets: list[Target], trainable: list[s
     covered = {t.name: t.rule for t in private}
     clash = next((t for t in targets if t.stage == "hook" and t.kind == "param" and t.name in covered), None)
     if clash is not None:
-        raise ValueError(f"hooks.{clash.rule}: a hook-stage rule on {clash.name!r}, which per_sample rule "
-                         f"{covered[clash.name]!r} selects, would act on the batch gradient that the per_sample "
-                         "stage replaces; use stage fused (after it) or leave the parameter out")
-    noisy = sorted({t.rule for t in private for s in t.steps
-                    if s.kind == "per_sample" and s.fn.noise_multiplier > 0})
+        raise ValueError(
+            f"hooks.{clash.rule}: a hook-stage rule on {clash.name!r}, which per_sample rule "
+            f"{covered[clash.name]!r} selects, would act on the batch gradient that the per_sample "
+            "stage replaces; use stage fused (after it) or leave the parameter out"
+        )
+    noisy = sorted({t.rule for t in private for s in t.steps if s.kind == "per_sample" and s.fn.noise_multiplier > 0})
     if len(noisy) > 1:
-        raise ValueError(f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
-                         "budget): put the parameters in one rule")
+        raise ValueError(
+            f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
+            "budget): put the parameters in one rule"
+        )
     missing = [n for n in trainable if n not in covered]
     if noisy and missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"hooks.{noisy[0]}: with noise every trained parameter must be in a per_sample rule, "
-                         f"else the privacy claim is false; not covered: {shown} (select them or set "
-                         "requires_grad=False)")
+        raise ValueError(
+            f"hooks.{noisy[0]}: with noise every trained parameter must be in a per_sample rule, "
+            f"else the privacy claim is false; not covered: {shown} (select them or set "
+            "requires_grad=False)"
+        )
     twice = next((t for t in private if [u.rule for u in private if u.name == t.name] != [t.rule]), None)
     if twice is not None:
-        raise ValueError(f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
-                         "gradient is clipped once: select it in one")
+        raise ValueError(
+            f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
+            "gradient is clipped once: select it in one"
+        )
 
 
 def _check_per_loss(targets: list[Target]) -> None:
@@ -227,19 +247,25 @@ def _check_per_loss(targets: list[Target]) -> None:
     for t in targets:
         if t.stage == "per_loss" and t.kind == "param":
             if t.name in loss:
-                raise ValueError(f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
-                                 "each parameter gets one method's update: select it in one")
+                raise ValueError(
+                    f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
+                    "each parameter gets one method's update: select it in one"
+                )
             loss[t.name] = t.rule
-    clash = next((t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")),
-                 None)
+    clash = next(
+        (t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")), None
+    )
     if clash is not None:
-        raise ValueError(f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
-                         f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
-                         "or per_sample, not both (a fused rule after it is fine)")
+        raise ValueError(
+            f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
+            f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
+            "or per_sample, not both (a fused rule after it is fine)"
+        )
 
 
-def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str],
-                  default_stage: str) -> list[Target]:
+def _rule_targets(
+    rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str], default_stage: str
+) -> list[Target]:
     kind = "param" if "params" in spec else "module"
     transforms = spec.get("transforms")
     if isinstance(transforms, (str, Mapping)):
@@ -247,9 +273,12 @@ def _rule_targets(rule: str, spec: Mapping[str, Any], params: list[str], modules
     if not transforms:
         raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(R.names())}")
     stage = _rule_stage(rule, spec, kind, transforms, default_stage)
-    names = select(rule, spec, params if kind == "param" else modules,
-                   "parameter (see model.named_parameters())" if kind == "param"
-                   else "module (see model.named_modules())")
+    names = select(
+        rule,
+        spec,
+        params if kind == "param" else modules,
+        "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
+    )
     shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
     targets = []
     for name in names:
@@ -290,16 +319,20 @@ def _check_observer_keys(targets: list[Target]) -> None:
     seen: dict[str, str] = {}
     for key, rule, _ in group_steps(targets):
         if key in seen:
-            raise ValueError(f"hooks.{rule}: transform {key.partition('/')[2]!r} appears twice in the rule; "
-                             "give it once (its statistics are keyed by rule and transform)")
+            raise ValueError(
+                f"hooks.{rule}: transform {key.partition('/')[2]!r} appears twice in the rule; "
+                "give it once (its statistics are keyed by rule and transform)"
+            )
         seen[key] = rule
     for t in targets:
         for s in t.steps:
             if s.observer:
                 key = observer_key(t, s.fn)
                 if key in seen:
-                    raise ValueError(f"hooks.{t.rule}: its log of {key!r} has the same key as one in rule "
-                                     f"{seen[key]!r}; give one of them a distinct label, e.g. {{name: log, label: {t.rule}}}")
+                    raise ValueError(
+                        f"hooks.{t.rule}: its log of {key!r} has the same key as one in rule "
+                        f"{seen[key]!r}; give one of them a distinct label, e.g. {{name: log, label: {t.rule}}}"
+                    )
                 seen[key] = t.rule
 
 
@@ -311,7 +344,9 @@ def load_rules(rules: Mapping[str, Any] | str | Path | list | tuple) -> dict[str
 
         rules = read_rules(rules)
     if not isinstance(rules, Mapping):
-        raise ValueError(f"rules must be a mapping of rule name to rule or a hook config file, got {type(rules).__name__}")
+        raise ValueError(
+            f"rules must be a mapping of rule name to rule or a hook config file, got {type(rules).__name__}"
+        )
     return dict(rules)
 
 
@@ -341,8 +376,10 @@ def chains_of(targets: list[Target]) -> list[tuple[str, list[str]]]:
 
 def describe(targets: list[Target]) -> list[dict[str, Any]]:
     """The plan with rules, stages and arguments, for printing and saving (application order)."""
-    return [{"tensor": t.key, "rule": t.rule, "stage": t.stage, "transforms": [str(s) for s in t.steps]}
-            for t in in_order(targets)]
+    return [
+        {"tensor": t.key, "rule": t.rule, "stage": t.stage, "transforms": [str(s) for s in t.steps]}
+        for t in in_order(targets)
+    ]
 
 
 def format_plan(rows: list[dict[str, Any]]) -> str:
@@ -352,4 +389,3 @@ def format_plan(rows: list[dict[str, Any]]) -> str:
     width = max(len(d["tensor"]) for d in rows)
     lines = [f"  {d['tensor']:<{width}}  {d['stage']:<5}  {d['rule']}: {' -> '.join(d['transforms'])}" for d in rows]
     return "hook plan:\n" + "\n".join(lines)
-

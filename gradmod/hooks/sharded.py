@@ -41,8 +41,19 @@ def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
         if paired <= i < 2 * paired:
             before = pieces[i - paired]
             changed = ((g != before) & ~(g.isnan() & before.isnan())).sum().float()
-        local.append(torch.stack([(g * g).sum(), torch.cat([g, inf]).min(), torch.cat([g, -inf]).max(),
-                                  g.sum(), (g < 0).sum().float(), (g * 0).isnan().sum().float(), changed]))
+        local.append(
+            torch.stack(
+                [
+                    (g * g).sum(),
+                    torch.cat([g, inf]).min(),
+                    torch.cat([g, -inf]).max(),
+                    g.sum(),
+                    (g < 0).sum().float(),
+                    (g * 0).isnan().sum().float(),
+                    changed,
+                ]
+            )
+        )
     mine = torch.stack(local)
     group = tensors[0].device_mesh.get_group()
     every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
@@ -50,8 +61,18 @@ def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
     parts = torch.stack(every)  # (ranks, tensors, 7)
     sums = parts.sum(0)
     count = torch.tensor([float(t.numel()) for t in tensors], device=mine.device)
-    rows = torch.stack([sums[:, 0].sqrt(), parts[:, :, 1].amin(0), parts[:, :, 2].amax(0), sums[:, 3] / count,
-                        sums[:, 4] / count, sums[:, 5], sums[:, 6] / count], 1)
+    rows = torch.stack(
+        [
+            sums[:, 0].sqrt(),
+            parts[:, :, 1].amin(0),
+            parts[:, :, 2].amax(0),
+            sums[:, 3] / count,
+            sums[:, 4] / count,
+            sums[:, 5],
+            sums[:, 6] / count,
+        ],
+        1,
+    )
     return list(rows.unbind(0))
 
 
@@ -62,10 +83,14 @@ def refuse_hook_stage(targets, params: dict[str, Tensor]) -> None:
     would need the gathered weights in every layer's backward."""
     for t in targets:
         if t.kind == "param" and t.stage != "fused" and is_sharded(params[t.name]):
-            hint = ("use stage: fused (it transforms the reduced, sharded .grad after backward)" if t.stage == "hook"
-                    else "it is not supported for FSDP2-sharded models; use stage: fused or trainer.strategy=ddp")
-            raise ValueError(f"hooks.{t.rule}: stage {t.stage!r} on {t.name!r}, a parameter sharded by FSDP2 "
-                             f"(fully_shard); {hint}")
+            hint = (
+                "use stage: fused (it transforms the reduced, sharded .grad after backward)"
+                if t.stage == "hook"
+                else "it is not supported for FSDP2-sharded models; use stage: fused or trainer.strategy=ddp"
+            )
+            raise ValueError(
+                f"hooks.{t.rule}: stage {t.stage!r} on {t.name!r}, a parameter sharded by FSDP2 (fully_shard); {hint}"
+            )
 
 
 def watch(model: torch.nn.Module, params: dict[str, Tensor]):
@@ -73,6 +98,7 @@ def watch(model: torch.nn.Module, params: dict[str, Tensor]):
     ``fully_shard`` after ``attach`` replaces them, and the rules would silently do nothing.
     Then the first backward through the model raises one line (the forward itself when
     its output has no gradient to hook). Returns the handle."""
+
     def check(module, inputs) -> None:
         if not torch.is_grad_enabled():
             return
@@ -83,8 +109,10 @@ def watch(model: torch.nn.Module, params: dict[str, Tensor]):
             return  # look again at the next forward, with the model's own parameters
         handle.remove()
         if stale:
-            message = (f"attach: the parameters the rules select were replaced after attach ({stale[0]!r} among "
-                       "them), as fully_shard does; call gradmod.attach(model, rules) after fully_shard(model)")
+            message = (
+                f"attach: the parameters the rules select were replaced after attach ({stale[0]!r} among "
+                "them), as fully_shard does; call gradmod.attach(model, rules) after fully_shard(model)"
+            )
             once = module.register_forward_hook(lambda m, i, out: _refuse_backward(out, message, once))
 
     handle = model.register_forward_pre_hook(check)
@@ -93,8 +121,14 @@ def watch(model: torch.nn.Module, params: dict[str, Tensor]):
 
 def _refuse_backward(output, message: str, handle) -> None:
     handle.remove()
-    out = next((t for t in (output if isinstance(output, (tuple, list)) else (output,))
-                if isinstance(t, Tensor) and t.requires_grad), None)
+    out = next(
+        (
+            t
+            for t in (output if isinstance(output, (tuple, list)) else (output,))
+            if isinstance(t, Tensor) and t.requires_grad
+        ),
+        None,
+    )
     if out is None:
         raise ValueError(message)
 

@@ -37,14 +37,42 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("hook", ("elementwise",), None, default=True, modules=True, needs_after_backward=False,
-          sees="each backward's local gradient"),
-    Stage("per_loss", ("per_loss",), "per_loss", default=False, modules=True, needs_after_backward=False,
-          sees="each loss's gradient"),
-    Stage("per_sample", ("per_sample",), "per_sample", default=False, modules=False, needs_after_backward=True,
-          sees="each example's gradient"),
-    Stage("fused", ("elementwise", "group"), "group", default=True, modules=False, needs_after_backward=True,
-          sees="all the rule's accumulated .grad after backward"),
+    Stage(
+        "hook",
+        ("elementwise",),
+        None,
+        default=True,
+        modules=True,
+        needs_after_backward=False,
+        sees="each backward's local gradient",
+    ),
+    Stage(
+        "per_loss",
+        ("per_loss",),
+        "per_loss",
+        default=False,
+        modules=True,
+        needs_after_backward=False,
+        sees="each loss's gradient",
+    ),
+    Stage(
+        "per_sample",
+        ("per_sample",),
+        "per_sample",
+        default=False,
+        modules=False,
+        needs_after_backward=True,
+        sees="each example's gradient",
+    ),
+    Stage(
+        "fused",
+        ("elementwise", "group"),
+        "group",
+        default=True,
+        modules=False,
+        needs_after_backward=True,
+        sees="all the rule's accumulated .grad after backward",
+    ),
 )
 
 _BY_NAME = {s.name: s for s in STAGES}

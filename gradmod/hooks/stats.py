@@ -134,9 +134,14 @@ class GradStats(Window):
     def summarize(calls: int, values: list[float], paired: bool = False) -> dict[str, Any]:
         norm, lo, hi, mean, neg, nonfinite, clipped = values[:7]
         out = {
-            "norm": norm / calls, "min": lo, "max": hi, "mean": mean / calls,
-            "frac_negative": neg / calls, "nonfinite": int(nonfinite),
-            "any_negative": bool(lo < 0), "calls": calls,
+            "norm": norm / calls,
+            "min": lo,
+            "max": hi,
+            "mean": mean / calls,
+            "frac_negative": neg / calls,
+            "nonfinite": int(nonfinite),
+            "any_negative": bool(lo < 0),
+            "calls": calls,
         }
         if paired:
             out["frac_clipped"] = clipped / calls
@@ -145,11 +150,16 @@ class GradStats(Window):
             counts = values[12:]
             width = h_hi - h_lo if h_hi > h_lo else max(abs(h_lo), 1.0) * 1e-6
             out["histogram"] = {
-                "min": h_lo, "max": h_hi, "num": int(num), "sum": total, "sum_squares": squares,
+                "min": h_lo,
+                "max": h_hi,
+                "num": int(num),
+                "sum": total,
+                "sum_squares": squares,
                 "bucket_limits": [h_lo + width * (k + 1) / len(counts) for k in range(len(counts))],
                 "bucket_counts": counts,
             }
         return out
+
 
 def batch_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
     """``GradStats`` rows of ``tensors`` in their order (``stat_rows``): the first ``paired``

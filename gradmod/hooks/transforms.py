@@ -28,9 +28,14 @@ Transform = Callable[[Tensor], "Tensor | None"]
 Foreach = Callable[[list[Tensor]], None]
 
 
-def register(name: str, factory: Callable[..., Transform] | None = None, *,
-             foreach: Callable[..., Foreach] | None = None, group: bool = False,
-             overwrite: bool = False):
+def register(
+    name: str,
+    factory: Callable[..., Transform] | None = None,
+    *,
+    foreach: Callable[..., Foreach] | None = None,
+    group: bool = False,
+    overwrite: bool = False,
+):
     """Register ``factory(**args) -> transform`` under ``name``; usable as a decorator.
 
     ``registry.register`` with ``kind="group"`` when ``group=True``, else
@@ -38,8 +43,9 @@ def register(name: str, factory: Callable[..., Transform] | None = None, *,
     optionally returns an in-place function over a list of gradients for the ``fused``
     stage. A name is registered once unless ``overwrite=True``.
     """
-    return registry.register(name, factory, kind="group" if group else "elementwise", foreach=foreach,
-                             overwrite=overwrite)
+    return registry.register(
+        name, factory, kind="group" if group else "elementwise", foreach=foreach, overwrite=overwrite
+    )
 
 
 def _number(transform: str, arg: str, value: Any, *, finite: bool = True) -> float:
@@ -160,7 +166,9 @@ def noise(std: float, decay: float = 0.55) -> Transform:
 register("clamp", clamp, foreach=_clamp_foreach)
 register("zero", zero, foreach=lambda: torch._foreach_zero_)
 register("min_zero", min_zero, foreach=lambda: lambda grads: torch._foreach_clamp_min_(grads, 0.0))
-register("scale", scale, foreach=lambda factor: lambda grads: torch._foreach_mul_(grads, _number("scale", "factor", factor)))
+register(
+    "scale", scale, foreach=lambda factor: lambda grads: torch._foreach_mul_(grads, _number("scale", "factor", factor))
+)
 register("sign", sign, foreach=lambda: torch._foreach_sign_)
 register("centralize", centralize)
 register("norm_clip", norm_clip)

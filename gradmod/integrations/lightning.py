@@ -32,8 +32,7 @@ class GradmodCallback(Callback):
     ``log_every_n_steps``); each read is one host sync.
     """
 
-    def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook",
-                 log_every: int | None = None):
+    def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook", log_every: int | None = None):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
@@ -48,8 +47,11 @@ class GradmodCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.hooks is None:
             scaled = getattr(trainer.precision_plugin, "scaler", None) is not None  # fp16's GradScaler
-            peers = {cb.sources: cb.hooks for cb in trainer.callbacks
-                     if isinstance(cb, GradmodCallback) and cb is not self and cb.hooks is not None}
+            peers = {
+                cb.sources: cb.hooks
+                for cb in trainer.callbacks
+                if isinstance(cb, GradmodCallback) and cb is not self and cb.hooks is not None
+            }
             self.hooks = attach_for("Lightning", pl_module, self.rules, self.stage, scaled, (self.sources, peers))
 
     def on_train_start(self, trainer, pl_module) -> None:

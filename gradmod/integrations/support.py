@@ -11,8 +11,14 @@ from gradmod.hooks.hookset import HookSet, attach
 from gradmod.hooks.rules import build_targets
 
 
-def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str, scaled: bool,
-               shared: tuple[str, Mapping[str, HookSet]] = ("", {})) -> HookSet:
+def attach_for(
+    trainer: str,
+    model: nn.Module,
+    rules: Mapping[str, Any],
+    stage: str,
+    scaled: bool,
+    shared: tuple[str, Mapping[str, HookSet]] = ("", {}),
+) -> HookSet:
     """``attach(..., replace=False)``, so several callbacks share the model (overlapping
     tensors stay refused; ``shared``: this callback's rule sources and the other callbacks'
     live rules by their sources, to say so in one line), refusing in one line what a
@@ -26,39 +32,52 @@ def attach_for(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: 
     if hooks.per_sample is not None:
         rule = hooks.per_sample.rules[0].name
         hooks.remove()
-        raise ValueError(f"hooks.{rule}: per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: "
-                         "its loop scales the loss for accumulation and samples fixed-size batches, so neither the "
-                         "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
-                         "+hooks=dp) or attach the rules in your own loop")
+        raise ValueError(
+            f"hooks.{rule}: per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: "
+            "its loop scales the loss for accumulation and samples fixed-size batches, so neither the "
+            "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
+            "+hooks=dp) or attach the rules in your own loop"
+        )
     skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]
     hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]
     if skipping or (scaled and hooked):
         hooks.remove()
     if skipping:
-        raise ValueError(f"hooks.{skipping[0]}: zclip(on_spike='skip') cannot skip an optimizer step under {trainer}; "
-                         "use on_spike: clip")
+        raise ValueError(
+            f"hooks.{skipping[0]}: zclip(on_spike='skip') cannot skip an optimizer step under {trainer}; "
+            "use on_spike: clip"
+        )
     if scaled and hooked:
-        raise ValueError(f"hooks.{hooked[0]}: hook-stage rules would see fp16's scaled gradients; "
-                         "use stage: fused (it runs after unscaling)")
+        raise ValueError(
+            f"hooks.{hooked[0]}: hook-stage rules would see fp16's scaled gradients; "
+            "use stage: fused (it runs after unscaling)"
+        )
     return hooks
 
 
 def flat_stats(hooks: HookSet) -> dict[str, float]:
     """``grad/<tensor>/<field>``: every scalar of ``read_stats()`` (one host sync)."""
-    return {f"grad/{key}/{field}": float(value) for key, stats in hooks.read_stats().items()
-            for field, value in stats.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return {
+        f"grad/{key}/{field}": float(value)
+        for key, stats in hooks.read_stats().items()
+        for field, value in stats.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
-def _refuse_shared(trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str, own: str,
-                   peers: Mapping[str, HookSet]) -> None:
+def _refuse_shared(
+    trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str, own: str, peers: Mapping[str, HookSet]
+) -> None:
     """Two callbacks on the same tensors: one line saying to give one callback both sources."""
     mine = {t.key for t in build_targets(model, rules, stage)}
     for theirs, hooks in peers.items():
         shared = [t.key for t in hooks.targets if t.key in mine]
         if shared:
             shown = ", ".join(dict.fromkeys(shared[:3])) + (" and more" if len(set(shared)) > 3 else "")
-            raise ValueError(f"{trainer}: two GradmodCallbacks on the same tensors ({shown}); give one callback "
-                             f"several rule sources instead: GradmodCallback([{theirs}, {own}])")
+            raise ValueError(
+                f"{trainer}: two GradmodCallbacks on the same tensors ({shown}); give one callback "
+                f"several rule sources instead: GradmodCallback([{theirs}, {own}])"
+            )
 
 
 def sources(rules: Any) -> str:
@@ -78,8 +97,10 @@ def stats_line(flat: Mapping[str, float], step: int, report_to: Any) -> str:
     tensors = {tensor for tensor, _, _ in fields}
     norms = {tensor: flat[f"grad/{tensor}/{field}"] for tensor, _, field in fields if field == "norm"}
     where = [r for r in ([report_to] if isinstance(report_to, str) else list(report_to or [])) if r != "none"]
-    line = (f"gradmod step {step}: {len(flat)} statistics of {len(tensors)} tensors to "
-            f"{', '.join(where) if where else 'log_history (report_to is none)'}")
+    line = (
+        f"gradmod step {step}: {len(flat)} statistics of {len(tensors)} tensors to "
+        f"{', '.join(where) if where else 'log_history (report_to is none)'}"
+    )
     if norms:
         top = max(norms, key=lambda t: norms[t])
         line += f"; largest norm {norms[top]:.4g} ({top})"

@@ -30,7 +30,9 @@ try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 except ImportError as e:  # the optional extra is missing
-    raise ImportError('gradmod.integrations.transformers needs Transformers: pip install "gradmod[transformers]"') from e
+    raise ImportError(
+        'gradmod.integrations.transformers needs Transformers: pip install "gradmod[transformers]"'
+    ) from e
 
 # model -> the callbacks training it, to warn when several would share HF's checkpoint entry.
 _TRAINING: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet] = weakref.WeakKeyDictionary()
@@ -45,8 +47,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
     (default: ``logging_steps``); each read is one host sync.
     """
 
-    def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook",
-                 log_every: int | None = None):
+    def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook", log_every: int | None = None):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
@@ -57,8 +58,11 @@ class GradmodCallback(TrainerCallback, ExportableState):
         peers = {cb.sources: cb.hooks for cb in _TRAINING.get(model, ()) if cb is not self and cb.hooks is not None}
         hooks = attach_for("Transformers' Trainer", model, self.rules, self.stage, args.fp16, (self.sources, peers))
         if hooks.has_fused and args.max_grad_norm and args.max_grad_norm > 0:
-            warnings.warn(f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
-                          "rules see them; set max_grad_norm=0 to leave clipping to the rules", stacklevel=2)
+            warnings.warn(
+                f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
+                "rules see them; set max_grad_norm=0 to leave clipping to the rules",
+                stacklevel=2,
+            )
         self.hooks = hooks
         if self.rule_state:
             hooks.load_state_dict(_from_json(self.rule_state), next(model.parameters()).device)
@@ -94,12 +98,15 @@ class GradmodCallback(TrainerCallback, ExportableState):
         """What HF saves in ``trainer_state.json`` and restores (only with
         ``restore_callback_states_from_checkpoint=True``) as ``GradmodCallback(**args)``."""
         live = _to_json(self.hooks.state_dict()) if self.hooks is not None else self.rule_state
-        return {"args": {"rules": _to_json(self.rules), "stage": self.stage, "log_every": self.log_every},
-                "attributes": {"rule_state": live}}
+        return {
+            "args": {"rules": _to_json(self.rules), "stage": self.stage, "log_every": self.log_every},
+            "attributes": {"rule_state": live},
+        }
 
 
-def add_to(trainer, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook",
-           log_every: int | None = None) -> GradmodCallback:
+def add_to(
+    trainer, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook", log_every: int | None = None
+) -> GradmodCallback:
     """A ``GradmodCallback`` placed first in ``trainer``'s callbacks, before the reporting
     integrations, so its ``grad/...`` entries reach them; also after a checkpoint restore,
     which HF does by re-creating the callback at the end of the list."""
@@ -108,6 +115,7 @@ def add_to(trainer, rules: Mapping[str, Any] | str | Path | list, stage: str = "
     _before_printer(trainer.callback_handler.callbacks, ConsoleLine())
     load = getattr(trainer, "_load_callback_state", None)
     if load is not None and not getattr(load, "keeps_gradmod_first", False):
+
         def load_then_put_first() -> None:
             load()
             handler = trainer.callback_handler
@@ -154,9 +162,11 @@ def _warn_shared_checkpoint(callback: GradmodCallback, model, args) -> None:
     peers = _TRAINING.setdefault(model, weakref.WeakSet())
     peers.add(callback)
     if len(peers) > 1 and args.save_strategy != "no":
-        warnings.warn("Transformers' checkpoints restore the state of one GradmodCallback per Trainer only; "
-                      "give one callback several rule sources instead, e.g. GradmodCallback(['zclip', 'log'])",
-                      stacklevel=3)
+        warnings.warn(
+            "Transformers' checkpoints restore the state of one GradmodCallback per Trainer only; "
+            "give one callback several rule sources instead, e.g. GradmodCallback(['zclip', 'log'])",
+            stacklevel=3,
+        )
 
 
 def _to_json(value: Any) -> Any:

@@ -28,8 +28,13 @@ def _flat(numbers: Mapping[str, Any], prefix: str = "") -> list[tuple[str, float
         if key in BOOKKEEPING or (key == "test_metric" and value == numbers.get("test_accuracy")):
             continue  # a one-output classifier's metric is the accuracy already shown
         if isinstance(value, Mapping) and not prefix:
-            out += _flat(value, f"{key}.") if key != "tasks" else \
-                [kv for task, inner in value.items() if isinstance(inner, Mapping) for kv in _flat(inner, f"{task}.")]
+            out += (
+                _flat(value, f"{key}.")
+                if key != "tasks"
+                else [
+                    kv for task, inner in value.items() if isinstance(inner, Mapping) for kv in _flat(inner, f"{task}.")
+                ]
+            )
         elif _is_number(value):
             out.append((prefix + key, value))
     return out

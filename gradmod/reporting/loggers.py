@@ -20,8 +20,19 @@ from typing import Any, Mapping
 import numpy as np
 
 LOGGERS = ("csv", "tensorboard")
-STAT_COLUMNS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite", "frac_clipped", "calls",
-                "norm_max", "clip_coef", "clip_coef_min")  # the last three: group transforms (rule/transform)
+STAT_COLUMNS = (
+    "norm",
+    "min",
+    "max",
+    "mean",
+    "frac_negative",
+    "nonfinite",
+    "frac_clipped",
+    "calls",
+    "norm_max",
+    "clip_coef",
+    "clip_coef_min",
+)  # the last three: group transforms (rule/transform)
 
 
 @contextlib.contextmanager
@@ -85,8 +96,9 @@ class CSVLogger(Logger):
     def _stats_writer(self) -> csv.DictWriter:
         if self._stats is None:
             self._stats_file = open(self._out / "grad_stats.csv", "w", newline="")
-            self._stats = csv.DictWriter(self._stats_file, ["epoch", "step", "tensor", "label", *STAT_COLUMNS],
-                                         extrasaction="ignore")
+            self._stats = csv.DictWriter(
+                self._stats_file, ["epoch", "step", "tensor", "label", *STAT_COLUMNS], extrasaction="ignore"
+            )
             self._stats.writeheader()
         return self._stats
 
@@ -131,8 +143,10 @@ class TensorBoardLogger(Logger):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError("logger.name=tensorboard needs the tensorboard package, which is not installed; "
-                             "pip install 'gradmod[tensorboard]', or use logger=csv") from None
+            raise ValueError(
+                "logger.name=tensorboard needs the tensorboard package, which is not installed; "
+                "pip install 'gradmod[tensorboard]', or use logger=csv"
+            ) from None
         self.wants_histograms = bool(histograms)
         self.log_dir = out / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
@@ -142,8 +156,13 @@ class TensorBoardLogger(Logger):
         self.writer.add_text("hook_plan", "\n".join("    " + line for line in text.splitlines()), 0)
 
     def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
-        for field, tag in (("train_loss", "loss/train"), ("test_loss", "loss/test"),
-                           ("test_accuracy", "accuracy/test"), ("test_metric", "metric/test"), ("lr", "lr")):
+        for field, tag in (
+            ("train_loss", "loss/train"),
+            ("test_loss", "loss/test"),
+            ("test_accuracy", "accuracy/test"),
+            ("test_metric", "metric/test"),
+            ("lr", "lr"),
+        ):
             if record.get(field) is not None:
                 self.writer.add_scalar(tag, record[field], step)
         for task, values in record.get("tasks", {}).items():
@@ -163,8 +182,17 @@ class TensorBoardLogger(Logger):
                 self.writer.add_scalar(f"frac_clipped/{split_key(key)[0]}", s["frac_clipped"], step)
             h = s.get("histogram")
             if h is not None:
-                self.writer.add_histogram_raw(f"grad/{key}", h["min"], h["max"], h["num"], h["sum"],
-                                              h["sum_squares"], h["bucket_limits"], h["bucket_counts"], step)
+                self.writer.add_histogram_raw(
+                    f"grad/{key}",
+                    h["min"],
+                    h["max"],
+                    h["num"],
+                    h["sum"],
+                    h["sum_squares"],
+                    h["bucket_limits"],
+                    h["bucket_counts"],
+                    step,
+                )
 
     def log_images(self, tag: str, step: int, images: np.ndarray) -> None:
         self.writer.add_images(tag, images, step, dataformats="NHWC")
@@ -187,6 +215,8 @@ def make_logger(cfg: Mapping[str, Any] | None, out: str | Path) -> Logger:
         raise ValueError(f"logger.name={name!r} is not a logger; allowed: {', '.join(LOGGERS)}")
     unknown = [k for k in cfg if k not in allowed]
     if unknown:
-        raise ValueError(f"logger={name} got unknown key(s) {', '.join(map(str, unknown))}; "
-                         f"allowed: {', '.join(('name',) + allowed)}")
+        raise ValueError(
+            f"logger={name} got unknown key(s) {', '.join(map(str, unknown))}; "
+            f"allowed: {', '.join(('name',) + allowed)}"
+        )
     return CSVLogger(out) if name == "csv" else TensorBoardLogger(out, **cfg)

@@ -19,8 +19,7 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
     ax_loss.plot(epochs, [h["test_loss"] for h in history], marker="o", label="test")
-    ax_loss.set(xlabel="epoch", ylabel="loss (summed over tasks)" if "tasks" in history[-1] else "loss",
-                title="loss")
+    ax_loss.set(xlabel="epoch", ylabel="loss (summed over tasks)" if "tasks" in history[-1] else "loss", title="loss")
     ax_loss.legend()
     for name, values in _metric_series(history).items():
         ax_acc.plot(epochs, [math.nan if v is None else v for v in values], marker="o", label=name or None)
@@ -44,8 +43,9 @@ def _metric_series(history: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
     return {"": [h.get("test_metric", h.get("test_accuracy")) for h in history]}
 
 
-def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], labels: Sequence[str],
-                      path: str | Path) -> Path:
+def plot_sweep_curves(
+    rows: Sequence[dict[str, Any]], groups: Sequence[str], labels: Sequence[str], path: str | Path
+) -> Path:
     """A sweep's jobs (``sweep_report`` rows, each with its ``curve``): test accuracy and test
     loss per epoch side by side, one colour per group (the seeds of a setting share it), a
     job that did not end ok dotted."""
@@ -57,12 +57,20 @@ def plot_sweep_curves(rows: Sequence[dict[str, Any]], groups: Sequence[str], lab
         if not row["curve"]:
             continue
         epochs = [c["epoch"] for c in row["curve"]]
-        style = {"color": colors[order.index(group) % len(colors)], "marker": "o", "markersize": 3,
-                 "linestyle": "-" if row["status"] == "ok" else ":"}
+        style = {
+            "color": colors[order.index(group) % len(colors)],
+            "marker": "o",
+            "markersize": 3,
+            "linestyle": "-" if row["status"] == "ok" else ":",
+        }
         name = group if group not in drawn else None  # one legend entry per group
         drawn.add(group)
-        ax_acc.plot(epochs, [math.nan if c["test_accuracy"] is None else c["test_accuracy"] for c in row["curve"]],
-                    label=name, **style)
+        ax_acc.plot(
+            epochs,
+            [math.nan if c["test_accuracy"] is None else c["test_accuracy"] for c in row["curve"]],
+            label=name,
+            **style,
+        )
         ax_loss.plot(epochs, [c["test_loss"] for c in row["curve"]], **style)
     ax_acc.set(xlabel="epoch", ylabel="test accuracy", title=f"test accuracy, every job ({len(rows)})")
     ax_loss.set(xlabel="epoch", ylabel="test loss", title="test loss (dotted: did not end ok)")
@@ -92,8 +100,15 @@ def _save_image(fig, ax, path: str | Path, title: str | None) -> Path:
     return Path(path)
 
 
-def plot_grid(images: Any, path: str | Path, *, cols: int = 8, cmap: str = "gray",
-              titles: Sequence[str] | None = None, title: str | None = None) -> Path:
+def plot_grid(
+    images: Any,
+    path: str | Path,
+    *,
+    cols: int = 8,
+    cmap: str = "gray",
+    titles: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Path:
     """Images (N x H x W, or N x 1 x H x W) in rows of ``cols``, each on its own colour scale.
 
     Drawn as one mosaic on one axes: each tile is scaled to its own min..max, as a separate
@@ -110,7 +125,7 @@ def plot_grid(images: Any, path: str | Path, *, cols: int = 8, cmap: str = "gray
         r, c = divmod(i, cols)
         span = tile.max() - tile.min()
         y, x = r * (h + top) + top, c * (w + gap)
-        mosaic[y:y + h, x:x + w] = (tile - tile.min()) / span if span > 0 else 0.0
+        mosaic[y : y + h, x : x + w] = (tile - tile.min()) / span if span > 0 else 0.0
     scale = 1.6 / max(h, w)
     fig, ax = plt.subplots(figsize=(mosaic.shape[1] * scale, mosaic.shape[0] * scale + (0.5 if title else 0)))
     ax.imshow(mosaic, cmap=plt.get_cmap(cmap).with_extremes(bad="white"), vmin=0, vmax=1, interpolation="nearest")
@@ -128,8 +143,15 @@ def plot_image(image: Any, path: str | Path, *, cmap: str | None = None, title: 
     return _save_image(fig, ax, path, title)
 
 
-def plot_gradcam(images: Any, cams: Any, path: str | Path, *, cols: int = 8,
-                 titles: Sequence[str] | None = None, title: str | None = None) -> Path:
+def plot_gradcam(
+    images: Any,
+    cams: Any,
+    path: str | Path,
+    *,
+    cols: int = 8,
+    titles: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Path:
     """Images (N x 1 x H x W in [0, 1]) half and half with their maps (N x H x W, from
     `gradmod.capture.grad_cam`), each map divided by its maximum."""
     images, cams = images.detach().float().cpu(), cams.detach().float().cpu()
@@ -196,8 +218,12 @@ def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path
     stats) as ``HookSet.read_stats`` returns them."""
     series, rules = _series(rows, "norm"), _rule_keys(rows)
     tensors = {k: v for k, v in series.items() if k not in rules}
-    examples = {f"{k} ({f})": v for f in ("norm_mean", "norm_max", "p50", "p90")
-                for k, v in _series(rows, f).items() if k.endswith(("/per_sample_clip", "/log"))}
+    examples = {
+        f"{k} ({f})": v
+        for f in ("norm_mean", "norm_max", "p50", "p90")
+        for k, v in _series(rows, f).items()
+        if k.endswith(("/per_sample_clip", "/log"))
+    }
     if examples and not tensors and not rules:  # per_sample rules: each example's norm, before clipping
         return _per_example_norms(examples, path)
     fig, axes = _panels(int(bool(tensors)) + int(bool(rules)) or 1)
@@ -205,18 +231,25 @@ def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path
         ax, colors = axes[0], _tensor_colors(tensors)
         for key, (xs, ys) in tensors.items():
             tensor, _, label = key.partition("/")
-            ax.plot(xs, ys, _LINESTYLE.get(label, "-"), color=colors[tensor], label=key,
-                    marker="." if len(xs) < 3 else None)
+            ax.plot(
+                xs, ys, _LINESTYLE.get(label, "-"), color=colors[tensor], label=key, marker="." if len(xs) < 3 else None
+            )
         paired = {k.partition("/")[2] for k in tensors} >= {"pre", "post"}
-        ax.set(xlabel="optimizer step", ylabel="gradient L2 norm",
-               title="gradient norm per tensor" + (" (pre solid, post dashed)" if paired else ""))
+        ax.set(
+            xlabel="optimizer step",
+            ylabel="gradient L2 norm",
+            title="gradient norm per tensor" + (" (pre solid, post dashed)" if paired else ""),
+        )
     if rules:
         ax = axes[-1]
         for key in sorted(rules & series.keys()):
             xs, ys = series[key]
             ax.plot(xs, ys, label=_rule_label(key), marker="." if len(xs) < 3 else None)
-        ax.set(xlabel="optimizer step", ylabel="total L2 norm, before clipping",
-               title="total gradient norm per rule (all of a rule's tensors together)")
+        ax.set(
+            xlabel="optimizer step",
+            ylabel="total L2 norm, before clipping",
+            title="total gradient norm per rule (all of a rule's tensors together)",
+        )
     for ax in axes:
         values = [y for line in ax.lines for y in line.get_ydata() if not math.isnan(y)]
         if values and all(y > 0 for y in values):
@@ -228,8 +261,11 @@ def _per_example_norms(series: dict[str, tuple[list, list]], path: str | Path) -
     fig, axes = _panels(1)
     for key, (xs, ys) in sorted(series.items()):
         axes[0].plot(xs, ys, label=key, marker="." if len(xs) < 3 else None)
-    axes[0].set(xlabel="optimizer step", ylabel="per-example gradient L2 norm",
-                title="per_sample rules: each example's gradient norm before clipping (mean, max or quantiles)")
+    axes[0].set(
+        xlabel="optimizer step",
+        ylabel="per-example gradient L2 norm",
+        title="per_sample rules: each example's gradient norm before clipping (mean, max or quantiles)",
+    )
     return _finish(fig, axes, path)
 
 
@@ -246,8 +282,12 @@ def plot_frac_clipped(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Pa
         fig, axes = _panels(1)
         for key, (xs, ys) in sorted(private.items()):
             axes[0].plot(xs, ys, label=key.partition("/")[0], marker="." if len(xs) < 3 else None)
-        axes[0].set(xlabel="optimizer step", ylabel="fraction of examples clipped", ylim=(-0.02, 1.02),
-                    title="per_sample rules: fraction of examples whose gradient norm exceeded max_norm")
+        axes[0].set(
+            xlabel="optimizer step",
+            ylabel="fraction of examples clipped",
+            ylim=(-0.02, 1.02),
+            title="per_sample rules: fraction of examples whose gradient norm exceeded max_norm",
+        )
         return _finish(fig, axes, path)
     fig, axes = _panels(int(bool(tensors)) + int(bool(rule_series)) or 1)
     if tensors:
@@ -255,13 +295,19 @@ def plot_frac_clipped(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Pa
         for key, (xs, ys) in tensors.items():
             tensor = key.partition("/")[0]
             axes[0].plot(xs, ys, color=colors[tensor], label=tensor, marker="." if len(xs) < 3 else None)
-        axes[0].set(xlabel="optimizer step", ylabel="fraction of elements changed",
-                    title="per tensor: fraction of gradient elements the transforms changed (clamp: clipped)")
+        axes[0].set(
+            xlabel="optimizer step",
+            ylabel="fraction of elements changed",
+            title="per tensor: fraction of gradient elements the transforms changed (clamp: clipped)",
+        )
     if rule_series:
         for key, (xs, ys) in sorted(rule_series.items()):
             axes[-1].plot(xs, ys, label=_rule_label(key), marker="." if len(xs) < 3 else None)
-        axes[-1].set(xlabel="optimizer step", ylabel="fraction of steps clipped",
-                     title="per rule: fraction of steps whose total norm was clipped (clip_coef < 1)")
+        axes[-1].set(
+            xlabel="optimizer step",
+            ylabel="fraction of steps clipped",
+            title="per rule: fraction of steps whose total norm was clipped (clip_coef < 1)",
+        )
     for ax in axes:
         ax.set_ylim(-0.02, 1.02)
     return _finish(fig, axes, path)

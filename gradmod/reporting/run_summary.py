@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 LOCK = Path(".gradmod") / "lock"
-KILLED = ("the run's process ended while it was running, without writing its ending (killed by a signal, "
-          "e.g. SIGKILL or the OOM killer)")
+KILLED = (
+    "the run's process ended while it was running, without writing its ending (killed by a signal, "
+    "e.g. SIGKILL or the OOM killer)"
+)
 
 
 def in_use(out: str | Path) -> bool:

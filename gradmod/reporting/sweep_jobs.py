@@ -30,8 +30,19 @@ from typing import Any, Mapping
 JOBS = Path(".gradmod") / "jobs"
 PLAN = Path(".gradmod") / "plan.json"
 NOT_RUN = "not_run"
-NUMBERS = ("test_accuracy", "test_loss", "test_metric", "tasks", "train_loss", "seconds", "steps", "skipped_steps",
-           "nonfinite_steps", "epochs", "signal")  # tasks: {name: {test_loss, test_metric}} of a multi-task run
+NUMBERS = (
+    "test_accuracy",
+    "test_loss",
+    "test_metric",
+    "tasks",
+    "train_loss",
+    "seconds",
+    "steps",
+    "skipped_steps",
+    "nonfinite_steps",
+    "epochs",
+    "signal",
+)  # tasks: {name: {test_loss, test_metric}} of a multi-task run
 
 
 def jobs_dir(sweep_dir: str | Path) -> Path:
@@ -63,18 +74,32 @@ def start(sweep_dir: str | Path, num: int, job_dir: str | Path, overrides: list[
         rel = job.relative_to(Path(sweep_dir).resolve()).as_posix()
     except ValueError:  # hydra.sweep.subdir outside the sweep folder
         rel = str(job)
-    record = {"num": num, "job": rel, "dir": str(job), "overrides": list(overrides), "status": "running",
-              "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+    record = {
+        "num": num,
+        "job": rel,
+        "dir": str(job),
+        "overrides": list(overrides),
+        "status": "running",
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+    }
     _write(jobs_dir(sweep_dir) / f"{num}.json", record)
     return record
 
 
-def finish(sweep_dir: str | Path, record: dict[str, Any], status: str, summary: Mapping[str, Any] | None,
-           error: str = "") -> dict[str, Any]:
+def finish(
+    sweep_dir: str | Path, record: dict[str, Any], status: str, summary: Mapping[str, Any] | None, error: str = ""
+) -> dict[str, Any]:
     """Record how the job ended: ``status``, its error and the summary's numbers."""
     summary = summary or {}
-    record = {**record, "status": status, "error": error or summary.get("error") or "", "ended": time.time(),
-              **{k: summary[k] for k in NUMBERS if k in summary}}
+    record = {
+        **record,
+        "status": status,
+        "error": error or summary.get("error") or "",
+        "ended": time.time(),
+        **{k: summary[k] for k in NUMBERS if k in summary},
+    }
     _write(jobs_dir(sweep_dir) / f"{record['num']}.json", record)
     return record
 
@@ -106,8 +131,13 @@ def _read_record(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         problem = f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
     num = int(path.stem) if path.stem.isdigit() else 1 << 62  # not a job number: last
-    return {"num": num, "job": path.stem, "overrides": [], "status": "unreadable",
-            "error": f"the job's record {path} {problem}"}
+    return {
+        "num": num,
+        "job": path.stem,
+        "overrides": [],
+        "status": "unreadable",
+        "error": f"the job's record {path} {problem}",
+    }
 
 
 def _not_run(sweep_dir: str | Path, recorded: set) -> list[dict[str, Any]]:
@@ -116,8 +146,17 @@ def _not_run(sweep_dir: str | Path, recorded: set) -> list[dict[str, Any]]:
         jobs = json.loads((Path(sweep_dir) / PLAN).read_text())["jobs"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return [{"num": i, "job": str(i), "overrides": list(o), "status": NOT_RUN,
-             "error": "the sweep was stopped before this job started"} for i, o in enumerate(jobs) if i not in recorded]
+    return [
+        {
+            "num": i,
+            "job": str(i),
+            "overrides": list(o),
+            "status": NOT_RUN,
+            "error": "the sweep was stopped before this job started",
+        }
+        for i, o in enumerate(jobs)
+        if i not in recorded
+    ]
 
 
 def _alive(record: Mapping[str, Any]) -> bool:

@@ -38,8 +38,19 @@ from gradmod.reporting import run_summary, sweep_jobs
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ("job", "overrides", "status", "test_accuracy", "test_loss", "clip_coef", "frac_clipped", "total_norm",
-           "skipped_steps", "seconds", "error")
+COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "test_accuracy",
+    "test_loss",
+    "clip_coef",
+    "frac_clipped",
+    "total_norm",
+    "skipped_steps",
+    "seconds",
+    "error",
+)
 STATS = ("clip_coef", "frac_clipped", "total_norm")
 FILES = {"csv": "sweep.csv", "md": "sweep.md", "png": "sweep_curves.png"}
 
@@ -62,8 +73,13 @@ def launcher_threads(launcher: Mapping[str, Any] | None, cores: int | None = Non
     if n_jobs < 0:
         n_jobs = max(1, cores + 1 + n_jobs)
     if n_jobs > cores:
-        log.warning("hydra.launcher.n_jobs=%d is more than the %d cores: the jobs share them; "
-                    "set hydra.launcher.n_jobs=%d or fewer", n_jobs, cores, cores)
+        log.warning(
+            "hydra.launcher.n_jobs=%d is more than the %d cores: the jobs share them; "
+            "set hydra.launcher.n_jobs=%d or fewer",
+            n_jobs,
+            cores,
+            cores,
+        )
     return max(1, cores // n_jobs)
 
 
@@ -114,25 +130,42 @@ def clip_stats(job_dir: Path) -> dict[str, float | None]:
     ``frac_clipped`` (the fraction of its steps clipped) and total norm before clipping;
     without a group transform, ``frac_clipped`` of the per-tensor ``log`` reads (the
     fraction of elements changed)."""
-    reads = [s for rec in _json_lines(job_dir / "grad_stats.jsonl")
-             for s in (rec.get("stats") or {}).values() if isinstance(s, dict)]
+    reads = [
+        s
+        for rec in _json_lines(job_dir / "grad_stats.jsonl")
+        for s in (rec.get("stats") or {}).values()
+        if isinstance(s, dict)
+    ]
     group = [s for s in reads if "clip_coef" in s]
     if group:
-        return {"clip_coef": _mean([s["clip_coef"] for s in group]),
-                "frac_clipped": _mean([s.get("frac_clipped") for s in group]),
-                "total_norm": _mean([s.get("norm") for s in group])}
-    return {"clip_coef": None, "frac_clipped": _mean([s["frac_clipped"] for s in reads if "frac_clipped" in s]),
-            "total_norm": None}
+        return {
+            "clip_coef": _mean([s["clip_coef"] for s in group]),
+            "frac_clipped": _mean([s.get("frac_clipped") for s in group]),
+            "total_norm": _mean([s.get("norm") for s in group]),
+        }
+    return {
+        "clip_coef": None,
+        "frac_clipped": _mean([s["frac_clipped"] for s in reads if "frac_clipped" in s]),
+        "total_norm": None,
+    }
 
 
 def _row(job: str, overrides: list[str], ending: Mapping[str, Any], job_dir: Path | None) -> dict[str, Any]:
     """One job's row: its ending, plus the curve and statistics it wrote (``job_dir``, or None)."""
     stats = clip_stats(job_dir) if job_dir is not None else dict.fromkeys(STATS)
-    return {"job": job, "overrides": overrides, "status": ending.get("status", "ok"),
-            "test_accuracy": ending.get("test_accuracy"), "test_loss": ending.get("test_loss"),
-            "tasks": ending.get("tasks") or {}, **stats,
-            "skipped_steps": ending.get("skipped_steps"), "seconds": ending.get("seconds"),
-            "error": ending.get("error") or "", "curve": _curve(job_dir) if job_dir is not None else []}
+    return {
+        "job": job,
+        "overrides": overrides,
+        "status": ending.get("status", "ok"),
+        "test_accuracy": ending.get("test_accuracy"),
+        "test_loss": ending.get("test_loss"),
+        "tasks": ending.get("tasks") or {},
+        **stats,
+        "skipped_steps": ending.get("skipped_steps"),
+        "seconds": ending.get("seconds"),
+        "error": ending.get("error") or "",
+        "curve": _curve(job_dir) if job_dir is not None else [],
+    }
 
 
 def read_job(job_dir: Path, root: Path) -> dict[str, Any]:
@@ -201,9 +234,19 @@ def by_group(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ok = [r for r in members if r["status"] == "ok" and r["test_accuracy"] is not None]
         acc, acc_std = _spread([r["test_accuracy"] for r in ok])
         loss, loss_std = _spread([r["test_loss"] for r in ok if r["test_loss"] is not None])
-        out.append({"group": name, "jobs": len(members), "ok": len(ok), "accuracy": acc, "accuracy_std": acc_std,
-                    "loss": loss, "loss_std": loss_std, "tasks": _task_spread(ok),
-                    **{k: _mean([r[k] for r in ok]) for k in (*STATS, "skipped_steps", "seconds")}})
+        out.append(
+            {
+                "group": name,
+                "jobs": len(members),
+                "ok": len(ok),
+                "accuracy": acc,
+                "accuracy_std": acc_std,
+                "loss": loss,
+                "loss_std": loss_std,
+                "tasks": _task_spread(ok),
+                **{k: _mean([r[k] for r in ok]) for k in (*STATS, "skipped_steps", "seconds")},
+            }
+        )
     return sorted(out, key=lambda g: -1.0 if g["accuracy"] is None else -g["accuracy"])
 
 
@@ -232,13 +275,20 @@ def spread_note(groups: list[dict[str, Any]]) -> str:
     if all(g["accuracy_std"] is None for g in ranked):
         return "One seed per group: no seed spread to compare the differences with (add e.g. seed=0,1,2)."
     best = ranked[0]
-    close = [g for g in ranked[1:] if g["accuracy_std"] is not None and best["accuracy_std"] is not None
-             and best["accuracy"] - g["accuracy"] <= max(best["accuracy_std"], g["accuracy_std"])]
+    close = [
+        g
+        for g in ranked[1:]
+        if g["accuracy_std"] is not None
+        and best["accuracy_std"] is not None
+        and best["accuracy"] - g["accuracy"] <= max(best["accuracy_std"], g["accuracy_std"])
+    ]
     if not close:
         return f"The best group, `{best['group']}`, is ahead of every other by more than the seed spread."
     names = ", ".join(f"`{g['group']}`" for g in close)
-    return (f"Within the seed spread of the best group (`{best['group']}`): {names}; the accuracy differences "
-            "between them are smaller than the std over seeds, so they do not rank these settings.")
+    return (
+        f"Within the seed spread of the best group (`{best['group']}`): {names}; the accuracy differences "
+        "between them are smaller than the std over seeds, so they do not rank these settings."
+    )
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -247,8 +297,11 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
         writer = csv.writer(f)
         writer.writerow([*COLUMNS, *(f"{t}/{field}" for t, field in tasks)])
         for r in rows:
-            values = {**r, "overrides": " ".join(r["overrides"]),
-                      "seconds": None if r["seconds"] is None else round(r["seconds"], 3)}
+            values = {
+                **r,
+                "overrides": " ".join(r["overrides"]),
+                "seconds": None if r["seconds"] is None else round(r["seconds"], 3),
+            }
             per_task = [(r["tasks"].get(t) or {}).get(field) for t, field in tasks]
             writer.writerow(["" if v is None else v for v in [*(values[c] for c in COLUMNS), *per_task]])
 
@@ -271,24 +324,37 @@ def markdown(rows: list[dict[str, Any]], sweep_dir: str | Path = "") -> str:
     lines = [f"# Sweep {sweep_dir}".rstrip(), "", _count_line(rows), ""]
     if shared:
         lines += [f"Every job: `{' '.join(shared)}`", ""]
-    lines += ["| job | overrides | status | test accuracy | test loss | clip_coef | frac_clipped | total norm "
-              "| skipped | seconds | error |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [
+        "| job | overrides | status | test accuracy | test loss | clip_coef | frac_clipped | total norm "
+        "| skipped | seconds | error |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r, own in zip(rows, varying):
-        lines.append(f"| {r['job']} | {_cell(' '.join(own))} | {r['status']} | {_num(r['test_accuracy'], 4)} | "
-                     f"{_num(r['test_loss'], 4)} | {_num(r['clip_coef'], 3)} | {_num(r['frac_clipped'], 3)} | "
-                     f"{_num(r['total_norm'], 3)} | {_num(r['skipped_steps'], 0)} | {_num(r['seconds'], 1)} | "
-                     f"{_cell(r['error'])} |")
+        lines.append(
+            f"| {r['job']} | {_cell(' '.join(own))} | {r['status']} | {_num(r['test_accuracy'], 4)} | "
+            f"{_num(r['test_loss'], 4)} | {_num(r['clip_coef'], 3)} | {_num(r['frac_clipped'], 3)} | "
+            f"{_num(r['total_norm'], 3)} | {_num(r['skipped_steps'], 0)} | {_num(r['seconds'], 1)} | "
+            f"{_cell(r['error'])} |"
+        )
     groups = by_group(rows)
     if len(groups) > 1 or any(g["ok"] > 1 for g in groups):
-        lines += ["", "## Per group, over seeds", "",
-                  "Jobs that differ only in `seed=` form a group; mean ± sample std over the jobs that ended ok.", "",
-                  "| group | jobs ok | test accuracy | test loss | clip_coef | frac_clipped | total norm | skipped "
-                  "| seconds |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "## Per group, over seeds",
+            "",
+            "Jobs that differ only in `seed=` form a group; mean ± sample std over the jobs that ended ok.",
+            "",
+            "| group | jobs ok | test accuracy | test loss | clip_coef | frac_clipped | total norm | skipped "
+            "| seconds |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for g in groups:
-            lines.append(f"| {_cell(g['group'])} | {g['ok']}/{g['jobs']} | {_pm(g['accuracy'], g['accuracy_std'])} | "
-                         f"{_pm(g['loss'], g['loss_std'])} | {_num(g['clip_coef'], 3)} | "
-                         f"{_num(g['frac_clipped'], 3)} | {_num(g['total_norm'], 3)} | "
-                         f"{_num(g['skipped_steps'], 1)} | {_num(g['seconds'], 1)} |")
+            lines.append(
+                f"| {_cell(g['group'])} | {g['ok']}/{g['jobs']} | {_pm(g['accuracy'], g['accuracy_std'])} | "
+                f"{_pm(g['loss'], g['loss_std'])} | {_num(g['clip_coef'], 3)} | "
+                f"{_num(g['frac_clipped'], 3)} | {_num(g['total_norm'], 3)} | "
+                f"{_num(g['skipped_steps'], 1)} | {_num(g['seconds'], 1)} |"
+            )
         note = spread_note(groups)
         lines += ["", note] if note else []
         lines += _task_table(groups, task_names(rows))
@@ -299,10 +365,16 @@ def _task_table(groups: list[dict[str, Any]], tasks: list[str]) -> list[str]:
     """Per group, each task's test metric (accuracy for class labels) as mean ± std over seeds."""
     if not tasks:
         return []
-    lines = ["", "## Per task, over seeds", "",
-             "Each task's test metric (accuracy for class labels), mean ± sample std over the group's jobs that "
-             "ended ok; the group's accuracy above is the mean over its tasks.", "",
-             "| group | jobs ok | " + " | ".join(tasks) + " |", "|---|---:|" + "---:|" * len(tasks)]
+    lines = [
+        "",
+        "## Per task, over seeds",
+        "",
+        "Each task's test metric (accuracy for class labels), mean ± sample std over the group's jobs that "
+        "ended ok; the group's accuracy above is the mean over its tasks.",
+        "",
+        "| group | jobs ok | " + " | ".join(tasks) + " |",
+        "|---|---:|" + "---:|" * len(tasks),
+    ]
     for g in groups:
         cells = [_pm(g["tasks"].get(t, {}).get("metric"), g["tasks"].get(t, {}).get("metric_std")) for t in tasks]
         lines.append(f"| {_cell(g['group'])} | {g['ok']}/{g['jobs']} | " + " | ".join(cells) + " |")
@@ -319,8 +391,9 @@ def write_report(sweep_dir: str | Path, *, ended: bool = False) -> tuple[dict[st
         raise ValueError(f"sweep folder {str(root)!r} does not exist")
     rows = collect(root, ended=ended)
     if not rows:
-        raise ValueError(f"no job folders under {str(root)!r} (looked for .gradmod/jobs/, .hydra/overrides.yaml "
-                         "and summary.json)")
+        raise ValueError(
+            f"no job folders under {str(root)!r} (looked for .gradmod/jobs/, .hydra/overrides.yaml and summary.json)"
+        )
     paths = {kind: root / name for kind, name in FILES.items()}
     write_csv(rows, paths["csv"])
     paths["md"].write_text(markdown(rows, root))

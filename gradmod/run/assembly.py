@@ -52,35 +52,75 @@ def build_trainer(run: Run) -> Parts:
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
     many = dist.world_size > 1
-    guard = NonFiniteGuard(model, run.hooks, t.nonfinite, world_sum=_world_sum if many else None,
-                           sharded=many and dist.strategy == "fsdp")
+    guard = NonFiniteGuard(
+        model, run.hooks, t.nonfinite, world_sum=_world_sum if many else None, sharded=many and dist.strategy == "fsdp"
+    )
     groups = param_groups(model.named_parameters(), cfg.optimizer.no_decay)
     if cfg.optimizer.no_decay:
         log.info("%s", describe_groups(model, groups, cfg.optimizer.weight_decay))
     optimizer = build_optimizer(cfg.optimizer, groups, dist.device)
-    saver = Checkpointer(run.folder.out / "checkpoints", every_epochs=t.checkpoint_every,
-                         every_steps=t.checkpoint_every_steps, keep=t.checkpoint_keep, epochs=t.epochs,
-                         config=dataclasses.asdict(cfg), plan=run.plan, writes=dist.is_main, run=run.claim.run_id,
-                         started=run.started)
-    steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate,
-                            dp.sampling(cfg))
+    saver = Checkpointer(
+        run.folder.out / "checkpoints",
+        every_epochs=t.checkpoint_every,
+        every_steps=t.checkpoint_every_steps,
+        keep=t.checkpoint_keep,
+        epochs=t.epochs,
+        config=dataclasses.asdict(cfg),
+        plan=run.plan,
+        writes=dist.is_main,
+        run=run.claim.run_id,
+        started=run.started,
+    )
+    steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate, dp.sampling(cfg))
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
     callbacks = [NonFiniteCallback(guard), diverged, schedule]
     if run.privacy is not None:
-        callbacks.append(PrivacyCallback(cfg.privacy.accountant, cfg.privacy.delta, run.privacy.noise_multiplier,
-                                         run.privacy.sample_rate, sampling=dp.sampling(cfg),
-                                         target_epsilon=cfg.privacy.target_epsilon, clip=run.hooks.per_sample.noisy))
+        callbacks.append(
+            PrivacyCallback(
+                cfg.privacy.accountant,
+                cfg.privacy.delta,
+                run.privacy.noise_multiplier,
+                run.privacy.sample_rate,
+                sampling=dp.sampling(cfg),
+                target_epsilon=cfg.privacy.target_epsilon,
+                clip=run.hooks.per_sample.noisy,
+            )
+        )
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
-    probe = GradCamProbe(model_factory(cfg.model, run.data), run.data, cfg.capture.gradcam_layer,
-                         cfg.capture.gradcam_images, dist.device) if cfg.capture.gradcam else None
-    settings = TrainerSettings(batch_size=cfg.data.batch_size, accumulate=t.accumulate,
-                               eval_batch_size=t.eval_batch_size, log_every=t.log_every,
-                               progress=t.progress and sys.stderr.isatty(), loader_workers=run.loader_workers,
-                               sampling=dp.sampling(cfg))
-    trainer = Trainer(model, optimizer, settings, hooks=run.hooks, amp=Precision(t.precision, dist.device),
-                      tasks=build_tasks(cfg.loss, cfg.metric), callbacks=[*callbacks, saver], dist=dist, net=net,
-                      eval_net=model if net is wrapped else net, generator=torch.Generator().manual_seed(cfg.seed))
+    probe = (
+        GradCamProbe(
+            model_factory(cfg.model, run.data),
+            run.data,
+            cfg.capture.gradcam_layer,
+            cfg.capture.gradcam_images,
+            dist.device,
+        )
+        if cfg.capture.gradcam
+        else None
+    )
+    settings = TrainerSettings(
+        batch_size=cfg.data.batch_size,
+        accumulate=t.accumulate,
+        eval_batch_size=t.eval_batch_size,
+        log_every=t.log_every,
+        progress=t.progress and sys.stderr.isatty(),
+        loader_workers=run.loader_workers,
+        sampling=dp.sampling(cfg),
+    )
+    trainer = Trainer(
+        model,
+        optimizer,
+        settings,
+        hooks=run.hooks,
+        amp=Precision(t.precision, dist.device),
+        tasks=build_tasks(cfg.loss, cfg.metric),
+        callbacks=[*callbacks, saver],
+        dist=dist,
+        net=net,
+        eval_net=model if net is wrapped else net,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
     return Parts(trainer, saver, guard, probe)
 
 

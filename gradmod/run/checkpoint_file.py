@@ -99,7 +99,7 @@ def load(path: str | Path) -> dict[str, Any]:
     head, sep, payload = data.partition(b"\n")
     if not head.startswith(MAGIC) or not sep:
         raise CheckpointError(f"checkpoint {path}: not a gradmod checkpoint (no header)")
-    if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC):].partition(RUN_FIELD)[0]:
+    if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC) :].partition(RUN_FIELD)[0]:
         raise CheckpointError(f"checkpoint {path}: truncated or corrupt (checksum mismatch)")
     try:
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
@@ -128,8 +128,11 @@ def find(resume: str | None, folder: Path, run: str | None = None) -> tuple[Path
         found = latest(folder, run)
         if found is None:
             # Each run gets a new folder unless told otherwise, so this is usually a mistake.
-            log.warning("trainer.resume=auto: no complete checkpoint in %s; starting fresh. To resume an "
-                        "earlier run, pass hydra.run.dir=<the earlier run folder>", folder)
+            log.warning(
+                "trainer.resume=auto: no complete checkpoint in %s; starting fresh. To resume an "
+                "earlier run, pass hydra.run.dir=<the earlier run folder>",
+                folder,
+            )
         return found
     try:
         return Path(resume), load(resume)

@@ -31,9 +31,20 @@ class Checkpointer(Callback):
     ``started``: the ``time.perf_counter()`` at which this process began the run; with the
     seconds a restored checkpoint carries, ``seconds()`` is the run's time over all its processes."""
 
-    def __init__(self, folder: Path, *, every_epochs: int = 1, every_steps: int = 0, keep: int = 2,
-                 epochs: int = 0, config: Any = "", plan: Any = None, writes: bool = True, run: str | None = None,
-                 started: float | None = None):
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        every_epochs: int = 1,
+        every_steps: int = 0,
+        keep: int = 2,
+        epochs: int = 0,
+        config: Any = "",
+        plan: Any = None,
+        writes: bool = True,
+        run: str | None = None,
+        started: float | None = None,
+    ):
         self.folder, self.every_epochs, self.every_steps, self.keep = Path(folder), every_epochs, every_steps, keep
         self.epochs, self.config, self.plan, self.writes, self.run = epochs, config, plan, writes, run
         self.started = time.perf_counter() if started is None else started
@@ -59,11 +70,18 @@ class Checkpointer(Callback):
         model, position = trainer.dist.model_state(trainer.model), trainer.state_dict()
         if not self.writes:
             return None
-        state = {"format": FORMAT, "model": model, "trainer": position,
-                 "hooks": trainer.hooks.state_dict() if trainer.hooks is not None else {},
-                 "callbacks": {cb.key: cb.state_dict() for cb in trainer.callbacks},
-                 "rng": ckpt.rng_state(), "config": self.config, "hook_plan": self.plan, "seconds": self.seconds(),
-                 "world_size": trainer.dist.world_size}
+        state = {
+            "format": FORMAT,
+            "model": model,
+            "trainer": position,
+            "hooks": trainer.hooks.state_dict() if trainer.hooks is not None else {},
+            "callbacks": {cb.key: cb.state_dict() for cb in trainer.callbacks},
+            "rng": ckpt.rng_state(),
+            "config": self.config,
+            "hook_plan": self.plan,
+            "seconds": self.seconds(),
+            "world_size": trainer.dist.world_size,
+        }
         state["step"] = state["trainer"]["step"]
         path = ckpt.save(self.folder, state, self.keep, run=self.run)
         log.debug("checkpoint %s (epoch %d, batch %d)", path, state["trainer"]["epoch"], state["trainer"]["batch"])
@@ -75,8 +93,10 @@ class Checkpointer(Callback):
             return None
         path, state = found
         if state.get("format") != FORMAT:
-            raise ValueError(f"trainer.resume: {path} was written by another gradmod version "
-                             f"(format {state.get('format')}, this one reads {FORMAT}); start a new run")
+            raise ValueError(
+                f"trainer.resume: {path} was written by another gradmod version "
+                f"(format {state.get('format')}, this one reads {FORMAT}); start a new run"
+            )
         if state.get("hook_plan") != self.plan:
             log.warning("resuming from %s, whose hook plan differs from this run's", path)
         try:  # every state before any file is written: a misfit refuses the resume cleanly
@@ -90,8 +110,10 @@ class Checkpointer(Callback):
                 else:  # a callback this run added: it may refuse what the earlier steps did without it
                     cb.on_missing_state(state["trainer"]["step"])
         except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise ValueError(f"trainer.resume: {path} does not fit this run's model, optimizer, scheduler or "
-                             f"rules ({type(e).__name__}: {' '.join(str(e).split())})") from None
+            raise ValueError(
+                f"trainer.resume: {path} does not fit this run's model, optimizer, scheduler or "
+                f"rules ({type(e).__name__}: {' '.join(str(e).split())})"
+            ) from None
         self.seconds_before = float(state.get("seconds", 0.0))
         ckpt.set_rng_state(state["rng"])
         trainer.resumed_from = path

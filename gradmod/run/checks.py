@@ -75,8 +75,12 @@ def target_node(key: str, node: Any, cls: type) -> Any:
         raise ValueError(f"{key} must be a mapping with a _target_ (a dotted path) and its arguments, got {node!r}")
     own = tuple(f.name for f in dataclasses.fields(cls) if f.name not in ("_target_", "_partial_", "args"))
     rest = {k: v for k, v in node.items() if k not in ("_target_", "_partial_", "args", *own)}
-    return cls(_target_=node["_target_"], _partial_=bool(node.get("_partial_", cls._partial_)),
-               args={**rest, **(node.get("args") or {})}, **{k: node[k] for k in own if k in node})
+    return cls(
+        _target_=node["_target_"],
+        _partial_=bool(node.get("_partial_", cls._partial_)),
+        args={**rest, **(node.get("args") or {})},
+        **{k: node[k] for k in own if k in node},
+    )
 
 
 def seed(value: int) -> None:
@@ -89,7 +93,9 @@ def optimizer(opt: Any) -> None:
     """The optimizer's own values (``OptimizerConfig``); its arguments are tried by torch
     (``gradmod.app.config_store``)."""
     if opt.fused and opt.foreach:
-        raise ValueError("optimizer.fused=true with optimizer.foreach=true: torch allows one of them; set the other null")
+        raise ValueError(
+            "optimizer.fused=true with optimizer.foreach=true: torch allows one of them; set the other null"
+        )
     finite("optimizer.lr", opt.lr)
     finite("optimizer.weight_decay", opt.weight_decay)
 
@@ -109,8 +115,10 @@ def metric(key: str, spec: Any, by_task: bool = True) -> None:
         for task, inner in spec.items():
             metric(f"{key}.{task}", inner, by_task=False)
     else:
-        raise ValueError(f"{key}={spec!r} is not allowed; allowed: {', '.join(METRIC_NAMES)}, "
-                         "{_target_: dotted.path, ...} or task name -> one of those")
+        raise ValueError(
+            f"{key}={spec!r} is not allowed; allowed: {', '.join(METRIC_NAMES)}, "
+            "{_target_: dotted.path, ...} or task name -> one of those"
+        )
 
 
 def trainer(t: Any) -> None:
@@ -122,26 +130,39 @@ def trainer(t: Any) -> None:
     int_fields("trainer.", t)
     cores = os.cpu_count() or 1
     if t.threads > cores:  # each torch thread is an OS thread: far past the cores, starting them fails
-        raise ValueError(f"trainer.threads={t.threads} is more than this machine's {cores} CPUs; "
-                         f"allowed: 0 (torch's default) to {cores}")
+        raise ValueError(
+            f"trainer.threads={t.threads} is more than this machine's {cores} CPUs; "
+            f"allowed: 0 (torch's default) to {cores}"
+        )
     if t.hook_stage == "per_sample":
-        raise ValueError("trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage "
-                         "(per_sample_clip implies it); allowed: hook, fused")
-    for key, allowed in (("hook_stage", HOOK_STAGES), ("precision", PRECISIONS), ("strategy", STRATEGIES),
-                         ("nonfinite", NONFINITE), ("data_placement", PLACEMENTS)):
+        raise ValueError(
+            "trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage "
+            "(per_sample_clip implies it); allowed: hook, fused"
+        )
+    for key, allowed in (
+        ("hook_stage", HOOK_STAGES),
+        ("precision", PRECISIONS),
+        ("strategy", STRATEGIES),
+        ("nonfinite", NONFINITE),
+        ("data_placement", PLACEMENTS),
+    ):
         choice(f"trainer.{key}", getattr(t, key), allowed)
     if t.sync_check and (t.precision == "fp16" or t.nonfinite != "warn"):
         other = "trainer.precision=fp16" if t.precision == "fp16" else f"trainer.nonfinite={t.nonfinite}"
-        raise ValueError(f"trainer.sync_check=true with {other}: that reads the host every step, which sync_check "
-                         "forbids; use trainer.sync_check=false, or precision fp32|bf16 and nonfinite=warn")
+        raise ValueError(
+            f"trainer.sync_check=true with {other}: that reads the host every step, which sync_check "
+            "forbids; use trainer.sync_check=false, or precision fp32|bf16 and nonfinite=warn"
+        )
     _resume(t.resume)
 
 
 def _resume(resume: str | None) -> None:
     if resume not in (None, "auto") and Path(resume).is_dir():
-        raise ValueError(f"trainer.resume={resume!r} is a folder; give a checkpoint file in it "
-                         f"({resume}/checkpoints/step-*.pt), or resume the run it holds with "
-                         f"trainer.resume=auto hydra.run.dir={resume}")
+        raise ValueError(
+            f"trainer.resume={resume!r} is a folder; give a checkpoint file in it "
+            f"({resume}/checkpoints/step-*.pt), or resume the run it holds with "
+            f"trainer.resume=auto hydra.run.dir={resume}"
+        )
     if resume not in (None, "auto") and not Path(resume).is_file():
         raise ValueError(f"trainer.resume={resume!r}: no such file; allowed: auto, null or a checkpoint file")
 
@@ -152,11 +173,16 @@ def rules(hooks: Mapping[str, Any]) -> None:
     (``gradmod.hooks.selection.build_targets``)."""
     for name, rule in hooks.items():
         if not isinstance(rule, Mapping):
-            raise ValueError(f"hooks.{name}={rule!r} is not a rule; a rule is a mapping with params or modules and "
-                             f"transforms, e.g. +hooks.{name}={{params: '*', transforms: [zero]}}")
+            raise ValueError(
+                f"hooks.{name}={rule!r} is not a rule; a rule is a mapping with params or modules and "
+                f"transforms, e.g. +hooks.{name}={{params: '*', transforms: [zero]}}"
+            )
         transforms = rule.get("transforms")
         listed = [transforms] if isinstance(transforms, (str, Mapping)) else transforms
-        if transforms is not None and not (isinstance(listed, list) and all(isinstance(t, (str, Mapping))
-                                                                           for t in listed)):
-            raise ValueError(f"hooks.{name}.transforms={transforms!r} is not allowed; allowed: a transform's name, "
-                             "a mapping {name: ..., its arguments}, or a list of them")
+        if transforms is not None and not (
+            isinstance(listed, list) and all(isinstance(t, (str, Mapping)) for t in listed)
+        ):
+            raise ValueError(
+                f"hooks.{name}.transforms={transforms!r} is not allowed; allowed: a transform's name, "
+                "a mapping {name: ..., its arguments}, or a list of them"
+            )

@@ -66,8 +66,11 @@ def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
 
 
 def _noisy(rules: Mapping[str, Any]) -> list[tuple[str, float]]:
-    return [(name, float(args["noise_multiplier"])) for name, args in _clips(rules)
-            if (args.get("noise_multiplier") or 0) > 0]
+    return [
+        (name, float(args["noise_multiplier"]))
+        for name, args in _clips(rules)
+        if (args.get("noise_multiplier") or 0) > 0
+    ]
 
 
 def adds_noise(cfg: Config) -> bool:
@@ -86,11 +89,15 @@ def check(cfg: Config) -> None:
     t, private = cfg.trainer, per_sample_rule_names(cfg.hooks)
     noisy, target = _noisy(cfg.hooks), cfg.privacy.target_epsilon
     if private and t.strategy not in PER_SAMPLE_STRATEGIES:
-        raise ValueError(f"hooks.{private[0]}: the per_sample stage runs under trainer.strategy="
-                         f"{'|'.join(PER_SAMPLE_STRATEGIES)} only, not {t.strategy}")
+        raise ValueError(
+            f"hooks.{private[0]}: the per_sample stage runs under trainer.strategy="
+            f"{'|'.join(PER_SAMPLE_STRATEGIES)} only, not {t.strategy}"
+        )
     if private and t.precision == "fp16":
-        raise ValueError(f"hooks.{private[0]}: the per_sample stage clips unscaled gradients, which fp16's "
-                         "GradScaler does not give; use trainer.precision=fp32 or bf16")
+        raise ValueError(
+            f"hooks.{private[0]}: the per_sample stage clips unscaled gradients, which fp16's "
+            "GradScaler does not give; use trainer.precision=fp32 or bf16"
+        )
     if target is not None:
         clips = [name for name, _ in _clips(cfg.hooks)]
         if not (math.isfinite(target) and target > 0):
@@ -101,9 +108,11 @@ def check(cfg: Config) -> None:
     if noisy or target is not None:
         make_accountant(cfg.privacy.accountant)  # Opacus missing: one line saying what to install
     if sampling(cfg) == "poisson" and t.strategy == "ddp" and not private:
-        raise ValueError("data.sampling=poisson under trainer.strategy=ddp needs a per_sample rule (e.g. +hooks=dp): "
-                         "DDP's own all-reduce cannot take the empty batches Poisson sampling draws; "
-                         "use data.sampling=shuffle")
+        raise ValueError(
+            "data.sampling=poisson under trainer.strategy=ddp needs a per_sample rule (e.g. +hooks=dp): "
+            "DDP's own all-reduce cannot take the empty batches Poisson sampling draws; "
+            "use data.sampling=shuffle"
+        )
 
 
 def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, Any], Privacy | None]:
@@ -115,23 +124,38 @@ def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, An
     rate, _ = poisson_steps(train_size, cfg.data.batch_size, world_size, t.accumulate)
     steps = steps_per_epoch(train_size, cfg.data.batch_size, world_size, t.accumulate, sampling(cfg)) * t.epochs
     if sampling(cfg) == "shuffle":
-        log.warning("data.sampling=shuffle with a noisy per_sample rule: the reported epsilon assumes Poisson "
-                    "sampling (data.sampling=poisson), which shuffled batches do not give")
+        log.warning(
+            "data.sampling=shuffle with a noisy per_sample rule: the reported epsilon assumes Poisson "
+            "sampling (data.sampling=poisson), which shuffled batches do not give"
+        )
     if cfg.privacy.delta >= 1.0 / train_size:
-        log.warning("privacy.delta=%g is not below 1 / training set size (%d examples): such a delta allows "
-                    "releasing an example outright; use e.g. %g", cfg.privacy.delta, train_size,
-                    10 ** math.floor(math.log10(0.1 / train_size)))
+        log.warning(
+            "privacy.delta=%g is not below 1 / training set size (%d examples): such a delta allows "
+            "releasing an example outright; use e.g. %g",
+            cfg.privacy.delta,
+            train_size,
+            10 ** math.floor(math.log10(0.1 / train_size)),
+        )
     rules = copy.deepcopy(cfg.hooks)
     if cfg.privacy.target_epsilon is None:
-        (rule, sigma), = _noisy(rules)[:1]
+        ((rule, sigma),) = _noisy(rules)[:1]
     else:
-        (rule, args), = _clips(rules)
+        ((rule, args),) = _clips(rules)
         sigma = noise_for_epsilon(cfg.privacy.target_epsilon, cfg.privacy.delta, rate, steps, cfg.privacy.accountant)
         _set_noise(rules[rule], sigma)
-        replaced = f" (replacing hooks.{rule}'s noise_multiplier={args['noise_multiplier']})" \
-            if args.get("noise_multiplier") else ""
-        log.info("privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f%s",
-                 cfg.privacy.target_epsilon, sigma, steps, rate, replaced)
+        replaced = (
+            f" (replacing hooks.{rule}'s noise_multiplier={args['noise_multiplier']})"
+            if args.get("noise_multiplier")
+            else ""
+        )
+        log.info(
+            "privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f%s",
+            cfg.privacy.target_epsilon,
+            sigma,
+            steps,
+            rate,
+            replaced,
+        )
     return rules, Privacy(rule, sigma, rate, steps)
 
 

@@ -80,8 +80,9 @@ def write(out: str | Path, summary: dict[str, Any]) -> None:
     atomic.write_text(Path(out) / "summary.json", json_text.dumps(summary, indent=2) + "\n")
 
 
-def settle(out: str | Path | None, error: BaseException, seconds: float, *, owned: bool,
-           previous: dict[str, Any] | None = None) -> dict[str, Any]:
+def settle(
+    out: str | Path | None, error: BaseException, seconds: float, *, owned: bool, previous: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The ending of a run that raised ``error``: written into ``out`` when the run owns it,
     or when it replaces no earlier run's files (``out`` None: this rank writes nothing);
     returned. ``previous``: the ending of the run this one continued, kept in the summary."""
@@ -97,11 +98,15 @@ def settle(out: str | Path | None, error: BaseException, seconds: float, *, owne
 
 def summary_of(error: BaseException, seconds: float) -> dict[str, Any]:
     """The summary of a run that raised: failed, interrupted or diverged."""
-    summary = {"status": "failed", "error": _typed(error), "test_accuracy": None, "test_loss": None,
-               "seconds": seconds}
+    summary = {"status": "failed", "error": _typed(error), "test_accuracy": None, "test_loss": None, "seconds": seconds}
     if isinstance(error, Interrupted):
-        summary.update(status="interrupted", error=str(error), signal=signal.Signals(error.signum).name,
-                       steps=error.step, checkpoint=str(error.checkpoint) if error.checkpoint else None)
+        summary.update(
+            status="interrupted",
+            error=str(error),
+            signal=signal.Signals(error.signum).name,
+            steps=error.step,
+            checkpoint=str(error.checkpoint) if error.checkpoint else None,
+        )
     elif isinstance(error, Diverged):
         summary.update(status="diverged", error=str(error), step=error.step)
     if getattr(error, "privacy", None):  # the epsilon the steps before the ending spent
@@ -112,8 +117,14 @@ def summary_of(error: BaseException, seconds: float) -> dict[str, Any]:
 def killed(signum: int, seconds: float) -> dict[str, Any]:
     """The summary of a run killed by ``signum`` before it could write its own."""
     name = signal.Signals(signum).name
-    return {"status": "killed", "error": f"killed by {name}", "signal": name, "test_accuracy": None,
-            "test_loss": None, "seconds": seconds}
+    return {
+        "status": "killed",
+        "error": f"killed by {name}",
+        "signal": name,
+        "test_accuracy": None,
+        "test_loss": None,
+        "seconds": seconds,
+    }
 
 
 def message(error: BaseException) -> str:

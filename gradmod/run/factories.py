@@ -43,8 +43,11 @@ def locate(path: str, key: str) -> Any:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
-        where = ("; it is imported from the current folder, PYTHONPATH or an installed package"
-                 if isinstance(e, ImportError) else "")
+        where = (
+            "; it is imported from the current folder, PYTHONPATH or an installed package"
+            if isinstance(e, ImportError)
+            else ""
+        )
         raise ValueError(f"{key}={path!r} does not import ({type(e).__name__}: {e}){where}") from None
 
 
@@ -60,15 +63,19 @@ def call_target(key: str, cfg: Any, *args: Any) -> Any:
         return fn(*args, **cfg.args)
     except Exception as e:
         shown = ", ".join(f"{k}={v!r}" for k, v in cfg.args.items())
-        raise ValueError(f"{key}._target_={cfg._target_}({shown}) failed: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())}") from None
+        raise ValueError(
+            f"{key}._target_={cfg._target_}({shown}) failed: {type(e).__name__}: {' '.join(str(e).split())}"
+        ) from None
 
 
 def default_fused(cls: type, device: torch.device) -> bool | None:
     """``optimizer.fused=null``: fused kernels on CUDA for the optimizers that have them
     (one launch for all parameters), torch's own choice elsewhere."""
-    if torch.device(device).type == "cuda" and getattr(cls, "__name__", "") in FUSED_ON_CUDA \
-            and cls.__module__.startswith("torch.optim"):
+    if (
+        torch.device(device).type == "cuda"
+        and getattr(cls, "__name__", "") in FUSED_ON_CUDA
+        and cls.__module__.startswith("torch.optim")
+    ):
         return True
     return None
 
@@ -85,8 +92,10 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], no_decay: list[str])
         if not hits:
             raise ValueError(f"optimizer.no_decay: {pattern!r} matches no parameter; {name_hint(pattern, names)}")
         exempt.update(hits)
-    groups = [{"params": [p for n, p in named if n not in exempt]},
-              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0, "no_decay": True}]
+    groups = [
+        {"params": [p for n, p in named if n not in exempt]},
+        {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0, "no_decay": True},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -117,8 +126,14 @@ def build_optimizer(cfg: Any, params: Iterable[Any], device: torch.device | str 
 def model_factory(cfg: ModelConfig, data: Data) -> Callable[[], nn.Module]:
     """A function that builds a fresh model as the config says (also for Grad-CAM's copy)."""
     if cfg._target_ is None:
-        return functools.partial(build_model, cfg.name, in_channels=data.in_channels, num_classes=data.num_classes,
-                                 image_size=data.image_size, norm=cfg.norm)
+        return functools.partial(
+            build_model,
+            cfg.name,
+            in_channels=data.in_channels,
+            num_classes=data.num_classes,
+            image_size=data.image_size,
+            norm=cfg.norm,
+        )
     return functools.partial(_target_model, cfg)
 
 
@@ -136,14 +151,18 @@ def _target_model(cfg: ModelConfig) -> nn.Module:
 def build_data(cfg: DataConfig, *, data_dir: str, seed: int) -> Data:
     """The dataset on the CPU: by name (``gradmod.data.load_data``) or from ``data._target_``."""
     if cfg._target_ is None:
-        extra = {k: v for k, v in vars(cfg).items()
-                 if k not in ("name", "batch_size", "fallback", "n_test", "sampling", "_target_", "args")}
+        extra = {
+            k: v
+            for k, v in vars(cfg).items()
+            if k not in ("name", "batch_size", "fallback", "n_test", "sampling", "_target_", "args")
+        }
         return load_data(cfg.name, data_dir=data_dir, seed=seed, fallback=cfg.fallback, n_test=cfg.n_test, **extra)
     made = call_target("data", cfg)
     if not isinstance(made, (tuple, list)) or len(made) != 2:
         raise ValueError(f"data._target_={cfg._target_} {DATA_SHAPE}; got {_describe(made)}")
-    (train_x, train_y), (test_x, test_y) = (_tensors(cfg._target_, part, split) for part, split in
-                                            zip(made, ("train", "test")))
+    (train_x, train_y), (test_x, test_y) = (
+        _tensors(cfg._target_, part, split) for part, split in zip(made, ("train", "test"))
+    )
     num_classes = max(class_count(train_y), class_count(test_y))
     return Data(cfg._target_, train_x, train_y, test_x, test_y, num_classes=max(num_classes, 2))
 
@@ -152,8 +171,12 @@ def _tensors(target: str, part: Any, split: str) -> tuple[Tensor, Tensor | Label
     """(inputs, labels) from a pair of tensors or a map-style dataset of pairs; labels by
     task (a mapping) become ``Labels``."""
     where = f"data._target_={target} {DATA_SHAPE}; its {split} part"
-    if isinstance(part, (tuple, list)) and len(part) == 2 and isinstance(part[0], Tensor) \
-            and (isinstance(part[1], Tensor) or _tensor_map(part[1])):
+    if (
+        isinstance(part, (tuple, list))
+        and len(part) == 2
+        and isinstance(part[0], Tensor)
+        and (isinstance(part[1], Tensor) or _tensor_map(part[1]))
+    ):
         x, y = part
     elif hasattr(part, "__getitem__") and hasattr(part, "__len__"):
         if len(part) == 0:
@@ -186,8 +209,10 @@ def _stacked(labels: list[Any]) -> Tensor | dict[str, Tensor]:
 def _checked(where: str, x: Tensor, y: Tensor) -> Tensor:
     """Class indices as int64, regression targets as float32."""
     if x.ndim < 2 or y.ndim < 1 or len(x) != len(y) or len(y) == 0:
-        raise ValueError(f"{where} has inputs of shape {tuple(x.shape)} and labels of shape {tuple(y.shape)}; "
-                         "want N x ... inputs and N labels")
+        raise ValueError(
+            f"{where} has inputs of shape {tuple(x.shape)} and labels of shape {tuple(y.shape)}; "
+            "want N x ... inputs and N labels"
+        )
     if y.dtype.is_floating_point:
         return y.float()
     if y.dtype == torch.bool or int(y.min()) < 0:
@@ -210,8 +235,10 @@ def build_loss(cfg: LossConfig) -> Callable[[Tensor, Tensor], Tensor]:
     else:
         fn = call_target("loss", cfg)
     if not callable(fn):
-        raise ValueError(f"loss._target_={cfg._target_} returned a {type(fn).__name__}, which is not callable "
-                         "as loss(output, target); use _partial_: true for a function")
+        raise ValueError(
+            f"loss._target_={cfg._target_} returned a {type(fn).__name__}, which is not callable "
+            "as loss(output, target); use _partial_: true for a function"
+        )
     return fn
 
 
@@ -243,12 +270,19 @@ def _unset_totals(fn: Any, args: dict[str, Any]) -> list[str]:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return []
-    return [k for k in TOTAL_KEYS if k in params and k not in args and "epochs" not in args
-            and params[k].default in (inspect.Parameter.empty, None)]
+    return [
+        k
+        for k in TOTAL_KEYS
+        if k in params
+        and k not in args
+        and "epochs" not in args
+        and params[k].default in (inspect.Parameter.empty, None)
+    ]
 
 
-def build_scheduler(cfg: SchedulerConfig | None, optimizer: torch.optim.Optimizer,
-                    total_steps: int) -> lr_scheduler.LRScheduler | None:
+def build_scheduler(
+    cfg: SchedulerConfig | None, optimizer: torch.optim.Optimizer, total_steps: int
+) -> lr_scheduler.LRScheduler | None:
     """``cfg._target_(optimizer, **args)``, with null ``T_max``/``total_steps``/``total_iters``
     filled in as ``total_steps``; None without a scheduler."""
     if cfg is None:
@@ -258,6 +292,8 @@ def build_scheduler(cfg: SchedulerConfig | None, optimizer: torch.optim.Optimize
     filled = SchedulerConfig(_target_=cfg._target_, _partial_=cfg._partial_, args=args)
     made = call_target("scheduler", filled, optimizer)
     if not hasattr(made, "step") or not hasattr(made, "state_dict"):
-        raise ValueError(f"scheduler._target_={cfg._target_} returned a {type(made).__name__}, "
-                         "not a torch.optim.lr_scheduler object (no step/state_dict)")
+        raise ValueError(
+            f"scheduler._target_={cfg._target_} returned a {type(made).__name__}, "
+            "not a torch.optim.lr_scheduler object (no step/state_dict)"
+        )
     return made

@@ -136,5 +136,10 @@ class GradCamCallback(Callback):
 
         cam = self.probe(trainer.model)
         titles = [f"{y}/{p}" for y, p in zip(cam["labels"], cam["preds"])]
-        plot_gradcam(torch.from_numpy(cam["images"]), torch.from_numpy(cam["cams"]), self.out / "gradcam.png",
-                     titles=titles, title=f"Grad-CAM of {self.probe.layer} (label/prediction)")
+        plot_gradcam(
+            torch.from_numpy(cam["images"]),
+            torch.from_numpy(cam["cams"]),
+            self.out / "gradcam.png",
+            titles=titles,
+            title=f"Grad-CAM of {self.probe.layer} (label/prediction)",
+        )

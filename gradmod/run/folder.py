@@ -37,8 +37,19 @@ from gradmod.run import checkpoint_file as ckpt
 log = logging.getLogger(__name__)
 
 # Removed by start_over (with every checkpoint and TensorBoard event file).
-OUTPUTS = ("summary.json", "metrics.jsonl", "model.pt", "grad_stats.jsonl", "hook_plan.json", "metrics.csv",
-           "grad_stats.csv", "curves.png", "grad_norms.png", "frac_clipped.png", "gradcam.png")
+OUTPUTS = (
+    "summary.json",
+    "metrics.jsonl",
+    "model.pt",
+    "grad_stats.jsonl",
+    "hook_plan.json",
+    "metrics.csv",
+    "grad_stats.csv",
+    "curves.png",
+    "grad_norms.png",
+    "frac_clipped.png",
+    "gradcam.png",
+)
 ABANDONED = "abandoned-"  # checkpoints/abandoned-<n>/: a timeline left by a resume from an older step
 # What a run writes, moves or deletes in its folder (with what checkpoints/, tensorboard/, .gradmod/
 # and .hydra/ hold): none of it may be a link that leads out of the folder.
@@ -122,14 +133,17 @@ class RunFolder:
         earlier, (owner, damage) = has_results(self.out), self._read_run_record()
         if start_over:
             if resume is not None:
-                raise ValueError(f"trainer.start_over=true discards the folder's results and cannot be combined "
-                                 f"with trainer.resume={resume}; drop one of them")
+                raise ValueError(
+                    f"trainer.start_over=true discards the folder's results and cannot be combined "
+                    f"with trainer.resume={resume}; drop one of them"
+                )
             return Claim(_new_id(), start_over=True)
         if resume is None:
             if earlier:
                 raise ValueError(
                     f"run folder {self.out} holds an earlier run's results ({', '.join(earlier)}); resume it with "
-                    "trainer.resume=auto, replace it with trainer.start_over=true, or choose another hydra.run.dir")
+                    "trainer.resume=auto, replace it with trainer.start_over=true, or choose another hydra.run.dir"
+                )
             return Claim(_new_id())
         if resume == "auto":
             if owner is None and damage is not None:
@@ -143,24 +157,34 @@ class RunFolder:
 
     def _nothing_to_resume(self, earlier: list[str], owner: str | None) -> Claim:
         if earlier:
-            raise ValueError(f"trainer.resume=auto: no usable checkpoint of this folder's run{_named(owner)} in "
-                             f"{self.checkpoints} (its results are left as they are); trainer.start_over=true "
-                             "discards the folder's results and starts a new run")
-        log.warning("trainer.resume=auto: no checkpoint in %s; starting fresh. To resume an earlier run, pass "
-                    "hydra.run.dir=<the earlier run folder>", self.checkpoints)
+            raise ValueError(
+                f"trainer.resume=auto: no usable checkpoint of this folder's run{_named(owner)} in "
+                f"{self.checkpoints} (its results are left as they are); trainer.start_over=true "
+                "discards the folder's results and starts a new run"
+            )
+        log.warning(
+            "trainer.resume=auto: no checkpoint in %s; starting fresh. To resume an earlier run, pass "
+            "hydra.run.dir=<the earlier run folder>",
+            self.checkpoints,
+        )
         return Claim(_new_id())
 
     def _resume(self, found: tuple[Path, dict[str, Any]], earlier: list[str], owner: str | None) -> Claim:
         path, state = found
         theirs = ckpt.run_of(path)
         if theirs == owner and (owner is not None or earlier):
-            later = [p for p in ckpt.checkpoints(self.checkpoints, owner)
-                     if ckpt.step_of(p) > int(state["step"]) and p.resolve() != path.resolve()]
+            later = [
+                p
+                for p in ckpt.checkpoints(self.checkpoints, owner)
+                if ckpt.step_of(p) > int(state["step"]) and p.resolve() != path.resolve()
+            ]
             return Claim(owner or _new_id(), found, abandon=later, previous=self._previous())
         if earlier:
-            raise ValueError(f"trainer.resume={path}: the checkpoint belongs to run {theirs or '<unnamed>'}, but run "
-                             f"folder {self.out} belongs to run {owner or '<unnamed>'} and holds its results; resume "
-                             "that run's own checkpoints here, or fork this one into a new hydra.run.dir")
+            raise ValueError(
+                f"trainer.resume={path}: the checkpoint belongs to run {theirs or '<unnamed>'}, but run "
+                f"folder {self.out} belongs to run {owner or '<unnamed>'} and holds its results; resume "
+                "that run's own checkpoints here, or fork this one into a new hydra.run.dir"
+            )
         return Claim(_new_id(), found, parent={"run": theirs, "step": int(state["step"])})
 
     def commit(self, claim: Claim) -> None:
@@ -194,8 +218,10 @@ class RunFolder:
             f.seek(0)
             holder = f.read().strip() or "unknown"
             f.close()
-            raise ValueError(f"run folder {self.out} is in use by another run (pid {holder}, lock {path}); "
-                             "wait for it to end or choose another hydra.run.dir") from None
+            raise ValueError(
+                f"run folder {self.out} is in use by another run (pid {holder}, lock {path}); "
+                "wait for it to end or choose another hydra.run.dir"
+            ) from None
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")
@@ -220,10 +246,12 @@ class RunFolder:
         if not runs:
             return  # no checkpoint that names a run: nothing to tell apart
         hint = f'write {{"run_id": "{runs[0]}"}} there if they are this folder\'s run; ' if len(runs) == 1 else ""
-        raise ValueError(f"trainer.resume=auto: {self.meta / 'run.json'} {damage}, so it is unknown which run this "
-                         f"folder continues (its checkpoints are run {', '.join(runs)}'s): {hint}fork a checkpoint "
-                         "into a new hydra.run.dir with trainer.resume=<checkpoint>, or discard the folder's results "
-                         "with trainer.start_over=true")
+        raise ValueError(
+            f"trainer.resume=auto: {self.meta / 'run.json'} {damage}, so it is unknown which run this "
+            f"folder continues (its checkpoints are run {', '.join(runs)}'s): {hint}fork a checkpoint "
+            "into a new hydra.run.dir with trainer.resume=<checkpoint>, or discard the folder's results "
+            "with trainer.start_over=true"
+        )
 
     def _previous(self) -> dict[str, Any] | None:
         """The folder's ending, for the continuation's summary (``running`` with no owner: killed)."""
@@ -231,8 +259,11 @@ class RunFolder:
         if not isinstance(summary, dict):
             return None
         if summary.get("status") == "killed":
-            log.warning("run folder %s: its last run was killed while running (summary.json says running and no "
-                        "process holds the folder); continuing from its newest checkpoint", self.out)
+            log.warning(
+                "run folder %s: its last run was killed while running (summary.json says running and no "
+                "process holds the folder); continuing from its newest checkpoint",
+                self.out,
+            )
         return {k: v for k, v in summary.items() if k != "previous"}  # one ending back, not a chain
 
     def _refuse_links(self) -> None:
@@ -244,21 +275,33 @@ class RunFolder:
         for path in names:
             target = Path(os.path.realpath(path))  # a link loop too (realpath does not raise)
             if (path.is_symlink() or path.exists()) and not target.is_relative_to(root):
-                raise ValueError(f"run folder {self.out}: {path.relative_to(self.out)} is a link to "
-                                 f"{target}, outside the folder; a run writes, moves and deletes files only "
-                                 "in its own folder: replace the link with a folder or file of its own, or choose "
-                                 "another hydra.run.dir")
+                raise ValueError(
+                    f"run folder {self.out}: {path.relative_to(self.out)} is a link to "
+                    f"{target}, outside the folder; a run writes, moves and deletes files only "
+                    "in its own folder: replace the link with a folder or file of its own, or choose "
+                    "another hydra.run.dir"
+                )
 
     def _set_aside(self, later: list[Path], step: int) -> None:
         """A resume from an older step: the later checkpoints become an abandoned timeline."""
-        n = 1 + max((int(p.name[len(ABANDONED):]) for p in self.checkpoints.glob(ABANDONED + "*")
-                     if p.name[len(ABANDONED):].isdigit()), default=0)
+        n = 1 + max(
+            (
+                int(p.name[len(ABANDONED) :])
+                for p in self.checkpoints.glob(ABANDONED + "*")
+                if p.name[len(ABANDONED) :].isdigit()
+            ),
+            default=0,
+        )
         aside = self.checkpoints / f"{ABANDONED}{n}"
         aside.mkdir()
         for path in later:
             path.replace(aside / path.name)
-        log.warning("resuming from step %d: this run's later checkpoints (steps %s) moved to %s; a new timeline "
-                    "starts here", step, ", ".join(str(ckpt.step_of(p)) for p in later), aside)
+        log.warning(
+            "resuming from step %d: this run's later checkpoints (steps %s) moved to %s; a new timeline starts here",
+            step,
+            ", ".join(str(ckpt.step_of(p)) for p in later),
+            aside,
+        )
 
     def _remove_outputs(self) -> None:
         """``trainer.start_over``: the earlier results, every checkpoint and TensorBoard event file."""
@@ -274,9 +317,16 @@ class RunFolder:
 
 def running(claim: Claim) -> dict[str, Any]:
     """The summary of a run in progress (``gradmod.reporting.run_summary``)."""
-    return {"status": "running", "run": claim.run_id, "pid": os.getpid(), "host": socket.gethostname(),
-            "started": time.time(), "test_accuracy": None, "test_loss": None,
-            **({"previous": claim.previous} if claim.previous is not None else {})}
+    return {
+        "status": "running",
+        "run": claim.run_id,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "test_accuracy": None,
+        "test_loss": None,
+        **({"previous": claim.previous} if claim.previous is not None else {}),
+    }
 
 
 def _new_id() -> str:

@@ -33,16 +33,22 @@ def check_data(data: Data, model_key: str | None) -> None:
     """``model_key``: ``model.name=...`` for a shipped model (sized by the labels), else None."""
     train, test = tuple(data.train_x.shape[1:]), tuple(data.test_x.shape[1:])
     if train != test:
-        raise ValueError(f"data ({data.name}): train inputs are {_shape(train)} but test inputs are {_shape(test)}; "
-                         "both splits need the same input shape")
+        raise ValueError(
+            f"data ({data.name}): train inputs are {_shape(train)} but test inputs are {_shape(test)}; "
+            "both splits need the same input shape"
+        )
     for split, x in (("train", data.train_x), ("test", data.test_x)):
         if x.dtype not in INPUT_DTYPES:
-            raise ValueError(f"data ({data.name}): {split} inputs are {x.dtype}; allowed: torch.uint8 (pixels "
-                             "0-255, scaled to [0, 1]), torch.float32 or torch.int64 (token ids); convert them in "
-                             "the dataset, e.g. x.float()")
+            raise ValueError(
+                f"data ({data.name}): {split} inputs are {x.dtype}; allowed: torch.uint8 (pixels "
+                "0-255, scaled to [0, 1]), torch.float32 or torch.int64 (token ids); convert them in "
+                "the dataset, e.g. x.float()"
+            )
     if model_key is not None and data.num_classes > MAX_CLASSES:
-        raise ValueError(f"data ({data.name}): the largest label is {data.num_classes - 1}, so {model_key} would need "
-                         f"{data.num_classes} outputs; labels are class indices 0..C-1, C at most {MAX_CLASSES}")
+        raise ValueError(
+            f"data ({data.name}): the largest label is {data.num_classes - 1}, so {model_key} would need "
+            f"{data.num_classes} outputs; labels are class indices 0..C-1, C at most {MAX_CLASSES}"
+        )
 
 
 def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss_key: str) -> tuple[bool, str]:
@@ -72,12 +78,16 @@ def check_per_loss(targets: list[Any], several: bool, strategy: str, loss_key: s
     if not rules:
         return
     if not several:
-        raise ValueError(f"hooks.{rules[0]} runs at stage per_loss, which combines several losses, and {loss_key} "
-                         "gives one scalar loss; use a model with several outputs (e.g. model=multi_lenet "
-                         "data=multi_mnist) or a loss that returns a mapping of named losses")
+        raise ValueError(
+            f"hooks.{rules[0]} runs at stage per_loss, which combines several losses, and {loss_key} "
+            "gives one scalar loss; use a model with several outputs (e.g. model=multi_lenet "
+            "data=multi_mnist) or a loss that returns a mapping of named losses"
+        )
     if strategy == "fsdp":
-        raise ValueError(f"hooks.{rules[0]} runs at stage per_loss, which trainer.strategy=fsdp does not support "
-                         "yet; use trainer.strategy=ddp or single")
+        raise ValueError(
+            f"hooks.{rules[0]} runs at stage per_loss, which trainer.strategy=fsdp does not support "
+            "yet; use trainer.strategy=ddp or single"
+        )
 
 
 def _forward(model: nn.Module, x: Tensor, data: Data, key: str) -> Any:
@@ -86,18 +96,22 @@ def _forward(model: nn.Module, x: Tensor, data: Data, key: str) -> Any:
     try:
         return model(x)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"data ({data.name}): train inputs are torch.int64 (token ids) and {key} fails on them "
-                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); a model of token ids starts "
-                         "with an nn.Embedding; for numbers convert them in the dataset, e.g. x.float()") from None
+        raise ValueError(
+            f"data ({data.name}): train inputs are torch.int64 (token ids) and {key} fails on them "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); a model of token ids starts "
+            "with an nn.Embedding; for numbers convert them in the dataset, e.g. x.float()"
+        ) from None
 
 
 def _pairs(out: Any, y: Tensor | Labels, key: str) -> dict[str, tuple[Tensor, Tensor]]:
     """(output, labels) per task, each output a tensor with a row per example."""
     n = len(y)
     if isinstance(y, Tensor) and not isinstance(out, Tensor):
-        raise ValueError(f"{key}: forward returned {_kind(out)} and the data has one label tensor; it must return "
-                         "one tensor of N x classes logits (e.g. return out['logits'] or out[0] in forward), or the "
-                         "data must give labels by task")
+        raise ValueError(
+            f"{key}: forward returned {_kind(out)} and the data has one label tensor; it must return "
+            "one tensor of N x classes logits (e.g. return out['logits'] or out[0] in forward), or the "
+            "data must give labels by task"
+        )
     try:
         pairs = by_task(out, y)
     except ValueError as e:
@@ -118,8 +132,10 @@ def _check_classes(data: Data, task: str, out: Tensor, y: Tensor, key: str) -> N
     top = int(max(train.max(), test.max()))
     if top >= out.shape[1]:
         what = "label" if task == SINGLE else f"label of {task!r}"
-        raise ValueError(f"data ({data.name}): {what} {top} is >= the {out.shape[1]} outputs of {key}; "
-                         f"labels are class indices 0..{out.shape[1] - 1}")
+        raise ValueError(
+            f"data ({data.name}): {what} {top} is >= the {out.shape[1]} outputs of {key}; "
+            f"labels are class indices 0..{out.shape[1] - 1}"
+        )
 
 
 def _check_loss(loss: Any, key: str) -> None:
@@ -131,11 +147,15 @@ def _check_loss(loss: Any, key: str) -> None:
         return
     if not isinstance(loss, Tensor) or loss.ndim != 0:
         got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else _kind(loss)
-        raise ValueError(f"{key}: the loss returned {got}; it must return one scalar tensor "
-                         "(reduce it, e.g. .mean()), or a mapping of named scalar losses")
+        raise ValueError(
+            f"{key}: the loss returned {got}; it must return one scalar tensor "
+            "(reduce it, e.g. .mean()), or a mapping of named scalar losses"
+        )
     if not loss.requires_grad:
-        raise ValueError(f"{key}: the loss returned a tensor that does not depend on the model's output "
-                         "(detached, or computed from .item()/numpy): no gradient can flow")
+        raise ValueError(
+            f"{key}: the loss returned a tensor that does not depend on the model's output "
+            "(detached, or computed from .item()/numpy): no gradient can flow"
+        )
 
 
 def _kind(obj: Any) -> str:

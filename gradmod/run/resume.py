@@ -20,8 +20,21 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MUST_MATCH = ("model", "data", "seed", "hooks", "init", "optimizer._target_", "optimizer.no_decay",
-              "loss", "scheduler", "trainer.accumulate", "trainer.hook_stage", "trainer.precision", "trainer.strategy")
+MUST_MATCH = (
+    "model",
+    "data",
+    "seed",
+    "hooks",
+    "init",
+    "optimizer._target_",
+    "optimizer.no_decay",
+    "loss",
+    "scheduler",
+    "trainer.accumulate",
+    "trainer.hook_stage",
+    "trainer.precision",
+    "trainer.strategy",
+)
 HOOK_ORDER = "hooks._order_"  # rules on one tensor chain in config order: their order must match too
 NOT_ARGUMENTS = ("_target_", "_partial_")
 
@@ -45,14 +58,19 @@ def compare(saved: dict[str, Any], new: dict[str, Any], accept=()) -> dict[str, 
     must-match difference that ``accept`` does not name."""
     saved = saved or {}
     old, cur = _comparable(saved), _comparable(new)
-    diffs = {k: (old.get(k, "<unset>"), cur.get(k, "<unset>")) for k in sorted(old.keys() | cur.keys())
-             if old.get(k, "<unset>") != cur.get(k, "<unset>")}
+    diffs = {
+        k: (old.get(k, "<unset>"), cur.get(k, "<unset>"))
+        for k in sorted(old.keys() | cur.keys())
+        if old.get(k, "<unset>") != cur.get(k, "<unset>")
+    }
     must = MUST_MATCH + (("trainer.epochs",) if saved.get("scheduler") else ())  # the schedule's plan
     refused = [k for k in diffs if _under(k, must) and not _under(k, accept)]
     if refused:
         listed = "; ".join(f"{k}: {diffs[k][0]!r} -> {diffs[k][1]!r}" for k in refused)
-        raise ValueError(f"trainer.resume: the checkpoint's run differs in what must match ({listed}); "
-                         f"resume with the same values, or accept them with trainer.resume_accept=[{','.join(refused)}]")
+        raise ValueError(
+            f"trainer.resume: the checkpoint's run differs in what must match ({listed}); "
+            f"resume with the same values, or accept them with trainer.resume_accept=[{','.join(refused)}]"
+        )
     for k, (a, b) in diffs.items():
         log.info("resume: %s %r -> %r%s", k, a, b, " (accepted)" if _under(k, must) else "")
     return diffs
@@ -71,8 +89,10 @@ def check_epochs(path: Any, state: dict[str, Any], epochs: int) -> None:
     pos = state.get("trainer", {})
     begun = int(pos.get("epoch", 1)) - (0 if pos.get("batch") else 1)
     if epochs < begun:
-        raise ValueError(f"trainer.epochs={epochs} is fewer than the {begun} epoch(s) checkpoint {path} has done "
-                         f"or begun; resume with trainer.epochs={begun} or more")
+        raise ValueError(
+            f"trainer.epochs={epochs} is fewer than the {begun} epoch(s) checkpoint {path} has done "
+            f"or begun; resume with trainer.epochs={begun} or more"
+        )
 
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, diffs: dict[str, tuple[Any, Any]]) -> None:

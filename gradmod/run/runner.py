@@ -54,8 +54,9 @@ def train(cfg: Config, out: str | Path, on_owned: Callable[[Path], None] | None 
     return execute(lambda: cfg, out, on_owned).result()
 
 
-def execute(config: Callable[[], Config], out: str | Path,
-            on_owned: Callable[[Path], None] | None = None) -> endings.Ending:
+def execute(
+    config: Callable[[], Config], out: str | Path, on_owned: Callable[[Path], None] | None = None
+) -> endings.Ending:
     """Train as ``config()`` says (the typed config, checked: an error there is the run's
     ending too) and write the run folder ``out``; returns how the run ended.
 
@@ -77,13 +78,24 @@ def execute(config: Callable[[], Config], out: str | Path,
             if not folder.owned:
                 folder.release()  # refused before owning it: settle looks at the folder as others see it
             error = peer_lost(e)  # a rank that died names itself, not the connection it broke
-            summary = endings.settle(out if env_rank() == 0 else None, error, time.perf_counter() - t_start,
-                                     owned=folder.owned, previous=folder.previous)
+            summary = endings.settle(
+                out if env_rank() == 0 else None,
+                error,
+                time.perf_counter() - t_start,
+                owned=folder.owned,
+                previous=folder.previous,
+            )
             return endings.Ending(summary, error)
 
 
-def _build(cfg: Config, folder: RunFolder, stop: StopOnSignal, t_start: float,
-           on_owned: Callable[[Path], None] | None, undo: contextlib.ExitStack) -> Run:
+def _build(
+    cfg: Config,
+    folder: RunFolder,
+    stop: StopOnSignal,
+    t_start: float,
+    on_owned: Callable[[Path], None] | None,
+    undo: contextlib.ExitStack,
+) -> Run:
     """Everything the run needs before its Trainer, checked, with the folder claimed (no write yet)."""
     import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
     dp.check(cfg)
@@ -95,12 +107,30 @@ def _build(cfg: Config, folder: RunFolder, stop: StopOnSignal, t_start: float,
     if dist.strategy == "fsdp":
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
     rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
-    hooks = attach(model, rules, stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
-                   loss_reduction=cfg.loss.args.get("reduction", "mean"))
+    hooks = attach(
+        model,
+        rules,
+        stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
+        loss_reduction=cfg.loss.args.get("reduction", "mean"),
+    )
     undo.callback(hooks.remove)
     preflight.check_per_loss(hooks.targets, several, dist.strategy, f"loss._target_={cfg.loss._target_}")
-    return Run(cfg, folder, claim, dist, data, model, hooks, hooks.describe(), stop, t_start,
-               loader_workers=loader_workers, privacy=privacy, diffs=diffs, on_owned=on_owned)
+    return Run(
+        cfg,
+        folder,
+        claim,
+        dist,
+        data,
+        model,
+        hooks,
+        hooks.describe(),
+        stop,
+        t_start,
+        loader_workers=loader_workers,
+        privacy=privacy,
+        diffs=diffs,
+        on_owned=on_owned,
+    )
 
 
 def _claim(cfg: Config, folder: RunFolder, world_size: int) -> tuple[Claim, dict[str, Any]]:
@@ -113,8 +143,10 @@ def _claim(cfg: Config, folder: RunFolder, world_size: int) -> tuple[Claim, dict
     diffs = compare(state.get("config"), dataclasses.asdict(cfg), t.resume_accept)
     check_epochs(path, state, t.epochs)
     if state.get("world_size", 1) != world_size:  # each rank's share of the data order
-        raise ValueError(f"trainer.resume: {path} was written by {state.get('world_size', 1)} processes and "
-                         f"this run has {world_size}; resume with the same number of processes")
+        raise ValueError(
+            f"trainer.resume: {path} was written by {state.get('world_size', 1)} processes and "
+            f"this run has {world_size}; resume with the same number of processes"
+        )
     return claim, diffs
 
 
@@ -157,7 +189,15 @@ def _fit(run: Run) -> dict[str, Any]:
     summary = _summary(run, parts)
     if run.dist.is_main:
         endings.write(run.folder.out, summary)
-    log.info("%s on %s (%d test %s) in %.1fs; run folder %s", _result_line(summary), run.data.name, summary["test_size"], items(run.data), summary["seconds"], run.folder.out)
+    log.info(
+        "%s on %s (%d test %s) in %.1fs; run folder %s",
+        _result_line(summary),
+        run.data.name,
+        summary["test_size"],
+        items(run.data),
+        summary["seconds"],
+        run.folder.out,
+    )
     return summary
 
 
@@ -192,18 +232,33 @@ def _summary(run: Run, parts: Parts) -> dict[str, Any]:
     last = trainer.history[-1]
     privacy = _privacy(trainer)
     return {
-        "status": "ok", "test_accuracy": last["test_accuracy"], "test_loss": last["test_loss"],
-        "test_metric": last.get("test_metric"), **({"tasks": last["tasks"]} if "tasks" in last else {}),
-        "train_loss": last["train_loss"], "dataset": data.name, "train_size": len(data.train_y),
-        "test_size": len(data.test_y), "model": cfg.model.name,
-        "num_params": sum(p.numel() for p in trainer.model.parameters()), "device": str(trainer.device),
-        "epochs": len(trainer.history), "steps": trainer.step, "seed": cfg.seed,
-        "world_size": trainer.dist.world_size, "threads": torch.get_num_threads(), "hook_plan": run.plan,
-        "skipped_steps": trainer.skipped, "nonfinite_steps": guard.bad_steps, "nonfinite": guard.nonfinite,
+        "status": "ok",
+        "test_accuracy": last["test_accuracy"],
+        "test_loss": last["test_loss"],
+        "test_metric": last.get("test_metric"),
+        **({"tasks": last["tasks"]} if "tasks" in last else {}),
+        "train_loss": last["train_loss"],
+        "dataset": data.name,
+        "train_size": len(data.train_y),
+        "test_size": len(data.test_y),
+        "model": cfg.model.name,
+        "num_params": sum(p.numel() for p in trainer.model.parameters()),
+        "device": str(trainer.device),
+        "epochs": len(trainer.history),
+        "steps": trainer.step,
+        "seed": cfg.seed,
+        "world_size": trainer.dist.world_size,
+        "threads": torch.get_num_threads(),
+        "hook_plan": run.plan,
+        "skipped_steps": trainer.skipped,
+        "nonfinite_steps": guard.bad_steps,
+        "nonfinite": guard.nonfinite,
         "precision": trainer.amp.name,
-        "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None, "seconds": parts.saver.seconds(),
+        "resumed_from": str(trainer.resumed_from) if trainer.resumed_from else None,
+        "seconds": parts.saver.seconds(),
         **({"privacy": privacy} if privacy else {}),
-        "run": run.claim.run_id, "parent": run.claim.parent,
+        "run": run.claim.run_id,
+        "parent": run.claim.parent,
         **({"previous": run.claim.previous} if run.claim.previous is not None else {}),
     }
 
@@ -216,8 +271,11 @@ def _privacy(trainer) -> dict[str, Any] | None:
 
 def _result_line(summary: dict[str, Any]) -> str:
     """``test_accuracy 0.9120``, or the loss (and each task's numbers) where there is no accuracy."""
-    parts = [f"test_accuracy {summary['test_accuracy']:.4f}"] if summary["test_accuracy"] is not None else \
-        [f"test_loss {summary['test_loss']:.4f}"]
+    parts = (
+        [f"test_accuracy {summary['test_accuracy']:.4f}"]
+        if summary["test_accuracy"] is not None
+        else [f"test_loss {summary['test_loss']:.4f}"]
+    )
     for name, t in summary.get("tasks", {}).items():
         metric = "" if t["test_metric"] is None else f" metric {t['test_metric']:.4f}"
         parts.append(f"{name}: loss {t['test_loss']:.4f}{metric}" if t["test_loss"] is not None else f"{name}:{metric}")

@@ -51,12 +51,15 @@ def import_plugins(modules: list[str]) -> None:
         try:
             importlib.import_module(name)
         except ImportError as e:
-            raise ValueError(f"plugins: cannot import {name!r} ({e}); a plugin is a module importable from "
-                             "the current folder, PYTHONPATH or an installed package, e.g. my_pkg.transforms") from None
+            raise ValueError(
+                f"plugins: cannot import {name!r} ({e}); a plugin is a module importable from "
+                "the current folder, PYTHONPATH or an installed package, e.g. my_pkg.transforms"
+            ) from None
         except Exception as e:  # the plugin's own code failed (a SyntaxError names its line itself)
             where = "" if isinstance(e, SyntaxError) else f" at {endings.user_frame(e) or 'import'}"
-            raise ValueError(f"plugins: importing {name!r} raised {type(e).__name__}{where}: "
-                             f"{endings.one_line(str(e))}") from None
+            raise ValueError(
+                f"plugins: importing {name!r} raised {type(e).__name__}{where}: {endings.one_line(str(e))}"
+            ) from None
 
 
 def seed_everything(seed: int) -> None:
@@ -82,8 +85,10 @@ def load(cfg: Config, dist: Dist) -> tuple[Data, int | None]:
     """The checked dataset, on the device when it fits (else a DataLoader's worker count)."""
     data = build_data(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed)
     if cfg.capture.gradcam and isinstance(data.test_y, Labels):  # its probe explains one classifier's label
-        raise ValueError(f"capture.gradcam=true needs one label tensor; data ({data.name}) has labels by task "
-                         f"({', '.join(data.test_y.keys())}); use capture.gradcam=false")
+        raise ValueError(
+            f"capture.gradcam=true needs one label tensor; data ({data.name}) has labels by task "
+            f"({', '.join(data.test_y.keys())}); use capture.gradcam=false"
+        )
     preflight.check_data(data, None if cfg.model._target_ else f"model.name={cfg.model.name}")
     _warn_sizes(cfg, data, dist.world_size)
     if placement(cfg.trainer.data_placement, data, dist.device) == "device":
@@ -100,8 +105,9 @@ def build_model(cfg: Config, data: Data, device: torch.device) -> tuple[nn.Modul
     if cfg.trainer.channels_last:
         to_channels_last(model)  # same Parameter objects: attach before or after is the same
     key = f"model._target_={cfg.model._target_}" if cfg.model._target_ else f"model.name={cfg.model.name}"
-    several, metrics = preflight.check_model(model, data, build_tasks(cfg.loss, cfg.metric), key,
-                                             f"loss._target_={cfg.loss._target_}")
+    several, metrics = preflight.check_model(
+        model, data, build_tasks(cfg.loss, cfg.metric), key, f"loss._target_={cfg.loss._target_}"
+    )
     if several or not metrics.endswith("accuracy"):
         log.info("%s", metrics)  # the classification default goes without saying
     return model, several
@@ -116,9 +122,19 @@ def _warn_sizes(cfg: Config, data: Data, world_size: int) -> None:
     """Sizes that train, but not as the user probably meant."""
     n, bs = len(data.train_y), cfg.data.batch_size
     if bs > n:
-        log.warning("data.batch_size=%d is larger than the training set (%d %s): each epoch is one batch of %d",
-                    bs, n, items(data), n)
+        log.warning(
+            "data.batch_size=%d is larger than the training set (%d %s): each epoch is one batch of %d",
+            bs,
+            n,
+            items(data),
+            n,
+        )
     per_epoch = batches_per_epoch(n, bs, world_size)
     if cfg.trainer.accumulate > per_epoch:
-        log.warning("trainer.accumulate=%d is more than the %d batches of an epoch: each epoch is one optimizer "
-                    "step over %d batches", cfg.trainer.accumulate, per_epoch, per_epoch)
+        log.warning(
+            "trainer.accumulate=%d is more than the %d batches of an epoch: each epoch is one optimizer "
+            "step over %d batches",
+            cfg.trainer.accumulate,
+            per_epoch,
+            per_epoch,
+        )

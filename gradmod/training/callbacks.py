@@ -71,8 +71,10 @@ def check_order(callbacks: Sequence[Any]) -> None:
     keys = [cb.key for cb in callbacks]
     shared = next((k for k in keys if keys.count(k) > 1), None)
     if shared is not None:
-        raise ValueError(f"two callbacks have the state key {shared!r}: a checkpoint keeps one state per key; "
-                         "give each callback a key of its own")
+        raise ValueError(
+            f"two callbacks have the state key {shared!r}: a checkpoint keeps one state per key; "
+            "give each callback a key of its own"
+        )
     for i, cb in enumerate(callbacks):
         for later, why in getattr(cb, "before", {}).items():
             if later in keys[:i]:

@@ -70,17 +70,21 @@ class Dist:
         world = int(os.environ.get("WORLD_SIZE", 1))
         if strategy == "single":
             if world > 1:
-                raise ValueError(f"trainer.strategy=single but this is one of {world} processes (WORLD_SIZE); "
-                                 "add trainer.strategy=ddp")
+                raise ValueError(
+                    f"trainer.strategy=single but this is one of {world} processes (WORLD_SIZE); "
+                    "add trainer.strategy=ddp"
+                )
             return cls(device=device)
         if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
             import submitit  # SLURM tasks (hydra/launcher=slurm): same variables as torchrun
 
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         if "RANK" not in os.environ:
-            raise ValueError(f"trainer.strategy={strategy} needs the process environment torchrun sets (RANK, "
-                             "WORLD_SIZE, MASTER_ADDR); run: torchrun --nproc_per_node=N train.py "
-                             f"trainer.strategy={strategy}")
+            raise ValueError(
+                f"trainer.strategy={strategy} needs the process environment torchrun sets (RANK, "
+                "WORLD_SIZE, MASTER_ADDR); run: torchrun --nproc_per_node=N train.py "
+                f"trainer.strategy={strategy}"
+            )
         rank, world, local = env_rank(), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
         if device.type == "cuda":
             device = torch.device("cuda", local)  # one GPU per process
@@ -144,8 +148,9 @@ class Dist:
         if self.strategy != "fsdp":
             return optimizer.state_dict()
         dcp = _dcp()
-        return dcp.get_optimizer_state_dict(model, optimizer,
-                                            options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return dcp.get_optimizer_state_dict(
+            model, optimizer, options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         if self.strategy != "fsdp":

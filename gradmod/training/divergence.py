@@ -54,8 +54,11 @@ class DivergenceCallback(Callback):
         code = int(self.first.item())  # the epoch's one read
         if code:
             step, what = divmod(code, 4)
-            raise Diverged(f"diverged: {WHAT[what]} became non-finite (nan or inf) at step {step}; lower "
-                           "optimizer.lr, look for a nan in the model or loss, or clip the gradients", step)
+            raise Diverged(
+                f"diverged: {WHAT[what]} became non-finite (nan or inf) at step {step}; lower "
+                "optimizer.lr, look for a nan in the model or loss, or clip the gradients",
+                step,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Called as a checkpoint is built: a diverged run raises instead, so no checkpoint

@@ -48,9 +48,11 @@ class PerSampleSetup:
         self.plain = [p for p in model.parameters() if p.requires_grad and id(p) not in clipped]
         # Poisson: the divisor is already global; shuffled: every rank counts the same examples.
         divide = 1.0 if poisson else float(world)
-        hooks.set_per_sample(expected_batch_size=float(batch_size * accumulate * world) if poisson else None,
-                             reduce=(lambda sums: all_reduce_sum(sums, divide)) if world > 1 else None,
-                             draws_noise=dist_.is_main)
+        hooks.set_per_sample(
+            expected_batch_size=float(batch_size * accumulate * world) if poisson else None,
+            reduce=(lambda sums: all_reduce_sum(sums, divide)) if world > 1 else None,
+            draws_noise=dist_.is_main,
+        )
 
     def before_stage(self) -> None:
         """DDP: the mean over ranks of the parameters the stage does not clip (DDP's own

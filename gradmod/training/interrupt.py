@@ -25,8 +25,9 @@ class Interrupted(BaseException):
     else before it started); ``checkpoint`` continues it. Like ``KeyboardInterrupt``, not
     an ``Exception``: code that handles errors (the user's, a factory's) lets it through."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None, started: bool = True,
-                 folder: Path | None = None):
+    def __init__(
+        self, signum: int, step: int, checkpoint: Path | None, started: bool = True, folder: Path | None = None
+    ):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         again = f" hydra.run.dir={shlex.quote(str(folder))}" if folder is not None else ""  # the same folder
         where = f"checkpoint {checkpoint}; continue with trainer.resume=auto{again}" if checkpoint else "no checkpoint"

@@ -44,8 +44,9 @@ class _IndexedBatches(Dataset):
         return self.x[idx], self.y[idx]
 
 
-def host_batches(x: Tensor, y: Tensor, index: Sequence[Tensor], device: torch.device,
-                 workers: int = 0) -> Iterator[tuple[Tensor, Tensor]]:
+def host_batches(
+    x: Tensor, y: Tensor, index: Sequence[Tensor], device: torch.device, workers: int = 0
+) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) on ``device`` from host tensors ``x``, ``y``: batch
     ``i`` is ``index[i]`` (CPU index tensors; ``batches`` draws them)."""
     cuda = device.type == "cuda"
@@ -70,9 +71,17 @@ def placement(setting: str, data: Data, device: torch.device) -> str:
     return "device" if size <= DEVICE_SHARE * free else "loader"
 
 
-def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | None = None,
-            part: tuple[int, int] = (0, 1), start: int = 0, device: torch.device | None = None,
-            loader_workers: int | None = None, parts: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+def batches(
+    x: Tensor,
+    y: Tensor,
+    batch_size: int,
+    generator: torch.Generator | None = None,
+    part: tuple[int, int] = (0, 1),
+    start: int = 0,
+    device: torch.device | None = None,
+    loader_workers: int | None = None,
+    parts: int | None = None,
+) -> Iterator[tuple[Tensor, Tensor]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
     shuffled by ``generator`` (a CPU generator) when one is given. ``part=(rank, world)``
     keeps this rank's share of the shuffled order; ``start`` skips that many batches of it
@@ -91,7 +100,7 @@ def batches(x: Tensor, y: Tensor, batch_size: int, generator: torch.Generator | 
     order = torch.randperm(len(y), generator=generator)
     rank, world = part
     if world > 1:  # every rank draws the same permutation: rank r takes every world-th index,
-        order = order[rank:len(order) - len(order) % world:world]  # all ranks the same count
+        order = order[rank : len(order) - len(order) % world : world]  # all ranks the same count
     if loader_workers is not None:
         yield from host_batches(x, y, order.split(batch_size)[start:], device, loader_workers)
         return
@@ -112,10 +121,18 @@ def steps_per_epoch(n: int, batch_size: int, world: int = 1, accumulate: int = 1
     return math.ceil(batches_per_epoch(n, batch_size, world) / accumulate)
 
 
-def poisson_batches(x: Tensor, y: Tensor, sample_rate: float, steps: int, generator: torch.Generator,
-                    split: int = 1, part: tuple[int, int] = (0, 1), start: int = 0,
-                    device: torch.device | None = None,
-                    loader_workers: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+def poisson_batches(
+    x: Tensor,
+    y: Tensor,
+    sample_rate: float,
+    steps: int,
+    generator: torch.Generator,
+    split: int = 1,
+    part: tuple[int, int] = (0, 1),
+    start: int = 0,
+    device: torch.device | None = None,
+    loader_workers: int | None = None,
+) -> Iterator[tuple[Tensor, Tensor]]:
     """``steps`` Poisson batches: each example of (x, y) joins each with probability
     ``sample_rate`` (masks from ``generator``, on the host). Each batch comes as ``split``
     micro-batches (gradient accumulation: the step's one Poisson batch in near-equal parts,

@@ -77,10 +77,10 @@ class NonFiniteGuard:
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Parameters whose .grad the fused stage transforms in place: counted before it.
         self.fused = {t.name for t in hooks.targets if t.stage == "fused"} if hooks is not None else set()
-        self.skipped = 0     # optimizer steps not taken
-        self.bad_steps = 0   # steps with a non-finite raw (or final) gradient
-        self.nonfinite = 0   # non-finite raw gradient entries, summed over steps
-        self.steps = 0       # optimizer steps checked (the run's step count; messages name it)
+        self.skipped = 0  # optimizer steps not taken
+        self.bad_steps = 0  # steps with a non-finite raw (or final) gradient
+        self.nonfinite = 0  # non-finite raw gradient entries, summed over steps
+        self.steps = 0  # optimizer steps checked (the run's step count; messages name it)
         self._early: list[tuple[str, Tensor]] = []  # observe()'s counts for this step
         self._pending: _Pending | None = None  # warn: the counts of the steps since the last flush
 
@@ -90,8 +90,7 @@ class NonFiniteGuard:
         if not self.fused:
             return
         replaced = self.hooks.replaced if self.hooks is not None else set()
-        named = [(n, p.grad) for n, p in self.params
-                 if p.grad is not None and n in self.fused and n not in replaced]
+        named = [(n, p.grad) for n, p in self.params if p.grad is not None and n in self.fused and n not in replaced]
         self._early.extend(zip([n for n, _ in named], count_nonfinite([g for _, g in named])))
 
     def _collect(self) -> tuple[list[str], list[bool], Tensor | None]:
@@ -141,14 +140,18 @@ class NonFiniteGuard:
             self.skipped += 1
             return True
         if self.policy == "raise":
-            raise NonFiniteError(f"trainer.nonfinite=raise: non-finite gradient{at} in {where}; "
-                                 "use trainer.nonfinite=skip to skip such steps", self.steps)
+            raise NonFiniteError(
+                f"trainer.nonfinite=raise: non-finite gradient{at} in {where}; "
+                "use trainer.nonfinite=skip to skip such steps",
+                self.steps,
+            )
         self.skipped += 1
         if self.policy == "warn":
             log.warning("non-finite gradient%s in %s (fp16: step skipped by GradScaler)", at, where)
         elif self.skipped <= 10 or self.skipped % 100 == 0:
-            log.warning("skipped optimizer step%s: non-finite gradient in %s (%d skipped so far)",
-                        at, where, self.skipped)
+            log.warning(
+                "skipped optimizer step%s: non-finite gradient in %s (%d skipped so far)", at, where, self.skipped
+            )
         return True
 
     def _accumulate(self, names: list[str], is_after: list[bool], counts: Tensor) -> None:
@@ -168,13 +171,15 @@ class NonFiniteGuard:
             return
         self.bad_steps += steps
         self.nonfinite += _raw_total(values, pending.is_after)
-        log.warning("non-finite gradients in %d step(s), stepped anyway (trainer.nonfinite=warn): %s",
-                    steps, _where(pending.names, values))
+        log.warning(
+            "non-finite gradients in %d step(s), stepped anyway (trainer.nonfinite=warn): %s",
+            steps,
+            _where(pending.names, values),
+        )
 
     def state_dict(self) -> dict:
         self.flush()
-        return {"skipped": self.skipped, "bad_steps": self.bad_steps, "nonfinite": self.nonfinite,
-                "steps": self.steps}
+        return {"skipped": self.skipped, "bad_steps": self.bad_steps, "nonfinite": self.nonfinite, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped, self.bad_steps, self.nonfinite = state["skipped"], state["bad_steps"], state["nonfinite"]

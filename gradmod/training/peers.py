@@ -19,8 +19,10 @@ class RankLost(RuntimeError):
     def __init__(self, ranks: list[int], error: BaseException):
         named = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in ranks)
         cause = " ".join(f"{type(error).__name__}: {error}".split())
-        super().__init__(f"{named} ended during the run (killed by a signal, or it crashed: its own output says "
-                         f"which), so rank {dist.get_rank() if dist.is_initialized() else '?'} stopped too ({cause})")
+        super().__init__(
+            f"{named} ended during the run (killed by a signal, or it crashed: its own output says "
+            f"which), so rank {dist.get_rank() if dist.is_initialized() else '?'} stopped too ({cause})"
+        )
         self.ranks = ranks
 
 

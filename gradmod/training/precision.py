@@ -35,8 +35,10 @@ def check_precision(name: str, device: torch.device) -> None:
         except (RuntimeError, TypeError, ValueError):
             ok = False
     if not ok:
-        raise ValueError(f"trainer.precision={name} is not supported on {device} by torch {torch.__version__}; "
-                         "use trainer.precision=fp32" + (" or bf16" if name == "fp16" else ""))
+        raise ValueError(
+            f"trainer.precision={name} is not supported on {device} by torch {torch.__version__}; "
+            "use trainer.precision=fp32" + (" or bf16" if name == "fp16" else "")
+        )
 
 
 class Precision:

@@ -52,18 +52,29 @@ def noise_for_epsilon(target_epsilon: float, delta: float, sample_rate: float, s
         raise ValueError(f"privacy.target_epsilon={target_epsilon} must be a finite number > 0, or null")
     low, high = SIGMA_RANGE
     if epsilon_of([(high, sample_rate, steps)], delta, accountant) > target_epsilon:
-        raise ValueError(f"privacy.target_epsilon={target_epsilon} is unreachable: even noise_multiplier={high:g} "
-                         f"gives more over {steps} steps at sample rate {sample_rate:.5f}; raise the target or train "
-                         "fewer steps")
+        raise ValueError(
+            f"privacy.target_epsilon={target_epsilon} is unreachable: even noise_multiplier={high:g} "
+            f"gives more over {steps} steps at sample rate {sample_rate:.5f}; raise the target or train "
+            "fewer steps"
+        )
     loose = epsilon_of([(low, sample_rate, steps)], delta, accountant)
     if loose <= target_epsilon:
-        raise ValueError(f"privacy.target_epsilon={target_epsilon} bounds nothing: noise_multiplier={low:g} already "
-                         f"gives epsilon {loose:.4g} over {steps} steps; lower the target or set the rule's "
-                         "noise_multiplier")
+        raise ValueError(
+            f"privacy.target_epsilon={target_epsilon} bounds nothing: noise_multiplier={low:g} already "
+            f"gives epsilon {loose:.4g} over {steps} steps; lower the target or set the rule's "
+            "noise_multiplier"
+        )
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta,
-                                      sample_rate=sample_rate, steps=steps, accountant=accountant))
+    return float(
+        get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            accountant=accountant,
+        )
+    )
 
 
 class PrivacyCallback(Callback):
@@ -77,8 +88,16 @@ class PrivacyCallback(Callback):
     key = "privacy"
     before = {"Checkpointer": "its state in the step's checkpoint", "RunFiles": "epsilon in the epoch's record"}
 
-    def __init__(self, accountant: str, delta: float, noise_multiplier: float, sample_rate: float,
-                 sampling: str = "poisson", target_epsilon: float | None = None, clip: Any = None):
+    def __init__(
+        self,
+        accountant: str,
+        delta: float,
+        noise_multiplier: float,
+        sample_rate: float,
+        sampling: str = "poisson",
+        target_epsilon: float | None = None,
+        clip: Any = None,
+    ):
         self.name, self.delta, self.sampling, self.target = accountant, delta, sampling, target_epsilon
         self.noise_multiplier, self.sample_rate, self.clip = noise_multiplier, sample_rate, clip
         self.accountant = make_accountant(accountant)
@@ -93,8 +112,14 @@ class PrivacyCallback(Callback):
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
         record["epsilon"] = self.epsilon()
-        log.info("epoch %s: epsilon %.4f at delta %g after %d steps (%s accountant)", record.get("epoch", "?"),
-                 record["epsilon"], self.delta, self.steps, self.name)
+        log.info(
+            "epoch %s: epsilon %.4f at delta %g after %d steps (%s accountant)",
+            record.get("epoch", "?"),
+            record["epsilon"],
+            self.delta,
+            self.steps,
+            self.name,
+        )
 
     def epsilon(self) -> float:
         """Epsilon after the steps so far (computed once per step count: a PRV or RDP
@@ -106,38 +131,60 @@ class PrivacyCallback(Callback):
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``privacy`` block: the epsilon spent by every step so far."""
-        out = {"epsilon": self.epsilon(), "delta": self.delta, "accountant": self.name,
-               "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "steps": self.steps}
+        out = {
+            "epsilon": self.epsilon(),
+            "delta": self.delta,
+            "accountant": self.name,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps,
+        }
         if self.target is not None:
             out.update(target_epsilon=self.target, target_exceeded=out["epsilon"] > self.target)
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [[float(s), float(q), int(n)] for s, q, n in self.accountant.history],
-                "accountant": self.name, "delta": self.delta, "sampling": self.sampling,
-                "target_epsilon": self.target, "noise_multiplier": self.noise_multiplier}
+        return {
+            "history": [[float(s), float(q), int(n)] for s, q, n in self.accountant.history],
+            "accountant": self.name,
+            "delta": self.delta,
+            "sampling": self.sampling,
+            "target_epsilon": self.target,
+            "noise_multiplier": self.noise_multiplier,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, mine in (("accountant", self.name), ("delta", self.delta), ("sampling", self.sampling)):
             if key in state and state[key] != mine:
-                raise ValueError(f"the checkpoint's privacy {key} was {state[key]!r}, this run's is {mine!r}; the "
-                                 "claim covers the whole history, so resume with the same, or start a new run")
+                raise ValueError(
+                    f"the checkpoint's privacy {key} was {state[key]!r}, this run's is {mine!r}; the "
+                    "claim covers the whole history, so resume with the same, or start a new run"
+                )
         history = [(float(s), float(q), int(n)) for s, q, n in state.get("history", [])]
         if any(s <= 0 for s, _, _ in history):
             raise ValueError("the checkpoint's history has steps without noise; no privacy claim holds for it")
         self.accountant.history = history
         self._cached = (0, 0.0)
         kept = state.get("noise_multiplier")
-        if self.target is not None and state.get("target_epsilon") == self.target and kept not in (None,
-                                                                                                  self.noise_multiplier):
-            log.info("privacy.target_epsilon=%s: keeping the noise_multiplier %.4f chosen at the run's start "
-                     "(not %.4f for the extended plan); epsilon may exceed the target", self.target, kept,
-                     self.noise_multiplier)
+        if (
+            self.target is not None
+            and state.get("target_epsilon") == self.target
+            and kept not in (None, self.noise_multiplier)
+        ):
+            log.info(
+                "privacy.target_epsilon=%s: keeping the noise_multiplier %.4f chosen at the run's start "
+                "(not %.4f for the extended plan); epsilon may exceed the target",
+                self.target,
+                kept,
+                self.noise_multiplier,
+            )
             self.noise_multiplier = kept
             if self.clip is not None:
                 self.clip.noise_multiplier = kept
 
     def on_missing_state(self, steps: int) -> None:
         if steps:
-            raise ValueError(f"the checkpoint's {steps} steps ran without noise (no privacy accounting); a privacy "
-                             "claim for this run would be false: start a new run")
+            raise ValueError(
+                f"the checkpoint's {steps} steps ran without noise (no privacy accounting); a privacy "
+                "claim for this run would be false: start a new run"
+            )

@@ -18,5 +18,9 @@ def follower_overrides(argv: list[str], environ: Mapping[str, str] | None = None
     (rank 0 alone writes it), and only warnings on the console."""
     if env_rank(environ) == 0 or {"-m", "--multirun"} & set(argv):
         return []
-    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout",
-            "hydra.job_logging.root.level=WARNING"]
+    return [
+        "hydra.run.dir=.",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=stdout",
+        "hydra.job_logging.root.level=WARNING",
+    ]

@@ -11,8 +11,13 @@ from torch.optim import lr_scheduler
 from gradmod.training.callbacks import Callback
 
 
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                  start_factor: float = 0.01, eta_min: float = 0.0) -> lr_scheduler.LRScheduler:
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    start_factor: float = 0.01,
+    eta_min: float = 0.0,
+) -> lr_scheduler.LRScheduler:
     """Linear warm-up from ``start_factor * lr`` over ``warmup_steps``, then cosine to ``eta_min``."""
     if not 0 < warmup_steps < total_steps:
         raise ValueError(f"warmup_steps={warmup_steps} must be between 1 and total_steps-1={total_steps - 1}")

@@ -57,9 +57,11 @@ def by_task(output: Any, y: Tensor | Labels) -> dict[str, tuple[Tensor, Tensor]]
         output = dict(zip(y.keys(), output))
     if isinstance(output, Mapping) and isinstance(y, Labels) and set(output) == set(y.keys()):
         return {k: (output[k], y[k]) for k in y.keys()}
-    raise ValueError(f"the model returned {_kind(output)} and the data holds {_kind(y)}: outputs and labels "
-                     "must match, one tensor with one label tensor, or a mapping (or tuple) of outputs with "
-                     "labels by the same task names")
+    raise ValueError(
+        f"the model returned {_kind(output)} and the data holds {_kind(y)}: outputs and labels "
+        "must match, one tensor with one label tensor, or a mapping (or tuple) of outputs with "
+        "labels by the same task names"
+    )
 
 
 def _kind(obj: Any) -> str:
@@ -100,8 +102,10 @@ class Tasks:
         if spec == "accuracy":
             if not is_class_labels(y):
                 where = f"metric.{task}" if task else "metric"
-                raise ValueError(f"{where}=accuracy needs integer class labels, and the labels are {y.dtype}; "
-                                 f"use {where}=none or a _target_ metric")
+                raise ValueError(
+                    f"{where}=accuracy needs integer class labels, and the labels are {y.dtype}; "
+                    f"use {where}=none or a _target_ metric"
+                )
             return accuracy
         if spec == "none":
             return None
@@ -127,8 +131,10 @@ class Tasks:
         found = by_task_or_single(output, y)
         unknown = [k for k in self.metric if k not in found] if isinstance(self.metric, Mapping) else []
         if unknown:
-            raise ValueError(f"metric.{unknown[0]}: there is no task {unknown[0]!r}; the tasks are "
-                             f"{', '.join(found) or '(none: one output)'}")
+            raise ValueError(
+                f"metric.{unknown[0]}: there is no task {unknown[0]!r}; the tasks are "
+                f"{', '.join(found) or '(none: one output)'}"
+            )
         pairs = [(task, self.metric_name(task, t)) for task, (_, t) in found.items()]
         if not pairs:
             return "metric: none (the outputs and labels do not pair by task)"
@@ -168,15 +174,24 @@ def results(means: Mapping[str, float], metric_names: Mapping[str, str]) -> dict
     every = metric_names and len(accuracies) == len(metric_names)
     out["test_accuracy"] = sum(accuracies) / len(accuracies) if every else None
     if names and names != [SINGLE]:
-        out["tasks"] = {k: {"test_loss": means.get(f"loss/{k}"), "test_metric": means.get(f"metric/{k}")}
-                        for k in names}
+        out["tasks"] = {
+            k: {"test_loss": means.get(f"loss/{k}"), "test_metric": means.get(f"metric/{k}")} for k in names
+        }
     return out
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, x: Tensor, y: Tensor | Labels, tasks: Tasks = CROSS_ENTROPY, *,
-             batch_size: int = 1000, device: torch.device | None = None, loader_workers: int | None = None,
-             parts: int | None = None) -> tuple[dict[str, float], dict[str, str]]:
+def evaluate(
+    model: torch.nn.Module,
+    x: Tensor,
+    y: Tensor | Labels,
+    tasks: Tasks = CROSS_ENTROPY,
+    *,
+    batch_size: int = 1000,
+    device: torch.device | None = None,
+    loader_workers: int | None = None,
+    parts: int | None = None,
+) -> tuple[dict[str, float], dict[str, str]]:
     """Batched evaluation: (the means of ``evaluation_sums`` over the examples, read from the
     device once; each task's metric name). ``parts``: exactly that many batches (FSDP2)."""
     from gradmod.training.loader import batches

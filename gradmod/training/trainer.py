@@ -65,11 +65,22 @@ class Trainer:
     this epoch done), ``history`` (one record per finished epoch), ``last_stats``, ``settings``.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 settings: TrainerSettings = TrainerSettings(), *, hooks=None, amp: Precision | None = None,
-                 callbacks: Sequence[Any] = (), dist: Dist | None = None, net: nn.Module | None = None,
-                 eval_net: nn.Module | None = None, generator: torch.Generator | None = None,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy, tasks: Tasks | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        settings: TrainerSettings = TrainerSettings(),
+        *,
+        hooks=None,
+        amp: Precision | None = None,
+        callbacks: Sequence[Any] = (),
+        dist: Dist | None = None,
+        net: nn.Module | None = None,
+        eval_net: nn.Module | None = None,
+        generator: torch.Generator | None = None,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+        tasks: Tasks | None = None,
+    ):
         self.model, self.optimizer, self.settings, self.hooks = model, optimizer, settings, hooks
         self.net = model if net is None else net
         self.eval_net = model if eval_net is None else eval_net
@@ -92,8 +103,14 @@ class Trainer:
         self.resumed_from = None
         self.private = None  # the per_sample stage's set-up (gradmod.training.dpsgd), when a rule has one
         if hooks is not None and getattr(hooks, "per_sample", None) is not None:
-            self.private = PerSampleSetup(model, hooks, self.dist, poisson=settings.sampling == "poisson",
-                                         batch_size=settings.batch_size, accumulate=settings.accumulate)
+            self.private = PerSampleSetup(
+                model,
+                hooks,
+                self.dist,
+                poisson=settings.sampling == "poisson",
+                batch_size=settings.batch_size,
+                accumulate=settings.accumulate,
+            )
         self.per_loss = None  # the per_loss stage's set-up (gradmod.training.per_loss_step), when a rule has one
         if hooks is not None and getattr(hooks, "per_loss", None) is not None:
             self.per_loss = PerLossStep(model, hooks, self.dist)
@@ -115,12 +132,20 @@ class Trainer:
             train_loss = self.train_epoch(data.train_x, data.train_y)
             t1 = time.perf_counter()
             test = self.test(data)
-            train_loss, = self.dist.mean([train_loss])
-            record = {"epoch": epoch, "step": self.step, "train_loss": train_loss, "test_loss": test["test_loss"],
-                      "test_accuracy": test["test_accuracy"], "test_metric": test["test_metric"],
-                      "seconds": time.perf_counter() - t0, "train_seconds": t1 - t0,
-                      "eval_seconds": time.perf_counter() - t1, "skipped_steps": self.skipped - self._skipped_before,
-                      **({"tasks": test["tasks"]} if "tasks" in test else {})}
+            (train_loss,) = self.dist.mean([train_loss])
+            record = {
+                "epoch": epoch,
+                "step": self.step,
+                "train_loss": train_loss,
+                "test_loss": test["test_loss"],
+                "test_accuracy": test["test_accuracy"],
+                "test_metric": test["test_metric"],
+                "seconds": time.perf_counter() - t0,
+                "train_seconds": t1 - t0,
+                "eval_seconds": time.perf_counter() - t1,
+                "skipped_steps": self.skipped - self._skipped_before,
+                **({"tasks": test["tasks"]} if "tasks" in test else {}),
+            }
             stats = self.log_point() or self.last_stats  # the latest window: pending now, else the last read
             if stats:
                 record["grad_stats"] = stats
@@ -141,8 +166,9 @@ class Trainer:
             self.generator.set_state(self.epoch_order)
         start = self.batch
         total, stream = self._stream(x, y, start)
-        for i, (xb, yb) in enumerate(tqdm(stream, total=total, initial=start, leave=False, desc="train",
-                                          disable=not s.progress), start=start + 1):
+        for i, (xb, yb) in enumerate(
+            tqdm(stream, total=total, initial=start, leave=False, desc="train", disable=not s.progress), start=start + 1
+        ):
             if (i - 1) % s.accumulate == 0:
                 self._call("on_step_start")
                 self.optimizer.zero_grad(set_to_none=True)
@@ -166,8 +192,9 @@ class Trainer:
         s = self.settings
         if s.sampling == "poisson":
             rate, steps = poisson_steps(len(y), s.batch_size, self.dist.world_size, s.accumulate)
-            return steps * s.accumulate, poisson_batches(x, y, rate, steps, self.generator, s.accumulate,
-                                                         part, start, self.device, s.loader_workers)
+            return steps * s.accumulate, poisson_batches(
+                x, y, rate, steps, self.generator, s.accumulate, part, start, self.device, s.loader_workers
+            )
         total = batches_per_epoch(len(y), s.batch_size, self.dist.world_size)
         return total, batches(x, y, s.batch_size, self.generator, part, start, self.device, s.loader_workers)
 
@@ -222,9 +249,16 @@ class Trainer:
         parts = None
         if self.dist.strategy == "fsdp":  # every forward gathers parameters: all ranks run as many
             parts = math.ceil(math.ceil(len(data.test_y) / self.dist.world_size) / self.settings.eval_batch_size)
-        means, names = evaluate_tasks(self.eval_net, data.test_x[self.dist.part], test_y, self.tasks,
-                                      batch_size=self.settings.eval_batch_size, device=self.device,
-                                      loader_workers=self.settings.loader_workers, parts=parts)
+        means, names = evaluate_tasks(
+            self.eval_net,
+            data.test_x[self.dist.part],
+            test_y,
+            self.tasks,
+            batch_size=self.settings.eval_batch_size,
+            device=self.device,
+            loader_workers=self.settings.loader_workers,
+            parts=parts,
+        )
         combined = self.dist.mean(list(means.values()), weight=len(test_y))
         return results(dict(zip(means, combined)), names)
 
@@ -232,12 +266,18 @@ class Trainer:
         """Where training stands, for checkpoints: mid-epoch, the epoch in progress, the
         batches done in it, its order and loss so far; between epochs, the next epoch."""
         mid = self.epoch_order is not None
-        return {"epoch": self.epoch if mid else len(self.history) + 1, "batch": self.batch if mid else 0,
-                "step": self.step, "skipped": self.skipped,
-                "generator": self.epoch_order if mid else self.generator.get_state(),
-                "loss_sum": self.loss_sum.item() if mid else 0.0, "history": list(self.history),
-                "epoch_skipped_before": self._skipped_before if mid else self.skipped,
-                "optimizer": self.dist.optimizer_state(self.model, self.optimizer), "scaler": self.amp.state_dict()}
+        return {
+            "epoch": self.epoch if mid else len(self.history) + 1,
+            "batch": self.batch if mid else 0,
+            "step": self.step,
+            "skipped": self.skipped,
+            "generator": self.epoch_order if mid else self.generator.get_state(),
+            "loss_sum": self.loss_sum.item() if mid else 0.0,
+            "history": list(self.history),
+            "epoch_skipped_before": self._skipped_before if mid else self.skipped,
+            "optimizer": self.dist.optimizer_state(self.model, self.optimizer),
+            "scaler": self.amp.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
@@ -257,22 +297,43 @@ class Trainer:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 1000,
-             device: torch.device | None = None, loader_workers: int | None = None,
-             parts: int | None = None) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    *,
+    batch_size: int = 1000,
+    device: torch.device | None = None,
+    loader_workers: int | None = None,
+    parts: int | None = None,
+) -> tuple[float, float]:
     """Batched evaluation of a classifier: (mean cross-entropy, accuracy), read from the
     device once (``gradmod.training.tasks.evaluate`` for any loss and metric). ``parts``:
     exactly that many batches of near-equal size instead (FSDP2's ranks)."""
-    means, _ = evaluate_tasks(model, x, y, CROSS_ENTROPY, batch_size=batch_size, device=device,
-                              loader_workers=loader_workers, parts=parts)
+    means, _ = evaluate_tasks(
+        model, x, y, CROSS_ENTROPY, batch_size=batch_size, device=device, loader_workers=loader_workers, parts=parts
+    )
     return means["loss"], means["metric/"]
 
 
-def bare_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
-               batch_size: int, generator: torch.Generator, hooks=None,
-               on_step: Callable[[int], None] | None = None, progress: bool = False,
-               accumulate: int = 1, part: tuple[int, int] = (0, 1), amp=None, guard=None,
-               device: torch.device | None = None, loader_workers: int | None = None) -> float:
+def bare_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: Tensor,
+    y: Tensor,
+    *,
+    batch_size: int,
+    generator: torch.Generator,
+    hooks=None,
+    on_step: Callable[[int], None] | None = None,
+    progress: bool = False,
+    accumulate: int = 1,
+    part: tuple[int, int] = (0, 1),
+    amp=None,
+    guard=None,
+    device: torch.device | None = None,
+    loader_workers: int | None = None,
+) -> float:
     """One shuffled pass over (x, y) with a bare ``Trainer``; returns the mean training loss.
 
     ``hooks`` (a ``HookSet``) runs its fused stage before each optimizer step; ``guard``
@@ -280,6 +341,7 @@ def bare_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y:
     the precision; ``on_step(i)`` runs after optimizer step ``i`` of this epoch.
     ``accumulate``, ``part`` (this rank and the world size): see ``Trainer``.
     """
+
     class _OnStep(Callback):
         def on_step_end(self, trainer: Trainer) -> None:
             on_step(trainer.step)
@@ -287,8 +349,10 @@ def bare_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y:
     callbacks = ([NonFiniteCallback(guard)] if guard is not None else []) + ([_OnStep()] if on_step else [])
     device = y.device if device is None else device
     dist = Dist(rank=part[0], world_size=part[1], device=device)
-    settings = TrainerSettings(batch_size=batch_size, accumulate=accumulate, progress=progress,
-                               loader_workers=loader_workers, log_every=2**62)  # no log points: the caller reads
-    trainer = Trainer(model, optimizer, settings, hooks=hooks, amp=amp, callbacks=callbacks, dist=dist,
-                      generator=generator)
+    settings = TrainerSettings(
+        batch_size=batch_size, accumulate=accumulate, progress=progress, loader_workers=loader_workers, log_every=2**62
+    )  # no log points: the caller reads
+    trainer = Trainer(
+        model, optimizer, settings, hooks=hooks, amp=amp, callbacks=callbacks, dist=dist, generator=generator
+    )
     return trainer.train_epoch(x, y)

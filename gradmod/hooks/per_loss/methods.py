@@ -52,12 +52,18 @@ def build(name: str, args: Mapping[str, Any]) -> Method:
 
 
 def _check(name: str, arg: str, value: Any, low: float, *, strict: bool = False, high: float = math.inf) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
-        (value > low if strict else value >= low) and value <= high
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (value > low if strict else value >= low)
+        and value <= high
+    )
     if not ok:
         bound = f"> {low}" if strict else f">= {low}"
-        raise ValueError(f"per_loss method {name!r}: {arg}={value!r} must be a number {bound}"
-                         + (f" and <= {high}" if high < math.inf else ""))
+        raise ValueError(
+            f"per_loss method {name!r}: {arg}={value!r} must be a number {bound}"
+            + (f" and <= {high}" if high < math.inf else "")
+        )
     return float(value)
 
 
@@ -173,7 +179,9 @@ class AlignedMTL(Method):
 
     def __init__(self, scale_mode: str = "min"):
         if scale_mode not in self.SCALES:
-            raise ValueError(f"per_loss method 'aligned_mtl': scale_mode={scale_mode!r}; allowed: {', '.join(self.SCALES)}")
+            raise ValueError(
+                f"per_loss method 'aligned_mtl': scale_mode={scale_mode!r}; allowed: {', '.join(self.SCALES)}"
+            )
         self.scale_mode = scale_mode
 
     def weights(self, G, gen):
@@ -321,8 +329,11 @@ class NashMTL(Method):
                     prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
             except (cp.SolverError, ValueError):
                 a.value = prev.value
-            if a.value is None or np.linalg.norm(gtg @ alpha - 1 / (alpha + 1e-10)) < 1e-3 or \
-                    np.linalg.norm(a.value - prev.value) < 1e-6:
+            if (
+                a.value is None
+                or np.linalg.norm(gtg @ alpha - 1 / (alpha + 1e-10)) < 1e-3
+                or np.linalg.norm(a.value - prev.value) < 1e-6
+            ):
                 break
             alpha = a.value
         if alpha is not None:
@@ -382,6 +393,7 @@ class GradDrop(Method):
 
 # ---- loss weightings: weights from the loss values (detached, float64, host) ----
 
+
 class LossWeighting(Method):
     kind = "losses"
 
@@ -428,8 +440,10 @@ class UW(LossWeighting):
         return w
 
     def state_dict(self):
-        return {"log_var": None if self.log_var is None else self.log_var.detach().clone(),
-                "adam": None if self._opt is None else self._opt.state_dict()}
+        return {
+            "log_var": None if self.log_var is None else self.log_var.detach().clone(),
+            "adam": None if self._opt is None else self._opt.state_dict(),
+        }
 
     def load_state_dict(self, state):
         if state["log_var"] is None:
@@ -483,9 +497,11 @@ class FAMO(LossWeighting):
         return z / (z / shifted).sum() / shifted
 
     def state_dict(self):
-        return {"logits": None if self.logits is None else self.logits.detach().clone(),
-                "prev": None if self.prev is None else self.prev.clone(),
-                "adam": None if self._opt is None else self._opt.state_dict()}
+        return {
+            "logits": None if self.logits is None else self.logits.detach().clone(),
+            "prev": None if self.prev is None else self.prev.clone(),
+            "adam": None if self._opt is None else self._opt.state_dict(),
+        }
 
     def load_state_dict(self, state):
         self.prev = None if state["prev"] is None else state["prev"].clone()
@@ -529,6 +545,23 @@ class DWA(LossWeighting):
         self.sum, self.batches, self.averages = state["sum"], state["batches"], list(state["averages"])
 
 
-for _cls in (Mean, Sum, Random, PCGrad, MGDA, IMTLG, AlignedMTL, UPGrad, DualProj, CAGrad, GradVac, NashMTL,
-             GradDrop, GeometricMean, UW, FAMO, DWA):
+for _cls in (
+    Mean,
+    Sum,
+    Random,
+    PCGrad,
+    MGDA,
+    IMTLG,
+    AlignedMTL,
+    UPGrad,
+    DualProj,
+    CAGrad,
+    GradVac,
+    NashMTL,
+    GradDrop,
+    GeometricMean,
+    UW,
+    FAMO,
+    DWA,
+):
     register(_cls.name, _cls)

@@ -39,7 +39,7 @@ class TaskRecord:
             iu = torch.triu_indices(k, k, 1)
             cos = G[iu[0], iu[1]] / (d[iu[0]] * d[iu[1]]).clamp(min=1e-300)
             row[:k] = d
-            row[k:k + len(cos)] = cos
+            row[k : k + len(cos)] = cos
             row[k + len(cos)] = (G[iu[0], iu[1]] < 0).double().mean() if len(cos) else 0.0
         if w is not None:
             row[-k:] = w.detach().to("cpu", torch.float64)
@@ -70,8 +70,13 @@ class TaskRecord:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"names": list(self.names), "calls": self.calls, "sum": self._sum,
-                "has_gram": self.has_gram, "has_weights": self.has_weights}
+        return {
+            "names": list(self.names),
+            "calls": self.calls,
+            "sum": self._sum,
+            "has_gram": self.has_gram,
+            "has_weights": self.has_weights,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         self.names, self.calls, self._sum = list(state["names"]), state["calls"], state["sum"]

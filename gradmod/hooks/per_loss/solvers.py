@@ -69,9 +69,9 @@ def cagrad_socp(G: np.ndarray, c: float, norm_eps: float) -> np.ndarray:
     A = np.zeros((1 + k + 1 + k, k + 1))
     b = np.zeros(len(A))
     A[0, :k], b[0] = 1.0, 1.0  # sum w = 1
-    A[1:1 + k, :k] = -np.eye(k)  # w >= 0
+    A[1 : 1 + k, :k] = -np.eye(k)  # w >= 0
     A[1 + k, k] = -1.0  # (t, R^T w) in the second-order cone
-    A[2 + k:, :k] = -R.T
+    A[2 + k :, :k] = -R.T
     cones = [clarabel.ZeroConeT(1), clarabel.NonnegativeConeT(k), clarabel.SecondOrderConeT(k + 1)]
     settings = clarabel.DefaultSettings()
     settings.verbose = False

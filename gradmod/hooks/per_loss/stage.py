@@ -88,8 +88,10 @@ def _conv_weight_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     d, w = x.dim() - 2, m.weight.to(x.dtype)
 
     def one(gi: Tensor) -> Tensor:
-        return torch.ops.aten.convolution_backward(gi, x, w, None, m.stride, [0] * d, m.dilation, False, [0] * d,
-                                                   m.groups, [False, True, False])[1]
+        return torch.ops.aten.convolution_backward(
+            gi, x, w, None, m.stride, [0] * d, m.dilation, False, [0] * d, m.groups, [False, True, False]
+        )[1]
+
     return torch.vmap(one)(g)
 
 
@@ -109,7 +111,6 @@ class PerLossStage:
     k x k Gramian of the output's task gradients (the examples of different ranks are
     different rows of the representation's Jacobian, so the global Gramian is the mean of
     the local ones over the number of ranks), for loss weightings the k loss values."""
-
 
     def __init__(self, model: nn.Module, rules: list[LossRule]):
         self.rules = rules
@@ -137,8 +138,11 @@ class PerLossStage:
             if not mine:
                 continue
             rules = {id(owner[id(p)]) for p in mine.values()}
-            factored = isinstance(m, (nn.Linear, *CONVS)) and len(rules) == 1 \
+            factored = (
+                isinstance(m, (nn.Linear, *CONVS))
+                and len(rules) == 1
                 and all(holders[id(p)] == 1 for p in mine.values())
+            )
             if factored:
                 layer = Layer(m, owner[id(next(iter(mine.values())))], set(mine))
                 self.layers.append(layer)
@@ -153,14 +157,18 @@ class PerLossStage:
 
     @staticmethod
     def _active(outs: list[Tensor]) -> bool:
-        return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active() and \
-            any(t.requires_grad for t in outs)
+        return (
+            torch.is_grad_enabled()
+            and not torch._C._are_functorch_transforms_active()
+            and any(t.requires_grad for t in outs)
+        )
 
     def _save(self, layer: Layer):
         def hook(module, args, output):
             if isinstance(output, Tensor) and self._active([output]):
                 layer.calls.append((args[0].detach(), get_gradient_edge(output)))
                 output.register_hook(self._guard(layer.rule))
+
         return hook
 
     def _save_output(self, m: nn.Module):
@@ -168,13 +176,17 @@ class PerLossStage:
             outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, Tensor)]
             if self._active(outs):
                 self._outputs[id(m)].extend(t for t in outs if t.requires_grad)
+
         return hook
 
     def _guard(self, rule: LossRule):
         def hook(g):
             if not self.inside:
-                raise RuntimeError(f"hooks.{rule.name}: a per_loss rule needs its losses through "
-                                   "hooks.backward(losses), not loss.backward()")
+                raise RuntimeError(
+                    f"hooks.{rule.name}: a per_loss rule needs its losses through "
+                    "hooks.backward(losses), not loss.backward()"
+                )
+
         return hook
 
     # ---- one backward ----
@@ -226,8 +238,17 @@ class PerLossStage:
         pass would send k rows, k - 1 of them zeros, through every head."""
         if not outputs_only:
             eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
-            return list(torch.autograd.grad(L, inputs, grad_outputs=eye, is_grads_batched=True, retain_graph=True,
-                                            allow_unused=True, materialize_grads=False))
+            return list(
+                torch.autograd.grad(
+                    L,
+                    inputs,
+                    grad_outputs=eye,
+                    is_grads_batched=True,
+                    retain_graph=True,
+                    allow_unused=True,
+                    materialize_grads=False,
+                )
+            )
         rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
         out = []
         for j in range(len(inputs)):
@@ -290,7 +311,7 @@ class PerLossStage:
             out = torch.tensordot(w.to(J.device, J.dtype), J, 1)
         at = 0
         for what, obj, g in pieces:
-            piece = out[at:at + g.shape[1]].view_as(obj)
+            piece = out[at : at + g.shape[1]].view_as(obj)
             at += g.shape[1]
             if what == "param":
                 _add_grad(obj, piece)
@@ -343,8 +364,7 @@ class PerLossStage:
             r.method.end_epoch()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(),
-                "methods": {r.key: r.method.state_dict() for r in self.rules}}
+        return {"generator": self.generator.get_state(), "methods": {r.key: r.method.state_dict() for r in self.rules}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.generator.set_state(state["generator"])

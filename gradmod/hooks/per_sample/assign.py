@@ -65,8 +65,12 @@ def _general(m: nn.Module, trace: Trace) -> bool:
         return False
     ins, outs = dims
     leaves = _leaves(ins)
-    return (UNKNOWN not in leaves and any(isinstance(d, int) for d in leaves)
-            and bool(outs) and all(isinstance(d, int) for d in outs))
+    return (
+        UNKNOWN not in leaves
+        and any(isinstance(d, int) for d in leaves)
+        and bool(outs)
+        and all(isinstance(d, int) for d in outs)
+    )
 
 
 def _cover(p: nn.Parameter, uses: list[tuple], trace: Trace) -> nn.Module | None:
@@ -92,9 +96,11 @@ def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter]) -> l
         m = _cover(p, uses, trace)
         if m is None:
             users = ", ".join(sorted({modules.get(id(s[-1]), "?") or type(model).__name__ for s in uses}))
-            raise ValueError(f"per_sample: {name!r} (used by {users}) has no module whose forward covers every use "
-                             "and whose outputs all carry the batch, so its per-example gradient cannot be known; "
-                             "use it inside one module's forward, or leave it out of the rule")
+            raise ValueError(
+                f"per_sample: {name!r} (used by {users}) has no module whose forward covers every use "
+                "and whose outputs all carry the batch, so its per-example gradient cannot be known; "
+                "use it inside one module's forward, or leave it out of the rule"
+            )
         _layer(layers, m, FUNC, trace, True).names[_dotted(m, p)] = p
     out = list(layers.values())
     held: dict[int, int] = {}

@@ -137,7 +137,7 @@ class ConvForm(Form):
             x = x.unfold(2 + i, dil * (k - 1) + 1, s)
             if dil > 1:
                 x = x[..., ::dil]
-        length = math.prod(x.shape[2:2 + d])
+        length = math.prod(x.shape[2 : 2 + d])
         x = x.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d)).reshape(bsz, m.groups, -1, length)
         return x
 
@@ -243,7 +243,6 @@ class EmbeddingForm(Form):
         return {"weight": out.index_add_(0, idx.flatten(), (G * _bcast(w, G)).flatten(0, 1))}
 
 
-
 class Conv1DForm(Form):
     """Hugging Face's ``Conv1D``: a Linear whose weight is stored ``[in, out]``."""
 
@@ -318,15 +317,17 @@ class RNNForm(Form):
     def per_example(self, m, a: Inputs, b: list, names):
         x = a.args[0] if a.args else a.kwargs["input"]
         if not isinstance(x, Tensor) or x.dim() != 3:
-            raise ValueError(f"{type(m).__name__}: the per_sample stage takes batched 3-D input tensors "
-                             "(not packed sequences or unbatched input)")
+            raise ValueError(
+                f"{type(m).__name__}: the per_sample stage takes batched 3-D input tensors "
+                "(not packed sequences or unbatched input)"
+            )
         hx = a.args[1] if len(a.args) > 1 else a.kwargs.get("hx")
         x = x.movedim(0 if m.batch_first else 1, 0).detach().requires_grad_()  # a graph to differentiate
         with torch.enable_grad():
             outs, taps = self._replay(m, x, hx)
             grads = [g.movedim(0 if m.batch_first else 1, 0) if k == 0 else g for k, (g, _) in enumerate(b)]
             flat = [t for tap in taps.values() for t in (tap[1], *tap[3])]
-            got = torch.autograd.grad(outs[:len(grads)], flat, grads, allow_unused=True)
+            got = torch.autograd.grad(outs[: len(grads)], flat, grads, allow_unused=True)
         got = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, got)]
         return self._weights(taps, got, names)
 
@@ -334,10 +335,14 @@ class RNNForm(Form):
     def _weights(taps: dict, got: list, names) -> dict[str, Tensor]:
         out, k = {}, 0
         for sfx, (inp, _, prev, steps) in taps.items():
-            g_in, g_h = got[k], torch.stack(got[k + 1:k + 1 + len(steps)], 1)
+            g_in, g_h = got[k], torch.stack(got[k + 1 : k + 1 + len(steps)], 1)
             k += 1 + len(steps)
-            parts = {f"weight_ih{sfx}": (g_in, inp), f"bias_ih{sfx}": (g_in, None),
-                     f"weight_hh{sfx}": (g_h, prev), f"bias_hh{sfx}": (g_h, None)}
+            parts = {
+                f"weight_ih{sfx}": (g_in, inp),
+                f"bias_ih{sfx}": (g_in, None),
+                f"weight_hh{sfx}": (g_h, prev),
+                f"bias_hh{sfx}": (g_h, None),
+            }
             for n, (g, x) in parts.items():
                 if n in names:
                     out[n] = g.sum(1) if x is None else torch.bmm(g.mT, x)
@@ -351,7 +356,7 @@ class RNNForm(Form):
         if hx is None:
             zeros = x.new_zeros(m.num_layers * dirs, bsz, size)
             hx = (zeros, zeros) if lstm else zeros
-        h0, c0 = (hx if lstm else (hx, None))
+        h0, c0 = hx if lstm else (hx, None)
         taps, hs, cs, inp = {}, [], [], x
         for layer in range(m.num_layers):
             outs = []
@@ -400,9 +405,16 @@ def _bias(m: nn.Module, name: str) -> Tensor | None:
 
 LINEAR, CONV, FUNC, RNN = LinearForm(), ConvForm(), FuncForm(), RNNForm()
 FORMS: dict[type, Form] = {
-    nn.Linear: LINEAR, nn.Conv1d: CONV, nn.Conv2d: CONV, nn.Conv3d: CONV,
-    nn.LayerNorm: LayerNormForm(), nn.GroupNorm: GroupNormForm(), nn.Embedding: EmbeddingForm(),
-    nn.RNN: RNN, nn.LSTM: RNN, nn.GRU: RNN,
+    nn.Linear: LINEAR,
+    nn.Conv1d: CONV,
+    nn.Conv2d: CONV,
+    nn.Conv3d: CONV,
+    nn.LayerNorm: LayerNormForm(),
+    nn.GroupNorm: GroupNormForm(),
+    nn.Embedding: EmbeddingForm(),
+    nn.RNN: RNN,
+    nn.LSTM: RNN,
+    nn.GRU: RNN,
 }
 # Forms of other libraries' layers, found by the type's module and name (nothing imported).
 NAMED_FORMS: dict[tuple[str, str], Form] = {("transformers.pytorch_utils", "Conv1D"): Conv1DForm()}
@@ -416,12 +428,16 @@ def register_form(layer_type: type, form: Form | None = None):
     if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
         raise TypeError(f"register_form: layer_type must be an nn.Module subclass, not {layer_type!r}")
     if form is None:
+
         def decorate(cls):
             register_form(layer_type, cls())
             return cls
+
         return decorate
     if not isinstance(form, Form):
-        raise TypeError(f"register_form: form must be a gradmod.hooks.per_sample.Form instance, not {type(form).__name__}")
+        raise TypeError(
+            f"register_form: form must be a gradmod.hooks.per_sample.Form instance, not {type(form).__name__}"
+        )
     FORMS[layer_type] = form
     return form
 

@@ -11,7 +11,8 @@ def _group_norm(bn: nn.modules.batchnorm._BatchNorm) -> nn.GroupNorm:
     channels = bn.num_features
     groups = math.gcd(32, channels)  # 32 groups where the channels divide, as Wu & He use
     return nn.GroupNorm(groups, channels, eps=bn.eps, affine=bn.affine).to(
-        device=bn.weight.device if bn.affine else None, dtype=bn.weight.dtype if bn.affine else None)
+        device=bn.weight.device if bn.affine else None, dtype=bn.weight.dtype if bn.affine else None
+    )
 
 
 def replace_batchnorm(model: nn.Module) -> nn.Module:

@@ -54,12 +54,17 @@ def _training() -> bool:
 
 def check_model(model: nn.Module) -> None:
     """BatchNorm in training mode mixes the examples of a batch: no per-example gradient exists."""
-    mixing = [n or type(model).__name__ for n, m in model.named_modules()
-              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    mixing = [
+        n or type(model).__name__
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
     if mixing:
         shown = ", ".join(mixing[:5]) + (f" and {len(mixing) - 5} more" if len(mixing) > 5 else "")
-        raise ValueError(f"per_sample rules need each example's own gradient, but BatchNorm in training mode "
-                         f"mixes the examples of a batch ({shown}); use GroupNorm instead (model.norm=group)")
+        raise ValueError(
+            f"per_sample rules need each example's own gradient, but BatchNorm in training mode "
+            f"mixes the examples of a batch ({shown}); use GroupNorm instead (model.norm=group)"
+        )
 
 
 @dataclass
@@ -132,15 +137,19 @@ class PerSampleStage:
         finally:
             self._tracing = False
         if found is None:
-            raise ValueError(f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
-                             f"(dim {batch_dim(module)}); the stage needs the batch in the model's inputs")
+            raise ValueError(
+                f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
+                f"(dim {batch_dim(module)}); the stage needs the batch in the model's inputs"
+            )
         params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
         self.layers = assign(self.model, found, params)
         self._refuse(self.layers)
-        self._batch_dependent = {id(p) for layer in self.layers if batch_dependent(layer.module)
-                                 for p in layer.names.values()}
-        self._handles += [layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True)
-                          for layer in self.layers]
+        self._batch_dependent = {
+            id(p) for layer in self.layers if batch_dependent(layer.module) for p in layer.names.values()
+        }
+        self._handles += [
+            layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
+        ]
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
 
@@ -157,13 +166,16 @@ class PerSampleStage:
             why = layer.form.refusal(layer.module)
             if why:
                 p = self._names[id(next(iter(layer.names.values())))]
-                raise ValueError(f"per_sample: {p!r} is in {names.get(id(layer.module)) or 'the model'} "
-                                 f"({type(layer.module).__name__}), whose per-example gradient the stage cannot "
-                                 f"give with {why}; change the layer or leave its parameters out of the rule")
+                raise ValueError(
+                    f"per_sample: {p!r} is in {names.get(id(layer.module)) or 'the model'} "
+                    f"({type(layer.module).__name__}), whose per-example gradient the stage cannot "
+                    f"give with {why}; change the layer or leave its parameters out of the rule"
+                )
 
     def _arrived(self, p: Tensor):
         """A hook on the parameter: its whole gradient of this backward, from every use.
         The first backward keeps it, to check that the calls followed add up to it."""
+
         def hook(g: Tensor) -> None:
             self._got[id(p)] = g if self._verify else None
             self._queue()
@@ -193,8 +205,12 @@ class PerSampleStage:
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
                 inputs = _detach(first, dtype).movedim(layer.first_in, 0)
-            call = Call(layer, inputs, [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs],
-                        [None] * len(outs))
+            call = Call(
+                layer,
+                inputs,
+                [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs],
+                [None] * len(outs),
+            )
             self._calls.append(call)
             for k, t in enumerate(outs):
                 if t.requires_grad:
@@ -236,11 +252,15 @@ class PerSampleStage:
             return
         name = self._names[missing[0]]
         if self.layers is None:
-            raise ValueError(f"per_sample: {name!r} got a gradient before the attached model's first training "
-                             "forward set the stage up; call the model you attached (not one of its parts)")
-        raise ValueError(f"per_sample: {name!r} got a gradient from outside every module call the stage follows "
-                         "(used outside the model's forward, e.g. in the loss, or in a way its first forward did "
-                         "not); its per-example gradient is unknown, so it is neither clipped nor kept")
+            raise ValueError(
+                f"per_sample: {name!r} got a gradient before the attached model's first training "
+                "forward set the stage up; call the model you attached (not one of its parts)"
+            )
+        raise ValueError(
+            f"per_sample: {name!r} got a gradient from outside every module call the stage follows "
+            "(used outside the model's forward, e.g. in the loss, or in a way its first forward did "
+            "not); its per-example gradient is unknown, so it is neither clipped nor kept"
+        )
 
     def _check_sums(self, ghost, full, got: dict[int, Tensor | None], like: Tensor) -> None:
         """The followed calls' gradients add up to autograd's: no use of a parameter escaped them."""
@@ -255,20 +275,25 @@ class PerSampleStage:
             eps = max(torch.finfo(g.dtype).eps, self._grad_eps)
             tol = (10 if eps > 1e-4 else 1e3) * eps * max(float(whole.norm()), 1e-3 * scale) + 1e-30
             if float((g - whole).norm()) > tol:
-                raise ValueError(f"per_sample: {self._names[id(p)]!r} got part of its gradient outside the module "
-                                 "calls the stage follows (used outside the model's forward, e.g. in the loss); "
-                                 "that part has no per-example split, so the parameter cannot be clipped")
+                raise ValueError(
+                    f"per_sample: {self._names[id(p)]!r} got part of its gradient outside the module "
+                    "calls the stage follows (used outside the model's forward, e.g. in the loss); "
+                    "that part has no per-example split, so the parameter cannot be clipped"
+                )
 
     def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
         b0 = self._grads(calls[0])
-        bsz = (b0[0][0].shape[b0[0][1]] if calls[0].layer.form.whole_call else b0.shape[0])
+        bsz = b0[0][0].shape[b0[0][1]] if calls[0].layer.form.whole_call else b0.shape[0]
         scale = float(bsz) if self.loss_reduction == "mean" else 1.0  # per-example = scale * what b gives
         dtype = torch.promote_types(calls[0].shapes[0][1], torch.float32)  # norms in float32 or better
         norms2 = {r.name: torch.zeros(bsz, dtype=dtype, device=calls[0].shapes[0][2]) for r in self.rules}
         ghost, full = self._norms(calls, norms2)
         norms = {r: v.sqrt() * scale for r, v in norms2.items()}
-        clip = {r.name: (r.clip.max_norm / (norms[r.name] + EPS)).clamp(max=1.0) * scale
-                for r in self.rules if r.clip is not None}
+        clip = {
+            r.name: (r.clip.max_norm / (norms[r.name] + EPS)).clamp(max=1.0) * scale
+            for r in self.rules
+            if r.clip is not None
+        }
         if got is not None:
             self._check_sums(ghost, full, got, next(iter(norms.values())))
         for p, g in self._weighted(ghost, full, clip).items():
@@ -301,8 +326,11 @@ class PerSampleStage:
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
         """The rules' statistics of this backward; ``log`` needs the mean gradient too."""
-        logs = {r.name: torch.full_like(norms[r.name], scale / norms[r.name].numel())
-                for r in self.rules if r.log is not None}
+        logs = {
+            r.name: torch.full_like(norms[r.name], scale / norms[r.name].numel())
+            for r in self.rules
+            if r.log is not None
+        }
         means = self._weighted(ghost, full, logs) if logs else {}
         for r in self.rules:
             if r.clip is not None:
@@ -331,8 +359,9 @@ class PerSampleStage:
     def _grads(self, c: Call):
         """The output gradient(s) of a call (outputs that got none count as zeros): for a
         whole-call form (gradient, batch dim) pairs, else the first, batch first."""
-        grads = [g if g is not None else torch.zeros(s, dtype=dt, device=dev)
-                 for g, (s, dt, dev) in zip(c.grads, c.shapes)]
+        grads = [
+            g if g is not None else torch.zeros(s, dtype=dt, device=dev) for g, (s, dt, dev) in zip(c.grads, c.shapes)
+        ]
         if c.layer.form.whole_call:
             return list(zip(grads, c.layer.out_dims))
         return grads[0].movedim(c.layer.out_dims[0], 0)
@@ -340,11 +369,22 @@ class PerSampleStage:
     def finish(self) -> None:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
         if self.layers is None:
-            stray = next((n for r in self.rules if r.clip for p in r.params if p.grad is not None
-                          for n in [self._names.get(id(p))]), None)
+            stray = next(
+                (
+                    n
+                    for r in self.rules
+                    if r.clip
+                    for p in r.params
+                    if p.grad is not None
+                    for n in [self._names.get(id(p))]
+                ),
+                None,
+            )
             if stray is not None:
-                raise ValueError(f"per_sample: {stray!r} got a gradient, but the attached model never ran a training "
-                                 "forward to set the stage up; call the model you attached (not one of its parts)")
+                raise ValueError(
+                    f"per_sample: {stray!r} got a gradient, but the attached model never ran a training "
+                    "forward to set the stage up; call the model you attached (not one of its parts)"
+                )
         if not self.examples and self.expected_batch_size is None:
             return  # nothing seen; under Poisson sampling an empty step still gets its noise
         n = float(self.expected_batch_size or self.examples)

@@ -29,8 +29,11 @@ class ClipRecord(SumWindow):
 
     def add_norms(self, norms: Tensor, max_norm: float) -> None:
         norms = norms.float()
-        self.add(torch.stack([(norms > max_norm).sum().float(), norms.new_tensor(float(norms.numel())),
-                              norms.sum(), norms.max()]))
+        self.add(
+            torch.stack(
+                [(norms > max_norm).sum().float(), norms.new_tensor(float(norms.numel())), norms.sum(), norms.max()]
+            )
+        )
 
     def _fold(self) -> Tensor:
         rows = torch.stack(self._rows)
@@ -61,8 +64,10 @@ class PerSampleClip:
         self.record = ClipRecord()
 
     def __call__(self, grad: Tensor) -> None:
-        raise TypeError("'per_sample_clip' acts on each example's gradient: it runs at stage 'per_sample' "
-                        "(set up by attach), not on a batch gradient")
+        raise TypeError(
+            "'per_sample_clip' acts on each example's gradient: it runs at stage 'per_sample' "
+            "(set up by attach), not on a batch gradient"
+        )
 
 
 class PerSampleLog(SumWindow):
@@ -96,8 +101,9 @@ class PerSampleLog(SumWindow):
         p50, p90, top, trace, signal, counted = values[:6]
         out = {"p50": p50 / calls, "p90": p90 / calls, "max": top, "calls": calls}
         if counted:
-            out.update(tr_sigma=trace / counted, g_sq=signal / counted,
-                       b_simple=trace / signal if signal else float("inf"))
+            out.update(
+                tr_sigma=trace / counted, g_sq=signal / counted, b_simple=trace / signal if signal else float("inf")
+            )
         return out
 
 

@@ -77,8 +77,11 @@ def _record(model: nn.Module, args, kwargs, watched: set[int] | None) -> tuple[d
         open_calls.pop().outs = [t.shape for t in _tensors(out)]
 
     modules = {id(m): m for m in model.modules()}.values()
-    handles = [h for m in modules for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
-                                            m.register_forward_hook(post, with_kwargs=True))]
+    handles = [
+        h
+        for m in modules
+        for h in (m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True))
+    ]
     try:
         if watched is None:
             with torch.no_grad():
