@@ -10,7 +10,7 @@ whose outputs all carry the batch. Where no module does, one line names the para
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -53,7 +53,7 @@ def _closed(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
     dims = trace.dims.get(id(m), UNKNOWN)
     if _direct(m, p) is None or form_of(m) is FUNC or dims == UNKNOWN:
         return False
-    ins, outs = dims
+    ins, outs = cast(tuple, dims)
     first = next(iter(_leaves(ins)), None)
     return isinstance(first, int) and bool(outs) and all(isinstance(d, int) for d in outs)
 
@@ -63,7 +63,7 @@ def _general(m: nn.Module, trace: Trace) -> bool:
     dims = trace.dims.get(id(m), UNKNOWN)
     if dims == UNKNOWN:
         return False
-    ins, outs = dims
+    ins, outs = cast(tuple, dims)
     leaves = _leaves(ins)
     return (
         UNKNOWN not in leaves

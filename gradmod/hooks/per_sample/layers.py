@@ -53,7 +53,7 @@ class Form:
         """Why this form cannot give ``m``'s per-example gradients (None: it can)."""
         return None
 
-    def per_example(self, m: nn.Module, a: Any, b: Tensor, names: set[str]) -> dict[str, Tensor]:
+    def per_example(self, m: nn.Module, a: Any, b: Any, names: set[str]) -> dict[str, Tensor]:
         raise NotImplementedError
 
     def materialises(self, m: nn.Module, a: Any, b: Tensor) -> bool:

@@ -201,7 +201,8 @@ class PerSampleStage:
                 return
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                inputs = Inputs(*pytree.tree_map(lambda x: _detach(x, dtype), (args, kwargs)), layer.in_dims)
+                a, k = pytree.tree_map(lambda x: _detach(x, dtype), (args, kwargs))
+                inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
                 inputs = _detach(first, dtype).movedim(layer.first_in, 0)
