@@ -360,13 +360,20 @@ def _torch_loading(pid: int) -> bool:
         return False
 
 
+ENTRIES = {  # python train.py, and what the console script gradmod runs
+    "train.py": [sys.executable, str(ROOT / "train.py")],
+    "gradmod": [sys.executable, "-c", "from gradmod.app.cli import main; main()"],
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("entry", sorted(ENTRIES))
 @pytest.mark.parametrize("after", [0.0, 3.0])
-def test_ctrl_c_during_start_up_is_one_line(tmp_path, after):
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, after, entry):
     """Ctrl-C while torch is imported (``after`` 0: as soon as it starts loading) or later in
     the start-up (Hydra composing, the run's checks): one line, exit 130."""
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *RESUMABLE],
+        [*ENTRIES[entry], f"hydra.run.dir={tmp_path / 'run'}", *RESUMABLE],
         cwd=tmp_path,
         env=ENV,
         stdout=subprocess.PIPE,
