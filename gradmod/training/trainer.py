@@ -25,7 +25,7 @@ from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
 from gradmod.training.dpsgd import PerSampleSetup
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
-from gradmod.training.per_loss_step import PerLossStep
+from gradmod.training.multitask import PerLossSetup
 from gradmod.training.precision import Precision
 from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
 from gradmod.training.tasks import evaluate as evaluate_tasks
@@ -111,9 +111,9 @@ class Trainer:
                 batch_size=settings.batch_size,
                 accumulate=settings.accumulate,
             )
-        self.per_loss = None  # the per_loss stage's set-up (gradmod.training.per_loss_step), when a rule has one
+        self.per_loss = None  # the per_loss stage's set-up (gradmod.training.multitask), when a rule has one
         if hooks is not None and getattr(hooks, "per_loss", None) is not None:
-            self.per_loss = PerLossStep(model, hooks, self.dist)
+            self.per_loss = PerLossSetup(model, hooks, self.dist)
 
     def add_callbacks(self, callbacks: Sequence[Any]) -> None:
         """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare

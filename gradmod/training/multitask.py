@@ -21,7 +21,7 @@ from gradmod.training.distributed import Dist
 from gradmod.training.dpsgd import all_reduce_sum
 
 
-class PerLossStep:
+class PerLossSetup:
     """Sets up ``hooks.per_loss`` for one Trainer: the stage's ``reduce`` under DDP, the
     all-reduce of the parameters whose gradient is local, the end of each epoch."""
 
