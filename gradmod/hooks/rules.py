@@ -10,11 +10,9 @@ is its own, else the default, unless a transform's kind implies one
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -22,6 +20,7 @@ from gradmod.hooks import group as _group  # noqa: F401  (registers the group tr
 from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: F401  (registers per_sample_clip)
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
+from gradmod.hooks.globs import select
 from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: F401  (registers the per_loss methods)
 from gradmod.hooks.per_sample import check_model
 
@@ -29,7 +28,6 @@ STAGES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
 NAMED = DEFAULT_STAGES + tuple(s for s in STAGES if s not in DEFAULT_STAGES)  # as messages list them
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage")
-LAST_LAYER = "@last_layer"  # in params or exclude: the last module's parameters (see _matches)
 
 
 @dataclass
@@ -46,63 +44,6 @@ class Target:
     def key(self) -> str:
         """The tensor's name in plans and statistics: a module's output is ``name:output``."""
         return self.name if self.kind == "param" else f"{self.name}:output"
-
-
-def _patterns(rule: str, key: str, value: Any) -> list[str]:
-    if isinstance(value, str):
-        value = [value]
-    if (
-        not isinstance(value, Iterable)
-        or isinstance(value, Mapping)
-        or not value
-        or not all(isinstance(v, str) and v for v in value)
-    ):
-        raise ValueError(f"hooks.{rule}.{key}: {value!r} must be a glob or a non-empty list of globs")
-    return list(value)
-
-
-def name_hint(pattern: str, names: list[str]) -> str:
-    """What to say after a name or glob matched nothing: the close names, else a few real ones."""
-    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
-    return f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
-
-
-def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) -> ValueError:
-    return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {name_hint(pattern, names)}")
-
-
-def _matches(rule: str, key: str, pattern: str, names: list[str], what: str) -> list[str]:
-    """The names ``pattern`` matches: a glob, or ``LAST_LAYER``: the parameters of the module
-    that holds the last of them in ``model.named_parameters()`` order (a classifier, on the
-    models that register it last: torchvision's and timm's)."""
-    if pattern != LAST_LAYER:
-        return fnmatch.filter(names, pattern)
-    if not what.startswith("parameter"):
-        raise ValueError(
-            f"hooks.{rule}.{key}: {LAST_LAYER} selects parameters; a modules rule names its modules by their globs"
-        )
-    owner = names[-1].rpartition(".")[0] if names else None
-    return [n for n in names if n.rpartition(".")[0] == owner]
-
-
-def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
-    """The names a rule selects, in model order; a pattern matching nothing is an error."""
-    key = "params" if "params" in spec else "modules"
-    chosen: set[str] = set()
-    for pattern in _patterns(rule, key, spec[key]):
-        hits = _matches(rule, key, pattern, names, what)
-        if not hits:
-            raise _no_match(rule, key, pattern, names, what)
-        chosen.update(hits)
-    if spec.get("exclude") is not None:
-        for pattern in _patterns(rule, "exclude", spec["exclude"]):
-            hits = _matches(rule, "exclude", pattern, names, what)
-            if not hits:
-                raise _no_match(rule, "exclude", pattern, names, what)
-            chosen.difference_update(hits)
-    if not chosen:
-        raise ValueError(f"hooks.{rule}: exclude removes every {what} the rule selected")
-    return [n for n in names if n in chosen]
 
 
 def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None, stage: str = "hook") -> list[Target]:

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
+from gradmod.hooks.globs import name_hint
 from gradmod.hooks.per_sample import replace_batchnorm
-from gradmod.hooks.rules import name_hint
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
 from gradmod.run.config import DataConfig, LossConfig, ModelConfig, SchedulerConfig
