@@ -19,8 +19,6 @@ resident set over the set-up is reported.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +29,8 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import peak_memory  # noqa: E402  (beside this script)
 
 from gradmod.hooks import attach  # noqa: E402
 
@@ -184,13 +184,6 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
     return run
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 MEMORY = ("upgrad", "mgda", "pcgrad", "mean")  # the methods whose peak memory bench.py measures
 
 
@@ -201,25 +194,13 @@ def peak_names() -> list[str]:
 
 
 def peak(name: str, steps: int = 3) -> int:
-    """Bytes the peak resident set grows by over ``steps`` steps after the set-up (Linux:
-    the high-water mark is reset after the set-up through /proc/self/clear_refs)."""
-    run = setup(name, steps)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status_kib("VmRSS")
-    run()
-    return (_status_kib("VmHWM") - before) * 1024
+    """Bytes the peak resident set grows by over ``steps`` steps after the set-up."""
+    return peak_memory.peak(setup(name, steps))
 
 
 def peak_in_subprocess(name: str) -> int:
-    """``peak(name)`` in a fresh process, so one contender's peak cannot hide another's."""
-    out = subprocess.run(
-        [sys.executable, __file__, "--peak", name],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"OMP_NUM_THREADS": "1", **os.environ},
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+    """``peak(name)`` in a fresh process."""
+    return peak_memory.in_subprocess(__file__, name)
 
 
 if __name__ == "__main__":

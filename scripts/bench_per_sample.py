@@ -19,8 +19,6 @@ peak resident set over the set-up is reported (the same measure for every conten
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -32,6 +30,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import peak_memory  # noqa: E402  (beside this script)
 
 from gradmod.hooks import attach  # noqa: E402
 
@@ -220,33 +220,14 @@ def _opacus_ghost(model, data):
     return run
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def peak(name: str, steps: int = 3) -> int:
-    """Bytes the peak resident set grows by over ``steps`` steps after the set-up (Linux:
-    the high-water mark is reset after the set-up through /proc/self/clear_refs)."""
-    run = setup(name, steps)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status_kib("VmRSS")
-    run()
-    return (_status_kib("VmHWM") - before) * 1024
+    """Bytes the peak resident set grows by over ``steps`` steps after the set-up."""
+    return peak_memory.peak(setup(name, steps))
 
 
 def peak_in_subprocess(name: str) -> int:
-    """``peak(name)`` in a fresh process, so one contender's peak cannot hide another's."""
-    out = subprocess.run(
-        [sys.executable, __file__, "--peak", name],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"OMP_NUM_THREADS": "1", **os.environ},
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+    """``peak(name)`` in a fresh process."""
+    return peak_memory.in_subprocess(__file__, name)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ from gradmod.data import Data, load_mnist_sample
 from gradmod.hooks import attach
 from gradmod.hooks import transforms as T
 from gradmod.models import MnistCNN
+from gradmod.run import assembly as train_mod
 from gradmod.run import factories as targets_mod
-from gradmod.run import runner as train_mod
 from gradmod.training.loader import batches, placement
 from gradmod.training.speed import compile_model, forbid_syncs, to_channels_last
 from gradmod.training.trainer import bare_epoch

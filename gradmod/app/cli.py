@@ -205,7 +205,7 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
         if env_rank() == 0 and may_write(out):  # a free folder keeps the job's config and log with its ending
             with contextlib.suppress(OSError):
                 files.write(out)
-        _to_log_files(e)
+        _to_log_files(e, sweep_job=multirun)
         return ending
 
 
@@ -239,15 +239,16 @@ def _config_status(e: BaseException) -> int | None:
     return 2 if isinstance(e, ValueError) else None
 
 
-def _to_log_files(e: BaseException) -> None:
+def _to_log_files(e: BaseException, sweep_job: bool) -> None:
     """The ending's line in the run's log files (the terminal gets it once, from ``job``);
-    the traceback too, unless the error is bad input or a signal, whose line says it all."""
+    the traceback too, unless the error is a signal or, outside a sweep, bad input, whose
+    line says it all (a sweep's console shows a failed job's line only)."""
     from gradmod.run import endings
     from gradmod.training.interrupt import Interrupted
 
     status = endings.exit_status(e)
     text = endings.message(e) if status is not None else f"{type(e).__name__}: {e}"
-    if status != 2 and not isinstance(e, Interrupted):
+    if (status != 2 or sweep_job) and not isinstance(e, Interrupted):
         text += "\n" + _traceback(e)
     record = log.makeRecord(log.name, logging.ERROR, __file__, 0, text, None, None)
     for handler in logging.getLogger().handlers:

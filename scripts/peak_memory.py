@@ -1,0 +1,39 @@
+"""Peak memory of one benchmark contender: the growth of the resident set's high-water
+mark over its steps, in a fresh process so one contender's peak cannot hide another's
+(Linux: /proc/self/status, the mark reset through /proc/self/clear_refs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak(run: Callable[[], None]) -> int:
+    """Bytes the peak resident set grows by while ``run`` (already set up) runs."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = status_kib("VmRSS")
+    run()
+    return (status_kib("VmHWM") - before) * 1024
+
+
+def in_subprocess(script: str, name: str) -> int:
+    """``python script --peak name`` (which prints ``{"peak_bytes": n}`` last), read back."""
+    out = subprocess.run(
+        [sys.executable, script, "--peak", name],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"OMP_NUM_THREADS": "1", **os.environ},
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
