@@ -170,7 +170,7 @@ def _resume(resume: str | None) -> None:
 def rules(hooks: Mapping[str, Any]) -> None:
     """The shape of each hook rule: a mapping whose transforms are names, mappings or a list
     of them. What they select and their arguments are checked against the model
-    (``gradmod.hooks.selection.build_targets``)."""
+    (``gradmod.hooks.rules.build_targets``)."""
     for name, rule in hooks.items():
         if not isinstance(rule, Mapping):
             raise ValueError(
