@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
-from helpers import RESUMABLE, compose_config
+from helpers import KEEP, RESUMABLE, compose_config
 
 
 @pytest.fixture(autouse=True)
@@ -33,3 +35,32 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     summary = run(compose_config(*RESUMABLE), out)
     return torch.load(out / "model.pt"), summary, (out / "metrics.jsonl").read_text()
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory):
+    """Two finished runs of different seeds (copied by each test before it changes them)."""
+    from gradmod.app.cli import run
+
+    runs = {}
+    for name, seed in (("mine", 1234), ("other", 7)):
+        out = tmp_path_factory.mktemp(name)
+        run(compose_config(*KEEP, f"seed={seed}"), out)
+        runs[name] = out
+    return runs
+
+
+@pytest.fixture
+def mine(finished_runs, tmp_path):
+    """A copy of the run with seed 1234, this test's to change."""
+    out = tmp_path / "mine"
+    shutil.copytree(finished_runs["mine"], out)
+    return out
+
+
+@pytest.fixture
+def other(finished_runs, tmp_path):
+    """A copy of the run with seed 7."""
+    out = tmp_path / "other"
+    shutil.copytree(finished_runs["other"], out)
+    return out

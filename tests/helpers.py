@@ -37,6 +37,8 @@ RESUMABLE = [
     "+hooks=[clip,log]",
 ]
 
+KEEP = [*RESUMABLE, "trainer.checkpoint_keep=10"]  # checkpoints at steps 4, 6, 8 and 12
+
 
 def compose_config(*overrides: str):
     """The real config with ``overrides``, as train.py would see it."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import CONF, RESUMABLE, ROOT, compose_config, free_port, run_train
+from helpers import CONF, KEEP, RESUMABLE, ROOT, compose_config, free_port, run_train
 
 from gradmod.app.cli import run
 from gradmod.app.config_store import validate
@@ -27,7 +27,6 @@ from gradmod.run import checkpoint_file as ckpt
 from gradmod.run import runner
 from gradmod.training.callbacks import Callback, check_order
 
-KEEP = [*RESUMABLE, "trainer.checkpoint_keep=10"]  # checkpoints at steps 4, 6, 8 and 12
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -42,31 +41,6 @@ def snapshot(out: Path) -> dict[str, bytes]:
 
 def raw_summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """Two finished runs (copied by each test before it changes them)."""
-    runs = {}
-    for name, seed in (("mine", 1234), ("other", 7)):
-        out = tmp_path_factory.mktemp(name)
-        run(compose_config(*KEEP, f"seed={seed}"), out)
-        runs[name] = out
-    return runs
-
-
-@pytest.fixture
-def mine(finished, tmp_path):
-    out = tmp_path / "mine"
-    shutil.copytree(finished["mine"], out)
-    return out
-
-
-@pytest.fixture
-def other(finished, tmp_path):
-    out = tmp_path / "other"
-    shutil.copytree(finished["other"], out)
-    return out
 
 
 # --- 1. links that lead out of the folder -------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RESUMABLE, ROOT, compose_config
+from helpers import KEEP, RESUMABLE, ROOT, compose_config
 
 from gradmod.app.cli import run
 from gradmod.app.config_store import validate
@@ -23,8 +23,6 @@ from gradmod.run import endings
 from gradmod.run.factories import build_optimizer, param_groups
 from gradmod.run.folder import RunFolder
 from gradmod.run.resume import apply_optimizer, compare
-
-KEEP = [*RESUMABLE, "trainer.checkpoint_keep=10"]  # checkpoints at steps 4, 6, 8 and 12
 
 
 def snapshot(out: Path) -> dict[str, bytes]:
@@ -42,24 +40,6 @@ def run_id(out: Path) -> str:
 
 def steps(folder: Path) -> list[int]:
     return [ckpt.step_of(p) for p in ckpt.checkpoints(folder)]
-
-
-@pytest.fixture(scope="module")
-def finished_runs(tmp_path_factory):
-    """Two finished runs of different seeds (copied by each test before it changes them)."""
-    runs = {}
-    for name, seed in (("mine", 1234), ("other", 7)):
-        out = tmp_path_factory.mktemp(name)
-        run(compose_config(*KEEP, f"seed={seed}"), out)
-        runs[name] = out
-    return runs
-
-
-@pytest.fixture
-def mine(finished_runs, tmp_path):
-    out = tmp_path / "mine"
-    shutil.copytree(finished_runs["mine"], out)
-    return out
 
 
 def test_another_runs_checkpoint_is_refused_in_a_finished_folder_and_forks_into_a_new_one(
