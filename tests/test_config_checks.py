@@ -36,6 +36,18 @@ def test_the_schemas_and_their_checks_load_without_torch():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_the_app_starts_no_native_thread_so_a_sweep_job_can_fork():
+    """A thread started by an import (numpy's OpenBLAS pool) reads as a torch pool to the
+    sweep's fork check, and every job would run unisolated in the launcher's process."""
+    code = (
+        "import os; import gradmod.app.cli; from gradmod.app import isolated; "
+        "print(len(os.listdir('/proc/self/task'))); "
+        "isolated.preload(gradmod.app.cli.TRAINING); print(isolated.fork_is_safe())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "True"], out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_an_optimizer_value_that_can_only_diverge_is_refused(value):
     with pytest.raises(ValueError, match=r"optimizer.lr=.* must be a finite number >= 0"):

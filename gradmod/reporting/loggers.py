@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import csv
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import numpy as np
+if TYPE_CHECKING:  # numpy starts a native thread (OpenBLAS') at import: the sweep's parent stays without
+    import numpy as np
 
 LOGGERS = ("csv", "tensorboard")
 STAT_COLUMNS = (
