@@ -80,6 +80,24 @@ def test_pairs_together_give_the_bits_of_pre_then_post_apart_and_count_changes()
         assert row[6] > 0  # the clamp changed entries of every tensor
 
 
+def test_changes_count_nan_to_nan_as_none_on_every_path():
+    """A big tensor, a same-shape pair and a single: nan kept, nan made, nan replaced, -0.0 to 0.0."""
+    before = [torch.randn(BIG + 3), torch.randn(4, 8), torch.randn(4, 8), torch.randn(5)]
+    after = [t.clone() for t in before]
+    for b, a in zip(before, after):
+        flat_b, flat_a = b.view(-1), a.view(-1)
+        flat_b[0], flat_a[0] = math.nan, math.nan  # no change
+        flat_a[1] = math.nan  # a change
+        flat_b[2], flat_a[2] = math.nan, 1.0  # a change
+        flat_b[3], flat_a[3] = -0.0, 0.0  # equal: no change
+    rows, order, _ = stat_rows(before + after, paired=True)
+    n = len(before)
+    for i, row in zip(order, rows.tolist()):
+        if i >= n:
+            assert row[6] * after[i - n].numel() == pytest.approx(2), i
+            assert _close(row, _reference(after[i - n], before[i - n]))
+
+
 class Mixed(nn.Module):
     """A big weight, same-shape small tensors, and small tensors alone in their shape."""
 
