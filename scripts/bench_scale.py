@@ -21,7 +21,8 @@ two such medians. Times are the thread's CPU time (``time.thread_time``; one tor
 so all of the step's work), which a shared machine's other processes inflate far less than
 the wall clock; the wall-clock medians are recorded beside them. Denormal floats are flushed (``torch.set_flush_denormal``):
 the deep models' gradients shrink through the denormal range, where CPU arithmetic is slow
-for the bare step as much as for the rules, and would hide what the rules cost.
+for the bare step as much as for the rules, and would hide what the rules cost. Freed memory
+is kept by the allocator (``keep_freed_memory``), so that page faults do not land at random.
 
     python scripts/bench_scale.py --rounds 3    # this section alone (bench.py --sections scale)
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import gc
 import statistics
 import sys
@@ -157,8 +159,23 @@ def measure_shape(blocks: int, width: int, rounds: int, run_steps: int, log=prin
     return {"blocks": blocks, "width": width, "tensors": tensors, "contenders": rows}
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed blocks instead of returning them to the OS: by default a
+    freed multi-megabyte block (a gradient, an activation) goes back, and the next one is
+    faulted in page by page, thousands of page faults per step that land on whichever
+    contender allocates next. The bare step pays them as much as the rules. False where
+    the C library is not glibc (nothing changed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, 1 << 30) and libc.mallopt(-1, 1 << 30))  # M_MMAP_, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def measure(rounds: int, run_steps: int = RUN_STEPS, shapes=SHAPES, log=print) -> dict:
-    """Every shape's table, on one torch thread with denormals flushed (see the module's note)."""
+    """Every shape's table, on one torch thread with denormals flushed and freed memory
+    kept (see the module's note and ``keep_freed_memory``)."""
+    kept = keep_freed_memory()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -174,6 +191,7 @@ def measure(rounds: int, run_steps: int = RUN_STEPS, shapes=SHAPES, log=print) -
         "rounds": rounds,
         "threads": 1,
         "clock": "thread_time",
+        "freed_memory_kept": kept,
         "shapes": out,
     }
 

@@ -121,6 +121,25 @@ def _parts(tensors: list[Tensor], lay: Layout) -> list[Tensor]:
 # than float ones: where it pays, comparisons write 0.0/1.0 into float buffers instead.
 
 
+# CPU scratch buffers for big tensors' per-entry passes, kept from call to call: a fresh
+# multi-megabyte buffer comes from the OS page by page (glibc returns freed big blocks), and
+# its page faults cost more than the pass. Up to ``_SCRATCH_MAX`` entries; CUDA's caching
+# allocator needs none.
+_SCRATCH: dict[tuple[torch.dtype, int], Tensor] = {}
+_SCRATCH_MAX = 1 << 24
+
+
+def _scratch(like: Tensor, slot: int = 0) -> Tensor:
+    """An uninitialized buffer of ``like``'s shape and dtype; ``slot``: several at once."""
+    n = like.numel()
+    if like.device.type != "cpu" or n > _SCRATCH_MAX or not like.is_contiguous():
+        return torch.empty_like(like)
+    buf = _SCRATCH.get((like.dtype, slot))
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH[(like.dtype, slot)] = torch.empty(n, dtype=like.dtype)
+    return buf[:n].view(like.shape)
+
+
 def _flags(x: Tensor, out: Tensor | None = None) -> Tensor:
     """1.0 where ``x`` is not finite, else 0 (inf * 0 and nan * 0 are nan, and nan != nan)."""
     z = torch.mul(x, 0) if out is None else torch.mul(x, 0, out=out)
@@ -136,8 +155,8 @@ def _changed(a: Tensor, b: Tensor) -> Tensor:
 def _changed_big(a: Tensor, b: Tensor) -> Tensor:
     """``_changed`` as 0.0/1.0 in fast float kernels, for big tensors: ``a != b`` less the
     places where both are nan (the same counts)."""
-    both_nan = torch.ne(a, a, out=torch.empty_like(a))
-    nan_b = torch.ne(b, b, out=torch.empty_like(b))
+    both_nan = torch.ne(a, a, out=_scratch(a, 0))
+    nan_b = torch.ne(b, b, out=_scratch(b, 1))
     both_nan.mul_(nan_b)
     return torch.ne(a, b, out=nan_b).sub_(both_nan)
 
@@ -145,7 +164,7 @@ def _changed_big(a: Tensor, b: Tensor) -> Tensor:
 def _matrix(m: Tensor, clipped: Tensor) -> Tensor:
     """[k, 7] sums of each row of ``m``: norm, min, max, sum, minus the negatives, non-finite, ``clipped``."""
     lo, hi = m.amin(1), m.amax(1)  # two vectorized passes; aminmax(dim=1) is ~20x slower on CPU
-    scratch = torch.empty_like(m)  # one buffer for both per-entry passes
+    scratch = torch.empty_like(m) if m.shape[0] > 1 else _scratch(m)  # one buffer for both per-entry passes
     neg = torch.sign(m, out=scratch).clamp_(max=0).nansum(1)  # sign(nan) is nan, left out
     bad = _flags(m, out=scratch).sum(1)
     return torch.stack([torch.linalg.vector_norm(m, dim=1), lo, hi, m.sum(1), neg, bad, clipped], 1)
