@@ -104,13 +104,9 @@ def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter |
     acc = param.view_as(param).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
 
     def may(p: nn.Parameter) -> bool:
-        if (
-            p.grad is not None
-            or torch.is_grad_enabled()
-            or p._post_accumulate_grad_hooks is not None
-            or len(p._backward_hooks or ()) != 1
-            or in_distributed()
-        ):
+        if p.grad is not None or p._post_accumulate_grad_hooks is not None or len(p._backward_hooks or ()) != 1:
+            return False
+        if not _backward_may_defer():
             return False
         try:
             return torch._C._will_engine_execute_node(acc)
@@ -118,6 +114,18 @@ def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter |
             return False
 
     return may
+
+
+_TASK = [-2, False]  # (autograd graph task, whether its hooks may defer): asked once per backward
+
+
+def _backward_may_defer() -> bool:
+    """This backward builds no graph of its own and no DDP reducer reads ``.grad``: the same
+    for every hook of one backward, so it is asked once (hooks run a few µs per tensor)."""
+    task = torch._C._current_graph_task_id()
+    if task != _TASK[0]:
+        _TASK[0], _TASK[1] = task, not torch.is_grad_enabled() and not in_distributed()
+    return _TASK[1]
 
 
 def _observe(hooks: Any, seen: list, result: Tensor, param: nn.Parameter | None) -> None:

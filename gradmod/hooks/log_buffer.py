@@ -20,8 +20,11 @@ from gradmod.hooks.stats import GradStats, observe_batch, observe_pairs
 Slot = tuple[str, int]  # (rule, position in the rule's transforms)
 
 
+_is_initialized = torch.distributed.is_initialized if torch.distributed.is_available() else (lambda: False)
+
+
 def in_distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return _is_initialized()
 
 
 class LogBuffer:
