@@ -163,9 +163,13 @@ def _changed_big(a: Tensor, b: Tensor) -> Tensor:
 
 def _matrix(m: Tensor, clipped: Tensor) -> Tensor:
     """[k, 7] sums of each row of ``m``: norm, min, max, sum, minus the negatives, non-finite, ``clipped``."""
-    lo, hi = m.amin(1), m.amax(1)  # two vectorized passes; aminmax(dim=1) is ~20x slower on CPU
-    scratch = torch.empty_like(m) if m.shape[0] > 1 else _scratch(m)  # one buffer for both per-entry passes
-    neg = torch.sign(m, out=scratch).clamp_(max=0).nansum(1)  # sign(nan) is nan, left out
+    if m.shape[0] == 1:  # a big tensor: the flat reductions, one pass for min and max
+        lo, hi = (t.view(1) for t in torch.aminmax(m.view(-1)))
+        scratch = _scratch(m)
+    else:  # aminmax(dim=1) is ~20x slower than these two on the CPU
+        lo, hi = m.amin(1), m.amax(1)
+        scratch = torch.empty_like(m)  # one buffer for both per-entry passes
+    neg = -torch.lt(m, 0, out=scratch).sum(1)  # nan < 0 is False: left out
     bad = _flags(m, out=scratch).sum(1)
     return torch.stack([torch.linalg.vector_norm(m, dim=1), lo, hi, m.sum(1), neg, bad, clipped], 1)
 
