@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 import torch
 from helpers import KEEP, RESUMABLE, compose_config
+
+
+def pytest_configure(config):
+    """Under ``pytest -n N`` the workers share the cores: each worker, and the processes its
+    tests start, use cores // N torch threads instead of all of them each."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 @pytest.fixture(autouse=True)

@@ -119,8 +119,7 @@ def _parts(tensors: list[Tensor], lay: Layout) -> list[Tensor]:
 
 # On the CPU, kernels that write bool tensors, sum them, or take fmax run several times slower
 # than float ones: where it pays, comparisons write 0.0/1.0 into float buffers instead.
-
-
+#
 # CPU scratch buffers for big tensors' per-entry passes, kept from call to call: a fresh
 # multi-megabyte buffer comes from the OS page by page (glibc returns freed big blocks), and
 # its page faults cost more than the pass. Up to ``_SCRATCH_MAX`` entries; CUDA's caching
