@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONF, FAST, per_loss_method, run_train
+from helpers import CONF, FAST, run_train
 
 from gradmod.app.cli import run
 from gradmod.hooks import attach, load_rules
@@ -26,18 +26,31 @@ def test_required_hook_configs_exist():
 
 def _per_loss(hooks: str) -> bool:
     """A hook file of the per_loss stage: it combines the losses of multi_lenet's heads on its trunk."""
-    return all(rule.get("params") == "trunk.*" for rule in load_rules(CONF / "hooks" / f"{hooks}.yaml").values())
+    rules = load_rules(CONF / "hooks" / f"{hooks}.yaml").values()
+    return bool(rules) and all(rule.get("params") == "trunk.*" for rule in rules)
 
 
-@pytest.mark.parametrize("model", MODEL_FILES)
-@pytest.mark.parametrize("hooks", HOOK_FILES)
+def _applies(hooks: str, model: str) -> bool:
+    """per_loss files select multi_lenet's trunk only; agc leaves the output layer (fc.*, l1.*)
+    out, and multi_lenet's are its heads, named by task."""
+    if _per_loss(hooks):
+        return model == "multi_lenet"
+    return not (hooks == "agc" and model == "multi_lenet")
+
+
+PAIRS = [(h, m) for h in HOOK_FILES for m in MODEL_FILES if _applies(h, m)]
+
+
+@pytest.mark.parametrize("hooks", [h for h in HOOK_FILES if _per_loss(h)])
+def test_a_per_loss_file_on_a_one_head_model_is_one_clear_error(compose_cfg, hooks):
+    cfg = compose_cfg(f"+hooks={hooks}", "model=mnist_cnn")
+    net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=28, norm=cfg.model.norm)
+    with pytest.raises(ValueError, match=r"'trunk\.\*' matches no parameter .* names look like: conv1\.weight"):
+        attach(net, cfg.hooks, stage=cfg.trainer.hook_stage)
+
+
+@pytest.mark.parametrize("hooks,model", PAIRS)
 def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hooks, model):
-    if _per_loss(hooks) and model != "multi_lenet":
-        pytest.skip("per_loss rules select multi_lenet's trunk")
-    if hooks == "agc" and model == "multi_lenet":
-        pytest.skip("agc leaves the output layer (fc.*, l1.*) out: multi_lenet's are its heads, named by task")
-    if _per_loss(hooks) and not per_loss_method("pcgrad"):
-        pytest.skip("the per_loss stage's transforms are not registered in this build")
     norm = ["model.norm=group"] if hooks == "dp" else []  # per-example gradients: no BatchNorm
     cfg = compose_cfg(f"+hooks={hooks}", f"model={model}", *norm)
     net = build_model(
