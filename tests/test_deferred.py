@@ -54,3 +54,17 @@ def test_accumulation_clamps_each_backward_before_the_sum():
         _loss(model).backward()
         _loss(model).backward()  # .grad is held now: this one is clamped in its hook, then added
     assert torch.equal(model.weight.grad, one + one)
+
+
+def test_backward_on_some_inputs_and_autograd_grad_in_turn_each_get_the_clamped_gradient():
+    raw = _model()
+    raw_grads = torch.autograd.grad(_loss(raw), list(raw.parameters()))
+    model = _model()
+    with attach(model, CLIP):
+        for _ in range(2):  # each backward decides for itself, whatever the one before did
+            model.zero_grad(set_to_none=True)
+            _loss(model).backward(inputs=[model.weight])
+            assert model.bias.grad is None and torch.equal(model.weight.grad, raw_grads[0].clamp(-0.1, 0.1))
+            got = torch.autograd.grad(_loss(model), [model.bias])
+            assert torch.equal(got[0], raw_grads[1].clamp(-0.1, 0.1))
+            assert torch.equal(model.weight.grad, raw_grads[0].clamp(-0.1, 0.1))  # autograd.grad left .grad alone

@@ -106,12 +106,7 @@ def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter |
     def may(p: nn.Parameter) -> bool:
         if p.grad is not None or p._post_accumulate_grad_hooks is not None or len(p._backward_hooks or ()) != 1:
             return False
-        if not _backward_may_defer():
-            return False
-        try:
-            return torch._C._will_engine_execute_node(acc)
-        except RuntimeError:  # autograd.grad(): nothing is accumulated
-            return False
+        return _backward_may_defer(acc)
 
     return may
 
@@ -119,12 +114,21 @@ def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter |
 _TASK = [-2, False]  # (autograd graph task, whether its hooks may defer): asked once per backward
 
 
-def _backward_may_defer() -> bool:
-    """This backward builds no graph of its own and no DDP reducer reads ``.grad``: the same
-    for every hook of one backward, so it is asked once (hooks run a few µs per tensor)."""
+def _backward_may_defer(acc: Any) -> bool:
+    """This backward accumulates into ``.grad`` (not ``autograd.grad``), builds no graph of
+    its own, and no DDP reducer reads ``.grad``. The answer is the same for every hook of
+    one backward (a parameter's hook runs as its AccumulateGrad node does, under
+    ``backward(inputs=...)`` too, or as ``autograd.grad`` captures, where no node runs), so
+    it is asked once, at the first hook (hooks run a few µs per tensor)."""
     task = torch._C._current_graph_task_id()
     if task != _TASK[0]:
-        _TASK[0], _TASK[1] = task, not torch.is_grad_enabled() and not in_distributed()
+        ok = not torch.is_grad_enabled() and not in_distributed()
+        if ok:
+            try:
+                ok = torch._C._will_engine_execute_node(acc)
+            except RuntimeError:  # autograd.grad(): nothing is accumulated
+                ok = False
+        _TASK[0], _TASK[1] = task, ok
     return _TASK[1]
 
 
