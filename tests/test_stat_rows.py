@@ -133,3 +133,37 @@ def test_both_stages_report_the_same_bits_on_every_path(transforms):
     assert any(s["nonfinite"] > 0 for s in stats["hook"].values())
     if len(transforms) > 1:
         assert stats["hook"]["big.weight/post"]["frac_clipped"] > 0
+
+
+def test_reading_many_windows_together_gives_each_windows_own_bits():
+    """``take_all`` folds the ``log`` windows of one length together; each result equals the
+    window's own ``take()`` exactly (nan, histograms, a compacted window, an empty one, a
+    window of another kind)."""
+    import copy
+
+    from gradmod.hooks.group import NormRecord
+    from gradmod.hooks.stats import GradStats, take_all
+
+    g = torch.Generator().manual_seed(0)
+    windows: list = []
+    for calls in (3, 3, 1, 0, 3, 7, GradStats.COMPACT_AT + 4):
+        w = GradStats()
+        for c in range(calls):
+            t = torch.randn(5, 4, generator=g)
+            if len(windows) == 1 and c == 1:
+                t[0, 0] = math.nan
+            w.observe(t)
+        windows.append(w)
+    windows[4].observe_histogram(torch.randn(50, generator=g))
+    record = NormRecord()
+    record.add(torch.tensor(2.0), torch.tensor(0.5))
+    record.add(torch.tensor(3.0), torch.tensor(1.0))
+    windows.append(record)
+    alone = [w.take() for w in copy.deepcopy(windows)]
+    together = take_all(windows)
+    assert [c for c, _ in together] == [c for c, _ in alone] == [3, 3, 1, 0, 3, 7, GradStats.COMPACT_AT + 4, 2]
+    for (_, a), (_, b) in zip(alone, together):
+        assert (a is None) == (b is None)
+        if a is not None:  # exactly equal, nan where nan (its payload aside)
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert all(not w._rows for w in windows)  # every window starts afresh

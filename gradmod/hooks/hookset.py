@@ -39,6 +39,7 @@ from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
 from gradmod.hooks.sharded import is_sharded, refuse_hook_stage, watch
 from gradmod.hooks.stages import STAGES
+from gradmod.hooks.stats import take_all
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, list[HookSet]] = weakref.WeakKeyDictionary()
@@ -185,9 +186,9 @@ class HookSet:
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
         with a single host sync."""
+        observers = self.observers()
         pending = []
-        for key, obs in self.observers():
-            calls, acc = obs.take()
+        for (key, obs), (calls, acc) in zip(observers, take_all([obs for _, obs in observers])):
             if acc is not None:
                 pending.append((key, obs, calls, acc, obs.pre is not None))
         if not pending:

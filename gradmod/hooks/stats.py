@@ -126,9 +126,13 @@ class GradStats(Window):
     def take(self) -> tuple[int, Tensor | None]:
         """The pending window (calls, device tensor) and a fresh start; no sync. The
         tensor is the FIELDS, then ``bin()``'s values when a histogram was taken."""
-        hist = self._hist
-        calls, acc = super().take()
-        return calls, acc if hist is None or acc is None else torch.cat([acc, hist])
+        return self.take_folded(self._fold() if self._rows else None)
+
+    def take_folded(self, folded: Tensor | None) -> tuple[int, Tensor | None]:
+        """``take()``, with the pending rows already folded into ``folded`` (``take_all``)."""
+        hist, calls = self._hist, self.calls
+        self._reset()
+        return calls, folded if hist is None or folded is None else torch.cat([folded, hist])
 
     @staticmethod
     def summarize(calls: int, values: list[float], paired: bool = False) -> dict[str, Any]:
@@ -159,6 +163,29 @@ class GradStats(Window):
                 "bucket_counts": counts,
             }
         return out
+
+
+def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
+    """``[w.take() for w in windows]``, the same values, with the ``log`` windows of equal
+    length folded together: a few ops for all of them, instead of one per pending row of
+    each (a read of 400 tensors' 50 rows was 20,000 ops). Left to right, as ``_fold``."""
+    out: list[tuple[int, Tensor | None] | None] = [None] * len(windows)
+    groups: dict[tuple, list[int]] = {}
+    for i, w in enumerate(windows):
+        rows = w._rows
+        if type(w) is GradStats and len(rows) > 1:
+            groups.setdefault((len(rows), rows[0].shape, rows[0].device, rows[0].dtype), []).append(i)
+        else:
+            out[i] = w.take()
+    for (k, *_), ix in groups.items():
+        rows = torch.stack([r for i in ix for r in windows[i]._rows]).view(len(ix), k, -1)
+        acc = rows[:, 0] + rows[:, 1]
+        for c in range(2, k):
+            acc = acc + rows[:, c]
+        acc[:, 1], acc[:, 2] = rows[:, :, 1].amin(1), rows[:, :, 2].amax(1)
+        for j, i in enumerate(ix):
+            out[i] = windows[i].take_folded(acc[j])
+    return out  # type: ignore[return-value]
 
 
 def batch_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
