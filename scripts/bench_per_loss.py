@@ -29,6 +29,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peak_memory, also when imported from elsewhere
 
 import peak_memory  # noqa: E402  (beside this script)
 

@@ -142,6 +142,7 @@ def test_reading_many_windows_together_gives_each_windows_own_bits():
     import copy
 
     from gradmod.hooks.group import NormRecord
+    from gradmod.hooks.per_loss.record import TaskRecord
     from gradmod.hooks.stats import GradStats, take_all
 
     g = torch.Generator().manual_seed(0)
@@ -159,11 +160,14 @@ def test_reading_many_windows_together_gives_each_windows_own_bits():
     record.add(torch.tensor(2.0), torch.tensor(0.5))
     record.add(torch.tensor(3.0), torch.tensor(1.0))
     windows.append(record)
+    tasks = TaskRecord()  # no rows of its own: a running sum
+    tasks.add(["a", "b"], torch.tensor([[4.0, 1.0], [1.0, 9.0]], dtype=torch.float64), torch.tensor([0.4, 0.6]))
+    windows.append(tasks)
     alone = [w.take() for w in copy.deepcopy(windows)]
     together = take_all(windows)
-    assert [c for c, _ in together] == [c for c, _ in alone] == [3, 3, 1, 0, 3, 7, GradStats.COMPACT_AT + 4, 2]
+    assert [c for c, _ in together] == [c for c, _ in alone] == [3, 3, 1, 0, 3, 7, GradStats.COMPACT_AT + 4, 2, 1]
     for (_, a), (_, b) in zip(alone, together):
         assert (a is None) == (b is None)
         if a is not None:  # exactly equal, nan where nan (its payload aside)
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-    assert all(not w._rows for w in windows)  # every window starts afresh
+    assert all(w.calls == 0 for w in windows)  # every window starts afresh

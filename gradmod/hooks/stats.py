@@ -172,10 +172,10 @@ def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
     out: list[tuple[int, Tensor | None] | None] = [None] * len(windows)
     groups: dict[tuple, list[int]] = {}
     for i, w in enumerate(windows):
-        rows = w._rows
-        if type(w) is GradStats and len(rows) > 1:
-            groups.setdefault((len(rows), rows[0].shape, rows[0].device, rows[0].dtype), []).append(i)
-        else:
+        if type(w) is GradStats and len(w._rows) > 1:
+            first = w._rows[0]
+            groups.setdefault((len(w._rows), first.shape, first.device, first.dtype), []).append(i)
+        else:  # another kind of record, or nothing to fold
             out[i] = w.take()
     for (k, *_), ix in groups.items():
         rows = torch.stack([r for i in ix for r in windows[i]._rows]).view(len(ix), k, -1)
