@@ -36,6 +36,15 @@ def all_reduce_sum(tensors: list[Tensor], divide: float = 1.0) -> None:
         t.copy_(part.view_as(t))
 
 
+def mean_grads_over_ranks(params: list, world: int) -> None:
+    """Each parameter's ``.grad`` replaced by its mean over the ranks, with one all-reduce; a
+    rank that has none (its micro-batches were all empty) counts zeros."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    all_reduce_sum([p.grad for p in params], float(world))
+
+
 class PerSampleSetup:
     """Sets up ``hooks.per_sample`` for one Trainer: the divisor (``poisson``: the expected
     global batch ``batch_size * accumulate * world``; else the examples of the step, times
@@ -57,9 +66,5 @@ class PerSampleSetup:
     def before_stage(self) -> None:
         """DDP: the mean over ranks of the parameters the stage does not clip (DDP's own
         all-reduce was skipped); a rank whose micro-batches were all empty counts zeros."""
-        if self.dist.world_size == 1:
-            return
-        for p in self.plain:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        all_reduce_sum([p.grad for p in self.plain], float(self.dist.world_size))
+        if self.dist.world_size > 1:
+            mean_grads_over_ranks(self.plain, self.dist.world_size)

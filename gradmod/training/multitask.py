@@ -14,11 +14,10 @@ before the fused stage (D_rest floats). On one process nothing is reduced.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from gradmod.training.distributed import Dist
-from gradmod.training.dpsgd import all_reduce_sum
+from gradmod.training.dpsgd import all_reduce_sum, mean_grads_over_ranks
 
 
 class PerLossSetup:
@@ -37,12 +36,8 @@ class PerLossSetup:
 
     def before_stage(self) -> None:
         """DDP: the mean over ranks of the gradients the stage left local."""
-        if self.dist.world_size == 1:
-            return
-        for p in self.local:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        all_reduce_sum([p.grad for p in self.local], float(self.dist.world_size))
+        if self.dist.world_size > 1:
+            mean_grads_over_ranks(self.local, self.dist.world_size)
 
     def end_epoch(self) -> None:
         """Methods that count in epochs (``dwa``) close one."""
