@@ -167,12 +167,14 @@ def test_stateful_transform_keeps_one_state_per_tensor_in_both_stages():
 def test_log_rows_of_many_tensors_cost_one_op_each_plus_a_few():
     """A regression guard for the `log` cost at the hook stage (it was 27 aten ops per
     call, then 9): the rows of one backward are computed together."""
-    from gradmod.hooks.stats import batch_rows
+    from gradmod.hooks.reduce import stat_rows
 
     gs = [torch.randn(32, 32, 3, 3), torch.randn(32), torch.randn(10, 32), torch.randn(10)] * 5
-    batch_rows(gs, 0)  # the layout's segment lengths are built once
+    stat_rows(gs)  # the layout's segment lengths are built once
     with OpCounter() as count:
-        rows = batch_rows(gs, 0)
+        table, order, _ = stat_rows(gs)
+        rows = dict(zip(order, table.unbind(0)))
+    rows = [rows[i] for i in range(len(gs))]
     assert count.count <= 2 * len(gs) + 25, count.by_op  # a detach and a flattening view per tensor
     assert not any("item" in op or "_local_scalar" in op for op in count.by_op), "no host sync"
     for g, row in zip(gs, rows):

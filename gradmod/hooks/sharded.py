@@ -32,7 +32,7 @@ def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
     """``GradStats`` rows (norm, min, max, mean, frac_negative, nonfinite, frac_clipped)
     of the full tensors behind DTensor gradients, the same on every rank. Each rank
     reduces its pieces to sums, extremes and counts; one ``all_gather`` over the mesh
-    combines them. ``paired``: as in ``batch_rows``."""
+    combines them. ``paired``: the first ``paired`` tensors are ``pre`` observations, the next ``paired`` their ``post`` partners."""
     pieces = [t.to_local().detach().float().reshape(-1) for t in tensors]
     inf = torch.full((1,), math.inf, device=pieces[0].device)  # the extremes of an empty piece
     local = []

@@ -2,7 +2,7 @@
 
 At the hook stage the chain does not call an observer per tensor: it hands the gradient
 to a ``LogBuffer``, which computes the rows of every observer of one backward together
-(``batch_rows``: a few ops for all tensors, plus two per tensor), so ``log`` costs few
+(``observe_batch``: a few ops for all tensors), so ``log`` costs few
 kernel launches however many tensors it watches. Called directly (the fused stage, a
 histogram step, your own code), an observer computes its row at once; both give the
 same numbers.
@@ -81,7 +81,7 @@ class GradStats(Window):
         before = self.take_before()
         if self.keep is not None:
             self._seen = g.clone() if self.keep == "clone" else g
-        self.add_row(sharded_rows([g], 0)[0] if before is None else sharded_rows([before, g], 1)[1])
+        self.add(sharded_rows([g], 0)[0] if before is None else sharded_rows([before, g], 1)[1])
 
     def observe_histogram(self, g: Tensor) -> None:
         """Bin ``g`` for the next read (FSDP2: gathers the gradient, at histogram steps only)."""
@@ -114,10 +114,6 @@ class GradStats(Window):
         vals = torch.where(finite, g, 0)
         head = torch.stack([lo, hi, finite.sum().float(), vals.sum(), (vals * vals).sum()])
         return torch.cat([head, counts])
-
-    def add_row(self, row: Tensor) -> None:
-        """A row computed elsewhere (``stat_rows``) for one call."""
-        self.add(row)
 
     def _reset(self) -> None:
         super()._reset()
@@ -186,21 +182,6 @@ def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
         for j, i in enumerate(ix):
             out[i] = windows[i].take_folded(acc[j])
     return out  # type: ignore[return-value]
-
-
-def batch_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
-    """``GradStats`` rows of ``tensors`` in their order (``stat_rows``): the first ``paired``
-    are ``pre`` observations, the next ``paired`` their ``post`` partners (same shapes),
-    whose rows get ``frac_clipped``; every other row gets 0 there."""
-    out: list[Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    seen = None
-    for lo, hi, keep in ((0, paired, "ref"), (paired, 2 * paired, None), (2 * paired, len(tensors), None)):
-        if hi > lo:
-            rows, order, kept = stat_rows(tensors[lo:hi], seen if lo == paired and paired else None, keep)
-            seen = kept if keep else seen
-            for i, row in zip(order, rows.unbind(0)):
-                out[lo + i] = row
-    return out
 
 
 def observe_batch(observers: list[GradStats], tensors: list[Tensor]) -> None:
