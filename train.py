@@ -2,15 +2,10 @@
 as the installed console script ``gradmod +hooks=clip``."""
 
 import signal
-import sys
 
+from gradmod.app import interrupted_at_start  # light: no torch, no Hydra yet
 
-def _interrupted(signum, frame):  # Ctrl-C while torch imports or Hydra composes: one line, not a traceback
-    print("interrupted by SIGINT before training started", file=sys.stderr)
-    sys.exit(128 + signum)
-
-
-signal.signal(signal.SIGINT, _interrupted)  # the run and the sweep install their own handlers
+signal.signal(signal.SIGINT, interrupted_at_start)  # Ctrl-C while they import: one line
 
 from gradmod.app.cli import main  # noqa: E402
 

@@ -40,6 +40,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from gradmod.app import interrupted_at_start
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
 from gradmod.app.isolated import preload, run_forked
@@ -66,7 +67,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 def main(conf: str | Path = CONF) -> None:
     """Compose the config in ``conf`` from the command line and run ``job``; end in one line.
     The console script ``gradmod`` and ``python train.py`` both call it with the default."""
-    signal.signal(signal.SIGINT, _interrupted_at_start)  # until the run or the sweep installs its own
+    signal.signal(signal.SIGINT, interrupted_at_start)  # until the run or the sweep installs its own
     register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])))  # gradmod --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
@@ -81,11 +82,6 @@ def main(conf: str | Path = CONF) -> None:
     finally:
         if not _USER_FULL_ERROR:
             os.environ.pop("HYDRA_FULL_ERROR", None)
-
-
-def _interrupted_at_start(signum, frame):  # Ctrl-C while torch imports or Hydra composes: one line
-    print("interrupted by SIGINT before training started", file=sys.stderr)
-    sys.exit(128 + signum)
 
 
 _RAISED: list[BaseException | None] = [None]  # the error job raised itself (a bug): main keeps its traceback
