@@ -21,8 +21,8 @@ CONF = ROOT / "gradmod" / "conf"
 
 # A tiny, fast run on the bundled sample: the overrides most end-to-end tests start from.
 FAST = ["data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
-# Two epochs of 6 steps on 28x28 FakeData, a checkpoint every 4 steps: the resume tests' run.
-RESUMABLE = [
+# Two epochs of 6 steps on 28x28 FakeData, on one thread.
+TINY_FAKE = [
     "data=fake",
     "data.image_size=28",
     "data.channels=1",
@@ -33,9 +33,9 @@ RESUMABLE = [
     "trainer.device=cpu",
     "trainer.progress=false",
     "trainer.threads=1",
-    "trainer.checkpoint_every_steps=4",
-    "+hooks=[clip,log]",
 ]
+# The resume tests' run: that, with a checkpoint every 4 steps.
+RESUMABLE = [*TINY_FAKE, "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
 
 KEEP = [*RESUMABLE, "trainer.checkpoint_keep=10"]  # checkpoints at steps 4, 6, 8 and 12
 

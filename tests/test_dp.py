@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_config, free_port, spawn_ranks
+from helpers import TINY_FAKE, compose_config, free_port, spawn_ranks
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -31,18 +31,6 @@ except ImportError:
 # Accounting needs Opacus (the privacy extra); sampling, the stage and the models do not.
 needs_opacus = pytest.mark.skipif(opacus is None, reason="the privacy extra: pip install 'gradmod[privacy]'")
 
-TINY = [
-    "data=fake",
-    "data.image_size=28",
-    "data.channels=1",
-    "data.train_size=60",
-    "data.test_size=20",
-    "data.batch_size=10",
-    "trainer.epochs=2",
-    "trainer.device=cpu",
-    "trainer.progress=false",
-    "trainer.threads=1",
-]
 NO_NOISE = "hooks.dp.transforms=[{name: per_sample_clip, max_norm: 1.0}]"
 
 
@@ -309,7 +297,7 @@ def test_per_sample_refused_under_other_strategies():
     from gradmod.app.config_store import validate
     from gradmod.run import dp
 
-    cfg = validate(compose_config(*TINY, "+hooks=dp"))
+    cfg = validate(compose_config(*TINY_FAKE, "+hooks=dp"))
     cfg.trainer.strategy = "fsdp"  # a strategy the per_sample stage does not know
     with pytest.raises(
         ValueError,
@@ -337,7 +325,7 @@ def test_group_norm_resnet_has_no_batchnorm_and_the_same_parameters():
 def _run(out, *overrides):
     from gradmod.app.cli import run
 
-    summary = run(compose_config(*TINY, *overrides), out)
+    summary = run(compose_config(*TINY_FAKE, *overrides), out)
     metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     return summary, metrics
 
@@ -388,7 +376,7 @@ def test_target_epsilon_fills_the_rules_noise():
     from gradmod.app.config_store import validate
     from gradmod.run import dp
 
-    cfg = validate(compose_config(*TINY, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=2", "trainer.epochs=3"))
+    cfg = validate(compose_config(*TINY_FAKE, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=2", "trainer.epochs=3"))
     rules, privacy = dp.prepare(cfg, train_size=1000, world_size=1)
     assert (privacy.rule, privacy.sample_rate, privacy.steps) == ("dp", 0.01, 300)
     assert rules["dp"]["transforms"] == [
@@ -526,7 +514,7 @@ def test_torchrun_dp_run(tmp_path):
         "trainer.strategy=ddp",
         "+hooks=dp",
         f"hydra.run.dir={run_dir}",
-        *TINY,
+        *TINY_FAKE,
         "data.batch_size=5",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -557,14 +545,14 @@ def test_target_epsilon_replaces_the_shipped_noise_and_says_so(caplog):
     from gradmod.app.config_store import validate
     from gradmod.run import dp
 
-    cfg = validate(compose_config(*TINY, "+hooks=dp", "privacy.target_epsilon=3"))
+    cfg = validate(compose_config(*TINY_FAKE, "+hooks=dp", "privacy.target_epsilon=3"))
     dp.check(cfg)
     with caplog.at_level("INFO"):
         rules, privacy = dp.prepare(cfg, train_size=60, world_size=1)
     assert rules["dp"]["transforms"][0]["noise_multiplier"] == privacy.noise_multiplier != 1.1
     assert "replacing hooks.dp's noise_multiplier=1.1" in caplog.text
     assert "privacy.delta=1e-05 is not below" not in caplog.text
-    small = validate(compose_config(*TINY, "+hooks=dp", "privacy.delta=0.05"))
+    small = validate(compose_config(*TINY_FAKE, "+hooks=dp", "privacy.delta=0.05"))
     with caplog.at_level("WARNING"):
         dp.prepare(small, train_size=60, world_size=1)
     assert "privacy.delta=0.05 is not below 1 / training set size (60 examples)" in caplog.text
@@ -642,7 +630,7 @@ def test_resuming_a_run_without_noise_under_a_target_is_refused(tmp_path):
     first = tmp_path / "plain" / "checkpoints" / "step-000000004.pt"
     with pytest.raises(ValueError, match="4 steps ran without noise"):
         run(
-            compose_config(*TINY, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=3", f"trainer.resume={first}"),
+            compose_config(*TINY_FAKE, "+hooks=dp", NO_NOISE, "privacy.target_epsilon=3", f"trainer.resume={first}"),
             tmp_path / "resumed",
         )
 
