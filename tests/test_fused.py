@@ -175,8 +175,9 @@ def test_log_rows_of_many_tensors_cost_one_op_each_plus_a_few():
         table, order, _ = stat_rows(gs)
         rows = dict(zip(order, table.unbind(0)))
     rows = [rows[i] for i in range(len(gs))]
-    assert count.count <= 2 * len(gs) + 25, count.by_op  # a detach and a flattening view per tensor
-    assert not any("item" in op or "_local_scalar" in op for op in count.by_op), "no host sync"
+    assert count.count <= 2 * len(gs) + 18, count.by_op  # a detach and a flattening view per tensor
+    reads = sum(n for op, n in count.by_op.items() if "item" in op or "_local_scalar" in op)
+    assert reads == 1  # on the CPU: whether to count non-finite entries
     for g, row in zip(gs, rows):
         assert row[0].item() == pytest.approx(torch.linalg.vector_norm(g).item(), rel=1e-6)
         assert (row[1].item(), row[2].item()) == (g.min().item(), g.max().item())

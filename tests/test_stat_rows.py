@@ -13,6 +13,7 @@ from torch import nn
 
 from gradmod.hooks import attach
 from gradmod.hooks.reduce import BIG, stat_rows
+from gradmod.testing.opcount import OpCounter
 
 CLAMP = {"name": "clamp", "min": -1e-4, "max": 1e-4}
 
@@ -96,6 +97,34 @@ def test_changes_count_nan_to_nan_as_none_on_every_path():
         if i >= n:
             assert row[6] * after[i - n].numel() == pytest.approx(2), i
             assert _close(row, _reference(after[i - n], before[i - n]))
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_without_host_reads_the_rows_are_the_same_bits(monkeypatch, finite):
+    """CUDA's path (no value read back: every non-finite pass taken) against the CPU's (one
+    read, the passes only when a min or max is not finite): the same bits, changes included."""
+    from gradmod.hooks import reduce
+
+    before = _tensors() if not finite else [t.nan_to_num(0.0, 0.0, 0.0) for t in _tensors()]
+    after = [t.clamp(-0.5, 0.5) for t in before]
+    calls = {"single": lambda: stat_rows(before), "paired": lambda: stat_rows(before + after, paired=True)}
+    read = {k: f() for k, f in calls.items()}
+    monkeypatch.setattr(reduce, "READS_FREE", set())
+    for name, f in calls.items():
+        with OpCounter() as ops:
+            rows, order, _ = f()
+        assert not any("item" in op or "_local_scalar" in op for op in ops.by_op), name
+        assert order == read[name][1]
+        assert torch.equal(rows.view(torch.int32), read[name][0].view(torch.int32)), name
+
+
+def test_finite_values_whose_sums_overflow_count_no_non_finite_entry():
+    """Rows of huge finite values sum to inf: the exact passes run, and find nothing."""
+    ts = [torch.full((4, 8), 3e38), torch.full((4, 8), -3e38), torch.full((BIG + 1,), 3e38)]
+    rows, order, _ = stat_rows(ts + [t.clamp(-1e38, 1e38) for t in ts], paired=True)
+    for i, row in zip(order, rows.tolist()):
+        assert row[5] == 0, i
+        assert row[6] == (1.0 if i >= len(ts) else 0.0), i  # every entry clamped
 
 
 class Mixed(nn.Module):

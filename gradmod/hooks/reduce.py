@@ -17,11 +17,13 @@ fewer than ``BIG`` entries is one thread's, whatever the matrix; a segment's, wh
 lies), so the hook stage (rows per rule and chain position, at the end of backward) and the
 fused stage (per rule and step) give the same bits. A ``pre`` and ``post`` pair of one call
 splits by the ``pre`` tensors, so computing the two together or apart is the same too.
-Nothing is read back to the host.
+On CUDA nothing is read back to the host; on the CPU, where a read is free, one value says
+whether the non-finite counts need their passes at all.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,8 @@ from torch import Tensor
 # reduction of a smaller tensor runs on one thread whatever the matrix around it.
 BIG = 1 << 15
 _LAYOUTS: dict[tuple, Layout] = {}
+# Devices where reading one value back costs nothing (no queue to wait for).
+READS_FREE = {"cpu"}
 
 
 @dataclass
@@ -79,7 +83,7 @@ def layout(tensors: list[Tensor], copies: int = 1) -> Layout:
         copies,
         order,
         torch.tensor([tensors[i].numel() for i in singles] * copies, device=device),
-        torch.stack([one, one, one, sizes, -sizes, one, sizes], 1),  # mean, -(-count)/n, changed/n
+        torch.stack([one, one, one, sizes, sizes, one, sizes], 1),  # mean, negatives/n, changed/n
         [torch.zeros(k, device=device) for k in parts],
     )
     if len(_LAYOUTS) > 256:  # layouts change only with module outputs' batch sizes
@@ -160,28 +164,41 @@ def _changed_big(a: Tensor, b: Tensor) -> Tensor:
     return torch.ne(a, b, out=nan_b).sub_(both_nan)
 
 
-def _matrix(m: Tensor, clipped: Tensor) -> Tensor:
-    """[k, 7] sums of each row of ``m``: norm, min, max, sum, minus the negatives, non-finite, ``clipped``."""
+def _differ(a: Tensor, b: Tensor, big: bool) -> Tensor:
+    """1.0 where ``b`` differs from ``a``, one float pass; nan to nan counts as a change, so
+    this is ``_changed`` only where ``b`` holds no nan."""
+    return torch.ne(a, b, out=_scratch(a, 0) if big else torch.empty_like(a))
+
+
+def _matrix(m: Tensor, clipped: Tensor, zero: Tensor, count_bad: bool, own: bool) -> Tensor:
+    """[k, 7] sums of each row of ``m``: norm, min, max, sum, negatives, non-finite (``zero``
+    unless ``count_bad``), ``clipped``. ``own``: ``m`` is this call's copy, free to overwrite."""
     if m.shape[0] == 1:  # a big tensor: the flat reductions, one pass for min and max
         lo, hi = (t.view(1) for t in torch.aminmax(m.view(-1)))
-        scratch = _scratch(m)
     else:  # aminmax(dim=1) is ~20x slower than these two on the CPU
         lo, hi = m.amin(1), m.amax(1)
-        scratch = torch.empty_like(m)  # one buffer for both per-entry passes
-    neg = -torch.lt(m, 0, out=scratch).sum(1)  # nan < 0 is False: left out
-    bad = _flags(m, out=scratch).sum(1)
-    return torch.stack([torch.linalg.vector_norm(m, dim=1), lo, hi, m.sum(1), neg, bad, clipped], 1)
+    norm, total = torch.linalg.vector_norm(m, dim=1), m.sum(1)
+    # One buffer for the per-entry passes, written last: the copy itself where it may be.
+    scratch = m if own and not count_bad else _scratch(m) if m.shape[0] == 1 else torch.empty_like(m)
+    bad = _flags(m, out=scratch).sum(1) if count_bad else zero
+    neg = torch.lt(m, 0, out=scratch).sum(1)  # nan < 0 is False: left out
+    return torch.stack([norm, lo, hi, total, neg, bad, clipped], 1)
 
 
-def _segments(flat: Tensor, lengths: Tensor, tensors: list[Tensor], clipped: Tensor) -> Tensor:
+def _segments(
+    flat: Tensor, lengths: Tensor, tensors: list[Tensor], clipped: Tensor, zero: Tensor, count_bad: bool, own: bool
+) -> Tensor:
     """``_matrix``'s columns per segment of ``flat``."""
 
-    def seg(x: Tensor, how: str = "sum") -> Tensor:
-        return torch.segment_reduce(x, how, lengths=lengths)
+    def seg(x: Tensor, how: str = "sum") -> Tensor:  # lengths are the layout's own: no checks (a host sync)
+        return torch.segment_reduce(x, how, lengths=lengths, unsafe=True)
 
     norms = torch.stack(torch._foreach_norm([_float(t) for t in tensors]))
-    neg = torch.sign(flat).clamp_(max=0).nan_to_num_(nan=0.0)
-    return torch.stack([norms, seg(flat, "min"), seg(flat, "max"), seg(flat), seg(neg), seg(_flags(flat)), clipped], 1)
+    lo, hi, total = seg(flat, "min"), seg(flat, "max"), seg(flat)
+    scratch = flat if own and not count_bad else torch.empty_like(flat)
+    bad = seg(_flags(flat, out=scratch)) if count_bad else zero
+    neg = seg(torch.lt(flat, 0, out=scratch))
+    return torch.stack([norms, lo, hi, total, neg, bad, clipped], 1)
 
 
 def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -189,9 +206,10 @@ def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
     return x[:k], x[k:]
 
 
-def _clipped(lay: Layout, parts: list[Tensor], before: Seen | None) -> list[Tensor]:
+def _clipped(lay: Layout, parts: list[Tensor], before: Seen | None, exact: bool) -> list[Tensor]:
     """Per part, the frac_clipped column before division: changed entries of the ``post``
-    rows (the second copy, or every row against ``before``), 0 for the others."""
+    rows (the second copy, or every row against ``before``), 0 for the others. Not
+    ``exact``: by ``_differ``, for post rows whose min and max then prove them free of nan."""
     g, s = len(lay.groups), 1 if lay.singles else 0
     if lay.copies == 1 and before is None:
         return lay.zeros
@@ -205,7 +223,8 @@ def _clipped(lay: Layout, parts: list[Tensor], before: Seen | None) -> list[Tens
             a, b = (parts[j - 1], part) if j >= g + s else _halves(part)
         else:
             a, b = before.parts[j], part
-        c = _changed_big(a, b) if j >= g + s else _changed(a, b)
+        big = j >= g + s
+        c = (_changed_big(a, b) if big else _changed(a, b)) if exact else _differ(a, b, big)
         c = (
             torch.segment_reduce(c.float(), "sum", lengths=lay.lengths[: len(lay.singles)])
             if flat
@@ -228,15 +247,33 @@ def stat_rows(
         copies = 2 if paired else 1
         lay = layout(tensors[: len(tensors) // copies], copies)
         parts = _parts(tensors, lay)
-        clipped = _clipped(lay, parts, before)
-        g = len(lay.groups)
-        cols = [_matrix(m, c) for m, c in zip(parts[:g], clipped)]
-        if lay.singles:
-            singles = [tensors[i + c * (len(tensors) // copies)] for c in range(copies) for i in lay.singles]
-            cols.append(_segments(parts[g], lay.lengths, singles, clipped[g]))
-        off = g + (1 if lay.singles else 0)
-        cols.extend(_matrix(b, c) for b, c in zip(parts[off:], clipped[off:]))
-        rows = (torch.cat(cols) if len(cols) > 1 else cols[0]) / lay.divisor
+        # On the CPU, reading a value back is free: non-finite entries are looked for (their
+        # count, nan to nan as no change) only when some row's min or max is not finite (then
+        # the sum of all rows is not either), from the tensors again. On CUDA they are looked
+        # for every time, without a sync.
+        reads = tensors[0].device.type in READS_FREE
+        own = keep is None  # else the parts are kept for a post partner: leave them whole
+        rows = _columns(tensors, lay, parts, _clipped(lay, parts, before, not reads), not reads, own)
+        if reads and not math.isfinite(rows.sum()):
+            again = _parts(tensors, lay)
+            rows = _columns(tensors, lay, again, _clipped(lay, again, before, True), True, own)
+        rows = rows / lay.divisor
+        off = len(lay.groups) + (1 if lay.singles else 0)
         if keep == "clone" and lay.bigs:  # a big tensor's part is a view of it
             parts = parts[:off] + [b.clone() for b in parts[off:]]
         return rows, lay.order, None if keep is None else Seen(parts)
+
+
+def _columns(
+    tensors: list[Tensor], lay: Layout, parts: list[Tensor], clipped: list[Tensor], count_bad: bool, own: bool
+) -> Tensor:
+    """The rows before division, part by part (``own``: the copies may be overwritten)."""
+    g, copies = len(lay.groups), lay.copies
+    cols = [_matrix(m, c, z, count_bad, own) for m, c, z in zip(parts[:g], clipped, lay.zeros)]
+    if lay.singles:
+        n = len(tensors) // copies
+        singles = [tensors[i + c * n] for c in range(copies) for i in lay.singles]
+        cols.append(_segments(parts[g], lay.lengths, singles, clipped[g], lay.zeros[g], count_bad, own))
+    off = g + (1 if lay.singles else 0)
+    cols.extend(_matrix(b, c, z, count_bad, False) for b, c, z in zip(parts[off:], clipped[off:], lay.zeros[off:]))
+    return torch.cat(cols) if len(cols) > 1 else cols[0]
