@@ -11,6 +11,7 @@ same numbers.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class GradStats(Window):
         self._seen: Seen | None = None
         self.histogram = False
         self._hist: Tensor | None = None
+        self._refs_only = True  # every pending row came by add_from
 
     def __call__(self, grad: Tensor) -> None:
         self.observe(grad)
@@ -87,14 +89,35 @@ class GradStats(Window):
         """Bin ``g`` for the next read (FSDP2: gathers the gradient, at histogram steps only)."""
         self._hist = self.bin(plain(g.detach()).float())
 
+    def add(self, row: Tensor) -> None:
+        self._refs_only = False
+        super().add(row)
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._hist, self._refs_only = None, True
+
+    def add_from(self, block: Tensor, j: int) -> None:
+        """This call's row is row ``j`` of ``block``, the rows of one batch of observers:
+        kept as that reference, so a batch costs no tensor per row (``take_all`` reads the
+        windows of one batch together)."""
+        self._rows.append((block, j))  # type: ignore[arg-type]
+        self.calls += 1
+        if len(self._rows) >= self.COMPACT_AT:
+            self._compact()
+
+    def _pending(self) -> list[Tensor]:
+        return [r if isinstance(r, Tensor) else r[0][r[1]] for r in self._rows]
+
     def _fold(self) -> Tensor:
         """The pending rows as one row: sums, except min (column 1) and max (column 2)."""
-        if len(self._rows) == 1:
-            return self._rows[0]
-        out = self._rows[0]
-        for row in self._rows[1:]:  # left to right, so folding in pieces (a resume) gives the same bits
+        pending = self._pending()
+        if len(pending) == 1:
+            return pending[0]
+        out = pending[0]
+        for row in pending[1:]:  # left to right, so folding in pieces (a resume) gives the same bits
             out = out + row
-        rows = torch.stack(self._rows)
+        rows = torch.stack(pending)
         out[1:3] = torch.stack([rows[:, 1].min(), rows[:, 2].max()])
         return out
 
@@ -114,10 +137,6 @@ class GradStats(Window):
         vals = torch.where(finite, g, 0)
         head = torch.stack([lo, hi, finite.sum().float(), vals.sum(), (vals * vals).sum()])
         return torch.cat([head, counts])
-
-    def _reset(self) -> None:
-        super()._reset()
-        self._hist = None
 
     def take(self) -> tuple[int, Tensor | None]:
         """The pending window (calls, device tensor) and a fresh start; no sync. The
@@ -164,24 +183,41 @@ class GradStats(Window):
 def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
     """``[w.take() for w in windows]``, the same values, with the ``log`` windows of equal
     length folded together: a few ops for all of them, instead of one per pending row of
-    each (a read of 400 tensors' 50 rows was 20,000 ops). Left to right, as ``_fold``."""
+    each (a read of 400 tensors' 50 rows was 20,000 ops). Windows whose rows all lie in the
+    same batches (``add_from``) are gathered from those batches' blocks directly. Left to
+    right, as ``_fold``."""
     out: list[tuple[int, Tensor | None] | None] = [None] * len(windows)
+    batched: dict[tuple, list[int]] = {}
     groups: dict[tuple, list[int]] = {}
     for i, w in enumerate(windows):
-        if type(w) is GradStats and len(w._rows) > 1:
-            first = w._rows[0]
-            groups.setdefault((len(w._rows), first.shape, first.device, first.dtype), []).append(i)
-        else:  # another kind of record, or nothing to fold
+        if type(w) is not GradStats or len(w._rows) < 2:  # another kind of record, or nothing to fold
             out[i] = w.take()
-    for (k, *_), ix in groups.items():
-        rows = torch.stack([r for i in ix for r in windows[i]._rows]).view(len(ix), k, -1)
-        acc = rows[:, 0] + rows[:, 1]
-        for c in range(2, k):
-            acc = acc + rows[:, c]
-        acc[:, 1], acc[:, 2] = rows[:, :, 1].amin(1), rows[:, :, 2].amax(1)
-        for j, i in enumerate(ix):
-            out[i] = windows[i].take_folded(acc[j])
+        elif w._refs_only and type(w._rows[0]) is tuple:  # not compacted nor loaded either
+            batched.setdefault(tuple(map(id, map(_first, w._rows))), []).append(i)
+        else:
+            first = w._pending()[0]
+            groups.setdefault((len(w._rows), first.shape, first.device, first.dtype), []).append(i)
+    for ix in batched.values():
+        blocks = torch.stack(list(map(_first, windows[ix[0]]._rows)))  # [calls, batch rows, 7]
+        at = torch.tensor([list(map(_second, windows[i]._rows)) for i in ix], device=blocks.device)
+        _fold_into(out, windows, ix, blocks[torch.arange(at.shape[1], device=blocks.device), at])
+    for ix in groups.values():
+        rows = torch.stack([r for i in ix for r in windows[i]._pending()])
+        _fold_into(out, windows, ix, rows.view(len(ix), len(windows[ix[0]]._rows), -1))
     return out  # type: ignore[return-value]
+
+
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _fold_into(out: list, windows: list[Window], ix: list[int], rows: Tensor) -> None:
+    """``rows`` [windows, calls, values]: each window's rows folded as ``_fold`` does."""
+    acc = rows[:, 0] + rows[:, 1]
+    for c in range(2, rows.shape[1]):
+        acc = acc + rows[:, c]
+    acc[:, 1], acc[:, 2] = rows[:, :, 1].amin(1), rows[:, :, 2].amax(1)
+    for j, i in enumerate(ix):
+        out[i] = windows[i].take_folded(acc[j])
 
 
 def observe_batch(observers: list[GradStats], tensors: list[Tensor]) -> None:
@@ -216,8 +252,8 @@ def observe_pairs(pres: list[GradStats], before: list[Tensor], posts: list[GradS
 
 
 def _add(observers: list[GradStats], rows: Tensor, order: list[int]) -> None:
-    for i, row in zip(order, rows.unbind(0)):
-        observers[i].add(row)
+    for j, i in enumerate(order):
+        observers[i].add_from(rows, j)
 
 
 def log(label: str | None = None) -> GradStats:
