@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.log_buffer import in_distributed
+from gradmod.hooks.reduce import BIG
 
 
 def _checked(rule: str, step: R.BuiltTransform, key: str, g: Tensor) -> Tensor | None:
@@ -86,20 +87,45 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
             _observe(hooks, seen, result, param)
         return result
 
+    # The common cases in as few Python steps as can be (a hook runs per tensor per
+    # backward, a few µs each): else the general hook above.
+    logs = hooks.logs
+    if defer is not None:
+
+        def deferring_hook(grad: Tensor) -> Tensor | None:
+            if hooks._grad_scale is None and defer(param):
+                logs.defer(group, steps, param, key, hooks.ledger)
+                return None
+            return hook(grad)
+
+        return deferring_hook
+    if observes_only and param is not None and param.numel() < BIG:
+        slots = [(obs, slot) for _, _, obs, slot in plan]
+        observers = [obs for obs, _ in slots]
+
+        def observing_hook(grad: Tensor) -> Tensor | None:
+            if hooks._grad_scale is None and not any(obs.histogram for obs in observers):
+                logs.add_small(slots, grad, param)
+                return None
+            return hook(grad)
+
+        return observing_hook
     return hook
 
 
 def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter | None):
-    """For a parameter whose chain is only transforms with an in-place foreach form: a test
-    of whether this call may leave the gradient to autograd and transform ``.grad`` in place
-    at the end of backward instead (one foreach op per step for all such tensors, no copy
-    per tensor). It may when ``.grad`` is empty, so that it will hold exactly this gradient,
+    """For a parameter whose chain is transforms with an in-place foreach form, and ``log``
+    observers between them: a test of whether this call may leave the gradient to autograd
+    and run the chain on ``.grad`` at the end of backward instead (one foreach op per step
+    for all such tensors, the observers' rows together, no copy per tensor). It may when ``.grad`` is empty, so that it will hold exactly this gradient,
     and nothing looks at ``.grad`` before backward ends: this backward accumulates into it
     (not ``autograd.grad``), builds no graph of its own, no other hook follows on the
     parameter, and no DDP reducer reads it. Else the chain runs in the hook as usual."""
     if param is None or not param.requires_grad or not steps:
         return None
-    if not all(not s.observer and s.kind == "elementwise" and s.inplace is not None for _, s in steps):
+    if not all(s.kind == "elementwise" and (s.observer or s.inplace is not None) for _, s in steps):
+        return None
+    if all(s.observer for _, s in steps):  # nothing to transform: the observing hook
         return None
     acc = param.view_as(param).grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
 

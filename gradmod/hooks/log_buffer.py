@@ -32,7 +32,7 @@ class LogBuffer:
 
     def __init__(self) -> None:
         self._slots: dict[Slot, tuple[list[GradStats], list[Any]]] = {}  # slot -> (observers, sources)
-        self._deferred: dict[tuple, tuple[list, list[nn.Parameter], list[str]]] = {}  # chain -> (steps, params, keys)
+        self._deferred: dict[tuple, tuple[list, list[nn.Parameter], list[str]]] = {}  # chain -> (chains, params, keys)
         self.ledger = None  # the raw-gradient ledger, told of what deferred chains replace
 
     def _queue(self) -> None:
@@ -40,25 +40,34 @@ class LogBuffer:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
     def defer(self, group: tuple, steps: list, param: nn.Parameter, key: str, ledger) -> None:
-        """A chain of in-place-able transforms, applied to ``param.grad`` at the end of
-        backward, with every parameter of the same rules and steps (``group``) in one
-        foreach op each."""
+        """A chain (``steps``) of in-place-able transforms and ``log`` observers, run on
+        ``param.grad`` at the end of backward with every parameter of the same rules and
+        steps (``group``): one foreach op per transform, the rows of each observer position
+        together."""
         if not self._deferred:
             self._queue()
             self.ledger = ledger
         entry = self._deferred.get(group)
         if entry is None:
-            entry = self._deferred[group] = (steps, [], [])
+            entry = self._deferred[group] = ([], [], [])
+        entry[0].append(steps)
         entry[1].append(param)
         entry[2].append(key)
 
     def _run_deferred(self, deferred: dict) -> None:
-        for steps, params, keys in deferred.values():
+        for chains, params, keys in deferred.values():
             grads = [p.grad for p in params]
             if self.ledger is not None and self.ledger.keeping():  # the raw count, before the transforms
                 self.ledger.add_counts(keys, torch._foreach_norm(torch._foreach_mul(grads, 0), 0))  # inf*0, nan*0: nan
-            for _, step in steps:
-                step.inplace(grads)
+            for k, (_, step) in enumerate(chains[0]):
+                if not step.observer:  # stateless: the first parameter's stands for all
+                    step.inplace(grads)
+                    continue
+                observers = [chain[k][1].fn for chain in chains]  # each tensor's own
+                for obs, g in zip(observers, grads):
+                    if obs.histogram:
+                        obs.observe_histogram(g)
+                observe_batch(observers, grads, in_place=True)
 
     def add(self, seen: list[tuple[GradStats, Tensor, Slot]], result: Tensor, param: nn.Parameter | None) -> None:
         """One chain call's observations in chain order; ``result`` is what the chain
@@ -75,6 +84,18 @@ class LogBuffer:
             observers, sources = self._slots.setdefault(slot, ([], []))
             observers.append(obs)
             sources.append(param if steal and t is result else t)
+
+    def add_small(self, slots: list[tuple[GradStats, Slot]], grad: Tensor, param: nn.Parameter) -> None:
+        """``add`` of a small parameter gradient that its chain only observes."""
+        if not self._slots and not self._deferred:
+            self._queue()
+        source = param if param.grad is None and not _is_initialized() else grad
+        for obs, slot in slots:
+            entry = self._slots.get(slot)
+            if entry is None:
+                entry = self._slots[slot] = ([], [])
+            entry[0].append(obs)
+            entry[1].append(source)
 
     def flush(self) -> None:
         """End of backward: each slot's rows, computed together (``pre`` slots come first,

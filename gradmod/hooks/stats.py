@@ -220,10 +220,11 @@ def _fold_into(out: list, windows: list[Window], ix: list[int], rows: Tensor) ->
         out[i] = windows[i].take_folded(acc[j])
 
 
-def observe_batch(observers: list[GradStats], tensors: list[Tensor]) -> None:
+def observe_batch(observers: list[GradStats], tensors: list[Tensor], in_place: bool = False) -> None:
     """The rows of one rule's observers at one chain position (one per tensor), computed
     together. ``post`` observers compare with what their ``pre`` partners kept of the same
-    tensors, in the same order (both positions see the same tensors)."""
+    tensors, in the same order (both positions see the same tensors). ``in_place``: the
+    transforms that follow change ``tensors`` in place, so a ``pre`` keeps a copy."""
     if any(is_sharded(t) for t in tensors):
         for obs, t in zip(observers, tensors):
             obs.observe(t)
@@ -233,6 +234,8 @@ def observe_batch(observers: list[GradStats], tensors: list[Tensor]) -> None:
         if obs.pre is not None:
             obs.pre._seen = None
     keep = observers[0].keep
+    if in_place and keep == "ref":
+        keep = "clone"
     rows, order, seen = stat_rows(tensors, before, keep)
     _add(observers, rows, order)
     if keep is not None:
