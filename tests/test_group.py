@@ -167,6 +167,24 @@ def test_agc_matches_a_unit_by_unit_computation():
     hooks.remove()
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+def test_agc_records_the_total_norms_before_and_after(norm_type):
+    """From the unit norms (L2) or from the gradients (another order): the same numbers as
+    the norm of all gradients before the clip and after it."""
+    model = tiny_model()
+    hooks = attach(model, rule({"name": "agc", "clip_factor": 0.6, "norm_type": norm_type}), stage="fused")
+    backward(model, 2)
+    raw = [p.grad.clone() for p in model.parameters()]
+    hooks.after_backward()
+    before = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in raw]))
+    after = torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in model.parameters()]))
+    stats = hooks.read_stats()["g/agc"]
+    assert stats["norm"] == pytest.approx(before.item(), rel=1e-6)
+    assert stats["clip_coef"] == pytest.approx((after / before).item(), rel=1e-5)
+    assert stats["clip_coef"] < 1  # the clip bites
+    hooks.remove()
+
+
 def test_agc_config_leaves_the_classifier_out():
     from helpers import ROOT
 

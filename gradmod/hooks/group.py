@@ -175,19 +175,29 @@ class AGC(GroupTransform):
         self.norm_type = _norm_type(self.name, norm_type)
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
-        before = total_norm(grads)
-        for ps, gs in _by_shape(params, grads):
-            if len(gs) == 1:
-                gs[0].mul_(self._coef(ps[0].detach(), gs[0]))
-            else:  # one set of unit-norm ops for all tensors of this shape (unit norms have no foreach form)
-                coef = self._coef(torch.stack([p.detach() for p in ps]), torch.stack(gs), stacked=True)
-                torch._foreach_mul_(gs, list(coef.unbind(0)))
-        self.record.add(before, total_norm(grads) / (before + EPS))
-
-    def _coef(self, p: Tensor, g: Tensor, stacked: bool = False) -> Tensor:
-        """Each unit's factor min(1, clip_factor * max(|w|, eps) / max(|g|, 1e-6))."""
-        limit = unit_norms(p, self.norm_type, stacked).clamp_min(self.eps).mul_(self.clip_factor)
-        return (limit / unit_norms(g, self.norm_type, stacked).clamp_min(EPS)).clamp_max(1.0)
+        with torch.no_grad():  # the weights' norms record no graph
+            sharded = any(is_sharded(g) for g in grads)
+            before = total_norm(grads) if sharded or self.norm_type != 2 else None
+            norms, clipped = [], []  # each group's unit norms, before and after
+            for ps, gs in _by_shape(params, grads):
+                stacked = len(gs) > 1  # one set of unit-norm ops for all tensors of this shape
+                p, g = (torch.stack(ps), torch.stack(gs)) if stacked else (ps[0], gs[0])
+                limit = unit_norms(p, self.norm_type, stacked).clamp_min(self.eps).mul_(self.clip_factor)
+                unit = unit_norms(g, self.norm_type, stacked)
+                coef = (limit / unit.clamp_min(EPS)).clamp_max(1.0)  # min(1, limit / max(|g|, 1e-6))
+                if stacked:  # (unit norms have no foreach form)
+                    torch._foreach_mul_(gs, list(coef.unbind(0)))
+                else:
+                    gs[0].mul_(coef)
+                if before is None:
+                    norms.append(unit.reshape(-1))
+                    clipped.append((unit * coef).reshape(-1))
+            if before is None:  # L2 unit norms: the total norms are theirs, no pass over the gradients
+                before = torch.linalg.vector_norm(torch.cat(norms))
+                after = torch.linalg.vector_norm(torch.cat(clipped))
+            else:
+                after = total_norm(grads)
+            self.record.add(before, after / (before + EPS))
 
 
 def _by_shape(params: list[Tensor], grads: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:
