@@ -75,7 +75,12 @@ class _Mixed(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.big, self.a, self.b, self.head = nn.Linear(200, 200), nn.Linear(200, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.big, self.a, self.b, self.head = (
+            nn.Linear(200, 200),
+            nn.Linear(200, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 3),
+        )
 
     def forward(self, x):
         return self.head(torch.relu(self.b(torch.relu(self.a(torch.relu(self.big(x)))))))

@@ -200,3 +200,30 @@ def test_reading_many_windows_together_gives_each_windows_own_bits():
         if a is not None:  # exactly equal, nan where nan (its payload aside)
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert all(w.calls == 0 for w in windows)  # every window starts afresh
+
+
+def test_windows_of_batches_read_together_give_each_windows_own_bits():
+    """Rows kept as references into their batch's block (``add_from``): windows that saw the
+    same batches, one that missed a step (another batch), one past ``COMPACT_AT``: the same
+    bits read together as each alone."""
+    import copy
+
+    from gradmod.hooks.stats import GradStats, observe_batch, take_all
+
+    g = torch.Generator().manual_seed(0)
+    windows = [GradStats() for _ in range(4)]
+    for step in range(5):
+        seen = windows if step != 2 else windows[:3]  # the last misses a step
+        ts = [torch.randn(3, 4, generator=g) for _ in seen[:-1]] + [torch.randn(BIG + 1, generator=g)]
+        ts[0][0, 0] = math.nan if step == 3 else ts[0][0, 0]
+        observe_batch(seen, ts)
+    long = GradStats()
+    for _ in range(GradStats.COMPACT_AT + 3):
+        observe_batch([long], [torch.randn(5, generator=g)])
+    windows.append(long)
+    alone = [w.take() for w in copy.deepcopy(windows)]
+    together = take_all(windows)
+    assert [c for c, _ in together] == [c for c, _ in alone] == [5, 5, 5, 4, GradStats.COMPACT_AT + 3]
+    for (_, a), (_, b) in zip(alone, together):  # exactly equal, nan where nan (its payload aside)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert math.isnan(together[0][1][1]) and not math.isnan(together[1][1][1])  # the nan stays its own

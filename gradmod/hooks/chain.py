@@ -117,10 +117,11 @@ def _deferrable(steps: list[tuple[str, R.BuiltTransform]], param: nn.Parameter |
     """For a parameter whose chain is transforms with an in-place foreach form, and ``log``
     observers between them: a test of whether this call may leave the gradient to autograd
     and run the chain on ``.grad`` at the end of backward instead (one foreach op per step
-    for all such tensors, the observers' rows together, no copy per tensor). It may when ``.grad`` is empty, so that it will hold exactly this gradient,
-    and nothing looks at ``.grad`` before backward ends: this backward accumulates into it
-    (not ``autograd.grad``), builds no graph of its own, no other hook follows on the
-    parameter, and no DDP reducer reads it. Else the chain runs in the hook as usual."""
+    for all such tensors, the observers' rows together, no copy per tensor). It may when
+    ``.grad`` is empty, so that it will hold exactly this gradient, and nothing looks at
+    ``.grad`` before backward ends: this backward accumulates into it (not
+    ``autograd.grad``), builds no graph of its own, no other hook follows on the parameter,
+    and no DDP reducer reads it. Else the chain runs in the hook as usual."""
     if param is None or not param.requires_grad or not steps:
         return None
     if not all(s.kind == "elementwise" and (s.observer or s.inplace is not None) for _, s in steps):

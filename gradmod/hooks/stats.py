@@ -198,9 +198,13 @@ def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
             first = w._pending()[0]
             groups.setdefault((len(w._rows), first.shape, first.device, first.dtype), []).append(i)
     for ix in batched.values():
-        blocks = torch.stack(list(map(_first, windows[ix[0]]._rows)))  # [calls, batch rows, 7]
-        at = torch.tensor([list(map(_second, windows[i]._rows)) for i in ix], device=blocks.device)
-        _fold_into(out, windows, ix, blocks[torch.arange(at.shape[1], device=blocks.device), at])
+        blocks = list(map(_first, windows[ix[0]]._rows))  # one per call, of any number of rows
+        starts = [0]
+        for b in blocks[:-1]:
+            starts.append(starts[-1] + b.shape[0])
+        device = blocks[0].device
+        at = torch.tensor([list(map(_second, windows[i]._rows)) for i in ix], device=device)
+        _fold_into(out, windows, ix, torch.cat(blocks)[at + torch.tensor(starts, device=device)])
     for ix in groups.values():
         rows = torch.stack([r for i in ix for r in windows[i]._pending()])
         _fold_into(out, windows, ix, rows.view(len(ix), len(windows[ix[0]]._rows), -1))

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import registry
+from gradmod.hooks.reduce import BIG
 from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
 
 __all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec", "register"]
@@ -96,9 +97,14 @@ def _clamp_foreach(min: float | None = None, max: float | None = None, bound: fl
     lo, hi = _clamp_bounds(min, max, bound)
 
     def apply(grads: list[Tensor]) -> None:
-        if lo is not None:
+        if lo is not None and hi is not None:  # a big tensor in one pass of its own, not two
+            big = [g for g in grads if g.numel() >= BIG]
+            for g in big:
+                g.clamp_(lo, hi)
+            grads = [g for g in grads if g.numel() < BIG] if big else grads
+        if lo is not None and grads:
             torch._foreach_clamp_min_(grads, lo)
-        if hi is not None:
+        if hi is not None and grads:
             torch._foreach_clamp_max_(grads, hi)
 
     return apply
