@@ -97,7 +97,9 @@ def _clamp_foreach(min: float | None = None, max: float | None = None, bound: fl
     lo, hi = _clamp_bounds(min, max, bound)
 
     def apply(grads: list[Tensor]) -> None:
-        if lo is not None and hi is not None:  # a big tensor in one pass of its own, not two
+        # On the CPU a foreach op is a loop of kernels anyway: a big tensor takes one pass of
+        # its own, not two. On CUDA each foreach op is one launch for all tensors.
+        if lo is not None and hi is not None and grads and grads[0].device.type == "cpu":
             big = [g for g in grads if g.numel() >= BIG]
             for g in big:
                 g.clamp_(lo, hi)
