@@ -62,9 +62,6 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
     def hook(grad: Tensor) -> Tensor | None:
         nonlocal first
         scale = hooks.grad_scale
-        if defer is not None and scale is None and defer(param):
-            hooks.logs.defer(group, steps, param, key, hooks.ledger)
-            return None
         g = grad if scale is None else grad.float() * scale.reciprocal()
         if observes_only:  # nothing changes the gradient: no result to build
             if param is None:
@@ -88,7 +85,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
         return result
 
     # The common cases in as few Python steps as can be (a hook runs per tensor per
-    # backward, a few µs each): else the general hook above.
+    # backward, a few µs each): else the general hook above, which never defers.
     logs = hooks.logs
     if defer is not None:
 
