@@ -112,14 +112,7 @@ class GradStats(Window):
     def _fold(self) -> Tensor:
         """The pending rows as one row: sums, except min (column 1) and max (column 2)."""
         pending = self._pending()
-        if len(pending) == 1:
-            return pending[0]
-        out = pending[0]
-        for row in pending[1:]:  # left to right, so folding in pieces (a resume) gives the same bits
-            out = out + row
-        rows = torch.stack(pending)
-        out[1:3] = torch.stack([rows[:, 1].min(), rows[:, 2].max()])
-        return out
+        return pending[0] if len(pending) == 1 else _fold_rows(torch.stack(pending)[None])[0]
 
     @classmethod
     def bin(cls, g: Tensor) -> Tensor:
@@ -184,8 +177,8 @@ def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
     """``[w.take() for w in windows]``, the same values, with the ``log`` windows of equal
     length folded together: a few ops for all of them, instead of one per pending row of
     each (a read of 400 tensors' 50 rows was 20,000 ops). Windows whose rows all lie in the
-    same batches (``add_from``) are gathered from those batches' blocks directly. Left to
-    right, as ``_fold``."""
+    same batches (``add_from``) are gathered from those batches' blocks directly. Folded by
+    ``_fold_rows``, as ``_fold`` does."""
     out: list[tuple[int, Tensor | None] | None] = [None] * len(windows)
     batched: dict[tuple, list[int]] = {}
     groups: dict[tuple, list[int]] = {}
@@ -214,12 +207,19 @@ def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 
-def _fold_into(out: list, windows: list[Window], ix: list[int], rows: Tensor) -> None:
-    """``rows`` [windows, calls, values]: each window's rows folded as ``_fold`` does."""
+def _fold_rows(rows: Tensor) -> Tensor:
+    """[windows, calls (two or more), values] to [windows, values]: sums, except min (column
+    1) and max (column 2). Left to right, so folding in pieces (a resume) gives the same bits."""
     acc = rows[:, 0] + rows[:, 1]
     for c in range(2, rows.shape[1]):
         acc = acc + rows[:, c]
     acc[:, 1], acc[:, 2] = rows[:, :, 1].amin(1), rows[:, :, 2].amax(1)
+    return acc
+
+
+def _fold_into(out: list, windows: list[Window], ix: list[int], rows: Tensor) -> None:
+    """``rows`` [windows, calls, values]: each window's rows folded as ``_fold`` does."""
+    acc = _fold_rows(rows)
     for j, i in enumerate(ix):
         out[i] = windows[i].take_folded(acc[j])
 
