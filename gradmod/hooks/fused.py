@@ -42,11 +42,7 @@ class FusedTransform:
             first.inplace(grads)
             return None
         if first.observer:  # the rule's rows together, as the hook stage batches them
-            observers = [self.steps[i].fn for i in live]
-            for obs, g in zip(observers, grads):
-                if obs.histogram:
-                    obs.observe_histogram(g)
-            observe_batch(observers, grads)
+            observe_batch([self.steps[i].fn for i in live], grads, histograms=True)
             return None
         for i, g in zip(live, grads):
             out = self.steps[i](g)

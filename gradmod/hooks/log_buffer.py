@@ -64,10 +64,7 @@ class LogBuffer:
                     step.inplace(grads)
                     continue
                 observers = [chain[k][1].fn for chain in chains]  # each tensor's own
-                for obs, g in zip(observers, grads):
-                    if obs.histogram:
-                        obs.observe_histogram(g)
-                observe_batch(observers, grads, in_place=True)
+                observe_batch(observers, grads, in_place=True, histograms=True)
 
     def add(self, seen: list[tuple[GradStats, Tensor, Slot]], result: Tensor, param: nn.Parameter | None) -> None:
         """One chain call's observations in chain order; ``result`` is what the chain

@@ -224,11 +224,18 @@ def _fold_into(out: list, windows: list[Window], ix: list[int], rows: Tensor) ->
         out[i] = windows[i].take_folded(acc[j])
 
 
-def observe_batch(observers: list[GradStats], tensors: list[Tensor], in_place: bool = False) -> None:
+def observe_batch(
+    observers: list[GradStats], tensors: list[Tensor], in_place: bool = False, histograms: bool = False
+) -> None:
     """The rows of one rule's observers at one chain position (one per tensor), computed
     together. ``post`` observers compare with what their ``pre`` partners kept of the same
     tensors, in the same order (both positions see the same tensors). ``in_place``: the
-    transforms that follow change ``tensors`` in place, so a ``pre`` keeps a copy."""
+    transforms that follow change ``tensors`` in place, so a ``pre`` keeps a copy.
+    ``histograms``: also bin each tensor whose observer is to (not yet binned elsewhere)."""
+    if histograms:
+        for obs, t in zip(observers, tensors):
+            if obs.histogram:
+                obs.observe_histogram(t)
     if any(is_sharded(t) for t in tensors):
         for obs, t in zip(observers, tensors):
             obs.observe(t)
