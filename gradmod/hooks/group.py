@@ -176,8 +176,9 @@ class AGC(GroupTransform):
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
         with torch.no_grad():  # the weights' norms record no graph
-            sharded = any(is_sharded(g) for g in grads)
-            before = total_norm(grads) if sharded or self.norm_type != 2 else None
+            # L2 unit norms give the total norms with no pass over the gradients; else total_norm.
+            from_units = self.norm_type == 2 and not any(is_sharded(g) for g in grads)
+            before = None if from_units else total_norm(grads)
             norms, clipped = [], []  # each group's unit norms, before and after
             for ps, gs in _by_shape(params, grads):
                 stacked = len(gs) > 1  # one set of unit-norm ops for all tensors of this shape
@@ -189,10 +190,10 @@ class AGC(GroupTransform):
                     torch._foreach_mul_(gs, list(coef.unbind(0)))
                 else:
                     gs[0].mul_(coef)
-                if before is None:
+                if from_units:
                     norms.append(unit.reshape(-1))
                     clipped.append((unit * coef).reshape(-1))
-            if before is None:  # L2 unit norms: the total norms are theirs, no pass over the gradients
+            if from_units:
                 before = torch.linalg.vector_norm(torch.cat(norms))
                 after = torch.linalg.vector_norm(torch.cat(clipped))
             else:
