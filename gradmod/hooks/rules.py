@@ -166,19 +166,22 @@ def _check_per_sample(model: nn.Module, targets: list[Target], trainable: list[s
             f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
             "budget): put the parameters in one rule"
         )
-    missing = [n for n in trainable if n not in covered]
-    if noisy and missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(
-            f"hooks.{noisy[0]}: with noise every trained parameter must be in a per_sample rule, "
-            f"else the privacy claim is false; not covered: {shown} (select them or set "
-            "requires_grad=False)"
-        )
     twice = next((t for t in private if [u.rule for u in private if u.name == t.name] != [t.rule]), None)
     if twice is not None:
         raise ValueError(
             f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
             "gradient is clipped once: select it in one"
+        )
+    # The claim (an epsilon) holds only where every trained parameter gets the noisy rule's
+    # clipping and noise: another per_sample rule (log only, or clip without noise) is no cover.
+    missing = [n for n in trainable if covered.get(n) not in noisy]
+    if noisy and missing:
+        shown = ", ".join(f"{n} ({'rule ' + covered[n] + ', no noise' if n in covered else 'no rule'})" for n in missing[:5])
+        shown += f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"hooks.{noisy[0]}: with noise every trained parameter must be in that rule, else the "
+            f"privacy claim is false; not covered: {shown} (select them in hooks.{noisy[0]} or set "
+            "requires_grad=False)"
         )
 
 
