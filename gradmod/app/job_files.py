@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from gradmod.app.config_store import as_built
+from gradmod.run import atomic
 
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job log format
 
@@ -32,7 +33,7 @@ class _Held(logging.Handler):
 class JobFiles:
     """``with JobFiles(hydra_cfg, cfg) as files:`` holds the job's log records; ``files.write(out)``
     writes ``out/.hydra/{config,hydra,overrides}.yaml`` and opens ``out/<job name>.log``
-    (appending, as Hydra does) with the held records first. Leaving the block closes it."""
+    (appending, as Hydra does, to a copy renamed over the old log) with the held records first. Leaving the block closes it."""
 
     def __init__(self, hydra_cfg: DictConfig, cfg: DictConfig):
         built = as_built(cfg)  # a _target_ object's name, not the shipped default it replaced
@@ -56,8 +57,10 @@ class JobFiles:
         folder = Path(out) / ".hydra"
         folder.mkdir(parents=True, exist_ok=True)
         for name, text in self.texts.items():
-            (folder / name).write_text(text, encoding="utf-8")
-        self.file = logging.FileHandler(Path(out) / self.log_name, mode="a", encoding="utf-8")
+            atomic.write_text(folder / name, text)
+        # A continuation appends to a copy of its own (a hard-linked backup keeps the old log).
+        log_file = atomic.fresh(Path(out) / self.log_name, keep=True)
+        self.file = logging.FileHandler(log_file, mode="a", encoding="utf-8")
         self.file.setFormatter(logging.Formatter(FORMAT))
         root = logging.getLogger()
         for record in self.held.records:

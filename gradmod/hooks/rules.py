@@ -176,7 +176,9 @@ def _check_per_sample(model: nn.Module, targets: list[Target], trainable: list[s
     # clipping and noise: another per_sample rule (log only, or clip without noise) is no cover.
     missing = [n for n in trainable if covered.get(n) not in noisy]
     if noisy and missing:
-        shown = ", ".join(f"{n} ({'rule ' + covered[n] + ', no noise' if n in covered else 'no rule'})" for n in missing[:5])
+        shown = ", ".join(
+            f"{n} ({'rule ' + covered[n] + ', no noise' if n in covered else 'no rule'})" for n in missing[:5]
+        )
         shown += f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(
             f"hooks.{noisy[0]}: with noise every trained parameter must be in that rule, else the "

@@ -47,6 +47,14 @@ def names_file(path: str | Path):
         raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
+def _new_file(path: Path) -> Path:
+    """``path`` unlinked before it is opened for writing: a new file, so that a hard link to
+    the old one elsewhere (a ``cp -al`` backup of the run folder) keeps what it held."""
+    with names_file(path):
+        path.unlink(missing_ok=True)
+    return path
+
+
 def split_key(key: str) -> tuple[str, str]:
     """``"conv1.weight/pre"`` -> ``("conv1.weight", "pre")``; no label -> ``""``."""
     tensor, _, label = key.partition("/")
@@ -89,14 +97,14 @@ class CSVLogger(Logger):
 
     def __init__(self, out: Path):
         self._out = out
-        self._metrics_file = open(out / "metrics.csv", "w", newline="")
+        self._metrics_file = open(_new_file(out / "metrics.csv"), "w", newline="")
         self._metrics: csv.DictWriter | None = None
         self._stats_file = None  # opened at the first statistics: runs without `log` get no grad_stats.csv
         self._stats: csv.DictWriter | None = None
 
     def _stats_writer(self) -> csv.DictWriter:
         if self._stats is None:
-            self._stats_file = open(self._out / "grad_stats.csv", "w", newline="")
+            self._stats_file = open(_new_file(self._out / "grad_stats.csv"), "w", newline="")
             self._stats = csv.DictWriter(
                 self._stats_file, ["epoch", "step", "tensor", "label", *STAT_COLUMNS], extrasaction="ignore"
             )

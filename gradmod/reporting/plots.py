@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,9 +31,21 @@ def plot_curves(history: Sequence[dict[str, Any]], path: str | Path) -> Path:
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def _save(fig, path: str | Path, **kwargs: Any) -> None:
+    """``fig`` into a new file renamed over ``path``: a hard link to the old one elsewhere (a
+    ``cp -al`` backup of the run folder) keeps its picture, and a reader never sees half a PNG."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **kwargs)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _metric_series(history: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -82,7 +95,7 @@ def plot_sweep_curves(
     else:
         ax_acc.text(0.5, 0.5, "no job finished an epoch", ha="center", va="center", transform=ax_acc.transAxes)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, dpi=100)
     plt.close(fig)
     return Path(path)
 
@@ -95,7 +108,7 @@ def _save_image(fig, ax, path: str | Path, title: str | None) -> Path:
     ax.axis("off")
     if title:
         ax.set_title(title)
-    fig.savefig(path, dpi=80, bbox_inches="tight")
+    _save(fig, path, dpi=80, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
@@ -206,7 +219,7 @@ def _finish(fig, axes, path: str | Path) -> Path:
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, dpi=100)
     plt.close(fig)
     return Path(path)
 

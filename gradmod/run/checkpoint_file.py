@@ -59,6 +59,16 @@ def run_of(path: Path) -> str | None:
     return run.decode(errors="replace") if sep else None
 
 
+def written_by_gradmod(path: Path) -> bool:
+    """Whether ``path`` starts with a gradmod checkpoint's header (a file of the same name
+    written by anyone else does not)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
 def checkpoints(folder: Path, run: str | None = None) -> list[Path]:
     """Checkpoint files in ``folder``, oldest first by step; with ``run``, only that run's."""
     found = [p for p in Path(folder).glob("step-*.pt") if _STEP.fullmatch(p.name)]

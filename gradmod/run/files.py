@@ -37,7 +37,7 @@ class RunFiles(Callback):
         self.metrics = self.stats = None
 
     def on_fit_start(self, trainer) -> None:
-        self.metrics = self._stack.enter_context(open(self.out / "metrics.jsonl", "w"))
+        self.metrics = self._stack.enter_context(open(atomic.fresh(self.out / "metrics.jsonl"), "w"))
         for record in trainer.history:  # resumed: what the checkpoint knew; later lines are redone
             self._write(self.metrics, record)
             self.logger.log_metrics(int(record["step"]), record)
@@ -94,9 +94,9 @@ class RunFiles(Callback):
         """grad_stats.jsonl; resumed: keep the lines up to the checkpoint's step (and show
         them to the logger and plots again, whose files start afresh), then append."""
         if resumed_step is None or not path.exists():
-            return open(path, "w")
+            return open(atomic.fresh(path), "w")
         kept = [(ln, rec) for ln, rec in _stats_lines(path) if rec["step"] <= resumed_step]
-        f = open(path, "w")
+        f = open(atomic.fresh(path), "w")
         f.write("".join(ln + "\n" for ln, _ in kept))
         for _, rec in kept:
             self.logger.log_stats(rec["epoch"], rec["step"], rec["stats"])

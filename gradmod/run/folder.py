@@ -21,7 +21,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 import uuid
@@ -55,6 +54,7 @@ ABANDONED = "abandoned-"  # checkpoints/abandoned-<n>/: a timeline left by a res
 # and .hydra/ hold): none of it may be a link that leads out of the folder.
 WRITTEN = (*OUTPUTS, "checkpoints", "tensorboard", ".gradmod", ".hydra", "train.log")
 INSIDE = ("checkpoints", "tensorboard", ".gradmod", ".hydra")
+HOLDER = "lock.pid"  # .gradmod/lock.pid: the pid of the process holding .gradmod/lock
 
 
 def has_results(out: str | Path) -> list[str]:
@@ -211,22 +211,23 @@ class RunFolder:
             except OSError as e:
                 raise OSError(e.errno, f"cannot create the run folder ({e.strerror})", str(folder)) from None
         path = self.meta / "lock"
-        f = open(path, "a+")
+        # The lock file is never written (a hard link to it in a backup stays as it was): the
+        # holder's pid goes into a file of its own, replaced by rename.
+        f = open(path, "a")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
             f.close()
+            try:
+                holder = (self.meta / HOLDER).read_text().strip() or "unknown"
+            except OSError:
+                holder = "unknown"
             raise ValueError(
                 f"run folder {self.out} is in use by another run (pid {holder}, lock {path}); "
                 "wait for it to end or choose another hydra.run.dir"
             ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
         self._lock = f
+        atomic.write_text(self.meta / HOLDER, f"{os.getpid()}\n")
 
     def _read_run_record(self) -> tuple[str | None, str | None]:
         """(the folder's run id, None) or (None, what is wrong with its record: missing, unreadable)."""
@@ -304,13 +305,24 @@ class RunFolder:
         )
 
     def _remove_outputs(self) -> None:
-        """``trainer.start_over``: the earlier results, every checkpoint and TensorBoard event file."""
+        """``trainer.start_over``: the earlier results, every checkpoint and TensorBoard event file;
+        a file in checkpoints/ without a gradmod checkpoint's header is left where it is."""
         for name in OUTPUTS:
             (self.out / name).unlink(missing_ok=True)
-        for path in self.checkpoints.glob("step-*.pt"):
-            path.unlink()
-        for path in self.checkpoints.glob(ABANDONED + "*"):
-            shutil.rmtree(path)
+        for path in ckpt.checkpoints(self.checkpoints):
+            if ckpt.written_by_gradmod(path):  # a file of that name without the header is not ours
+                path.unlink()
+        for aside in self.checkpoints.glob(ABANDONED + "*"):
+            if not aside.is_dir() or aside.is_symlink():
+                continue
+            for path in ckpt.checkpoints(aside):
+                if ckpt.written_by_gradmod(path):
+                    path.unlink()
+            kept = sorted(p.name for p in aside.iterdir())
+            if kept:
+                log.warning("trainer.start_over: kept %s in %s (not written by gradmod)", ", ".join(kept[:5]), aside)
+            else:
+                aside.rmdir()
         for path in (self.out / "tensorboard").glob("events.out.tfevents.*"):
             path.unlink()
 
