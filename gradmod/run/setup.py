@@ -55,6 +55,12 @@ def import_plugins(modules: list[str]) -> None:
                 f"plugins: cannot import {name!r} ({e}); a plugin is a module importable from "
                 "the current folder, PYTHONPATH or an installed package, e.g. my_pkg.transforms"
             ) from None
+        except (SystemExit, KeyboardInterrupt) as e:  # a plugin ends no run by itself: this one failed
+            what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else "raised KeyboardInterrupt"
+            raise ValueError(
+                f"plugins: importing {name!r} {what} at {endings.user_frame(e) or 'import'}; a plugin "
+                "module may register transforms, not end the run"
+            ) from None
         except Exception as e:  # the plugin's own code failed (a SyntaxError names its line itself)
             where = "" if isinstance(e, SyntaxError) else f" at {endings.user_frame(e) or 'import'}"
             raise ValueError(
