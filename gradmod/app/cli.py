@@ -40,7 +40,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from gradmod.app import interrupted_at_start
+from gradmod.app import config_files, interrupted_at_start
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
 from gradmod.app.isolated import preload, run_forked
@@ -70,6 +70,11 @@ def main(conf: str | Path = CONF) -> None:
     signal.signal(signal.SIGINT, interrupted_at_start)  # until the run or the sweep installs its own
     register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])))  # gradmod --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
+    try:
+        config_files.check(sys.argv[1:])  # the user's YAML, before Hydra would hang or trace on it
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
     try:
         hydra.main(version_base="1.3", config_path=str(Path(conf).resolve()), config_name="config")(job)()

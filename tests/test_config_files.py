@@ -1,0 +1,63 @@
+"""A user's config file (--config-dir) that is not plain YAML data is one line naming the
+file, in about a second: malformed YAML, a !!python tag, an alias bomb."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+from gradmod.app import config_files
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")
+)
+FILES = {
+    "malformed": ('r:\n  params: "*"\n  transforms: [zero\n', "not valid YAML at line 4"),
+    "python_tag": (
+        'r:\n  params: !!python/object/apply:os.system ["echo hi"]\n  transforms: [zero]\n',
+        "line 2: the tag !!python/object/apply:os.system is not allowed",
+    ),
+    "bomb": (BOMB, "expand to more than 100,000 values"),
+}
+
+
+@pytest.fixture
+def conf(tmp_path):
+    (tmp_path / "hooks").mkdir()
+    for name, (text, _) in FILES.items():
+        (tmp_path / "hooks" / f"{name}.yaml").write_text(text)
+    (tmp_path / "hooks" / "mine.yaml").write_text(
+        'base: &base\n  params: "l1.*"\n  transforms: [zero]\nother:\n  <<: *base\n  params: "conv1.*"\n'
+    )
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_each_bad_file_is_one_line_naming_it(conf, name):
+    for argv in (["--config-dir", str(conf), f"+hooks=[clip,{name}]"], [f"-cd={conf}", f"+hooks=mine,{name}"]):
+        with pytest.raises(ValueError) as e:
+            config_files.check(argv)
+        assert str(e.value).startswith(f"{conf / 'hooks' / name}.yaml: ") and FILES[name][1] in str(e.value)
+        assert "\n" not in str(e.value)
+
+
+def test_plain_files_and_unselected_ones_pass(conf):
+    config_files.check(["--config-dir", str(conf), "+hooks=[clip,mine]", "trainer.epochs=1"])
+    config_files.check([f"hydra.searchpath=[file://{conf}]", "+hooks=mine"])
+    with pytest.raises(ValueError, match="bomb.yaml"):
+        config_files.check([f"hydra.searchpath=[file://{conf}]", "+hooks=bomb"])
+
+
+def test_the_command_line_says_it_fast(conf):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config-dir", str(conf), "+hooks=bomb"],
+        capture_output=True,
+        text=True,
+        cwd=conf,
+        timeout=60,  # it used to hang expanding the aliases
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "bomb.yaml: its aliases" in proc.stderr
