@@ -16,6 +16,7 @@ a 6 TB allocation (a stray label of 10**9 sizes a shipped model's output layer).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -64,7 +65,7 @@ def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss
             pairs = _pairs(out, y, model_key)
             for task, (o, t) in pairs.items():
                 _check_classes(data, task, o, t, model_key)
-            losses = tasks.losses(out, y)
+            losses = _losses(tasks, out, y, loss_key)
             _check_loss(losses, loss_key)
             tasks.metrics(out, y)  # a metric that does not apply to the labels fails here
             return not isinstance(losses, Tensor), tasks.describe(out, y)
@@ -136,6 +137,38 @@ def _check_classes(data: Data, task: str, out: Tensor, y: Tensor, key: str) -> N
             f"data ({data.name}): {what} {top} is >= the {out.shape[1]} outputs of {key}; "
             f"labels are class indices 0..{out.shape[1] - 1}"
         )
+
+
+def _losses(tasks: Tasks, out: Any, y: Tensor | Labels, key: str) -> Tensor | dict[str, Tensor]:
+    """The loss of the two examples; a library's loss (``torch.nn.MSELoss``) that fails on
+    these outputs and labels is one line (an error in the user's own loss keeps its frame)."""
+    from gradmod.run.endings import one_line, user_frame
+
+    try:
+        with warnings.catch_warnings(record=True) as said:  # torch's broadcast warning before the error
+            warnings.simplefilter("always")
+            losses = tasks.losses(out, y)
+        for w in said:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return losses
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        if user_frame(e) is not None:
+            raise
+        labels = "class labels" if isinstance(y, Tensor) and is_class_labels(y) else "labels"
+        got = f" on outputs {_shape_of(out)} and {labels} {_shape_of(y)}"
+        hint = (
+            "; class labels take a classification loss (loss=cross_entropy), a regression loss "
+            "(loss=mse) needs float targets of the output's shape"
+            if labels == "class labels"
+            else ""
+        )
+        raise ValueError(f"{key}: the loss fails{got} ({type(e).__name__}: {one_line(str(e))[:200]}){hint}") from None
+
+
+def _shape_of(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"{_shape(tuple(x.shape))} {str(x.dtype).removeprefix('torch.')}"
+    return _kind(x)
 
 
 def _check_loss(loss: Any, key: str) -> None:
