@@ -346,7 +346,8 @@ def test_dp_run_reports_epsilon_per_epoch_and_in_the_summary(dp_run):
 
     _, summary, metrics = dp_run
     block = summary["privacy"]
-    assert set(block) == {"epsilon", "delta", "accountant", "noise_multiplier", "sample_rate", "steps"}
+    assert set(block) == {"epsilon", "delta", "accountant", "noise_multiplier", "sample_rate", "steps", "history"}
+    assert block["history"] == [[1.1, pytest.approx(10 / 60), 12]]
     assert (block["accountant"], block["delta"], block["noise_multiplier"]) == ("rdp", 1e-5, 1.1)
     assert block["sample_rate"] == pytest.approx(10 / 60) and block["steps"] == summary["steps"] == 12
     for record in metrics:  # epsilon after every epoch: the accountant over the steps so far

@@ -115,9 +115,13 @@ def check(cfg: Config) -> None:
         )
 
 
-def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, Any], Privacy | None]:
+def prepare(
+    cfg: Config, train_size: int, world_size: int, resumed: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], Privacy | None]:
     """The rules to attach (``privacy.target_epsilon``'s noise filled in) and what the
-    accountant needs (None when no rule adds noise)."""
+    accountant needs (None when no rule adds noise). ``resumed``: the checkpoint's privacy
+    state; a run under the same target keeps the noise its start chose, so that the plan,
+    the log and the summary name the noise the steps get."""
     if not adds_noise(cfg):
         return cfg.hooks, None
     t = cfg.trainer
@@ -141,6 +145,17 @@ def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, An
         ((rule, sigma),) = _noisy(rules)[:1]
     else:
         ((rule, args),) = _clips(rules)
+        kept = _kept_noise(cfg.privacy.target_epsilon, resumed)
+        if kept is not None:
+            _set_noise(rules[rule], kept)
+            log.info(
+                "privacy.target_epsilon=%s: keeping the noise_multiplier %.4f chosen at the run's start "
+                "(not one for the %d steps now planned); epsilon may exceed the target",
+                cfg.privacy.target_epsilon,
+                kept,
+                steps,
+            )
+            return rules, Privacy(rule, kept, rate, steps)
         sigma = noise_for_epsilon(cfg.privacy.target_epsilon, cfg.privacy.delta, rate, steps, cfg.privacy.accountant)
         _set_noise(rules[rule], sigma)
         replaced = (
@@ -157,6 +172,13 @@ def prepare(cfg: Config, train_size: int, world_size: int) -> tuple[dict[str, An
             replaced,
         )
     return rules, Privacy(rule, sigma, rate, steps)
+
+
+def _kept_noise(target: float, resumed: Mapping[str, Any] | None) -> float | None:
+    """The noise a resumed run's start chose for the same target (None: choose it now)."""
+    if not resumed or resumed.get("target_epsilon") != target or not resumed.get("noise_multiplier"):
+        return None
+    return float(resumed["noise_multiplier"])
 
 
 def _set_noise(spec: dict[str, Any], sigma: float) -> None:

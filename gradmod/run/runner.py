@@ -106,7 +106,8 @@ def _build(
     model, several = build_model(cfg, data, dist.device)
     if dist.strategy == "fsdp":
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
-    rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
+    resumed = claim.found[1].get("callbacks", {}).get(PrivacyCallback.key) if claim.found else None
+    rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size, resumed)
     hooks = attach(
         model,
         rules,

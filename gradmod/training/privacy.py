@@ -135,13 +135,20 @@ class PrivacyCallback(Callback):
             "epsilon": self.epsilon(),
             "delta": self.delta,
             "accountant": self.name,
-            "noise_multiplier": self.noise_multiplier,
+            "noise_multiplier": self._noise_history(),
             "sample_rate": self.sample_rate,
             "steps": self.steps,
+            "history": [[float(s), float(q), int(n)] for s, q, n in self.accountant.history],
         }
         if self.target is not None:
             out.update(target_epsilon=self.target, target_exceeded=out["epsilon"] > self.target)
         return out
+
+    def _noise_history(self) -> float | list[float]:
+        """The noise multiplier every step had, or (a resume that changed it) each one in the
+        order the steps had it: the epsilon rests on all of them."""
+        sigmas = list(dict.fromkeys(float(s) for s, _, _ in self.accountant.history)) or [self.noise_multiplier]
+        return sigmas[0] if len(sigmas) == 1 else sigmas
 
     def state_dict(self) -> dict[str, Any]:
         return {
