@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import signal
 import sysconfig
 import traceback
@@ -41,7 +42,7 @@ from typing import Any
 
 from gradmod.reporting import json_text
 from gradmod.run import atomic
-from gradmod.run.folder import may_write
+from gradmod.run.folder import RESERVE, may_write
 from gradmod.training.interrupt import Interrupted
 from gradmod.training.nonfinite import Diverged
 from gradmod.training.peers import RankLost
@@ -76,8 +77,17 @@ class Ending:
 
 
 def write(out: str | Path, summary: dict[str, Any]) -> None:
-    """``out/summary.json``, atomically, as strict JSON."""
-    atomic.write_text(Path(out) / "summary.json", json_text.dumps(summary, indent=2) + "\n")
+    """``out/summary.json``, atomically, as strict JSON. On a full disk the run's reserve
+    (``.gradmod/reserve``) is given up for it, so the ending is never left ``running``."""
+    text = json_text.dumps(summary, indent=2) + "\n"
+    try:
+        atomic.write_text(Path(out) / "summary.json", text)
+    except OSError as e:
+        reserve = Path(out) / ".gradmod" / RESERVE
+        if e.errno != errno.ENOSPC or not reserve.is_file():
+            raise
+        reserve.unlink()
+        atomic.write_text(Path(out) / "summary.json", text)
 
 
 def settle(

@@ -7,7 +7,6 @@ and come back with the statistics' single read.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 from pathlib import Path
@@ -33,17 +32,17 @@ class RunFiles(Callback):
     def __init__(self, out: Path, logger: Logger):
         self.out, self.logger = Path(out), logger
         self.rows: list[tuple[int, dict[str, Any]]] = []  # (step, stats) for the plots
-        self._stack = contextlib.ExitStack()
+        self._files: list[Any] = []  # opened here, closed by close()
         self.metrics = self.stats = None
 
     def on_fit_start(self, trainer) -> None:
-        self.metrics = self._stack.enter_context(open(atomic.fresh(self.out / "metrics.jsonl"), "w"))
+        self.metrics = self._open(atomic.fresh(self.out / "metrics.jsonl"))
         for record in trainer.history:  # resumed: what the checkpoint knew; later lines are redone
             self._write(self.metrics, record)
             self.logger.log_metrics(int(record["step"]), record)
         if trainer.hooks is not None and trainer.hooks.observers():
             resumed = trainer.step if trainer.resumed_from else None
-            self.stats = self._stack.enter_context(self._open_stats(self.out / "grad_stats.jsonl", resumed))
+            self.stats = self._open_stats(self.out / "grad_stats.jsonl", resumed)
         self._arm_histograms(trainer)
 
     def on_log(self, trainer, stats: dict[str, Any]) -> None:
@@ -76,13 +75,28 @@ class RunFiles(Callback):
                 plot(rows, self.out / name)
 
     def close(self) -> None:
-        with names_file(self.out):
-            self._stack.close()
+        """Close every file (each error naming its file; the first raised once all are tried)."""
+        failed: OSError | None = None
+        for f in self._files:
+            try:
+                with names_file(f.name):
+                    f.close()
+            except OSError as e:
+                failed = failed or e
+        self._files.clear()
+        if failed is not None:
+            raise failed
 
     def _arm_histograms(self, trainer) -> None:
         """Bin gradients on the device during the step before a log point (TensorBoard)."""
         if self.logger.wants_histograms and trainer.hooks is not None:
             trainer.hooks.set_histograms((trainer.step + 1) % trainer.settings.log_every == 0)
+
+    def _open(self, path: Path):
+        with names_file(path):
+            f = open(path, "w")
+        self._files.append(f)
+        return f
 
     @staticmethod
     def _write(f, record: dict[str, Any]) -> None:
@@ -94,10 +108,11 @@ class RunFiles(Callback):
         """grad_stats.jsonl; resumed: keep the lines up to the checkpoint's step (and show
         them to the logger and plots again, whose files start afresh), then append."""
         if resumed_step is None or not path.exists():
-            return open(atomic.fresh(path), "w")
+            return self._open(atomic.fresh(path))
         kept = [(ln, rec) for ln, rec in _stats_lines(path) if rec["step"] <= resumed_step]
-        f = open(atomic.fresh(path), "w")
-        f.write("".join(ln + "\n" for ln, _ in kept))
+        f = self._open(atomic.fresh(path))
+        with names_file(path):
+            f.write("".join(ln + "\n" for ln, _ in kept))
         for _, rec in kept:
             self.logger.log_stats(rec["epoch"], rec["step"], rec["stats"])
             self.rows.append((rec["step"], rec["stats"]))

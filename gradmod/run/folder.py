@@ -54,6 +54,8 @@ ABANDONED = "abandoned-"  # checkpoints/abandoned-<n>/: a timeline left by a res
 # and .hydra/ hold): none of it may be a link that leads out of the folder.
 WRITTEN = (*OUTPUTS, "checkpoints", "tensorboard", ".gradmod", ".hydra", "train.log")
 INSIDE = ("checkpoints", "tensorboard", ".gradmod", ".hydra")
+RESERVE = "reserve"  # .gradmod/reserve: room for the ending's summary.json on a disk that fills up
+RESERVE_BYTES = 256 * 1024
 HOLDER = "lock.pid"  # .gradmod/lock.pid: the pid of the process holding .gradmod/lock
 
 
@@ -194,11 +196,15 @@ class RunFolder:
         if claim.abandon:
             self._set_aside(claim.abandon, int(claim.found[1]["step"]))
         self.run_id, self.owned, self.previous = claim.run_id, True, claim.previous
+        # Room the ending can free to write its summary when the disk fills up (endings.write).
+        atomic.write_bytes(self.meta / RESERVE, b"\0" * RESERVE_BYTES)
         record = {"run_id": claim.run_id, "pid": os.getpid(), "parent": claim.parent}
         atomic.write_text(self.meta / "run.json", json.dumps(record) + "\n")
         atomic.write_text(self.out / "summary.json", json_text.dumps(running(claim), indent=2) + "\n")
 
     def release(self) -> None:
+        if self.owned:
+            (self.meta / RESERVE).unlink(missing_ok=True)
         if self._lock is not None:
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()

@@ -215,16 +215,32 @@ def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: 
     """The callbacks that write files or watch the run, after the restored ones, in their
     declared order; what they open closes with ``stack``."""
     logger = make_logger(dataclasses.asdict(run.cfg.logger), folder)
-    stack.callback(logger.close)
+    stack.push(_closing(logger.close))
     logger.log_plan(run.plan, run.hooks.format_plan())
     files = RunFiles(folder, logger)
-    stack.callback(files.close)
+    stack.push(_closing(files.close))
     callbacks = [files, EpochLine(run.cfg.trainer.epochs)]  # the console's line after the record is complete
     callbacks += [GradCamCallback(parts.probe, logger, folder)] if parts.probe is not None else []
     sync = SyncCheck(run.cfg.trainer.sync_check, run.dist.device)
     stack.callback(sync.allow)
     run.stop.saver = parts.saver
     parts.trainer.add_callbacks([*callbacks, SyncCheckCallback(sync), run.stop])
+
+
+def _closing(close: Callable[[], None]) -> Callable[..., bool]:
+    """An exit callback that closes files; while another error ends the run (the full disk
+    that stopped a write), a failed close is logged and does not replace that error."""
+
+    def exit_(kind, error, tb) -> bool:
+        try:
+            close()
+        except OSError as e:
+            if error is None:
+                raise
+            log.warning("also %s", endings.describe_os_error(e))
+        return False
+
+    return exit_
 
 
 def _summary(run: Run, parts: Parts) -> dict[str, Any]:
