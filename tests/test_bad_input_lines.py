@@ -3,6 +3,7 @@ exit 2), never a traceback from inside torch."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 from helpers import TINY_FAKE, compose_config
@@ -21,3 +22,31 @@ def test_mse_with_class_labels_is_one_line(tmp_path):
     assert "\n" not in line and line.startswith("loss._target_=torch.nn.MSELoss: the loss fails")
     assert "class labels" in line and "loss=cross_entropy" in line
     assert not [w for w in said if "target size" in str(w.message)]  # torch's warning: the line says it
+
+
+def test_sighup_ends_a_run_as_interrupted_with_its_checkpoint(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from gradmod.training.callbacks import Callback
+    from gradmod.training.trainer import Trainer
+
+    class HangUpAtStep3(Callback):
+        def on_step_end(self, trainer) -> None:
+            if trainer.step == 3:
+                os.kill(os.getpid(), signal.SIGHUP)  # the terminal or ssh session closed
+
+    fit = Trainer.fit
+
+    def fit_with_hang_up(self, *args, **kwargs):
+        self.callbacks.insert(len(self.callbacks) - 1, HangUpAtStep3())  # before StopOnSignal, which is last
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", fit_with_hang_up)
+    cfg = compose_config(*TINY_FAKE)
+    ending = runner.execute(lambda: validate(cfg), tmp_path)
+
+    assert ending.status == "interrupted" and ending.exit_code == 128 + signal.SIGHUP
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["signal"] == "SIGHUP" and summary["steps"] == 3
+    assert summary["checkpoint"] and (tmp_path / summary["checkpoint"]).is_file()

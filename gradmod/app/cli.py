@@ -165,7 +165,7 @@ def _ending(code: int, summary: dict[str, Any] | None, before: tuple, after: tup
     """(status, error) of a sweep job from how its child ended. A job that did not end ok and
     left an earlier run's summary and run record as they were was refused: the folder is
     that run's, and the job wrote nothing of its own."""
-    if code in (-signal.SIGINT, -signal.SIGTERM):  # before the run could catch it
+    if code in (-signal.SIGINT, -signal.SIGTERM, -signal.SIGHUP):  # before the run could catch it
         return "interrupted", f"interrupted by {signal.Signals(-code).name} before training started"
     if code < 0:
         name = signal.Signals(-code).name

@@ -99,7 +99,11 @@ def fork_is_safe() -> bool:
 
 def _child(fn: Callable[[], ChildResult], write_end: int) -> None:
     code = 1
-    for s in (signal.SIGINT, signal.SIGTERM):  # not the sweep's handlers: until the run installs its own,
+    for s in (
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+    ):  # not the sweep's handlers: until the run installs its own,
         signal.signal(s, signal.SIG_DFL)  # a signal ends the job, which the parent reports as interrupted
     try:
         code, summary = fn()
@@ -136,7 +140,10 @@ def _forward_signals(pid: int):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
 
-    saved = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, forward), (signal.SIGINT, signal.SIG_IGN))}
+    saved = {
+        s: signal.signal(s, h)
+        for s, h in ((signal.SIGTERM, forward), (signal.SIGHUP, forward), (signal.SIGINT, signal.SIG_IGN))
+    }
     try:
         yield
     finally:

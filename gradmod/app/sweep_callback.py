@@ -16,7 +16,7 @@ from gradmod.reporting.sweep_report import write_report
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class SweepReport(Callback):

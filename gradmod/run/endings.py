@@ -9,7 +9,8 @@ failed     an error stopped the run; ``error`` is one line, and where the user's
            traceback); a rank of many that died is named (``RankLost``). Bad
            input is 2, a file operation, a lost rank or the user's code 1; a
            bug in gradmod keeps its traceback
-interrupted SIGINT or SIGTERM, before or during training: ``signal``, ``steps``,     130, 143
+interrupted SIGINT, SIGTERM or SIGHUP, before or during training: ``signal``,        130, 143,
+           ``steps``,                                                                129
            ``checkpoint`` (see ``gradmod.training.interrupt``)
 diverged   the loss or a parameter became non-finite, or a gradient did under       3
            ``trainer.nonfinite=raise``: ``step`` is the first such optimizer step

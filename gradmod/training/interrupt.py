@@ -1,6 +1,6 @@
-"""SIGINT and SIGTERM end a run cleanly: the step in progress finishes, a checkpoint is
+"""SIGINT, SIGTERM and SIGHUP end a run cleanly: the step in progress finishes, a checkpoint is
 written, and ``Interrupted`` carries the signal out (``summary.json`` status
-``interrupted``; the command line exits 128 + the signal's number: 130, 143).
+``interrupted``; the command line exits 128 + the signal's number: 130, 143, 129).
 Before training starts (data loading, model build, checkpoint checks) there is no step to
 finish: the signal stops the run at once, as does a second Ctrl-C during training; both
 are ``Interrupted`` too, never a traceback. With many processes, a signal to any rank
@@ -17,7 +17,7 @@ from typing import Iterator
 
 from gradmod.training.callbacks import Callback
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
 
 
 class Interrupted(BaseException):
@@ -40,7 +40,7 @@ class Interrupted(BaseException):
 
 
 class StopOnSignal(Callback):
-    """Notes SIGINT/SIGTERM (``install``) and stops at the next step's end (or epoch's end),
+    """Notes SIGINT/SIGTERM/SIGHUP (``install``) and stops at the next step's end (or epoch's end),
     after a checkpoint through ``saver`` (a ``Checkpointer``, or None for none); ``folder``,
     the run folder, goes into the line that says how to continue. Installed
     before training, it stops at once until ``on_fit_start``. Last: the step's other
