@@ -61,3 +61,27 @@ def test_the_command_line_says_it_fast(conf):
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "bomb.yaml: its aliases" in proc.stderr
+
+
+def test_a_user_file_with_a_shipped_name_is_refused_unless_it_is_a_copy(tmp_path):
+    from helpers import CONF
+
+    (tmp_path / "hooks").mkdir()
+    mine = tmp_path / "hooks" / "clip.yaml"
+    mine.write_text('clip:\n  params: "l1.*"\n  transforms: [zero]\n')
+    argv = ["--config-dir", str(tmp_path), "+hooks=[clip]"]
+    with pytest.raises(ValueError) as e:
+        config_files.check(argv, shipped=CONF)
+    assert str(e.value).startswith(f"{mine}: gradmod ships a config of this name (hooks/clip)")
+    assert "hooks/my_clip.yaml" in str(e.value)
+    mine.write_bytes((CONF / "hooks" / "clip.yaml").read_bytes())  # a copy hides nothing
+    config_files.check(argv, shipped=CONF)
+    config_files.check(["--config-dir", str(tmp_path), "+hooks=zero"], shipped=CONF)  # not selected
+
+
+def test_version_is_gradmods():
+    from gradmod import __version__
+
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"gradmod {__version__} ")
+    assert "Hydra" not in proc.stdout

@@ -68,10 +68,15 @@ def main(conf: str | Path = CONF) -> None:
     """Compose the config in ``conf`` from the command line and run ``job``; end in one line.
     The console script ``gradmod`` and ``python train.py`` both call it with the default."""
     signal.signal(signal.SIGINT, interrupted_at_start)  # until the run or the sweep installs its own
+    if "--version" in sys.argv[1:]:  # gradmod's, not Hydra's (which would answer it)
+        from gradmod import __version__
+
+        print(f"gradmod {__version__} (Python {sys.version.split()[0]})")
+        sys.exit(0)
     register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])))  # gradmod --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
     try:
-        config_files.check(sys.argv[1:])  # the user's YAML, before Hydra would hang or trace on it
+        config_files.check(sys.argv[1:], shipped=conf)  # the user's YAML, before Hydra would hang or trace on it
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,7 +1,8 @@
 """The user's own config files (``--config-dir``, ``hydra.searchpath``) checked before Hydra
 reads them, each problem one line naming the file: YAML that does not parse, a tag that
 would build a Python object (``!!python/...``), and aliases that expand to more nodes than a
-config holds (an alias bomb, which OmegaConf would expand for minutes). Only the files the
+config holds (an alias bomb, which OmegaConf would expand for minutes), and a file with
+the name of a shipped one (``hooks/clip.yaml``), which Hydra would silently ignore. Only the files the
 command line selects (``+hooks=[a,my_rules]``, ``model=mine``) are read, as YAML nodes:
 nothing is constructed.
 """
@@ -56,10 +57,26 @@ def selected_files(argv: list[str], folders: list[Path]) -> list[Path]:
     return files
 
 
-def check(argv: list[str]) -> None:
-    """A ``ValueError`` naming the first selected user config file that is not plain YAML data."""
-    for path in selected_files(argv, user_folders(argv)):
-        check_file(path)
+def check(argv: list[str], shipped: Path | None = None) -> None:
+    """A ``ValueError`` naming the first selected user config file that is not plain YAML
+    data, or that a different shipped file of the same name (in ``shipped``) hides."""
+    for folder in user_folders(argv):
+        for path in selected_files(argv, [folder]):
+            check_file(path)
+            if shipped is not None:
+                _check_shadow(path, path.relative_to(folder), Path(shipped))
+
+
+def _check_shadow(path: Path, name: Path, shipped: Path) -> None:
+    """Hydra searches the shipped configs first: a user's file of a shipped name would be
+    ignored, silently, so it is refused (unless it is a copy of the shipped one)."""
+    theirs = shipped / name
+    if theirs.is_file() and theirs.read_bytes() != path.read_bytes():
+        group, stem = name.parent.as_posix(), name.stem
+        raise ValueError(
+            f"{path}: gradmod ships a config of this name ({group}/{stem}), which is found first, so yours "
+            f"would be ignored; rename yours (e.g. {group}/my_{stem}.yaml) and select it by that name"
+        )
 
 
 def check_file(path: Path) -> None:
