@@ -3,6 +3,7 @@ file, in about a second: malformed YAML, a !!python tag, an alias bomb."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -85,3 +86,24 @@ def test_version_is_gradmods():
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith(f"gradmod {__version__} ")
     assert "Hydra" not in proc.stdout
+
+
+def test_help_lists_a_plugins_transforms(tmp_path):
+    (tmp_path / "my_flip_plugin.py").write_text(
+        "from gradmod.hooks import register\n\n\n"
+        "def flip(p: float = 1.0):\n"
+        '    """Negate the gradient with probability p."""\n'
+        "    return lambda g: -g\n\n\n"
+        'register("flip_plugin", flip)\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--help", "plugins=[my_flip_plugin]"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if "flip_plugin(" in ln)
+    assert line.split() == ["flip_plugin(p=1.0)", "Negate", "the", "gradient", "with", "probability", "p."]

@@ -73,7 +73,7 @@ def main(conf: str | Path = CONF) -> None:
 
         print(f"gradmod {__version__} (Python {sys.version.split()[0]})")
         sys.exit(0)
-    register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])))  # gradmod --help
+    register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])), argv=sys.argv[1:])  # gradmod --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0
     try:
         config_files.check(sys.argv[1:], shipped=conf)  # the user's YAML, before Hydra would hang or trace on it

@@ -26,11 +26,24 @@ HIDDEN_GROUPS = ("hooks", "hydra")  # hooks get their own section; hydra/ is Hyd
 WIDTH = 100  # the page's width
 
 
-def transform_lines() -> list[str]:
-    """``name(arg=default, ...)  first sentence of the docstring`` for every registered transform."""
+def plugins_of(argv: list[str]) -> list[str]:
+    """The modules a ``plugins=[a.b,c]`` override on the command line names."""
+    given = [a.split("=", 1)[1] for a in argv if a.lstrip("+~").split("=", 1)[0] == "plugins" and "=" in a]
+    return [m for m in re.split(r"[\[\],\s'\"]+", given[-1]) if m] if given else []
+
+
+def transform_lines(plugins: list[str] = ()) -> list[str]:
+    """``name(arg=default, ...)  first sentence of the docstring`` for every registered
+    transform, the ``plugins``' too (imported first; one that fails says so in its line)."""
     from gradmod.hooks import transforms  # torch: loaded for the help page only
+    from gradmod.run.setup import import_plugins
 
     lines = []
+    for module in plugins:
+        try:
+            import_plugins([module])
+        except ValueError as e:
+            lines += [f"  ({e})"]
     for name in transforms.names():
         factory = transforms.factory(name)
         args = ", ".join(_argument(p) for p in inspect.signature(factory).parameters.values())
@@ -138,13 +151,14 @@ def _first_comment(path: Path) -> str:
     return first_sentence(" ".join(block))
 
 
-def register_help(conf: str | Path, page: bool = True) -> None:
+def register_help(conf: str | Path, page: bool = True, argv: list[str] = ()) -> None:
     """Register ``${gradmod_help:SECTION}`` for the help template; ``conf`` is the config folder.
     Hydra resolves the template while composing every run's config: without ``page`` (no
-    ``--help`` asked) the sections are left empty, so that no run loads torch for them."""
+    ``--help`` asked) the sections are left empty, so that no run loads torch for them.
+    ``argv``: the command line, whose ``plugins=[...]`` add their transforms to the page."""
     conf = Path(conf)
     sections = {
-        "transforms": transform_lines,
+        "transforms": lambda: transform_lines(plugins_of(list(argv))),
         "hooks": lambda: hook_lines(conf),
         "groups": lambda: group_lines(conf),
         "docs": lambda: doc_lines(checkout_docs(conf)),
