@@ -50,3 +50,22 @@ def test_sighup_ends_a_run_as_interrupted_with_its_checkpoint(tmp_path, monkeypa
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["signal"] == "SIGHUP" and summary["steps"] == 3
     assert summary["checkpoint"] and (tmp_path / summary["checkpoint"]).is_file()
+
+
+class NotPlain:
+    """An object a weights-only load refuses."""
+
+
+def test_an_unreadable_checkpoint_is_one_plain_line(tmp_path):
+    import pytest
+
+    from gradmod.run import checkpoint_file as ckpt
+
+    path = ckpt.save(tmp_path, {"step": 5, "thing": NotPlain()}, keep=1)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(path)
+    line = str(e.value)
+    assert line.startswith(f"checkpoint {path}: unreadable payload (it holds objects other than tensors")
+    assert "NotPlain" in line and "\x1b" not in line and "weights_only" not in line and "\n" not in line
+    summary = endings.summary_of(ValueError(f"trainer.resume={path}: {line}"), 1.0)
+    assert "\x1b" not in json.dumps(summary)

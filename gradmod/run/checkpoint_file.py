@@ -114,7 +114,20 @@ def load(path: str | Path) -> dict[str, Any]:
     try:
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as e:  # the checksum matched, so this is an incompatible payload
-        raise CheckpointError(f"checkpoint {path}: unreadable payload ({str(e).splitlines()[0]})") from None
+        raise CheckpointError(f"checkpoint {path}: unreadable payload ({_reason(e)})") from None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _reason(error: Exception) -> str:
+    """torch.load's error in a line, without its terminal colours or its advice to load with
+    ``weights_only=False`` (which would run whatever code the file names)."""
+    text = _ANSI.sub("", str(error))
+    m = re.search(r"WeightsUnpickler error: (.*?)(?:\n|$)", text)
+    if m:
+        return f"it holds objects other than tensors and plain values: {m.group(1).strip()}"
+    return " ".join(text.split())[:300]
 
 
 def latest(folder: Path, run: str | None = None) -> tuple[Path, dict[str, Any]] | None:
