@@ -69,3 +69,17 @@ def test_an_unreadable_checkpoint_is_one_plain_line(tmp_path):
     assert "NotPlain" in line and "\x1b" not in line and "weights_only" not in line and "\n" not in line
     summary = endings.summary_of(ValueError(f"trainer.resume={path}: {line}"), 1.0)
     assert "\x1b" not in json.dumps(summary)
+
+
+def test_a_long_glob_is_cut_in_its_line():
+    import pytest
+    from helpers import tiny_mlp
+
+    from gradmod.hooks import attach
+
+    glob = "layer" * 1000 + "*"
+    with pytest.raises(ValueError) as e:
+        attach(tiny_mlp(3, 2), {"r": {"params": glob, "transforms": ["zero"]}})
+    line = str(e.value)
+    assert line.startswith("hooks.r.params: 'layerlayer") and "(5,003 characters) matches no parameter" in line
+    assert len(line) < 300

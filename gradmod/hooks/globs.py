@@ -20,18 +20,24 @@ def _patterns(rule: str, key: str, value: Any) -> list[str]:
         or not value
         or not all(isinstance(v, str) and v for v in value)
     ):
-        raise ValueError(f"hooks.{rule}.{key}: {value!r} must be a glob or a non-empty list of globs")
+        raise ValueError(f"hooks.{rule}.{key}: {shown(value)} must be a glob or a non-empty list of globs")
     return list(value)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for a message, a long one cut (a 5,000-character glob is not echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text):,} characters)"
 
 
 def name_hint(pattern: str, names: list[str]) -> str:
     """What to say after a name or glob matched nothing: the close names, else a few real ones."""
-    close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.4)
+    close = difflib.get_close_matches(pattern[:200], names, n=5, cutoff=0.4)  # a longer one is close to none
     return f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
 
 
 def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) -> ValueError:
-    return ValueError(f"hooks.{rule}.{key}: {pattern!r} matches no {what}; {name_hint(pattern, names)}")
+    return ValueError(f"hooks.{rule}.{key}: {shown(pattern)} matches no {what}; {name_hint(pattern, names)}")
 
 
 def _matches(rule: str, key: str, pattern: str, names: list[str], what: str) -> list[str]:

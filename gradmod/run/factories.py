@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
-from gradmod.hooks.globs import name_hint
+from gradmod.hooks.globs import name_hint, shown
 from gradmod.hooks.per_sample import replace_batchnorm
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
@@ -90,7 +90,7 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], no_decay: list[str])
     for pattern in no_decay:
         hits = fnmatch.filter(names, pattern)
         if not hits:
-            raise ValueError(f"optimizer.no_decay: {pattern!r} matches no parameter; {name_hint(pattern, names)}")
+            raise ValueError(f"optimizer.no_decay: {shown(pattern)} matches no parameter; {name_hint(pattern, names)}")
         exempt.update(hits)
     groups = [
         {"params": [p for n, p in named if n not in exempt]},
