@@ -42,6 +42,7 @@ NUMBERS = (
     "nonfinite_steps",
     "epochs",
     "signal",
+    "privacy",
 )  # tasks: {name: {test_loss, test_metric}} of a multi-task run
 
 

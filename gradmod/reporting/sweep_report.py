@@ -159,6 +159,7 @@ def _row(job: str, overrides: list[str], ending: Mapping[str, Any], job_dir: Pat
         "status": ending.get("status", "ok"),
         "test_accuracy": ending.get("test_accuracy"),
         "test_loss": ending.get("test_loss"),
+        "epsilon": (ending.get("privacy") or {}).get("epsilon"),  # a DP job's (noise added)
         "tasks": ending.get("tasks") or {},
         **stats,
         "skipped_steps": ending.get("skipped_steps"),
@@ -324,15 +325,18 @@ def markdown(rows: list[dict[str, Any]], sweep_dir: str | Path = "") -> str:
     lines = [f"# Sweep {sweep_dir}".rstrip(), "", _count_line(rows), ""]
     if shared:
         lines += [f"Every job: `{' '.join(shared)}`", ""]
+    private = any(r.get("epsilon") is not None for r in rows)  # a DP sweep: each job's epsilon
     lines += [
-        "| job | overrides | status | test accuracy | test loss | clip_coef | frac_clipped | total norm "
-        "| skipped | seconds | error |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| job | overrides | status | test accuracy | test loss | "
+        + ("epsilon | " if private else "")
+        + "clip_coef | frac_clipped | total norm | skipped | seconds | error |",
+        "|---|---|---|---:|---:|" + ("---:|" if private else "") + "---:|---:|---:|---:|---:|---|",
     ]
     for r, own in zip(rows, varying):
+        epsilon = f"{_num(r.get('epsilon'), 3)} | " if private else ""
         lines.append(
             f"| {r['job']} | {_cell(' '.join(own))} | {r['status']} | {_num(r['test_accuracy'], 4)} | "
-            f"{_num(r['test_loss'], 4)} | {_num(r['clip_coef'], 3)} | {_num(r['frac_clipped'], 3)} | "
+            f"{_num(r['test_loss'], 4)} | {epsilon}{_num(r['clip_coef'], 3)} | {_num(r['frac_clipped'], 3)} | "
             f"{_num(r['total_norm'], 3)} | {_num(r['skipped_steps'], 0)} | {_num(r['seconds'], 1)} | "
             f"{_cell(r['error'])} |"
         )
