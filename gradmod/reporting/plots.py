@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -219,9 +220,28 @@ def _finish(fig, axes, path: str | Path) -> Path:
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.grid(alpha=0.3)
     fig.tight_layout()
+    if _wrap_titles(fig, axes):
+        fig.tight_layout()
     _save(fig, path, dpi=100)
     plt.close(fig)
     return Path(path)
+
+
+def _wrap_titles(fig, axes) -> bool:
+    """Break a title wider than the figure (centred over an axes that a legend beside it
+    narrows) into lines until it fits; whether any changed."""
+    renderer, changed = fig.canvas.get_renderer(), False
+    for ax in axes:
+        text, width = ax.get_title(), 100
+        while width > 20 and not _inside(ax.title.get_window_extent(renderer), fig.bbox):
+            width -= 10
+            ax.set_title(textwrap.fill(text, width))
+            changed = True
+    return changed
+
+
+def _inside(box, bounds) -> bool:
+    return box.x0 >= bounds.x0 and box.x1 <= bounds.x1
 
 
 def plot_grad_norms(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path) -> Path:
