@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch.nn.functional as F
-import torchvision
 from torch import Tensor, nn
+
+from gradmod.install import checked_torchvision
+
+torchvision = checked_torchvision()  # a torchvision built for another torch: one line with the fix
 
 
 class MnistCNN(nn.Module):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import os
 import re
@@ -31,7 +32,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -46,6 +47,7 @@ from gradmod.app.help import register_help
 from gradmod.app.isolated import preload, run_forked
 from gradmod.app.job_files import JobFiles
 from gradmod.app.sweep_callback import stop_asked, stop_sweep
+from gradmod.install import BrokenInstall
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
 from gradmod.training.ranks import env_rank, follower_overrides
@@ -139,7 +141,7 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     if stop_asked():  # a signal between two jobs: this one does not start
         stop_sweep(sweep_dir, stop_asked())
     before = _run_marks(out_dir)
-    preload(TRAINING)  # imported once here, inherited by every job's child
+    _training(lambda: preload(TRAINING))  # imported once here, inherited by every job's child
     record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
     code, summary = run_forked(lambda: _in_child(cfg, out_dir))
     status, error = _ending(code, summary, before, _run_marks(out_dir))
@@ -197,7 +199,7 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
     free; an error's line (and, unless it is bad input or a signal, its traceback) goes into
     the log. A failed job of a sweep keeps its traceback in its train.log, and the sweep's
     console gets its one line (``_sweep_job``); the sweep goes on."""
-    from gradmod.run import runner  # torch: after Hydra composed the config
+    runner = _training(lambda: importlib.import_module(TRAINING))  # torch: after Hydra composed the config
     from gradmod.run.folder import may_write
     from gradmod.training.interrupt import Interrupted
 
@@ -213,6 +215,16 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
                 files.write(out)
         _to_log_files(e, sweep_job=multirun)
         return ending
+
+
+def _training(load: Callable[[], Any]) -> Any:
+    """``load()``, the import of the training code; torch and torchvision that do not work
+    together end the job here in one line (exit 1), before Hydra adds lines of its own."""
+    try:
+        return load()
+    except BrokenInstall as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _conclude(ending: endings.Ending) -> dict[str, Any]:
@@ -238,6 +250,8 @@ def _say(e: BaseException) -> None:
 
 def _config_status(e: BaseException) -> int | None:
     """Exit status for an error Hydra raised while composing or starting the job."""
+    if isinstance(e, BrokenInstall):  # torch and torchvision that do not load together
+        return 1
     if isinstance(e, (HydraException, OmegaConfBaseException)):  # Hydra's missing option is an OSError too
         return 2
     if isinstance(e, OSError) or isinstance(e.__cause__, OSError):
@@ -268,6 +282,8 @@ def _traceback(e: BaseException) -> str:
 
 def describe(e: BaseException) -> str:
     """One line for a config error from Hydra or OmegaConf."""
+    if isinstance(e, BrokenInstall):
+        return str(e)
     if _config_status(e) == 1:  # logging's "Unable to configure handler 'file'" hides the path
         from gradmod.run import endings
 
