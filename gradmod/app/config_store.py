@@ -29,6 +29,7 @@ from gradmod.run.config import (
     Config,
     DataConfig,
     FakeDataConfig,
+    MLflowLoggerConfig,
     RuleConfig,
     SGDConfig,
     TensorBoardLoggerConfig,
@@ -45,6 +46,7 @@ def register() -> None:
     cs.store(group="schema/optimizer", name="adam", node=AdamConfig)
     cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)
+    cs.store(group="schema/logger", name="mlflow", node=MLflowLoggerConfig)
     cs.store(group="schema", name="rule", node=RuleConfig)  # a hook file's rules: defaults [/schema/rule@NAME]
 
 

@@ -40,6 +40,11 @@ class SweepReport(Callback):
 
         _ASKED.clear()
         self._handlers = {s: signal.signal(s, _note) for s in SIGNALS}
+        logger = config.get("logger") or {}
+        if logger.get("name") == "mlflow":  # the sweep's parent run; each job a child of it
+            from gradmod.reporting import mlflow_tracking
+
+            mlflow_tracking.start_sweep(logger.get("tracking_uri"), logger.get("experiment", "gradmod"), sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         for s, handler in self._handlers.items():
@@ -47,6 +52,7 @@ class SweepReport(Callback):
         if stop_asked():  # after the last job: the report says all ran
             stop_sweep(config.hydra.sweep.dir, stop_asked())
         paths, rows = write_report(config.hydra.sweep.dir, ended=True)
+        _end_parent(paths, [r["status"] for r in rows])
         bad = [r for r in rows if r["status"] != "ok"]
         log.info("sweep report: %s, %s, %s", *paths.values())
         if bad:
@@ -82,6 +88,7 @@ def stop_sweep(sweep_dir: str, signum: int) -> None:
     except ValueError as e:  # no job had started, and the sweeper's list is not known
         print(f"sweep stopped by {name}: no report ({e})", file=sys.stderr)
         raise SystemExit(128 + signum) from None
+    _end_parent(paths, [r["status"] for r in rows] + ["interrupted"])
     missing = [r for r in rows if r["status"] == sweep_jobs.NOT_RUN]
     ran = len(rows) - len(missing)
     shared = set.intersection(*(set(r["overrides"]) for r in rows))  # the job's own overrides name it
@@ -98,6 +105,19 @@ def stop_sweep(sweep_dir: str, signum: int) -> None:
         file=sys.stderr,
     )
     raise SystemExit(128 + signum)
+
+
+def _end_parent(report: dict[str, Any], statuses: list[str]) -> None:
+    """The sweep's MLflow parent run (``logger=mlflow``), ended with the report."""
+    import os
+
+    from gradmod.reporting import mlflow_tracking
+
+    if os.environ.get(mlflow_tracking.PARENT):
+        try:
+            mlflow_tracking.end_sweep(report, statuses)
+        except Exception as e:  # the tracker's server gone: the report is in the sweep folder
+            log.warning("logger=mlflow: could not end the sweep's run (%s: %s)", type(e).__name__, e)
 
 
 def planned_jobs(config: DictConfig) -> list[list[str]] | None:

@@ -4,7 +4,7 @@ The trainer always writes ``metrics.jsonl`` and ``grad_stats.jsonl``; a logger a
 view of the same numbers. ``csv`` (the default, no extra dependency) writes
 ``metrics.csv`` and ``grad_stats.csv``; ``tensorboard`` (the optional extra) writes event
 files under ``<run folder>/tensorboard``: scalars, gradient histograms, the hook plan as
-text and Grad-CAM images.
+text and Grad-CAM images; ``mlflow`` (an extra) an MLflow run (``mlflow_tracking``).
 
 Statistics keys are ``tensor`` or ``tensor/label`` (``label`` is ``pre``/``post`` for a
 ``log`` first and last in a rule), as ``HookSet.read_stats`` returns them.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:  # numpy starts a native thread (OpenBLAS') at import: the sweep's parent stays without
     import numpy as np
 
-LOGGERS = ("csv", "tensorboard")
+LOGGERS = ("csv", "tensorboard", "mlflow")
 STAT_COLUMNS = (
     "norm",
     "min",
@@ -211,8 +211,11 @@ class TensorBoardLogger(Logger):
         self.writer.close()
 
 
-def make_logger(cfg: Mapping[str, Any] | None, out: str | Path) -> Logger:
-    """The logger a ``logger`` config names (``None``: ``csv``)."""
+def make_logger(
+    cfg: Mapping[str, Any] | None, out: str | Path, config: Mapping[str, Any] | None = None, run: str | None = None
+) -> Logger:
+    """The logger a ``logger`` config names (``None``: ``csv``); ``config`` (the run's
+    resolved config) and ``run`` (its id) go to ``mlflow``, as its params and its resume key."""
     cfg = dict(cfg or {"name": "csv"})
     name = cfg.pop("name", "csv")
     out = Path(out)
@@ -220,6 +223,8 @@ def make_logger(cfg: Mapping[str, Any] | None, out: str | Path) -> Logger:
         allowed: tuple[str, ...] = ()
     elif name == "tensorboard":
         allowed = ("histograms",)
+    elif name == "mlflow":
+        allowed = ("tracking_uri", "experiment")
     else:
         raise ValueError(f"logger.name={name!r} is not a logger; allowed: {', '.join(LOGGERS)}")
     unknown = [k for k in cfg if k not in allowed]
@@ -228,4 +233,8 @@ def make_logger(cfg: Mapping[str, Any] | None, out: str | Path) -> Logger:
             f"logger={name} got unknown key(s) {', '.join(map(str, unknown))}; "
             f"allowed: {', '.join(('name',) + allowed)}"
         )
+    if name == "mlflow":
+        from gradmod.reporting.mlflow_tracking import MLflowLogger
+
+        return MLflowLogger(out, config=config, run=run, **cfg)
     return CSVLogger(out) if name == "csv" else TensorBoardLogger(out, **cfg)

@@ -197,6 +197,13 @@ class TensorBoardLoggerConfig(LoggerConfig):
 
 
 @dataclass
+class MLflowLoggerConfig(LoggerConfig):
+    name: str = "mlflow"
+    tracking_uri: Optional[str] = None  # null: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the current folder | a server, http://host:5000
+    experiment: str = "gradmod"  # the MLflow experiment the runs go into
+
+
+@dataclass
 class CaptureConfig:
     gradcam: bool = False  # true: Grad-CAM overlays of fixed test digits -> gradcam.png (and per epoch in TensorBoard)
     gradcam_layer: str = "conv2"  # a name from model.named_modules() with an N x C x H x W output (resnets: layer4)

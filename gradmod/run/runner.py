@@ -73,7 +73,9 @@ def execute(
         undo.callback(folder.release)
         undo.enter_context(stop.install())
         try:
-            return endings.Ending(_fit(_build(config(), folder, stop, t_start, on_owned, undo)))
+            ending = endings.Ending(_fit(_build(config(), folder, stop, t_start, on_owned, undo)))
+            _tracked(out, ending.summary)
+            return ending
         except BaseException as e:
             if not folder.owned:
                 folder.release()  # refused before owning it: settle looks at the folder as others see it
@@ -85,7 +87,18 @@ def execute(
                 owned=folder.owned,
                 previous=folder.previous,
             )
+            _tracked(out, summary)
             return endings.Ending(summary, error)
+
+
+def _tracked(out: str | Path, summary: dict[str, Any]) -> None:
+    """The ending into the experiment tracker that logged the run (``logger=mlflow``)."""
+    from gradmod.reporting import mlflow_tracking
+
+    try:
+        mlflow_tracking.finish(out, summary)
+    except Exception as e:  # the tracker's server gone: the run's own files hold the ending
+        log.warning("logger=mlflow: could not record the ending (%s: %s)", type(e).__name__, e)
 
 
 def _build(
@@ -214,7 +227,9 @@ def _own(run: Run) -> Path:
 def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: Parts) -> None:
     """The callbacks that write files or watch the run, after the restored ones, in their
     declared order; what they open closes with ``stack``."""
-    logger = make_logger(dataclasses.asdict(run.cfg.logger), folder)
+    logger = make_logger(
+        dataclasses.asdict(run.cfg.logger), folder, config=dataclasses.asdict(run.cfg), run=run.claim.run_id
+    )
     stack.push(_closing(logger.close))
     logger.log_plan(run.plan, run.hooks.format_plan())
     files = RunFiles(folder, logger)
