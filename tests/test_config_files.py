@@ -88,6 +88,7 @@ def test_version_is_gradmods():
     assert "Hydra" not in proc.stdout
 
 
+@pytest.mark.slow  # the help page loads torch for the transforms
 def test_help_lists_a_plugins_transforms(tmp_path):
     (tmp_path / "my_flip_plugin.py").write_text(
         "from gradmod.hooks import register\n\n\n"

@@ -72,7 +72,7 @@ def _ids(paths):
 
 def _all_keys(compose_cfg) -> set[str]:
     keys = set()
-    for overrides in ([], ["data=fake", "optimizer=sgd", "logger=tensorboard"]):
+    for overrides in ([], ["data=fake", "optimizer=sgd", "logger=tensorboard"], ["logger=mlflow"]):
         cfg = OmegaConf.to_container(compose_cfg(*overrides))
         for group, node in cfg.items():
             if isinstance(node, dict):

@@ -76,7 +76,7 @@ def test_a_run_and_its_continuation_are_one_mlflow_run(tmp_path, server):
     assert second.status == "ok"
 
     run = _run_of(tmp_path, client)
-    assert run.info.run_id == run_id and run.info.status == "FINISHED" and run.data.tags["gradmod.status"] == "ok"
+    assert run.info.run_id == run_id and run.info.status == "FINISHED" and run.data.tags["gradmod_status"] == "ok"
     params = run.data.params
     assert params["trainer.epochs"] == "1" and run.data.tags["resumed.trainer.epochs"] == "2"
     assert params["hooks.clip.transforms.0.max"] == "0.01" and params["data.batch_size"] == "10"
@@ -113,7 +113,7 @@ def test_each_ending_is_mirrored(tmp_path, server, monkeypatch, ending):
     result = _train(tmp_path, server, *TINY_FAKE, *extra)
     assert result.status == ending
     run = _run_of(tmp_path, MlflowClient(server))
-    assert run.data.tags["gradmod.status"] == ending
+    assert run.data.tags["gradmod_status"] == ending
     assert run.info.status == {"diverged": "FAILED", "interrupted": "KILLED", "failed": "FAILED"}[ending]
 
 
@@ -133,5 +133,5 @@ def test_a_sweep_is_a_parent_run_with_its_jobs_as_children(tmp_path, server):
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert sorted(r.data.params["seed"] for r in children) == ["1", "2"]
-    assert all(r.info.status == "FINISHED" and r.data.tags["gradmod.status"] == "ok" for r in children)
+    assert all(r.info.status == "FINISHED" and r.data.tags["gradmod_status"] == "ok" for r in children)
     assert {"sweep.md", "sweep.csv"} <= {a.path for a in client.list_artifacts(parents[0].info.run_id)}

@@ -9,7 +9,7 @@ The store is ``logger.tracking_uri`` (a server, ``http://host:5000``), else MLfl
   ``epsilon``, a task's ``<task>/test_loss``, ...) and every read of the gradient statistics
   as ``grad/<tensor or rule/transform>/<statistic>``;
 * artifacts: ``hook_plan.json`` at the start; the plots and ``summary.json`` at the ending;
-* its status from the run's ending (tag ``gradmod.status``: ok, failed, interrupted,
+* its status from the run's ending (tag ``gradmod_status``: ok, failed, interrupted,
   diverged; MLflow's FINISHED, FAILED, KILLED, FAILED).
 
 The MLflow run's id is kept in ``<run>/.gradmod/mlflow.json``: a continuation of the run
@@ -112,8 +112,8 @@ class MLflowLogger(Logger):
         return kept["run_id"]
 
     def _start(self, experiment: str, run: str | None) -> str:
-        tags = {"mlflow.runName": self.out.name, "gradmod.run_folder": str(self.out.resolve())}
-        tags |= {"gradmod.run": run} if run else {}
+        tags = {"mlflow.runName": self.out.name, "gradmod_run_folder": str(self.out.resolve())}
+        tags |= {"gradmod_run": run} if run else {}
         parent = os.environ.get(PARENT, "").split(" ", 1)
         if len(parent) == 2 and parent[0] == self.uri:
             tags["mlflow.parentRunId"] = parent[1]
@@ -171,7 +171,7 @@ def finish(out: str | Path, summary: Mapping[str, Any]) -> None:
         if (Path(out) / name).is_file():
             mlflow.log_artifact(run_id, str(Path(out) / name))
     mlflow.log_dict(run_id, dict(summary), "summary.json")
-    mlflow.set_tag(run_id, "gradmod.status", status)
+    mlflow.set_tag(run_id, "gradmod_status", status)
     mlflow.set_terminated(run_id, status=STATUS.get(status, "FAILED"))
 
 
@@ -179,7 +179,7 @@ def start_sweep(tracking_uri: str | None, experiment: str, sweep_dir: str | Path
     """A sweep's parent run; its jobs (child processes) find it in ``GRADMOD_MLFLOW_PARENT``."""
     uri = resolve_uri(tracking_uri)
     mlflow = client(uri)
-    tags = {"mlflow.runName": f"sweep {Path(sweep_dir).name}", "gradmod.sweep_dir": str(Path(sweep_dir).resolve())}
+    tags = {"mlflow.runName": f"sweep {Path(sweep_dir).name}", "gradmod_sweep_dir": str(Path(sweep_dir).resolve())}
     made = mlflow.create_run(experiment_id(mlflow, experiment), tags=tags)
     os.environ[PARENT] = f"{uri} {made.info.run_id}"
 
@@ -194,5 +194,5 @@ def end_sweep(report: Mapping[str, Path], statuses: list[str]) -> None:
         if Path(path).is_file():
             mlflow.log_artifact(parent[1], str(path))
     ok = all(s == "ok" for s in statuses)
-    mlflow.set_tag(parent[1], "gradmod.status", "ok" if ok else "failed")
+    mlflow.set_tag(parent[1], "gradmod_status", "ok" if ok else "failed")
     mlflow.set_terminated(parent[1], status="FINISHED" if ok else "FAILED")
