@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from gradmod.hooks.devices import loops_foreach, reads_free
+
 # Entries from which a tensor is reduced alone; ATen's parallel grain (32768), so a row
 # reduction of a smaller tensor runs on one thread whatever the matrix around it.
 BIG = 1 << 15
 _LAYOUTS: dict[tuple, Layout] = {}
-# Devices where reading one value back costs nothing (no queue to wait for).
-READS_FREE = {"cpu"}
 
 
 @dataclass
@@ -135,7 +135,7 @@ _SCRATCH_MAX = 1 << 24
 def _scratch(like: Tensor, slot: int = 0) -> Tensor:
     """An uninitialized buffer of ``like``'s shape and dtype; ``slot``: several at once."""
     n = like.numel()
-    if like.device.type != "cpu" or n > _SCRATCH_MAX or not like.is_contiguous():
+    if not loops_foreach(like.device) or n > _SCRATCH_MAX or not like.is_contiguous():
         return torch.empty_like(like)
     buf = _SCRATCH.get((like.dtype, slot))
     if buf is None or buf.numel() < n:
@@ -251,7 +251,7 @@ def stat_rows(
         # count, nan to nan as no change) only when some row's min or max is not finite (then
         # the sum of all rows is not either), from the tensors again. On CUDA they are looked
         # for every time, without a sync.
-        reads = tensors[0].device.type in READS_FREE
+        reads = reads_free(tensors[0].device)
         own = keep is None  # else the parts are kept for a post partner: leave them whole
         rows = _columns(tensors, lay, parts, _clipped(lay, parts, before, not reads), not reads, own)
         if reads and not math.isfinite(rows.sum()):

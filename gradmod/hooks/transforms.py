@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import registry
+from gradmod.hooks.devices import loops_foreach
 from gradmod.hooks.reduce import BIG
 from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
 from gradmod.hooks.validators import number, positive
@@ -76,7 +77,7 @@ def clamp_foreach(min: float | None = None, max: float | None = None, bound: flo
     def apply(grads: list[Tensor]) -> None:
         # On the CPU a foreach op is a loop of kernels anyway: a big tensor takes one pass of
         # its own, not two. On CUDA each foreach op is one launch for all tensors.
-        if lo is not None and hi is not None and grads and grads[0].device.type == "cpu":
+        if lo is not None and hi is not None and grads and loops_foreach(grads[0].device):
             big = [g for g in grads if g.numel() >= BIG]
             for g in big:
                 g.clamp_(lo, hi)
