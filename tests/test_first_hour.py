@@ -236,7 +236,7 @@ def test_readme_offers_the_light_install_and_the_build_check():
     assert "pip install -e . --config-settings editable_mode=strict" in readme
     assert 'pip install -e ".[dev]" --config-settings editable_mode=strict' in readme
     assert 'python -c "import torch; print(torch.version.cuda)"' in readme
-    for extra in ("tensorboard", "sweeps", "lightning", "dev"):
+    for extra in ("tensorboard", "sweeps", "lightning", "mlflow", "dev"):
         assert f"| `{extra}` |" in readme, extra
 
 
