@@ -11,7 +11,7 @@ import yaml
 from helpers import CONF
 
 from gradmod.app import help as help_page
-from gradmod.hooks.rules import STAGES
+from gradmod.hooks.rules import STAGE_NAMES
 from gradmod.run import config as C
 
 
@@ -162,4 +162,4 @@ def test_help_lists_each_nodes_keys_from_its_schema(node):
     names = [f.name for f in dataclasses.fields(schema) if not f.name.startswith("_") and f.name != "args"]
     assert page.startswith(", ".join(names))
     if node == "rule":
-        assert page.endswith(f"stage ({' | '.join(STAGES)})") and "per_sample" in page
+        assert page.endswith(f"stage ({' | '.join(STAGE_NAMES)})") and "per_sample" in page

@@ -167,7 +167,7 @@ def test_stateful_transform_keeps_one_state_per_tensor_in_both_stages():
 def test_log_rows_of_many_tensors_cost_one_op_each_plus_a_few():
     """A regression guard for the `log` cost at the hook stage (it was 27 aten ops per
     call, then 9): the rows of one backward are computed together."""
-    from gradmod.hooks.reduce import stat_rows
+    from gradmod.hooks.stat_rows import stat_rows
 
     gs = [torch.randn(32, 32, 3, 3), torch.randn(32), torch.randn(10, 32), torch.randn(10)] * 5
     stat_rows(gs)  # the layout's segment lengths are built once

@@ -139,7 +139,7 @@ def _count_host_reads(monkeypatch):
     """Count device-to-host reads made by gradmod's own code (torch's own CPU-side
     reads, e.g. Adam's step counter, are not syncs on a GPU and are not counted). The
     statistics take the path they take on a GPU: no read that is free only on the CPU."""
-    from gradmod.hooks import reduce
+    from gradmod.hooks import stat_rows as reduce
 
     monkeypatch.setattr(reduce, "READS_FREE", set())
     counts = {"n": 0}

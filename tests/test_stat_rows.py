@@ -1,4 +1,4 @@
-"""`log` statistics computed together (gradmod.hooks.reduce): each row against torch's own
+"""`log` statistics computed together (gradmod.hooks.stat_rows): each row against torch's own
 reductions of its tensor, and the same bits in both stages and however pairs are batched."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradmod.hooks import attach
-from gradmod.hooks.reduce import BIG, stat_rows
+from gradmod.hooks.stat_rows import BIG, stat_rows
 from gradmod.testing.opcount import OpCounter
 
 CLAMP = {"name": "clamp", "min": -1e-4, "max": 1e-4}
@@ -103,7 +103,7 @@ def test_changes_count_nan_to_nan_as_none_on_every_path():
 def test_without_host_reads_the_rows_are_the_same_bits(monkeypatch, finite):
     """CUDA's path (no value read back: every non-finite pass taken) against the CPU's (one
     read, the passes only when a min or max is not finite): the same bits, changes included."""
-    from gradmod.hooks import reduce
+    from gradmod.hooks import stat_rows as reduce
 
     before = _tensors() if not finite else [t.nan_to_num(0.0, 0.0, 0.0) for t in _tensors()]
     after = [t.clamp(-0.5, 0.5) for t in before]

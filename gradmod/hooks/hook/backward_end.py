@@ -1,9 +1,12 @@
-"""``log`` observations of one backward, computed together at its end.
+"""What the hook-stage chains leave for the end of backward, run there together.
 
-At the hook stage a chain does not run its ``log`` observers on small gradients: it hands
-them the tensors they saw, and at the end of backward ``observe_batch`` computes the rows of
-each rule's observers at each chain position in a few ops for all their tensors, so ``log``
-costs few kernel launches however many tensors it watches. A big gradient (``BIG``
+Two kinds of work: a chain of in-place-able transforms and ``log`` observers whose tensor
+may wait (``defer``) runs on ``.grad`` at the end of backward, one foreach op per
+transform for all the tensors of its rules (a clamp among them); and a chain does not run
+its ``log`` observers on small gradients: it hands them the tensors they saw, and at the
+end of backward ``observe_batch`` computes the rows of each rule's observers at each chain
+position in a few ops for all their tensors, so ``log`` costs few kernel launches however
+many tensors it watches. A big gradient (``BIG``
 entries or more) is observed at once, in its hook, while it is still in cache.
 """
 
@@ -14,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks.reduce import BIG
+from gradmod.hooks.stat_rows import BIG
 from gradmod.hooks.stats import GradStats, observe_batch, observe_pairs
 
 Slot = tuple[str, int]  # (rule, position in the rule's transforms)
@@ -27,8 +30,9 @@ def in_distributed() -> bool:
     return _is_initialized()
 
 
-class LogBuffer:
-    """The observations pending until the end of the current backward, per slot."""
+class BackwardEnd:
+    """The deferred chains and the observations pending until the end of the current
+    backward, per slot."""
 
     def __init__(self) -> None:
         self._slots: dict[Slot, tuple[list[GradStats], list[Any]]] = {}  # slot -> (observers, sources)
