@@ -223,11 +223,11 @@ def test_a_per_loss_rule_with_one_scalar_loss_is_one_line():
         match=r"^hooks.surgery runs at stage per_loss, which combines several losses, "
         r"and loss._target_=x gives one scalar loss; use a model",
     ):
-        check_per_loss(_targets("per_loss"), several=False, strategy="single", loss_key="loss._target_=x")
+        check_per_loss(_targets("per_loss"), named_losses=False, strategy="single", loss_key="loss._target_=x")
     with pytest.raises(ValueError, match=r"^hooks.surgery runs at stage per_loss, which trainer.strategy=fsdp"):
-        check_per_loss(_targets("per_loss"), several=True, strategy="fsdp", loss_key="loss._target_=x")
-    check_per_loss(_targets("per_loss"), several=True, strategy="ddp", loss_key="loss._target_=x")
-    check_per_loss(_targets("hook"), several=False, strategy="fsdp", loss_key="loss._target_=x")
+        check_per_loss(_targets("per_loss"), named_losses=True, strategy="fsdp", loss_key="loss._target_=x")
+    check_per_loss(_targets("per_loss"), named_losses=True, strategy="ddp", loss_key="loss._target_=x")
+    check_per_loss(_targets("hook"), named_losses=False, strategy="fsdp", loss_key="loss._target_=x")
 
 
 @pytest.mark.skipif(not per_loss_method("pcgrad"), reason="a build without the per_loss stage")

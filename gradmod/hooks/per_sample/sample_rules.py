@@ -1,8 +1,13 @@
-"""What the per_sample stage refuses, each in one line, before anything is attached."""
+"""The per_sample rules of one ``attach`` call, from its targets, and what they refuse
+(each in one line, before anything is attached)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
+
+from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
 
 
 def check_model(model: nn.Module) -> None:
@@ -56,3 +61,26 @@ def check_targets(model: nn.Module, targets: list) -> None:
             f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
             "gradient is clipped once: select it in one"
         )
+
+
+@dataclass
+class Rule:
+    name: str
+    params: list[nn.Parameter]
+    clip: PerSampleClip | None = None
+    log: PerSampleLog | None = None
+
+
+def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
+    """The per_sample targets grouped by rule, in config order."""
+    rules: dict[str, Rule] = {}
+    for t in targets:
+        if t.stage == "per_sample":
+            rule = rules.setdefault(t.rule, Rule(t.rule, [], *_steps(t.steps)))
+            rule.params.append(params[t.name])
+    return list(rules.values())
+
+
+def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
+    clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
+    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
