@@ -3,7 +3,7 @@ that names the key, the value it was given and what is allowed.
 
 Torch-free, as the schemas are, so that a bad config is refused before torch loads (a
 second or less). Most registries the choice keys pick from import torch, so their names are
-restated here; ``tests/test_config_checks.py`` holds each equal to its registry.
+restated here; ``tests/run/test_config_checks.py`` holds each equal to its registry.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
 
 
 def _bench():

@@ -1,7 +1,7 @@
 """Bad input: one clear line on stderr, a non-zero exit, no traceback, before any training.
 
 Every case goes through the real ``train.py``. Starting torch costs seconds per process,
-so the default suite runs the whole table in one process (``tests/cli_driver.py`` runs
+so the default suite runs the whole table in one process (``tests/support/cli_driver.py`` runs
 ``train.py`` as ``__main__`` once per case) plus a few cases as separate processes;
 ``-m slow`` runs every case as its own ``python train.py`` process.
 """
@@ -19,7 +19,7 @@ from helpers import ROOT, run_train
 
 BASE = ["data=mnist_sample", "trainer.device=cpu", "trainer.epochs=1", "trainer.progress=false"]
 RULE = "+hooks.r={params: '*', transforms: [%s]}"
-BAD_CONF = f"hydra.searchpath=[file://{ROOT / 'tests' / 'bad_conf'}]"  # hook files with bad YAML values
+BAD_CONF = f"hydra.searchpath=[file://{ROOT / 'tests' / 'support' / 'bad_conf'}]"  # hook files with bad YAML values
 
 # (overrides, words the one error line must contain: the key, the bad value, what is allowed)
 CASES = [
@@ -166,7 +166,7 @@ def test_every_bad_input_is_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "cli_driver.py")],
+        [sys.executable, str(ROOT / "tests" / "support" / "cli_driver.py")],
         input=lines,
         cwd=ROOT,
         capture_output=True,

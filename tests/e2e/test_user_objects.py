@@ -1,8 +1,8 @@
 """The user's own objects and the endings they lead to: one line naming what is wrong, the
 status ``summary.json`` says, the exit status, and JSON files every parser reads.
 
-The whole table runs through ``train.py`` in one process (``tests/cli_driver.py``), on a
-40-example dataset and a linear model from ``tests/user_objects.py``.
+The whole table runs through ``train.py`` in one process (``tests/support/cli_driver.py``), on a
+40-example dataset and a linear model from ``tests/support/user_objects.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from helpers import RESUMABLE, ROOT
 
 from gradmod.app.cli import run
 
-OBJ = "tests.user_objects"
+OBJ = "tests.support.user_objects"
 BASE = [
     f"data._target_={OBJ}.data",
     "data.batch_size=10",
@@ -107,7 +107,7 @@ def _drive(tmp_path, cases: list[list[str]]) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "cli_driver.py")],
+        [sys.executable, str(ROOT / "tests" / "support" / "cli_driver.py")],
         input=lines,
         cwd=tmp_path,
         capture_output=True,

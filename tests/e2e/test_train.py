@@ -158,7 +158,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     assert "error: hooks.clip.params: 'fc*' matches no parameter" in proc.stderr
 
 
-@pytest.mark.slow  # tests/test_sweeps.py sweeps through train.py in the default suite
+@pytest.mark.slow  # tests/e2e/test_sweeps.py sweeps through train.py in the default suite
 def test_multirun_sweeps_hook_configs(tmp_path):
     run_train(tmp_path, *FAST, "trainer.epochs=1", "+hooks=clip,zero,min_zero,log", multirun=True)
     summaries = sorted(tmp_path.glob("*/summary.json"))

@@ -1,4 +1,4 @@
-"""Models for sweep tests, given by ``model._target_=tests.sweep_models.NAME``."""
+"""Models for sweep tests, given by ``model._target_=tests.support.sweep_models.NAME``."""
 
 import os
 import signal

@@ -54,7 +54,7 @@ else:
 
     checkpoint.os.replace = replace_or_die
 
-root = Path(__file__).resolve().parents[1]
+root = Path(__file__).resolve().parents[2]
 sys.argv = [str(root / "train.py"), *sys.argv[1:]]
 sys.path.insert(0, str(root))
 runpy.run_path(str(root / "train.py"), run_name="__main__")

@@ -16,7 +16,7 @@ from torch import nn
 
 import gradmod.app.config_store  # noqa: F401  (registers the schemas the YAMLs build on)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "gradmod" / "conf"
 
 # A tiny, fast run on the bundled sample: the overrides most end-to-end tests start from.
@@ -55,7 +55,7 @@ def run_train(
 ) -> subprocess.CompletedProcess:
     """Run ``python train.py`` in a subprocess with its outputs under ``tmp_path``."""
     dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    entry = "tests/kill_driver.py" if "GRADMOD_KILL_AT" in (env or {}) else "train.py"  # see kill_driver
+    entry = "tests/support/kill_driver.py" if "GRADMOD_KILL_AT" in (env or {}) else "train.py"  # see kill_driver
     cmd = [
         sys.executable,
         str(ROOT / entry),

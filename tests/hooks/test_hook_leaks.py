@@ -83,7 +83,7 @@ def test_multirun_in_one_process_starts_every_job_with_the_same_hook_count(tmp_p
         *TINY,
         "+hooks=[clip,log]",
         "seed=1,2,3",
-        "+hydra.callbacks.probe._target_=tests.hook_probe.HookProbe",
+        "+hydra.callbacks.probe._target_=tests.support.hook_probe.HookProbe",
         multirun=True,
         env={"GRADMOD_HOOK_PROBE": str(probe)},
     )

@@ -9,7 +9,7 @@ import sys
 import traceback
 from pathlib import Path
 
-TRAIN = str(Path(__file__).resolve().parents[1] / "train.py")
+TRAIN = str(Path(__file__).resolve().parents[2] / "train.py")
 
 for line in sys.stdin:
     argv = json.loads(line)

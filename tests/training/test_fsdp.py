@@ -288,7 +288,7 @@ def test_rules_attached_before_fully_shard_fail_at_the_first_backward(fsdp):
 
 # --- train.py under torchrun: fsdp against ddp, resume, signals (slow: several 2-process runs) ---
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "data=fake",
     "data.image_size=28",
@@ -307,7 +307,7 @@ TINY = [
 
 def torchrun(run_dir: Path, *overrides: str, kill: dict | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=2 train.py`` (or the kill driver, with ``kill``'s variables)."""
-    entry = ROOT / ("tests/kill_driver.py" if kill else "train.py")
+    entry = ROOT / ("tests/support/kill_driver.py" if kill else "train.py")
     cmd = [
         sys.executable,
         "-m",

@@ -20,7 +20,7 @@ from gradmod.models import CharLM, MultiLeNet, build_model
 from gradmod.run.preflight import check_per_loss
 from gradmod.training.tasks import Tasks, accuracy
 
-OBJ = "tests.task_objects"
+OBJ = "tests.support.task_objects"
 CPU = ["trainer.device=cpu", "trainer.progress=false", "trainer.threads=1"]
 
 
@@ -33,7 +33,7 @@ def _metrics(out) -> list[dict]:
 
 
 def test_regression_trains_and_reports_its_own_loss(compose_cfg, tmp_path):
-    from tests.task_objects import regression
+    from tests.support.task_objects import regression
 
     cfg = compose_cfg(
         *CPU,
@@ -158,7 +158,7 @@ def test_multi_mnist_reports_every_task(compose_cfg, tmp_path):
 
 
 def test_a_loss_of_ones_own_names_its_losses_and_metrics_go_per_task(compose_cfg, tmp_path):
-    from tests.task_objects import TwoHeads, cls_and_reg, mean_abs_error, two_targets
+    from tests.support.task_objects import TwoHeads, cls_and_reg, mean_abs_error, two_targets
 
     cfg = compose_cfg(
         *CPU,

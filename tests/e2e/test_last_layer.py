@@ -76,9 +76,9 @@ def test_agc_sweeps_a_users_model_and_a_failing_job_is_one_line(tmp_path):
         "trainer.device=cpu",
         "trainer.progress=false",
         "trainer.threads=1",
-        "model._target_=tests.sweep_models.mlp",
+        "model._target_=tests.support.sweep_models.mlp",
         "+hooks=agc",
-        "loss._target_=torch.nn.CrossEntropyLoss,tests.user_objects.LossThatRaises",
+        "loss._target_=torch.nn.CrossEntropyLoss,tests.support.user_objects.LossThatRaises",
         multirun=True,
         check=False,
     )

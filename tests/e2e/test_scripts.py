@@ -13,7 +13,7 @@ from test_capture import ARTICLE_TABLE
 from gradmod.capture import list_hooks
 from gradmod.models import build_model
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 # The Russian article's VerboseExecution output for resnet50() on torch.ones(10, 3, 224, 224).
 ARTICLE_SHAPES = """\

@@ -189,7 +189,7 @@ def test_a_rank_killed_under_ddp_is_named_in_the_summary(tmp_path):
         "--nproc_per_node=2",
         "--master_port",
         str(free_port()),
-        str(ROOT / "tests" / "kill_driver.py"),
+        str(ROOT / "tests" / "support" / "kill_driver.py"),
         f"hydra.run.dir={run_dir}",
         "trainer.strategy=ddp",
         *RESUMABLE,

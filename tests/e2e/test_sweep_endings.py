@@ -25,7 +25,7 @@ TINY = [
     "trainer.progress=false",
     "trainer.threads=1",
 ]
-DIES = ["model._target_=tests.sweep_models.tiny"]  # +model.die=true: SIGKILL while the model is built
+DIES = ["model._target_=tests.support.sweep_models.tiny"]  # +model.die=true: SIGKILL while the model is built
 
 
 def rows(sweep_dir: Path) -> list[dict[str, str]]:
