@@ -19,6 +19,7 @@ from torch import nn
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
 from gradmod.hooks.globs import select
+from gradmod.hooks.rule_spec import transform_list
 
 STAGE_NAMES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
@@ -146,9 +147,7 @@ def _rule_targets(
     rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str], default_stage: str
 ) -> list[Target]:
     kind = "param" if "params" in spec else "module"
-    transforms = spec.get("transforms")
-    if isinstance(transforms, (str, Mapping)):
-        transforms = [transforms]
+    transforms = transform_list(spec.get("transforms"))
     if not transforms:
         raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(R.names())}")
     stage = _rule_stage(rule, spec, kind, transforms, default_stage)

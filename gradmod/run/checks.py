@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmod.hooks import stages  # the stage table, torch-free
+from gradmod.hooks.rule_spec import transform_list  # how a rule's transforms are written, torch-free
 
 MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm")  # gradmod.models.MODELS
 NORMS = ("batch", "group")  # gradmod.models.NORMS
@@ -178,7 +179,7 @@ def rules(hooks: Mapping[str, Any]) -> None:
                 f"transforms, e.g. +hooks.{name}={{params: '*', transforms: [zero]}}"
             )
         transforms = rule.get("transforms")
-        listed = [transforms] if isinstance(transforms, (str, Mapping)) else transforms
+        listed = transform_list(transforms)
         if transforms is not None and not (
             isinstance(listed, list) and all(isinstance(t, (str, Mapping)) for t in listed)
         ):
