@@ -279,7 +279,7 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
 
 
 def test_help_lists_a_newly_registered_transform():
-    transforms.register("halve_for_help", lambda factor=0.5: lambda g: g * factor)
+    registry.register("halve_for_help", lambda factor=0.5: lambda g: g * factor)
     try:
         assert any(line.strip().startswith("halve_for_help(factor=0.5)") for line in transform_lines())
     finally:
@@ -302,14 +302,14 @@ def test_plugins_register_transforms_for_train_py(tmp_path):
     (pkg / "__init__.py").write_text("")
     calls = tmp_path / "calls.txt"
     (pkg / "transforms.py").write_text(
-        "import os\nfrom gradmod.hooks import transforms\n\n"
+        "import os\nimport gradmod\n\n"
         "def count():\n"
         "    def apply(grad):\n"
         "        with open(os.environ['CALLS'], 'a') as f:\n"
         "            f.write('x\\n')\n"
         "        return -grad\n"
         "    return apply\n\n"
-        "transforms.register('count', count)\n"
+        "gradmod.register('count', count)\n"
     )
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{tmp_path / 'outside'}", "CALLS": str(calls)}

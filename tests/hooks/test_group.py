@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from helpers import free_port, spawn_ranks
 from torch import nn
 
+import gradmod
 from gradmod.hooks import attach
 from gradmod.hooks.fused.group import ZClip
 from gradmod.testing.opcount import OpCounter
@@ -375,9 +376,9 @@ def test_register_checks_its_arguments_at_once():
         (("bad_foreach", lambda: None), {"foreach": 3}, "foreach must be callable"),
     ]:
         with pytest.raises(TypeError, match=words):
-            T.register(*args, **kwargs)
+            gradmod.register(*args, **kwargs)
     with pytest.raises(TypeError, match="factory must be callable"):
-        T.register("bad_decorated")(7)
+        gradmod.register("bad_decorated")(7)
     assert not {"bad_factory", "bad_foreach", "bad_decorated"} & set(T.names())
 
 
@@ -390,10 +391,9 @@ def test_register_checks_its_arguments_at_once():
     ],
 )
 def test_fused_result_is_checked_on_the_first_call(result, words):
-    from gradmod.hooks import transforms as T
 
     make = {"shape": lambda g: g.sum().reshape(1), "dtype": lambda g: g.double(), "list": lambda g: [g]}[result]
-    T.register(f"bad_{result}", lambda: make, overwrite=True)
+    gradmod.register(f"bad_{result}", lambda: make, overwrite=True)
     model = tiny_model()
     hooks = attach(model, {"r": {"params": "0.weight", "transforms": [f"bad_{result}"]}}, stage="fused")
     backward(model, 0)

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from helpers import tiny_mlp
 
+import gradmod
 from gradmod.hooks import attach
-from gradmod.hooks import transforms as T
 from gradmod.testing.opcount import OpCounter
 
 BAD = {
@@ -24,7 +24,7 @@ BAD = {
 def _bad_transforms():
     """Registered for each test (conftest restores the registry after it)."""
     for name, (factory, _) in BAD.items():
-        T.register(f"test_{name}", factory, overwrite=True)
+        gradmod.register(f"test_{name}", factory, overwrite=True)
 
 
 def _model():

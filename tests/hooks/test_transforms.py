@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import gradmod
 from gradmod.hooks import attach, registry
 from gradmod.hooks import transforms as T
 
@@ -123,7 +124,7 @@ def test_register_user_transform():
     def halve_positive():
         return lambda grad: torch.where(grad > 0, grad / 2, grad)
 
-    T.register("test_halve_positive", halve_positive)
+    gradmod.register("test_halve_positive", halve_positive)
     try:
         assert "test_halve_positive" in T.names()
         assert torch.equal(T.build("test_halve_positive")(torch.tensor([-2.0, 2.0])), torch.tensor([-2.0, 1.0]))
@@ -132,7 +133,7 @@ def test_register_user_transform():
         fused_stage("test_halve_positive", grads)
         assert torch.equal(grads[0], torch.tensor([2.0, -1.0]))
         with pytest.raises(ValueError, match="already registered"):
-            T.register("test_halve_positive", halve_positive)
+            gradmod.register("test_halve_positive", halve_positive)
     finally:
         registry.unregister("test_halve_positive")
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gradmod
 from gradmod.app.cli import run
 from gradmod.data import Data, load_mnist_sample
 from gradmod.hooks import attach
-from gradmod.hooks import transforms as T
 from gradmod.models import MnistCNN
 from gradmod.run import assembly as train_mod
 from gradmod.run import factories as targets_mod
@@ -227,7 +227,7 @@ def test_training_steps_between_log_points_never_sync(compose_cfg, tmp_path, mon
 @needs_cuda
 def test_sync_check_catches_a_syncing_transform(compose_cfg, tmp_path, monkeypatch):
     """The negative control: the same check raises when a transform reads a value."""
-    T.register("test_sync_item", _syncing_transform, overwrite=True)
+    gradmod.register("test_sync_item", _syncing_transform, overwrite=True)
     monkeypatch.setattr(targets_mod, "load_data", lambda *a, **k: _small_data(64, 16))
     cfg = compose_cfg(
         "data=mnist_sample",
