@@ -37,7 +37,13 @@ from gradmod.hooks.log_buffer import LogBuffer
 from gradmod.hooks.per_loss.stage import PerLossStage, per_loss_rules
 from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
-from gradmod.hooks.sharded import is_sharded, refuse_hook_stage, watch
+from gradmod.hooks.sharded import (
+    is_sharded,
+    refuse_hook_stage,
+    refuse_optimizer_in_backward,
+    refuse_pipeline_stage,
+    watch,
+)
 from gradmod.hooks.stages import STAGES
 from gradmod.hooks.stats import take_all
 
@@ -82,6 +88,8 @@ class HookSet:
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         self._keys = {t.key for t in targets}
+        self._params = {t.name: params[t.name] for t in targets if t.kind == "param"}
+        self._stepped_once = False
         self._due = AfterBackwardDue(model, _sentinels(targets, params))  # a forgotten after_backward()
         for obj in self.owned:
             _OWNERS[obj] = self
@@ -135,6 +143,9 @@ class HookSet:
         when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
         only then is the host read), False otherwise."""
         self._due.done()
+        if not self._stepped_once:  # optimizer-in-backward hooks registered after attach
+            self._stepped_once = True
+            refuse_optimizer_in_backward(self.targets, self._params, late=True)
         skip = False
         for stage in STAGES:
             skip = self._finish(stage.name) or skip
@@ -307,8 +318,11 @@ def attach(
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
-    refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
-    refuse_sharded_per_loss(targets, dict(model.named_parameters()))
+    params = dict(model.named_parameters())
+    refuse_hook_stage(targets, params)  # DTensor parameters: fused only
+    refuse_sharded_per_loss(targets, params)
+    refuse_optimizer_in_backward(targets, params)
+    refuse_pipeline_stage(model)
     previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
     replaced = previous if replace else []
     _refuse_overlap(model, targets, replaced)
@@ -355,10 +369,10 @@ def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[Hook
 
 
 def refuse_sharded_per_loss(targets: list[Target], params: dict[str, Tensor]) -> None:
-    """FSDP2 shards the parameters; the per_loss stage needs whole layers' task gradients."""
+    """FSDP2 and tensor parallelism shard the parameters; the per_loss stage needs whole layers' task gradients."""
     hit = next((t for t in targets if t.stage == "per_loss" and t.kind == "param" and is_sharded(params[t.name])), None)
     if hit is not None:
         raise ValueError(
-            f"hooks.{hit.rule}: per_loss rules do not run on FSDP-sharded parameters ({hit.name!r}) "
-            "yet; use DDP or one process"
+            f"hooks.{hit.rule}: per_loss rules do not run on FSDP-sharded or tensor-parallel parameters "
+            f"({hit.name!r}, a DTensor); use DDP or one process"
         )

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradmod.hooks.mesh import sharded_rows
 from gradmod.hooks.reduce import Seen, stat_rows
 from gradmod.hooks.registry import register
-from gradmod.hooks.sharded import is_sharded, plain, sharded_rows
+from gradmod.hooks.sharded import is_sharded, plain
 from gradmod.hooks.window import Window
 
 
