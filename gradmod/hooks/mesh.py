@@ -80,8 +80,12 @@ def mesh_norm(tensors: list[Tensor], norm_type: float = 2.0) -> Tensor:
     device = local(tensors[0]).device
     parts = []
     for (_, dims), members in groups.items():
-        norms = torch.stack([n.to(device).float() for n in torch._foreach_norm([local(t) for t in members], norm_type)])
-        value = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)
+        pieces = [local(t) for t in members if local(t).numel()]  # an uneven cut leaves some empty
+        if pieces:
+            norms = torch.stack([n.to(device).float() for n in torch._foreach_norm(pieces, norm_type)])
+            value = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)
+        else:
+            value = torch.zeros(1, device=device)
         parts.append(_reduce(value, members[0], dims, _MAX if inf else _SUM) if dims else value)
     total = torch.cat(parts)
     return total.max() if inf else total.sum().pow(1.0 / norm_type)
