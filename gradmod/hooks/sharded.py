@@ -69,11 +69,15 @@ def refuse_optimizer_in_backward(targets, params: dict[str, Tensor], late: bool 
     selects a parameter whose post-accumulate-grad hook steps an optimizer (torchtune's
     ``optimizer_in_bwd``): the step would be taken before ``after_backward()`` changes
     ``.grad``, so the rule would do nothing. Hook-stage rules still work (they run before)."""
+    known: dict[int, bool] = {}  # one hook is often shared by every parameter
     for t in targets:
         if t.kind != "param" or t.stage in ("hook", "per_loss"):
             continue
         hooks = getattr(params[t.name], "_post_accumulate_grad_hooks", None) or {}
-        if any(_steps_an_optimizer(h) for h in hooks.values()):
+        for h in hooks.values():
+            if id(h) not in known:
+                known[id(h)] = _steps_an_optimizer(h)
+        if any(known[id(h)] for h in hooks.values()):
             when = "since attach" if late else "at attach"
             raise ValueError(
                 f"hooks.{t.rule}: {t.name!r} has a post-accumulate-grad hook that steps an optimizer "
