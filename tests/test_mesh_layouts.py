@@ -172,6 +172,16 @@ def _attach_before_tp() -> str | None:
     return _error(lambda: loss_of(net, 0, 1).backward())
 
 
+def _pipeline_stage(rank: int) -> str | None:
+    from torch.distributed.pipelining import PipelineStage
+
+    net = model()
+    stage = PipelineStage(net, stage_index=rank, num_stages=4, device=torch.device("cpu"))
+    refused = _error(lambda: attach(net, RULES["norm"]))
+    del stage
+    return refused
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -187,6 +197,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             got["torch_clip"] = _torch_clip_error(name)
             results[name] = got
         results["attach_before_tp"] = _attach_before_tp()
+        results["pipeline"] = _pipeline_stage(rank)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -339,6 +350,11 @@ def test_what_cannot_run_is_refused_in_one_line(ranks):
         assert "stage 'hook'" in refused["hook_param"] and "modules:" in refused["hook_param"]
         assert "stage 'per_sample'" in refused["per_sample"]
         assert "per_loss" in refused["per_loss"]
+
+
+def test_a_pipeline_stage_is_refused(ranks):
+    for rank in ranks:
+        assert "pipeline" in rank["pipeline"] and "\n" not in rank["pipeline"]
 
 
 def test_rules_attached_before_parallelize_module_fail_at_backward(ranks):

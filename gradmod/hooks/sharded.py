@@ -57,7 +57,12 @@ def refuse_pipeline_stage(model: torch.nn.Module) -> None:
         return
     import gc
 
-    if any(isinstance(r, pipelining._PipelineStageBase) for r in gc.get_referrers(model)):
+    def is_stage(obj) -> bool:
+        return isinstance(obj, pipelining._PipelineStageBase)
+
+    # The stage holds the model in its attribute dict (or directly, where dicts are inlined).
+    holders = gc.get_referrers(model)
+    if any(is_stage(r) or (isinstance(r, dict) and any(map(is_stage, gc.get_referrers(r)))) for r in holders):
         raise ValueError(
             "attach: this model is one stage of a pipeline (torch.distributed.pipelining); gradmod "
             "does not support pipeline parallelism (its norms would cover one stage's parameters only)"
