@@ -17,7 +17,7 @@ from typing import Any
 
 from gradmod.hooks import stages  # the stage table, torch-free
 
-MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm")  # gradmod.models.MODELS
+MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt")  # gradmod.models.MODELS
 NORMS = ("batch", "group")  # gradmod.models.NORMS
 DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text")  # gradmod.data.DATASETS
 INITS = ("default", "xavier", "kaiming")  # gradmod.weight_init.INITS
