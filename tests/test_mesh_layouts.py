@@ -144,6 +144,19 @@ def _noise(name: str) -> dict:
     }
 
 
+def _nonfinite(name: str) -> list[float]:
+    """Every rank fills its pieces of two gradients with nan; the counts summed over the ranks."""
+    from gradmod.training.nonfinite import count_nonfinite
+
+    net, part, _ = _layout(name)
+    loss_of(net, part, PARTS[name]).backward()
+    for p in (net[2].weight, net[2].bias):  # a bias replicated over tp (fsdp_tp), HSDP's replicas
+        p.grad.to_local().fill_(float("nan"))
+    counts = torch.stack(count_nonfinite([p.grad for p in net.parameters()]))
+    torch.distributed.all_reduce(counts)
+    return counts.tolist()
+
+
 def _error(fn) -> str | None:
     try:
         fn()
@@ -195,6 +208,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             net = _layout(name)[0]
             got["refused"] = {case: _error(lambda r=r, n=net: attach(n, r)) for case, r in REFUSED.items()}
             got["torch_clip"] = _torch_clip_error(name)
+            got["nonfinite"] = _nonfinite(name)
             results[name] = got
         results["attach_before_tp"] = _attach_before_tp()
         results["pipeline"] = _pipeline_stage(rank)
@@ -341,6 +355,13 @@ def test_noise_differs_per_piece_agrees_per_replica_and_repeats(ranks):
                 for cut_b, b in seen:
                     if a.numel() and b.numel() and a.shape == b.shape:
                         assert torch.equal(a, b) == (cut_a == cut_b), (layout, name)
+
+
+def test_nonfinite_entries_are_counted_once_per_piece_not_per_replica(ranks):
+    sizes = [p.numel() for p in model().parameters()]
+    for layout, got in each(ranks):
+        want = [float(n) if i in (2, 3) else 0.0 for i, n in enumerate(sizes)]
+        assert got["nonfinite"] == want, layout
 
 
 def test_what_cannot_run_is_refused_in_one_line(ranks):

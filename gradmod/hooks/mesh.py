@@ -127,6 +127,16 @@ def like(t: Tensor, piece: Tensor) -> Tensor:
     return dtensor.from_local(piece, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
+def first_replica(t: Tensor) -> bool:
+    """Whether this rank holds the first copy of its piece of ``t`` (coordinate 0 on every
+    mesh dimension ``t`` is not cut on): counting only those counts each piece once."""
+    if not is_sharded(t):
+        return True
+    coordinate = t.device_mesh.get_coordinate() or []
+    cut = shard_dims(t)
+    return all(c == 0 for d, c in enumerate(coordinate) if d not in cut)
+
+
 def shard_index(t: Tensor) -> int:
     """Which piece of ``t`` this rank holds, counting only the mesh dimensions ``t`` is cut
     on: replicas of one piece share the index, different pieces never do."""
