@@ -62,6 +62,7 @@ RULES = {
     },
     "agc": {"agc": {"params": "*", "transforms": [{"name": "agc", "clip_factor": 0.05}]}},
     "centralize": {"c": {"params": "*", "stage": "fused", "transforms": ["centralize"]}},
+    "norm_clip": {"t": {"params": "*", "stage": "fused", "transforms": [{"name": "norm_clip", "max_norm": 0.3}]}},
     "hook_clamp": {"out": {"modules": "1", "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}},
 }
 ZCLIP = {"z": {"params": "*", "transforms": [{"name": "zclip", "warmup_steps": 2, "z_threshold": 0.1}]}}
@@ -314,6 +315,17 @@ def test_centralize_subtracts_whole_rows_means(ranks):
             torch.testing.assert_close(
                 got["centralize"]["grads"][name], want, rtol=1e-5, atol=1e-7, msg=f"{layout} {name}"
             )
+
+
+def test_norm_clip_scales_each_whole_tensor(ranks):
+    _, raw = reference()
+    scaled = 0
+    for name, g in raw.items():
+        coef = min(1.0, 0.3 / (torch.linalg.vector_norm(g).item() + 1e-6))
+        scaled += coef < 1
+        for layout, got in each(ranks):
+            close(got["norm_clip"]["grads"][name], g * coef, f"{layout} {name}")
+    assert 0 < scaled < len(raw)
 
 
 def test_zclip_clips_the_same_spike(ranks):
