@@ -102,8 +102,10 @@ def unit_norms(x: Tensor, norm_type: float = 2.0) -> Tensor:
     if not dims:
         return torch.linalg.vector_norm(piece, norm_type, dim=over, keepdim=not whole)
     inf = math.isinf(norm_type)
-    if inf:
-        value = piece.abs().amax(dim=over, keepdim=not whole) if piece.numel() else piece.new_zeros(())
+    if inf and not piece.numel():  # an uneven cut left this rank no entries: max over nothing is 0
+        value = piece.new_zeros(() if whole else (piece.shape[0],) + (1,) * (piece.dim() - 1))
+    elif inf:
+        value = piece.abs().amax(dim=over, keepdim=not whole)
     else:
         value = torch.linalg.vector_norm(piece, norm_type, dim=over, keepdim=not whole).pow(norm_type)
     value = _reduce(value.float().contiguous(), x, dims, _MAX if inf else _SUM)
