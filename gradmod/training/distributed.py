@@ -10,6 +10,8 @@ names) and the rules are attached to it. Each rank trains on its own share of ev
 epoch's seeded permutation, evaluates its share of the test set and the results are
 averaged, so every rank holds the same numbers; rank 0 alone writes the run folder, and
 checkpoints hold the full state (FSDP2 gathers it to rank 0), read back by every rank.
+Under ``fsdp``, ``tp`` > 1 first applies the model's tensor-parallel plan on a last mesh
+dimension (its ranks share every batch) and ``replicate`` > 1 makes FSDP2 hybrid (HSDP).
 
 Where the stages run (the all-reduce averages gradients over the ranks):
 
