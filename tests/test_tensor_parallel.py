@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, free_port
+from helpers import ROOT, free_port, run_train
 from torch import nn
 
 from gradmod.models import TinyGPT, build_model
@@ -38,6 +38,16 @@ def test_a_layout_that_does_not_divide_the_world_is_one_line(four_ranks):
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="need trainer.strategy=fsdp"):
         Dist.from_env("ddp", cpu, tp=2)
+
+
+def test_from_the_command_line_a_bad_layout_is_one_line_and_a_failing_exit(tmp_path):
+    proc = run_train(tmp_path, "trainer.strategy=fsdp", "trainer.tp=3", "trainer.device=cpu", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: trainer.tp=3 x trainer.replicate=1 does not divide the 1 processes (WORLD_SIZE); "
+        "use a world size that is a multiple of 3"
+    ]
 
 
 def test_ranks_of_a_tensor_parallel_group_share_their_data(four_ranks):

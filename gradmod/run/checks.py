@@ -123,7 +123,7 @@ def metric(key: str, spec: Any, by_task: bool = True) -> None:
 
 def trainer(t: Any) -> None:
     """The trainer's values (``TrainerConfig``)."""
-    for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):
+    for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep", "tp", "replicate"):
         at_least(f"trainer.{key}", getattr(t, key), 1)
     for key in ("threads", "checkpoint_every", "checkpoint_every_steps", "loader_workers"):
         at_least(f"trainer.{key}", getattr(t, key), 0)
