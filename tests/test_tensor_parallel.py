@@ -50,6 +50,16 @@ def test_from_the_command_line_a_bad_layout_is_one_line_and_a_failing_exit(tmp_p
     ]
 
 
+def test_a_resume_keeps_the_layout():
+    from gradmod.run.resume import compare
+
+    saved = {"trainer": {"strategy": "fsdp", "tp": 2, "replicate": 1}}
+    with pytest.raises(ValueError, match=r"trainer.tp: 2 -> 1"):
+        compare(saved, {"trainer": {"strategy": "fsdp", "tp": 1, "replicate": 1}})
+    with pytest.raises(ValueError, match=r"trainer.replicate: 1 -> 2"):
+        compare(saved, {"trainer": {"strategy": "fsdp", "tp": 2, "replicate": 2}})
+
+
 def test_ranks_of_a_tensor_parallel_group_share_their_data(four_ranks):
     dist = Dist.from_env("fsdp", torch.device("cpu"), tp=2)
     assert (dist.data_rank, dist.data_size) == (1, 2)  # rank 3 is (dp 1, tp 1)
