@@ -158,6 +158,33 @@ def _nonfinite(name: str) -> list[float]:
     return counts.tolist()
 
 
+def gpt() -> nn.Module:
+    from gradmod.models import TinyGPT
+
+    torch.manual_seed(0)
+    return TinyGPT(num_classes=11, width=16, depth=1, heads=4, max_len=8)
+
+
+def gpt_loss(net: nn.Module, rows: slice) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 11, (8, 6), generator=g), torch.randint(0, 11, (8, 6), generator=g)
+    return torch.nn.functional.cross_entropy(net(x[rows]), y[rows])
+
+
+def _tiny_gpt(rank: int) -> dict:
+    """The trainer's own layout code (``Dist.wrap``) on tiny_gpt: replicate 2 x shard 1 x tp 2,
+    its embeddings, norms and head outside tensor parallelism."""
+    from gradmod.training.distributed import Dist
+
+    dist = Dist("fsdp", rank, 4, rank, torch.device("cpu"), tp=2, replicate=2)
+    net = dist.wrap(gpt())
+    hooks = attach(net, RULES["norm"])
+    gpt_loss(net, slice(4 * dist.data_rank, 4 * dist.data_rank + 4)).backward()
+    hooks.after_backward()
+    meshes = {n: p.device_mesh.ndim for n, p in net.named_parameters()}
+    return {"grads": _full(net), "stats": hooks.read_stats(), "meshes": meshes}
+
+
 def _error(fn) -> str | None:
     try:
         fn()
@@ -213,6 +240,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             results[name] = got
         results["attach_before_tp"] = _attach_before_tp()
         results["pipeline"] = _pipeline_stage(rank)
+        results["tiny_gpt"] = _tiny_gpt(rank)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         torch.distributed.destroy_process_group()
@@ -383,6 +411,19 @@ def test_what_cannot_run_is_refused_in_one_line(ranks):
         assert "stage 'hook'" in refused["hook_param"] and "modules:" in refused["hook_param"]
         assert "stage 'per_sample'" in refused["per_sample"]
         assert "per_loss" in refused["per_loss"]
+
+
+def test_tiny_gpt_under_the_trainers_hsdp_x_tp_layout_clips_like_one_process(ranks):
+    net = gpt()
+    gpt_loss(net, slice(0, 8)).backward()
+    total = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM).item()
+    assert total > 2 * MAX_NORM
+    for rank in ranks:
+        got = rank["tiny_gpt"]
+        assert got["meshes"]["blocks.0.attn.q.weight"] == 3 and got["meshes"]["head.weight"] == 2  # two meshes
+        assert abs(got["stats"]["norm/global_norm_clip"]["norm"] - total) <= 1e-6 * total
+        for name, p in net.named_parameters():
+            torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-5, atol=1e-6 * MAX_NORM, msg=name)
 
 
 def test_a_pipeline_stage_is_refused(ranks):
