@@ -25,8 +25,6 @@ from torch import Tensor
 
 from gradmod.hooks.sharded import is_sharded
 
-_SUM, _MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
-
 
 def local(t: Tensor) -> Tensor:
     """This rank's piece of ``t`` (the same storage: in-place changes reach ``t``); ``t`` if plain."""
@@ -58,8 +56,10 @@ def shard_dims(t: Tensor, rows: bool = False) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _reduce(value: Tensor, t: Tensor, dims: tuple[int, ...], op) -> Tensor:
-    """All-reduce ``value`` over each of ``t``'s mesh dimensions ``dims`` (in place)."""
+def _reduce(value: Tensor, t: Tensor, dims: tuple[int, ...], largest: bool = False) -> Tensor:
+    """All-reduce ``value`` over each of ``t``'s mesh dimensions ``dims`` (in place): the sum,
+    or the largest value. (ReduceOp looked up here: a torch built without distributed has none.)"""
+    op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
     for d in dims:
         dist.all_reduce(value, op=op, group=t.device_mesh.get_group(d))
     return value
@@ -86,7 +86,7 @@ def mesh_norm(tensors: list[Tensor], norm_type: float = 2.0) -> Tensor:
             value = (norms.max() if inf else norms.pow(norm_type).sum()).reshape(1)
         else:
             value = torch.zeros(1, device=device)
-        parts.append(_reduce(value, members[0], dims, _MAX if inf else _SUM) if dims else value)
+        parts.append(_reduce(value, members[0], dims, largest=inf) if dims else value)
     total = torch.cat(parts)
     return total.max() if inf else total.sum().pow(1.0 / norm_type)
 
@@ -108,7 +108,7 @@ def unit_norms(x: Tensor, norm_type: float = 2.0) -> Tensor:
         value = piece.abs().amax(dim=over, keepdim=not whole)
     else:
         value = torch.linalg.vector_norm(piece, norm_type, dim=over, keepdim=not whole).pow(norm_type)
-    value = _reduce(value.float().contiguous(), x, dims, _MAX if inf else _SUM)
+    value = _reduce(value.float().contiguous(), x, dims, largest=inf)
     return (value if inf else value.pow(1.0 / norm_type)).to(piece.dtype)
 
 
@@ -119,7 +119,7 @@ def row_means(x: Tensor) -> Tensor:
     piece, dims = local(x), shard_dims(x, rows=True)
     sums = piece.sum(dim=tuple(range(1, piece.dim())), keepdim=True)
     if dims:
-        sums = _reduce(sums.contiguous(), x, dims, _SUM)
+        sums = _reduce(sums.contiguous(), x, dims)
     return sums / math.prod(x.shape[1:])
 
 
