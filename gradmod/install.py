@@ -22,6 +22,12 @@ class BrokenInstall(ImportError):
     """torch and torchvision that do not work together (one line: what, and the fix)."""
 
 
+def gradmod_version() -> str:
+    from gradmod import __version__  # the package's own attribute: no torch
+
+    return __version__
+
+
 def installed(name: str) -> str | None:
     try:
         return metadata.version(name)

@@ -20,6 +20,7 @@ BESIDE = {
     "gradmod.capture",
     "gradmod.weight_init",
     "gradmod.testing",
+    "gradmod.install",
 }
 MAY_IMPORT = {
     "hooks": {"gradmod.hooks"},

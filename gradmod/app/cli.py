@@ -47,7 +47,7 @@ from gradmod.app.help import register_help
 from gradmod.app.isolated import preload, run_forked
 from gradmod.app.job_files import JobFiles
 from gradmod.app.sweep_callback import stop_asked, stop_sweep
-from gradmod.install import BrokenInstall
+from gradmod.install import BrokenInstall, gradmod_version
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
 from gradmod.training.ranks import env_rank, follower_overrides
@@ -71,9 +71,7 @@ def main(conf: str | Path = CONF) -> None:
     The console script ``gradmod`` and ``python train.py`` both call it with the default."""
     signal.signal(signal.SIGINT, interrupted_at_start)  # until the run or the sweep installs its own
     if "--version" in sys.argv[1:]:  # gradmod's, not Hydra's (which would answer it)
-        from gradmod import __version__
-
-        print(f"gradmod {__version__} (Python {sys.version.split()[0]})")
+        print(f"gradmod {gradmod_version()} (Python {sys.version.split()[0]})")
         sys.exit(0)
     register_help(conf, page=bool({"--help", "-h"} & set(sys.argv[1:])), argv=sys.argv[1:])  # gradmod --help
     sys.argv += follower_overrides(sys.argv)  # torchrun ranks > 0 leave the run folder to rank 0

@@ -17,6 +17,8 @@ import csv
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from gradmod.reporting.logger_base import Logger, flat_tasks
+
 if TYPE_CHECKING:  # numpy starts a native thread (OpenBLAS') at import: the sweep's parent stays without
     import numpy as np
 
@@ -59,36 +61,6 @@ def split_key(key: str) -> tuple[str, str]:
     """``"conv1.weight/pre"`` -> ``("conv1.weight", "pre")``; no label -> ``""``."""
     tensor, _, label = key.partition("/")
     return tensor, label
-
-
-class Logger:
-    """The calls the trainer makes; every method may do nothing."""
-
-    wants_histograms = False  # ask the observers to bin gradients at log steps
-    wants_images = False  # Grad-CAM images per epoch
-
-    def log_plan(self, plan: list[dict[str, Any]], text: str) -> None:
-        pass
-
-    def log_metrics(self, step: int, record: Mapping[str, Any]) -> None:
-        pass
-
-    def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:
-        pass
-
-    def log_images(self, tag: str, step: int, images: np.ndarray) -> None:
-        """``images``: N x H x W x 3 floats in [0, 1]."""
-
-    def close(self) -> None:
-        pass
-
-
-def flat_tasks(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record with ``tasks: {name: {field: v}}`` as columns ``name/field``."""
-    out = {k: v for k, v in record.items() if k != "tasks"}
-    for task, values in record.get("tasks", {}).items():
-        out.update({f"{task}/{field}": v for field, v in values.items()})
-    return out
 
 
 class CSVLogger(Logger):

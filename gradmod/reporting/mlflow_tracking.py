@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from gradmod.reporting.loggers import Logger, flat_tasks
+from gradmod.reporting.logger_base import Logger, flat_tasks
 
 INSTALL = "pip install 'gradmod[mlflow]'"
 RECORD = Path(".gradmod") / "mlflow.json"  # in the run folder: {tracking_uri, run_id, gradmod_run}
