@@ -51,7 +51,9 @@ class HookSet:
     """The hooks one ``attach`` call registered. ``remove()`` (or leaving a ``with``
     block) removes every handle; ``after_backward()`` runs the fused stage."""
 
-    def __init__(self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean"):
+    def __init__(
+        self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean", batch_dim: int | None = None
+    ):
         self.targets = targets
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
@@ -74,7 +76,7 @@ class HookSet:
         self._fused = fused_transforms(targets, params)  # (rule, step index) groups in config order
         self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
         private = per_sample_rules(targets, params)
-        self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
+        self.per_sample = PerSampleStage(model, private, loss_reduction, batch_dim) if private else None
         several = per_loss_rules(targets, params, modules)
         self.per_loss = PerLossStage(model, several) if several else None
         # Every tensor this set transforms, so another attach call cannot hook it twice.
@@ -289,6 +291,7 @@ def attach(
     stage: str = "hook",
     replace: bool = True,
     loss_reduction: str = "mean",
+    batch_dim: int | None = None,
 ) -> HookSet:
     """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
 
@@ -299,7 +302,9 @@ def attach(
     a live HookSet that is not replaced (kept, or attached through another module such as
     a wrapper) are refused: remove that one first.
     ``loss_reduction``: how the loss combines the examples (``mean`` or ``sum``), so the
-    per_sample stage knows each example's gradient.
+    per_sample stage knows each example's gradient; ``batch_dim``: the dimension of the
+    model's inputs that holds the examples (default 0, or 1 for a model with
+    ``batch_first = False``).
     """
     if stage not in DEFAULT_STAGES:
         hint = "; per_sample is set per rule (or implied by per_sample_clip)" if stage == "per_sample" else ""
@@ -314,7 +319,7 @@ def attach(
     _refuse_overlap(model, targets, replaced)
     for old in replaced:
         old.remove()
-    hooks = HookSet(model, targets, loss_reduction)
+    hooks = HookSet(model, targets, loss_reduction, batch_dim)
     _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
 

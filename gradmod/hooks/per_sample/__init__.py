@@ -8,6 +8,7 @@ BatchNorm model usable.
 
 from gradmod.hooks.per_sample.layers import Form, register_form
 from gradmod.hooks.per_sample.norms import replace_batchnorm
-from gradmod.hooks.per_sample.stage import PerSampleStage, check_model, per_sample_rules
+from gradmod.hooks.per_sample.refusals import check_model
+from gradmod.hooks.per_sample.stage import PerSampleStage, per_sample_rules
 
 __all__ = ["Form", "PerSampleStage", "check_model", "per_sample_rules", "register_form", "replace_batchnorm"]

@@ -24,8 +24,9 @@ from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.assign import Layer, assign
 from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
+from gradmod.hooks.per_sample.refusals import check_model, refuse_forms, refuse_packed, refuse_positions, refuse_random
 from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
-from gradmod.hooks.per_sample.tracing import batch_dim, trace
+from gradmod.hooks.per_sample.tracing import batch_dim, batch_size, trace
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
@@ -50,21 +51,6 @@ def _training() -> bool:
     """A forward worth following: gradients on, and no torch.func transform (ours replaying
     a module, or the user's) running it."""
     return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-
-
-def check_model(model: nn.Module) -> None:
-    """BatchNorm in training mode mixes the examples of a batch: no per-example gradient exists."""
-    mixing = [
-        n or type(model).__name__
-        for n, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-    ]
-    if mixing:
-        shown = ", ".join(mixing[:5]) + (f" and {len(mixing) - 5} more" if len(mixing) > 5 else "")
-        raise ValueError(
-            f"per_sample rules need each example's own gradient, but BatchNorm in training mode "
-            f"mixes the examples of a batch ({shown}); use GroupNorm instead (model.norm=group)"
-        )
 
 
 @dataclass
@@ -104,13 +90,18 @@ class PerSampleStage:
     """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor
     under Poisson sampling (else the examples counted this step); ``generator``: the
     noise's; ``reduce``: called on the clipped sums (after this rank's noise) before the
-    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none.
-    The layers are set up at the model's first training forward, from its trace."""
+    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none;
+    ``batch_dim``: the batch dimension of the model's inputs (None: 0, or 1 for a model
+    with ``batch_first = False``). The layers are set up at the model's first training
+    forward with a non-empty batch, from its trace."""
 
-    def __init__(self, model: nn.Module, rules: list[Rule], loss_reduction: str = "mean"):
+    def __init__(self, model: nn.Module, rules: list[Rule], loss_reduction: str = "mean", batch_dim: int | None = None):
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
-        self.model, self.rules, self.loss_reduction = model, rules, loss_reduction
+        if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
+            raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
+        self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
+        self._empty = False  # a forward of zero examples ran this step: its gradients are zeros
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
         self.reduce: Callable[[list[Tensor]], None] | None = None
@@ -131,19 +122,26 @@ class PerSampleStage:
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.layers is not None or self._tracing or not _training() or self._swapped():
             return
+        if batch_size(module, args, kwargs, self.batch_dim) == 0:
+            self._empty = True  # nothing to trace; the step's gradients are zeros (plus noise)
+            return
         self._tracing = True
         try:
-            found = trace(module, args, kwargs, set(self._rule_of))
+            found = trace(module, args, kwargs, set(self._rule_of), self.batch_dim)
         finally:
             self._tracing = False
         if found is None:
             raise ValueError(
                 f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
-                f"(dim {batch_dim(module)}); the stage needs the batch in the model's inputs"
+                f"(dim {batch_dim(module, self.batch_dim)}); the stage needs the batch in the model's inputs"
             )
+        refuse_packed(self.model, found, set(self._rule_of))
         params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
-        self.layers = assign(self.model, found, params)
-        self._refuse(self.layers)
+        layers = assign(self.model, found, params)
+        refuse_positions(self.model, found, batch_dim(module, self.batch_dim))
+        refuse_forms(self.model, layers, self._names)
+        refuse_random(self.model, layers, found, self._names)
+        self.layers = layers
         self._batch_dependent = {
             id(p) for layer in self.layers if batch_dependent(layer.module) for p in layer.names.values()
         }
@@ -159,18 +157,6 @@ class PerSampleStage:
 
     def _rule_of_params(self) -> list[Tensor]:
         return [p for r in self.rules for p in r.params]
-
-    def _refuse(self, layers: list[Layer]) -> None:
-        names = {id(m): n for n, m in self.model.named_modules()}
-        for layer in layers:
-            why = layer.form.refusal(layer.module)
-            if why:
-                p = self._names[id(next(iter(layer.names.values())))]
-                raise ValueError(
-                    f"per_sample: {p!r} is in {names.get(id(layer.module)) or 'the model'} "
-                    f"({type(layer.module).__name__}), whose per-example gradient the stage cannot "
-                    f"give with {why}; change the layer or leave its parameters out of the rule"
-                )
 
     def _arrived(self, p: Tensor):
         """A hook on the parameter: its whole gradient of this backward, from every use.
@@ -238,7 +224,7 @@ class PerSampleStage:
         if not calls:
             return
         bsz = self._clip(calls, got if self._verify else None)
-        self._verify = False
+        self._verify = self._verify and not bsz
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:
@@ -285,6 +271,9 @@ class PerSampleStage:
     def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
         b0 = self._grads(calls[0])
         bsz = b0[0][0].shape[b0[0][1]] if calls[0].layer.form.whole_call else b0.shape[0]
+        if bsz == 0:  # an empty batch: no example, nothing to clip (the step may still add noise)
+            self._empty = True
+            return 0
         scale = float(bsz) if self.loss_reduction == "mean" else 1.0  # per-example = scale * what b gives
         dtype = torch.promote_types(calls[0].shapes[0][1], torch.float32)  # norms in float32 or better
         norms2 = {r.name: torch.zeros(bsz, dtype=dtype, device=calls[0].shapes[0][2]) for r in self.rules}
@@ -369,7 +358,7 @@ class PerSampleStage:
 
     def finish(self) -> None:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
-        if self.layers is None:
+        if self.layers is None and not self._empty:
             stray = next(
                 (
                     n
@@ -387,7 +376,13 @@ class PerSampleStage:
                     "forward to set the stage up; call the model you attached (not one of its parts)"
                 )
         if not self.examples and self.expected_batch_size is None:
+            if self._empty:  # zero examples and no expected size to divide noise by: zero gradients
+                for p in self._rule_of_params():
+                    if self._rule_of[id(p)].clip is not None:
+                        p.grad = torch.zeros_like(p)
+            self._empty = False
             return  # nothing seen; under Poisson sampling an empty step still gets its noise
+        self._empty = False
         n = float(self.expected_batch_size or self.examples)
         for r in self.rules:
             if r.clip is None:
