@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.assign import Layer, assign
 from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
-from gradmod.hooks.per_sample.refusals import check_model, refuse_forms, refuse_packed, refuse_positions, refuse_random
+from gradmod.hooks.per_sample.refusals import refuse_forms, refuse_packed, refuse_positions, refuse_random
 from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
 from gradmod.hooks.per_sample.tracing import batch_dim, batch_size, trace
 

@@ -69,7 +69,12 @@ def _dropout_p(func, args: tuple, kwargs: dict) -> float:
     name = getattr(func, "__name__", "")
     if name in RANDOM:
         return 1.0
-    if "dropout" not in name and name not in ("scaled_dot_product_attention", "multi_head_attention_forward", "rrelu", "rrelu_"):
+    if "dropout" not in name and name not in (
+        "scaled_dot_product_attention",
+        "multi_head_attention_forward",
+        "rrelu",
+        "rrelu_",
+    ):
         return 0.0
     try:
         bound = inspect.signature(func).bind(*args, **kwargs)
