@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
 from gradmod.hooks.per_sample.assign import Layer, assign
 from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
 from gradmod.hooks.per_sample.refusals import refuse_forms, refuse_packed, refuse_positions, refuse_random
@@ -115,6 +116,7 @@ class PerSampleStage:
         self._batch_dependent: set[int] = set()  # whose batch gradient is no sum of per-example ones
         self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
+        self._probed = Probed()  # every later one along a random direction per parameter
         self._queued = self._tracing = False
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
@@ -149,6 +151,7 @@ class PerSampleStage:
             layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
         ]
         # after the trace: a lazy module's parameters exist only once a forward ran
+        self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
 
     def _swapped(self) -> bool:
@@ -160,10 +163,13 @@ class PerSampleStage:
 
     def _arrived(self, p: Tensor):
         """A hook on the parameter: its whole gradient of this backward, from every use.
-        The first backward keeps it, to check that the calls followed add up to it."""
+        The first backward keeps it, to check that the calls followed add up to it; every
+        later one keeps it along the parameter's probe direction."""
 
         def hook(g: Tensor) -> None:
             self._got[id(p)] = g if self._verify else None
+            if not self._verify:
+                self._probed.arrived(p, g)
             self._queue()
 
         return hook
@@ -220,7 +226,8 @@ class PerSampleStage:
         calls = [c for c in self._calls if any(g is not None for g in c.grads)]
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
         got, self._got = self._got, {}
-        self._check_covered(calls, got)
+        covered = {id(p) for c in calls for p in c.layer.names.values()}
+        check_covered(self._names, covered, got, self.layers is not None)
         if not calls:
             return
         bsz = self._clip(calls, got if self._verify else None)
@@ -230,43 +237,6 @@ class PerSampleStage:
                 for p in r.params:
                     p.grad = None
         self.examples += bsz
-
-    def _check_covered(self, calls: list[Call], got: dict[int, Tensor | None]) -> None:
-        """Every parameter autograd gave a gradient came through a call the stage follows."""
-        covered = {id(p) for c in calls for p in c.layer.names.values()}
-        missing = [i for i in got if i not in covered]
-        if not missing:
-            return
-        name = self._names[missing[0]]
-        if self.layers is None:
-            raise ValueError(
-                f"per_sample: {name!r} got a gradient before the attached model's first training "
-                "forward set the stage up; call the model you attached (not one of its parts)"
-            )
-        raise ValueError(
-            f"per_sample: {name!r} got a gradient from outside every module call the stage follows "
-            "(used outside the model's forward, e.g. in the loss, or in a way its first forward did "
-            "not); its per-example gradient is unknown, so it is neither clipped nor kept"
-        )
-
-    def _check_sums(self, ghost, full, got: dict[int, Tensor | None], like: Tensor) -> None:
-        """The followed calls' gradients add up to autograd's: no use of a parameter escaped them."""
-        ones = {r.name: torch.ones_like(like) for r in self.rules}
-        summed = self._weighted(ghost, full, ones)
-        scale = max((float(g.norm()) for g in got.values() if g is not None), default=0.0)
-        for p, g in summed.items():
-            whole = got.get(id(p))
-            if whole is None or id(p) in self._batch_dependent:
-                continue
-            # rounding: relative to this gradient, or to the largest where this one is ~0 exactly
-            eps = max(torch.finfo(g.dtype).eps, self._grad_eps)
-            tol = (10 if eps > 1e-4 else 1e3) * eps * max(float(whole.norm()), 1e-3 * scale) + 1e-30
-            if float((g - whole).norm()) > tol:
-                raise ValueError(
-                    f"per_sample: {self._names[id(p)]!r} got part of its gradient outside the module "
-                    "calls the stage follows (used outside the model's forward, e.g. in the loss); "
-                    "that part has no per-example split, so the parameter cannot be clipped"
-                )
 
     def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
         b0 = self._grads(calls[0])
@@ -285,7 +255,11 @@ class PerSampleStage:
             if r.clip is not None
         }
         if got is not None:
-            self._check_sums(ghost, full, got, next(iter(norms.values())))
+            ones = {r.name: torch.ones_like(norms[r.name]) for r in self.rules}
+            summed = self._weighted(ghost, full, ones)
+            check_sums(summed, got, self._names, self._batch_dependent, self._grad_eps)
+        else:
+            self._probed.check(self._names, self._batch_dependent, self._grad_eps)
         for p, g in self._weighted(ghost, full, clip).items():
             self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
         self._record(ghost, full, norms, scale)
@@ -307,11 +281,17 @@ class PerSampleStage:
                     p = c.layer.names[n]
                     full[p] = g if p not in full else full[p] + g
             else:
-                for n, v in form.norms2(c.layer.module, c.inputs, b, names).items():
+                by_name = form.norms2(c.layer.module, c.inputs, b, names)
+                for n, v in by_name.items():
                     norms2[self._rule_of[id(c.layer.names[n])].name] += v.to(norms2_dtype)
                 ghost.append((c, b))
+                if not self._verify:
+                    self._probed.ghost(c.layer, c.inputs, b, by_name)
         for p, g in full.items():
-            norms2[self._rule_of[id(p)].name] += _rows(g).to(norms2_dtype).square().sum(1)
+            rows2 = _rows(g).to(norms2_dtype).square().sum(1)
+            norms2[self._rule_of[id(p)].name] += rows2
+            if not self._verify:
+                self._probed.full(p, g, rows2)
         return ghost, full
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
@@ -358,6 +338,7 @@ class PerSampleStage:
 
     def finish(self) -> None:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
+        self._probed.settle()
         if self.layers is None and not self._empty:
             stray = next(
                 (
