@@ -7,8 +7,31 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from gradmod.hooks import registry as R
 from gradmod.hooks.hookset import HookSet, attach
 from gradmod.hooks.rules import build_targets
+
+
+def refuse_per_sample(trainer: str, rules: Mapping[str, Any], stage: str) -> None:
+    """Per_sample rules, read from the rules alone (before any model): refused in one line
+    when the callback is made, not when training starts."""
+    for name, spec in rules.items():
+        if not isinstance(spec, Mapping):
+            continue  # attach names what is wrong with it
+        transforms = spec.get("transforms") or []
+        kinds = set()
+        for t in transforms if isinstance(transforms, list) else []:
+            try:
+                kinds.add(R.entry(R.parse_spec(t)[0]).stage)
+            except ValueError:
+                continue
+        if "per_sample" in kinds or spec.get("stage", stage) == "per_sample":
+            raise ValueError(
+                f"hooks.{name}: per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: "
+                "its loop scales the loss for accumulation and samples fixed-size batches, so neither the "
+                "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
+                "+hooks=dp) or attach the rules in your own loop (gradmod.PoissonSampler, gradmod.Accountant)"
+            )
 
 
 def attach_for(
