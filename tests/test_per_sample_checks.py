@@ -164,3 +164,36 @@ def test_each_forms_probe_equals_the_per_example_sum_along_its_direction(case):
     for n in names:
         want = probe_dot(per[n], probes[n])
         assert abs(float(got[n] - want)) <= 1e-10 * max(1.0, abs(float(want))), n
+
+
+class SeqFirst(nn.Module):
+    """Sequence-first input [T, B, D]; every parameter acts before the pooling over time."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x))).mean(0)
+
+
+def test_a_batch_that_is_not_dim_0_is_refused_unless_declared():
+    from tests.test_per_sample_zoo import loop_reference
+
+    torch.manual_seed(0)
+    model, x, y = SeqFirst().double(), torch.randn(6, 4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    hooks = attach(model, _rule())
+    with pytest.raises(ValueError, match=r"SeqFirst's outputs do not grow with dim 0 of its inputs") as err:
+        model(x)
+    assert "attach(batch_dim=...)" in str(err.value) and "\n" not in str(err.value)
+    hooks.remove()
+    want, max_norm = loop_reference(model, x, y, lambda out, t: F.cross_entropy(out, t, reduction="none"), dim=1)
+    rules = {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": max_norm}]}}
+    hooks = attach(model, rules, batch_dim=1)
+    F.cross_entropy(model(x), y).backward()
+    hooks.after_backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"batch_dim=-1; allowed: an int >= 0"):
+        attach(model, rules, batch_dim=-1)

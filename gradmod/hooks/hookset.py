@@ -311,6 +311,8 @@ def attach(
         raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
+    if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
+        raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
     refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
     refuse_sharded_per_loss(targets, dict(model.named_parameters()))

@@ -49,9 +49,10 @@ def refuse_packed(model: nn.Module, trace: Trace, watched: set[int]) -> None:
 
 
 def refuse_positions(model: nn.Module, trace: Trace, dim: int) -> None:
-    """Outputs that do not grow with the declared batch: whatever grew was not the examples."""
+    """Outputs that do not grow with the declared batch: whatever grew was not the examples.
+    (A model that returns only scalars, its loss, says nothing either way.)"""
     dims = trace.dims.get(id(model))
-    if not isinstance(dims, tuple) or any(d is not None for d in dims[1]):
+    if not isinstance(dims, tuple) or any(d is not None for d in dims[1]) or all(len(s) == 0 for s in trace.outs):
         return
     raise ValueError(
         f"per_sample: {type(model).__name__}'s outputs do not grow with dim {dim} of its inputs, so that "

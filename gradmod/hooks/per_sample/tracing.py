@@ -48,6 +48,7 @@ class Trace:
     uses: dict[int, list[tuple[nn.Module, ...]]]  # id(param) -> each use's stack of running modules
     random: list[tuple[str, float, tuple[nn.Module, ...]]] = field(default_factory=list)  # (op, p, stack)
     packed: list[nn.Module] = field(default_factory=list)  # modules called with or giving a PackedSequence
+    outs: list[torch.Size] = field(default_factory=list)  # the shapes of the model's own outputs
 
 
 class TraceError(ValueError):
@@ -233,4 +234,5 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declar
                 "forward take any batch size"
             ) from None
     out.dims = {m: _dims(c, grown.get(m), batch) for m, c in calls.items()}
+    out.outs = calls[id(model)][0].outs
     return out
