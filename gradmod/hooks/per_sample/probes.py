@@ -40,7 +40,9 @@ def probe_dot(g: Tensor, probe: Probe) -> Tensor:
     """``<g, R>``; ``g`` may carry a leading batch dim (summed)."""
     if len(probe) == 2:
         u, v = probe
-        return torch.einsum("i,bij,j->", u.to(g.dtype), g.reshape(-1, len(u), len(v)), v.to(g.dtype))
+        # one pass over g, in whatever layout it has (a transposed per-example weight stays as is)
+        g3 = g if g.dim() == 3 and g.shape[1:] == (len(u), len(v)) else g.reshape(-1, len(u), len(v))
+        return torch.matmul(g3, v.to(g.dtype)).sum(0) @ u.to(g.dtype)
     return (g * probe[0].to(g.dtype)).sum()
 
 
