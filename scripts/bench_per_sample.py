@@ -251,7 +251,6 @@ def _opacus_ghost(model, data):
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-
     from opacus.validators import ModuleValidator
 
     module = GradSampleModuleFastGradientClipping(
