@@ -197,3 +197,38 @@ def test_a_batch_that_is_not_dim_0_is_refused_unless_declared():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match=r"batch_dim=-1; allowed: an int >= 0"):
         attach(model, rules, batch_dim=-1)
+
+
+class Positions(nn.Module):
+    """Token embeddings plus position embeddings looked up once for the whole batch (one row of
+    ids, as HF models do by default); ``squeeze``: the sum reshapes the one row by its shape."""
+
+    def __init__(self, squeeze: bool):
+        super().__init__()
+        self.tok, self.pos, self.head, self.squeeze = nn.Embedding(9, 4), nn.Embedding(6, 4), nn.Linear(4, 3), squeeze
+
+    def forward(self, idx):
+        pos = self.pos(torch.arange(idx.shape[1])[None])  # [1, T, 4]
+        h = self.tok(idx) + (pos.reshape(idx.shape[1], 4) if self.squeeze else pos)
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("squeeze", [False, True])
+def test_a_one_row_call_is_expanded_to_the_batch_where_the_outputs_stay_the_same(squeeze):
+    from tests.test_per_sample_zoo import check
+
+    torch.manual_seed(0)
+    model = Positions(squeeze)
+    check(
+        model,
+        torch.randint(0, 9, (4, 5)),
+        torch.randint(0, 3, (4,)),
+        lambda out, y: F.cross_entropy(out, y, reduction="none"),
+    )
+    hooks = attach(model, _rule())
+    model(torch.randint(0, 9, (4, 5)))
+    paths = {type(layer.form).__name__: layer.broadcast for layer in hooks.per_sample.layers if "pos.weight" in [
+        n for n, p in model.named_parameters() if any(p is q for q in layer.names.values())]}  # fmt: skip
+    # expanded: the embedding's closed form; squeezed by shape: the whole model on the general path
+    assert paths == ({"FuncForm": False} if squeeze else {"EmbeddingForm": True})
+    hooks.remove()

@@ -26,8 +26,10 @@ from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
 from gradmod.hooks.per_sample.assign import Layer, assign
 from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
 from gradmod.hooks.per_sample.refusals import refuse_forms, refuse_packed, refuse_positions, refuse_random
-from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
-from gradmod.hooks.per_sample.tracing import batch_dim, batch_size, trace
+from gradmod.hooks.per_sample.stats import PerSampleClip, Rule, per_sample_rules
+from gradmod.hooks.per_sample.tracing import batch_dim, batch_size, broadcasts_alike, trace
+
+__all__ = ["PerSampleStage", "Rule", "per_sample_rules"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
@@ -55,14 +57,6 @@ def _training() -> bool:
 
 
 @dataclass
-class Rule:
-    name: str
-    params: list[nn.Parameter]
-    clip: PerSampleClip | None = None
-    log: PerSampleLog | None = None
-
-
-@dataclass
 class Call:
     """One forward call of a layer: its input and, after backward, its output gradients."""
 
@@ -70,21 +64,6 @@ class Call:
     inputs: Any
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
     grads: list[Tensor | None] = field(default_factory=list)
-
-
-def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
-    """The per_sample targets grouped by rule, in config order."""
-    rules: dict[str, Rule] = {}
-    for t in targets:
-        if t.stage == "per_sample":
-            rule = rules.setdefault(t.rule, Rule(t.rule, [], *_steps(t.steps)))
-            rule.params.append(params[t.name])
-    return list(rules.values())
-
-
-def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
-    clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
-    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
 
 
 class PerSampleStage:
@@ -117,12 +96,17 @@ class PerSampleStage:
         self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
         self._probed = Probed()  # every later one along a random direction per parameter
-        self._queued = self._tracing = False
+        self._queued = self._tracing = self._broadcast = False
+        self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.layers is not None or self._tracing or not _training() or self._swapped():
+        if self.layers is not None:
+            if self._broadcast and _training():  # the size one-row calls are expanded to
+                self._batch = batch_size(module, args, kwargs, self.batch_dim) or 0
+            return
+        if self._tracing or not _training() or self._swapped():
             return
         if batch_size(module, args, kwargs, self.batch_dim) == 0:
             self._empty = True  # nothing to trace; the step's gradients are zeros (plus noise)
@@ -140,6 +124,10 @@ class PerSampleStage:
         refuse_packed(self.model, found, set(self._rule_of))
         params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
         layers = assign(self.model, found, params)
+        rows = [layer.module for layer in layers if layer.broadcast]
+        if rows and not broadcasts_alike(self.model, args, kwargs, rows, found):
+            layers = assign(self.model, found, params, broadcast=False)  # the general path instead
+        self._broadcast, self._batch = any(layer.broadcast for layer in layers), found.batch
         refuse_positions(self.model, found, batch_dim(module, self.batch_dim))
         refuse_forms(self.model, layers, self._names)
         refuse_random(self.model, layers, found, self._names)
@@ -185,18 +173,22 @@ class PerSampleStage:
         return next((r.clip for r in self.rules if r.clip and r.clip.noise_multiplier > 0), None)
 
     def _forward_hook(self, layer: Layer):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             if self._tracing or not _training():
-                return
+                return None
+            if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
+                output = output.expand(self._batch, *output.shape[1:])
             outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
-                return
+                return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
                 a, k = pytree.tree_map(lambda x: _detach(x, dtype), (args, kwargs))
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
+                if layer.broadcast:
+                    first = first.expand(self._batch, *first.shape[1:])
                 inputs = _detach(first, dtype).movedim(layer.first_in, 0)
             call = Call(
                 layer,
@@ -208,6 +200,7 @@ class PerSampleStage:
             for k, t in enumerate(outs):
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(call, k))
+            return output if layer.broadcast else None
 
         return hook
 

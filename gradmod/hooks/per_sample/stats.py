@@ -5,10 +5,11 @@ log points by ``HookSet.read_stats`` (keys ``<rule>/per_sample_clip`` and ``<rul
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradmod.hooks import stats as _stats  # noqa: F401  (log is registered before its per_sample form)
 from gradmod.hooks.registry import register, register_at_stage
@@ -114,3 +115,26 @@ def per_sample_log(label: str | None = None) -> PerSampleLog:
 
 register("per_sample_clip", PerSampleClip, kind="per_sample")
 register_at_stage("log", "per_sample", per_sample_log)
+
+
+@dataclass
+class Rule:
+    name: str
+    params: list[nn.Parameter]
+    clip: PerSampleClip | None = None
+    log: PerSampleLog | None = None
+
+
+def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
+    """The per_sample targets grouped by rule, in config order."""
+    rules: dict[str, Rule] = {}
+    for t in targets:
+        if t.stage == "per_sample":
+            rule = rules.setdefault(t.rule, Rule(t.rule, [], *_steps(t.steps)))
+            rule.params.append(params[t.name])
+    return list(rules.values())
+
+
+def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
+    clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
+    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)

@@ -49,6 +49,9 @@ class Trace:
     random: list[tuple[str, float, tuple[nn.Module, ...]]] = field(default_factory=list)  # (op, p, stack)
     packed: list[nn.Module] = field(default_factory=list)  # modules called with or giving a PackedSequence
     outs: list[torch.Size] = field(default_factory=list)  # the shapes of the model's own outputs
+    first: dict[int, CallShapes] = field(default_factory=dict)  # id(module) -> its first call's shapes
+    output: Any = None  # the model's output (detached), to compare a changed forward with
+    rng: Any = None  # the random state the first forward started from
 
 
 class TraceError(ValueError):
@@ -149,7 +152,9 @@ def _record(model: nn.Module, args, kwargs, watched: set[int] | None, trace: Tra
                 model(*args, **kwargs)
         else:
             with torch.enable_grad(), _Uses(watched, stack, uses, random):
-                model(*args, **kwargs)
+                output = model(*args, **kwargs)
+            if trace is not None:
+                trace.output = pytree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, output)
     finally:
         for h in handles:
             h.remove()
@@ -219,7 +224,9 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declar
         return None
     out = Trace(batch, {}, {})
     devices = [x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.is_cuda]
-    with torch.random.fork_rng(devices=sorted({x.index or 0 for x in devices})):
+    cuda = sorted({x.index or 0 for x in devices})
+    with torch.random.fork_rng(devices=cuda):
+        out.rng = (torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in cuda})
         calls = _record(model, args, kwargs, watched, out)
         if out.packed:
             return out
@@ -235,4 +242,36 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declar
             ) from None
     out.dims = {m: _dims(c, grown.get(m), batch) for m, c in calls.items()}
     out.outs = calls[id(model)][0].outs
+    out.first = {m: c[0] for m, c in calls.items()}
     return out
+
+
+def _expanded(batch: int):
+    def hook(m, args, output):
+        return output.expand(batch, *output.shape[1:])
+
+    return hook
+
+
+def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[nn.Module], trace: Trace) -> bool:
+    """Whether the model's forward gives the very same outputs when each of ``modules``
+    returns its one-row output (no batch in its inputs: HF's default position ids) expanded
+    to the batch, as the stage will then do so to see each example's share of its gradient.
+    Run once, from the first forward's random state (the same dropout masks)."""
+    handles = [m.register_forward_hook(_expanded(trace.batch)) for m in modules]
+    cpu, cuda = trace.rng
+    try:
+        with torch.random.fork_rng(devices=list(cuda)), torch.no_grad():
+            torch.set_rng_state(cpu)
+            for i, state in cuda.items():
+                torch.cuda.set_rng_state(state, i)
+            output = model(*args, **kwargs)
+    except Exception:  # a consumer that needs the one row (its shape): not alike
+        return False
+    finally:
+        for h in handles:
+            h.remove()
+    mine, theirs = pytree.tree_leaves(output), pytree.tree_leaves(trace.output)
+    return len(mine) == len(theirs) and all(
+        torch.equal(a, b) if isinstance(a, Tensor) and isinstance(b, Tensor) else a == b for a, b in zip(mine, theirs)
+    )
