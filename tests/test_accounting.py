@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradmod
+from gradmod.hooks.stage import Loop
 
 pytest.importorskip("opacus", reason="the privacy extra: pip install 'gradmod[privacy]'")
 
@@ -41,7 +42,7 @@ def plain_loop() -> gradmod.Accountant:
     }
     hooks = gradmod.attach(model, rules)
     q = 10 / 60
-    hooks.set_per_sample(expected_batch_size=q * 60)
+    hooks.set_up(Loop(poisson=True, step_examples=10))  # divide by the expected batch, q * 60
     accountant = gradmod.Accountant(delta=1e-5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(

@@ -93,8 +93,8 @@ class PoissonSampler(Sampler[list[int]]):
     """``steps`` batches of indices into ``num_examples`` examples, each example in each
     batch independently with probability ``sample_rate`` (the sampling the accountants
     assume). Give it to a DataLoader as ``batch_sampler``; set the per_sample stage's divisor
-    to the expected batch size: ``hooks.set_per_sample(expected_batch_size=sample_rate *
-    num_examples)``. An empty batch is possible: run the step anyway (the model's forward on
+    to the expected batch size ``sample_rate * num_examples``:
+    ``hooks.set_up(gradmod.hooks.stage.Loop(poisson=True, step_examples=...))``. An empty batch is possible: run the step anyway (the model's forward on
     zero examples, then ``after_backward()`` adds the noise; a loop may also skip the forward
     and call ``after_backward()`` alone)."""
 

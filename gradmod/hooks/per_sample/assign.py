@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
@@ -36,6 +36,24 @@ class Layer:
     @property
     def first_in(self) -> Any:
         return next(iter(pytree.tree_leaves(self.in_dims)), None)
+
+
+def detach_as(x: Any, dtype: torch.dtype | None = None) -> Any:
+    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
+    if not isinstance(x, Tensor):
+        return x
+    x = x.detach()
+    return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
+
+
+@dataclass
+class Call:
+    """One forward call of a layer: its input and, after backward, its output gradients."""
+
+    layer: Layer
+    inputs: Any
+    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
+    grads: list[Tensor | None] = field(default_factory=list)
 
 
 def _direct(m: nn.Module, p: nn.Parameter) -> str | None:

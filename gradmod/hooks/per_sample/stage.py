@@ -15,7 +15,6 @@ Nothing per example outlives the backward that made it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,24 +22,24 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
-from gradmod.hooks.per_sample.assign import Layer, assign
+from gradmod.hooks.per_sample.assign import Call, Layer, assign, detach_as
 from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
-from gradmod.hooks.per_sample.refusals import refuse_forms, refuse_packed, refuse_positions, refuse_random
+from gradmod.hooks.per_sample.refusals import (
+    check_targets,
+    refuse_forms,
+    refuse_packed,
+    refuse_positions,
+    refuse_random,
+    refuse_untraced,
+)
 from gradmod.hooks.per_sample.stats import PerSampleClip, Rule, per_sample_rules
 from gradmod.hooks.per_sample.tracing import batch_dim, batch_size, broadcasts_alike, trace
+from gradmod.hooks.stage import Core, Loop, Stage
 
 __all__ = ["PerSampleStage", "Rule", "per_sample_rules"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
-
-
-def _detach(x: Any, dtype: torch.dtype | None = None) -> Any:
-    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
-    if not isinstance(x, Tensor):
-        return x
-    x = x.detach()
-    return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
 
 
 def _get(model: nn.Module, name: str) -> Tensor | None:
@@ -56,36 +55,45 @@ def _training() -> bool:
     return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
 
-@dataclass
-class Call:
-    """One forward call of a layer: its input and, after backward, its output gradients."""
-
-    layer: Layer
-    inputs: Any
-    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
-    grads: list[Tensor | None] = field(default_factory=list)
-
-
-class PerSampleStage:
+class PerSampleStage(Stage):
     """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor
     under Poisson sampling (else the examples counted this step); ``generator``: the
     noise's; ``reduce``: called on the clipped sums (after this rank's noise) before the
-    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none;
-    ``batch_dim``: the batch dimension of the model's inputs (None: 0, or 1 for a model
-    with ``batch_first = False``). The layers are set up at the model's first training
-    forward with a non-empty batch, from its trace."""
+    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none
+    (``set_up`` sets the three from the loop's facts); ``batch_dim`` (``core``'s): the
+    batch dimension of the model's inputs (None: 0, or 1 for a model with ``batch_first =
+    False``). The layers are set up at the model's first training forward with a non-empty
+    batch, from its trace.
 
-    def __init__(self, model: nn.Module, rules: list[Rule], loss_reduction: str = "mean", batch_dim: int | None = None):
+    Under DDP flat clipping knows its factors only after the whole backward, so DDP's
+    all-reduce must not run (``ddp_may_reduce``): ``reduce`` sums the ranks' clipped sums
+    after rank 0 alone added the noise, and the loop averages the parameters outside every
+    clipping rule itself (``manual_mean``). Each example's gradient is its own: the loop
+    does not divide a micro-batch's loss by their number (``divides_step``)."""
+
+    name = "per_sample"
+    ddp_may_reduce = False
+    divides_step = True
+
+    @classmethod
+    def check(cls, model: nn.Module, targets: list) -> None:
+        super().check(model, targets)
+        check_targets(model, targets)
+
+    def __init__(self, model: nn.Module, targets: list, core: Core):
+        loss_reduction, batch_dim = core.loss_reduction, core.batch_dim
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
         if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
             raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
+        rules = per_sample_rules(targets, dict(model.named_parameters()))
         self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
         self._empty = False  # a forward of zero examples ran this step: its gradients are zeros
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
         self.reduce: Callable[[list[Tensor]], None] | None = None
         self.draws_noise = True
+        self._plain: list[nn.Parameter] | None = None  # outside every clipping rule (manual_mean)
         self.examples = 0  # examples whose clipped gradients are in the sums of this step
         self._rule_of = {id(p): r for r in rules for p in r.params}
         self._names = {id(p): n for n, p in model.named_parameters() if id(p) in self._rule_of}
@@ -183,13 +191,13 @@ class PerSampleStage:
                 return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                a, k = pytree.tree_map(lambda x: _detach(x, dtype), (args, kwargs))
+                a, k = pytree.tree_map(lambda x: detach_as(x, dtype), (args, kwargs))
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
                 if layer.broadcast:
                     first = first.expand(self._batch, *first.shape[1:])
-                inputs = _detach(first, dtype).movedim(layer.first_in, 0)
+                inputs = detach_as(first, dtype).movedim(layer.first_in, 0)
             call = Call(
                 layer,
                 inputs,
@@ -333,22 +341,7 @@ class PerSampleStage:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
         self._probed.settle()
         if self.layers is None and not self._empty:
-            stray = next(
-                (
-                    n
-                    for r in self.rules
-                    if r.clip
-                    for p in r.params
-                    if p.grad is not None
-                    for n in [self._names.get(id(p))]
-                ),
-                None,
-            )
-            if stray is not None:
-                raise ValueError(
-                    f"per_sample: {stray!r} got a gradient, but the attached model never ran a training "
-                    "forward to set the stage up; call the model you attached (not one of its parts)"
-                )
+            refuse_untraced(self.rules, self._names)
         if not self.examples and self.expected_batch_size is None:
             if self._empty:  # zero examples and no expected size to divide noise by: zero gradients
                 for p in self._rule_of_params():
@@ -374,15 +367,31 @@ class PerSampleStage:
         self._sums.clear()
         self.examples = 0
 
+    def set_up(self, loop: Loop) -> None:
+        """The divisor (Poisson: the expected global batch; else the examples of the step,
+        counted on each rank and times the ranks), noise on the main rank only, the sum of
+        the clipped sums over the ranks."""
+        world = loop.world_size
+        divide = 1.0 if loop.poisson else float(world)  # Poisson: the divisor is already global
+        self.expected_batch_size = float(loop.step_examples or 0) * world if loop.poisson else None
+        reduce = loop.all_reduce_sum
+        self.reduce = (lambda sums: reduce(sums, divide)) if world > 1 and reduce is not None else None
+        self.draws_noise = loop.is_main
+
+    def manual_mean(self) -> list[nn.Parameter]:
+        """The parameters outside every clipping rule keep DDP's meaning, the mean over the
+        ranks of their local gradients."""
+        if self._plain is None:
+            clipped = {id(p) for r in self.rules if r.clip is not None for p in r.params}
+            self._plain = [p for p in self.model.parameters() if p.requires_grad and id(p) not in clipped]
+        return self._plain
+
     def records(self) -> list[tuple[str, Any]]:
         """(statistics key, window) of each rule's ``per_sample_clip`` and ``log``."""
-        out = []
-        for r in self.rules:
-            if r.clip is not None:
-                out.append((f"{r.name}/per_sample_clip", r.clip.record))
-            if r.log is not None:
-                out.append((f"{r.name}/log", r.log))
-        return out
+        pairs = [
+            ((f"{r.name}/per_sample_clip", r.clip and r.clip.record), (f"{r.name}/log", r.log)) for r in self.rules
+        ]
+        return [(key, obj) for both in pairs for key, obj in both if obj is not None]
 
     def remove(self) -> None:
         for h in self._handles:
