@@ -232,3 +232,37 @@ def test_a_one_row_call_is_expanded_to_the_batch_where_the_outputs_stay_the_same
     # expanded: the embedding's closed form; squeezed by shape: the whole model on the general path
     assert paths == ({"FuncForm": False} if squeeze else {"EmbeddingForm": True})
     hooks.remove()
+
+
+class Paths(nn.Module):
+    """One layer per path: a small Linear on sequences (per-example weights), a Linear on 2-D
+    input (norms |a||b|), an LSTM (its recurrence replayed), a parameter used by its parent
+    (torch.func over the parent), position embeddings on one row (expanded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq, self.rnn, self.pos = nn.Linear(4, 4), nn.LSTM(4, 4, batch_first=True), nn.Embedding(5, 4)
+        self.scale, self.head = nn.Parameter(torch.ones(4)), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.rnn(self.seq(x) + self.pos(torch.arange(x.shape[1])[None]))[0].mean(1)
+        return self.head(h * self.scale)
+
+
+def test_the_stage_names_each_parameters_path():
+    from gradmod.run.per_sample_paths import paths_line
+
+    torch.manual_seed(0)
+    model = Paths()
+    hooks = attach(model, _rule())
+    assert hooks.per_sample.paths() == {}  # before the first training forward
+    F.cross_entropy(model(torch.randn(3, 5, 4)), torch.randint(0, 3, (3,))).backward()
+    hooks.after_backward()
+    paths = hooks.per_sample.paths()
+    assert paths["seq.weight"] == paths["seq.bias"] == "closed form"
+    assert paths["head.weight"] == "Gram"
+    assert {paths[n] for n in paths if n.startswith("rnn.")} == {"replay"}
+    assert paths["pos.weight"] == "Gram, one row expanded to the batch"  # an embedding never forms [B, V, d]
+    assert paths["scale"] == "general: torch.func over Paths"
+    assert paths_line(paths).startswith("per_sample paths (10 parameters): 4 replay, 2 closed form, 2 Gram, ")
+    hooks.remove()

@@ -32,6 +32,7 @@ class Layer:
     out_dims: list = field(default_factory=list)
     materialise: bool = False  # weights shared with another layer: per-example tensors needed
     broadcast: bool = False  # called without the batch (one row); its output is expanded to the batch
+    materialised: bool | None = None  # at its last backward: per-example tensors formed (None: none yet)
 
     @property
     def first_in(self) -> Any:
@@ -44,6 +45,19 @@ def detach_as(x: Any, dtype: torch.dtype | None = None) -> Any:
         return x
     x = x.detach()
     return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
+
+
+def parameter_or_none(model: nn.Module, name: str) -> Tensor | None:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
+
+
+def is_training_forward() -> bool:
+    """A forward worth following: gradients on, and no torch.func transform (ours replaying
+    a module, or the user's) running it."""
+    return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
 
 @dataclass
@@ -169,3 +183,19 @@ def _layer(layers: dict, m: nn.Module, form: Form, trace: Trace, general: bool) 
         ins, outs = trace.dims[id(m)]
         layers[key] = Layer(m, form, {}, ins, outs)
     return layers[key]
+
+
+def path_of(layer: Layer, where: str) -> str:
+    """How the stage gets a layer's per-example gradients, as the plan names it: ``closed
+    form`` (per-example weights from the call's input and output gradient), ``Gram`` (norms
+    without them: Gram matrices or ``|a_i||b_i|``, the clipped sum as one matmul), ``replay``
+    (an RNN's recurrence replayed once), ``general`` (torch.func over ``where``: the slow path)."""
+    from gradmod.hooks.per_sample.layers import FuncForm, RNNForm
+
+    if isinstance(layer.form, FuncForm):
+        path = f"general: torch.func over {where}"
+    elif isinstance(layer.form, RNNForm):
+        path = "replay"
+    else:
+        path = "Gram" if layer.materialised is False else "closed form"
+    return path + (", one row expanded to the batch" if layer.broadcast else "")

@@ -1,15 +1,12 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
-A forward hook on every module that directly holds a parameter of a per_sample rule
-keeps the module's input (detached) and registers a hook on its output tensor, which
-receives the output gradient during backward (a tensor hook, not a full backward hook,
-so in-place operations after the module, as in ResNet, are fine). At the end of each
-backward the stage computes, per rule, each example's gradient norm over all the rule's
-parameters (flat clipping), the clip factors ``min(1, C / (|g_i| + 1e-6))``, and adds
-``sum_i c_i g_i`` (one weighted matmul per layer) to the step's sums; the plain gradient
-autograd put in ``.grad`` is dropped. ``finish()`` (``HookSet.after_backward``) adds
-``N(0, (sigma C)^2)`` once and divides by the step's (expected) number of examples.
-Nothing per example outlives the backward that made it.
+A forward hook on every module that directly holds a parameter of a per_sample rule keeps
+its input (detached) and hooks its output tensor for the output gradient (a tensor hook, so
+in-place operations after the module are fine). At the end of each backward: per rule each
+example's norm over all the rule's parameters (flat clipping), the factors ``min(1, C /
+(|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer) into the step's sums,
+in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)`` once and divides by
+the step's (expected) number of examples. Nothing per example outlives its backward.
 """
 
 from __future__ import annotations
@@ -21,17 +18,18 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
-from gradmod.hooks.per_sample.assign import Call, Layer, assign, detach_as
-from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
-from gradmod.hooks.per_sample.refusals import (
-    check_targets,
-    refuse_forms,
-    refuse_packed,
-    refuse_positions,
-    refuse_random,
-    refuse_untraced,
+from gradmod.hooks.per_sample.assign import (
+    Call,
+    Layer,
+    assign,
+    detach_as,
+    is_training_forward,
+    parameter_or_none,
+    path_of,
 )
+from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
 from gradmod.hooks.per_sample.stats import PerSampleClip, Rule, per_sample_rules
 from gradmod.hooks.per_sample.tracing import batch_dim, batch_size, broadcasts_alike, trace
 from gradmod.hooks.stage import Core, Loop, Stage
@@ -40,19 +38,6 @@ __all__ = ["PerSampleStage", "Rule", "per_sample_rules"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
-
-
-def _get(model: nn.Module, name: str) -> Tensor | None:
-    try:
-        return model.get_parameter(name)
-    except AttributeError:
-        return None
-
-
-def _training() -> bool:
-    """A forward worth following: gradients on, and no torch.func transform (ours replaying
-    a module, or the user's) running it."""
-    return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
 
 class PerSampleStage(Stage):
@@ -78,7 +63,7 @@ class PerSampleStage(Stage):
     @classmethod
     def check(cls, model: nn.Module, targets: list) -> None:
         super().check(model, targets)
-        check_targets(model, targets)
+        refusals.check_targets(model, targets)
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         loss_reduction, batch_dim = core.loss_reduction, core.batch_dim
@@ -111,34 +96,23 @@ class PerSampleStage(Stage):
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.layers is not None:
-            if self._broadcast and _training():  # the size one-row calls are expanded to
+            if self._broadcast and is_training_forward():  # the size one-row calls are expanded to
                 self._batch = batch_size(module, args, kwargs, self.batch_dim) or 0
             return
-        if self._tracing or not _training() or self._swapped():
+        if self._tracing or not is_training_forward() or self._swapped():
             return
         if batch_size(module, args, kwargs, self.batch_dim) == 0:
             self._empty = True  # nothing to trace; the step's gradients are zeros (plus noise)
             return
-        self._tracing = True
+        self._tracing = True  # the stage's own forwards are no training forwards
         try:
-            found = trace(module, args, kwargs, set(self._rule_of), self.batch_dim)
+            found, params, layers = self._layers(module, args, kwargs)
         finally:
             self._tracing = False
-        if found is None:
-            raise ValueError(
-                f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
-                f"(dim {batch_dim(module, self.batch_dim)}); the stage needs the batch in the model's inputs"
-            )
-        refuse_packed(self.model, found, set(self._rule_of))
-        params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
-        layers = assign(self.model, found, params)
-        rows = [layer.module for layer in layers if layer.broadcast]
-        if rows and not broadcasts_alike(self.model, args, kwargs, rows, found):
-            layers = assign(self.model, found, params, broadcast=False)  # the general path instead
         self._broadcast, self._batch = any(layer.broadcast for layer in layers), found.batch
-        refuse_positions(self.model, found, batch_dim(module, self.batch_dim))
-        refuse_forms(self.model, layers, self._names)
-        refuse_random(self.model, layers, found, self._names)
+        refusals.refuse_positions(self.model, found, batch_dim(module, self.batch_dim))
+        refusals.refuse_forms(self.model, layers, self._names)
+        refusals.refuse_random(self.model, layers, found, self._names)
         self.layers = layers
         self._batch_dependent = {
             id(p) for layer in self.layers if batch_dependent(layer.module) for p in layer.names.values()
@@ -150,17 +124,34 @@ class PerSampleStage(Stage):
         self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
 
+    def _layers(self, module: nn.Module, args: tuple, kwargs: dict):
+        """The trace, the parameters it covers, the layers answering for them."""
+        found = trace(module, args, kwargs, set(self._rule_of), self.batch_dim)
+        if found is None:
+            raise ValueError(
+                f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
+                f"(dim {batch_dim(module, self.batch_dim)}); the stage needs the batch in the model's inputs"
+            )
+        refusals.refuse_packed(self.model, found, set(self._rule_of))
+        params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
+        layers = assign(self.model, found, params)
+        rows = [layer.module for layer in layers if layer.broadcast]
+        if rows and not broadcasts_alike(self.model, args, kwargs, rows, found):
+            layers = assign(self.model, found, params, broadcast=False)  # the general path instead
+        return found, params, layers
+
     def _swapped(self) -> bool:
         """torch.func.functional_call runs the model with other tensors: not its training."""
-        return any(_get(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
+        return any(
+            parameter_or_none(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]]
+        )
 
     def _rule_of_params(self) -> list[Tensor]:
         return [p for r in self.rules for p in r.params]
 
     def _arrived(self, p: Tensor):
-        """A hook on the parameter: its whole gradient of this backward, from every use.
-        The first backward keeps it, to check that the calls followed add up to it; every
-        later one keeps it along the parameter's probe direction."""
+        """The parameter's whole gradient of this backward, from every use: kept whole at the
+        first backward, along the parameter's probe direction at every later one."""
 
         def hook(g: Tensor) -> None:
             self._got[id(p)] = g if self._verify else None
@@ -182,7 +173,7 @@ class PerSampleStage(Stage):
 
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if self._tracing or not _training():
+            if self._tracing or not is_training_forward():
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
                 output = output.expand(self._batch, *output.shape[1:])
@@ -277,7 +268,9 @@ class PerSampleStage(Stage):
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
             b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
-            if c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b):
+            full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
+            c.layer.materialised = full_
+            if full_:
                 for n, g in form.per_example(c.layer.module, c.inputs, b, names).items():
                     p = c.layer.names[n]
                     full[p] = g if p not in full else full[p] + g
@@ -341,7 +334,7 @@ class PerSampleStage(Stage):
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
         self._probed.settle()
         if self.layers is None and not self._empty:
-            refuse_untraced(self.rules, self._names)
+            refusals.refuse_untraced(self.rules, self._names)
         if not self.examples and self.expected_batch_size is None:
             if self._empty:  # zero examples and no expected size to divide noise by: zero gradients
                 for p in self._rule_of_params():
@@ -392,6 +385,13 @@ class PerSampleStage(Stage):
             ((f"{r.name}/per_sample_clip", r.clip and r.clip.record), (f"{r.name}/log", r.log)) for r in self.rules
         ]
         return [(key, obj) for both in pairs for key, obj in both if obj is not None]
+
+    def paths(self) -> dict[str, str]:
+        """Each parameter's path (``assign.path_of``); {} before the first training forward."""
+        where = {id(m): n or type(self.model).__name__ for n, m in self.model.named_modules()}
+        return {
+            self._names[id(p)]: path_of(x, where[id(x.module)]) for x in self.layers or [] for p in x.names.values()
+        }
 
     def remove(self) -> None:
         for h in self._handles:

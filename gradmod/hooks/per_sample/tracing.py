@@ -257,11 +257,12 @@ def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[
     """Whether the model's forward gives the very same outputs when each of ``modules``
     returns its one-row output (no batch in its inputs: HF's default position ids) expanded
     to the batch, as the stage will then do so to see each example's share of its gradient.
-    Run once, from the first forward's random state (the same dropout masks)."""
+    Run once, as the first forward ran: from its random state (the same dropout masks), with
+    gradients on (some layers, an LSTM, pick other kernels without)."""
     handles = [m.register_forward_hook(_expanded(trace.batch)) for m in modules]
     cpu, cuda = trace.rng
     try:
-        with torch.random.fork_rng(devices=list(cuda)), torch.no_grad():
+        with torch.random.fork_rng(devices=list(cuda)), torch.enable_grad():  # the first's kernels too
             torch.set_rng_state(cpu)
             for i, state in cuda.items():
                 torch.cuda.set_rng_state(state, i)
