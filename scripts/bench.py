@@ -124,6 +124,19 @@ RATIOS = [
         lambda r: r <= 1.6,
     ),
     ("per_sample_mlp_over_plain", "per_sample.mlp.gradmod", "per_sample.mlp.plain", None, None),
+    (
+        "per_sample_mha_over_opacus",  # nn.MultiheadAttention against Opacus' DPMultiheadAttention
+        "per_sample.transformer.gradmod",
+        "per_sample.transformer.opacus",
+        "<= 0.8",
+        lambda r: r <= 0.8,
+    ),
+    ("per_sample_gpt2_over_plain", "per_sample.gpt2.gradmod", "per_sample.gpt2.plain", "<= 1.8", lambda r: r <= 1.8),
+    ("per_sample_gpt2_ids_over_plain", "per_sample.gpt2_ids.gradmod", "per_sample.gpt2_ids.plain", None, None),
+    ("per_sample_bert_over_plain", "per_sample.bert.gradmod", "per_sample.bert.plain", "<= 1.8", lambda r: r <= 1.8),
+    ("per_sample_llama_over_plain", "per_sample.llama.gradmod", "per_sample.llama.plain", "<= 1.8", lambda r: r <= 1.8),
+    ("per_sample_qwen2_over_plain", "per_sample.qwen2.gradmod", "per_sample.qwen2.plain", "<= 1.8", lambda r: r <= 1.8),
+    ("per_sample_t5_over_plain", "per_sample.t5.gradmod", "per_sample.t5.plain", "<= 2", lambda r: r <= 2),
     ("opacus_mlp_over_plain", "per_sample.mlp.opacus", "per_sample.mlp.plain", None, None),
     ("opacus_ghost_mlp_over_plain", "per_sample.mlp.opacus_ghost", "per_sample.mlp.plain", None, None),
 ]
@@ -383,7 +396,7 @@ class Bench:
             "step.clip_logged": (lambda: self.gradmod_epoch(rules=CLIP_LOGGED, read_every=50), self.steps, "step"),
         }
         steps = 1 if self.args.quick else per_sample.STEPS
-        for name in per_sample.names():
+        for name in per_sample.names(hf=not self.args.quick):  # a smoke run skips the HF models
             table[f"per_sample.{name}"] = (lambda name=name: per_sample.setup(name, steps), steps, "dp_step")
         steps = 1 if self.args.quick else per_loss.STEPS
         for name in per_loss.names():
@@ -535,7 +548,7 @@ def per_loss_memory(log=print) -> dict[str, dict]:
 def peak_memory(log=print) -> dict[str, dict]:
     """Each per_sample contender's peak memory (fresh process each), and gradmod's over Opacus'."""
     peaks = {}
-    for name in per_sample.names():
+    for name in per_sample.names(hf=False):  # the HF models: time only
         peaks[name] = per_sample.peak_in_subprocess(name)
         log(f"  peak memory of {name}: {peaks[name] / 2**20:.1f} MiB", flush=True)
     out = {"peak_bytes": peaks, "ratios": {}}

@@ -163,10 +163,19 @@ def has_opacus() -> bool:
     return True
 
 
-def names() -> list[str]:
-    """``model.contender`` for every contender that can run here."""
+def has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def names(hf: bool = True) -> list[str]:
+    """``model.contender`` for every contender that can run here (``hf``: the HF models too)."""
     usable = [c for c in CONTENDERS if has_opacus() or not c.startswith("opacus")]
-    return [f"{m}.{c}" for m in MODELS for c in usable if m in OPACUS_RUNS or not c.startswith("opacus")]
+    models = [m for m in MODELS if m not in HF_MODELS or (hf and has_transformers())]
+    return [f"{m}.{c}" for m in models for c in usable if m in OPACUS_RUNS or not c.startswith("opacus")]
 
 
 def setup(name: str, steps: int = STEPS) -> Callable[[], None]:

@@ -79,6 +79,9 @@ def test_a_plain_loop_reports_the_trainers_epsilon(tmp_path):
     assert gradmod.epsilon(6, q, 1.1, 1e-5) == pytest.approx(block["epsilon"], rel=1e-12)
     metrics = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["epsilon"] == pytest.approx(accountant.epsilon(), rel=1e-12)
+    # the plan names each parameter's path once the first step has set the stage up
+    plan = json.loads((tmp_path / "hook_plan.json").read_text())
+    assert plan and all(row["path"] in ("closed form", "Gram") for row in plan), plan
 
 
 def test_every_opacus_accountant_and_the_history_of_changing_noise():

@@ -41,7 +41,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
             "step.log_every_50",
             "step.clip_logged",
         }
-        | {f"per_sample.{n}" for n in bench.per_sample.names()}
+        | {f"per_sample.{n}" for n in bench.per_sample.names(hf=False)}
         | {f"per_loss.{n}" for n in bench.per_loss.names()}
     )
     assert set(report["results"]) == expected
@@ -62,6 +62,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     }
     if bench.per_sample.has_opacus():
         targets |= {"per_sample_mnist_over_opacus", "per_sample_mlp_over_opacus", "per_sample_mlp_over_opacus_ghost"}
+        targets |= {"per_sample_mha_over_opacus"}
     for m in bench.per_loss.MODELS:
         targets |= {f"per_loss_{m}_modules_over_plain", f"per_loss_{m}_famo_over_plain"}
         if bench.per_loss.has_torchjd():
