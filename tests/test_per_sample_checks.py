@@ -266,3 +266,24 @@ def test_the_stage_names_each_parameters_path():
     assert paths["scale"] == "general: torch.func over Paths"
     assert paths_line(paths).startswith("per_sample paths (10 parameters): 4 replay, 2 closed form, 2 Gram, ")
     hooks.remove()
+
+
+class ItemInForward(nn.Module):
+    """A parameter on the general path whose forward branches on a value (``.item()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.fc = nn.Parameter(torch.ones(3)), nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = x * self.w
+        return self.fc(h * 2 if h.sum().item() > 0 else h)
+
+
+def test_a_module_torch_func_cannot_replay_is_refused_in_one_line():
+    model = ItemInForward()
+    hooks = attach(model, _rule())
+    with pytest.raises(ValueError, match=r"per_sample: torch.func cannot replay ItemInForward per example") as err:
+        model(torch.randn(4, 3)).sum().backward()
+    assert "\n" not in str(err.value) and "register_form" in str(err.value)
+    hooks.remove()

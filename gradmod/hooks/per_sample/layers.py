@@ -296,7 +296,14 @@ class FuncForm(Form):
             return sum((o * g.unsqueeze(d)).sum() for o, g, d in zip(outs, gs, out_dims))
 
         args_dims, kwargs_dims = a.dims
-        return vmap(grad(inner), in_dims=(None, args_dims, kwargs_dims, out_dims))(params, a.args, a.kwargs, grads)
+        try:
+            return vmap(grad(inner), in_dims=(None, args_dims, kwargs_dims, out_dims))(params, a.args, a.kwargs, grads)
+        except RuntimeError as e:  # what torch.func cannot batch (data-dependent control flow, .item())
+            why = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"per_sample: torch.func cannot replay {type(m).__name__} per example ({why}); give the layer "
+                "a form (gradmod.register_form) or leave its parameters out of the rule"
+            ) from None
 
 
 class RNNForm(Form):
