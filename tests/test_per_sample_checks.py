@@ -287,3 +287,30 @@ def test_a_module_torch_func_cannot_replay_is_refused_in_one_line():
         model(torch.randn(4, 3)).sum().backward()
     assert "\n" not in str(err.value) and "register_form" in str(err.value)
     hooks.remove()
+
+
+def test_an_empty_batch_after_set_up_gives_zeros_and_under_poisson_the_noise_alone():
+    from gradmod.hooks.stage import Loop
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(9, 3))
+    hooks = attach(model, _rule())
+    F.cross_entropy(model(torch.randn(4, 2, 5)), torch.randint(0, 3, (4,))).backward()  # sets the stage up
+    hooks.after_backward()
+    model.zero_grad()
+    F.cross_entropy(model(torch.randn(0, 2, 5)), torch.zeros(0, dtype=torch.long), reduction="sum").backward()
+    hooks.after_backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    noisy = {
+        "dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0, "noise_multiplier": 2.0}]}
+    }
+    hooks = attach(model, noisy)
+    hooks.set_up(Loop(poisson=True, step_examples=4))
+    gen = torch.Generator().manual_seed(3)
+    hooks.per_sample.generator = gen
+    F.cross_entropy(model(torch.randn(0, 2, 5)), torch.zeros(0, dtype=torch.long), reduction="sum").backward()
+    hooks.after_backward()
+    want = torch.Generator().manual_seed(3)
+    for p in model.parameters():  # N(0, (sigma C)^2) / expected batch, drawn in parameter order
+        torch.testing.assert_close(p.grad, torch.randn(p.shape, generator=want) * 2.0 / 4)
+    hooks.remove()

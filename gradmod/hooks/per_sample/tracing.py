@@ -108,9 +108,9 @@ class _Uses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        p = _dropout_p(func, args, kwargs or {})
-        if p > 0:
-            self.random.append((getattr(func, "__name__", str(func)), p, tuple(self.stack)))
+        drop = _dropout_p(func, args, kwargs or {})
+        if drop > 0:
+            self.random.append((getattr(func, "__name__", str(func)), drop, tuple(self.stack)))
         used = {id(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor)} & self.watched
         if used and any(t.grad_fn is not None for t in _tensors(out)):
             for p in used:
