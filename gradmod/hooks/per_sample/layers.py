@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
 
@@ -296,8 +297,11 @@ class FuncForm(Form):
             return sum((o * g.unsqueeze(d)).sum() for o, g, d in zip(outs, gs, out_dims))
 
         args_dims, kwargs_dims = a.dims
-        try:
-            return vmap(grad(inner), in_dims=(None, args_dims, kwargs_dims, out_dims))(params, a.args, a.kwargs, grads)
+        try:  # attention in its math form: vmap batches it (the fused kernels it would loop over)
+            with sdpa_kernel(SDPBackend.MATH):
+                return vmap(grad(inner), in_dims=(None, args_dims, kwargs_dims, out_dims))(
+                    params, a.args, a.kwargs, grads
+                )
         except RuntimeError as e:  # what torch.func cannot batch (data-dependent control flow, .item())
             why = (str(e).strip().splitlines() or [""])[0]
             raise ValueError(
