@@ -68,7 +68,7 @@ class Probed:
 
     def __init__(self) -> None:
         self.probes: dict[int, Probe] = {}
-        self.got: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (<g, R>, |g|)
+        self.got: dict[int, Tensor] = {}  # id -> <g, R>
         self.ours: dict[int, Tensor] = {}  # id -> sum_i <g_i, R>
         self.spread: dict[int, Tensor] = {}  # id -> sum_i |g_i| (the rounding's scale)
         self.unchecked: set[int] = set()
@@ -78,7 +78,7 @@ class Probed:
         self.probes = {id(p): probe_for(p, seed) for seed, p in enumerate(params)}
 
     def arrived(self, p: Tensor, g: Tensor) -> None:
-        self.got[id(p)] = (probe_dot(g, self.probes[id(p)]), g.norm())
+        self.got[id(p)] = probe_dot(g, self.probes[id(p)])
 
     def _add(self, p: Tensor, ours: Tensor, spread: Tensor) -> None:
         self.ours[id(p)] = ours if id(p) not in self.ours else self.ours[id(p)] + ours
@@ -94,9 +94,15 @@ class Probed:
             else:
                 self._add(p, dots[n], norms2[n].sqrt().sum())
 
-    def full(self, p: Tensor, g: Tensor, rows2: Tensor) -> None:
-        """Per-example gradients ``g`` [B, *param] of ``p``, their squared norms ``rows2``."""
-        self._add(p, probe_dot(g, self.probes[id(p)]), rows2.sqrt().sum())
+    def full(self, p: Tensor, rows2: Tensor) -> None:
+        """The squared norms ``rows2`` of per-example gradients of ``p`` the stage formed."""
+        spread = rows2.sqrt().sum()
+        self.spread[id(p)] = spread if id(p) not in self.spread else self.spread[id(p)] + spread
+
+    def summed(self, p: Tensor, g: Tensor) -> None:
+        """Their sum over the examples (one pass, beside the clipped sum: not a second read)."""
+        ours = probe_dot(g, self.probes[id(p)])
+        self.ours[id(p)] = ours if id(p) not in self.ours else self.ours[id(p)] + ours
 
     def check(self, names: dict[int, str], skip: set[int], grad_eps: float) -> None:
         got, ours, spread, unchecked = self.got, self.ours, self.spread, self.unchecked | skip
@@ -104,14 +110,12 @@ class Probed:
         ids = [i for i in got if i in ours and i not in unchecked]
         if not ids:
             return
-        mine = torch.stack([ours[i].to(got[i][0].dtype) for i in ids])
-        theirs = torch.stack([got[i][0] for i in ids])
-        # rounding: relative to this gradient, or to the largest where this one is ~0 exactly
-        norms = torch.stack([got[i][1] for i in ids])
-        spreads = torch.stack([spread[i].to(norms.dtype) for i in ids])
-        scale = torch.maximum(norms + spreads, 1e-3 * norms.max()) * torch.stack(
-            [probe_norm(self.probes[i]) for i in ids]
-        )
+        mine = torch.stack([ours[i].to(got[i].dtype) for i in ids])
+        theirs = torch.stack([got[i] for i in ids])
+        # rounding: relative to the examples' gradients (sum_i |g_i| >= |g| where nothing escaped),
+        # or to the largest where this parameter's are ~0 exactly
+        spreads = torch.stack([spread[i].to(theirs.dtype) for i in ids])
+        scale = torch.maximum(spreads, 1e-3 * spreads.max()) * torch.stack([probe_norm(self.probes[i]) for i in ids])
         eps = max(torch.finfo(theirs.dtype).eps, grad_eps)
         flags = (mine - theirs).abs() > _tolerance(eps) * scale + 1e-30
         self.settle()

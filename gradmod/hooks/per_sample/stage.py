@@ -248,12 +248,11 @@ class PerSampleStage(Stage):
         }
         if got is not None:
             ones = {r.name: torch.ones_like(norms[r.name]) for r in self.rules}
-            summed = self._weighted(ghost, full, ones)
-            check_sums(summed, got, self._names, self._batch_dependent, self._grad_eps)
-        else:
-            self._probed.check(self._names, self._batch_dependent, self._grad_eps)
-        for p, g in self._weighted(ghost, full, clip).items():
+            check_sums(self._weighted(ghost, full, ones), got, self._names, self._batch_dependent, self._grad_eps)
+        for p, g in self._weighted(ghost, full, clip, got is None).items():
             self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
+        if got is None:
+            self._probed.check(self._names, self._batch_dependent, self._grad_eps)
         self._record(ghost, full, norms, scale)
         return bsz
 
@@ -285,7 +284,7 @@ class PerSampleStage(Stage):
             rows2 = _rows(g).to(norms2_dtype).square().sum(1)
             norms2[self._rule_of[id(p)].name] += rows2
             if not self._verify:
-                self._probed.full(p, g, rows2)
+                self._probed.full(p, rows2)
         return ghost, full
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
@@ -303,8 +302,9 @@ class PerSampleStage(Stage):
                 sq = sum(means[p].to(norms[r.name].dtype).square().sum() for p in r.params if p in means)
                 r.log.add_norms(norms[r.name], norms[r.name].new_tensor(0.0) + sq)
 
-    def _weighted(self, ghost, full, weights: dict[str, Tensor]) -> dict[nn.Parameter, Tensor]:
-        """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B])."""
+    def _weighted(self, ghost, full, weights: dict[str, Tensor], probe: bool = False) -> dict[nn.Parameter, Tensor]:
+        """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B]); ``probe``:
+        per-example tensors also summed plainly in the same pass, for the probe check."""
         out: dict[nn.Parameter, Tensor] = {}
         for c, b in ghost:
             by_rule: dict[str, set[str]] = {}
@@ -317,15 +317,16 @@ class PerSampleStage(Stage):
         for p, g in full.items():
             rule = self._rule_of[id(p)].name
             if rule in weights:
-                out[p] = torch.tensordot(weights[rule].to(g.dtype), g, 1).to(p.dtype)
+                w = weights[rule].to(g.dtype)
+                both = torch.tensordot(torch.stack([w, torch.ones_like(w)]) if probe else w, g, 1)
+                out[p] = (both[0] if probe else both).to(p.dtype)
+                self._probed.summed(p, both[1]) if probe else None
         return out
 
     def _grads(self, c: Call):
         """The output gradient(s) of a call (outputs that got none count as zeros): for a
         whole-call form (gradient, batch dim) pairs, else the first, batch first."""
-        grads = [
-            g if g is not None else torch.zeros(s, dtype=dt, device=dev) for g, (s, dt, dev) in zip(c.grads, c.shapes)
-        ]
+        grads = [torch.zeros(s, dtype=t, device=d) if g is None else g for g, (s, t, d) in zip(c.grads, c.shapes)]
         if c.layer.form.whole_call:
             return list(zip(grads, c.layer.out_dims))
         return grads[0].movedim(c.layer.out_dims[0], 0)
@@ -336,10 +337,8 @@ class PerSampleStage(Stage):
         if self.layers is None and not self._empty:
             refusals.refuse_untraced(self.rules, self._names)
         if not self.examples and self.expected_batch_size is None:
-            if self._empty:  # zero examples and no expected size to divide noise by: zero gradients
-                for p in self._rule_of_params():
-                    if self._rule_of[id(p)].clip is not None:
-                        p.grad = torch.zeros_like(p)
+            for p in [p for r in self.rules if r.clip and self._empty for p in r.params]:
+                p.grad = torch.zeros_like(p)  # zero examples, no expected size to divide noise by
             self._empty = False
             return  # nothing seen; under Poisson sampling an empty step still gets its noise
         self._empty = False
