@@ -3,7 +3,7 @@ that names the key, the value it was given and what is allowed.
 
 Torch-free, as the schemas are, so that a bad config is refused before torch loads (a
 second or less). Most registries the choice keys pick from import torch, so their names are
-restated here; ``tests/test_config_checks.py`` holds each equal to its registry.
+restated here; ``tests/run/test_config_checks.py`` holds each equal to its registry.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from gradmod.hooks import stages  # the stage table, torch-free
+from gradmod.hooks.rule_spec import transform_list  # how a rule's transforms are written, torch-free
 
-MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm")  # gradmod.models.MODELS
+MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt")  # gradmod.models.MODELS
 NORMS = ("batch", "group")  # gradmod.models.NORMS
 DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text")  # gradmod.data.DATASETS
 INITS = ("default", "xavier", "kaiming")  # gradmod.weight_init.INITS
@@ -123,7 +124,7 @@ def metric(key: str, spec: Any, by_task: bool = True) -> None:
 
 def trainer(t: Any) -> None:
     """The trainer's values (``TrainerConfig``)."""
-    for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):
+    for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep", "tp", "replicate"):
         at_least(f"trainer.{key}", getattr(t, key), 1)
     for key in ("threads", "checkpoint_every", "checkpoint_every_steps", "loader_workers"):
         at_least(f"trainer.{key}", getattr(t, key), 0)
@@ -178,7 +179,7 @@ def rules(hooks: Mapping[str, Any]) -> None:
                 f"transforms, e.g. +hooks.{name}={{params: '*', transforms: [zero]}}"
             )
         transforms = rule.get("transforms")
-        listed = [transforms] if isinstance(transforms, (str, Mapping)) else transforms
+        listed = transform_list(transforms)
         if transforms is not None and not (
             isinstance(listed, list) and all(isinstance(t, (str, Mapping)) for t in listed)
         ):

@@ -70,7 +70,8 @@ def seed_everything(seed: int) -> None:
 
 def place(cfg: Config) -> Dist:
     """This process's device and rank, threads and seeds."""
-    dist = Dist.from_env(cfg.trainer.strategy, resolve_device(cfg.trainer.device))
+    t = cfg.trainer
+    dist = Dist.from_env(t.strategy, resolve_device(t.device), tp=t.tp, replicate=t.replicate)
     check_precision(cfg.trainer.precision, dist.device)
     if dist.strategy == "fsdp" and cfg.capture.gradcam:  # the probe copies the whole model's weights
         raise ValueError("capture.gradcam=true with trainer.strategy=fsdp is not supported; use trainer.strategy=ddp")
@@ -90,7 +91,7 @@ def load(cfg: Config, dist: Dist) -> tuple[Data, int | None]:
             f"({', '.join(data.test_y.keys())}); use capture.gradcam=false"
         )
     preflight.check_data(data, None if cfg.model._target_ else f"model.name={cfg.model.name}")
-    _warn_sizes(cfg, data, dist.world_size)
+    _warn_sizes(cfg, data, dist.data_size)
     if placement(cfg.trainer.data_placement, data, dist.device) == "device":
         return data.to(dist.device), None  # batches indexed on the device
     return data, cfg.trainer.loader_workers
@@ -105,12 +106,12 @@ def build_model(cfg: Config, data: Data, device: torch.device) -> tuple[nn.Modul
     if cfg.trainer.channels_last:
         to_channels_last(model)  # same Parameter objects: attach before or after is the same
     key = f"model._target_={cfg.model._target_}" if cfg.model._target_ else f"model.name={cfg.model.name}"
-    several, metrics = preflight.check_model(
+    named_losses, metrics = preflight.check_model(
         model, data, build_tasks(cfg.loss, cfg.metric), key, f"loss._target_={cfg.loss._target_}"
     )
-    if several or not metrics.endswith("accuracy"):
+    if named_losses or not metrics.endswith("accuracy"):
         log.info("%s", metrics)  # the classification default goes without saying
-    return model, several
+    return model, named_losses
 
 
 def items(data: Data) -> str:

@@ -5,8 +5,9 @@
 2. attach: one hook per tensor (a parameter, or a module's output through a forward hook),
    chaining the transforms of every rule on it in config order (``chain``).
 3. backward: autograd's own; each hook transforms the local gradient before it is
-   accumulated into ``.grad`` (and before DDP's all-reduce); ``log`` observations wait in
-   the core's ``LogBuffer`` until the end of backward.
+   accumulated into ``.grad`` (and before DDP's all-reduce); what a chain may leave for
+   the end of backward (a deferred chain, ``log`` observations) waits in the core's
+   ``BackwardEnd``.
 4. finish: nothing is left after backward.
 """
 
@@ -25,7 +26,7 @@ from gradmod.hooks.stage import Core, Stage
 
 class HookStage(Stage):
     name = "hook"
-    on_sharded = "use stage: fused (it transforms the reduced, sharded .grad after backward)"
+    on_sharded = "use stage: fused (it transforms the reduced, sharded .grad after backward), or a modules: rule on a layer's output"
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.targets = [t for t in targets if t.stage == self.name]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
@@ -37,37 +37,6 @@ class Layer:
     @property
     def first_in(self) -> Any:
         return next(iter(pytree.tree_leaves(self.in_dims)), None)
-
-
-def detach_as(x: Any, dtype: torch.dtype | None = None) -> Any:
-    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
-    if not isinstance(x, Tensor):
-        return x
-    x = x.detach()
-    return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
-
-
-def parameter_or_none(model: nn.Module, name: str) -> Tensor | None:
-    try:
-        return model.get_parameter(name)
-    except AttributeError:
-        return None
-
-
-def is_training_forward() -> bool:
-    """A forward worth following: gradients on, and no torch.func transform (ours replaying
-    a module, or the user's) running it."""
-    return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-
-
-@dataclass
-class Call:
-    """One forward call of a layer: its input and, after backward, its output gradients."""
-
-    layer: Layer
-    inputs: Any
-    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
-    grads: list[Tensor | None] = field(default_factory=list)
 
 
 def _direct(m: nn.Module, p: nn.Parameter) -> str | None:

@@ -12,6 +12,7 @@ the step's (expected) number of examples. Nothing per example outlives its backw
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,24 +21,36 @@ from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
-from gradmod.hooks.per_sample.assign import (
-    Call,
-    Layer,
-    assign,
-    detach_as,
-    is_training_forward,
-    parameter_or_none,
-    path_of,
+from gradmod.hooks.per_sample.assign import Layer, assign, path_of
+from gradmod.hooks.per_sample.form import Inputs, as_rows
+from gradmod.hooks.per_sample.layers import batch_dependent
+from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
+from gradmod.hooks.per_sample.stats import PerSampleClip
+from gradmod.hooks.per_sample.tracing import (
+    batch_dim,
+    batch_size,
+    broadcasts_alike,
+    detach_input,
+    followed_forward,
+    param_or_none,
+    trace,
 )
-from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
-from gradmod.hooks.per_sample.stats import PerSampleClip, Rule, per_sample_rules
-from gradmod.hooks.per_sample.tracing import batch_dim, batch_size, broadcasts_alike, trace
 from gradmod.hooks.stage import Core, Loop, Stage
 
-__all__ = ["PerSampleStage", "Rule", "per_sample_rules"]
+__all__ = ["PerSampleStage", "per_sample_rules"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
+
+
+@dataclass
+class Call:
+    """One forward call of a layer: its input and, after backward, its output gradients."""
+
+    layer: Layer
+    inputs: Any
+    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
+    grads: list[Tensor | None] = field(default_factory=list)
 
 
 class PerSampleStage(Stage):
@@ -50,11 +63,10 @@ class PerSampleStage(Stage):
     False``). The layers are set up at the model's first training forward with a non-empty
     batch, from its trace.
 
-    Under DDP flat clipping knows its factors only after the whole backward, so DDP's
-    all-reduce must not run (``ddp_may_reduce``): ``reduce`` sums the ranks' clipped sums
-    after rank 0 alone added the noise, and the loop averages the parameters outside every
-    clipping rule itself (``manual_mean``). Each example's gradient is its own: the loop
-    does not divide a micro-batch's loss by their number (``divides_step``)."""
+    Under DDP flat clipping knows its factors only after the whole backward: no DDP
+    all-reduce (``ddp_may_reduce``), ``reduce`` sums the ranks' clipped sums after rank 0
+    alone added noise, the loop averages the rest (``manual_mean``); micro-batch losses
+    stay undivided (``divides_step``)."""
 
     name = "per_sample"
     ddp_may_reduce = False
@@ -63,7 +75,7 @@ class PerSampleStage(Stage):
     @classmethod
     def check(cls, model: nn.Module, targets: list) -> None:
         super().check(model, targets)
-        refusals.check_targets(model, targets)
+        check_targets(model, targets)
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         loss_reduction, batch_dim = core.loss_reduction, core.batch_dim
@@ -96,10 +108,10 @@ class PerSampleStage(Stage):
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.layers is not None:
-            if self._broadcast and is_training_forward():  # the size one-row calls are expanded to
+            if self._broadcast and followed_forward():  # the size one-row calls are expanded to
                 self._batch = batch_size(module, args, kwargs, self.batch_dim) or 0
             return
-        if self._tracing or not is_training_forward() or self._swapped():
+        if self._tracing or not followed_forward() or self._swapped():
             return
         if batch_size(module, args, kwargs, self.batch_dim) == 0:
             self._empty = True  # nothing to trace; the step's gradients are zeros (plus noise)
@@ -142,9 +154,7 @@ class PerSampleStage(Stage):
 
     def _swapped(self) -> bool:
         """torch.func.functional_call runs the model with other tensors: not its training."""
-        return any(
-            parameter_or_none(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]]
-        )
+        return any(param_or_none(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
 
     def _rule_of_params(self) -> list[Tensor]:
         return [p for r in self.rules for p in r.params]
@@ -173,7 +183,7 @@ class PerSampleStage(Stage):
 
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if self._tracing or not is_training_forward():
+            if self._tracing or not followed_forward():
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
                 output = output.expand(self._batch, *output.shape[1:])
@@ -182,13 +192,13 @@ class PerSampleStage(Stage):
                 return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                a, k = pytree.tree_map(lambda x: detach_as(x, dtype), (args, kwargs))
+                a, k = pytree.tree_map(lambda x: detach_input(x, dtype), (args, kwargs))
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
                 if layer.broadcast:
                     first = first.expand(self._batch, *first.shape[1:])
-                inputs = detach_as(first, dtype).movedim(layer.first_in, 0)
+                inputs = detach_input(first, dtype).movedim(layer.first_in, 0)
             call = Call(
                 layer,
                 inputs,
@@ -281,7 +291,7 @@ class PerSampleStage(Stage):
                 if not self._verify:
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
         for p, g in full.items():
-            rows2 = _rows(g).to(norms2_dtype).square().sum(1)
+            rows2 = as_rows(g).to(norms2_dtype).square().sum(1)
             norms2[self._rule_of[id(p)].name] += rows2
             if not self._verify:
                 self._probed.full(p, rows2)
@@ -360,9 +370,8 @@ class PerSampleStage(Stage):
         self.examples = 0
 
     def set_up(self, loop: Loop) -> None:
-        """The divisor (Poisson: the expected global batch; else the examples of the step,
-        counted on each rank and times the ranks), noise on the main rank only, the sum of
-        the clipped sums over the ranks."""
+        """The divisor (Poisson: the expected global batch; else the examples counted, times
+        the ranks), noise on the main rank only, the ranks' clipped sums summed."""
         world = loop.world_size
         divide = 1.0 if loop.poisson else float(world)  # Poisson: the divisor is already global
         self.expected_batch_size = float(loop.step_examples or 0) * world if loop.poisson else None
@@ -371,8 +380,7 @@ class PerSampleStage(Stage):
         self.draws_noise = loop.is_main
 
     def manual_mean(self) -> list[nn.Parameter]:
-        """The parameters outside every clipping rule keep DDP's meaning, the mean over the
-        ranks of their local gradients."""
+        """Outside every clipping rule: DDP's meaning, the mean of the ranks' local gradients."""
         if self._plain is None:
             clipped = {id(p) for r in self.rules if r.clip is not None for p in r.params}
             self._plain = [p for p in self.model.parameters() if p.requires_grad and id(p) not in clipped]
@@ -380,10 +388,9 @@ class PerSampleStage(Stage):
 
     def records(self) -> list[tuple[str, Any]]:
         """(statistics key, window) of each rule's ``per_sample_clip`` and ``log``."""
-        pairs = [
-            ((f"{r.name}/per_sample_clip", r.clip and r.clip.record), (f"{r.name}/log", r.log)) for r in self.rules
-        ]
-        return [(key, obj) for both in pairs for key, obj in both if obj is not None]
+        clips = [(f"{r.name}/per_sample_clip", r.clip.record if r.clip else None) for r in self.rules]
+        logs = [(f"{r.name}/log", r.log) for r in self.rules]
+        return [kv for pair in zip(clips, logs) for kv in pair if kv[1] is not None]
 
     def paths(self) -> dict[str, str]:
         """Each parameter's path (``assign.path_of``); {} before the first training forward."""

@@ -5,11 +5,10 @@ log points by ``HookSet.read_stats`` (keys ``<rule>/per_sample_clip`` and ``<rul
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gradmod.hooks.validators import positive
 from gradmod.hooks.window import Window
@@ -109,26 +108,3 @@ class PerSampleLog(SumWindow):
 def per_sample_log(label: str | None = None) -> PerSampleLog:
     """``log`` in a per_sample rule (``label`` is accepted for symmetry; the key is ``<rule>/log``)."""
     return PerSampleLog()
-
-
-@dataclass
-class Rule:
-    name: str
-    params: list[nn.Parameter]
-    clip: PerSampleClip | None = None
-    log: PerSampleLog | None = None
-
-
-def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
-    """The per_sample targets grouped by rule, in config order."""
-    rules: dict[str, Rule] = {}
-    for t in targets:
-        if t.stage == "per_sample":
-            rule = rules.setdefault(t.rule, Rule(t.rule, [], *_steps(t.steps)))
-            rule.params.append(params[t.name])
-    return list(rules.values())
-
-
-def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
-    clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
-    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
