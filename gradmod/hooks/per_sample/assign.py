@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
@@ -37,6 +37,16 @@ class Layer:
     @property
     def first_in(self) -> Any:
         return next(iter(pytree.tree_leaves(self.in_dims)), None)
+
+
+@dataclass
+class Call:
+    """One forward call of a layer: its input and, after backward, its output gradients."""
+
+    layer: Layer
+    inputs: Any
+    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
+    grads: list[Tensor | None] = field(default_factory=list)
 
 
 def _direct(m: nn.Module, p: nn.Parameter) -> str | None:

@@ -12,7 +12,6 @@ the step's (expected) number of examples. Nothing per example outlives its backw
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
-from gradmod.hooks.per_sample.assign import Layer, assign, path_of
+from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
 from gradmod.hooks.per_sample.form import Inputs, as_rows
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
@@ -41,16 +40,6 @@ __all__ = ["PerSampleStage", "per_sample_rules"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
-
-
-@dataclass
-class Call:
-    """One forward call of a layer: its input and, after backward, its output gradients."""
-
-    layer: Layer
-    inputs: Any
-    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
-    grads: list[Tensor | None] = field(default_factory=list)
 
 
 class PerSampleStage(Stage):
