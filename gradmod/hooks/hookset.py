@@ -12,6 +12,8 @@ order within a stage; the stages act in the order of ``gradmod.hooks.stages.STAG
   its method's combination of the task gradients (``gradmod.hooks.per_loss``).
 * ``per_sample``: each example's gradient (``gradmod.hooks.per_sample``); the clipped,
   noised mean is written at the start of ``after_backward()``.
+* ``sharpness``: ``backward(loss, closure=fn)`` leaves in ``.grad`` the gradient at the rule's
+  parameters moved to ``w + e``, by a second forward and backward (``gradmod.hooks.sharpness``).
 * ``fused``: ``after_backward()`` transforms the accumulated ``.grad`` tensors, grouped
   per transform with ``torch._foreach_*`` ops, once per optimizer step; a transform
   without a foreach form runs per tensor, each with its own state.
@@ -38,6 +40,7 @@ from gradmod.hooks.per_loss.stage import PerLossStage, per_loss_rules
 from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
 from gradmod.hooks.sharded import is_sharded, refuse_hook_stage, watch
+from gradmod.hooks.sharpness import SharpnessStage, refuse_sharded, sharpness_rules
 from gradmod.hooks.stages import STAGES
 from gradmod.hooks.stats import take_all
 
@@ -77,6 +80,8 @@ class HookSet:
         self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
         several = per_loss_rules(targets, params, modules)
         self.per_loss = PerLossStage(model, several) if several else None
+        sharp = sharpness_rules(targets, params)
+        self.sharpness = SharpnessStage(model, sharp) if sharp else None
         # Every tensor this set transforms, so another attach call cannot hook it twice.
         self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
         # fully_shard after attach would leave the rules on parameters no longer in the model.
@@ -107,21 +112,35 @@ class HookSet:
         """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample)."""
         return any(stages.get(t.stage).needs_after_backward for t in self.targets)
 
-    def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
+    def backward(
+        self,
+        losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor],
+        closure: Callable[[], Tensor | Mapping[str, Tensor] | Sequence[Tensor]] | None = None,
+    ) -> None:
         """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
         ordered (a sequence) ones, whose gradients sum into ``.grad``. Under per_loss rules
         their parameters get the rule's combination of the task gradients instead, every
-        other parameter the gradient of the sum."""
-        if isinstance(losses, Tensor) and self.per_loss is None:
-            losses.backward()
+        other parameter the gradient of the sum. Under sharpness rules ``closure()``
+        recomputes the losses at the current parameters (a second forward, no backward):
+        ``.grad`` gets the gradient at the moved parameters instead."""
+        if self.sharpness is not None:
+            self._two_pass_backward(self.sharpness, losses, closure)
             return
-        named = _named_losses(losses, self.per_loss)
-        if self.per_loss is not None:
-            self.per_loss.grad_scale = self._grad_scale
-            self.per_loss.backward(named)
+        if self.per_loss is None:
+            _summed(losses).backward()
             return
-        parts = list(named.values())
-        sum(parts[1:], parts[0]).backward()
+        self.per_loss.grad_scale = self._grad_scale
+        self.per_loss.backward(_named_losses(losses, self.per_loss))
+
+    def _two_pass_backward(self, stage: SharpnessStage, losses: Any, closure: Callable[[], Any] | None) -> None:
+        if not callable(closure):
+            raise ValueError(
+                f"hooks.{stage.rules[0].name}: a sharpness rule needs a second forward at the moved "
+                "parameters: call hooks.backward(loss, closure=fn), fn() returning the loss recomputed "
+                "at the current parameters"
+            )
+        with self._due.parameters_moved():
+            stage.backward(_summed(losses), lambda: _summed(closure()).backward())
 
     def end_epoch(self) -> None:
         """Close an epoch for the per_loss methods that count in epochs (``dwa``)."""
@@ -144,6 +163,8 @@ class HookSet:
         """What ``after_backward`` does for one stage; True: skip the optimizer step."""
         if stage == "per_sample" and self.per_sample is not None:
             self.per_sample.finish()
+        elif stage == "sharpness" and self.sharpness is not None:
+            self.sharpness.finish()
         elif stage == "fused":
             return run_fused(self._fused)
         return False
@@ -211,6 +232,8 @@ class HookSet:
         }
         if self.per_loss is not None:  # the methods' state and the generator of their random choices
             state["per_loss"] = self.per_loss.state_dict()
+        if self.sharpness is not None:  # the optimizer steps counted, for ``every``
+            state["sharpness"] = self.sharpness.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
@@ -226,6 +249,8 @@ class HookSet:
                 fn.load_state_dict(groups[key], device)
         if self.per_loss is not None and "per_loss" in state:
             self.per_loss.load_state_dict(state["per_loss"])
+        if self.sharpness is not None and "sharpness" in state:
+            self.sharpness.load_state_dict(state["sharpness"])
 
     def set_histograms(self, on: bool) -> None:
         """Bin the gradients of the next calls on the device (for the step before a read)."""
@@ -259,6 +284,8 @@ class HookSet:
             self.per_sample.remove()
         if self.per_loss is not None:
             self.per_loss.remove()
+        if self.sharpness is not None:
+            self.sharpness.remove()
         self._keys = set()
         self.ledger.take()
         self.logs.clear()
@@ -309,6 +336,7 @@ def attach(
     targets = build_targets(model, rules, stage)  # validate everything before touching the model
     refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
     refuse_sharded_per_loss(targets, dict(model.named_parameters()))
+    refuse_sharded(targets, dict(model.named_parameters()))
     previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
     replaced = previous if replace else []
     _refuse_overlap(model, targets, replaced)
@@ -321,7 +349,7 @@ def attach(
 
 def _named_losses(losses: Any, stage: PerLossStage | None) -> dict[str, Tensor]:
     """The losses by name (a sequence's by position); one line for what is not allowed."""
-    if isinstance(losses, Tensor):
+    if isinstance(losses, Tensor) and stage is not None:
         rule = stage.rules[0].name
         raise ValueError(
             f"hooks.{rule}: a per_loss rule combines the gradients of several losses, but "
@@ -336,6 +364,14 @@ def _named_losses(losses: Any, stage: PerLossStage | None) -> dict[str, Tensor]:
             f"losses, but hooks.backward got one ({', '.join(map(str, named))}); give two or more"
         )
     return {str(k): v for k, v in named.items()}
+
+
+def _summed(losses: Any) -> Tensor:
+    """One scalar loss, or the sum of several (``_named_losses``)."""
+    if isinstance(losses, Tensor):
+        return losses
+    parts = list(_named_losses(losses, None).values())
+    return sum(parts[1:], parts[0])
 
 
 def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[HookSet]) -> None:

@@ -23,6 +23,7 @@ from gradmod.hooks import stages
 from gradmod.hooks.globs import select
 from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: F401  (registers the per_loss methods)
 from gradmod.hooks.per_sample import check_model
+from gradmod.hooks.sharpness import perturb as _sharpness  # noqa: F401  (registers sam, asam)
 
 STAGES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
@@ -68,6 +69,7 @@ def build_targets(model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | Non
     _check_observer_keys(targets)
     _check_per_sample(model, targets, params)
     _check_per_loss(targets)
+    _check_sharpness(targets)
     return targets
 
 
@@ -139,6 +141,11 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
             f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
             f"gradients into one update), got {', '.join(names)}; put the others in rules of their own"
         )
+    if stage == "sharpness" and len(names) != 1:
+        raise ValueError(
+            f"hooks.{rule}.transforms: a sharpness rule holds exactly one of {', '.join(R.accepted_at(stage))} "
+            f"(how its parameters move), got {', '.join(names)}; put the others in rules of their own"
+        )
 
 
 def _shared(step: R.BuiltTransform) -> bool:
@@ -201,6 +208,30 @@ def _check_per_loss(targets: list[Target]) -> None:
             f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
             f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
             "or per_sample, not both (a fused rule after it is fine)"
+        )
+
+
+def _check_sharpness(targets: list[Target]) -> None:
+    """A parameter moves once per step; the stages that run their own backward do not compose."""
+    sharp: dict[str, str] = {}
+    for t in targets:
+        if t.stage == "sharpness":
+            if t.name in sharp:
+                raise ValueError(
+                    f"hooks.{t.rule}: {t.name!r} is also in sharpness rule {sharp[t.name]!r}; "
+                    "each parameter moves once: select it in one"
+                )
+            sharp[t.name] = t.rule
+    other = next((t for t in targets if t.stage in ("per_sample", "per_loss")), None)
+    if sharp and other is not None:
+        why = (
+            "the privacy accounting counts one gradient per example per step"
+            if other.stage == "per_sample"
+            else "its method runs the backward passes of several losses itself"
+        )
+        raise ValueError(
+            f"hooks.{other.rule}: a {other.stage} rule does not combine with sharpness rule "
+            f"{next(iter(sharp.values()))!r} ({why}); use one of them"
         )
 
 

@@ -9,6 +9,8 @@ the plan (``HookSet.describe``) and of ``HookSet.after_backward``:
   output), combined into one by ``HookSet.backward(losses)`` (``gradmod.hooks.per_loss``).
 * ``per_sample``: each example's gradient before the batch sum; the clipped, noised mean
   is written at the start of ``HookSet.after_backward``.
+* ``sharpness``: the gradient at perturbed parameters ``w + e``, from a second forward and
+  backward that ``HookSet.backward(loss, closure=fn)`` runs (``gradmod.hooks.sharpness``).
 * ``fused``: the accumulated ``.grad`` tensors after backward, grouped per transform.
 
 Each stage names the transform kinds it runs (``accepts``) and the kind that puts a rule
@@ -63,6 +65,15 @@ STAGES: tuple[Stage, ...] = (
         modules=False,
         needs_after_backward=True,
         sees="each example's gradient",
+    ),
+    Stage(
+        "sharpness",
+        ("sharpness",),
+        "sharpness",
+        default=False,
+        modules=False,
+        needs_after_backward=True,
+        sees="the rule's gradient at perturbed parameters (a second forward and backward)",
     ),
     Stage(
         "fused",
