@@ -52,10 +52,10 @@ def _shift(params, grads, rho, adaptive=False, eta=0.0):
     return [rho * ti * ti * g / (norm + 1e-12) for ti, g in zip(t, grads)]
 
 
-def _hand_sam(model, x, y, steps, rho, moved=None, every=1, micro=1, adaptive=False):
+def _hand_sam(model, x, y, steps, rho, moved=None, every=1, micro=1, adaptive=False, opt=None):
     """SAM written out: gradient at w, move the ``moved`` names by e, gradient at w + e of
     every parameter, move back, SGD step; BatchNorm running statistics kept from pass 2."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     named = dict(model.named_parameters())
     names = list(named) if moved is None else moved
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
