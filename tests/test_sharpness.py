@@ -315,3 +315,52 @@ def test_a_plain_backward_or_a_missing_closure_is_refused():
         F.cross_entropy(model(x), y).backward()
     with pytest.raises(ValueError, match="call hooks.backward\\(loss, closure=fn\\)"):
         hooks.backward(F.cross_entropy(model(x), y))
+
+
+def test_running_statistics_frozen_on_every_kind_of_norm_layer():
+    from gradmod.hooks.sharpness import running_stats_frozen
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(4, momentum=None), nn.InstanceNorm1d(4, track_running_stats=True)).double()
+    x = torch.randn(5, 4, 3, dtype=torch.float64)
+    model(x)  # statistics that are not the initial ones
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with running_stats_frozen(model):
+        out = model(x * 3 + 1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model[0].track_running_stats and model[1].momentum == 0.1
+    bypass = copy.deepcopy(model)  # davda54's: momentum 0 (it then counts the batch)
+    bypass[0].momentum = bypass[1].momentum = 0.0
+    assert torch.equal(out, bypass(x * 3 + 1))
+    assert bypass[0].num_batches_tracked.item() == 2 and model[0].num_batches_tracked.item() == 1
+
+
+def test_peak_memory_is_plain_plus_one_copy_of_the_moved_parameters():
+    """Bytes of live tensors, counted per op (deterministic): SAM's peak over plain's is one
+    copy of the parameters, give or take scalars (the first pass's loss)."""
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from peak_memory import live_tensor_peak
+
+    x, y = torch.randn(64, 6), torch.randint(0, 4, (64,))
+
+    def steps(rules):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 256), nn.BatchNorm1d(256), nn.Tanh(), nn.Linear(256, 256), nn.Linear(256, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        hooks = H.attach(model, rules)
+
+        def run():
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                hooks.backward(F.cross_entropy(model(x), y), closure=lambda: F.cross_entropy(model(x), y))
+                hooks.after_backward()
+                opt.step()
+
+        return live_tensor_peak(run), sum(p.numel() * p.element_size() for p in model.parameters())
+
+    (plain, _), (sam, copy_bytes) = steps({}), steps(_rule(rho=0.05))
+    assert copy_bytes <= sam - plain <= copy_bytes + 1024

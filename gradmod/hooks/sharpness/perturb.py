@@ -34,8 +34,9 @@ def _every(transform: str, value: Any) -> int:
 
 
 class Perturbation:
-    """Base of the sharpness transforms: ``perturbation(params, grads)`` returns ``e``, one
-    tensor per parameter (it may reuse the ``grads`` tensors, which it owns)."""
+    """Base of the sharpness transforms: ``direction(params, grads)`` returns ``(d, scale)``
+    with ``e = scale * d`` per parameter (``d`` may reuse the ``grads`` tensors, which it
+    owns; ``scale`` is a device scalar, so that no host read happens)."""
 
     name = "sharpness"
 
@@ -47,7 +48,7 @@ class Perturbation:
         """Whether optimizer step ``step`` (0 for the first) takes two passes."""
         return (step + 1) % self.every == 0
 
-    def perturbation(self, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    def direction(self, params: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         raise NotImplementedError
 
     def __call__(self, grad: Tensor) -> Tensor | None:
@@ -66,10 +67,8 @@ class Sam(Perturbation):
 
     name = "sam"
 
-    def perturbation(self, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
-        scale = self.rho / (_global_norm(grads) + EPS)
-        torch._foreach_mul_(grads, scale)
-        return grads
+    def direction(self, params: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
+        return grads, self.rho / (_global_norm(grads) + EPS)
 
 
 class Asam(Perturbation):
@@ -81,15 +80,14 @@ class Asam(Perturbation):
         super().__init__(rho, every)
         self.eta = _positive(self.name, "eta", eta)
 
-    def perturbation(self, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    def direction(self, params: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         t = torch._foreach_abs(params)
         if self.eta:
             torch._foreach_add_(t, self.eta)
         torch._foreach_mul_(grads, t)  # T g
         scale = self.rho / (_global_norm(grads) + EPS)
         torch._foreach_mul_(grads, t)  # T^2 g
-        torch._foreach_mul_(grads, scale)
-        return grads
+        return grads, scale
 
 
 registry.register("sam", Sam, kind="sharpness")

@@ -7,8 +7,8 @@ On an optimizer step where a rule is due (``every``), the stage:
 1. runs the first backward to the due rules' parameters only (``backward(inputs=...)``),
    with their ``.grad`` set aside, so that gradient accumulation keeps what earlier
    micro-batches left there and this backward's gradient ``g`` stands alone;
-2. per rule, ``e`` from ``g`` (its transform: ``sam``, ``asam``), copies the parameters and
-   adds ``e`` to them;
+2. per rule, ``e`` from ``g`` (its transform: ``sam``, ``asam``), copies the parameters
+   into buffers it keeps from step to step and adds ``e`` to them;
 3. runs the second forward and backward, which accumulates into ``.grad`` of every
    parameter as a plain backward does, with the normalisation layers' running statistics
    left as they were (``running_stats_frozen``);
@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks.sharded import is_sharded
 from gradmod.hooks.sharpness.batchnorm import running_stats_frozen
@@ -62,6 +63,16 @@ def refuse_sharded(targets: list[Any], params: Mapping[str, Tensor]) -> None:
         )
 
 
+def _with_grads(rules: list[SharpRule], grads: list[Tensor | None]):
+    """(rule, its parameters with a first-pass gradient, those gradients), for each rule with any."""
+    i = 0
+    for r in rules:
+        pairs = [(p, g) for p, g in zip(r.params, grads[i : i + len(r.params)]) if g is not None]
+        i += len(r.params)
+        if pairs:
+            yield r, [p for p, _ in pairs], [g for _, g in pairs]
+
+
 class SharpnessStage:
     """The sharpness rules of one ``attach`` call on ``model``."""
 
@@ -70,6 +81,7 @@ class SharpnessStage:
         self.rules = rules
         self.step = 0  # optimizer steps finished: which steps are due
         self.inside = False  # True while the stage runs its backward passes
+        self._saved = WeakIdKeyDictionary()  # parameter -> the buffer it is copied into before it moves
         # A backward that reaches a rule outside hooks.backward would silently be plain.
         self._handles = [r.params[0].register_hook(self._guard(r.name)) for r in rules]
 
@@ -112,36 +124,39 @@ class SharpnessStage:
         finally:
             for p, g in zip(params, held):
                 p.grad = g
-        moved, shifts = self._perturbations(due, first)
+        moved, saved = self._move(due, first)  # the first pass's gradients are gone after it
         del first
-        if not moved:  # no rule parameter in the graph of this loss: nothing to move
-            again()
-            return
-        with torch.no_grad():
-            saved = [p.detach().clone() for p in moved]
-            torch._foreach_add_(moved, shifts)
-        del shifts
         try:
             with running_stats_frozen(self.model):
                 again()
         finally:
-            with torch.no_grad():
-                torch._foreach_copy_(moved, saved)
+            if moved:
+                with torch.no_grad():
+                    torch._foreach_copy_(moved, saved)
 
     @torch.no_grad()
-    def _perturbations(self, due: list[SharpRule], first: list[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
-        """(parameters to move, their shifts ``e``), each rule with its own norm and rho."""
-        moved: list[Tensor] = []
-        shifts: list[Tensor] = []
-        i = 0
-        for r in due:
-            pairs = [(p, g) for p, g in zip(r.params, first[i : i + len(r.params)]) if g is not None]
-            i += len(r.params)
-            if pairs:
-                ps, gs = [p for p, _ in pairs], [g for _, g in pairs]
-                moved.extend(ps)
-                shifts.extend(r.transform.perturbation(ps, gs))
-        return moved, shifts
+    def _move(self, due: list[SharpRule], first: list[Tensor | None]) -> tuple[list[Tensor], list[Tensor]]:
+        """Copy the due rules' parameters, then ``w += scale * d`` (one pass per tensor), each
+        rule with its own norm and rho; returns (the moved parameters, their copies)."""
+        steps = [(ps, *r.transform.direction(ps, gs)) for r, ps, gs in _with_grads(due, first)]
+        moved = [p for ps, _, _ in steps for p in ps]
+        saved = self._copies(moved)
+        for ps, d, scale in steps:
+            torch._foreach_addcmul_(ps, d, [scale] * len(ps))
+        return moved, saved
+
+    def _copies(self, params: list[Tensor]) -> list[Tensor]:
+        """``params`` copied into buffers kept from step to step: a fresh copy each step would
+        cost its allocation and page faults, as much again as the copy itself."""
+        out = []
+        for p in params:
+            buf = self._saved.get(p)
+            if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+                buf = self._saved[p] = torch.empty_like(p)
+            out.append(buf)
+        if out:
+            torch._foreach_copy_(out, [p.detach() for p in params])
+        return out
 
     def finish(self) -> None:
         """The optimizer step's gradient is complete (``after_backward``): count the step."""
@@ -154,6 +169,7 @@ class SharpnessStage:
         self.step = int(state["step"])
 
     def remove(self) -> None:
+        self._saved = WeakIdKeyDictionary()
         for h in self._handles:
             h.remove()
         self._handles.clear()
