@@ -7,7 +7,7 @@ running statistics.
 
 from gradmod.hooks.sharpness.batchnorm import running_stats_frozen
 from gradmod.hooks.sharpness.perturb import Asam, Perturbation, Sam
-from gradmod.hooks.sharpness.stage import SharpnessStage, SharpRule, refuse_sharded, sharpness_rules
+from gradmod.hooks.sharpness.stage import SharpnessStage, SharpRule, sharpness_rules
 
 __all__ = [
     "Asam",
@@ -15,7 +15,6 @@ __all__ = [
     "Sam",
     "SharpRule",
     "SharpnessStage",
-    "refuse_sharded",
     "running_stats_frozen",
     "sharpness_rules",
 ]

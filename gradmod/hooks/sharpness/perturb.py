@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks import registry
-from gradmod.hooks.transforms import _positive
+from gradmod.hooks.validators import positive
 
 EPS = 1e-12  # added to the norm, as davda54/sam and pytorch-optimizer do
 
@@ -41,7 +40,7 @@ class Perturbation:
     name = "sharpness"
 
     def __init__(self, rho: float, every: int = 1):
-        self.rho = _positive(self.name, "rho", rho)
+        self.rho = positive(self.name, "rho", rho)
         self.every = _every(self.name, every)
 
     def due(self, step: int) -> bool:
@@ -78,7 +77,7 @@ class Asam(Perturbation):
 
     def __init__(self, rho: float, eta: float = 0.0, every: int = 1):
         super().__init__(rho, every)
-        self.eta = _positive(self.name, "eta", eta)
+        self.eta = positive(self.name, "eta", eta)
 
     def direction(self, params: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         t = torch._foreach_abs(params)
@@ -88,7 +87,3 @@ class Asam(Perturbation):
         scale = self.rho / (_global_norm(grads) + EPS)
         torch._foreach_mul_(grads, t)  # T^2 g
         return grads, scale
-
-
-registry.register("sam", Sam, kind="sharpness")
-registry.register("asam", Asam, kind="sharpness")

@@ -1,23 +1,29 @@
 """The sharpness stage: the gradient at ``w + e`` instead of at ``w``, in two passes.
 
-``HookSet.backward(loss, closure=fn)`` hands the stage the loss of the first forward and a
-function that runs the second (``fn()`` recomputes the loss at the current parameters).
-On an optimizer step where a rule is due (``every``), the stage:
+1. ``check``: a parameter in one sharpness rule at most; no per_sample or per_loss rule
+   beside it (each runs its own backward); FSDP2-sharded parameters refused.
+2. attach: the rules' parameters, and a guard on each rule's first parameter that refuses
+   a backward reaching it outside ``HookSet.backward`` (it would silently be plain).
+3. backward (``HookSet.backward(loss, closure=fn)``, ``fn()`` recomputing the loss at the
+   current parameters). On an optimizer step where a rule is due (``every``):
 
-1. runs the first backward to the due rules' parameters only (``backward(inputs=...)``),
-   with their ``.grad`` set aside, so that gradient accumulation keeps what earlier
-   micro-batches left there and this backward's gradient ``g`` stands alone;
-2. per rule, ``e`` from ``g`` (its transform: ``sam``, ``asam``), copies the parameters
-   into buffers it keeps from step to step and adds ``e`` to them;
-3. runs the second forward and backward, which accumulates into ``.grad`` of every
-   parameter as a plain backward does, with the normalisation layers' running statistics
-   left as they were (``running_stats_frozen``);
-4. copies the parameters back, bitwise, also when the second pass raised.
+   a. the first backward to the due rules' parameters only (``backward(inputs=...)``),
+      their ``.grad`` set aside, so that what earlier micro-batches accumulated there stays
+      and this backward's gradient ``g`` stands alone;
+   b. per rule, ``e`` from ``g`` (its transform: ``sam``, ``asam``), the parameters copied
+      into buffers kept from step to step, then moved by ``e``;
+   c. the second forward and backward, which accumulates into ``.grad`` of every parameter
+      as a plain backward does, the normalisation layers' running statistics left as they
+      were (``running_stats_frozen``);
+   d. the parameters copied back, bitwise, also when the second pass raised.
 
-On a step where no rule is due, the first backward is a plain one and ``fn`` is not called.
-Parameters outside every rule are not moved but get the gradient at the moved point
-(SAM-ON: ``params: "*norm*"``). The optimizer steps counted by ``finish`` (one per
-``after_backward``) decide which steps are due; they are the stage's ``state_dict``.
+   On a step where no rule is due: a plain backward, ``fn`` not called.
+4. finish (``after_backward``): the optimizer step is counted; the count decides which
+   steps are due and is the stage's ``state_dict``.
+
+Parameters outside every rule do not move but get the gradient at the moved point (SAM-ON:
+``params: "*norm*"``). Under DDP the loop runs the first forward under ``no_sync``
+(``forward_passes``: 2), so each rank moves by its own gradient.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradmod.hooks.sharded import is_sharded
 from gradmod.hooks.sharpness.batchnorm import running_stats_frozen
 from gradmod.hooks.sharpness.perturb import Perturbation
+from gradmod.hooks.stage import Core, Stage
 
 
 @dataclass
@@ -53,16 +59,6 @@ def sharpness_rules(targets: list[Any], params: Mapping[str, nn.Parameter]) -> l
     return list(out.values())
 
 
-def refuse_sharded(targets: list[Any], params: Mapping[str, Tensor]) -> None:
-    """FSDP2 shards the parameters and reduces ``.grad`` in its own backward hooks."""
-    hit = next((t for t in targets if t.stage == "sharpness" and is_sharded(params[t.name])), None)
-    if hit is not None:
-        raise ValueError(
-            f"hooks.{hit.rule}: sharpness rules do not run on FSDP-sharded parameters ({hit.name!r}) "
-            "yet; use DDP or one process"
-        )
-
-
 def _with_grads(rules: list[SharpRule], grads: list[Tensor | None]):
     """(rule, its parameters with a first-pass gradient, those gradients), for each rule with any."""
     i = 0
@@ -73,17 +69,45 @@ def _with_grads(rules: list[SharpRule], grads: list[Tensor | None]):
             yield r, [p for p, _ in pairs], [g for _, g in pairs]
 
 
-class SharpnessStage:
+class SharpnessStage(Stage):
     """The sharpness rules of one ``attach`` call on ``model``."""
 
-    def __init__(self, model: nn.Module, rules: list[SharpRule]):
+    name = "sharpness"
+    on_sharded = "sharpness rules do not run on FSDP-sharded parameters yet; use trainer.strategy=ddp or one process"
+
+    @classmethod
+    def check(cls, model: nn.Module, targets: list) -> None:
+        """A parameter moves once per step; the stages that run their own backward do not compose."""
+        super().check(model, targets)
+        sharp: dict[str, str] = {}
+        for t in targets:
+            if t.stage == "sharpness":
+                if t.name in sharp:
+                    raise ValueError(
+                        f"hooks.{t.rule}: {t.name!r} is also in sharpness rule {sharp[t.name]!r}; "
+                        "each parameter moves once: select it in one"
+                    )
+                sharp[t.name] = t.rule
+        other = next((t for t in targets if t.stage in ("per_sample", "per_loss")), None)
+        if other is not None:
+            why = (
+                "the privacy accounting counts one gradient per example per step"
+                if other.stage == "per_sample"
+                else "its method runs the backward passes of several losses itself"
+            )
+            raise ValueError(
+                f"hooks.{other.rule}: a {other.stage} rule does not combine with sharpness rule "
+                f"{next(iter(sharp.values()))!r} ({why}); use one of them"
+            )
+
+    def __init__(self, model: nn.Module, targets: list, core: Core):
         self.model = model
-        self.rules = rules
+        self.rules = sharpness_rules(targets, dict(model.named_parameters()))
         self.step = 0  # optimizer steps finished: which steps are due
         self.inside = False  # True while the stage runs its backward passes
         self._saved = WeakIdKeyDictionary()  # parameter -> the buffer it is copied into before it moves
         # A backward that reaches a rule outside hooks.backward would silently be plain.
-        self._handles = [r.params[0].register_hook(self._guard(r.name)) for r in rules]
+        self._handles = [r.params[0].register_hook(self._guard(r.name)) for r in self.rules]
 
     def _guard(self, rule: str) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
@@ -99,19 +123,30 @@ class SharpnessStage:
         """The rules that take two passes on the optimizer step in progress."""
         return [r for r in self.rules if r.transform.due(self.step)]
 
-    def backward(self, loss: Tensor, again: Callable[[], None]) -> bool:
-        """The first backward of ``loss`` and, where a rule is due, the second pass
-        (``again``: forward and backward at the current parameters). True: two passes ran."""
+    def forward_passes(self) -> int:
+        """2 on an optimizer step where a rule is due (the closure's forward), else 1."""
+        return 2 if self.due() else 1
+
+    def backward(self, losses: Tensor | Mapping[str, Tensor], closure: Callable[[], Any] | None = None) -> bool:
+        """The first backward of ``losses`` (summed) and, where a rule is due, the second
+        pass: ``closure()`` recomputes the losses at the moved parameters, this stage runs
+        their backward."""
+        if not callable(closure):
+            raise ValueError(
+                f"hooks.{self.rules[0].name}: a sharpness rule needs a second forward at the moved "
+                "parameters: call hooks.backward(loss, closure=fn), fn() returning the loss recomputed "
+                "at the current parameters"
+            )
         due = self.due()
         self.inside = True
         try:
             if not due:
-                loss.backward()
-                return False
-            self._two_passes(loss, again, due)
-            return True
+                _total(losses).backward()
+            else:
+                self._two_passes(_total(losses), lambda: _total(closure()).backward(), due)
         finally:
             self.inside = False
+        return True
 
     def _two_passes(self, loss: Tensor, again: Callable[[], None], due: list[SharpRule]) -> None:
         params = [p for r in due for p in r.params]
@@ -163,13 +198,24 @@ class SharpnessStage:
         self.step += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"sharpness": {"step": self.step}}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
+    def load_state_dict(self, state: Mapping[str, Any], device: Any = None) -> None:
+        if "sharpness" in state:
+            self.step = int(state["sharpness"]["step"])
 
     def remove(self) -> None:
         self._saved = WeakIdKeyDictionary()
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _total(losses: Any) -> Tensor:
+    """One scalar loss, or the sum of a mapping's or a sequence's."""
+    if isinstance(losses, Tensor):
+        return losses
+    parts = list(losses.values()) if isinstance(losses, Mapping) else list(losses)
+    if not parts or not all(isinstance(x, Tensor) and x.dim() == 0 for x in parts):
+        raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of scalar losses")
+    return sum(parts[1:], parts[0])
