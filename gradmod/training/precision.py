@@ -69,7 +69,7 @@ class Precision:
                 unscaled = closure
                 closure = lambda: _scaled(scaler, unscaled())  # noqa: E731
         if hooks is not None:
-            hooks.backward(losses, closure=closure)
+            hooks.backward(losses, closure=closure) if closure is not None else hooks.backward(losses)
             return
         parts = list(_values(losses))
         sum(parts[1:], parts[0]).backward()

@@ -199,7 +199,8 @@ class Trainer:
             group = 1
         if not self.stage_sync.ddp_may_reduce:  # the stages reduce what they need after backward
             sync = False
-        if self.hooks is not None and self.hooks.forward_passes() > 1:
+        passes = getattr(self.hooks, "forward_passes", None)  # a HookSet's; an object of your own may lack it
+        if passes is not None and passes() > 1:
             losses = self._two_passes(xb, yb, group, sync)
         else:
             with no_sync(self.net, not sync):
@@ -213,7 +214,7 @@ class Trainer:
     def _closure(self, xb: Tensor, yb: Any, group: int, sync: bool) -> Callable[[], Any] | None:
         """The micro-batch's losses recomputed at the current parameters, for a stage's
         second pass (DDP's forward decides whether its backward all-reduces)."""
-        if self.hooks is None:
+        if getattr(self.hooks, "forward_passes", None) is None:
             return None
 
         def closure():
