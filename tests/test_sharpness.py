@@ -364,3 +364,91 @@ def test_peak_memory_is_plain_plus_one_copy_of_the_moved_parameters():
 
     (plain, _), (sam, copy_bytes) = steps({}), steps(_rule(rho=0.05))
     assert copy_bytes <= sam - plain <= copy_bytes + 1024
+
+
+def _hand_steps(model, loss_fn, steps: int, rho: float, moved: list[str]):
+    """SAM on any model: move ``moved`` by rho g/||g|| (their norm), gradient of every
+    parameter there, move back, SGD step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    named = dict(model.named_parameters())
+    for _ in range(steps):
+        ps = [named[n] for n in moved]
+        e = _shift(ps, torch.autograd.grad(loss_fn(model), ps), rho)
+        with torch.no_grad():
+            saved = [p.clone() for p in ps]
+            for p, d in zip(ps, e):
+                p.add_(d)
+        g2 = torch.autograd.grad(loss_fn(model), list(named.values()))
+        with torch.no_grad():
+            for p, s in zip(ps, saved):
+                p.copy_(s)
+        for p, g in zip(named.values(), g2):
+            p.grad = g
+        opt.step()
+    return model
+
+
+def _ours(model, loss_fn, steps: int, rules):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    hooks = H.attach(model, rules)
+    for _ in range(steps):
+        opt.zero_grad()
+        hooks.backward(loss_fn(model), closure=lambda: loss_fn(model))
+        hooks.after_backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.slow  # transformers' first model build takes ~15 s on 2 loaded cores
+def test_sam_on_a_transformer_from_a_config_with_tied_embeddings():
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    config = transformers.GPT2Config(
+        vocab_size=50,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    ids = torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(0))
+
+    torch.manual_seed(0)
+    first = transformers.GPT2LMHeadModel(config).double()
+
+    def build():
+        return copy.deepcopy(first)
+
+    def loss_fn(m):
+        return m(input_ids=ids, labels=ids).loss
+
+    model = build()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied: one parameter, moved once
+    names = [n for n, _ in model.named_parameters()]
+    for params in ("*", "*ln_*"):  # SAM, and SAM-ON on the LayerNorms
+        moved = names if params == "*" else [n for n in names if ".ln_" in n or n.startswith("transformer.ln_f")]
+        ours = _ours(build(), loss_fn, 3, _rule(params=params, rho=0.05))
+        _close(ours, _hand_steps(build(), loss_fn, 3, 0.05, moved), 1e-10)
+
+
+def test_sam_on_an_lstm():
+    x, y = torch.randn(4, 7, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.rnn = nn.LSTM(5, 8, batch_first=True, num_layers=2).double()
+            self.head = nn.Linear(8, 3).double()
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0][:, -1])
+
+    def loss_fn(m):
+        return F.cross_entropy(m(x), y)
+
+    names = [n for n, _ in Tagger().named_parameters()]
+    _close(_ours(Tagger(), loss_fn, 4, _rule(rho=0.1)), _hand_steps(Tagger(), loss_fn, 4, 0.1, names), 1e-10)
