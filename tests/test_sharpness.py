@@ -238,7 +238,7 @@ def test_hook_stage_sees_both_passes_fused_the_gradient_at_w_plus_e():
     x, y = _data()
     rules = {
         **_rule(rho=0.05),
-        "half": {"params": "*", "stage": "hook", "transforms": [{"name": "scale", "factor": 0.5}]},
+        "cut": {"params": "*", "stage": "hook", "transforms": [{"name": "clamp", "bound": 0.02}]},
         "clip": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 0.05}]},
     }
     ours = _train(_mlp(), rules, x, y, steps=5)
@@ -246,7 +246,7 @@ def test_hook_stage_sees_both_passes_fused_the_gradient_at_w_plus_e():
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     for _ in range(5):
         params = list(ref.parameters())
-        g = [0.5 * gi for gi in torch.autograd.grad(F.cross_entropy(ref(x), y), params)]
+        g = [gi.clamp(-0.02, 0.02) for gi in torch.autograd.grad(F.cross_entropy(ref(x), y), params)]
         e = _shift(params, g, 0.05)
         with torch.no_grad():
             saved = [p.clone() for p in params]
@@ -256,10 +256,14 @@ def test_hook_stage_sees_both_passes_fused_the_gradient_at_w_plus_e():
         with torch.no_grad():
             for p, s, gi in zip(params, saved, g2):
                 p.copy_(s)
-                p.grad = 0.5 * gi
+                p.grad = gi.clamp(-0.02, 0.02)
         torch.nn.utils.clip_grad_norm_(params, 0.05)
         opt.step()
     _close(ours, ref, 1e-10)
+    m = _mlp()
+    g = torch.autograd.grad(F.cross_entropy(m(x), y), list(m.parameters()))
+    bent = _shift(list(m.parameters()), [gi.clamp(-0.02, 0.02) for gi in g], 1)
+    assert max((a - b).abs().max().item() for a, b in zip(_shift(list(m.parameters()), g, 1), bent)) > 1e-3
 
 
 def test_state_dict_carries_the_step_count():
