@@ -40,8 +40,9 @@ def attach_for(
             "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
             "+hooks=dp) or attach the rules in your own loop"
         )
-    if hooks.sharpness is not None:
-        rule = hooks.sharpness.rules[0].name
+    sharp = hooks.stage("sharpness")
+    if sharp is not None:
+        rule = sharp.rules[0].name
         hooks.remove()
         raise ValueError(
             f"hooks.{rule}: sharpness rules (SAM) are refused under {trainer}: its loop runs the backward "
