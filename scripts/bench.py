@@ -180,9 +180,7 @@ for _m in sharpness.MODELS:  # two passes are the floor of a SAM step: <= 2.05x 
         ),
     ]
 UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
-UNIT_IMAGES |= {
-    f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()
-}  # images per item of these units
+UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
 
 
@@ -417,7 +415,7 @@ class Bench:
             table[f"sharpness.{name}"] = (
                 lambda name=name: sharpness.setup(name, steps, batch, self.device),
                 steps,
-                "sam_step",
+                f"{name.split('.')[0]}_step",  # the models' batches differ
             )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
