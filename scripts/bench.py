@@ -178,6 +178,8 @@ for _m in sharpness.MODELS:  # two passes are the floor of a SAM step: <= 2.05x 
             "<= 1.3",
             lambda r: r <= 1.3,
         ),
+        (f"sharpness_{_m}_sam_over_two_passes", f"sharpness.{_m}.sam", f"sharpness.{_m}.two_passes", None, None),
+        (f"sharpness_{_m}_two_passes_over_plain", f"sharpness.{_m}.two_passes", f"sharpness.{_m}.plain", None, None),
     ]
 UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
 UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section

@@ -4,6 +4,7 @@ SGD with momentum, on one thread:
     plain        forward, loss.backward(), step
     sam          attach(model, {sam on "*"}), hooks.backward(loss, closure=...), after_backward, step
     sam_every4   the same with ``every: 4``: two passes on one step in four
+    two_passes   the floor: two plain forward and backward passes into ``.grad``, one step
 
 Models: ``mnist`` (gradmod's MNIST CNN, batch 100 of 28x28) and ``resnet18`` (gradmod's
 torchvision ResNet-18 with BatchNorm, batch 32 of 3x32x32). Two forward and backward
@@ -41,7 +42,7 @@ from gradmod.models import build_model  # noqa: E402
 
 STEPS = 4  # optimizer steps per timed run: one two-pass step of every4's
 MODELS = {"mnist": ("mnist_cnn", 1, 28, 100), "resnet18": ("resnet18", 3, 32, 32)}  # name, channels, size, batch
-CONTENDERS = ("plain", "sam", "sam_every4")
+CONTENDERS = ("plain", "sam", "sam_every4", "two_passes")
 RHO = 0.05
 SCALARS = 1024  # besides the copy, SAM's peak holds scalars: the first pass's loss, reported as the step's
 
@@ -76,10 +77,12 @@ def setup(name: str, steps: int = STEPS, batch: int | None = None, device: str =
         for _ in range(steps)
     ]
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if contender == "plain":
+    if contender in ("plain", "two_passes"):
+        passes = 2 if contender == "two_passes" else 1
 
         def step(x, y):
-            F.cross_entropy(model(x), y).backward()
+            for _ in range(passes):
+                F.cross_entropy(model(x), y).backward()
     else:
         every = 4 if contender == "sam_every4" else 1
         hooks = attach(model, {"sam": {"params": "*", "transforms": [{"name": "sam", "rho": RHO, "every": every}]}})
