@@ -456,3 +456,15 @@ def test_sam_on_an_lstm():
 
     names = [n for n, _ in Tagger().named_parameters()]
     _close(_ours(Tagger(), loss_fn, 4, _rule(rho=0.1)), _hand_steps(Tagger(), loss_fn, 4, 0.1, names), 1e-10)
+
+
+def test_a_hook_stage_log_counts_both_passes_on_moved_parameters_only():
+    model, (x, y) = _mlp(), _data()
+    hooks = H.attach(
+        model, {**_rule(params="0.*", rho=0.05), "log": {"params": "*", "stage": "hook", "transforms": ["log"]}}
+    )
+    for _ in range(3):
+        hooks.backward(F.cross_entropy(model(x), y), closure=lambda: F.cross_entropy(model(x), y))
+        hooks.after_backward()
+    calls = {k: v["calls"] for k, v in hooks.read_stats().items()}
+    assert calls == {"0.weight": 6, "0.bias": 6, "2.weight": 3, "2.bias": 3}
