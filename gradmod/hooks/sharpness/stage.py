@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradmod.hooks.losses import named, total
 from gradmod.hooks.sharpness.batchnorm import running_stats_frozen
 from gradmod.hooks.sharpness.perturb import Perturbation
 from gradmod.hooks.stage import Core, Stage
@@ -141,9 +142,9 @@ class SharpnessStage(Stage):
         self.inside = True
         try:
             if not due:
-                _total(losses).backward()
+                total(losses).backward()
             else:
-                self._two_passes(_total(losses), lambda: _total(closure()).backward(), due)
+                self._two_passes(total(losses), lambda: _summed(closure()).backward(), due)
         finally:
             self.inside = False
         return True
@@ -211,11 +212,6 @@ class SharpnessStage(Stage):
         self._handles.clear()
 
 
-def _total(losses: Any) -> Tensor:
-    """One scalar loss, or the sum of a mapping's or a sequence's."""
-    if isinstance(losses, Tensor):
-        return losses
-    parts = list(losses.values()) if isinstance(losses, Mapping) else list(losses)
-    if not parts or not all(isinstance(x, Tensor) and x.dim() == 0 for x in parts):
-        raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of scalar losses")
-    return sum(parts[1:], parts[0])
+def _summed(losses: Any) -> Tensor:
+    """What the closure returned: one scalar loss, or the sum of a mapping's or a sequence's."""
+    return total(losses if isinstance(losses, Tensor) else named(losses))
