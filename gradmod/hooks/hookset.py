@@ -13,6 +13,8 @@ of its own; ``HookSet`` runs them through that protocol and names none:
   its method's combination of the task gradients (``gradmod.hooks.per_loss``).
 * ``per_sample``: each example's gradient (``gradmod.hooks.per_sample``); the clipped,
   noised mean is written at the start of ``after_backward()``.
+* ``sharpness``: ``backward(loss, closure=fn)`` leaves in ``.grad`` the gradient at the rule's
+  parameters moved to ``w + e``, by a second forward and backward (``gradmod.hooks.sharpness``).
 * ``fused``: ``after_backward()`` transforms the accumulated ``.grad`` tensors, grouped
   per transform with ``torch._foreach_*`` ops, once per optimizer step; a transform
   without a foreach form runs per tensor, each with its own state.
@@ -21,6 +23,7 @@ of its own; ``HookSet`` runs them through that protocol and names none:
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -122,10 +125,18 @@ class HookSet:
         task gradients, every other parameter the gradient of the sum) takes it over;
         ``closure``: recomputes the loss, for a stage that needs a second pass."""
         given = losses if isinstance(losses, Tensor) else named(losses)
-        for stage in self.stages:
-            if stage.backward(given, closure):
-                return
+        # A second forward at moved parameters (and back) is not a step taken without after_backward().
+        with self._due.parameters_moved() if self.forward_passes() > 1 else nullcontext():
+            for stage in self.stages:
+                if stage.backward(given, closure):
+                    return
         total(given).backward()
+
+    def forward_passes(self) -> int:
+        """Forward passes each micro-batch of this optimizer step takes (``Stage.forward_passes``):
+        2 where a stage's second runs through ``backward``'s closure; under DDP only the last
+        may all-reduce."""
+        return max((s.forward_passes() for s in self.stages), default=1)
 
     def end_epoch(self) -> None:
         """Close an epoch for the stages that count in epochs (per_loss's ``dwa``)."""
