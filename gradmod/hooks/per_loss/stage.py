@@ -23,6 +23,7 @@ hook on that output: k cheap passes through the heads, one through the trunk.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_loss.methods import Method
 from gradmod.hooks.per_loss.record import TaskRecord
+from gradmod.hooks.per_sample.tracing import param_uses
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -95,6 +98,20 @@ def _conv_weight_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     return torch.vmap(one)(g)
 
 
+def _factored_forward(m: nn.Module) -> bool:
+    """A Linear, or a Conv with torch's own forward (a subclass's forward may do anything)."""
+    return any(type(m).forward is cls.forward for cls in (nn.Linear, *CONVS) if isinstance(m, cls))
+
+
+def _refuse_sparse(model: nn.Module, owner: dict[int, Any]) -> None:
+    for n, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in owner:
+            raise ValueError(
+                f"hooks.{owner[id(m.weight)].name}: {n + '.weight'!r} has sparse gradients (sparse=True), "
+                "which have no per-task Gramian; use sparse=False or leave it out of the rule"
+            )
+
+
 def _gram_pays(n: int, d_in: int, d_out: int, k: int) -> bool:
     """Row Gram (``n^2 (d_in + k d_out)``) against k weight gradients (``k n d_in d_out``)."""
     return n * (d_in + k * d_out) < k * d_in * d_out
@@ -113,47 +130,67 @@ class PerLossStage:
     the local ones over the number of ranks), for loss weightings the k loss values."""
 
     def __init__(self, model: nn.Module, rules: list[LossRule]):
-        self.rules = rules
+        self.model, self.rules = model, rules
         self.reduce = None
         self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): the weights see unscaled gradients
         self.generator = torch.Generator().manual_seed(torch.initial_seed())
         self.inside = False  # True while the stage runs its own backward passes
         self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self._owner = {id(p): r for r in rules if r.method.kind != "losses" for p in r.params}
+        _refuse_sparse(model, self._owner)
         self.layers: list[Layer] = []
-        self.direct: dict[int, tuple[LossRule, nn.Parameter]] = {}  # the rule's params outside a Layer
-        self._outputs: dict[int, list] = {}  # id(module rule's module) -> gradient edges of its outputs
+        # Until the first training forward is traced, every parameter is answered directly.
+        self.direct: dict[int, tuple[LossRule, nn.Parameter]] = {
+            id(p): (r, p) for r in rules if r.method.kind != "losses" for p in r.params
+        }
+        self._outputs: dict[int, list] = {}  # id(module rule's module) -> its outputs' tensors
         self._handles = []
-        self._setup(model)
-
-    # ---- set-up: which parameters are answered from (a, b), which directly ----
-
-    def _setup(self, model: nn.Module) -> None:
-        owner = {id(p): r for r in self.rules if r.method.kind != "losses" for p in r.params}
-        holders: dict[int, int] = {}
-        for _, m in model.named_modules():
-            for _, p in m.named_parameters(recurse=False):
-                holders[id(p)] = holders.get(id(p), 0) + 1
-        for _, m in model.named_modules():
-            mine = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in owner}
-            if not mine:
-                continue
-            rules = {id(owner[id(p)]) for p in mine.values()}
-            factored = (
-                isinstance(m, (nn.Linear, *CONVS))
-                and len(rules) == 1
-                and all(holders[id(p)] == 1 for p in mine.values())
-            )
-            if factored:
-                layer = Layer(m, owner[id(next(iter(mine.values())))], set(mine))
-                self.layers.append(layer)
-                self._handles.append(m.register_forward_hook(self._save(layer)))
-            else:
-                for p in mine.values():
-                    self.direct[id(p)] = (owner[id(p)], p)
+        self._traced = self._tracing = False
+        if self._owner:
+            self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
         for r in self.rules:
             for m in r.modules:
                 self._outputs[id(m)] = []
                 self._handles.append(m.register_forward_hook(self._save_output(m)))
+
+    # ---- set-up: which parameters are answered from (a, b), which directly ----
+
+    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The first training forward is traced once: a Linear or Conv is answered from its
+        (input, output gradient) pairs only when every use of its weight and bias ran inside
+        its own forward (not attention's ``out_proj`` inside ``F.multi_head_attention_forward``,
+        not a weight also used through ``F.linear`` or tied to another module)."""
+        if self._traced or self._tracing or not self._active_forward():
+            return
+        self._tracing = True
+        try:
+            uses = param_uses(module, args, kwargs, set(self._owner))
+        finally:
+            self._tracing = False
+        self._traced = True
+        self._assign(uses)
+
+    def _assign(self, uses: dict[int, list]) -> None:
+        holders: dict[int, int] = {}
+        for m in self.model.modules():
+            for p in m.parameters(recurse=False):
+                holders[id(p)] = holders.get(id(p), 0) + 1
+        for m in self.model.modules():
+            mine = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in self._owner}
+            if not mine or not _factored_forward(m):
+                continue
+            rules = {id(self._owner[id(p)]) for p in mine.values()}
+            inside = all(uses.get(id(p)) and all(s and s[-1] is m for s in uses[id(p)]) for p in mine.values())
+            if len(rules) == 1 and inside and all(holders[id(p)] == 1 for p in mine.values()):
+                layer = Layer(m, self._owner[id(next(iter(mine.values())))], set(mine))
+                self.layers.append(layer)
+                self._handles.append(m.register_forward_hook(self._save(layer)))
+                for p in mine.values():
+                    del self.direct[id(p)]
+
+    @staticmethod
+    def _active_forward() -> bool:
+        return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
     @staticmethod
     def _active(outs: list[Tensor]) -> bool:
@@ -165,7 +202,7 @@ class PerLossStage:
 
     def _save(self, layer: Layer):
         def hook(module, args, output):
-            if isinstance(output, Tensor) and self._active([output]):
+            if isinstance(output, Tensor) and not self._tracing and self._active([output]):
                 layer.calls.append((args[0].detach(), get_gradient_edge(output)))
                 output.register_hook(self._guard(layer.rule))
 
@@ -173,8 +210,8 @@ class PerLossStage:
 
     def _save_output(self, m: nn.Module):
         def hook(module, args, output):
-            outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, Tensor)]
-            if self._active(outs):
+            outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]  # an LSTM's (h, c) too
+            if not self._tracing and self._active(outs):
                 self._outputs[id(m)].extend(t for t in outs if t.requires_grad)
 
         return hook
@@ -238,17 +275,19 @@ class PerLossStage:
         pass would send k rows, k - 1 of them zeros, through every head."""
         if not outputs_only:
             eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
-            return list(
-                torch.autograd.grad(
-                    L,
-                    inputs,
-                    grad_outputs=eye,
-                    is_grads_batched=True,
-                    retain_graph=True,
-                    allow_unused=True,
-                    materialize_grads=False,
+            with warnings.catch_warnings():  # an op without a batching rule loops over the k rows: right, slower
+                warnings.filterwarnings("ignore", message=".*we have not yet implemented the batching rule")
+                return list(
+                    torch.autograd.grad(
+                        L,
+                        inputs,
+                        grad_outputs=eye,
+                        is_grads_batched=True,
+                        retain_graph=True,
+                        allow_unused=True,
+                        materialize_grads=False,
+                    )
                 )
-            )
         rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
         out = []
         for j in range(len(inputs)):

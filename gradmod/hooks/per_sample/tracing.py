@@ -147,3 +147,21 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int]) -> Tra
         grown, _ = _record(model, grown_args, grown_kwargs, None)
     dims = {m: _dims(c, grown.get(m), batch) for m, c in calls.items()}
     return Trace(batch, dims, uses)
+
+
+def param_uses(
+    model: nn.Module, args: tuple, kwargs: dict, watched: set[int]
+) -> dict[int, list[tuple[nn.Module, ...]]]:
+    """id(param) -> the stack of running modules at each use of a ``watched`` parameter, from
+    one forward of ``model(*args, **kwargs)``; the random state and the buffers (BatchNorm's
+    running statistics) are as they were before it."""
+    devices = [x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.is_cuda]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=sorted({x.index or 0 for x in devices})):
+        try:
+            _, uses = _record(model, args, kwargs, watched)
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+    return uses
