@@ -74,10 +74,12 @@ def _needs(name: str, modules: list[str], extra: str) -> None:
 
 
 class Method:
-    """Base: stateless unless ``state_dict`` says otherwise."""
+    """Base: stateless unless ``state_dict`` says otherwise. ``per_task_state``: the method
+    keeps a state per task (by position), so every backward must bring the same tasks."""
 
     kind = "gramian"
     name = "method"
+    per_task_state = False
 
     def weights(self, G: Tensor, gen: torch.Generator) -> Tensor:
         raise NotImplementedError
@@ -251,6 +253,7 @@ class GradVac(Method):
     others (random order), from the Gramian; the EMA of the cosines is its state."""
 
     name = "gradvac"
+    per_task_state = True
 
     def __init__(self, beta: float = 0.5, eps: float = 1e-8):
         self.beta = _check("gradvac", "beta", beta, 0.0, high=1.0)
@@ -293,6 +296,7 @@ class NashMTL(Method):
     (cvxpy, ECOS); the update's norm capped at ``max_norm`` (0: no cap)."""
 
     name = "nash_mtl"
+    per_task_state = True
 
     def __init__(self, max_norm: float = 1.0, update_weights_every: int = 1, optim_niter: int = 20):
         self.max_norm = _check("nash_mtl", "max_norm", max_norm, 0.0)
@@ -359,12 +363,13 @@ class NashMTL(Method):
                 w = w / n * self.max_norm
         return w
 
-    def state_dict(self):
-        return {"step": self.step, "alpha": None if self.alpha is None else self.alpha.copy()}
+    def state_dict(self):  # tensors, not numpy arrays: checkpoints load with weights_only=True
+        return {"step": self.step, "alpha": None if self.alpha is None else torch.from_numpy(np.array(self.alpha))}
 
     def load_state_dict(self, state):
-        self.step = state["step"]
-        self.alpha = None if state["alpha"] is None else np.array(state["alpha"])
+        self.step = int(state["step"])
+        alpha = state["alpha"]
+        self.alpha = None if alpha is None else np.array(alpha.numpy() if isinstance(alpha, Tensor) else alpha)
         self._problem = None
 
 
@@ -418,6 +423,7 @@ class UW(LossWeighting):
     learned by an Adam of their own (``lr``), stepped at each backward."""
 
     name = "uw"
+    per_task_state = True
 
     def __init__(self, lr: float = 0.001):
         self.lr = _check("uw", "lr", lr, 0.0)
@@ -460,6 +466,7 @@ class FAMO(LossWeighting):
     on the same batch)."""
 
     name = "famo"
+    per_task_state = True
     EPS = 1e-8
 
     def __init__(self, lr: float = 0.025, weight_decay: float = 0.001, min_losses: list[float] | None = None):
@@ -517,6 +524,7 @@ class DWA(LossWeighting):
     losses (uniform until two epochs are done); ``HookSet.end_epoch()`` closes an epoch."""
 
     name = "dwa"
+    per_task_state = True
 
     def __init__(self, temperature: float = 2.0):
         self.temperature = _check("dwa", "temperature", temperature, 0.0, strict=True)

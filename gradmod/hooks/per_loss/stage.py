@@ -23,6 +23,7 @@ hook on that output: k cheap passes through the heads, one through the trunk.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -135,6 +136,9 @@ class PerLossStage:
         self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): the weights see unscaled gradients
         self.generator = torch.Generator().manual_seed(torch.initial_seed())
         self.inside = False  # True while the stage runs its own backward passes
+        # One batched backward for the k losses; False: k backward passes (set by the first
+        # batched pass a torch.compile'd backward refuses: its kernels do not run batched).
+        self.batched = True
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._owner = {id(p): r for r in rules if r.method.kind != "losses" for p in r.params}
         _refuse_sparse(model, self._owner)
@@ -146,6 +150,7 @@ class PerLossStage:
         self._outputs: dict[int, list] = {}  # id(module rule's module) -> its outputs' tensors
         self._handles = []
         self._traced = self._tracing = False
+        self.tasks: list[str] | None = None  # the losses' names at the first backward, in order
         if self._owner:
             self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
         for r in self.rules:
@@ -229,7 +234,7 @@ class PerLossStage:
     # ---- one backward ----
 
     def backward(self, losses: Mapping[str, Tensor]) -> None:
-        names = list(losses)
+        names = self._tasks(list(losses))
         L = torch.stack([losses[n] for n in names])
         try:
             self.inside = True
@@ -241,7 +246,29 @@ class PerLossStage:
             for k in self._outputs:
                 self._outputs[k] = []
 
+    def _tasks(self, names: list[str]) -> list[str]:
+        """The tasks in the order of the first backward (a method's state is by position);
+        another set of tasks is refused by a method that keeps a state per task."""
+        if self.tasks is None:
+            self.tasks = names
+        if set(names) == set(self.tasks):
+            return self.tasks
+        for r in self.rules:
+            if r.method.per_task_state:
+                raise ValueError(
+                    f"hooks.{r.name}: per_loss method {r.method_name!r} keeps a state per task and got the "
+                    f"losses {', '.join(names)} after {', '.join(self.tasks)}; every backward must bring "
+                    "the same named losses (a stateless method, such as upgrad or mean, takes any)"
+                )
+        return names
+
     def _backward(self, names: list[str], L: Tensor) -> None:
+        for r in self.rules:
+            if r.modules and not any(self._outputs[id(m)] for m in r.modules):
+                raise ValueError(
+                    f"hooks.{r.name}: no module of this modules rule ran in a training forward (gradients "
+                    "on) before this backward, so there is no output whose task gradients to combine"
+                )
         k = len(names)
         grad_rules = [r for r in self.rules if r.method.kind != "losses"]
         inputs, slots = self._inputs(grad_rules)
@@ -270,24 +297,29 @@ class PerLossStage:
 
     def _task_grads(self, L: Tensor, inputs: list, outputs_only: bool) -> list[Tensor | None]:
         """``[k, *input]`` per input: the k losses' gradients. Down to shared layers, one
-        batched backward (big matmuls); down to a module's output only (the heads), k plain
-        backward passes: each loss then goes through its own head alone, where the batched
-        pass would send k rows, k - 1 of them zeros, through every head."""
-        if not outputs_only:
+        batched backward (big matmuls) unless ``batched`` is off; down to a module's output
+        only (the heads), k plain backward passes: each loss then goes through its own head
+        alone, where the batched pass would send k rows, k - 1 of them zeros, through every head."""
+        if not outputs_only and self.batched:
             eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
-            with warnings.catch_warnings():  # an op without a batching rule loops over the k rows: right, slower
-                warnings.filterwarnings("ignore", message=".*we have not yet implemented the batching rule")
-                return list(
-                    torch.autograd.grad(
-                        L,
-                        inputs,
-                        grad_outputs=eye,
-                        is_grads_batched=True,
-                        retain_graph=True,
-                        allow_unused=True,
-                        materialize_grads=False,
+            try:
+                with warnings.catch_warnings():  # an op without a batching rule loops over the k rows: right, slower
+                    warnings.filterwarnings("ignore", message=".*we have not yet implemented the batching rule")
+                    return list(
+                        torch.autograd.grad(
+                            L,
+                            inputs,
+                            grad_outputs=eye,
+                            is_grads_batched=True,
+                            retain_graph=True,
+                            allow_unused=True,
+                            materialize_grads=False,
+                        )
                     )
-                )
+            except RuntimeError as e:  # a compiled backward's kernels (out= ops) do not run under vmap
+                if "Batching rule not implemented" not in str(e):
+                    raise
+                self.batched = False  # the same gradients from k passes, from now on
         rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
         out = []
         for j in range(len(inputs)):
@@ -313,11 +345,22 @@ class PerLossStage:
             self.reduce([G])
             G = G / self.reduce_size()
         Gh = self._unscaled(G.detach().to("cpu", torch.float64), 2)
-        w = r.method.weights(Gh, self.generator)
-        r.record.add(names, Gh, w)
+        w = self._weights(r, names, Gh)
         wd = w.to(device=G.device)
         for e in entries:
             _update(e, wd, replace)
+
+    def _weights(self, r: LossRule, names: list[str], G: Tensor) -> Tensor:
+        """The method's weights, recorded; a non-finite Gramian (a nan or inf in a task's
+        loss or gradient) gives nan weights without asking the method, whose solver would
+        fail and whose state would keep the nan: the update is nan, and the trainer's
+        non-finite policy (``skip``, ``raise``) and its divergence check act on it as on
+        any other step."""
+        if not torch.isfinite(G).all():
+            return torch.full((len(G),), math.nan, dtype=G.dtype)
+        w = r.method.weights(G, self.generator)
+        r.record.add(names, G, w)
+        return w
 
     def _unscaled(self, t: Tensor, power: int) -> Tensor:
         """``t`` without GradScaler's factor (the Gramian has it squared, the losses once)."""
@@ -343,10 +386,10 @@ class PerLossStage:
         if r.method.kind == "jacobian":
             U = torch.rand(J.shape[1], generator=self.generator, dtype=J.dtype).to(J.device)
             out = r.method.aggregate(J, U)
-            r.record.add(names, Gh, None)
+            if torch.isfinite(Gh).all():
+                r.record.add(names, Gh, None)
         else:
-            w = r.method.weights(Gh, self.generator)
-            r.record.add(names, Gh, w)
+            w = self._weights(r, names, Gh)
             out = torch.tensordot(w.to(J.device, J.dtype), J, 1)
         at = 0
         for what, obj, g in pieces:
@@ -374,11 +417,21 @@ class PerLossStage:
         values = L.detach().clone()
         if weighted and self.reduce is not None:  # the weights from the global batch's losses
             self.reduce([values])
+        host = self._unscaled(values.cpu(), 1)
         for r in weighted:
-            w = r.method.loss_weights(self._unscaled(values.cpu(), 1), self.generator)
-            r.record.add(names, None, w)
-            groups.append(((w.to(L.device, L.dtype) * L).sum(), r.params))
-            covered.update(id(p) for p in r.params)
+            if torch.isfinite(host).all():
+                w = r.method.loss_weights(host, self.generator)
+                r.record.add(names, None, w)
+            else:  # as _weights: nan weights, the method's state left as it was
+                w = torch.full_like(host, math.nan)
+            weighted_loss = (w.to(L.device, L.dtype) * L).sum()
+            if r.params:
+                groups.append((weighted_loss, r.params))
+                covered.update(id(p) for p in r.params)
+            outs = [t for m in r.modules for t in self._outputs[id(m)]]
+            if outs:  # a modules rule: the weighted sum's gradient enters the module through its outputs
+                got = torch.autograd.grad(weighted_loss, outs, retain_graph=True, materialize_grads=True)
+                replace.update({id(t): (t, g) for t, g in zip(outs, got)})
         rest = [p for p in self._trainable if id(p) not in covered]
         if rest:
             groups.append((L.sum(), rest))
