@@ -244,3 +244,32 @@ def test_a_compiled_model_gets_the_eager_models_gradients():
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     assert hooks.per_loss.batched is False
+
+
+def test_a_malformed_method_is_refused_when_registered_or_attached():
+    from gradmod.hooks import registry
+    from gradmod.hooks.per_loss.methods import Method
+
+    class NotAMethod:
+        kind = "gramian"
+
+        def weights(self, G, gen):
+            return torch.ones(len(G))
+
+    class NoWeights(Method):
+        pass
+
+    class BadKind(Method):
+        kind = "tasks"
+
+    for cls, message in [
+        (NotAMethod, "builds a NotAMethod, not a Method"),
+        (NoWeights, "a method of kind 'gramian' defines weights, and NoWeights does not"),
+        (BadKind, "kind='tasks'; allowed: gramian, jacobian, losses"),
+    ]:
+        with pytest.raises(TypeError, match=message) as e:
+            registry.register("mine", cls, kind="per_loss")
+        assert "\n" not in str(e.value)
+    registry.register("made_by_a_function", lambda: {"weights": None}, kind="per_loss")
+    with pytest.raises(TypeError, match="per_loss method 'made_by_a_function': its factory builds a dict"):
+        gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": ["made_by_a_function"]}})

@@ -55,6 +55,9 @@ class Entry:
 
 
 _ENTRIES: dict[str, Entry] = {}
+# kind -> check(name, factory) of the factories of that kind, set by the module that defines
+# the kind's base class (a per_loss factory must build a per_loss Method): refused at register.
+FACTORY_CHECKS: dict[str, Callable[[str, Any], None]] = {}
 
 
 def _check(name: str, factory: Any, kind: str, foreach: Any, observer: bool) -> None:
@@ -96,6 +99,8 @@ def register(
     def add(f):
         if not callable(f):
             raise TypeError(f"transforms.register({name!r}): factory must be callable, got {type(f).__name__}")
+        if kind in FACTORY_CHECKS:
+            FACTORY_CHECKS[kind](name, f)
         if name in _ENTRIES and not overwrite:
             raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
         _ENTRIES[name] = Entry(name, f, kind, foreach, observer)

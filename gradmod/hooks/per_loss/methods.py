@@ -38,6 +38,33 @@ def register(name: str, factory: Callable[..., Method] | None = None, *, overwri
     return R.register(name, factory, kind="per_loss", overwrite=overwrite)
 
 
+NEEDS = {"gramian": "weights", "jacobian": "aggregate", "losses": "loss_weights"}  # kind -> what it defines
+
+
+def check_method(name: str, made: Any) -> None:
+    """A per_loss method: a ``Method`` whose ``kind`` is one of ``KINDS`` and which defines
+    what its kind needs (``weights``, ``aggregate`` or ``loss_weights``); a class is checked
+    when registered, what a function builds when a rule is attached."""
+    cls = made if isinstance(made, type) else type(made)
+    what = f"per_loss method {name!r}"
+    if not issubclass(cls, Method):
+        raise TypeError(
+            f"{what}: its factory builds a {cls.__name__}, not a Method; subclass gradmod's per_loss "
+            "Method and define weights (kind 'gramian'), aggregate ('jacobian') or loss_weights ('losses')"
+        )
+    need = NEEDS.get(cls.kind)
+    if need is None:
+        raise TypeError(f"{what}: kind={cls.kind!r}; allowed: {', '.join(KINDS)}")
+    impl = getattr(cls, need, None)
+    if impl is None or impl in (getattr(Method, need, None), getattr(LossWeighting, need, None)):
+        raise TypeError(f"{what}: a method of kind {cls.kind!r} defines {need}, and {cls.__name__} does not")
+
+
+def _check_factory(name: str, factory: Any) -> None:
+    if isinstance(factory, type):
+        check_method(name, factory)
+
+
 def names() -> list[str]:
     return R.names("per_loss")
 
@@ -552,6 +579,8 @@ class DWA(LossWeighting):
     def load_state_dict(self, state):
         self.sum, self.batches, self.averages = state["sum"], state["batches"], list(state["averages"])
 
+
+R.FACTORY_CHECKS["per_loss"] = _check_factory
 
 for _cls in (
     Mean,

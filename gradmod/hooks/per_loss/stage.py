@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_loss.methods import Method
+from gradmod.hooks.per_loss.methods import Method, check_method
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.per_sample.tracing import param_uses
 
@@ -579,6 +579,8 @@ def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict
         if t.stage != "per_loss":
             continue
         step = t.steps[0]
+        if t.rule not in rules:
+            check_method(step.name, step.fn)  # a factory of one's own may build anything
         r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn))
         if t.kind == "param":
             r.params.append(params[t.name])
