@@ -214,7 +214,7 @@ class LossConfig:
     (a mapping or tuple); false hands it the whole outputs and labels (a loss of your own
     that returns a mapping of named losses); true always per task."""
 
-    _target_: str = "torch.nn.CrossEntropyLoss"
+    _target_: str = "gradmod.training.tasks.LossByTarget"
     _partial_: bool = False
     args: Dict[str, Any] = field(default_factory=dict)
     per_task: Optional[bool] = None  # null: per task when the model returns several outputs | true | false
@@ -284,7 +284,7 @@ class Config:
     hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule; filled by the hooks group or the command line
     plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built, e.g. [my_pkg.transforms]: their gradmod.hooks.transforms.register(...) calls make `transforms: [flip]` work
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
-    metric: Any = "auto"  # auto | accuracy | none | {_target_: ...}, or task name -> one of those
+    metric: Any = "auto"  # auto | accuracy | rmse | none | {_target_: ...}, or task name -> one of those
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 
     def __post_init__(self):
