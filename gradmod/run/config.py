@@ -270,6 +270,20 @@ class RuleConfig:
 
 
 @dataclass
+class ReportConfig:
+    """What a sweep's report ranks its groups by (``gradmod.reporting.sweep_rank``)."""
+
+    metric: str = "auto"  # auto (test accuracy, else test loss) | accuracy | loss | <task> (its test metric) | <task>/loss
+    direction: str = "auto"  # auto (accuracy higher is better; loss and rmse lower) | higher | lower
+
+    def __post_init__(self):
+        if self.direction not in ("auto", "higher", "lower"):
+            raise ValueError(f"report.direction={self.direction!r} is not allowed; allowed: auto, higher, lower")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"report.metric={self.metric!r} must be auto, accuracy, loss, a task's name or <task>/loss")
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -279,6 +293,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     seed: int = 1234  # the article's seed; fixes init, data split and batch order on the CPU
     data_dir: str = "data"  # where torchvision looks for (and downloads) MNIST
     hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule; filled by the hooks group or the command line
