@@ -175,7 +175,9 @@ def test_modules_rule_aggregates_the_representation_gradient(name):
 
 
 def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
-    """``steps`` SGD steps with gradmod's weighting and with torchjd's scalarizer, side by side."""
+    """``steps`` SGD steps with gradmod's weighting and with torchjd's scalarizer, side by side.
+    FAMO: by default both update from the same batch's losses after the step; with
+    ``update_from: next_batch`` ours takes the next batch's losses, so torchjd's is given those."""
     torch.manual_seed(3)
     k = 3
     ours, theirs = Shared(k).double(), None
@@ -187,15 +189,22 @@ def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
     opt_s = torch.optim.Adam(extra, lr=args.get("lr", 0.001)) if extra else None
     for step in range(steps):
         x, ys = _batch(k, False, seed=step)
+        next_batch = args.get("update_from") == "next_batch"
         opt_a.zero_grad()
         hooks.backward(_losses(ours, x, ys))
         opt_a.step()
+        if name == "famo" and not next_batch:
+            with torch.no_grad():
+                hooks.per_loss.after_step(_losses(ours, x, ys))
         opt_b.zero_grad()
         L = torch.stack(list(_losses(theirs, x, ys).values()))
-        if name == "famo" and step > 0:
-            scalarizer.update(L)  # ours takes the next batch's losses as the after-step losses
+        if name == "famo" and next_batch and step > 0:
+            scalarizer.update(L)
         scalarizer(L).backward()
         opt_b.step()
+        if name == "famo" and not next_batch:
+            with torch.no_grad():
+                scalarizer.update(torch.stack(list(_losses(theirs, x, ys).values())))
         if opt_s is not None:
             opt_s.step()
             opt_s.zero_grad()
@@ -213,6 +222,7 @@ def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
         ("uw", {"lr": 0.01}, lambda: tjs.UW(3)),
         ("dwa", {}, lambda: tjs.DWA()),
         ("famo", {}, lambda: tjs.FAMO(3)),
+        ("famo", {"update_from": "next_batch"}, lambda: tjs.FAMO(3)),
     ],
 )
 def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, make):

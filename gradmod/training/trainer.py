@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradmod.data import Data
+from gradmod.training.after_step import AfterStepLosses
 from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
 from gradmod.training.dpsgd import PerSampleSetup
@@ -112,8 +113,11 @@ class Trainer:
                 accumulate=settings.accumulate,
             )
         self.per_loss = None  # the per_loss stage's set-up (gradmod.training.multitask), when a rule has one
+        self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
         if hooks is not None and getattr(hooks, "per_loss", None) is not None:
             self.per_loss = PerLossSetup(model, hooks, self.dist)
+            if hooks.per_loss.wants_after_step:
+                self.after_step = AfterStepLosses(hooks.per_loss, self.net, self.tasks, self.amp)
 
     def add_callbacks(self, callbacks: Sequence[Any]) -> None:
         """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
@@ -209,6 +213,8 @@ class Trainer:
             with self.amp.autocast():
                 losses = self.tasks.losses(self.net(xb), yb)  # one loss, or named ones
             self.amp.backward(scaled(losses, lambda t: t / group), self.hooks)
+        if self.after_step is not None:
+            self.after_step.keep(xb, yb)
         loss = total_loss(losses).detach()
         self.loss_sum += loss
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
@@ -226,6 +232,8 @@ class Trainer:
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it
         skip = skip or any(votes)
         self.amp.step(self.optimizer, skip)
+        if self.after_step is not None:
+            self.after_step.after_step(taken=not skip)
         self.skipped += skip
         self.step += 1
         if self.step % self.settings.log_every == 0:

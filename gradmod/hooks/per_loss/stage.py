@@ -446,6 +446,25 @@ class PerLossStage:
             for h in handles:
                 h.remove()
 
+    # ---- after the optimizer step ----
+
+    @property
+    def wants_after_step(self) -> bool:
+        """A method learns from the step's batch's losses after the step (famo's same_batch)."""
+        return any(getattr(r.method, "wants_after_step", False) for r in self.rules)
+
+    def after_step(self, losses: Mapping[str, Tensor]) -> None:
+        """The same batch's losses after ``optimizer.step()``, computed without gradients, for
+        the methods that learn from them (famo): under ``reduce`` averaged over the ranks."""
+        names = self._tasks(list(losses))
+        values = torch.stack([losses[n].detach() for n in names]).clone()
+        if self.reduce is not None:
+            self.reduce([values])
+        host = values.cpu()  # as the losses the weights came from (_rest)
+        for r in self.rules:
+            if getattr(r.method, "wants_after_step", False):
+                r.method.after_step(host)
+
     # ---- statistics and state ----
 
     def records(self) -> list[tuple[str, TaskRecord]]:
