@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -81,8 +82,34 @@ def test_a_nan_in_one_task_ends_the_run_diverged(compose_cfg, tmp_path):
     ]
     with pytest.raises(Diverged, match=r"^diverged: the loss and a parameter became non-finite"):
         run(compose_cfg(*common), tmp_path / "warn")
-    summary = run(compose_cfg(*common, "trainer.nonfinite=skip"), tmp_path / "skip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no matplotlib warning from an empty panel
+        summary = run(compose_cfg(*common, "trainer.nonfinite=skip"), tmp_path / "skip")
     assert summary["status"] == "ok" and summary["skipped_steps"] == 1
+    assert (tmp_path / "skip" / "tasks.png").read_bytes()[:4] == b"\x89PNG"  # the per-task plot
+    assert not (tmp_path / "skip" / "grad_norms.png").exists()  # per_loss records hold no norm to draw
+
+
+def test_the_task_plot_draws_what_was_logged_and_nothing_else(tmp_path):
+    from gradmod.reporting.plots import has_norms
+    from gradmod.reporting.task_plots import has_tasks, loss_rule_keys, plot_tasks
+
+    rows = [
+        (s, {"mtl/upgrad": {"norm/a": 1.0, "cos/a,b": -0.2 * s, "conflict": 1.0, "weight/a": 0.5, "calls": 1}})
+        for s in (1, 2)
+    ]
+    history = [
+        {"epoch": e, "tasks": {"a": {"test_loss": 1.0 / e, "test_metric": 0.5, "metric": "accuracy"}}} for e in (1, 2)
+    ]
+    assert loss_rule_keys(rows) == ["mtl/upgrad"] and not has_norms(rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_tasks(rows, history, tmp_path / "tasks.png")
+        plot_tasks([], history, tmp_path / "history_only.png")  # a loss weighting logged nothing yet
+    assert (tmp_path / "tasks.png").read_bytes()[:4] == b"\x89PNG"
+    assert not has_tasks([], [{"epoch": 1, "test_loss": 1.0}])
+    with pytest.raises(ValueError, match="nothing|no per_loss statistics"):
+        plot_tasks([], [{"epoch": 1}], tmp_path / "empty.png")
 
 
 @pytest.mark.parametrize("name", STATEFUL)
