@@ -57,7 +57,9 @@ def plot_tasks(rows: Rows, history: Sequence[dict[str, Any]], path: str | Path) 
     panels: list[tuple[str, str, str, dict[str, tuple[list, list]]]] = []  # (title, xlabel, ylabel, series)
     for key in loss_rule_keys(rows):
         cosines = {f"cos {pair}": v for pair, v in _fields(rows, key, "cos/").items()}
-        cosines.update({"conflicting pairs (fraction)": v for v in _fields(rows, key, "conflict").values()})
+        conflict = _fields(rows, key, "conflict").get("conflict")
+        if conflict is not None:
+            cosines["conflicting pairs (fraction)"] = conflict
         if cosines:
             panels.append(
                 (f"{key}: task-gradient cosines and conflicts", "optimizer step", "cosine, fraction", cosines)
