@@ -20,6 +20,8 @@ _HOMES = {
     "HookSet": "gradmod.hooks",
     "attach": "gradmod.hooks",
     "transforms": "gradmod.hooks",
+    "register": "gradmod.hooks.registry",
+    "Method": "gradmod.hooks.per_loss.methods",
     "apply_init": "gradmod.weight_init",
 }
 __all__ = sorted(_HOMES)

@@ -300,3 +300,37 @@ def test_a_malformed_method_is_refused_when_registered_or_attached():
     registry.register("made_by_a_function", lambda: {"weights": None}, kind="per_loss")
     with pytest.raises(TypeError, match="per_loss method 'made_by_a_function': its factory builds a dict"):
         gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": ["made_by_a_function"]}})
+
+
+def test_the_own_method_page_runs_as_written():
+    """docs/guide/own_method.md: its method registered as written, its YAML rule attached;
+    the update is the mean of the unit task gradients, by hand."""
+    import re
+
+    import yaml
+    from helpers import ROOT
+
+    from gradmod.hooks import registry
+
+    page = (ROOT / "docs" / "guide" / "own_method.md").read_text()
+    python = re.findall(r"```python\n(.*?)```", page, re.S)
+    (rules,) = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", page, re.S)]
+    try:
+        exec(compile(python[0], "own_method.md", "exec"), {})
+        model = Shared().double()
+        ref = copy.deepcopy(model)
+        hooks = gradmod.attach(model, rules)
+        hooks.backward(_losses(model))
+        losses = list(_losses(ref).values())
+        trunk, heads = list(ref.trunk.parameters()), list(ref.heads.parameters())
+        rows = [torch.cat([g.flatten() for g in torch.autograd.grad(L, trunk, retain_graph=True)]) for L in losses]
+        update = sum(r / r.norm() for r in rows) / len(rows)
+        got = torch.cat([p.grad.flatten() for p in model.trunk.parameters()])
+        torch.testing.assert_close(got, update, rtol=0, atol=1e-14)
+        for p, g in zip(model.heads.parameters(), torch.autograd.grad(sum(losses), heads)):
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-14)
+        assert "weight/t0" in hooks.read_stats()["unit_mean/unit_mean"]
+        with pytest.raises(ValueError, match="per_loss method 'unit_mean': eps=0 must be > 0"):
+            gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": [{"name": "unit_mean", "eps": 0}]}})
+    finally:
+        registry.unregister("unit_mean")

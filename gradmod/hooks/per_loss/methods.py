@@ -10,8 +10,9 @@ Three kinds, by what a method needs:
 
 Weights are computed on the host in float64 (k is small; the Gramian comes over in one
 copy). Random choices draw from the stage's generator, passed in as ``gen``.
-``register(name, factory)`` adds a method of one's own: ``factory(**args)`` returns an
-object with ``kind`` and ``weights`` (or ``aggregate``), like the classes here.
+``gradmod.register(name, factory, kind="per_loss")`` adds a method of one's own:
+``factory(**args)`` returns a ``Method`` with ``kind`` and what that kind needs (``NEEDS``),
+like the classes here (docs/guide/own_method.md).
 """
 
 from __future__ import annotations
