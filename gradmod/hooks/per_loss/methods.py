@@ -123,26 +123,43 @@ class Method:
 
 
 class Mean(Method):
+    """``1/k`` per task. Weights that need no task gradient: the stage runs it as a loss
+    weighting (one ordinary backward); ``weights`` gives the same from a Gramian."""
+
+    kind = "losses"
     name = "mean"
 
     def weights(self, G, gen):
         return torch.full((len(G),), 1.0 / len(G), dtype=G.dtype)
 
+    def loss_weights(self, losses, gen):
+        return torch.full((len(losses),), 1.0 / len(losses), dtype=losses.dtype)
+
 
 class Sum(Method):
+    """``1`` per task: the plain sum (``+hooks=mtl_sum``), one ordinary backward."""
+
+    kind = "losses"
     name = "sum"
 
     def weights(self, G, gen):
         return torch.ones(len(G), dtype=G.dtype)
 
+    def loss_weights(self, losses, gen):
+        return torch.ones(len(losses), dtype=losses.dtype)
+
 
 class Random(Method):
-    """Positive random weights: a softmax of standard normal draws (RLW)."""
+    """Positive random weights: a softmax of standard normal draws (RLW); a loss weighting."""
 
+    kind = "losses"
     name = "random"
 
     def weights(self, G, gen):
         return torch.softmax(torch.randn(len(G), generator=gen, dtype=G.dtype), 0)
+
+    def loss_weights(self, losses, gen):
+        return torch.softmax(torch.randn(len(losses), generator=gen, dtype=losses.dtype), 0)
 
 
 class PCGrad(Method):

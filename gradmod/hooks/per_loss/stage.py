@@ -414,6 +414,7 @@ class PerLossStage:
         covered = {id(p) for r in grad_rules for p in r.params}
         weighted = [r for r in self.rules if r.method.kind == "losses"]
         groups: list[tuple[Tensor, list[nn.Parameter]]] = []
+        scaled: list[tuple[nn.Parameter, float]] = []
         values = L.detach().clone()
         if weighted and self.reduce is not None:  # the weights from the global batch's losses
             self.reduce([values])
@@ -425,7 +426,12 @@ class PerLossStage:
             else:  # as _weights: nan weights, the method's state left as it was
                 w = torch.full_like(host, math.nan)
             weighted_loss = (w.to(L.device, L.dtype) * L).sum()
-            if r.params:
+            if r.params and bool((w == w[0]).all()) and math.isfinite(float(w[0])):
+                # One weight for every task: the gradient of the plain sum, times it, in the
+                # one backward of the sum (a hook on each parameter scales what arrives there).
+                if float(w[0]) != 1.0:
+                    scaled += [(p, float(w[0])) for p in r.params]
+            elif r.params:
                 groups.append((weighted_loss, r.params))
                 covered.update(id(p) for p in r.params)
             outs = [t for m in r.modules for t in self._outputs[id(m)]]
@@ -436,6 +442,7 @@ class PerLossStage:
         if rest:
             groups.append((L.sum(), rest))
         handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
+        handles += [p.register_hook(lambda g, c=c: g * c) for p, c in scaled]
         try:
             if len(groups) == 1 and len(groups[0][1]) == len(self._trainable):
                 groups[0][0].backward()  # everything from one loss: no restriction needed
