@@ -195,7 +195,7 @@ def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
         opt_a.step()
         if name == "famo" and not next_batch:
             with torch.no_grad():
-                hooks.per_loss.after_step(_losses(ours, x, ys))
+                hooks.after_step(_losses(ours, x, ys))
         opt_b.zero_grad()
         L = torch.stack(list(_losses(theirs, x, ys).values()))
         if name == "famo" and next_batch and step > 0:
@@ -479,8 +479,8 @@ def test_bf16_autocast_runs_and_stays_close_to_float32():
 
 
 def test_fsdp_sharded_parameters_are_refused(monkeypatch):
-    import gradmod.hooks.hookset as R
+    import gradmod.hooks.sharded as S
 
-    monkeypatch.setattr(R, "is_sharded", lambda t: True)
+    monkeypatch.setattr(S, "is_sharded", lambda t: True)
     with pytest.raises(ValueError, match="FSDP-sharded"):
         gradmod.attach(Shared(2), {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})

@@ -29,8 +29,9 @@ def attach_for(
     rules (see ``docs/privacy.md``) and per_loss rules (the loop's backward takes one loss)."""
     _refuse_shared(trainer, model, rules, stage, *shared)
     hooks = attach(model, rules, stage=stage, replace=False)
-    if hooks.per_sample is not None:
-        rule = hooks.per_sample.rules[0].name
+    private = hooks.stage("per_sample")
+    if private is not None:
+        rule = private.rules[0].name
         hooks.remove()
         raise ValueError(
             f"hooks.{rule}: per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: "

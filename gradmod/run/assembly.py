@@ -84,7 +84,7 @@ def build_trainer(run: Run) -> Parts:
                 run.privacy.sample_rate,
                 sampling=dp.sampling(cfg),
                 target_epsilon=cfg.privacy.target_epsilon,
-                clip=run.hooks.per_sample.noisy,
+                clip=run.hooks.stage("per_sample").noisy,
             )
         )
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.

@@ -4,8 +4,8 @@ them (famo with ``update_from: same_batch``, as its authors define it).
 The trainer keeps the step's micro-batches; once the optimizer has stepped (a step the
 non-finite policy skipped changed nothing and is left out), it computes their losses again
 in a forward without gradients, the model as it trains (so dropout and BatchNorm act as in
-the references' second forward), and hands their mean over the micro-batches to the
-per_loss stage (``after_step``), which averages them over the ranks under DDP.
+the references' second forward), and hands their mean over the micro-batches to the hooks
+(``HookSet.after_step``; the per_loss stage averages them over the ranks under DDP).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 
 class AfterStepLosses:
-    def __init__(self, stage, net: nn.Module, tasks, amp):
-        self.stage, self.net, self.tasks, self.amp = stage, net, tasks, amp
+    def __init__(self, hooks, net: nn.Module, tasks, amp):
+        self.hooks, self.net, self.tasks, self.amp = hooks, net, tasks, amp
         self.batches: list[tuple[Tensor, Any]] = []
 
     def keep(self, xb: Tensor, yb: Any) -> None:
@@ -36,4 +36,4 @@ class AfterStepLosses:
                     return  # one loss: no per_loss rule can have run on it
                 for k, v in losses.items():
                     sums[k] = sums[k] + v.float() if k in sums else v.float()
-        self.stage.after_step({k: v / len(batches) for k, v in sums.items()})
+        self.hooks.after_step({k: v / len(batches) for k, v in sums.items()})

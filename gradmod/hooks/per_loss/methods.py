@@ -34,8 +34,8 @@ KINDS = ("gramian", "jacobian", "losses")
 
 
 def register(name: str, factory: Callable[..., Method] | None = None, *, overwrite: bool = False):
-    """Register a per_loss method ``factory(**args)`` under ``name`` in the one registry of
-    transforms (kind ``per_loss``); usable as a decorator."""
+    """Deprecated: ``gradmod.register(name, factory, kind="per_loss")``."""
+    R.warn_moved("gradmod.hooks.per_loss.register")
     return R.register(name, factory, kind="per_loss", overwrite=overwrite)
 
 
@@ -510,7 +510,7 @@ class FAMO(LossWeighting):
     an optimizer step. ``update_from``: ``same_batch`` (as its authors define it) compares the
     step's losses with the same batch's losses after the step, which ``after_step`` brings
     (the trainer computes them in a second forward without gradients; in one's own loop call
-    ``hooks.per_loss.after_step(losses)`` after ``optimizer.step()``); ``next_batch`` uses the
+    ``hooks.after_step(losses)`` after ``optimizer.step()``); ``next_batch`` uses the
     next backward's losses instead (no second forward; a different batch)."""
 
     name = "famo"
@@ -623,7 +623,8 @@ class DWA(LossWeighting):
 
 R.FACTORY_CHECKS["per_loss"] = _check_factory
 
-for _cls in (
+# The shipped methods, in the order ``names`` lists them (``gradmod.hooks.catalog`` registers them).
+SHIPPED = (
     Mean,
     Sum,
     Random,
@@ -641,5 +642,4 @@ for _cls in (
     UW,
     FAMO,
     DWA,
-):
-    register(_cls.name, _cls)
+)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.log_buffer import in_distributed
+from gradmod.hooks.hook.log_buffer import in_distributed
 from gradmod.hooks.reduce import BIG
 
 
@@ -90,7 +90,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
     if defer is not None:
 
         def deferring_hook(grad: Tensor) -> Tensor | None:
-            if hooks._grad_scale is None and defer(param):
+            if hooks.grad_scale is None and defer(param):
                 logs.defer(group, steps, param, key, hooks.ledger)
                 return None
             return hook(grad)
@@ -101,7 +101,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
         observers = [obs for obs, _ in slots]
 
         def observing_hook(grad: Tensor) -> Tensor | None:
-            if hooks._grad_scale is None and not any(obs.histogram for obs in observers):
+            if hooks.grad_scale is None and not any(obs.histogram for obs in observers):
                 logs.add_small(slots, grad, param)
                 return None
             return hook(grad)

@@ -22,9 +22,8 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.reduce import BIG
-from gradmod.hooks.registry import register
 from gradmod.hooks.sharded import is_sharded, plain
-from gradmod.hooks.transforms import _number, _positive
+from gradmod.hooks.validators import number, positive
 from gradmod.hooks.window import Window
 
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
@@ -132,7 +131,7 @@ class GlobalNormClip(GroupTransform):
 
     def __init__(self, max_norm: float, norm_type: float = 2.0):
         super().__init__()
-        self.max_norm = _positive(self.name, "max_norm", max_norm, allow_zero=False)
+        self.max_norm = positive(self.name, "max_norm", max_norm, allow_zero=False)
         self.norm_type = _norm_type(self.name, norm_type)
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -145,7 +144,7 @@ class GlobalNormClip(GroupTransform):
 def _norm_type(transform: str, value: Any) -> float:
     if isinstance(value, str) and value.lower() in ("inf", "infinity"):
         return math.inf
-    v = _number(transform, "norm_type", value, finite=False)
+    v = number(transform, "norm_type", value, finite=False)
     if not (v >= 1):
         raise ValueError(f"transform {transform!r}: norm_type={value!r} must be >= 1 or 'inf'")
     return v
@@ -170,8 +169,8 @@ class AGC(GroupTransform):
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0):
         super().__init__()
-        self.clip_factor = _positive(self.name, "clip_factor", clip_factor, allow_zero=False)
-        self.eps = _positive(self.name, "eps", eps, allow_zero=False)
+        self.clip_factor = positive(self.name, "clip_factor", clip_factor, allow_zero=False)
+        self.eps = positive(self.name, "eps", eps, allow_zero=False)
         self.norm_type = _norm_type(self.name, norm_type)
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -227,10 +226,10 @@ class ZClip(GroupTransform):
 
     def __init__(self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, on_spike: str = "clip"):
         super().__init__()
-        self.alpha = _number(self.name, "alpha", alpha)
+        self.alpha = number(self.name, "alpha", alpha)
         if not 0 < self.alpha < 1:
             raise ValueError(f"transform 'zclip': alpha={alpha!r} must be in (0, 1)")
-        self.z_threshold = _positive(self.name, "z_threshold", z_threshold, allow_zero=False)
+        self.z_threshold = positive(self.name, "z_threshold", z_threshold, allow_zero=False)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"transform 'zclip': warmup_steps={warmup_steps!r} must be an int >= 1")
         self.warmup_steps = warmup_steps
@@ -286,8 +285,3 @@ class ZClip(GroupTransform):
         self.mean, self.var, self.count = (
             None if state[k] is None else move(state[k]) for k in ("mean", "var", "count")
         )
-
-
-register("global_norm_clip", GlobalNormClip, kind="group")
-register("agc", AGC, kind="group")
-register("zclip", ZClip, kind="group")
