@@ -65,6 +65,7 @@ def test_a_nan_in_one_task_gives_a_nan_update_and_leaves_the_state_alone(name):
         assert repr(after[key]) == repr(value), f"{name}: the nan step changed the method's state"
 
 
+@pytest.mark.slow
 def test_a_nan_in_one_task_ends_the_run_diverged(compose_cfg, tmp_path):
     from gradmod.app.cli import run
     from gradmod.training.nonfinite import Diverged
@@ -222,6 +223,7 @@ def test_per_loss_rules_are_refused_at_set_up_under_lightning_and_transformers(t
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_per_loss_rules_are_refused_when_lightning_sets_up(tmp_path):
     pytest.importorskip("lightning", reason="lightning is not installed")
     import lightning as L
