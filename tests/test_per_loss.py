@@ -4,7 +4,9 @@ shared-trunk model, loss weightings over many steps; its refusals, statistics an
 from __future__ import annotations
 
 import copy
+import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -484,3 +486,37 @@ def test_fsdp_sharded_parameters_are_refused(monkeypatch):
     monkeypatch.setattr(S, "is_sharded", lambda t: True)
     with pytest.raises(ValueError, match="FSDP-sharded"):
         gradmod.attach(Shared(2), {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+
+
+@pytest.mark.parametrize("rescale", [1, 2])
+def test_cagrad_rescale_is_libmtls_form(rescale):
+    """LibMTL's CAGrad: the simplex point minimising ``x^T G b + c |g_0| sqrt(x^T G x)`` (scipy,
+    from the uniform start), the update ``mean + c |g_0| / |J^T x| J^T x``, divided by
+    ``1 + c^2`` (rescale 1) or ``1 + c`` (rescale 2); written here from that description."""
+    from scipy.optimize import minimize
+
+    J = _jacobian(3, 30, 11)
+    G = (J @ J.T).numpy()
+    k, c = 3, 0.5
+    b = np.full(k, 1.0 / k)
+    c_norm = c * np.sqrt(G.mean() + 1e-8)
+
+    def objective(x):
+        return x @ G @ b + c_norm * np.sqrt(x @ G @ x + 1e-8)
+
+    x = minimize(objective, b, bounds=[(0, 1)] * k, constraints={"type": "eq", "fun": lambda x: 1 - x.sum()}).x
+    gw = torch.from_numpy(x) @ J
+    update = J.mean(0) + c_norm / gw.norm() * gw
+    expected = update / (1 + c**2 if rescale == 1 else 1 + c)
+    got = M.build("cagrad", {"c": c, "rescale": rescale}).weights(torch.from_numpy(G), torch.Generator()) @ J
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="rescale=3; allowed: 0, 1, 2"):
+        M.build("cagrad", {"rescale": 3})
+
+
+def test_uw_starts_from_init():
+    """LibMTL starts the log-variances at -0.5: the first weights are 0.5 exp(0.5)."""
+    losses = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    w = M.build("uw", {"init": -0.5}).loss_weights(losses, torch.Generator())
+    torch.testing.assert_close(w, torch.full((2,), 0.5 * math.exp(0.5), dtype=torch.float64))
+    torch.testing.assert_close(M.build("uw", {}).loss_weights(losses, torch.Generator()), torch.full_like(w, 0.5))

@@ -280,17 +280,23 @@ class DualProj(_DualCone):
 
 class CAGrad(Method):
     """Conflict-averse gradient: the update in a ball of radius ``c |g_0|`` around the mean that
-    maximises the worst task's improvement (a cone program; Clarabel)."""
+    maximises the worst task's improvement (a cone program; Clarabel). ``rescale``: 0 leaves
+    the update as it is (torchjd, the default); LibMTL's 1 divides it by ``1 + c^2``, 2 by ``1 + c``."""
 
     name = "cagrad"
+    RESCALES = (0, 1, 2)
 
-    def __init__(self, c: float = 0.5, norm_eps: float = 0.0001):
+    def __init__(self, c: float = 0.5, norm_eps: float = 0.0001, rescale: int = 0):
         self.c = _check("cagrad", "c", c, 0.0)
         self.norm_eps = _check("cagrad", "norm_eps", norm_eps, 0.0)
+        if rescale not in self.RESCALES or isinstance(rescale, bool):
+            raise ValueError(f"per_loss method 'cagrad': rescale={rescale!r}; allowed: 0, 1, 2")
+        self.rescale = {0: 1.0, 1: 1.0 + self.c**2, 2: 1.0 + self.c}[rescale]
         _needs("cagrad", ["clarabel", "scipy"], 'pip install clarabel scipy, or "torchjd[cagrad]"')
 
     def weights(self, G, gen):
-        return torch.from_numpy(solvers.cagrad_socp(G.numpy(), self.c, self.norm_eps)).to(G.dtype)
+        w = torch.from_numpy(solvers.cagrad_socp(G.numpy(), self.c, self.norm_eps)).to(G.dtype)
+        return w / self.rescale
 
 
 class GradVac(Method):
@@ -465,19 +471,21 @@ class GeometricMean(LossWeighting):
 
 class UW(LossWeighting):
     """Uncertainty weighting: ``sum_i 0.5 exp(-s_i) L_i + 0.5 s_i``; the log-variances ``s`` are
-    learned by an Adam of their own (``lr``), stepped at each backward."""
+    learned by an Adam of their own (``lr``), stepped at each backward, from ``init`` (0, as
+    torchjd; LibMTL starts at -0.5)."""
 
     name = "uw"
     per_task_state = True
 
-    def __init__(self, lr: float = 0.001):
+    def __init__(self, lr: float = 0.001, init: float = 0.0):
         self.lr = _check("uw", "lr", lr, 0.0)
+        self.init = _check("uw", "init", init, -math.inf)
         self.log_var: Tensor | None = None
         self._opt: torch.optim.Adam | None = None
 
     def _setup(self, k: int, dtype) -> None:
         if self.log_var is None:
-            self.log_var = torch.zeros(k, dtype=dtype, requires_grad=True)
+            self.log_var = torch.full((k,), self.init, dtype=dtype, requires_grad=True)
         if self._opt is None:
             self._opt = torch.optim.Adam([self.log_var], lr=self.lr)
 
