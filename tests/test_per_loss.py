@@ -520,3 +520,29 @@ def test_uw_starts_from_init():
     w = M.build("uw", {"init": -0.5}).loss_weights(losses, torch.Generator())
     torch.testing.assert_close(w, torch.full((2,), 0.5 * math.exp(0.5), dtype=torch.float64))
     torch.testing.assert_close(M.build("uw", {}).loss_weights(losses, torch.Generator()), torch.full_like(w, 0.5))
+
+
+def test_nash_mtl_weights_the_heads_by_argument():
+    """``heads: weighted`` (LibMTL, the authors): the heads get the gradient of
+    ``sum_i alpha_i L_i`` with the uncapped weights; the trunk's update is unchanged."""
+    torch.manual_seed(12)
+    k = 3
+    plain = Shared(k).double()
+    weighted = copy.deepcopy(plain)
+    x, ys = _batch(k, False)
+    gradmod.attach(plain, {"mtl": {"params": "trunk.*", "transforms": ["nash_mtl"]}}).backward(_losses(plain, x, ys))
+    hooks = gradmod.attach(
+        weighted, {"mtl": {"params": "trunk.*", "transforms": [{"name": "nash_mtl", "heads": "weighted"}]}}
+    )
+    hooks.backward(_losses(weighted, x, ys))
+    alpha = torch.from_numpy(np.array(hooks.per_loss.rules[0].method.alpha)).double()
+    ref = copy.deepcopy(plain)
+    L = torch.stack(list(_losses(ref, x, ys).values()))
+    heads = list(ref.heads.parameters())
+    for p, q, g in zip(
+        weighted.heads.parameters(), plain.heads.parameters(), torch.autograd.grad((alpha * L).sum(), heads)
+    ):
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(q.grad, g)  # the default: the plain sum
+    for p, q in zip(weighted.trunk.parameters(), plain.trunk.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)

@@ -153,6 +153,12 @@ class PerLossStage(Stage):
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         self._owner = {id(p): r for r in rules if r.method.kind != "losses" for p in r.params}
         _refuse_sparse(model, self._owner)
+        weighting = [r.name for r in rules if getattr(r.method, "heads", "sum") == "weighted"]
+        if len(weighting) > 1:
+            raise ValueError(
+                f"hooks.{weighting[1]}: only one per_loss rule may weight the losses of the parameters "
+                f"outside the rules (heads: weighted), and hooks.{weighting[0]} does"
+            )
         self.layers: list[Layer] = []
         # Until the first training forward is traced, every parameter is answered directly.
         self.direct: dict[int, tuple[LossRule, nn.Parameter]] = {
@@ -505,7 +511,7 @@ class PerLossStage(Stage):
                 replace.update({id(t): (t, g) for t, g in zip(outs, got)})
         rest = [p for p in self._trainable if id(p) not in covered]
         if rest:
-            groups.append((L.sum(), rest))
+            groups.append((self._rest_loss(L, grad_rules), rest))
         handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
         handles += [p.register_hook(lambda g, c=c: g * c) for p, c in scaled]
         try:
@@ -517,6 +523,14 @@ class PerLossStage(Stage):
         finally:
             for h in handles:
                 h.remove()
+
+    def _rest_loss(self, L: Tensor, grad_rules: list[LossRule]) -> Tensor:
+        """The plain sum, or the weighted one a method asks for the parameters outside it
+        (``nash_mtl`` with ``heads: weighted``)."""
+        asked = [w for r in grad_rules if (w := getattr(r.method, "rest_weights", lambda: None)()) is not None]
+        if not asked:
+            return L.sum()
+        return (asked[0].to(L.device, L.dtype) * L).sum()
 
     # ---- after the optimizer step ----
 
