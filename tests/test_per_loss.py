@@ -546,3 +546,35 @@ def test_nash_mtl_weights_the_heads_by_argument():
         assert not torch.allclose(q.grad, g)  # the default: the plain sum
     for p, q in zip(weighted.trunk.parameters(), plain.trunk.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", ["examples", "batch"])
+def test_modules_rule_rows_follow_torchjd_or_libmtl(rows):
+    """``rows: examples`` (default): the Gramian of the output's task gradients over every
+    example's entries (torchjd's features, MGDA-UB); ``rows: batch``: of each task's gradient
+    summed over the batch first (LibMTL's rep_grad). Either way the per-example task
+    gradients, weighted, go down the trunk. Reference: torchjd's UPGrad weighting, by hand."""
+    torch.manual_seed(13)
+    k = 3
+    model = Shared(k).double()
+    x, ys = _batch(k, False)
+    ref = copy.deepcopy(model)
+    z = ref.trunk(x)
+    losses = [F.cross_entropy(h(z), ys[n]) for n, h in ref.heads.items()]
+    Jz = torch.stack([torch.autograd.grad(L, z, retain_graph=True)[0] for L in losses])  # [k, B, F]
+    rows_of = Jz.flatten(1) if rows == "examples" else Jz.sum(1)
+    w = tja.UPGradWeighting()(rows_of @ rows_of.T)
+    heads = list(ref.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    z.backward(torch.tensordot(w, Jz, 1))
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    rule = {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"], "rows": rows}
+    hooks = gradmod.attach(model, {"rep": rule})
+    hooks.backward(_losses(model, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=n)
+    with pytest.raises(ValueError, match=r"hooks\.r\.rows: only a per_loss rule on modules"):
+        gradmod.attach(Shared(2), {"r": {"params": "trunk.*", "transforms": ["upgrad"], "rows": "batch"}})
+    with pytest.raises(ValueError, match=r"hooks\.r\.rows: 'sum'; allowed: examples, batch"):
+        gradmod.attach(Shared(2), {"r": {**rule, "rows": "sum"}})

@@ -263,6 +263,7 @@ class RuleConfig:
     exclude: Any = None
     transforms: Any = None
     stage: Optional[str] = None
+    rows: Optional[str] = None  # a per_loss modules rule: examples (default) | batch (LibMTL's rep_grad)
 
     def as_rule(self) -> Dict[str, Any]:
         """The rule as ``attach`` takes it: the keys that are set."""

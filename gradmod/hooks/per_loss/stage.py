@@ -53,6 +53,7 @@ class LossRule:
     params: list[nn.Parameter] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
     record: TaskRecord = field(default_factory=TaskRecord)
+    rows: str = "examples"  # a modules rule's Gramian: per-example rows, or each task's sum over the batch
 
     @property
     def key(self) -> str:
@@ -410,8 +411,17 @@ class PerLossStage(Stage):
         if r.method.kind == "jacobian" or (self.reduce is not None and r.params):
             self._jacobian_rule(r, names, entries, replace)
             return
-        G = sum(_gram(e) for e in entries)
-        if self.reduce is not None:  # modules rule: each rank's rows of the global Jacobian are 1/R of its own
+        if r.rows == "batch":  # LibMTL's rep_grad: each task's output gradient summed over the batch (dim 0)
+            S = torch.cat([e[2].sum(1).flatten(1) for e in entries], 1)
+            if self.reduce is not None:  # the global batch's sums: the mean of the ranks' (each loss a mean)
+                S = S.detach().clone()
+                self.reduce([S])
+            G = S @ S.T
+        else:
+            G = sum(_gram(e) for e in entries)
+        if (
+            self.reduce is not None and r.rows != "batch"
+        ):  # modules rule: each rank's rows of the global Jacobian are 1/R of its own
             G = G.detach().clone()
             self.reduce([G])
             G = G / self.reduce_size()
@@ -691,7 +701,11 @@ def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict
         step = t.steps[0]
         if t.rule not in rules:
             check_method(step.name, step.fn)  # a factory of one's own may build anything
-        r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn))
+            if t.rows is not None and step.fn.kind != "gramian":
+                raise ValueError(
+                    f"hooks.{t.rule}.rows: only a Gramian method has rows; {step.name!r} is {step.fn.kind!r}"
+                )
+        r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn, rows=t.rows or "examples"))
         if t.kind == "param":
             r.params.append(params[t.name])
         else:
