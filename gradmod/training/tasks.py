@@ -52,12 +52,22 @@ def _like(target: Tensor, output: Tensor) -> Tensor:
 
 
 class LossByTarget:
-    """The default loss: cross-entropy for class indices, mean squared error for float targets."""
+    """The default loss: cross-entropy for class indices, mean squared error for float targets.
+    ``label_smoothing``, ``weight`` and ``ignore_index`` are cross-entropy's (class indices
+    only); ``reduction`` both losses'."""
+
+    def __init__(
+        self, label_smoothing: float = 0.0, weight: Any = None, ignore_index: int = -100, reduction: str = "mean"
+    ):
+        self.class_args = {"label_smoothing": label_smoothing, "ignore_index": ignore_index, "reduction": reduction}
+        self.weight = None if weight is None else torch.as_tensor(weight, dtype=torch.float32)
+        self.reduction = reduction
 
     def __call__(self, output: Tensor, target: Tensor) -> Tensor:
         if is_class_labels(target):
-            return F.cross_entropy(output, target)
-        return F.mse_loss(output, _like(target, output))
+            weight = None if self.weight is None else self.weight.to(output.device, output.dtype)
+            return F.cross_entropy(output, target, weight=weight, **self.class_args)
+        return F.mse_loss(output, _like(target, output), reduction=self.reduction)
 
     def __repr__(self) -> str:
         return "LossByTarget()"
