@@ -262,8 +262,8 @@ class RuleConfig:
     modules: Any = None
     exclude: Any = None
     transforms: Any = None
-    stage: Optional[str] = None
     rows: Optional[str] = None  # a per_loss modules rule: examples (default) | batch (LibMTL's rep_grad)
+    stage: Optional[str] = None  # last: the help's key list names the stages after it
 
     def as_rule(self) -> Dict[str, Any]:
         """The rule as ``attach`` takes it: the keys that are set."""
