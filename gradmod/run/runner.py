@@ -106,7 +106,7 @@ def _build(
     model, several = build_model(cfg, data, dist.device)
     if dist.strategy == "fsdp":
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
-    rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
+    rules, privacy = dp.prepare(cfg, len(data.train_y), dist.data_size)
     hooks = attach(
         model,
         rules,
