@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import torchjd.aggregation as tja  # the reference (a test dependency, torchjd[full])
 from helpers import per_loss_method
 from torch import nn
 
@@ -336,3 +337,42 @@ def test_the_own_method_page_runs_as_written():
             gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": [{"name": "unit_mean", "eps": 0}]}})
     finally:
         registry.unregister("unit_mean")
+
+
+class _OutMatmul(torch.autograd.Function):
+    """A Linear whose backward writes through ``out=``, as torch.compile's kernels do: no
+    batching rule, so a batched backward through it fails."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx, gw = torch.empty_like(x), torch.empty_like(w)
+        torch.mm(g, w, out=gx)
+        torch.mm(g.T, x, out=gw)
+        return gx, gw
+
+
+def test_a_backward_that_cannot_run_batched_falls_back_to_k_passes():
+    class Trunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 6, dtype=torch.float64))
+
+        def forward(self, x):
+            return torch.tanh(_OutMatmul.apply(x, self.w))
+
+    torch.manual_seed(3)
+    model = Shared().double()
+    model.trunk = Trunk()
+    ref = copy.deepcopy(model)
+    hooks = gradmod.attach(model, _rule("upgrad"))
+    hooks.backward(_losses(model))
+    assert hooks.per_loss.batched is False
+    losses = list(_losses(ref).values())
+    rows = torch.stack([torch.autograd.grad(L, ref.trunk.w, retain_graph=True)[0].flatten() for L in losses])
+    torch.testing.assert_close(model.trunk.w.grad.flatten(), tja.UPGrad()(rows), rtol=1e-10, atol=1e-12)
