@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gradmod.hooks import transforms as T
+from gradmod.hooks.rule_spec import transform_list
 from gradmod.run.config import Config
 from gradmod.training.loader import poisson_steps, steps_per_epoch
 from gradmod.training.privacy import make_accountant, noise_for_epsilon
@@ -40,7 +41,7 @@ def _clips(rules: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for name, spec in (rules or {}).items():
         transforms = (spec or {}).get("transforms") or []
-        for t in [transforms] if isinstance(transforms, (str, Mapping)) else transforms:
+        for t in transform_list(transforms):
             try:
                 fn, args = T.parse_spec(t)
             except ValueError:

@@ -14,9 +14,8 @@ needs the task gradients:
 3. Weights from the Gramian (host, float64), then the update ``sum_i w_i g_i`` per layer as
    one matmul ``(sum_i w_i b_i)^T a``, added to ``.grad``.
 
-Every parameter outside the gradient rules gets the gradient of the sum of the losses (a
-loss-weighting rule's parameters: of ``sum_i w_i L_i``), in one more backward restricted
-to them. A ``modules:`` rule aggregates the task gradients of the module's output (the
+Every other parameter gets the gradient of the sum of the losses in one more backward
+(``rest``). A ``modules:`` rule aggregates the task gradients of the module's output (the
 representation) and hands the aggregate to the rest of the backward through a tensor
 hook on that output: k cheap passes through the heads, one through the trunk.
 """
@@ -24,100 +23,21 @@ hook on that output: k cheap passes through the heads, one through the trunk.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_loss.methods import Method, check_method
+from gradmod.hooks.per_loss import gramian
+from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
 from gradmod.hooks.per_loss.record import TaskRecord
+from gradmod.hooks.per_loss.rest import rest_backward
+from gradmod.hooks.per_loss.task_grads import assign_layers, refuse_sparse, task_grads
 from gradmod.hooks.per_sample.tracing import param_uses
 from gradmod.hooks.stage import Core, Loop, Stage
-
-CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-@dataclass
-class LossRule:
-    """One per_loss rule: its method, its parameters or modules, its statistics."""
-
-    name: str
-    method_name: str
-    method: Method
-    params: list[nn.Parameter] = field(default_factory=list)
-    modules: list[nn.Module] = field(default_factory=list)
-    record: TaskRecord = field(default_factory=TaskRecord)
-    rows: str = "examples"  # a modules rule's Gramian: per-example rows, or each task's sum over the batch
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}/{self.method_name}"
-
-
-@dataclass
-class Layer:
-    """A Linear or Conv (groups 1) whose weight and bias a rule owns: answered from (a, b)."""
-
-    module: nn.Module
-    rule: LossRule
-    names: set[str]  # of "weight", "bias"
-    calls: list[tuple[Tensor, Any]] = field(default_factory=list)  # (input, output's gradient edge)
-
-
-def _rows(m: nn.Module, x: Tensor) -> Tensor:
-    """A Linear's input as rows ``[N, features]``: the weight gradient is ``b^T a``."""
-    return x.reshape(-1, x.shape[-1])
-
-
-def _out_rows(m: nn.Module, g: Tensor) -> Tensor:
-    """A Linear's output gradients ``[k, ..., out]`` as ``[k, N, out]``, rows matching ``_rows``."""
-    return g.reshape(g.shape[0], -1, g.shape[-1])
-
-
-def _conv_input(m: nn.Module, x: Tensor) -> Tensor:
-    """The input as the convolution saw it, padded (so any padding mode or string works)."""
-    pad = m._reversed_padding_repeated_twice
-    if any(pad):
-        x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
-    return x
-
-
-def _conv_weight_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
-    """``[k, *weight]``: the weight gradient of each of the k output gradients ``g`` (torch's
-    own convolution backward, no patches formed); the weights of a Conv are small."""
-    d, w = x.dim() - 2, m.weight.to(x.dtype)
-
-    def one(gi: Tensor) -> Tensor:
-        return torch.ops.aten.convolution_backward(
-            gi, x, w, None, m.stride, [0] * d, m.dilation, False, [0] * d, m.groups, [False, True, False]
-        )[1]
-
-    return torch.vmap(one)(g)
-
-
-def _factored_forward(m: nn.Module) -> bool:
-    """A Linear, or a Conv with torch's own forward (a subclass's forward may do anything)."""
-    return any(type(m).forward is cls.forward for cls in (nn.Linear, *CONVS) if isinstance(m, cls))
-
-
-def _refuse_sparse(model: nn.Module, owner: dict[int, Any]) -> None:
-    for n, m in model.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in owner:
-            raise ValueError(
-                f"hooks.{owner[id(m.weight)].name}: {n + '.weight'!r} has sparse gradients (sparse=True), "
-                "which have no per-task Gramian; use sparse=False or leave it out of the rule"
-            )
-
-
-def _gram_pays(n: int, d_in: int, d_out: int, k: int) -> bool:
-    """Row Gram (``n^2 (d_in + k d_out)``) against k weight gradients (``k n d_in d_out``)."""
-    return n * (d_in + k * d_out) < k * d_in * d_out
 
 
 class PerLossStage(Stage):
@@ -151,21 +71,21 @@ class PerLossStage(Stage):
         # One batched backward for the k losses; False: k backward passes (set by the first
         # batched pass a torch.compile'd backward refuses: its kernels do not run batched).
         self.batched = True
-        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._owner = {id(p): r for r in rules if r.method.kind != "losses" for p in r.params}
-        _refuse_sparse(model, self._owner)
+        refuse_sparse(model, self._owner)
         weighting = [r.name for r in rules if getattr(r.method, "heads", "sum") == "weighted"]
         if len(weighting) > 1:
             raise ValueError(
                 f"hooks.{weighting[1]}: only one per_loss rule may weight the losses of the parameters "
                 f"outside the rules (heads: weighted), and hooks.{weighting[0]} does"
             )
-        self.layers: list[Layer] = []
+        self.layers: list[gramian.Layer] = []
         # Until the first training forward is traced, every parameter is answered directly.
         self.direct: dict[int, tuple[LossRule, nn.Parameter]] = {
             id(p): (r, p) for r in rules if r.method.kind != "losses" for p in r.params
         }
-        self._outputs: dict[int, list] = {}  # id(module rule's module) -> its outputs' tensors
+        self.outputs: dict[int, list] = {}  # id(module rule's module) -> its outputs' tensors
         self._handles = []
         self._traced = self._tracing = False
         self.tasks: list[str] | None = None  # the losses' names at the first backward, in order
@@ -173,7 +93,7 @@ class PerLossStage(Stage):
             self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
         for r in self.rules:
             for m in r.modules:
-                self._outputs[id(m)] = []
+                self.outputs[id(m)] = []
                 self._handles.append(m.register_forward_hook(self._save_output(m)))
 
     # ---- set-up: which parameters are answered from (a, b), which directly ----
@@ -194,22 +114,11 @@ class PerLossStage(Stage):
         self._assign(uses)
 
     def _assign(self, uses: dict[int, list]) -> None:
-        holders: dict[int, int] = {}
-        for m in self.model.modules():
-            for p in m.parameters(recurse=False):
-                holders[id(p)] = holders.get(id(p), 0) + 1
-        for m in self.model.modules():
-            mine = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in self._owner}
-            if not mine or not _factored_forward(m):
-                continue
-            rules = {id(self._owner[id(p)]) for p in mine.values()}
-            inside = all(uses.get(id(p)) and all(s and s[-1] is m for s in uses[id(p)]) for p in mine.values())
-            if len(rules) == 1 and inside and all(holders[id(p)] == 1 for p in mine.values()):
-                layer = Layer(m, self._owner[id(next(iter(mine.values())))], set(mine))
-                self.layers.append(layer)
-                self._handles.append(m.register_forward_hook(self._save(layer)))
-                for p in mine.values():
-                    del self.direct[id(p)]
+        for layer in assign_layers(self.model, self._owner, uses):
+            self.layers.append(layer)
+            self._handles.append(layer.module.register_forward_hook(self._save(layer)))
+            for p in layer.module.parameters(recurse=False):
+                self.direct.pop(id(p), None)
 
     @staticmethod
     def _active_forward() -> bool:
@@ -223,7 +132,7 @@ class PerLossStage(Stage):
             and any(t.requires_grad for t in outs)
         )
 
-    def _save(self, layer: Layer):
+    def _save(self, layer: gramian.Layer):
         def hook(module, args, output):
             if isinstance(output, Tensor) and not self._tracing and self._active([output]):
                 layer.calls.append((args[0].detach(), get_gradient_edge(output)))
@@ -235,7 +144,7 @@ class PerLossStage(Stage):
         def hook(module, args, output):
             outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]  # an LSTM's (h, c) too
             if not self._tracing and self._active(outs):
-                self._outputs[id(m)].extend(t for t in outs if t.requires_grad)
+                self.outputs[id(m)].extend(t for t in outs if t.requires_grad)
 
         return hook
 
@@ -251,26 +160,8 @@ class PerLossStage(Stage):
 
     @classmethod
     def check(cls, model: nn.Module, targets: list) -> None:
-        """Each parameter gets one method's update, after no hook- or per_sample-stage rule."""
         super().check(model, targets)
-        loss: dict[str, str] = {}
-        for t in targets:
-            if t.stage == "per_loss" and t.kind == "param":
-                if t.name in loss:
-                    raise ValueError(
-                        f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
-                        "each parameter gets one method's update: select it in one"
-                    )
-                loss[t.name] = t.rule
-        clash = next(
-            (t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")), None
-        )
-        if clash is not None:
-            raise ValueError(
-                f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
-                f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
-                "or per_sample, not both (a fused rule after it is fine)"
-            )
+        check_targets(targets)
 
     @property
     def grad_scale(self) -> Tensor | None:
@@ -288,7 +179,7 @@ class PerLossStage(Stage):
         """Every parameter but a gradient method's ``params`` rule's: its update is formed
         from the reduced task gradients."""
         whole = {id(p) for r in self.rules if r.method.kind != "losses" for p in r.params}
-        return [p for p in self._trainable if id(p) not in whole]
+        return [p for p in self.trainable if id(p) not in whole]
 
     # ---- one backward ----
 
@@ -314,8 +205,8 @@ class PerLossStage(Stage):
             self.inside = False
             for layer in self.layers:
                 layer.calls = []
-            for k in self._outputs:
-                self._outputs[k] = []
+            for k in self.outputs:
+                self.outputs[k] = []
         return True
 
     def _tasks(self, names: list[str]) -> list[str]:
@@ -336,7 +227,7 @@ class PerLossStage(Stage):
 
     def _backward(self, names: list[str], L: Tensor) -> None:
         for r in self.rules:
-            if r.modules and not any(self._outputs[id(m)] for m in r.modules):
+            if r.modules and not any(self.outputs[id(m)] for m in r.modules):
                 raise ValueError(
                     f"hooks.{r.name}: no module of this modules rule ran in a training forward (gradients "
                     "on) before this backward, so there is no output whose task gradients to combine"
@@ -348,7 +239,7 @@ class PerLossStage(Stage):
         replace: dict[int, Tensor] = {}  # id(module rule output) -> aggregated gradient
         for r in grad_rules:
             self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
-        self._rest(names, L, replace, grad_rules)
+        rest_backward(self, names, L, replace, grad_rules)
 
     def _inputs(self, rules: list[LossRule]) -> tuple[list, list]:
         """What the batched backward differentiates to, and (rule, what, object) per entry."""
@@ -362,50 +253,22 @@ class PerLossStage(Stage):
             slots.append((rule, "param", p))
         for r in rules:
             for m in r.modules:
-                for t in self._outputs[id(m)]:
+                for t in self.outputs[id(m)]:
                     inputs.append(get_gradient_edge(t))
                     slots.append((r, "output", t))
         return inputs, slots
 
     def _task_grads(self, L: Tensor, inputs: list, outputs_only: bool) -> list[Tensor | None]:
-        """``[k, *input]`` per input: the k losses' gradients. Down to shared layers, one
-        batched backward (big matmuls) unless ``batched`` is off; down to a module's output
-        only (the heads), k plain backward passes: each loss then goes through its own head
-        alone, where the batched pass would send k rows, k - 1 of them zeros, through every head."""
-        if not outputs_only and self.batched:
-            eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
-            try:
-                with warnings.catch_warnings():  # an op without a batching rule loops over the k rows: right, slower
-                    warnings.filterwarnings("ignore", message=".*we have not yet implemented the batching rule")
-                    return list(
-                        torch.autograd.grad(
-                            L,
-                            inputs,
-                            grad_outputs=eye,
-                            is_grads_batched=True,
-                            retain_graph=True,
-                            allow_unused=True,
-                            materialize_grads=False,
-                        )
-                    )
-            except RuntimeError as e:  # a compiled backward's kernels (out= ops) do not run under vmap
-                if "Batching rule not implemented" not in str(e):
-                    raise
-                self.batched = False  # the same gradients from k passes, from now on
-        rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
-        out = []
-        for j in range(len(inputs)):
-            got = [r[j] for r in rows]
-            if all(g is None for g in got):
-                out.append(None)
-                continue
-            like = next(g for g in got if g is not None)
-            out.append(torch.stack([torch.zeros_like(like) if g is None else g for g in got]))
-        return out
+        """``[k, *input]`` per input (``per_loss.task_grads``); a backward that cannot
+        run batched (torch.compile's kernels) turns ``batched`` off for good."""
+        grads, ran_batched = task_grads(L, inputs, batched=self.batched and not outputs_only)
+        if not outputs_only:
+            self.batched = ran_batched
+        return grads
 
     def _apply(self, r: LossRule, names: list[str], parts: list, replace: dict, k: int) -> None:
         """Gramian, weights and the rule's update, from its entries of the batched backward."""
-        entries = _entries([(s, g) for s, g in parts if g is not None])
+        entries = gramian.entries([(s, g) for s, g in parts if g is not None])
         if not entries:
             return
         if r.method.kind == "jacobian" or (self.reduce is not None and r.params):
@@ -418,18 +281,18 @@ class PerLossStage(Stage):
                 self.reduce([S])
             G = S @ S.T
         else:
-            G = sum(_gram(e) for e in entries)
+            G = sum(gramian.gram(e) for e in entries)
         if (
             self.reduce is not None and r.rows != "batch"
         ):  # modules rule: each rank's rows of the global Jacobian are 1/R of its own
             G = G.detach().clone()
             self.reduce([G])
             G = G / self.reduce_size()
-        Gh = self._unscaled(G.detach().to("cpu", torch.float64), 2)
+        Gh = self.unscaled(G.detach().to("cpu", torch.float64), 2)
         w = self._weights(r, names, Gh)
         wd = w.to(device=G.device)
         for e in entries:
-            _update(e, wd, replace)
+            gramian.update(e, wd, replace)
 
     def _weights(self, r: LossRule, names: list[str], G: Tensor) -> Tensor:
         """The method's weights, recorded; a non-finite Gramian (a nan or inf in a task's
@@ -443,7 +306,7 @@ class PerLossStage(Stage):
         r.record.add(names, G, w)
         return w
 
-    def _unscaled(self, t: Tensor, power: int) -> Tensor:
+    def unscaled(self, t: Tensor, power: int) -> Tensor:
         """``t`` without GradScaler's factor (the Gramian has it squared, the losses once)."""
         if self.grad_scale is None:
             return t
@@ -457,13 +320,13 @@ class PerLossStage(Stage):
     def _jacobian_rule(self, r: LossRule, names: list[str], entries: list, replace: dict) -> None:
         """The task gradients themselves, one [k, D] matrix: for a method that needs them, and
         under ``reduce`` (averaged across ranks, then the Gramian of the global batch)."""
-        pieces = [piece for e in entries for piece in _pieces(e)]  # (kind, tensor, [k, numel])
+        pieces = [piece for e in entries for piece in gramian.pieces(e)]  # (kind, tensor, [k, numel])
         pieces.sort(key=lambda x: self._position((x[0], x[1])))
         J = torch.cat([g for _, _, g in pieces], 1)
         if self.reduce is not None and r.params:
             J = J.detach().clone()
             self.reduce([J])
-        Gh = self._unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
+        Gh = self.unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
         if r.method.kind == "jacobian":
             U = torch.rand(J.shape[1], generator=self.generator, dtype=J.dtype).to(J.device)
             out = r.method.aggregate(J, U)
@@ -477,7 +340,7 @@ class PerLossStage(Stage):
             piece = out[at : at + g.shape[1]].view_as(obj)
             at += g.shape[1]
             if what == "param":
-                _add_grad(obj, piece)
+                gramian.add_grad(obj, piece)
             else:
                 replace[id(obj)] = (obj, piece)
 
@@ -485,64 +348,8 @@ class PerLossStage(Stage):
         """Parameters in model order (the order of the Jacobian's columns)."""
         what, obj = target
         if what != "param":
-            return len(self._trainable)
-        return next(i for i, p in enumerate(self._trainable) if p is obj)
-
-    def _rest(self, names: list[str], L: Tensor, replace: dict, grad_rules: list[LossRule]) -> None:
-        """The parameters outside the gradient rules: the gradient of the sum of the losses
-        (of a loss weighting's weighted sum for its rule's parameters), the module rules'
-        aggregates handed on through their outputs."""
-        covered = {id(p) for r in grad_rules for p in r.params}
-        weighted = [r for r in self.rules if r.method.kind == "losses"]
-        groups: list[tuple[Tensor, list[nn.Parameter]]] = []
-        scaled: list[tuple[nn.Parameter, float]] = []
-        values = L.detach().clone()
-        if weighted and self.reduce is not None:  # the weights from the global batch's losses
-            self.reduce([values])
-        host = self._unscaled(values.cpu(), 1)
-        for r in weighted:
-            if torch.isfinite(host).all():
-                w = r.method.loss_weights(host, self.generator)
-                r.record.add(names, None, w)
-            else:  # as _weights: nan weights, the method's state left as it was
-                w = torch.full_like(host, math.nan)
-            weighted_loss = (w.to(L.device, L.dtype) * L).sum()
-            if r.params and bool((w == w[0]).all()) and math.isfinite(float(w[0])):
-                # One weight for every task: the gradient of the plain sum, times it, in the
-                # one backward of the sum (a hook on each parameter scales what arrives there).
-                if float(w[0]) != 1.0:
-                    scaled += [(p, float(w[0])) for p in r.params]
-            elif r.params:
-                groups.append((weighted_loss, r.params))
-                covered.update(id(p) for p in r.params)
-            outs = [t for m in r.modules for t in self._outputs[id(m)]]
-            if outs:  # a modules rule: the weighted sum's gradient enters the module through its outputs
-                got = torch.autograd.grad(weighted_loss, outs, retain_graph=True, materialize_grads=True)
-                replace.update({id(t): (t, g) for t, g in zip(outs, got)})
-        rest = [p for p in self._trainable if id(p) not in covered]
-        if rest:
-            groups.append((self._rest_loss(L, grad_rules), rest))
-        handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
-        handles += [p.register_hook(lambda g, c=c: g * c) for p, c in scaled]
-        try:
-            if len(groups) == 1 and len(groups[0][1]) == len(self._trainable):
-                groups[0][0].backward()  # everything from one loss: no restriction needed
-            else:
-                for i, (loss, params) in enumerate(groups):
-                    loss.backward(inputs=params, retain_graph=i < len(groups) - 1)
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _rest_loss(self, L: Tensor, grad_rules: list[LossRule]) -> Tensor:
-        """The plain sum, or the weighted one a method asks for the parameters outside it
-        (``nash_mtl`` with ``heads: weighted``)."""
-        asked = [w for r in grad_rules if (w := getattr(r.method, "rest_weights", lambda: None)()) is not None]
-        if not asked:
-            return L.sum()
-        return (asked[0].to(L.device, L.dtype) * L).sum()
-
-    # ---- after the optimizer step ----
+            return len(self.trainable)
+        return next(i for i, p in enumerate(self.trainable) if p is obj)
 
     @property
     def wants_step_losses(self) -> bool:
@@ -590,124 +397,3 @@ class PerLossStage(Stage):
         self._handles.clear()
         for layer in self.layers:
             layer.calls = []
-
-
-def _entries(parts: list) -> list[tuple]:
-    """One entry per tensor the rule answers for: a layer called several times in the
-    forward answers once (its task gradient is the sum over the calls). Half-precision
-    gradients are taken in float32 (the Gramian's sums need the range)."""
-    linear: dict[int, tuple] = {}
-    conv: dict[int, tuple] = {}
-    out = []
-    for (_, what, obj), g in parts:
-        g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-        if what != "layer":
-            out.append((what, obj, g))
-            continue
-        layer, a = obj
-        m = layer.module
-        if isinstance(m, CONVS):
-            conv.setdefault(id(layer), ("conv", layer, []))[2].append((_conv_input(m, a.to(g.dtype)), g))
-        else:
-            entry = linear.setdefault(id(layer), ("linear", layer, [], []))
-            entry[2].append(_rows(m, a).to(g.dtype))
-            entry[3].append(_out_rows(m, g))
-    rows = [("linear", layer, torch.cat(A), torch.cat(B, 1)) for _, layer, A, B in linear.values()]
-    # A Conv's weight is small and its activations large: its k weight gradients, once.
-    convs = [("param", obj, g.view(g.shape[0], *obj.shape)) for e in conv.values() for _, obj, g in _conv_pieces(e)]
-    return rows + convs + out
-
-
-def _gram(e: tuple) -> Tensor:
-    """The entry's part of the Gramian of the task gradients, ``[k, k]``."""
-    if e[0] == "linear":
-        _, layer, A, B = e
-        k = B.shape[0]
-        G = B.new_zeros(k, k)
-        if "weight" in layer.names:
-            if _gram_pays(A.shape[0], A.shape[1], B.shape[2], k):
-                KB = torch.matmul(A @ A.T, B)  # [k, N, out]
-                G = G + B.flatten(1) @ KB.flatten(1).T
-            else:
-                J = (B.transpose(1, 2) @ A).flatten(1)  # [k, out * in]
-                G = G + J @ J.T
-        if "bias" in layer.names:
-            s = B.sum(1)
-            G = G + s @ s.T
-        return G
-    f = e[2].flatten(1)
-    return f @ f.T
-
-
-def _pieces(e: tuple) -> list[tuple[str, Tensor, Tensor]]:
-    """(kind, tensor, its k task gradients flattened ``[k, numel]``) of an entry."""
-    if e[0] == "linear":
-        _, layer, A, B = e
-        m = layer.module
-        out = []
-        if "weight" in layer.names:
-            out.append(("param", m.weight, (B.transpose(1, 2) @ A).flatten(1)))
-        if "bias" in layer.names:
-            out.append(("param", m.bias, B.sum(1)))
-        return out
-    return [(e[0], e[1], e[2].flatten(1))]
-
-
-def _conv_pieces(e: tuple) -> list[tuple[str, Tensor, Tensor]]:
-    """A Conv's k weight (and bias) gradients, each summed over the layer's calls."""
-    _, layer, calls = e
-    m = layer.module
-    out = []
-    if "weight" in layer.names:
-        out.append(("param", m.weight, sum(_conv_weight_grads(m, x, g) for x, g in calls).flatten(1)))
-    if "bias" in layer.names:
-        out.append(("param", m.bias, sum(g.flatten(3).sum((1, 3)) for _, g in calls)))
-    return out
-
-
-def _update(e: tuple, w: Tensor, replace: dict) -> None:
-    """Add ``sum_i w_i g_i`` of the entry to ``.grad`` (or hand it to a module output's hook)."""
-    if e[0] == "linear":
-        _, layer, A, B = e
-        m = layer.module
-        bw = torch.tensordot(w.to(B.dtype), B, 1)  # [N, out]
-        if "weight" in layer.names:
-            _add_grad(m.weight, (bw.T @ A).view_as(m.weight))
-        if "bias" in layer.names:
-            _add_grad(m.bias, bw.sum(0))
-    else:
-        what, obj, g = e
-        agg = torch.tensordot(w.to(g.dtype), g, 1)
-        if what == "param":
-            _add_grad(obj, agg)
-        else:
-            replace[id(obj)] = (obj, agg)
-
-
-def _add_grad(p: Tensor, g: Tensor) -> None:
-    g = g.to(p.dtype)
-    if p.grad is None:
-        p.grad = g.contiguous() if g.is_contiguous() else g.clone(memory_format=torch.contiguous_format)
-    else:
-        p.grad.add_(g)
-
-
-def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> list[LossRule]:
-    """The per_loss targets grouped by rule, in config order."""
-    rules: dict[str, LossRule] = {}
-    for t in targets:
-        if t.stage != "per_loss":
-            continue
-        step = t.steps[0]
-        if t.rule not in rules:
-            check_method(step.name, step.fn)  # a factory of one's own may build anything
-            if t.rows is not None and step.fn.kind != "gramian":
-                raise ValueError(
-                    f"hooks.{t.rule}.rows: only a Gramian method has rows; {step.name!r} is {step.fn.kind!r}"
-                )
-        r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn, rows=t.rows or "examples"))
-        if t.kind == "param":
-            r.params.append(params[t.name])
-        else:
-            r.modules.append(modules[t.name])
-    return list(rules.values())
