@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gradmod.hooks import HookSet, load_rules
-from gradmod.integrations.support import attach_for, flat_stats, sources
+from gradmod.integrations.support import attach_for, flat_stats, refuse_per_sample, sources
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -34,6 +34,7 @@ class GradmodCallback(Callback):
 
     def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook", log_every: int | None = None):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
+        refuse_per_sample("Lightning", self.rules, stage)  # when the callback is made, not at fit()
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
         self._state: dict[str, Any] = {}  # rule state to restore at the next training start

@@ -18,9 +18,8 @@ registered in ``gradmod/conf/config.yaml`` under ``hydra.callbacks``) writes, in
 A job's ending comes from the record it wrote itself (``sweep_jobs``: ok, failed, refused,
 interrupted, killed, ...); its curve and statistics from the ``metrics.jsonl`` and
 ``grad_stats.jsonl`` it wrote (never an earlier run's, left in a folder that refused the
-job). A sweep folder without records (older sweeps) is read from its job folders: a
-``summary.json`` each, or ``incomplete``. ``python scripts/sweep_report.py PATH`` rebuilds
-the report of an existing sweep folder.
+job). A sweep folder without records (older sweeps) is read from its job folders (a
+``summary.json`` each, or ``incomplete``). ``python scripts/sweep_report.py PATH`` rebuilds it.
 """
 
 from __future__ import annotations

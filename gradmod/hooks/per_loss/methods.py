@@ -28,6 +28,7 @@ from torch import Tensor
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.per_loss import solvers
+from gradmod.hooks.validators import in_range
 
 KINDS = ("gramian", "jacobian", "losses")
 
@@ -80,19 +81,8 @@ def build(name: str, args: Mapping[str, Any]) -> Method:
 
 
 def _check(name: str, arg: str, value: Any, low: float, *, strict: bool = False, high: float = math.inf) -> float:
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and (value > low if strict else value >= low)
-        and value <= high
-    )
-    if not ok:
-        bound = f"> {low}" if strict else f">= {low}"
-        raise ValueError(
-            f"per_loss method {name!r}: {arg}={value!r} must be a number {bound}"
-            + (f" and <= {high}" if high < math.inf else "")
-        )
-    return float(value)
+    """A method's numeric argument, checked (``gradmod.hooks.validators.in_range``)."""
+    return in_range(f"per_loss method {name!r}", arg, value, low, strict=strict, high=high)
 
 
 def _needs(name: str, modules: list[str], extra: str) -> None:
