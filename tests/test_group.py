@@ -317,7 +317,7 @@ def test_zclip_state_round_trips_through_hookset_state_dict():
         backward(model, step)
         hooks.after_backward()
     state = hooks.state_dict()["group"]["g/zclip"]
-    zclip = hooks._groups[0][1]
+    zclip = hooks._groups[0][1].fn
     assert state["steps"] == 4 and torch.equal(state["mean"], zclip.mean) and torch.equal(state["var"], zclip.var)
     hooks.remove()
 

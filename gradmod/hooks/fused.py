@@ -87,10 +87,11 @@ def fused_transforms(targets, params: dict[str, nn.Parameter]) -> list[FusedTran
     ]
 
 
-def run_fused(steps: list[FusedTransform]) -> bool:
-    """Run every step; True when a group transform asks to skip the optimizer step. The
-    host reads that answer only when such a transform is configured to give one."""
-    answers = [a for a in (s.run() for s in steps) if a is not None]
+def run_fused(steps: list[FusedTransform], inactive: set[str] | frozenset[str] = frozenset()) -> bool:
+    """Run every step but those of ``inactive`` rules (outside their window); True when a
+    group transform asks to skip the optimizer step. The host reads that answer only when
+    such a transform is configured to give one."""
+    answers = [a for a in (s.run() for s in steps if s.rule not in inactive) if a is not None]
     if not answers:
         return False
     return bool(torch.stack(answers).any())

@@ -288,6 +288,20 @@ class ZClip(GroupTransform):
         )
 
 
+class Freeze(GroupTransform):
+    """``.grad = None`` for every parameter of the rule, for this optimizer step: no
+    momentum, weight decay or Adam step moves them (``zero`` would leave weight decay and
+    the moments at work). Nothing toggles ``requires_grad``, so DDP's and FSDP's gradient
+    reduction is unchanged; with ``active`` it is a freeze window."""
+
+    name = "freeze"
+
+    def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        for p in params:
+            p.grad = None
+
+
+register("freeze", Freeze, kind="group")
 register("global_norm_clip", GlobalNormClip, kind="group")
 register("agc", AGC, kind="group")
 register("zclip", ZClip, kind="group")

@@ -37,9 +37,11 @@ from gradmod.hooks.log_buffer import LogBuffer
 from gradmod.hooks.per_loss.stage import PerLossStage, per_loss_rules
 from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
+from gradmod.hooks.schedules import Length
 from gradmod.hooks.sharded import is_sharded, refuse_hook_stage, watch
 from gradmod.hooks.stages import STAGES
 from gradmod.hooks.stats import take_all
+from gradmod.hooks.timed import Timed
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, list[HookSet]] = weakref.WeakKeyDictionary()
@@ -51,8 +53,12 @@ class HookSet:
     """The hooks one ``attach`` call registered. ``remove()`` (or leaving a ``with``
     block) removes every handle; ``after_backward()`` runs the fused stage."""
 
-    def __init__(self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean"):
+    def __init__(
+        self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean", length: Length | None = None
+    ):
         self.targets = targets
+        # The step clock, the scheduled arguments and the windows (rules whose transforms change over training).
+        self.timed = Timed(targets, {t.rule: t.active for t in targets if t.active is not None}, length or Length())
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
         self.ledger = RawLedger()  # raw gradients the chains replaced, for the non-finite count
@@ -72,7 +78,7 @@ class HookSet:
                 hook = output_hook(chain_hook(steps, self, key, None), rules, t.name)
                 self._handles.append(modules[t.name].register_forward_hook(hook))
         self._fused = fused_transforms(targets, params)  # (rule, step index) groups in config order
-        self._groups = [(key, s.fn) for key, _, s in group_steps(targets)]
+        self._groups = [(key, s) for key, _, s in group_steps(targets)]  # s.fn read late: a schedule may retune it
         private = per_sample_rules(targets, params)
         self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
         several = per_loss_rules(targets, params, modules)
@@ -82,7 +88,7 @@ class HookSet:
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         self._keys = {t.key for t in targets}
-        self._due = AfterBackwardDue(model, _sentinels(targets, params))  # a forgotten after_backward()
+        self._due = AfterBackwardDue(model, _sentinels(targets, params, self.timed))  # a forgotten after_backward()
         for obj in self.owned:
             _OWNERS[obj] = self
 
@@ -104,8 +110,9 @@ class HookSet:
 
     @property
     def needs_after_backward(self) -> bool:
-        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample)."""
-        return any(stages.get(t.stage).needs_after_backward for t in self.targets)
+        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample),
+        or changes over training (its clock advances there)."""
+        return bool(self.timed) or any(stages.get(t.stage).needs_after_backward for t in self.targets)
 
     def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
         """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
@@ -133,19 +140,35 @@ class HookSet:
         optimizer.step): the per_sample stage's parameters get their clipped, noised mean
         gradient, then the fused stage transforms the accumulated gradients. Returns True
         when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
-        only then is the host read), False otherwise."""
+        only then is the host read), False otherwise. Then the step clock advances: the
+        next step's scheduled values and windows are set, on the host."""
         self._due.done()
         skip = False
         for stage in STAGES:
             skip = self._finish(stage.name) or skip
+        if self.timed:
+            self.timed.advance()
         return skip
+
+    @property
+    def step(self) -> int:
+        """The optimizer steps completed (``after_backward`` calls, or ``set_step``)."""
+        return self.timed.t
+
+    def set_step(self, t: int) -> None:
+        """Set the step clock to ``t`` completed optimizer steps (a trainer's global step):
+        scheduled values and windows follow."""
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"set_step: t={t!r} must be an int >= 0 (optimizer steps completed)")
+        if t != self.timed.t:
+            self.timed.at(t)
 
     def _finish(self, stage: str) -> bool:
         """What ``after_backward`` does for one stage; True: skip the optimizer step."""
         if stage == "per_sample" and self.per_sample is not None:
             self.per_sample.finish()
         elif stage == "fused":
-            return run_fused(self._fused)
+            return run_fused(self._fused, self.timed.inactive)
         return False
 
     def set_per_sample(
@@ -181,25 +204,26 @@ class HookSet:
         logs = [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps if s.observer]
         private = self.per_sample.records() if self.per_sample is not None else []
         several = self.per_loss.records() if self.per_loss is not None else []
-        return logs + [(key, fn.record) for key, fn in self._groups] + private + several
+        return logs + [(key, s.fn.record) for key, s in self._groups] + private + several
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
         with a single host sync."""
         observers = self.observers()
+        timed = self.timed.stats()
         pending = []
         for (key, obs), (calls, acc) in zip(observers, take_all([obs for _, obs in observers])):
             if acc is not None:
                 pending.append((key, obs, calls, acc, obs.pre is not None))
         if not pending:
-            return {}
+            return timed
         device = pending[0][3].device
         flat = torch.cat([acc.to(device) for _, _, _, acc, _ in pending]).tolist()
         out, i = {}, 0
         for key, obs, calls, acc, paired in pending:
             out[key] = obs.summarize(calls, flat[i : i + len(acc)], paired)
             i += len(acc)
-        return out
+        return {**out, **timed}
 
     def state_dict(self) -> dict[str, Any]:
         """What the hooks carry from step to step (the ``log`` windows in progress, the
@@ -207,7 +231,8 @@ class HookSet:
         checkpoints: resuming with ``load_state_dict`` continues bit for bit."""
         state = {
             "log_windows": {key: obs.state_dict() for key, obs in self.observers()},
-            "group": {key: fn.state_dict() for key, fn in self._groups},
+            "group": {key: s.fn.state_dict() for key, s in self._groups},
+            "clock": self.timed.clock.state_dict(),
         }
         if self.per_loss is not None:  # the methods' state and the generator of their random choices
             state["per_loss"] = self.per_loss.state_dict()
@@ -220,10 +245,12 @@ class HookSet:
         for key, obs in self.observers():
             if key in windows:
                 obs.load_state_dict(windows[key], device)
+        if "clock" in state:  # first: the group transforms' values at that step, then their state
+            self.timed.at(int(state["clock"]["t"]))
         groups = state.get("group", {})
-        for key, fn in self._groups:
+        for key, s in self._groups:
             if key in groups:
-                fn.load_state_dict(groups[key], device)
+                s.fn.load_state_dict(groups[key], device)
         if self.per_loss is not None and "per_loss" in state:
             self.per_loss.load_state_dict(state["per_loss"])
 
@@ -274,11 +301,16 @@ class HookSet:
         self.remove()
 
 
-def _sentinels(targets: list[Target], params: dict[str, nn.Parameter]) -> dict[str, tuple[str, nn.Parameter]]:
-    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes."""
+def _sentinels(
+    targets: list[Target], params: dict[str, nn.Parameter], timed: Timed
+) -> dict[str, tuple[str, nn.Parameter]]:
+    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes,
+    or whose transforms follow the step clock it advances."""
+    changing = {t.rule for t in targets if t.active is not None or any(s.schedules for s in t.steps)}
+    changing |= {t.rule for t in targets for s in t.steps if any(s is c for c in timed.clocked)}
     out: dict[str, tuple[str, nn.Parameter]] = {}
     for t in targets:
-        if t.kind == "param" and stages.get(t.stage).needs_after_backward:
+        if t.kind == "param" and (stages.get(t.stage).needs_after_backward or t.rule in changing):
             out.setdefault(t.rule, (t.stage, params[t.name]))
     return out
 
@@ -289,6 +321,8 @@ def attach(
     stage: str = "hook",
     replace: bool = True,
     loss_reduction: str = "mean",
+    total_steps: int | None = None,
+    steps_per_epoch: int | None = None,
 ) -> HookSet:
     """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
 
@@ -300,13 +334,19 @@ def attach(
     a wrapper) are refused: remove that one first.
     ``loss_reduction``: how the loss combines the examples (``mean`` or ``sum``), so the
     per_sample stage knows each example's gradient.
+    ``total_steps``, ``steps_per_epoch``: the run's length in optimizer steps, for schedules
+    and windows given in ``dur`` or ``ep`` (refused in one line without them).
     """
+    for name, n in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"attach: {name}={n!r} must be an int >= 1 (optimizer steps), or None")
+    length = Length(steps_per_epoch=steps_per_epoch, total_steps=total_steps)
     if stage not in DEFAULT_STAGES:
         hint = "; per_sample is set per rule (or implied by per_sample_clip)" if stage == "per_sample" else ""
         raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
-    targets = build_targets(model, rules, stage)  # validate everything before touching the model
+    targets = build_targets(model, rules, stage, length)  # validate everything before touching the model
     refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
     refuse_sharded_per_loss(targets, dict(model.named_parameters()))
     previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
@@ -314,7 +354,7 @@ def attach(
     _refuse_overlap(model, targets, replaced)
     for old in replaced:
         old.remove()
-    hooks = HookSet(model, targets, loss_reduction)
+    hooks = HookSet(model, targets, loss_reduction, length)
     _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
 

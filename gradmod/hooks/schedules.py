@@ -148,7 +148,7 @@ class Schedule:
 
     def _until(self, length: Length) -> float:
         if self.until is None:
-            return float(length.total_steps)  # type: ignore[arg-type]  (check() made sure)
+            return float(length.total_steps)  # type: ignore[arg-type]
         return self.until.steps(length)
 
     def value(self, t: int, length: Length) -> float:

@@ -156,19 +156,25 @@ def norm_clip(max_norm: float) -> Transform:
     return apply
 
 
-def noise(std: float, decay: float = 0.55) -> Transform:
-    """Add Gaussian noise with std ``std / (1 + t) ** decay`` at call ``t`` (annealed)."""
-    s = _positive("noise", "std", std)
-    d = _positive("noise", "decay", decay)
-    calls = 0
+class Noise:
+    """Add Gaussian noise with std ``std / (1 + t) ** decay``, ``t`` the optimizer steps
+    completed (annealed). The step clock sets ``t`` (``at_step``, at each
+    ``HookSet.after_backward``), so every micro-batch of a step gets the same std and a
+    resumed run continues the decay from its checkpoint's clock."""
 
-    def apply(grad: Tensor) -> Tensor:
-        nonlocal calls
-        sigma = s / (1 + calls) ** d
-        calls += 1
-        return grad + sigma * torch.randn_like(grad)
+    def __init__(self, std: float, decay: float = 0.55):
+        self.std = _positive("noise", "std", std)
+        self.decay = _positive("noise", "decay", decay)
+        self.sigma = self.std  # at t = 0
 
-    return apply
+    def at_step(self, t: int) -> None:
+        self.sigma = self.std / (1 + t) ** self.decay
+
+    def __call__(self, grad: Tensor) -> Tensor:
+        return grad + self.sigma * torch.randn_like(grad)
+
+
+noise = Noise
 
 
 register("clamp", clamp, foreach=_clamp_foreach)
