@@ -246,7 +246,8 @@ class HookSet:
             if key in windows:
                 obs.load_state_dict(windows[key], device)
         if "clock" in state:  # first: the group transforms' values at that step, then their state
-            self.timed.at(int(state["clock"]["t"]))
+            self.timed.clock.load_state_dict(state["clock"])
+            self.timed.at(self.timed.clock.t)
         groups = state.get("group", {})
         for key, s in self._groups:
             if key in groups:

@@ -283,9 +283,10 @@ class Clock:
     def __init__(self, length: Length | None = None):
         self.length = length or Length()
         self.t = 0
+        self.read = 0  # t at the last log point that reported the values
 
     def state_dict(self) -> dict[str, int]:
-        return {"t": self.t}
+        return {"t": self.t, "read": self.read}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.t = int(state["t"])
+        self.t, self.read = int(state["t"]), int(state.get("read", state["t"]))

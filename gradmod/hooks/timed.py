@@ -99,7 +99,6 @@ class Timed:
                 if callable(getattr(s.fn, "at_step", None)):
                     self.clocked.append(s)
         self.inactive: set[str] = set()  # rules outside their window now
-        self.values: dict[str, float] = {}  # "rule/transform.arg" -> the value in use
         self.at(0)
 
     def __bool__(self) -> bool:
@@ -113,12 +112,10 @@ class Timed:
         """Bring every scheduled value, window and clocked transform to ``t`` completed steps."""
         self.clock.t = t
         length = self.clock.length
-        for key, step in self.scheduled:
+        for _, step in self.scheduled:
             new = {k: s.value(t, length) for k, s in step.schedules.items()}
             if any(not _same(step.args.get(k), v) for k, v in new.items()):
                 retune(step, new)
-            for k, v in new.items():
-                self.values[f"{key}.{k}"] = v
         for step in self.clocked:
             step.fn.at_step(t)
         self.inactive = {rule for rule, w in self.windows.items() if not w.contains(t, length)}
@@ -128,10 +125,20 @@ class Timed:
         self.at(self.clock.t + 1)
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """The values in use, for a log point: ``{"rule/transform.arg": {"value": v}}``, and
-        each window as ``{"rule/active": {"value": 1 or 0}}``."""
-        out = {key: {"value": v} for key, v in self.values.items()}
-        out.update({f"{rule}/active": {"value": float(rule not in self.inactive)} for rule in self.windows})
+        """For a log point, what the last completed step used (values are pure functions of
+        ``t``): ``{"rule/transform.arg": {"value": v}}``, and each window as
+        ``{"rule/active": {"value": 1 or 0}}``. Nothing when no step completed since the
+        last read (a read at the end of an epoch right after a log point)."""
+        if self.clock.t == self.clock.read or not (self.scheduled or self.windows):
+            return {}
+        self.clock.read = self.clock.t
+        t, length = self.clock.t - 1, self.clock.length
+        out = {
+            f"{key}.{k}": {"value": s.value(t, length)}
+            for key, step in self.scheduled
+            for k, s in step.schedules.items()
+        }
+        out.update({f"{rule}/active": {"value": float(w.contains(t, length))} for rule, w in self.windows.items()})
         return out
 
 
