@@ -68,9 +68,10 @@ class GradmodCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._detach(model)  # a train() that raised never reached on_train_end
         peers = {cb.sources: cb.hooks for cb in _TRAINING.get(model, ()) if cb is not self and cb.hooks is not None}
-        total = self.total_steps or (state.max_steps if state.max_steps and state.max_steps > 0 else None)
+        max_steps = getattr(state, "max_steps", None)
+        total = self.total_steps or (max_steps if max_steps and max_steps > 0 else None)
         per_epoch = self.steps_per_epoch
-        epochs = math.ceil(state.num_train_epochs) if state.num_train_epochs else 0
+        epochs = math.ceil(getattr(state, "num_train_epochs", 0) or 0)
         if per_epoch is None and total and epochs and total % epochs == 0:
             per_epoch = total // epochs
         hooks = attach_for(
