@@ -25,7 +25,7 @@ from gradmod.labels import Labels
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text")
+DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text", "dann_digits")
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,24 @@ def load_multi_mnist(seed: int = 0, n_test: int = 1000) -> Data:
     return Data("multi_mnist", *train, *test)
 
 
+IGNORE = -100  # a label the loss and the accuracy leave out (PyTorch's ignore_index)
+
+
+def load_dann_digits(seed: int = 0, n_test: int = 1000) -> Data:
+    """Unsupervised domain adaptation from the bundled digits, offline: the source domain
+    is half the training digits with their labels; the target domain is the other half
+    inverted (255 - pixel: dark digits on white), their digit labels ``IGNORE``. Labels
+    ``digit`` and ``domain`` (0 source, 1 target). The test set is the held-out digits,
+    inverted: the target domain, with their labels, so the test accuracy is the target's."""
+    train_x, train_y, test_x, test_y = load_mnist_sample(seed, n_test)
+    half = len(train_y) // 2
+    x = torch.cat([train_x[:half], 255 - train_x[half:]])
+    digit = torch.cat([train_y[:half], torch.full_like(train_y[half:], IGNORE)])
+    domain = torch.cat([torch.zeros(half, dtype=torch.int64), torch.ones(len(train_y) - half, dtype=torch.int64)])
+    test = Labels({"digit": test_y, "domain": torch.ones_like(test_y)})
+    return Data("dann_digits", x, Labels({"digit": digit, "domain": domain}), 255 - test_x, test)
+
+
 TEXT = Path(__file__).with_name("texts") / "lighthouse.txt"  # a short original story, bundled
 
 
@@ -237,6 +255,8 @@ def load_data(
         return _fake(seed, **fake)
     if name == "multi_mnist":
         return load_multi_mnist(seed, n_test)
+    if name == "dann_digits":
+        return load_dann_digits(seed, n_test)
     if name == "char_text":
         return load_char_text(**fake)
     raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")

@@ -262,8 +262,8 @@ class RuleConfig:
     modules: Any = None
     exclude: Any = None
     transforms: Any = None
-    stage: Optional[str] = None
     active: Any = None  # the rule's window {from: 2ep, until: 5ep} (half-open); null: every step
+    stage: Optional[str] = None
 
     def as_rule(self) -> Dict[str, Any]:
         """The rule as ``attach`` takes it: the keys that are set."""
