@@ -3,6 +3,11 @@
 The hook core (``gradmod.hooks``: transforms, rules, statistics) imports torch only, so
 ``gradmod.attach`` works in any training loop; the Hydra runner lives in ``gradmod.app``.
 The names below load on first use, so that the command line checks a config before torch loads.
+
+Extending gradmod goes through this one door: ``register(name, factory, kind=...)`` for a
+transform of any kind (``elementwise``, ``group``, ``per_sample``, ``per_loss``), the base
+classes ``GroupTransform`` (a group transform) and ``Method`` (a per_loss method), and
+``register_form(layer_type, form)`` with ``Form`` for a layer's per-example gradients.
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ _HOMES = {
     "HookSet": "gradmod.hooks",
     "attach": "gradmod.hooks",
     "transforms": "gradmod.hooks",
+    "register": "gradmod.hooks.registry",
+    "GroupTransform": "gradmod.hooks.fused.group",
+    "Method": "gradmod.hooks.per_loss.methods",
+    "Form": "gradmod.hooks.per_sample.layers",
+    "register_form": "gradmod.hooks.per_sample.layers",
     "apply_init": "gradmod.weight_init",
 }
 __all__ = sorted(_HOMES)

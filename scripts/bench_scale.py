@@ -98,7 +98,7 @@ class Contender:
         self.steps += 1
         self.opt.zero_grad(set_to_none=True)
         F.cross_entropy(self.model(self.x), self.y).backward()
-        if self.hooks.has_fused:
+        if self.hooks.stage("fused") is not None:
             self.hooks.after_backward()
         self.opt.step()
         if self.watch and self.steps % READ_EVERY == 0:

@@ -93,7 +93,7 @@ def test_a_logged_clamp_deferred_reports_the_bits_it_reports_in_the_hook(monkeyp
     import copy
     import math
 
-    from gradmod.hooks import chain
+    from gradmod.hooks.hook import chain
     from gradmod.testing.opcount import OpCounter
 
     rules = {"c": {"params": "*", "transforms": ["log", {"name": "clamp", "bound": 1e-3}, "log"]}}

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from gradmod.hooks import attach
-from gradmod.hooks.group import AGC
+from gradmod.hooks.fused.group import AGC
 from gradmod.reporting import run_summary
 from gradmod.training.distributed import Dist
 from gradmod.training.trainer import bare_epoch

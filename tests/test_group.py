@@ -14,7 +14,7 @@ from helpers import free_port, spawn_ranks
 from torch import nn
 
 from gradmod.hooks import attach
-from gradmod.hooks.group import ZClip
+from gradmod.hooks.fused.norm_history import ZClip
 from gradmod.testing.opcount import OpCounter
 
 
@@ -317,7 +317,7 @@ def test_zclip_state_round_trips_through_hookset_state_dict():
         backward(model, step)
         hooks.after_backward()
     state = hooks.state_dict()["group"]["g/zclip"]
-    zclip = hooks._groups[0][1].fn
+    zclip = hooks.stage("fused")._groups[0][1]
     assert state["steps"] == 4 and torch.equal(state["mean"], zclip.mean) and torch.equal(state["var"], zclip.var)
     hooks.remove()
 
@@ -478,7 +478,7 @@ def test_global_norm_clip_under_ddp_clips_the_averaged_gradient(tmp_path):
 
 
 def test_zclip_an_infinite_norm_after_warm_up_leaves_the_running_statistics():
-    from gradmod.hooks.group import ZClip
+    from gradmod.hooks.fused.norm_history import ZClip
 
     zc = ZClip(warmup_steps=3)
     for norm in (1.0, 2.0, 3.0):

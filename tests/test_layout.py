@@ -33,12 +33,15 @@ HYDRA_FLOORS = {"app"}  # the one floor (besides ./train.py) that imports hydra 
 
 
 def _imports(path: Path) -> set[str]:
+    """Every module a file imports: ``from pkg import mod`` names both ``pkg`` and ``pkg.mod``
+    (the graph below keeps the names that are modules)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
 
 
@@ -72,7 +75,7 @@ def test_no_module_imports_itself_back():
         graph[mod] = {i for i in _imports(path) if i.startswith("gradmod.") and i != mod}
     known = set(graph)
 
-    def resolve(name):  # "from gradmod.hooks import transforms" names a package; its module is the edge
+    def resolve(name):  # "from gradmod.hooks import transforms": the module gradmod.hooks.transforms is the edge
         return name if name in known else None
 
     def reach(start):
@@ -142,3 +145,34 @@ def test_hook_core_works_without_hydra_or_omegaconf():
         timeout=120,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_the_loops_over_stages_name_none():
+    """HookSet, attach and the Trainer run every stage through the Stage protocol: no stage
+    name appears in their code as a string or an attribute (docstrings aside)."""
+    from gradmod.hooks import stages
+
+    names = set(stages.names(available_only=False))
+    for rel in ("hooks/hookset.py", "training/trainer.py", "training/stage_sync.py"):
+        tree = ast.parse((PKG / rel).read_text())
+        docs = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n) is not None
+        }
+        named = sorted(
+            {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in names and id(n) not in docs}
+            | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in names}
+        )
+        assert not named, f"gradmod/{rel} names the stages {named}"
+
+
+def test_every_stage_of_the_table_is_a_stage_class_in_its_own_folder():
+    from gradmod.hooks import stages
+    from gradmod.hooks.stage import Stage
+
+    for facts in stages.STAGES:
+        cls = stages.stage_class(facts.name)
+        assert issubclass(cls, Stage) and cls.name == facts.name
+        assert cls.__module__ == f"gradmod.hooks.{facts.name}.stage"
+        assert (cls.accepts, cls.implied_by, cls.sees) == (facts.accepts, facts.implied_by, facts.sees)

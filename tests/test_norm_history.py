@@ -91,7 +91,7 @@ def test_zclip_equals_the_zclip_package(args, pkg):
         clipper.step(ref)
         for a, b in zip(grads(ours), grads(ref)):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=0, msg=f"step {t}")
-    z = hooks._groups[0][1].fn
+    z = hooks.stage("fused")._groups[0][1]
     assert z.mean.item() == pytest.approx(clipper.mean, rel=1e-6) and z.var.item() == pytest.approx(
         clipper.var, rel=1e-5
     )

@@ -469,8 +469,8 @@ def test_bf16_autocast_runs_and_stays_close_to_float32():
 
 
 def test_fsdp_sharded_parameters_are_refused(monkeypatch):
-    import gradmod.hooks.hookset as R
+    import gradmod.hooks.sharded as S
 
-    monkeypatch.setattr(R, "is_sharded", lambda t: True)
+    monkeypatch.setattr(S, "is_sharded", lambda t: True)
     with pytest.raises(ValueError, match="FSDP-sharded"):
         gradmod.attach(Shared(2), {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})

@@ -14,7 +14,8 @@ from helpers import ROOT
 from torch.func import functional_call, grad, vmap
 
 from gradmod.hooks import attach
-from gradmod.hooks import per_sample_layers as layers
+from gradmod.hooks.per_sample import layers
+from gradmod.hooks.stage import Loop
 
 
 def dp_rule(max_norm=1.0, noise=0.0, params="*", extra=()):
@@ -234,7 +235,7 @@ def test_expected_batch_size_is_the_divisor():
     model, x, y, loss_fn = make("groupnorm_cnn")
     expected, _, _ = reference(model, x, y, loss_fn, 1.0, divisor=10)
     hooks = attach(model, dp_rule(1.0))
-    hooks.set_per_sample(expected_batch_size=10)  # Poisson sampling: the expected, not the drawn, size
+    hooks.set_up(Loop(poisson=True, step_examples=10))  # Poisson sampling: the expected, not the drawn, size
     loss_fn(model(x), y).mean().backward()
     hooks.after_backward()
     assert_grads(model, expected)

@@ -44,7 +44,7 @@ def test_fp16_scaled_gradients_get_fp32_thresholds(stage):
     amp.backward(_loss(model), hooks)
     assert amp.scale() == 2.0**16
     amp.unscale_(opt)
-    if hooks.has_fused:
+    if hooks.stage("fused") is not None:
         hooks.after_backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)

@@ -10,7 +10,8 @@ from torch import nn
 
 from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
-from gradmod.hooks.group import GroupTransform
+from gradmod.hooks.fused.group import GroupTransform
+from gradmod.hooks.per_loss.methods import Mean
 from gradmod.hooks.rules import build_targets
 
 
@@ -136,3 +137,73 @@ def test_stages_act_in_the_table_order_and_the_plan_lists_them_so():
         hooks.after_backward()
     for p, g in zip(model.parameters(), plain):  # the per_sample mean (nothing clipped), then doubled
         torch.testing.assert_close(p.grad, 2 * g)
+
+
+def test_one_door_registers_every_kind_and_exports_the_base_classes():
+    import gradmod
+    from gradmod.hooks.fused.group import GroupTransform as Group
+    from gradmod.hooks.per_loss.methods import Method
+    from gradmod.hooks.per_sample.layers import Form, register_form
+
+    assert (gradmod.GroupTransform, gradmod.Method, gradmod.Form) == (Group, Method, Form)
+    assert gradmod.register_form is register_form and gradmod.register is registry.register
+
+    class Unit(gradmod.GroupTransform):
+        def apply_(self, params, grads):
+            torch._foreach_mul_(grads, 2.0)
+
+    class Half(gradmod.Method):
+        name = "half_test"
+
+        def weights(self, G, gen):
+            return torch.full((G.shape[0],), 0.5, dtype=G.dtype)
+
+    gradmod.register("double_test", Unit, kind="group")
+    gradmod.register("half_test", Half, kind="per_loss")
+    gradmod.register("negate_test", lambda: torch.neg)
+    assert [registry.entry(n).kind for n in ("double_test", "half_test", "negate_test")] == [
+        "group",
+        "per_loss",
+        "elementwise",
+    ]
+    model = nn.Linear(3, 1, bias=False)
+    with attach(model, {"d": {"params": "*", "transforms": ["negate_test", "double_test"], "stage": "fused"}}) as h:
+        model(torch.ones(2, 3)).sum().backward()
+        h.after_backward()
+    torch.testing.assert_close(model.weight.grad, torch.full((1, 3), -4.0))
+
+
+def _at_stage():
+    form = registry.entry("log").at_stage["per_sample"]
+    registry.register_at_stage("log", "per_sample", form)  # the same form again: nothing changes
+    return form
+
+
+@pytest.mark.parametrize(
+    "call, old, name",
+    [
+        (lambda: hooks_pkg().register("old_a", lambda: torch.neg), "gradmod.hooks.register", "old_a"),
+        (lambda: T.register("old_b", lambda: torch.neg), "gradmod.hooks.transforms.register", "old_b"),
+        (lambda: per_loss_pkg().register("old_c", Mean), "gradmod.hooks.per_loss.register", "old_c"),
+        (_at_stage, "register_at_stage is deprecated", None),
+    ],
+)
+def test_the_former_doors_still_register_with_a_deprecation_warning(call, old, name):
+    with pytest.warns(DeprecationWarning, match=old):
+        call()
+    if name is not None:
+        assert name in registry.names()
+    else:
+        assert "per_sample" in registry.entry("log").at_stage
+
+
+def hooks_pkg():
+    import gradmod.hooks
+
+    return gradmod.hooks
+
+
+def per_loss_pkg():
+    import gradmod.hooks.per_loss
+
+    return gradmod.hooks.per_loss

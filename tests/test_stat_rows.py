@@ -170,7 +170,7 @@ def test_reading_many_windows_together_gives_each_windows_own_bits():
     window of another kind)."""
     import copy
 
-    from gradmod.hooks.group import NormRecord
+    from gradmod.hooks.fused.group import NormRecord
     from gradmod.hooks.per_loss.record import TaskRecord
     from gradmod.hooks.stats import GradStats, take_all
 

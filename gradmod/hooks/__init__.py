@@ -1,5 +1,5 @@
 """The hook core: transforms by name (one registry), rules that attach them, the stages
-they run at, statistics they gather.
+they run at (``stage.Stage``, one folder each), statistics they gather.
 
 Imports torch only: usable in any training loop, without the trainer or Hydra. The names
 below load on first use, so that the torch-free tables (``stages``, ``registry``) can be
@@ -14,12 +14,14 @@ from typing import Any
 _HOMES = {
     "HookSet": "gradmod.hooks.hookset",
     "attach": "gradmod.hooks.hookset",
-    "register": "gradmod.hooks.registry",
     "load_rules": "gradmod.hooks.rules",
     "GradStats": "gradmod.hooks.stats",
+    "Stage": "gradmod.hooks.stage",
 }
+# Names that moved: served one more release, with a DeprecationWarning (gradmod.register).
+_MOVED = {"register": ("gradmod.hooks.registry", "register_old_door")}
 _MODULES = ("registry", "stages", "transforms")
-__all__ = sorted([*_HOMES, *_MODULES])
+__all__ = sorted([*_HOMES, *_MODULES, *_MOVED])
 
 
 def __getattr__(name: str) -> Any:
@@ -27,6 +29,9 @@ def __getattr__(name: str) -> Any:
         value = importlib.import_module(f"gradmod.hooks.{name}")
     elif name in _HOMES:
         value = getattr(importlib.import_module(_HOMES[name]), name)
+    elif name in _MOVED:
+        module, attr = _MOVED[name]
+        value = getattr(importlib.import_module(module), attr)
     else:
         raise AttributeError(f"module 'gradmod.hooks' has no attribute {name!r}")
     globals()[name] = value  # later lookups skip this function

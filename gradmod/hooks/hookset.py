@@ -4,7 +4,8 @@ A rule (``gradmod.hooks.rules``) with ``params`` transforms each selected parame
 gradient; one with ``modules`` the gradient of the module's *output* (the articles'
 ``x.register_hook`` inside ``forward``). Several rules on one tensor chain in config
 order within a stage; the stages act in the order of ``gradmod.hooks.stages.STAGES``
-(``HookSet.chains`` lists that order):
+(``HookSet.chains`` lists that order). Each is a ``gradmod.hooks.stage.Stage`` in a folder
+of its own; ``HookSet`` runs them through that protocol and names none:
 
 * ``hook``: ``Tensor.register_hook`` on the tensor; each backward's local gradient
   before it is accumulated into ``.grad`` (and before DDP's all-reduce).
@@ -29,17 +30,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
 from gradmod.hooks import stages
-from gradmod.hooks.chain import chain_hook, output_hook
 from gradmod.hooks.due import AfterBackwardDue
-from gradmod.hooks.fused import fused_transforms, run_fused
-from gradmod.hooks.ledger import RawLedger
-from gradmod.hooks.log_buffer import LogBuffer
-from gradmod.hooks.per_loss.stage import PerLossStage, per_loss_rules
-from gradmod.hooks.per_sample import PerSampleStage, per_sample_rules
-from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets, group_steps, observer_key
+from gradmod.hooks.per_sample.stage import PerSampleStage  # set_per_sample, deprecated
+from gradmod.hooks.registry import warn_moved
+from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
 from gradmod.hooks.schedules import Length
-from gradmod.hooks.sharded import is_sharded, refuse_hook_stage, watch
-from gradmod.hooks.stages import STAGES
+from gradmod.hooks.sharded import watch
+from gradmod.hooks.stage import Core, Loop, Stage
 from gradmod.hooks.stats import take_all
 from gradmod.hooks.timed import Timed
 
@@ -51,45 +48,31 @@ _OWNERS = WeakIdKeyDictionary()
 
 class HookSet:
     """The hooks one ``attach`` call registered. ``remove()`` (or leaving a ``with``
-    block) removes every handle; ``after_backward()`` runs the fused stage."""
+    block) removes every handle; ``after_backward()`` finishes the stages that act after
+    backward. ``stages``: one ``Stage`` per stage some rule runs at, in stage order."""
 
     def __init__(
         self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean", length: Length | None = None
     ):
         self.targets = targets
-        # The step clock, the scheduled arguments and the windows (rules whose transforms change over training).
+        self._core = Core(loss_reduction)
+        # The step clock, the scheduled arguments and the windows (rules that change over training).
         self.timed = Timed(targets, {t.rule: t.active for t in targets if t.active is not None}, length or Length())
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._grad_scale: Tensor | None = None  # GradScaler's scale (fp16): hooks then unscale first
-        self.ledger = RawLedger()  # raw gradients the chains replaced, for the non-finite count
-        self.logs = LogBuffer()  # the chains' log observations, until the end of backward
+        self._core.windows = frozenset(self.timed.windows)
+        self._tick()
+        at = {t.stage for t in targets}
+        self.stages: list[Stage] = [
+            stages.stage_class(name)(model, targets, self._core) for name in stages.names() if name in at
+        ]
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
-        # One hook per tensor: its transforms from every rule, chained in config order.
-        hooked: dict[str, tuple[Target, list[tuple[str, R.BuiltTransform]]]] = {}
-        for t in targets:
-            if t.stage == "hook":
-                hooked.setdefault(t.key, (t, []))[1].extend((t.rule, s) for s in t.steps)
-        for key, (t, steps) in hooked.items():
-            if t.kind == "param":
-                self._handles.append(params[t.name].register_hook(chain_hook(steps, self, key, params[t.name])))
-            else:
-                rules = list(dict.fromkeys(rule for rule, _ in steps))
-                hook = output_hook(chain_hook(steps, self, key, None), rules, t.name)
-                self._handles.append(modules[t.name].register_forward_hook(hook))
-        self._fused = fused_transforms(targets, params)  # (rule, step index) groups in config order
-        self._groups = [(key, s) for key, _, s in group_steps(targets)]  # s.fn read late: a schedule may retune it
-        private = per_sample_rules(targets, params)
-        self.per_sample = PerSampleStage(model, private, loss_reduction) if private else None
-        several = per_loss_rules(targets, params, modules)
-        self.per_loss = PerLossStage(model, several) if several else None
         # Every tensor this set transforms, so another attach call cannot hook it twice.
-        self.owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
+        self._owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         self._keys = {t.key for t in targets}
         self._due = AfterBackwardDue(model, _sentinels(targets, params, self.timed))  # a forgotten after_backward()
-        for obj in self.owned:
+        for obj in self._owned:
             _OWNERS[obj] = self
 
     @property
@@ -104,51 +87,76 @@ class HookSet:
     def format_plan(self) -> str:
         return selection.format_plan(selection.describe(self.targets))
 
-    @property
-    def has_fused(self) -> bool:
-        return bool(self._fused)
+    def stage(self, name: str) -> Stage | None:
+        """The stage called ``name`` when some rule runs at it, else None."""
+        return next((s for s in self.stages if s.name == name), None)
+
+    def __getattr__(self, name: str) -> Any:
+        """Each stage by its name too (``hooks.per_loss.generator``); None where no rule runs at it."""
+        if name in stages.names():
+            return self.stage(name)
+        raise AttributeError(f"'HookSet' object has no attribute {name!r}")
+
+    def set_per_sample(
+        self,
+        *,
+        expected_batch_size: float | None = None,
+        reduce: Callable[[list[Tensor]], None] | None = None,
+        draws_noise: bool = True,
+    ) -> None:
+        """Deprecated: ``set_up(Loop(...))`` (``gradmod.hooks.stage.Loop``)."""
+        warn_moved("HookSet.set_per_sample", "HookSet.set_up(gradmod.hooks.stage.Loop(...))")
+        private: Any = self.stage(PerSampleStage.name)
+        if private is None:
+            raise ValueError("set_per_sample: no rule runs at stage per_sample")
+        private.expected_batch_size, private.reduce, private.draws_noise = expected_batch_size, reduce, draws_noise
 
     @property
     def needs_after_backward(self) -> bool:
         """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample),
         or changes over training (its clock advances there)."""
-        return bool(self.timed) or any(stages.get(t.stage).needs_after_backward for t in self.targets)
+        return bool(self.timed) or any(s.needs_after_backward for s in self.stages)
 
-    def backward(self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor]) -> None:
+    def backward(
+        self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor], closure: Callable[[], Any] | None = None
+    ) -> None:
         """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
-        ordered (a sequence) ones, whose gradients sum into ``.grad``. Under per_loss rules
-        their parameters get the rule's combination of the task gradients instead, every
-        other parameter the gradient of the sum."""
-        if isinstance(losses, Tensor) and self.per_loss is None:
-            losses.backward()
+        ordered (a sequence) ones, whose gradients sum into ``.grad``. A stage that runs the
+        backward itself (per_loss: its rules' parameters get the rule's combination of the
+        task gradients, every other parameter the gradient of the sum) takes it over;
+        ``closure``: recomputes the loss, for a stage that needs a second pass."""
+        given = losses if isinstance(losses, Tensor) else _named_losses(losses)
+        for stage in self.stages:
+            if stage.backward(given, closure):
+                return
+        if isinstance(given, Tensor):
+            given.backward()
             return
-        named = _named_losses(losses, self.per_loss)
-        if self.per_loss is not None:
-            self.per_loss.grad_scale = self._grad_scale
-            self.per_loss.backward(named)
-            return
-        parts = list(named.values())
+        parts = list(given.values())
         sum(parts[1:], parts[0]).backward()
 
     def end_epoch(self) -> None:
-        """Close an epoch for the per_loss methods that count in epochs (``dwa``)."""
-        if self.per_loss is not None:
-            self.per_loss.end_epoch()
+        """Close an epoch for the stages that count in epochs (per_loss's ``dwa``)."""
+        for stage in self.stages:
+            stage.end_epoch()
 
     def after_backward(self) -> bool:
         """Finish the stages that act after backward, in their order (call before
         optimizer.step): the per_sample stage's parameters get their clipped, noised mean
         gradient, then the fused stage transforms the accumulated gradients. Returns True
         when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
-        only then is the host read), False otherwise. Then the step clock advances: the
-        next step's scheduled values and windows are set, on the host."""
+        only then is the host read), False otherwise."""
         self._due.done()
         skip = False
-        for stage in STAGES:
-            skip = self._finish(stage.name) or skip
-        if self.timed:
-            self.timed.advance()
+        for stage in self.stages:
+            skip = bool(stage.finish()) or skip
+        self.timed.advance()  # the next step's scheduled values and windows, on the host
+        self._tick()
         return skip
+
+    def _tick(self) -> None:
+        """The core follows the clock: the step, and the rules outside their window."""
+        self._core.step, self._core.inactive = self.timed.t, frozenset(self.timed.inactive)
 
     @property
     def step(self) -> int:
@@ -162,55 +170,36 @@ class HookSet:
             raise ValueError(f"set_step: t={t!r} must be an int >= 0 (optimizer steps completed)")
         if t != self.timed.t:
             self.timed.at(t)
+            self._tick()
 
-    def _finish(self, stage: str) -> bool:
-        """What ``after_backward`` does for one stage; True: skip the optimizer step."""
-        if stage == "per_sample" and self.per_sample is not None:
-            self.per_sample.finish()
-        elif stage == "fused":
-            return run_fused(self._fused, self.timed.inactive)
-        return False
-
-    def set_per_sample(
-        self,
-        *,
-        expected_batch_size: float | None = None,
-        reduce: Callable[[list[Tensor]], None] | None = None,
-        draws_noise: bool = True,
-    ) -> None:
-        """Set up the per_sample stage for a loop: ``expected_batch_size``, the divisor
-        under Poisson sampling (None: the examples of the step's backward calls);
-        ``reduce``, called on the clipped sums (after this rank's noise) before the
-        division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none."""
-        if self.per_sample is None:
-            raise ValueError("set_per_sample: no rule runs at stage per_sample")
-        stage = self.per_sample
-        stage.expected_batch_size, stage.reduce, stage.draws_noise = expected_batch_size, reduce, draws_noise
+    def set_up(self, loop: Loop) -> None:
+        """Hand every stage what the training loop knows (``gradmod.hooks.stage.Loop``:
+        ranks, examples per step, Poisson sampling, the all-reduce)."""
+        for stage in self.stages:
+            stage.set_up(loop)
 
     @property
     def grad_scale(self) -> Tensor | None:
         """GradScaler's scale of the backward in progress (fp16), or None."""
-        return self._grad_scale
+        return self._core.grad_scale
 
     def set_grad_scale(self, scale: Tensor | None) -> None:
         """Under fp16, the loss scale of the next backward (a device tensor): hook-stage
         transforms then see the unscaled gradient, as in fp32."""
-        self._grad_scale = scale
+        self._core.grad_scale = scale
 
     def observers(self) -> list[tuple[str, Any]]:
-        """(statistics key, accumulator) for every ``log`` transform attached (key
-        ``tensor`` or ``tensor/label``), then every group transform's ``NormRecord``
-        (key ``rule/transform``: total norm before it, clip coefficient)."""
-        logs = [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps if s.observer]
-        private = self.per_sample.records() if self.per_sample is not None else []
-        several = self.per_loss.records() if self.per_loss is not None else []
-        return logs + [(key, s.fn.record) for key, s in self._groups] + private + several
+        """(statistics key, accumulator) of every stage, in stage order: each ``log``
+        transform attached (key ``tensor`` or ``tensor/label``), every group transform's
+        ``NormRecord`` (key ``rule/transform``: total norm before it, clip coefficient),
+        the per_sample and per_loss rules' records."""
+        return [record for stage in self.stages for record in stage.records()]
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
         with a single host sync."""
         observers = self.observers()
-        timed = self.timed.stats()
+        timed = self.timed.stats()  # the scheduled values and windows of the last step
         pending = []
         for (key, obs), (calls, acc) in zip(observers, take_all([obs for _, obs in observers])):
             if acc is not None:
@@ -227,33 +216,29 @@ class HookSet:
 
     def state_dict(self) -> dict[str, Any]:
         """What the hooks carry from step to step (the ``log`` windows in progress, the
-        group transforms' state such as zclip's running mean and variance), for
-        checkpoints: resuming with ``load_state_dict`` continues bit for bit."""
-        state = {
+        stages' own state such as zclip's running mean and variance), for checkpoints:
+        resuming with ``load_state_dict`` continues bit for bit."""
+        state: dict[str, Any] = {
             "log_windows": {key: obs.state_dict() for key, obs in self.observers()},
-            "group": {key: s.fn.state_dict() for key, s in self._groups},
             "clock": self.timed.clock.state_dict(),
         }
-        if self.per_loss is not None:  # the methods' state and the generator of their random choices
-            state["per_loss"] = self.per_loss.state_dict()
+        for stage in self.stages:
+            state.update(stage.state_dict())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         """Restore ``state_dict()``'s windows; ``device``: where this run's gradients are.
         Windows of tensors this HookSet does not observe are ignored."""
+        if "clock" in state:  # first: the transforms' values at that step, then the stages' state
+            self.timed.clock.load_state_dict(state["clock"])
+            self.timed.at(self.timed.clock.t)
+            self._tick()
         windows = state.get("log_windows", {})
         for key, obs in self.observers():
             if key in windows:
                 obs.load_state_dict(windows[key], device)
-        if "clock" in state:  # first: the group transforms' values at that step, then their state
-            self.timed.clock.load_state_dict(state["clock"])
-            self.timed.at(self.timed.clock.t)
-        groups = state.get("group", {})
-        for key, s in self._groups:
-            if key in groups:
-                s.fn.load_state_dict(groups[key], device)
-        if self.per_loss is not None and "per_loss" in state:
-            self.per_loss.load_state_dict(state["per_loss"])
+        for stage in self.stages:
+            stage.load_state_dict(state, device)
 
     def set_histograms(self, on: bool) -> None:
         """Bin the gradients of the next calls on the device (for the step before a read)."""
@@ -263,14 +248,14 @@ class HookSet:
     @property
     def replaced(self) -> set[str]:
         """Parameters whose chain replaced the gradient since the last take."""
-        return self.ledger.replaced
+        return self._core.ledger.replaced
 
     def take_raw_parts(self) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[str]]:
         """What the hooks kept since the last call, and a fresh start: (tensor name, raw
         gradient to count) for chains that replaced a parameter's gradient, (module
         output, count) already counted, and the parameters whose raw gradient is not in
         their ``.grad``. ``NonFiniteGuard`` counts the tensors together with the rest."""
-        return self.ledger.take()
+        return self._core.ledger.take()
 
     def __len__(self) -> int:
         """The tensors this set transforms (0 once removed): any rule makes it true."""
@@ -279,21 +264,15 @@ class HookSet:
     def remove(self) -> None:
         self._watch.remove()
         self._due.remove()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._fused.clear()
-        if self.per_sample is not None:
-            self.per_sample.remove()
-        if self.per_loss is not None:
-            self.per_loss.remove()
+        for stage in self.stages:
+            stage.remove()
         self._keys = set()
-        self.ledger.take()
-        self.logs.clear()
-        for obj in self.owned:  # free the tensors for another attach call
+        self._core.ledger.take()
+        self._core.logs.clear()
+        for obj in self._owned:  # free the tensors for another attach call
             if _OWNERS.get(obj) is self:
                 del _OWNERS[obj]
-        self.owned = []
+        self._owned = []
 
     def __enter__(self) -> HookSet:
         return self
@@ -319,7 +298,7 @@ def _sentinels(
 def attach(
     model: nn.Module,
     rules: Mapping[str, Mapping[str, Any]] | None,
-    stage: str = "hook",
+    stage: str = stages.DEFAULT,
     replace: bool = True,
     loss_reduction: str = "mean",
     total_steps: int | None = None,
@@ -343,14 +322,19 @@ def attach(
             raise ValueError(f"attach: {name}={n!r} must be an int >= 1 (optimizer steps), or None")
     length = Length(steps_per_epoch=steps_per_epoch, total_steps=total_steps)
     if stage not in DEFAULT_STAGES:
-        hint = "; per_sample is set per rule (or implied by per_sample_clip)" if stage == "per_sample" else ""
+        hint = ""
+        if stage in stages.names():  # a stage of its own: a rule sets it, or a transform's kind implies it
+            implied = [n for kind in (stages.get(stage).implied_by,) if kind for n in R.names(kind)]
+            hint = f"; {stage} is set per rule" + (f" (or implied by {', '.join(implied[:3])})" if implied else "")
         raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
     targets = build_targets(model, rules, stage, length)  # validate everything before touching the model
-    refuse_hook_stage(targets, dict(model.named_parameters()))  # FSDP2-sharded parameters: fused only
-    refuse_sharded_per_loss(targets, dict(model.named_parameters()))
-    previous = [h for h in _ATTACHED.get(model, []) if h.owned]  # the live ones
+    at = {t.stage for t in targets}
+    for name in stages.names():
+        if name in at:
+            stages.stage_class(name).check(model, targets)
+    previous = [h for h in _ATTACHED.get(model, []) if h._owned]  # the live ones
     replaced = previous if replace else []
     _refuse_overlap(model, targets, replaced)
     for old in replaced:
@@ -360,22 +344,11 @@ def attach(
     return hooks
 
 
-def _named_losses(losses: Any, stage: PerLossStage | None) -> dict[str, Tensor]:
+def _named_losses(losses: Any) -> dict[str, Tensor]:
     """The losses by name (a sequence's by position); one line for what is not allowed."""
-    if isinstance(losses, Tensor):
-        rule = stage.rules[0].name
-        raise ValueError(
-            f"hooks.{rule}: a per_loss rule combines the gradients of several losses, but "
-            "hooks.backward got one scalar; give a mapping of named losses (or a sequence)"
-        )
     named = dict(losses) if isinstance(losses, Mapping) else {str(i): x for i, x in enumerate(losses)}
     if not named or not all(isinstance(x, Tensor) and x.dim() == 0 for x in named.values()):
         raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of scalar losses")
-    if stage is not None and len(named) < 2:
-        raise ValueError(
-            f"hooks.{stage.rules[0].name}: a per_loss rule combines the gradients of several "
-            f"losses, but hooks.backward got one ({', '.join(map(str, named))}); give two or more"
-        )
     return {str(k): v for k, v in named.items()}
 
 
@@ -392,14 +365,4 @@ def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[Hook
         raise ValueError(
             f"attach: {shown} already carry hooks from another attach call (kept with replace=False, "
             "or through another module); call remove() on that HookSet first, or select other tensors"
-        )
-
-
-def refuse_sharded_per_loss(targets: list[Target], params: dict[str, Tensor]) -> None:
-    """FSDP2 shards the parameters; the per_loss stage needs whole layers' task gradients."""
-    hit = next((t for t in targets if t.stage == "per_loss" and t.kind == "param" and is_sharded(params[t.name])), None)
-    if hit is not None:
-        raise ValueError(
-            f"hooks.{hit.rule}: per_loss rules do not run on FSDP-sharded parameters ({hit.name!r}) "
-            "yet; use DDP or one process"
         )

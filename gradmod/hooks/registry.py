@@ -15,13 +15,18 @@ builds and so at which stage it may run (``gradmod.hooks.stages``):
   ``per_sample_clip``); implies stage ``per_sample``.
 * ``per_loss``: read by the per_loss stage on each loss's gradient; implies ``per_loss``.
 
-An entry may also have a form at another stage (``register_at_stage``): ``log`` is
+An entry may also have a form at another stage (``add_stage_form``): ``log`` is
 element-wise, and at the per_sample stage keeps per-example statistics instead.
+
+The shipped transforms are registered by ``gradmod.hooks.catalog``, which the first read of
+the table loads (``entries``); one's own go through ``gradmod.register``.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import warnings
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping
@@ -31,9 +36,7 @@ from gradmod.hooks import stages
 KINDS = ("elementwise", "group", "per_sample", "per_loss")
 
 # How a transform of one's own gets a name (train.py imports the modules named in plugins).
-OWN_TRANSFORMS = (
-    "a transform of your own is registered with transforms.register, in a module given as plugins=[my_pkg.x]"
-)
+OWN_TRANSFORMS = "a transform of your own is registered with gradmod.register, in a module given as plugins=[my_pkg.x]"
 
 
 @dataclass(frozen=True)
@@ -55,22 +58,37 @@ class Entry:
 
 
 _ENTRIES: dict[str, Entry] = {}
+_catalog_loaded = False
+
+
+def entries() -> dict[str, Entry]:
+    """The table, the shipped transforms in it: the first read loads ``gradmod.hooks.catalog``
+    (by name: the catalog imports this module to register, so this one cannot import it)."""
+    global _catalog_loaded
+    if not _catalog_loaded:
+        _catalog_loaded = True
+        try:
+            importlib.import_module("gradmod.hooks.catalog")
+        except BaseException:
+            _catalog_loaded = False
+            raise
+    return _ENTRIES
 
 
 def _check(name: str, factory: Any, kind: str, foreach: Any, observer: bool) -> None:
     where = f"register({name!r})"
     if not isinstance(name, str) or not name:
-        raise TypeError(f"transforms.register: name must be a non-empty str, got {name!r}")
+        raise TypeError(f"register: name must be a non-empty str, got {name!r}")
     if factory is not None and not callable(factory):
-        raise TypeError(f"transforms.{where}: factory must be callable, got {type(factory).__name__}")
+        raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}")
     if foreach is not None and not callable(foreach):
-        raise TypeError(f"transforms.{where}: foreach must be callable or None, got {type(foreach).__name__}")
+        raise TypeError(f"{where}: foreach must be callable or None, got {type(foreach).__name__}")
     if kind not in KINDS:
-        raise ValueError(f"transforms.{where}: kind={kind!r}; allowed: {', '.join(KINDS)}")
+        raise ValueError(f"{where}: kind={kind!r}; allowed: {', '.join(KINDS)}")
     if foreach is not None and kind != "elementwise":
-        raise ValueError(f"transforms.{where}: a {kind} transform has no foreach form (elementwise only)")
+        raise ValueError(f"{where}: a {kind} transform has no foreach form (elementwise only)")
     if observer and kind != "elementwise":
-        raise ValueError(f"transforms.{where}: observer=True is for elementwise transforms only")
+        raise ValueError(f"{where}: observer=True is for elementwise transforms only")
 
 
 def register(
@@ -95,8 +113,8 @@ def register(
 
     def add(f):
         if not callable(f):
-            raise TypeError(f"transforms.register({name!r}): factory must be callable, got {type(f).__name__}")
-        if name in _ENTRIES and not overwrite:
+            raise TypeError(f"register({name!r}): factory must be callable, got {type(f).__name__}")
+        if name in entries() and not overwrite:
             raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
         _ENTRIES[name] = Entry(name, f, kind, foreach, observer)
         return f
@@ -104,10 +122,10 @@ def register(
     return add(factory) if factory is not None else add
 
 
-def register_at_stage(name: str, stage: str, factory: Callable[..., Any]) -> None:
+def add_stage_form(name: str, stage: str, factory: Callable[..., Any]) -> None:
     """The form the registered transform ``name`` takes at ``stage`` (a stage its kind does
     not run at), e.g. ``log`` at the per_sample stage."""
-    if name not in _ENTRIES:
+    if name not in entries():
         raise ValueError(f"register_at_stage: transform {name!r} is not registered; register it first")
     if stage not in stages.names(available_only=False):
         raise ValueError(f"register_at_stage({name!r}): stage {stage!r}; allowed: {', '.join(stages.names())}")
@@ -117,6 +135,23 @@ def register_at_stage(name: str, stage: str, factory: Callable[..., Any]) -> Non
     _ENTRIES[name] = replace(e, at_stage={**e.at_stage, stage: factory})
 
 
+def warn_moved(old: str, new: str = "gradmod.register(name, factory, kind=...)") -> None:
+    """One release of grace for a door that moved: a DeprecationWarning naming the new one."""
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning, 3)
+
+
+def register_old_door(*args: Any, **kwargs: Any):
+    """Deprecated ``gradmod.hooks.register``: ``gradmod.register``."""
+    warn_moved("gradmod.hooks.register")
+    return register(*args, **kwargs)
+
+
+def register_at_stage(name: str, stage: str, factory: Callable[..., Any]) -> None:
+    """Deprecated: ``add_stage_form``."""
+    warn_moved("gradmod.hooks.registry.register_at_stage", "add_stage_form")
+    add_stage_form(name, stage, factory)
+
+
 def unregister(name: str) -> None:
     """Remove ``name`` (a plugin's or a test's transform); unknown names are ignored."""
     _ENTRIES.pop(name, None)
@@ -124,12 +159,12 @@ def unregister(name: str) -> None:
 
 def names(kind: str | None = None) -> list[str]:
     """The registered transform names (of one kind, if given)."""
-    return sorted(n for n, e in _ENTRIES.items() if kind is None or e.kind == kind)
+    return sorted(n for n, e in entries().items() if kind is None or e.kind == kind)
 
 
 def entry(name: str) -> Entry:
     """The entry registered under ``name``; a ValueError listing the names otherwise."""
-    if name not in _ENTRIES:
+    if name not in entries():
         raise ValueError(f"unknown transform {name!r}; allowed: {', '.join(names())}; {OWN_TRANSFORMS}")
     return _ENTRIES[name]
 
@@ -147,13 +182,13 @@ def runs_at(name: str, stage: str) -> bool:
 
 def accepted_at(stage: str) -> list[str]:
     """The transform names a rule at ``stage`` may hold, in registration order."""
-    return [n for n in _ENTRIES if runs_at(n, stage)]
+    return [n for n in entries() if runs_at(n, stage)]
 
 
 @dataclass(frozen=True)
 class BuiltTransform:
     """One configured transform: its name, arguments and function. ``at``: the stage
-    whose form ``fn`` is (``register_at_stage``), None for the entry's own factory."""
+    whose form ``fn`` is (``add_stage_form``), None for the entry's own factory."""
 
     name: str
     args: dict[str, Any] = field(default_factory=dict)

@@ -16,13 +16,9 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from gradmod.hooks import group as _group  # noqa: F401  (registers the group transforms)
-from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: F401  (registers per_sample_clip)
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
 from gradmod.hooks.globs import select
-from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: F401  (registers the per_loss methods)
-from gradmod.hooks.per_sample import check_model
 from gradmod.hooks.schedules import Active, Length
 from gradmod.hooks.timed import check_range, rule_window, split_schedules
 
@@ -52,7 +48,7 @@ class Target:
 def build_targets(
     model: nn.Module,
     rules: Mapping[str, Mapping[str, Any]] | None,
-    stage: str = "hook",
+    stage: str = stages.DEFAULT,
     length: Length | None = None,
 ) -> list[Target]:
     """Check the rules against the model and return what to attach, in config order.
@@ -75,8 +71,6 @@ def build_targets(
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
         targets.extend(_rule_targets(rule, spec, params, modules, stage, length or Length()))
     _check_observer_keys(targets)
-    _check_per_sample(model, targets, params)
-    _check_per_loss(targets)
     return targets
 
 
@@ -119,7 +113,7 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list,
     return stage.name
 
 
-def _check_forced(rule: str, asked: str | None, kind: str, stage: stages.Stage, by: str) -> None:
+def _check_forced(rule: str, asked: str | None, kind: str, stage: stages.StageFacts, by: str) -> None:
     """A transform whose kind implies ``stage``: the rule may not ask for another, nor be a modules rule."""
     what = f"{_kind(by)} transform {by!r}"
     if not stage.available:
@@ -153,64 +147,6 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
 def _shared(step: R.BuiltTransform) -> bool:
     """A step that sees all of a rule's tensors together: one instance for the rule."""
     return step.kind != "elementwise" or step.at is not None
-
-
-def _check_per_sample(model: nn.Module, targets: list[Target], trainable: list[str]) -> None:
-    """Refuse what would make the per_sample stage wrong, each in one line."""
-    private = [t for t in targets if t.stage == "per_sample"]
-    if not private:
-        return
-    check_model(model)
-    covered = {t.name: t.rule for t in private}
-    clash = next((t for t in targets if t.stage == "hook" and t.kind == "param" and t.name in covered), None)
-    if clash is not None:
-        raise ValueError(
-            f"hooks.{clash.rule}: a hook-stage rule on {clash.name!r}, which per_sample rule "
-            f"{covered[clash.name]!r} selects, would act on the batch gradient that the per_sample "
-            "stage replaces; use stage fused (after it) or leave the parameter out"
-        )
-    noisy = sorted({t.rule for t in private for s in t.steps if s.kind == "per_sample" and s.fn.noise_multiplier > 0})
-    if len(noisy) > 1:
-        raise ValueError(
-            f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
-            "budget): put the parameters in one rule"
-        )
-    missing = [n for n in trainable if n not in covered]
-    if noisy and missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(
-            f"hooks.{noisy[0]}: with noise every trained parameter must be in a per_sample rule, "
-            f"else the privacy claim is false; not covered: {shown} (select them or set "
-            "requires_grad=False)"
-        )
-    twice = next((t for t in private if [u.rule for u in private if u.name == t.name] != [t.rule]), None)
-    if twice is not None:
-        raise ValueError(
-            f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
-            "gradient is clipped once: select it in one"
-        )
-
-
-def _check_per_loss(targets: list[Target]) -> None:
-    """Refuse what would make the per_loss stage wrong, each in one line."""
-    loss: dict[str, str] = {}
-    for t in targets:
-        if t.stage == "per_loss" and t.kind == "param":
-            if t.name in loss:
-                raise ValueError(
-                    f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
-                    "each parameter gets one method's update: select it in one"
-                )
-            loss[t.name] = t.rule
-    clash = next(
-        (t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")), None
-    )
-    if clash is not None:
-        raise ValueError(
-            f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
-            f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
-            "or per_sample, not both (a fused rule after it is fine)"
-        )
 
 
 def _rule_targets(

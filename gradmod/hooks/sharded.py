@@ -76,18 +76,14 @@ def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
     return list(rows.unbind(0))
 
 
-def refuse_hook_stage(targets, params: dict[str, Tensor]) -> None:
-    """One line for parameter rules that cannot run on sharded parameters: a tensor hook
-    never fires on an FSDP2 parameter (and the DDP meaning, each rank's whole local
-    gradient, would need FSDP2's private unsharded parameters); per-example gradients
-    would need the gathered weights in every layer's backward."""
+def refuse_sharded(stage: str, hint: str, targets, params: dict[str, Tensor]) -> None:
+    """One line for parameter rules at ``stage`` that cannot run on sharded parameters (every
+    stage but fused): a tensor hook never fires on an FSDP2 parameter (and the DDP meaning,
+    each rank's whole local gradient, would need FSDP2's private unsharded parameters);
+    per-example or per-task gradients would need the gathered weights in every layer's
+    backward. ``hint``: what to do instead."""
     for t in targets:
-        if t.kind == "param" and t.stage != "fused" and is_sharded(params[t.name]):
-            hint = (
-                "use stage: fused (it transforms the reduced, sharded .grad after backward)"
-                if t.stage == "hook"
-                else "it is not supported for FSDP2-sharded models; use stage: fused or trainer.strategy=ddp"
-            )
+        if t.kind == "param" and t.stage == stage and is_sharded(params[t.name]):
             raise ValueError(
                 f"hooks.{t.rule}: stage {t.stage!r} on {t.name!r}, a parameter sharded by FSDP2 (fully_shard); {hint}"
             )

@@ -15,16 +15,22 @@ Each stage names the transform kinds it runs (``accepts``) and the kind that put
 there whatever the rule's ``stage:`` says (``implied_by``): a group transform runs fused
 (all the rule's gradients at once), a per_sample transform per_sample, a per_loss one
 per_loss. The kinds are the registry's (``gradmod.hooks.registry.KINDS``).
+
+Each row names the class that runs the stage (``home``, a ``gradmod.hooks.stage.Stage``
+in the stage's own folder), loaded on first use: this table stays torch-free for the
+command line. A new stage is a row here and a folder.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
-class Stage:
-    """One stage: its name, the transform kinds it runs, the kind that implies it."""
+class StageFacts:
+    """One stage: its name, the transform kinds it runs, the kind that implies it, its class."""
 
     name: str
     accepts: tuple[str, ...]  # transform kinds a rule at this stage may hold
@@ -34,10 +40,11 @@ class Stage:
     needs_after_backward: bool  # HookSet.after_backward() finishes its work before optimizer.step()
     available: bool = True  # False: the name and order are reserved, the stage is not built yet
     sees: str = ""  # what its transforms act on, for messages
+    home: str = ""  # "module:Class" of the Stage that runs it
 
 
-STAGES: tuple[Stage, ...] = (
-    Stage(
+STAGES: tuple[StageFacts, ...] = (
+    StageFacts(
         "hook",
         ("elementwise",),
         None,
@@ -45,8 +52,9 @@ STAGES: tuple[Stage, ...] = (
         modules=True,
         needs_after_backward=False,
         sees="each backward's local gradient",
+        home="gradmod.hooks.hook.stage:HookStage",
     ),
-    Stage(
+    StageFacts(
         "per_loss",
         ("per_loss",),
         "per_loss",
@@ -54,8 +62,9 @@ STAGES: tuple[Stage, ...] = (
         modules=True,
         needs_after_backward=False,
         sees="each loss's gradient",
+        home="gradmod.hooks.per_loss.stage:PerLossStage",
     ),
-    Stage(
+    StageFacts(
         "per_sample",
         ("per_sample",),
         "per_sample",
@@ -63,8 +72,9 @@ STAGES: tuple[Stage, ...] = (
         modules=False,
         needs_after_backward=True,
         sees="each example's gradient",
+        home="gradmod.hooks.per_sample.stage:PerSampleStage",
     ),
-    Stage(
+    StageFacts(
         "fused",
         ("elementwise", "group"),
         "group",
@@ -72,13 +82,15 @@ STAGES: tuple[Stage, ...] = (
         modules=False,
         needs_after_backward=True,
         sees="all the rule's accumulated .grad after backward",
+        home="gradmod.hooks.fused.stage:FusedStage",
     ),
 )
 
 _BY_NAME = {s.name: s for s in STAGES}
+DEFAULT = "hook"  # a rule's stage when neither the rule nor attach(stage=...) sets one
 
 
-def get(name: str) -> Stage:
+def get(name: str) -> StageFacts:
     """The stage called ``name``; a KeyError for an unknown name (callers word their own error)."""
     return _BY_NAME[name]
 
@@ -98,6 +110,12 @@ def order(name: str) -> int:
     return STAGES.index(_BY_NAME[name])
 
 
-def implied_by(kind: str) -> Stage | None:
+def implied_by(kind: str) -> StageFacts | None:
     """The stage a transform of ``kind`` forces on its rule, or None (element-wise: the rule's choice)."""
     return next((s for s in STAGES if s.implied_by == kind), None)
+
+
+def stage_class(name: str) -> Any:
+    """The ``gradmod.hooks.stage.Stage`` subclass that runs stage ``name`` (imports torch)."""
+    module, cls = get(name).home.split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.reduce import Seen, stat_rows
-from gradmod.hooks.registry import register
 from gradmod.hooks.sharded import is_sharded, plain, sharded_rows
 from gradmod.hooks.window import Window
 
@@ -273,10 +272,3 @@ def _add(observers: list[GradStats], rows: Tensor, order: list[int]) -> None:
 def log(label: str | None = None) -> GradStats:
     """Leave the gradient unchanged; accumulate its statistics on the device."""
     return GradStats(label)
-
-
-register("log", log, observer=True)
-
-# The other shipped transforms load with ``log`` when this module comes first (after it is
-# registered: per_sample_clip's module gives ``log`` its per_sample form).
-from gradmod.hooks import transforms as _transforms  # noqa: E402, F401

@@ -13,8 +13,7 @@ plain function per tensor.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -22,6 +21,7 @@ from torch import Tensor
 from gradmod.hooks import registry
 from gradmod.hooks.reduce import BIG
 from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
+from gradmod.hooks.validators import number, positive
 
 __all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec", "register"]
 
@@ -37,34 +37,11 @@ def register(
     group: bool = False,
     overwrite: bool = False,
 ):
-    """Register ``factory(**args) -> transform`` under ``name``; usable as a decorator.
-
-    ``registry.register`` with ``kind="group"`` when ``group=True``, else
-    ``"elementwise"`` (see ``gradmod.hooks.registry`` for every kind). ``foreach(**args)``
-    optionally returns an in-place function over a list of gradients for the ``fused``
-    stage. A name is registered once unless ``overwrite=True``.
-    """
+    """Deprecated: ``gradmod.register(name, factory, kind=..., foreach=...)``."""
+    registry.warn_moved("gradmod.hooks.transforms.register")
     return registry.register(
         name, factory, kind="group" if group else "elementwise", foreach=foreach, overwrite=overwrite
     )
-
-
-def _number(transform: str, arg: str, value: Any, *, finite: bool = True) -> float:
-    """A transform's numeric argument; an infinite one only where the transform means it
-    (a norm's order): elsewhere it can only make gradients non-finite or do nothing."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be a number")
-    if math.isnan(value) or (finite and math.isinf(value)):
-        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be a {'finite ' if finite else ''}number")
-    return float(value)
-
-
-def _positive(transform: str, arg: str, value: Any, *, allow_zero: bool = True) -> float:
-    v = _number(transform, arg, value)
-    if v < 0 or (v == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be {bound}")
-    return v
 
 
 # --- value transforms ------------------------------------------------------------------
@@ -74,10 +51,10 @@ def _clamp_bounds(min: float | None, max: float | None, bound: float | None) -> 
     if bound is not None:
         if min is not None or max is not None:
             raise ValueError("transform 'clamp': give bound (the range [-bound, bound]) or min/max, not both")
-        b = _positive("clamp", "bound", bound)
+        b = positive("clamp", "bound", bound)
         return -b, b
-    lo = None if min is None else _number("clamp", "min", min)
-    hi = None if max is None else _number("clamp", "max", max)
+    lo = None if min is None else number("clamp", "min", min)
+    hi = None if max is None else number("clamp", "max", max)
     if lo is None and hi is None:
         raise ValueError("transform 'clamp' needs bound, or min, max or both")
     if lo is not None and hi is not None and lo > hi:
@@ -93,7 +70,7 @@ def clamp(min: float | None = None, max: float | None = None, bound: float | Non
     return lambda grad: grad.clamp(lo, hi)
 
 
-def _clamp_foreach(min: float | None = None, max: float | None = None, bound: float | None = None) -> Foreach:
+def clamp_foreach(min: float | None = None, max: float | None = None, bound: float | None = None) -> Foreach:
     lo, hi = _clamp_bounds(min, max, bound)
 
     def apply(grads: list[Tensor]) -> None:
@@ -124,7 +101,7 @@ def min_zero() -> Transform:
 
 def scale(factor: float) -> Transform:
     """Multiply the gradient by ``factor``."""
-    f = _number("scale", "factor", factor)
+    f = number("scale", "factor", factor)
     return lambda grad: grad * f
 
 
@@ -146,7 +123,7 @@ def centralize() -> Transform:
 
 def norm_clip(max_norm: float) -> Transform:
     """Rescale this tensor's gradient so its L2 norm is at most ``max_norm``."""
-    m = _positive("norm_clip", "max_norm", max_norm, allow_zero=False)
+    m = positive("norm_clip", "max_norm", max_norm, allow_zero=False)
 
     def apply(grad: Tensor) -> Tensor:
         norm = torch.linalg.vector_norm(grad)
@@ -163,8 +140,8 @@ class Noise:
     resumed run continues the decay from its checkpoint's clock."""
 
     def __init__(self, std: float, decay: float = 0.55):
-        self.std = _positive("noise", "std", std)
-        self.decay = _positive("noise", "decay", decay)
+        self.std = positive("noise", "std", std)
+        self.decay = positive("noise", "decay", decay)
         self.sigma = self.std  # at t = 0
 
     def at_step(self, t: int) -> None:
@@ -175,21 +152,3 @@ class Noise:
 
 
 noise = Noise
-
-
-register("clamp", clamp, foreach=_clamp_foreach)
-register("zero", zero, foreach=lambda: torch._foreach_zero_)
-register("min_zero", min_zero, foreach=lambda: lambda grads: torch._foreach_clamp_min_(grads, 0.0))
-register(
-    "scale", scale, foreach=lambda factor: lambda grads: torch._foreach_mul_(grads, _number("scale", "factor", factor))
-)
-register("sign", sign, foreach=lambda: torch._foreach_sign_)
-register("centralize", centralize)
-register("norm_clip", norm_clip)
-register("noise", noise)
-
-# The shipped group, per_sample and per_loss transforms register where they are defined: loaded with
-# the element-wise ones, so that names() lists every shipped transform whoever comes first.
-from gradmod.hooks import group as _group  # noqa: E402, F401
-from gradmod.hooks import per_sample_stats as _per_sample_stats  # noqa: E402, F401
-from gradmod.hooks.per_loss import methods as _per_loss_methods  # noqa: E402, F401

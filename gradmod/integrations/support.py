@@ -32,8 +32,9 @@ def attach_for(
     rules (see ``docs/privacy.md``)."""
     _refuse_shared(trainer, model, rules, stage, *shared, Length(steps_per_epoch, total_steps))
     hooks = attach(model, rules, stage=stage, replace=False, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
-    if hooks.per_sample is not None:
-        rule = hooks.per_sample.rules[0].name
+    private = hooks.stage("per_sample")
+    if private is not None:
+        rule = private.rules[0].name
         hooks.remove()
         raise ValueError(
             f"hooks.{rule}: per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: "

@@ -77,7 +77,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
         hooks = attach_for(
             "Transformers' Trainer", model, self.rules, self.stage, args.fp16, (self.sources, peers), total, per_epoch
         )
-        if hooks.has_fused and args.max_grad_norm and args.max_grad_norm > 0:
+        if hooks.stage("fused") is not None and args.max_grad_norm and args.max_grad_norm > 0:
             warnings.warn(
                 f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
                 "rules see them; set max_grad_norm=0 to leave clipping to the rules",

@@ -84,7 +84,7 @@ def build_trainer(run: Run) -> Parts:
                 run.privacy.sample_rate,
                 sampling=dp.sampling(cfg),
                 target_epsilon=cfg.privacy.target_epsilon,
-                clip=run.hooks.per_sample.noisy,
+                clip=run.hooks.stage("per_sample").noisy,
                 noise_at=run.privacy.noise_at if run.privacy.sigmas is not None else None,
             )
         )

@@ -283,7 +283,7 @@ class Config:
     seed: int = 1234  # the article's seed; fixes init, data split and batch order on the CPU
     data_dir: str = "data"  # where torchvision looks for (and downloads) MNIST
     hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule; filled by the hooks group or the command line
-    plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built, e.g. [my_pkg.transforms]: their gradmod.hooks.transforms.register(...) calls make `transforms: [flip]` work
+    plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built, e.g. [my_pkg.transforms]: their gradmod.register(...) calls make `transforms: [flip]` work
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
     metric: Any = "auto"  # auto | accuracy | none | {_target_: ...}, or task name -> one of those
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr

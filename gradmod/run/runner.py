@@ -98,7 +98,7 @@ def _build(
     undo: contextlib.ExitStack,
 ) -> Run:
     """Everything the run needs before its Trainer, checked, with the folder claimed (no write yet)."""
-    import_plugins(cfg.plugins)  # their transforms.register(...) calls, before any rule is built
+    import_plugins(cfg.plugins)  # their gradmod.register(...) calls, before any rule is built
     dp.check(cfg)
     dist = place(cfg)
     undo.callback(dist.close)

@@ -20,7 +20,7 @@ Where the stages run (the all-reduce averages gradients over the ranks):
   ``clamp(mean_r g_r)``. Under FSDP2 the same, on each rank's shard of the averaged
   gradient (norms are reduced over the shards); the ``hook`` stage is refused there.
 * ``per_sample``: DDP's all-reduce never runs (every backward under ``no_sync``); the
-  clipped sums are all-reduced once, with one noise draw (``gradmod.training.dpsgd``).
+  clipped sums are all-reduced once, with one noise draw (``gradmod.training.stage_sync``).
 """
 
 from __future__ import annotations

@@ -23,10 +23,9 @@ from tqdm.auto import tqdm
 from gradmod.data import Data
 from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
-from gradmod.training.dpsgd import PerSampleSetup
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
-from gradmod.training.multitask import PerLossSetup
 from gradmod.training.precision import Precision
+from gradmod.training.stage_sync import StageSync
 from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
 from gradmod.training.tasks import evaluate as evaluate_tasks
 from gradmod.training.tasks import total as total_loss
@@ -40,7 +39,7 @@ class TrainerSettings:
     statistics; ``loader_workers``: DataLoader workers for host-memory data (None: the
     data is on the device and batches are indexed there). With a per_sample stage the loss
     is not divided and DDP does not all-reduce per micro-batch: the stage divides by the
-    step's examples and all-reduces once (``gradmod.training.dpsgd``). ``sampling="poisson"``:
+    step's examples and all-reduces once (``gradmod.training.stage_sync``). ``sampling="poisson"``:
     each step's batch is a Poisson sample of the training set
     (``gradmod.training.loader.poisson_batches``), split into the step's micro-batches."""
 
@@ -101,19 +100,15 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_stats: dict[str, Any] = {}  # the latest non-empty read of the `log` statistics
         self.resumed_from = None
-        self.private = None  # the per_sample stage's set-up (gradmod.training.dpsgd), when a rule has one
-        if hooks is not None and getattr(hooks, "per_sample", None) is not None:
-            self.private = PerSampleSetup(
-                model,
-                hooks,
-                self.dist,
-                poisson=settings.sampling == "poisson",
-                batch_size=settings.batch_size,
-                accumulate=settings.accumulate,
-            )
-        self.per_loss = None  # the per_loss stage's set-up (gradmod.training.multitask), when a rule has one
-        if hooks is not None and getattr(hooks, "per_loss", None) is not None:
-            self.per_loss = PerLossSetup(model, hooks, self.dist)
+        # What the hook stages need from this loop (gradmod.training.stage_sync): DDP's all-reduce
+        # or not, the manual means, whether the loss of a micro-batch is divided.
+        self.stage_sync = StageSync(
+            hooks,
+            self.dist,
+            poisson=settings.sampling == "poisson",
+            batch_size=settings.batch_size,
+            accumulate=settings.accumulate,
+        )
 
     def add_callbacks(self, callbacks: Sequence[Any]) -> None:
         """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
@@ -180,8 +175,7 @@ class Trainer:
                 self.batch = i
                 self._optimizer_step()
         mean = self.loss_sum.item() / max(total, 1)
-        if self.per_loss is not None:
-            self.per_loss.end_epoch()
+        self.stage_sync.end_epoch()
         self.batch, self.epoch_order = 0, None
         self.loss_sum = torch.zeros((), device=self.device)
         return mean
@@ -201,9 +195,9 @@ class Trainer:
     def _backward(self, xb: Tensor, yb: Any, group: int, sync: bool) -> None:
         if len(yb) == 0:
             return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
-        if self.private is not None:  # each example's own gradient; DDP reduces after the stage
-            group, sync = 1, False
-        if self.per_loss is not None:  # the stage's own backward passes; it reduces what it needs
+        if self.stage_sync.divides_step:  # each example's own gradient: the stage divides the step's sum
+            group = 1
+        if not self.stage_sync.ddp_may_reduce:  # the stages reduce what they need after backward
             sync = False
         with no_sync(self.net, not sync):
             with self.amp.autocast():
@@ -217,10 +211,7 @@ class Trainer:
         self._call("on_after_backward")  # raw .grad, before the fused stage changes it
         self.amp.unscale_(self.optimizer)  # the fused stage sees unscaled gradients
         skip = False
-        if self.private is not None:
-            self.private.before_stage()
-        if self.per_loss is not None:
-            self.per_loss.before_stage()
+        self.stage_sync.before_finish()
         if self.hooks is not None and self.hooks.needs_after_backward:
             skip = bool(self.hooks.after_backward())  # True: a group transform asks to skip
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it

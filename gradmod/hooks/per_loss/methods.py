@@ -10,7 +10,7 @@ Three kinds, by what a method needs:
 
 Weights are computed on the host in float64 (k is small; the Gramian comes over in one
 copy). Random choices draw from the stage's generator, passed in as ``gen``.
-``register(name, factory)`` adds a method of one's own: ``factory(**args)`` returns an
+``gradmod.register(name, factory, kind="per_loss")`` adds a method of one's own: ``factory(**args)`` returns an
 object with ``kind`` and ``weights`` (or ``aggregate``), like the classes here.
 """
 
@@ -33,8 +33,8 @@ KINDS = ("gramian", "jacobian", "losses")
 
 
 def register(name: str, factory: Callable[..., Method] | None = None, *, overwrite: bool = False):
-    """Register a per_loss method ``factory(**args)`` under ``name`` in the one registry of
-    transforms (kind ``per_loss``); usable as a decorator."""
+    """Deprecated: ``gradmod.register(name, factory, kind="per_loss")``."""
+    R.warn_moved("gradmod.hooks.per_loss.register")
     return R.register(name, factory, kind="per_loss", overwrite=overwrite)
 
 
@@ -545,7 +545,8 @@ class DWA(LossWeighting):
         self.sum, self.batches, self.averages = state["sum"], state["batches"], list(state["averages"])
 
 
-for _cls in (
+# The shipped methods, in the order ``names`` lists them (``gradmod.hooks.catalog`` registers them).
+SHIPPED = (
     Mean,
     Sum,
     Random,
@@ -563,5 +564,4 @@ for _cls in (
     UW,
     FAMO,
     DWA,
-):
-    register(_cls.name, _cls)
+)

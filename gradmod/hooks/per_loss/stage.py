@@ -34,6 +34,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from gradmod.hooks.per_loss.methods import Method
 from gradmod.hooks.per_loss.record import TaskRecord
+from gradmod.hooks.stage import Core, Loop, Stage
 
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -100,7 +101,7 @@ def _gram_pays(n: int, d_in: int, d_out: int, k: int) -> bool:
     return n * (d_in + k * d_out) < k * d_in * d_out
 
 
-class PerLossStage:
+class PerLossStage(Stage):
     """The per_loss rules of one ``attach`` call; ``generator`` draws every random choice
     (PCGrad's order, ``random``, ``graddrop``, ``gradvac``).
 
@@ -110,12 +111,20 @@ class PerLossStage:
     gradients themselves (k x D per step, formed per layer), for ``modules`` rules the
     k x k Gramian of the output's task gradients (the examples of different ranks are
     different rows of the representation's Jacobian, so the global Gramian is the mean of
-    the local ones over the number of ranks), for loss weightings the k loss values."""
+    the local ones over the number of ranks), for loss weightings the k loss values.
 
-    def __init__(self, model: nn.Module, rules: list[LossRule]):
-        self.rules = rules
+    Under DDP its backward passes run under ``no_sync`` (DDP's bucketed all-reduce cannot
+    follow them); the loop averages the gradients it leaves local (``manual_mean``: every
+    parameter outside a gradient method's ``params`` rule) before ``after_backward``."""
+
+    name = "per_loss"
+    ddp_may_reduce = False
+    on_sharded = "per_loss rules do not run on FSDP-sharded parameters yet; use DDP or one process"
+
+    def __init__(self, model: nn.Module, targets: list, core: Core):
+        self.rules = per_loss_rules(targets, dict(model.named_parameters()), dict(model.named_modules()))
+        self._core = core
         self.reduce = None
-        self.grad_scale: Tensor | None = None  # GradScaler's scale (fp16): the weights see unscaled gradients
         self.generator = torch.Generator().manual_seed(torch.initial_seed())
         self.inside = False  # True while the stage runs its own backward passes
         self._trainable = [p for p in model.parameters() if p.requires_grad]
@@ -189,9 +198,62 @@ class PerLossStage:
 
         return hook
 
+    @classmethod
+    def check(cls, model: nn.Module, targets: list) -> None:
+        """Each parameter gets one method's update, after no hook- or per_sample-stage rule."""
+        super().check(model, targets)
+        loss: dict[str, str] = {}
+        for t in targets:
+            if t.stage == "per_loss" and t.kind == "param":
+                if t.name in loss:
+                    raise ValueError(
+                        f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
+                        "each parameter gets one method's update: select it in one"
+                    )
+                loss[t.name] = t.rule
+        clash = next(
+            (t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")), None
+        )
+        if clash is not None:
+            raise ValueError(
+                f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
+                f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
+                "or per_sample, not both (a fused rule after it is fine)"
+            )
+
+    @property
+    def grad_scale(self) -> Tensor | None:
+        """GradScaler's scale (fp16): the weights see unscaled gradients."""
+        return self._core.grad_scale
+
+    def set_up(self, loop: Loop) -> None:
+        """Under DDP: ``reduce`` averages over the ranks, so every rank forms the global update."""
+        reduce = loop.all_reduce_sum
+        if loop.world_size > 1 and reduce is not None:
+            world = float(loop.world_size)
+            self.reduce = lambda tensors: reduce(tensors, world)
+
+    def manual_mean(self) -> list[nn.Parameter]:
+        """Every parameter but a gradient method's ``params`` rule's: its update is formed
+        from the reduced task gradients."""
+        whole = {id(p) for r in self.rules if r.method.kind != "losses" for p in r.params}
+        return [p for p in self._trainable if id(p) not in whole]
+
     # ---- one backward ----
 
-    def backward(self, losses: Mapping[str, Tensor]) -> None:
+    def backward(self, losses: Tensor | Mapping[str, Tensor], closure=None) -> bool:
+        """The step's backward of several named losses: each rule's combination of their
+        gradients, every other parameter the gradient of their sum."""
+        if isinstance(losses, Tensor):
+            raise ValueError(
+                f"hooks.{self.rules[0].name}: a per_loss rule combines the gradients of several losses, but "
+                "hooks.backward got one scalar; give a mapping of named losses (or a sequence)"
+            )
+        if len(losses) < 2:
+            raise ValueError(
+                f"hooks.{self.rules[0].name}: a per_loss rule combines the gradients of several "
+                f"losses, but hooks.backward got one ({', '.join(map(str, losses))}); give two or more"
+            )
         names = list(losses)
         L = torch.stack([losses[n] for n in names])
         try:
@@ -203,6 +265,7 @@ class PerLossStage:
                 layer.calls = []
             for k in self._outputs:
                 self._outputs[k] = []
+        return True
 
     def _backward(self, names: list[str], L: Tensor) -> None:
         k = len(names)
@@ -364,9 +427,14 @@ class PerLossStage:
             r.method.end_epoch()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(), "methods": {r.key: r.method.state_dict() for r in self.rules}}
+        """The methods' state and the generator of their random choices."""
+        methods = {r.key: r.method.state_dict() for r in self.rules}
+        return {"per_loss": {"generator": self.generator.get_state(), "methods": methods}}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], device: Any = None) -> None:
+        if "per_loss" not in state:
+            return
+        state = state["per_loss"]
         self.generator.set_state(state["generator"])
         for r in self.rules:
             if r.key in state.get("methods", {}):

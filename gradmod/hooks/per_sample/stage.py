@@ -24,8 +24,10 @@ from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.assign import Layer, assign
 from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
+from gradmod.hooks.per_sample.refusals import check_targets
 from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
 from gradmod.hooks.per_sample.tracing import batch_dim, trace
+from gradmod.hooks.stage import Core, Loop, Stage
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
@@ -50,21 +52,6 @@ def _training() -> bool:
     """A forward worth following: gradients on, and no torch.func transform (ours replaying
     a module, or the user's) running it."""
     return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-
-
-def check_model(model: nn.Module) -> None:
-    """BatchNorm in training mode mixes the examples of a batch: no per-example gradient exists."""
-    mixing = [
-        n or type(model).__name__
-        for n, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-    ]
-    if mixing:
-        shown = ", ".join(mixing[:5]) + (f" and {len(mixing) - 5} more" if len(mixing) > 5 else "")
-        raise ValueError(
-            f"per_sample rules need each example's own gradient, but BatchNorm in training mode "
-            f"mixes the examples of a batch ({shown}); use GroupNorm instead (model.norm=group)"
-        )
 
 
 @dataclass
@@ -100,21 +87,40 @@ def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
     return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
 
 
-class PerSampleStage:
+class PerSampleStage(Stage):
     """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor
     under Poisson sampling (else the examples counted this step); ``generator``: the
     noise's; ``reduce``: called on the clipped sums (after this rank's noise) before the
-    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none.
-    The layers are set up at the model's first training forward, from its trace."""
+    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none
+    (``set_up`` sets the three from the loop's facts).
+    The layers are set up at the model's first training forward, from its trace.
 
-    def __init__(self, model: nn.Module, rules: list[Rule], loss_reduction: str = "mean"):
+    Under DDP flat clipping knows its factors only after the whole backward, so DDP's
+    all-reduce must not run (``ddp_may_reduce``): ``reduce`` sums the ranks' clipped sums
+    after rank 0 alone added the noise, and the loop averages the parameters outside every
+    clipping rule itself (``manual_mean``). Each example's gradient is its own: the loop
+    does not divide a micro-batch's loss by their number (``divides_step``)."""
+
+    name = "per_sample"
+    ddp_may_reduce = False
+    divides_step = True
+
+    @classmethod
+    def check(cls, model: nn.Module, targets: list) -> None:
+        super().check(model, targets)
+        check_targets(model, targets)
+
+    def __init__(self, model: nn.Module, targets: list, core: Core):
+        loss_reduction = core.loss_reduction
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
+        rules = per_sample_rules(targets, dict(model.named_parameters()))
         self.model, self.rules, self.loss_reduction = model, rules, loss_reduction
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
         self.reduce: Callable[[list[Tensor]], None] | None = None
         self.draws_noise = True
+        self._plain: list[nn.Parameter] | None = None  # outside every clipping rule (manual_mean)
         self.examples = 0  # examples whose clipped gradients are in the sums of this step
         self._rule_of = {id(p): r for r in rules for p in r.params}
         self._names = {id(p): n for n, p in model.named_parameters() if id(p) in self._rule_of}
@@ -404,6 +410,25 @@ class PerSampleStage:
                 p.grad = s.div_(n)
         self._sums.clear()
         self.examples = 0
+
+    def set_up(self, loop: Loop) -> None:
+        """The divisor (Poisson: the expected global batch; else the examples of the step,
+        counted on each rank and times the ranks), noise on the main rank only, the sum of
+        the clipped sums over the ranks."""
+        world = loop.world_size
+        divide = 1.0 if loop.poisson else float(world)  # Poisson: the divisor is already global
+        self.expected_batch_size = float(loop.step_examples or 0) * world if loop.poisson else None
+        reduce = loop.all_reduce_sum
+        self.reduce = (lambda sums: reduce(sums, divide)) if world > 1 and reduce is not None else None
+        self.draws_noise = loop.is_main
+
+    def manual_mean(self) -> list[nn.Parameter]:
+        """The parameters outside every clipping rule keep DDP's meaning, the mean over the
+        ranks of their local gradients."""
+        if self._plain is None:
+            clipped = {id(p) for r in self.rules if r.clip is not None for p in r.params}
+            self._plain = [p for p in self.model.parameters() if p.requires_grad and id(p) not in clipped]
+        return self._plain
 
     def records(self) -> list[tuple[str, Any]]:
         """(statistics key, window) of each rule's ``per_sample_clip`` and ``log``."""

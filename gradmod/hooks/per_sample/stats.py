@@ -10,9 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks import stats as _stats  # noqa: F401  (log is registered before its per_sample form)
-from gradmod.hooks.registry import register, register_at_stage
-from gradmod.hooks.transforms import _positive
+from gradmod.hooks.validators import positive
 from gradmod.hooks.window import Window
 
 
@@ -59,8 +57,8 @@ class PerSampleClip:
     name = "per_sample_clip"
 
     def __init__(self, max_norm: float, noise_multiplier: float = 0.0):
-        self.max_norm = _positive(self.name, "max_norm", max_norm, allow_zero=False)
-        self.noise_multiplier = _positive(self.name, "noise_multiplier", noise_multiplier)
+        self.max_norm = positive(self.name, "max_norm", max_norm, allow_zero=False)
+        self.noise_multiplier = positive(self.name, "noise_multiplier", noise_multiplier)
         self.record = ClipRecord()
 
     def __call__(self, grad: Tensor) -> None:
@@ -110,7 +108,3 @@ class PerSampleLog(SumWindow):
 def per_sample_log(label: str | None = None) -> PerSampleLog:
     """``log`` in a per_sample rule (``label`` is accepted for symmetry; the key is ``<rule>/log``)."""
     return PerSampleLog()
-
-
-register("per_sample_clip", PerSampleClip, kind="per_sample")
-register_at_stage("log", "per_sample", per_sample_log)

@@ -22,10 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks.group import EPS, GroupTransform, total_norm
-from gradmod.hooks.registry import register
+from gradmod.hooks.fused.group import EPS, GroupTransform, total_norm
 from gradmod.hooks.sharded import plain
-from gradmod.hooks.transforms import _number, _positive
+from gradmod.hooks.validators import number, positive
 
 
 def _move(t: Tensor | None, device: torch.device | None) -> Tensor | None:
@@ -40,7 +39,7 @@ class AutoClip(GroupTransform):
 
     def __init__(self, quantile: float = 0.9, history: int = 1000, per_tensor: bool = False):
         super().__init__()
-        self.quantile = _number(self.name, "quantile", quantile)
+        self.quantile = number(self.name, "quantile", quantile)
         if not 0 <= self.quantile <= 1:
             raise ValueError(f"transform 'autoclip': quantile={quantile!r} must be in [0, 1]")
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
@@ -109,10 +108,10 @@ class ZClip(GroupTransform):
         skip_update_on_spike: bool = False,
     ):
         super().__init__()
-        self.alpha = _number(self.name, "alpha", alpha)
+        self.alpha = number(self.name, "alpha", alpha)
         if not 0 < self.alpha < 1:
             raise ValueError(f"transform 'zclip': alpha={alpha!r} must be in (0, 1)")
-        self.z_threshold = _positive(self.name, "z_threshold", z_threshold, allow_zero=False)
+        self.z_threshold = positive(self.name, "z_threshold", z_threshold, allow_zero=False)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
             raise ValueError(f"transform 'zclip': warmup_steps={warmup_steps!r} must be an int >= 1")
         self.warmup_steps = warmup_steps
@@ -124,9 +123,9 @@ class ZClip(GroupTransform):
             if value not in allowed:
                 raise ValueError(f"transform 'zclip': {arg}={value!r}; allowed: {', '.join(allowed)}")
         self.skip, self.mode, self.clip_option = on_spike == "skip", mode, clip_option
-        self.clip_factor = _positive(self.name, "clip_factor", clip_factor, allow_zero=False)
+        self.clip_factor = positive(self.name, "clip_factor", clip_factor, allow_zero=False)
         self.max_grad_norm = (
-            None if max_grad_norm is None else _positive(self.name, "max_grad_norm", max_grad_norm, allow_zero=False)
+            None if max_grad_norm is None else positive(self.name, "max_grad_norm", max_grad_norm, allow_zero=False)
         )
         if not isinstance(skip_update_on_spike, bool):
             raise ValueError(f"transform 'zclip': skip_update_on_spike={skip_update_on_spike!r} must be true or false")
@@ -200,7 +199,3 @@ class ZClip(GroupTransform):
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         self.steps = int(state["steps"])
         self.warm, self.mean, self.var = (_move(state.get(k), device) for k in ("warm", "mean", "var"))
-
-
-register("autoclip", AutoClip, kind="group")
-register("zclip", ZClip, kind="group")

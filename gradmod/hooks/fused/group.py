@@ -1,9 +1,9 @@
 """Group transforms: act on all the gradients one rule selects, together.
 
 ``global_norm_clip`` (``torch.nn.utils.clip_grad_norm_`` over the rule's parameters),
-``agc`` (adaptive, unit-wise clipping, Brock et al. 2021), ``freeze`` (``.grad = None``)
-and, from ``gradmod.hooks.norm_history``, ``autoclip`` and ``zclip`` (thresholds from the
-history of norms). They need every gradient of
+``agc`` (adaptive, unit-wise clipping, Brock et al. 2021) and ``freeze`` (``.grad =
+None``); ``autoclip`` and ``zclip``, whose thresholds come from the history of norms, are
+in ``gradmod.hooks.fused.norm_history``. They need every gradient of
 the rule after backward, so they run at the fused stage only, in place on the accumulated
 ``.grad`` tensors, chained in config order with the rule's other transforms.
 
@@ -23,9 +23,8 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.reduce import BIG
-from gradmod.hooks.registry import register
 from gradmod.hooks.sharded import is_sharded, plain
-from gradmod.hooks.transforms import _number, _positive
+from gradmod.hooks.validators import number, positive
 from gradmod.hooks.window import Window
 
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
@@ -133,7 +132,7 @@ class GlobalNormClip(GroupTransform):
 
     def __init__(self, max_norm: float, norm_type: float = 2.0):
         super().__init__()
-        self.max_norm = _positive(self.name, "max_norm", max_norm, allow_zero=False)
+        self.max_norm = positive(self.name, "max_norm", max_norm, allow_zero=False)
         self.norm_type = _norm_type(self.name, norm_type)
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -146,7 +145,7 @@ class GlobalNormClip(GroupTransform):
 def _norm_type(transform: str, value: Any) -> float:
     if isinstance(value, str) and value.lower() in ("inf", "infinity"):
         return math.inf
-    v = _number(transform, "norm_type", value, finite=False)
+    v = number(transform, "norm_type", value, finite=False)
     if not (v >= 1):
         raise ValueError(f"transform {transform!r}: norm_type={value!r} must be >= 1 or 'inf'")
     return v
@@ -171,8 +170,8 @@ class AGC(GroupTransform):
 
     def __init__(self, clip_factor: float = 0.01, eps: float = 1e-3, norm_type: float = 2.0):
         super().__init__()
-        self.clip_factor = _positive(self.name, "clip_factor", clip_factor, allow_zero=False)
-        self.eps = _positive(self.name, "eps", eps, allow_zero=False)
+        self.clip_factor = positive(self.name, "clip_factor", clip_factor, allow_zero=False)
+        self.eps = positive(self.name, "eps", eps, allow_zero=False)
         self.norm_type = _norm_type(self.name, norm_type)
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
@@ -224,11 +223,3 @@ class Freeze(GroupTransform):
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
         for p in params:
             p.grad = None
-
-
-register("freeze", Freeze, kind="group")
-register("global_norm_clip", GlobalNormClip, kind="group")
-register("agc", AGC, kind="group")
-
-# autoclip and zclip: thresholds from the history of norms, in a module of their own.
-from gradmod.hooks.norm_history import AutoClip, ZClip  # noqa: E402, F401

@@ -1,6 +1,13 @@
 """The fused stage: transforms applied in place to the accumulated ``.grad`` tensors after
 backward, once per optimizer step, each rule's steps in config order.
 
+1. ``check``: nothing to refuse; it runs on FSDP2-sharded ``.grad`` too.
+2. attach: the rule's targets grouped per (rule, step) (``fused_transforms``); nothing is
+   hooked.
+3. backward: autograd's own, which accumulates ``.grad``.
+4. finish (``HookSet.after_backward``): every step in config order (``run_fused``); a
+   group transform may answer "skip the optimizer step".
+
 A step of a rule is applied to all the rule's gradients at once: a group transform
 (``gradmod.hooks.group``) gets them all; a transform with a foreach form makes one
 grouped call; ``log`` computes the rows of all the rule's tensors together; any other
@@ -11,11 +18,14 @@ keep one state per tensor, as in the hook stage).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
+from gradmod.hooks.rules import group_steps, observer_key
+from gradmod.hooks.stage import Core, Stage
 from gradmod.hooks.stats import observe_batch
 
 
@@ -95,3 +105,36 @@ def run_fused(steps: list[FusedTransform], inactive: set[str] | frozenset[str] =
     if not answers:
         return False
     return bool(torch.stack(answers).any())
+
+
+class FusedStage(Stage):
+    name = "fused"
+    on_sharded = None  # it transforms the reduced, sharded .grad
+
+    def __init__(self, model: nn.Module, targets: list, core: Core):
+        self.targets = [t for t in targets if t.stage == self.name]
+        self._core = core  # its ``inactive``: the rules outside their window now
+        self._steps = fused_transforms(self.targets, dict(model.named_parameters()))
+        self._groups = [(key, s.fn) for key, _, s in group_steps(self.targets)]
+
+    def finish(self) -> bool:
+        return run_fused(self._steps, self._core.inactive)
+
+    def records(self) -> list[tuple[str, Any]]:
+        """Each ``log``'s accumulator, then each group transform's ``NormRecord`` (key
+        ``rule/transform``: total norm before it, clip coefficient)."""
+        logs = [(observer_key(t, s.fn), s.fn) for t in self.targets for s in t.steps if s.observer]
+        return logs + [(key, fn.record) for key, fn in self._groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The group transforms' state (zclip's running mean and variance), by ``rule/transform``."""
+        return {"group": {key: fn.state_dict() for key, fn in self._groups}}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: Any = None) -> None:
+        groups = state.get("group", {})
+        for key, fn in self._groups:
+            if key in groups:
+                fn.load_state_dict(groups[key], device)
+
+    def remove(self) -> None:
+        self._steps.clear()

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.log_buffer import in_distributed
+from gradmod.hooks.hook.log_buffer import in_distributed
 from gradmod.hooks.reduce import BIG
 
 
@@ -57,7 +57,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
     plan = [(rule, step, step.fn if step.observer else None, slot) for (rule, step), slot in zip(steps, _slots(steps))]
     observes_only = all(obs is not None for _, _, obs, _ in plan)
     # Rules with an ``active`` window: the general hook, which skips them outside it (a set lookup per step).
-    windowed = any(rule in hooks.timed.windows for rule, _ in steps)
+    windowed = any(rule in hooks.windows for rule, _ in steps)
     defer = None if windowed else _deferrable(steps, param)
     group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
 
@@ -65,7 +65,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
         nonlocal first
         scale = hooks.grad_scale
         g = grad if scale is None else grad.float() * scale.reciprocal()
-        off = hooks.timed.inactive if windowed else ()
+        off = hooks.inactive if windowed else ()
         if observes_only:  # nothing changes the gradient: no result to build
             if param is None:
                 hooks.ledger.note(key, grad, grad, False)
@@ -97,7 +97,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
     if defer is not None:
 
         def deferring_hook(grad: Tensor) -> Tensor | None:
-            if hooks._grad_scale is None and defer(param):
+            if hooks.grad_scale is None and defer(param):
                 logs.defer(group, steps, param, key, hooks.ledger)
                 return None
             return hook(grad)
@@ -108,7 +108,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
         observers = [obs for obs, _ in slots]
 
         def observing_hook(grad: Tensor) -> Tensor | None:
-            if hooks._grad_scale is None and not any(obs.histogram for obs in observers):
+            if hooks.grad_scale is None and not any(obs.histogram for obs in observers):
                 logs.add_small(slots, grad, param)
                 return None
             return hook(grad)

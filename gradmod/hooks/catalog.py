@@ -1,0 +1,47 @@
+"""The shipped transforms, registered in one place (in the order ``accepted_at`` lists them).
+
+The modules that define them register nothing when imported; the registry loads this
+module on its first read (``registry.entries``), so every shipped name is there whoever
+asks first, and a user's ``gradmod.register`` meets them (a clash is refused, not lost).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradmod.hooks import transforms as T
+from gradmod.hooks.fused.group import AGC, Freeze, GlobalNormClip
+from gradmod.hooks.fused.norm_history import AutoClip, ZClip
+from gradmod.hooks.per_loss import methods as M
+from gradmod.hooks.per_sample.stats import PerSampleClip, per_sample_log
+from gradmod.hooks.registry import add_stage_form, register
+from gradmod.hooks.stats import log
+from gradmod.hooks.validators import number
+
+# Element-wise: grad -> Tensor | None, with an in-place form over a list of .grad where one pays.
+register("clamp", T.clamp, foreach=T.clamp_foreach)
+register("zero", T.zero, foreach=lambda: torch._foreach_zero_)
+register("min_zero", T.min_zero, foreach=lambda: lambda grads: torch._foreach_clamp_min_(grads, 0.0))
+register(
+    "scale", T.scale, foreach=lambda factor: lambda grads: torch._foreach_mul_(grads, number("scale", "factor", factor))
+)
+register("sign", T.sign, foreach=lambda: torch._foreach_sign_)
+register("centralize", T.centralize)
+register("norm_clip", T.norm_clip)
+register("noise", T.noise)
+register("log", log, observer=True)
+
+# Per example (the per_sample stage); ``log`` there keeps per-example statistics.
+register("per_sample_clip", PerSampleClip, kind="per_sample")
+add_stage_form("log", "per_sample", per_sample_log)
+
+# Per loss: the methods that turn k task gradients (or k losses) into one update.
+for _method in M.SHIPPED:
+    register(_method.name, _method, kind="per_loss")
+
+# Group: all of a rule's accumulated .grad at once (the fused stage).
+register("global_norm_clip", GlobalNormClip, kind="group")
+register("agc", AGC, kind="group")
+register("zclip", ZClip, kind="group")
+register("autoclip", AutoClip, kind="group")
+register("freeze", Freeze, kind="group")

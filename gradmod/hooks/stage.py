@@ -1,0 +1,152 @@
+"""The ``Stage`` protocol: what every stage does, so that ``HookSet`` and a loop run any of them.
+
+A stage is one moment of a gradient's life where a rule's transforms act (the table of
+facts: ``gradmod.hooks.stages``). Each lives in its own folder (``hooks/hook/``,
+``hooks/per_loss/``, ``hooks/per_sample/``, ``hooks/fused/``) and reads, in its
+``stage.py``, as its phases:
+
+1. ``check(model, targets)``: refuse in one line what it cannot do, before anything is attached;
+2. ``__init__(model, targets, core)``: attach (hooks on tensors or modules);
+3. ``backward(losses, closure)``: run the backward itself, or leave it to ``HookSet``;
+4. ``finish()``: in ``HookSet.after_backward``, in stage order, before ``optimizer.step()``;
+5. ``records()``, ``state_dict()``, ``load_state_dict()``, ``end_epoch()``, ``remove()``.
+
+Under DDP, a loop asks each stage whether DDP's own all-reduce may run during its backward
+(``ddp_may_reduce``), which gradients it then averages over the ranks itself before
+``after_backward`` (``manual_mean``), whether it divides the step's gradient itself
+(``divides_step``), and hands it the facts only the loop knows (``set_up(Loop)``).
+
+``Core`` is what the stages of one ``HookSet`` share: the raw-gradient ledger, the log
+buffer, the loss scale of the backward in progress, the optimizer-step clock.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+from torch import Tensor, nn
+
+from gradmod.hooks import stages
+from gradmod.hooks.hook.log_buffer import LogBuffer
+from gradmod.hooks.ledger import RawLedger
+from gradmod.hooks.sharded import refuse_sharded
+
+# Sums tensors over the ranks in place, then divides by the number given (1.0: the sum).
+AllReduceSum = Callable[[list[Tensor], float], None]
+
+
+@dataclass
+class Core:
+    """What the stages of one ``HookSet`` share.
+
+    ``ledger``: raw gradients the chains replaced, for the non-finite count; ``logs``: the
+    chains' ``log`` observations until the end of backward; ``grad_scale``: GradScaler's
+    scale of the backward in progress (fp16), or None; ``loss_reduction``: how the loss
+    combines the examples (``mean`` or ``sum``); ``step``: optimizer steps finished, one
+    more at each ``HookSet.after_backward()`` (the clock a schedule reads); ``windows``: the
+    rules with an ``active`` window, ``inactive``: those outside it now (they do nothing)."""
+
+    loss_reduction: str = "mean"
+    ledger: RawLedger = field(default_factory=RawLedger)
+    logs: LogBuffer = field(default_factory=LogBuffer)
+    grad_scale: Tensor | None = None
+    step: int = 0
+    windows: frozenset[str] = frozenset()
+    inactive: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What a training loop knows and a stage may need (``Stage.set_up``).
+
+    ``world_size``: the ranks; ``is_main``: this rank draws what one rank draws for all
+    (noise); ``step_examples``: examples per rank and optimizer step (batch size times
+    micro-batches), None where unknown; ``poisson``: each step's batch is a Poisson sample
+    (its expected size, not the drawn one, divides); ``all_reduce_sum``: sums tensors over
+    the ranks in place, then divides (None on one process)."""
+
+    world_size: int = 1
+    is_main: bool = True
+    step_examples: int | None = None
+    poisson: bool = False
+    all_reduce_sum: AllReduceSum | None = None
+
+
+class Stage(abc.ABC):
+    """One stage of one ``attach`` call, built only where some rule runs at it.
+
+    The class facts (``accepts``, ``implied_by``, ``default``, ``modules``, ``sees``,
+    ``needs_after_backward``) come from the stage's row in ``gradmod.hooks.stages``, so
+    that the command line reads them without torch."""
+
+    name: ClassVar[str]
+    accepts: ClassVar[tuple[str, ...]]
+    implied_by: ClassVar[str | None]
+    default: ClassVar[bool]
+    modules: ClassVar[bool]
+    sees: ClassVar[str]
+    needs_after_backward: ClassVar[bool]
+    # Under DDP: False when this stage's backward must run under no_sync (it reduces itself).
+    ddp_may_reduce: ClassVar[bool] = True
+    # True: the stage divides the step's gradient itself, so a loop does not divide each
+    # micro-batch's loss by their number.
+    divides_step: ClassVar[bool] = False
+    # Its rules on FSDP2-sharded parameters: None runs them, else what to do instead.
+    on_sharded: ClassVar[str | None] = (
+        "it is not supported for FSDP2-sharded models; use stage: fused or trainer.strategy=ddp"
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            row = stages.get(cls.name)
+            cls.accepts, cls.implied_by, cls.default = row.accepts, row.implied_by, row.default
+            cls.modules, cls.sees, cls.needs_after_backward = row.modules, row.sees, row.needs_after_backward
+
+    @classmethod
+    def check(cls, model: nn.Module, targets: list) -> None:
+        """Refuse in one line what this stage cannot do with ``targets`` (every rule's)."""
+        if cls.on_sharded is not None:
+            refuse_sharded(cls.name, cls.on_sharded, targets, dict(model.named_parameters()))
+
+    @abc.abstractmethod
+    def __init__(self, model: nn.Module, targets: list, core: Core):
+        """Attach this stage's rules (``targets``: every rule's, in config order)."""
+
+    def backward(self, losses: Tensor | Mapping[str, Tensor], closure: Callable[[], Any] | None = None) -> bool:
+        """Run the step's backward of ``losses`` (one scalar, or several by name) itself and
+        answer True, or answer False and leave it to ``HookSet`` (the gradient of the sum)."""
+        return False
+
+    def finish(self) -> Tensor | bool | None:
+        """The work due before ``optimizer.step()``; a truthy answer (a device bool may be
+        one): skip the step."""
+        return None
+
+    def records(self) -> list[tuple[str, Any]]:
+        """(statistics key, observer) for what this stage reads out at log points."""
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """Entries this stage adds to ``HookSet.state_dict()`` (its own top-level keys)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: Any = None) -> None:  # noqa: B027
+        """Restore from the whole ``HookSet.state_dict()``; keys it does not hold are ignored."""
+
+    def end_epoch(self) -> None:  # noqa: B027  (only epoch-counting methods act)
+        """An epoch ended."""
+
+    def set_up(self, loop: Loop) -> None:  # noqa: B027  (most stages need no loop facts)
+        """What the loop knows (ranks, batch size, the all-reduce)."""
+
+    def manual_mean(self) -> list[nn.Parameter]:
+        """Under DDP with ``ddp_may_reduce`` False: the parameters whose ``.grad`` the loop
+        averages over the ranks before ``after_backward`` (the stage reduces the rest)."""
+        return []
+
+    @abc.abstractmethod
+    def remove(self) -> None:
+        """Remove every handle; the stage does nothing more."""

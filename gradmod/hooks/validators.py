@@ -1,0 +1,28 @@
+"""Checks of a transform's numeric arguments, each a one-line ValueError naming the bad one.
+
+A leaf: the transforms of every stage import it, and it imports nothing of gradmod.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def number(transform: str, arg: str, value: Any, *, finite: bool = True) -> float:
+    """A transform's numeric argument; an infinite one only where the transform means it
+    (a norm's order): elsewhere it can only make gradients non-finite or do nothing."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be a number")
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be a {'finite ' if finite else ''}number")
+    return float(value)
+
+
+def positive(transform: str, arg: str, value: Any, *, allow_zero: bool = True) -> float:
+    """``number``, and >= 0 (> 0 with ``allow_zero=False``)."""
+    v = number(transform, arg, value)
+    if v < 0 or (v == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"transform {transform!r}: {arg}={value!r} must be {bound}")
+    return v
