@@ -58,4 +58,4 @@ def test_grl_reverses_only_the_domain_heads_gradient_into_the_features():
 def test_the_experiment_composes_with_the_ramp():
     cfg = compose_config("experiment=dann")
     assert cfg.model.name == "dann" and cfg.data.name == "dann_digits"
-    assert dict(cfg.hooks.grl.transforms[0].factor) == {"schedule": "dann", "start": 0.0, "end": -1.0, "gamma": 10}
+    assert dict(cfg.hooks.grl.transforms[0].factor) == {"schedule": "dann", "start": 0.0, "end": -0.3, "gamma": 10}

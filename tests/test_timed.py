@@ -298,3 +298,48 @@ def test_bad_schedules_and_windows_are_refused_at_attach(rules, kwargs, words):
     assert "\n" not in str(e.value)
     for w in words:
         assert w in str(e.value)
+
+
+def _ddp_freeze_worker(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        m = model()
+        rules = {"f": {"params": "*", "exclude": "4.*", "transforms": ["freeze"], "active": {"until": 3}}}
+        hooks = attach(m, rules)
+        ddp = nn.parallel.DistributedDataParallel(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1)
+        for t in range(6):
+            opt.zero_grad(set_to_none=True)
+            x, y = batch(t)
+            F.cross_entropy(ddp(x[rank::world]), y[rank::world]).backward()
+            hooks.after_backward()
+            opt.step()
+        torch.save([p.detach() for p in m.parameters()], os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_freeze_window_under_ddp_is_the_grad_none_loop(tmp_path):
+    """Two ranks, each half the batch: the same weights as one process that averages the
+    halves' gradients and sets .grad = None for the frozen ones (no requires_grad toggled)."""
+    from helpers import free_port, spawn_ranks
+
+    spawn_ranks(_ddp_freeze_worker, 2, free_port(), str(tmp_path))
+    ref = model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    for t in range(6):
+        x, y = batch(t)
+        halves = [torch.autograd.grad(F.cross_entropy(ref(x[r::2]), y[r::2]), list(ref.parameters())) for r in range(2)]
+        for (n, p), gs in zip(ref.named_parameters(), zip(*halves)):
+            p.grad = None if t < 3 and not n.startswith("4.") else (gs[0] + gs[1]) / 2
+        opt.step()
+    for r in range(2):
+        for got, want in zip(torch.load(tmp_path / f"rank{r}.pt"), ref.parameters()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
