@@ -343,3 +343,21 @@ def test_a_freeze_window_under_ddp_is_the_grad_none_loop(tmp_path):
     for r in range(2):
         for got, want in zip(torch.load(tmp_path / f"rank{r}.pt"), ref.parameters()):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_per_loss_methods_argument_follows_its_schedule_and_keeps_its_state():
+    m = model()
+    beta = {"schedule": "linear", "start": 0.1, "end": 0.9, "until": 4}
+    hooks = attach(m, {"m": {"params": "0.*", "transforms": [{"name": "gradvac", "beta": beta}]}})
+    method = hooks.targets[0].steps[0].fn
+    seen = []
+    for t in range(6):
+        m.zero_grad(set_to_none=True)
+        x, y = batch(t)
+        out = m(x)
+        hooks.backward({"a": F.cross_entropy(out, y), "b": out.pow(2).mean()})
+        seen.append(method.beta)
+        phi = method.phi
+        hooks.after_backward()
+        assert method.phi is phi  # its running state is kept when the value changes
+    assert seen == pytest.approx([0.1, 0.3, 0.5, 0.7, 0.9, 0.9])
