@@ -8,7 +8,9 @@ gradients need). The MNIST CNN has no normalisation layer: ``norm`` changes noth
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
+import torch
 import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
@@ -124,6 +126,74 @@ class CharLM(nn.Module):
         return self.fc(h)
 
 
+class Attention(nn.Module):
+    """Causal multi-head self-attention. Heads are counted from the projections' widths
+    (``-1``), so under tensor parallelism each rank runs its share of the heads."""
+
+    def __init__(self, width: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        q, k, v = (f(x).view(n, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(h.transpose(1, 2).reshape(n, t, -1))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: attention, then a two-layer GELU MLP, each residual."""
+
+    def __init__(self, width: int, head_dim: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = Attention(width, head_dim)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A small causal transformer on characters: token and position embeddings, ``depth``
+    pre-norm blocks, a final LayerNorm and a Linear to the characters. Input N x T ids,
+    output N x classes x T logits (as ``CharLM``). ``tp_plan()``: its tensor-parallel plan."""
+
+    def __init__(self, num_classes: int, width: int = 64, depth: int = 2, heads: int = 4, max_len: int = 256):
+        super().__init__()
+        self.max_len = max_len
+        self.embed = nn.Embedding(num_classes, width)
+        self.position = nn.Embedding(max_len, width)
+        self.blocks = nn.ModuleList(Block(width, width // heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[1] > self.max_len:
+            raise ValueError(f"tiny_gpt: sequences of {x.shape[1]} characters; allowed: up to {self.max_len}")
+        h = self.embed(x) + self.position(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h)).transpose(1, 2)
+
+    def tp_plan(self) -> dict[str, Any]:
+        """``parallelize_module``'s plan (Megatron's): q, k, v and the MLP's first layer cut
+        by output columns, the attention's and the MLP's last layers by input rows; the
+        embeddings, norms and head stay whole (on the data-parallel mesh only)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan: dict[str, Any] = {}
+        for i in range(len(self.blocks)):
+            for name in ("attn.q", "attn.k", "attn.v", "fc1"):
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+            for name in ("attn.out", "fc2"):
+                plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+        return plan
+
+
 NORMS = ("batch", "group")
 
 
@@ -150,7 +220,7 @@ def _resnet(name: str, in_channels: int, num_classes: int, image_size: int, norm
     return model
 
 
-MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "dann")
+MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt", "dann")
 
 
 def build_model(
@@ -174,6 +244,8 @@ def build_model(
         return MultiLeNet(in_channels, num_classes)
     if name == "char_lm":
         return CharLM(num_classes)
+    if name == "tiny_gpt":
+        return TinyGPT(num_classes)
     if name == "dann":
         if image_size != 28:
             raise ValueError(f"model 'dann' needs 28x28 images, got {image_size}x{image_size}; use data=dann_digits")

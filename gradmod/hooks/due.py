@@ -61,6 +61,13 @@ class AfterBackwardDue:
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         held = {id(q) for g in optimizer.param_groups for q in g["params"]}
         if any(id(p) in held for _, p, _ in self._due.values()):
+            if torch._C._current_graph_task_id() != -1:  # a step inside backward: optimizer-in-backward
+                rule, (stage, _, _) = next(iter(self._due.items()))
+                raise ValueError(
+                    f"hooks.{rule}: an optimizer steps inside backward (a post-accumulate-grad hook, found "
+                    f"since attach), so stage {stage!r} would run after the step and do nothing; use stage: "
+                    "hook rules (element-wise, before the step), or step the optimizer after backward"
+                )
             raise RuntimeError(self.message())
 
     def message(self) -> str:

@@ -35,7 +35,7 @@ from gradmod.hooks.per_sample.stage import PerSampleStage  # set_per_sample, dep
 from gradmod.hooks.registry import warn_moved
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
 from gradmod.hooks.schedules import Length
-from gradmod.hooks.sharded import watch
+from gradmod.hooks.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
 from gradmod.hooks.stage import Core, Loop, Stage
 from gradmod.hooks.stats import take_all
 from gradmod.hooks.timed import Timed
@@ -71,6 +71,8 @@ class HookSet:
         # fully_shard after attach would leave the rules on parameters no longer in the model.
         self._watch = watch(model, {t.name: params[t.name] for t in targets if t.kind == "param"})
         self._keys = {t.key for t in targets}
+        self._params = {t.name: params[t.name] for t in targets if t.kind == "param"}
+        self._stepped_once = False
         self._due = AfterBackwardDue(model, _sentinels(targets, params, self.timed))  # a forgotten after_backward()
         for obj in self._owned:
             _OWNERS[obj] = self
@@ -147,6 +149,9 @@ class HookSet:
         when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
         only then is the host read), False otherwise."""
         self._due.done()
+        if not self._stepped_once:  # optimizer-in-backward hooks registered after attach
+            self._stepped_once = True
+            refuse_optimizer_in_backward(self.targets, self._params, late=True)
         skip = False
         for stage in self.stages:
             skip = bool(stage.finish()) or skip
@@ -334,6 +339,9 @@ def attach(
     for name in stages.names():
         if name in at:
             stages.stage_class(name).check(model, targets)
+    params = dict(model.named_parameters())
+    refuse_optimizer_in_backward(targets, params)
+    refuse_pipeline_stage(model)
     previous = [h for h in _ATTACHED.get(model, []) if h._owned]  # the live ones
     replaced = previous if replace else []
     _refuse_overlap(model, targets, replaced)

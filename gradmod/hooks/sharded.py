@@ -1,15 +1,17 @@
-"""Gradients sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``): DTensors.
+"""Parameters that are DTensors (``fully_shard``, ``parallelize_module``, both, HSDP),
+and the layouts gradmod refuses.
 
-After ``fully_shard`` each parameter (and its ``.grad``) is a ``DTensor`` of which a rank
-holds one piece along dim 0. Most transforms run on it unchanged (DTensor reduces norms
-over the shards itself); what reads numbers to the host needs the full tensor's values:
-``plain`` for a value DTensor already reduced, ``sharded_rows`` for the ``log`` statistics
-(each rank summarizes its piece, one gather combines them).
+Each rank holds one piece of such a parameter and of its ``.grad``. Element-wise
+transforms run on the pieces unchanged; reductions go through ``gradmod.hooks.mesh``;
+what reads numbers to the host needs the full tensor's values: ``plain`` for a value
+already reduced. Refused, each in one line: tensor hooks on such parameters (FSDP2 never
+fires them), rules attached before the model was sharded, a model that is one stage of a
+pipeline (a norm over the rule would cover that stage only), and rules that act after
+backward on parameters an optimizer steps inside backward.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
@@ -28,56 +30,8 @@ def plain(t: Tensor) -> Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
-def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
-    """``GradStats`` rows (norm, min, max, mean, frac_negative, nonfinite, frac_clipped)
-    of the full tensors behind DTensor gradients, the same on every rank. Each rank
-    reduces its pieces to sums, extremes and counts; one ``all_gather`` over the mesh
-    combines them. ``paired``: the first ``paired`` tensors are ``pre`` observations, the next ``paired`` their ``post`` partners."""
-    pieces = [t.to_local().detach().float().reshape(-1) for t in tensors]
-    inf = torch.full((1,), math.inf, device=pieces[0].device)  # the extremes of an empty piece
-    local = []
-    for i, g in enumerate(pieces):
-        changed = g.new_zeros(())
-        if paired <= i < 2 * paired:
-            before = pieces[i - paired]
-            changed = ((g != before) & ~(g.isnan() & before.isnan())).sum().float()
-        local.append(
-            torch.stack(
-                [
-                    (g * g).sum(),
-                    torch.cat([g, inf]).min(),
-                    torch.cat([g, -inf]).max(),
-                    g.sum(),
-                    (g < 0).sum().float(),
-                    (g * 0).isnan().sum().float(),
-                    changed,
-                ]
-            )
-        )
-    mine = torch.stack(local)
-    group = tensors[0].device_mesh.get_group()
-    every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(every, mine, group=group)
-    parts = torch.stack(every)  # (ranks, tensors, 7)
-    sums = parts.sum(0)
-    count = torch.tensor([float(t.numel()) for t in tensors], device=mine.device)
-    rows = torch.stack(
-        [
-            sums[:, 0].sqrt(),
-            parts[:, :, 1].amin(0),
-            parts[:, :, 2].amax(0),
-            sums[:, 3] / count,
-            sums[:, 4] / count,
-            sums[:, 5],
-            sums[:, 6] / count,
-        ],
-        1,
-    )
-    return list(rows.unbind(0))
-
-
 def refuse_sharded(stage: str, hint: str, targets, params: dict[str, Tensor]) -> None:
-    """One line for parameter rules at ``stage`` that cannot run on sharded parameters (every
+    """One line for parameter rules at ``stage`` that cannot run on DTensor parameters (every
     stage but fused): a tensor hook never fires on an FSDP2 parameter (and the DDP meaning,
     each rank's whole local gradient, would need FSDP2's private unsharded parameters);
     per-example or per-task gradients would need the gathered weights in every layer's
@@ -85,21 +39,101 @@ def refuse_sharded(stage: str, hint: str, targets, params: dict[str, Tensor]) ->
     for t in targets:
         if t.kind == "param" and t.stage == stage and is_sharded(params[t.name]):
             raise ValueError(
-                f"hooks.{t.rule}: stage {t.stage!r} on {t.name!r}, a parameter sharded by FSDP2 (fully_shard); {hint}"
+                f"hooks.{t.rule}: stage {t.stage!r} on {t.name!r}, a parameter sharded into a DTensor "
+                f"(fully_shard or parallelize_module); {hint}"
             )
+
+
+def refuse_pipeline_stage(model: torch.nn.Module) -> None:
+    """One line when ``model`` is the module of a ``torch.distributed.pipelining`` stage:
+    the rules would see that stage's parameters only (a global norm over one stage)."""
+    pipelining = sys.modules.get("torch.distributed.pipelining.stage")
+    if pipelining is None:  # never imported: no stage exists
+        return
+    import gc
+
+    def is_stage(obj) -> bool:
+        return isinstance(obj, pipelining._PipelineStageBase)
+
+    # The stage holds the model in its attribute dict (or directly, where dicts are inlined).
+    holders = gc.get_referrers(model)
+    if any(is_stage(r) or (isinstance(r, dict) and any(map(is_stage, gc.get_referrers(r)))) for r in holders):
+        raise ValueError(
+            "attach: this model is one stage of a pipeline (torch.distributed.pipelining); gradmod "
+            "does not support pipeline parallelism (its norms would cover one stage's parameters only)"
+        )
+
+
+def refuse_optimizer_in_backward(targets, params: dict[str, Tensor], late: bool = False) -> None:
+    """One line when a rule that acts after backward (fused, group transforms, per_sample)
+    selects a parameter whose post-accumulate-grad hook steps an optimizer (torchtune's
+    ``optimizer_in_bwd``): the step would be taken before ``after_backward()`` changes
+    ``.grad``, so the rule would do nothing. Hook-stage rules still work (they run before)."""
+    known: dict[int, bool] = {}  # one hook is often shared by every parameter
+    for t in targets:
+        if t.kind != "param" or t.stage in ("hook", "per_loss"):
+            continue
+        hooks = getattr(params[t.name], "_post_accumulate_grad_hooks", None) or {}
+        for h in hooks.values():
+            if id(h) not in known:
+                known[id(h)] = _steps_an_optimizer(h)
+        if any(known[id(h)] for h in hooks.values()):
+            when = "since attach" if late else "at attach"
+            raise ValueError(
+                f"hooks.{t.rule}: {t.name!r} has a post-accumulate-grad hook that steps an optimizer "
+                f"inside backward (found {when}), so stage {t.stage!r} would run after the step and do nothing; "
+                "use stage: hook rules (element-wise, before the step), or step the optimizer after backward"
+            )
+
+
+def _steps_an_optimizer(hook, depth: int = 3) -> bool:
+    """Whether an optimizer is within reach of ``hook``: its closure, its bound object, or
+    the dicts and lists in them (``optim_dict[param].step()``), a few levels deep."""
+    seen: set[int] = set()
+    todo = [(hook, 0)]
+    while todo:
+        obj, level = todo.pop()
+        if id(obj) in seen or level > depth:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.optim.Optimizer):
+            return True
+        if isinstance(obj, dict) or type(obj).__name__ == "WeakKeyDictionary":
+            todo.extend((v, level + 1) for v in list(obj.values()))
+        elif isinstance(obj, (list, tuple)):
+            todo.extend((v, level + 1) for v in obj)
+        elif callable(obj):
+            cells = getattr(obj, "__closure__", None) or ()
+            todo.extend((c.cell_contents, level + 1) for c in cells if _filled(c))
+            bound = getattr(obj, "__self__", None)
+            if bound is not None:
+                todo.append((bound, level + 1))
+            wrapped = getattr(obj, "func", None)  # functools.partial
+            if wrapped is not None:
+                todo.extend([(wrapped, level + 1), (obj.args, level + 1)])
+    return False
+
+
+def _filled(cell) -> bool:
+    try:
+        return cell.cell_contents is not None
+    except ValueError:  # an empty cell
+        return False
 
 
 def watch(model: torch.nn.Module, params: dict[str, Tensor]):
     """A forward pre-hook that checks, once, that ``params`` are still ``model``'s:
-    ``fully_shard`` after ``attach`` replaces them, and the rules would silently do nothing.
-    Then the first backward through the model raises one line (the forward itself when
-    its output has no gradient to hook). Returns the handle."""
+    ``fully_shard`` or ``parallelize_module`` after ``attach`` replaces them, and the rules
+    would silently do nothing. Then the first backward through the model raises one line
+    (the forward itself when its output has no gradient to hook). Returns the handle.
+    It runs before every other forward pre-hook: FSDP2's own swap in the gathered
+    parameters (DTensors too under tensor parallelism), which are not a replacement."""
 
     def check(module, inputs) -> None:
         if not torch.is_grad_enabled():
             return
         # torch.func.functional_call swaps plain tensors in for one call: only sharded
-        # replacements (fully_shard's DTensors) mean the rules were left behind
+        # replacements (DTensors) mean the rules were left behind
         stale = [n for n, p in params.items() if _get(module, n) is not p and is_sharded(_get(module, n))]
         if not stale and any(_get(module, n) is not p for n, p in params.items()):
             return  # look again at the next forward, with the model's own parameters
@@ -107,11 +141,12 @@ def watch(model: torch.nn.Module, params: dict[str, Tensor]):
         if stale:
             message = (
                 f"attach: the parameters the rules select were replaced after attach ({stale[0]!r} among "
-                "them), as fully_shard does; call gradmod.attach(model, rules) after fully_shard(model)"
+                "them), as fully_shard and parallelize_module do; call gradmod.attach(model, rules) "
+                "after fully_shard(model) and parallelize_module"
             )
             once = module.register_forward_hook(lambda m, i, out: _refuse_backward(out, message, once))
 
-    handle = model.register_forward_pre_hook(check)
+    handle = model.register_forward_pre_hook(check, prepend=True)
     return handle
 
 

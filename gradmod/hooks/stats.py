@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradmod.hooks.mesh import sharded_rows
 from gradmod.hooks.reduce import Seen, stat_rows
-from gradmod.hooks.sharded import is_sharded, plain, sharded_rows
+from gradmod.hooks.sharded import is_sharded, plain
 from gradmod.hooks.window import Window
 
 
@@ -236,8 +237,7 @@ def observe_batch(
             if obs.histogram:
                 obs.observe_histogram(t)
     if any(is_sharded(t) for t in tensors):
-        for obs, t in zip(observers, tensors):
-            obs.observe(t)
+        _observe_sharded(observers, tensors)
         return
     before = observers[0].take_before()
     for obs in observers[1:]:
@@ -251,6 +251,23 @@ def observe_batch(
     if keep is not None:
         for obs in observers:
             obs._seen = seen
+
+
+def _observe_sharded(observers: list[GradStats], tensors: list[Tensor]) -> None:
+    """``observe_batch`` for DTensors: the rows of all tensors from one ``sharded_rows``
+    call, so a rule's statistics cost a few collectives per mesh, not a few per tensor."""
+    befores = [obs.take_before() for obs in observers]
+    n = len(tensors)
+    if all(b is not None for b in befores):
+        rows = sharded_rows(befores + tensors, n)[n:]  # type: ignore[operator]
+    elif all(b is None for b in befores):
+        rows = sharded_rows(tensors, 0)
+    else:  # some pre partners saw nothing: one by one
+        rows = [sharded_rows([t], 0)[0] if b is None else sharded_rows([b, t], 1)[1] for t, b in zip(tensors, befores)]
+    for obs, t, row in zip(observers, tensors, rows):
+        if obs.keep is not None:
+            obs._seen = t.detach().clone() if obs.keep == "clone" else t.detach()
+        obs.add(row)
 
 
 def observe_pairs(pres: list[GradStats], before: list[Tensor], posts: list[GradStats], after: list[Tensor]) -> None:

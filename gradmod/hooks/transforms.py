@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from gradmod.hooks import registry
+from gradmod.hooks import mesh, registry
 from gradmod.hooks.reduce import BIG
 from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
+from gradmod.hooks.sharded import is_sharded
 from gradmod.hooks.validators import number, positive
 
 __all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec", "register"]
@@ -116,6 +117,8 @@ def centralize() -> Transform:
     def apply(grad: Tensor) -> Tensor:
         if grad.dim() < 2:
             return grad
+        if is_sharded(grad):  # a row cut by tensor parallelism: its mean over the mesh
+            return mesh.like(grad, mesh.local(grad) - mesh.row_means(grad))
         return grad - grad.mean(dim=tuple(range(1, grad.dim())), keepdim=True)
 
     return apply
@@ -126,9 +129,10 @@ def norm_clip(max_norm: float) -> Transform:
     m = positive("norm_clip", "max_norm", max_norm, allow_zero=False)
 
     def apply(grad: Tensor) -> Tensor:
-        norm = torch.linalg.vector_norm(grad)
+        norm = mesh.mesh_norm([grad]) if is_sharded(grad) else torch.linalg.vector_norm(grad)
         # clamp_max keeps this on the device: no host sync to compare norm with m.
-        return grad * (m / (norm + 1e-6)).clamp_max(1.0)
+        coef = (m / (norm + 1e-6)).clamp_max(1.0)
+        return mesh.like(grad, mesh.local(grad) * coef) if is_sharded(grad) else grad * coef
 
     return apply
 
@@ -137,7 +141,8 @@ class Noise:
     """Add Gaussian noise with std ``std / (1 + t) ** decay``, ``t`` the optimizer steps
     completed (annealed). The step clock sets ``t`` (``at_step``, at each
     ``HookSet.after_backward``), so every micro-batch of a step gets the same std and a
-    resumed run continues the decay from its checkpoint's clock."""
+    resumed run continues the decay from its checkpoint's clock. On a DTensor each piece
+    draws its own values (replicas of a piece the same ones)."""
 
     def __init__(self, std: float, decay: float = 0.55):
         self.std = positive("noise", "std", std)
@@ -148,6 +153,13 @@ class Noise:
         self.sigma = self.std / (1 + t) ** self.decay
 
     def __call__(self, grad: Tensor) -> Tensor:
+        if is_sharded(grad):
+            # One seed from the global generator (the same on every rank seeded alike), then
+            # each piece its own stream: pieces differ, replicas agree, a rerun repeats.
+            seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+            piece = mesh.local(grad)
+            drawn = torch.randn(piece.shape, generator=mesh.shard_generator(grad, seed), device=piece.device)
+            return mesh.like(grad, piece + self.sigma * drawn.to(piece.dtype))
         return grad + self.sigma * torch.randn_like(grad)
 
 

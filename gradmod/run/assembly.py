@@ -71,7 +71,7 @@ def build_trainer(run: Run) -> Parts:
         run=run.claim.run_id,
         started=run.started,
     )
-    steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate, dp.sampling(cfg))
+    steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, dp.sampling(cfg))
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
     callbacks = [NonFiniteCallback(guard), diverged, schedule]

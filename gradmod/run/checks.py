@@ -17,7 +17,7 @@ from typing import Any
 
 from gradmod.hooks import stages  # the stage table, torch-free
 
-MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "dann")  # gradmod.models.MODELS
+MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt", "dann")  # gradmod.models.MODELS
 NORMS = ("batch", "group")  # gradmod.models.NORMS
 DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text", "dann_digits")  # gradmod.data.DATASETS
 INITS = ("default", "xavier", "kaiming")  # gradmod.weight_init.INITS
@@ -123,7 +123,7 @@ def metric(key: str, spec: Any, by_task: bool = True) -> None:
 
 def trainer(t: Any) -> None:
     """The trainer's values (``TrainerConfig``)."""
-    for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep"):
+    for key in ("epochs", "log_every", "eval_batch_size", "accumulate", "checkpoint_keep", "tp", "replicate"):
         at_least(f"trainer.{key}", getattr(t, key), 1)
     for key in ("threads", "checkpoint_every", "checkpoint_every_steps", "loader_workers"):
         at_least(f"trainer.{key}", getattr(t, key), 0)

@@ -159,6 +159,8 @@ class TrainerConfig:
     channels_last: bool = False  # channels-last memory format for conv models
     accumulate: int = 1  # micro-batches of data.batch_size per optimizer step (>= 1); loss divided by their number
     strategy: str = "single"  # single (one process) | ddp | fsdp (under torchrun: one process per rank, see docs/guide/distributed.md)
+    tp: int = 1  # fsdp: tensor-parallel ranks per group (the model's tp_plan, e.g. model=tiny_gpt); they share each batch
+    replicate: int = 1  # fsdp: HSDP, replicas of each shard (a (replicate, shard) mesh); tp x replicate must divide the world size
     checkpoint_every: int = 1  # epochs between checkpoints in <run>/checkpoints; 0 = none
     checkpoint_every_steps: int = 0  # also every N optimizer steps (mid-epoch); 0 = none
     checkpoint_keep: int = 2  # keep the newest k checkpoints

@@ -34,6 +34,8 @@ MUST_MATCH = (
     "trainer.hook_stage",
     "trainer.precision",
     "trainer.strategy",
+    "trainer.tp",  # with the world size: each rank's share of the data order
+    "trainer.replicate",
 )
 HOOK_ORDER = "hooks._order_"  # rules on one tensor chain in config order: their order must match too
 NOT_ARGUMENTS = ("_target_", "_partial_")

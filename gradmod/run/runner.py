@@ -107,9 +107,9 @@ def _build(
     model, several = build_model(cfg, data, dist.device)
     if dist.strategy == "fsdp":
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
-    rules, privacy = dp.prepare(cfg, len(data.train_y), dist.world_size)
+    rules, privacy = dp.prepare(cfg, len(data.train_y), dist.data_size)
     t = cfg.trainer
-    per_epoch = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.world_size, t.accumulate, dp.sampling(cfg))
+    per_epoch = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, dp.sampling(cfg))
     hooks = attach(
         model,
         rules,

@@ -70,7 +70,8 @@ def seed_everything(seed: int) -> None:
 
 def place(cfg: Config) -> Dist:
     """This process's device and rank, threads and seeds."""
-    dist = Dist.from_env(cfg.trainer.strategy, resolve_device(cfg.trainer.device))
+    t = cfg.trainer
+    dist = Dist.from_env(t.strategy, resolve_device(t.device), tp=t.tp, replicate=t.replicate)
     check_precision(cfg.trainer.precision, dist.device)
     if dist.strategy == "fsdp" and cfg.capture.gradcam:  # the probe copies the whole model's weights
         raise ValueError("capture.gradcam=true with trainer.strategy=fsdp is not supported; use trainer.strategy=ddp")
@@ -90,7 +91,7 @@ def load(cfg: Config, dist: Dist) -> tuple[Data, int | None]:
             f"({', '.join(data.test_y.keys())}); use capture.gradcam=false"
         )
     preflight.check_data(data, None if cfg.model._target_ else f"model.name={cfg.model.name}")
-    _warn_sizes(cfg, data, dist.world_size)
+    _warn_sizes(cfg, data, dist.data_size)
     if placement(cfg.trainer.data_placement, data, dist.device) == "device":
         return data.to(dist.device), None  # batches indexed on the device
     return data, cfg.trainer.loader_workers

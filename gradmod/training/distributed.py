@@ -10,6 +10,8 @@ names) and the rules are attached to it. Each rank trains on its own share of ev
 epoch's seeded permutation, evaluates its share of the test set and the results are
 averaged, so every rank holds the same numbers; rank 0 alone writes the run folder, and
 checkpoints hold the full state (FSDP2 gathers it to rank 0), read back by every rank.
+Under ``fsdp``, ``tp`` > 1 first applies the model's tensor-parallel plan on a last mesh
+dimension (its ranks share every batch) and ``replicate`` > 1 makes FSDP2 hybrid (HSDP).
 
 Where the stages run (the all-reduce averages gradients over the ranks):
 
@@ -51,6 +53,8 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp: int = 1  # ranks of one tensor-parallel group (fsdp): they share every batch
+    replicate: int = 1  # HSDP: replicas of each shard (fsdp)
 
     @property
     def is_main(self) -> bool:
@@ -58,16 +62,28 @@ class Dist:
         return self.rank == 0
 
     @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of a tensor-parallel group share it."""
+        return self.rank // self.tp
+
+    @property
+    def data_size(self) -> int:
+        """How many parts each batch and the test set are cut into (the data-parallel ranks)."""
+        return self.world_size // self.tp
+
+    @property
     def part(self) -> slice:
-        """This rank's part of a tensor indexed along dim 0 (every element exactly once)."""
-        return slice(self.rank, None, self.world_size)
+        """This rank's part of a tensor indexed along dim 0 (every element exactly once per
+        data-parallel rank; a tensor-parallel group's ranks get the same part)."""
+        return slice(self.data_rank, None, self.data_size)
 
     @classmethod
-    def from_env(cls, strategy: str, device: torch.device) -> Dist:
-        """Read the rank from the environment and check it; starts nothing."""
+    def from_env(cls, strategy: str, device: torch.device, tp: int = 1, replicate: int = 1) -> Dist:
+        """Read the rank from the environment and check it and the layout; starts nothing."""
         if strategy not in STRATEGIES:
             raise ValueError(f"trainer.strategy={strategy!r} is not a strategy; allowed: {', '.join(STRATEGIES)}")
         world = int(os.environ.get("WORLD_SIZE", 1))
+        layout(strategy, world, tp, replicate)
         if strategy == "single":
             if world > 1:
                 raise ValueError(
@@ -89,7 +105,7 @@ class Dist:
         if device.type == "cuda":
             device = torch.device("cuda", local)  # one GPU per process
             torch.cuda.set_device(device)
-        return cls(strategy, rank, world, local, device)
+        return cls(strategy, rank, world, local, device, tp, replicate)
 
     def start(self) -> Dist:
         """Join the process group (a single process: nothing to join)."""
@@ -108,8 +124,26 @@ class Dist:
             return model
         self.start()
         if self.strategy == "fsdp":
-            return model if is_fsdp(model) else shard(model)
+            return model if is_fsdp(model) else shard(model, self.mesh(model))
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def mesh(self, model: nn.Module):
+        """FSDP2's device mesh: None for plain FSDP (the world, one dimension); else
+        (replicate, shard) for HSDP, with ``model``'s tensor-parallel plan applied on a last
+        ``tp`` dimension first (the ranks of a tp group are consecutive)."""
+        if self.tp == 1 and self.replicate == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shard_size = self.world_size // (self.tp * self.replicate)
+        sizes = {"replicate": self.replicate, "shard": shard_size, "tp": self.tp}
+        names = tuple(n for n, k in sizes.items() if k > 1 or n == "shard")
+        mesh = init_device_mesh(self.device.type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(model, mesh["tp"], tp_plan(model, self.tp))
+        return mesh["replicate", "shard"] if self.replicate > 1 else mesh["shard"]
 
     def share(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (a pickled broadcast; single: ``obj``)."""
@@ -186,19 +220,49 @@ def is_fsdp(model: nn.Module) -> bool:
     return module is not None and isinstance(model, module.FSDPModule)
 
 
-def shard(model: nn.Module) -> nn.Module:
+def layout(strategy: str, world: int, tp: int, replicate: int) -> None:
+    """One line for a layout that cannot be: tensor parallelism or HSDP without fsdp, or
+    sizes whose product does not divide the processes."""
+    for key, value in (("tp", tp), ("replicate", replicate)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"trainer.{key}={value!r} must be an int >= 1")
+    if (tp > 1 or replicate > 1) and strategy != "fsdp":
+        raise ValueError(
+            f"trainer.tp={tp} trainer.replicate={replicate} need trainer.strategy=fsdp (FSDP2 with tensor "
+            f"parallelism or HSDP), not {strategy}"
+        )
+    if world % (tp * replicate):
+        raise ValueError(
+            f"trainer.tp={tp} x trainer.replicate={replicate} does not divide the {world} processes (WORLD_SIZE); "
+            f"use a world size that is a multiple of {tp * replicate}"
+        )
+
+
+def tp_plan(model: nn.Module, tp: int) -> dict[str, Any]:
+    """The model's tensor-parallel plan (its ``tp_plan()``); one line for a model without one."""
+    plan = getattr(model, "tp_plan", None)
+    if not callable(plan):
+        raise ValueError(
+            f"trainer.tp={tp}: the model ({type(model).__name__}) has no tensor-parallel plan (a tp_plan() "
+            "method giving parallelize_module's plan); use model=tiny_gpt, or trainer.tp=1"
+        )
+    return plan()
+
+
+def shard(model: nn.Module, mesh=None) -> nn.Module:
     """``fully_shard`` per block, then the root: each child module that holds parameters
     is one unit, and each item of a child ``Sequential`` or ``ModuleList`` (ResNet's
     residual blocks); what is left (parameters of the root itself) goes with the root.
-    A unit's parameters are gathered for its forward and backward, then freed."""
+    A unit's parameters are gathered for its forward and backward, then freed. ``mesh``:
+    FSDP2's (HSDP's 2-D one; None: the world)."""
     from torch.distributed.fsdp import fully_shard
 
     for child in model.children():
         items = list(child) if isinstance(child, (nn.Sequential, nn.ModuleList)) else [child]
         for unit in items:
             if any(True for _ in unit.parameters()):
-                fully_shard(unit)
-    fully_shard(model)
+                fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

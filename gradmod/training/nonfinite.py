@@ -33,7 +33,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks.sharded import is_sharded
+from gradmod.hooks.mesh import first_replica, local
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,11 @@ def count_nonfinite(tensors: list[Tensor]) -> list[Tensor]:
     ops for the whole list, no host sync."""
     if not tensors:
         return []
-    tensors = [t.to_local() if is_sharded(t) else t for t in tensors]  # FSDP2: this rank's shards
-    return list(torch._foreach_norm(torch._foreach_mul(tensors, 0), 0))
+    # FSDP2, tensor parallelism: this rank's pieces, counted on one replica of each only
+    # (the counts are summed over every rank).
+    owned = [first_replica(t) for t in tensors]
+    counts = torch._foreach_norm(torch._foreach_mul([local(t) for t in tensors], 0), 0)
+    return [c if own else c * 0 for c, own in zip(counts, owned)]
 
 
 class Diverged(RuntimeError):

@@ -182,14 +182,14 @@ class Trainer:
 
     def _stream(self, x: Tensor, y: Tensor, start: int):
         """(micro-batches in this rank's epoch, their stream from batch ``start`` on)."""
-        part = (self.dist.rank, self.dist.world_size)
+        part = (self.dist.data_rank, self.dist.data_size)  # a tensor-parallel group shares its batches
         s = self.settings
         if s.sampling == "poisson":
-            rate, steps = poisson_steps(len(y), s.batch_size, self.dist.world_size, s.accumulate)
+            rate, steps = poisson_steps(len(y), s.batch_size, self.dist.data_size, s.accumulate)
             return steps * s.accumulate, poisson_batches(
                 x, y, rate, steps, self.generator, s.accumulate, part, start, self.device, s.loader_workers
             )
-        total = batches_per_epoch(len(y), s.batch_size, self.dist.world_size)
+        total = batches_per_epoch(len(y), s.batch_size, self.dist.data_size)
         return total, batches(x, y, s.batch_size, self.generator, part, start, self.device, s.loader_workers)
 
     def _backward(self, xb: Tensor, yb: Any, group: int, sync: bool) -> None:
@@ -239,7 +239,7 @@ class Trainer:
         test_y = data.test_y[self.dist.part]
         parts = None
         if self.dist.strategy == "fsdp":  # every forward gathers parameters: all ranks run as many
-            parts = math.ceil(math.ceil(len(data.test_y) / self.dist.world_size) / self.settings.eval_batch_size)
+            parts = math.ceil(math.ceil(len(data.test_y) / self.dist.data_size) / self.settings.eval_batch_size)
         means, names = evaluate_tasks(
             self.eval_net,
             data.test_x[self.dist.part],

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradmod.hooks import mesh
 from gradmod.hooks.reduce import BIG
 from gradmod.hooks.sharded import is_sharded, plain
 from gradmod.hooks.validators import number, positive
@@ -31,7 +32,10 @@ EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
 
 
 def total_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
-    """The norm of all ``grads`` as one vector: one ``_foreach_norm``, then the norm of the norms."""
+    """The norm of all ``grads`` as one vector: one ``_foreach_norm``, then the norm of the
+    norms. DTensors (any mesh, any layout, several meshes): ``mesh.mesh_norm``, a plain tensor."""
+    if any(is_sharded(g) for g in grads):
+        return mesh.mesh_norm(grads, norm_type)
     norms = torch._foreach_norm(grads, norm_type)
     device = grads[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
@@ -138,7 +142,7 @@ class GlobalNormClip(GroupTransform):
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
         norm = total_norm(grads, self.norm_type)
         coef = (self.max_norm / (norm + EPS)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef)
+        torch._foreach_mul_([mesh.local(g) for g in grads], coef)  # a plain factor, each rank's pieces
         self.record.add(norm, coef)
 
 
@@ -175,9 +179,12 @@ class AGC(GroupTransform):
         self.norm_type = _norm_type(self.name, norm_type)
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        if any(is_sharded(g) for g in grads):
+            self._apply_sharded(params, grads)
+            return
         with torch.no_grad():  # the weights' norms record no graph
             # L2 unit norms give the total norms with no pass over the gradients; else total_norm.
-            from_units = self.norm_type == 2 and not any(is_sharded(g) for g in grads)
+            from_units = self.norm_type == 2
             before = None if from_units else total_norm(grads)
             norms, clipped = [], []  # each group's unit norms, before and after
             for ps, gs in _by_shape(params, grads):
@@ -200,12 +207,23 @@ class AGC(GroupTransform):
                 after = total_norm(grads)
             self.record.add(before, after / (before + EPS))
 
+    def _apply_sharded(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """DTensors, tensor by tensor: unit norms combined over the mesh dimensions that cut
+        a row (``mesh.unit_norms``), each rank scaling its piece's rows."""
+        with torch.no_grad():
+            before = total_norm(grads)
+            for p, g in zip(params, grads):
+                limit = mesh.unit_norms(p, self.norm_type).clamp_min(self.eps).mul_(self.clip_factor)
+                unit = mesh.unit_norms(g, self.norm_type)
+                mesh.local(g).mul_((limit / unit.clamp_min(EPS)).clamp_max(1.0))
+            self.record.add(before, total_norm(grads) / (before + EPS))
+
 
 def _by_shape(params: list[Tensor], grads: list[Tensor]) -> list[tuple[list[Tensor], list[Tensor]]]:
     """(params, grads) per shape; big or 0-d tensors alone (stacking them would copy much, or nothing to stack)."""
     groups: dict[Any, tuple[list[Tensor], list[Tensor]]] = {}
     for i, (p, g) in enumerate(zip(params, grads)):
-        key = i if g.numel() >= BIG or g.dim() == 0 or is_sharded(g) else (tuple(g.shape), g.dtype)
+        key = i if g.numel() >= BIG or g.dim() == 0 else (tuple(g.shape), g.dtype)
         groups.setdefault(key, ([], []))
         groups[key][0].append(p)
         groups[key][1].append(g)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradmod.hooks import mesh
 from gradmod.hooks.fused.group import EPS, GroupTransform, total_norm
 from gradmod.hooks.sharded import plain
 from gradmod.hooks.validators import number, positive
@@ -64,7 +65,7 @@ class AutoClip(GroupTransform):
             limit = torch.quantile(filled, self.quantile, dim=-1)  # order in the ring does not matter
             # as clip_grad_norm_ computes it (max_norm / t is t.reciprocal() * max_norm), for equal bits
             coef = ((norms + EPS).reciprocal() * limit).clamp(max=1.0)
-            torch._foreach_mul_(grads, list(coef.unbind(0)) if self.per_tensor else coef)
+            torch._foreach_mul_([mesh.local(g) for g in grads], list(coef.unbind(0)) if self.per_tensor else coef)
         else:
             coef = torch.ones_like(norms)  # no history yet: no threshold
         self.ring[..., self.seen % self.history] = norms
@@ -144,7 +145,7 @@ class ZClip(GroupTransform):
             coef = torch.ones_like(g)
             if self.max_grad_norm is not None:  # the warm-up clips to max_grad_norm only
                 coef = self._coef(g, g)
-                torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+                torch._foreach_mul_([mesh.local(g) for g in grads], coef.to(grads[0].dtype))
             self.record.add(norm, coef)
             return None
         assert self.mean is not None and self.var is not None
@@ -161,7 +162,7 @@ class ZClip(GroupTransform):
                 limit = (self.mean + self.z_threshold * std / (z / self.z_threshold)) * self.clip_factor
         adaptive = torch.where(spike, limit, g)
         coef = self._coef(g, adaptive)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        torch._foreach_mul_([mesh.local(g) for g in grads], coef.to(grads[0].dtype))  # each rank's pieces
         update = torch.isfinite(g) if not self.skip_update_on_spike else torch.isfinite(g) & ~spike
         self._update(adaptive, update)
         self.record.add(norm, coef)

@@ -25,7 +25,7 @@ from gradmod.hooks.stage import Core, Stage
 
 class HookStage(Stage):
     name = "hook"
-    on_sharded = "use stage: fused (it transforms the reduced, sharded .grad after backward)"
+    on_sharded = "use stage: fused (it transforms the reduced, sharded .grad after backward), or a modules: rule on a layer's output"
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.targets = [t for t in targets if t.stage == self.name]

@@ -119,7 +119,7 @@ class PerLossStage(Stage):
 
     name = "per_loss"
     ddp_may_reduce = False
-    on_sharded = "per_loss rules do not run on FSDP-sharded parameters yet; use DDP or one process"
+    on_sharded = "per_loss rules do not run on FSDP-sharded or tensor-parallel parameters yet; use DDP or one process"
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.rules = per_loss_rules(targets, dict(model.named_parameters()), dict(model.named_modules()))
