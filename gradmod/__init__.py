@@ -28,7 +28,7 @@ _HOMES = {
     "register": "gradmod.hooks.registry",
     "GroupTransform": "gradmod.hooks.fused.group",
     "Method": "gradmod.hooks.per_loss.methods",
-    "Form": "gradmod.hooks.per_sample.layers",
+    "Form": "gradmod.hooks.per_sample.form",
     "register_form": "gradmod.hooks.per_sample.layers",
     "apply_init": "gradmod.weight_init",
 }

@@ -1,4 +1,4 @@
-"""Fixtures shared by the tests (plain helpers live in helpers.py)."""
+"""Fixtures shared by the tests (plain helpers live in support/helpers.py, on the path)."""
 
 from __future__ import annotations
 

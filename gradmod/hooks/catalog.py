@@ -13,6 +13,8 @@ from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import AGC, Freeze, GlobalNormClip
 from gradmod.hooks.fused.norm_history import AutoClip, ZClip
 from gradmod.hooks.per_loss import methods as M
+from gradmod.hooks.per_loss import weightings as W
+from gradmod.hooks.per_loss.nash_mtl import NashMTL
 from gradmod.hooks.per_sample.stats import PerSampleClip, per_sample_log
 from gradmod.hooks.registry import add_stage_form, register
 from gradmod.hooks.stats import log
@@ -36,7 +38,12 @@ register("per_sample_clip", PerSampleClip, kind="per_sample")
 add_stage_form("log", "per_sample", per_sample_log)
 
 # Per loss: the methods that turn k task gradients (or k losses) into one update.
-for _method in M.SHIPPED:
+PER_LOSS = (
+    *(M.Mean, M.Sum, M.Random, M.PCGrad, M.MGDA, M.IMTLG, M.AlignedMTL, M.UPGrad, M.DualProj, M.CAGrad, M.GradVac),
+    *(NashMTL, M.GradDrop),
+    *(W.GeometricMean, W.UW, W.FAMO, W.DWA),  # loss weightings: from the loss values alone
+)
+for _method in PER_LOSS:
     register(_method.name, _method, kind="per_loss")
 
 # Group: all of a rule's accumulated .grad at once (the fused stage).

@@ -30,7 +30,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
 from gradmod.hooks import stages
-from gradmod.hooks.due import AfterBackwardDue
+from gradmod.hooks.after_backward_due import AfterBackwardDue
+from gradmod.hooks.losses import named, total
 from gradmod.hooks.per_sample.stage import PerSampleStage  # set_per_sample, deprecated
 from gradmod.hooks.registry import warn_moved
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
@@ -127,15 +128,11 @@ class HookSet:
         backward itself (per_loss: its rules' parameters get the rule's combination of the
         task gradients, every other parameter the gradient of the sum) takes it over;
         ``closure``: recomputes the loss, for a stage that needs a second pass."""
-        given = losses if isinstance(losses, Tensor) else _named_losses(losses)
+        given = losses if isinstance(losses, Tensor) else named(losses)
         for stage in self.stages:
             if stage.backward(given, closure):
                 return
-        if isinstance(given, Tensor):
-            given.backward()
-            return
-        parts = list(given.values())
-        sum(parts[1:], parts[0]).backward()
+        total(given).backward()
 
     def end_epoch(self) -> None:
         """Close an epoch for the stages that count in epochs (per_loss's ``dwa``)."""
@@ -273,7 +270,7 @@ class HookSet:
             stage.remove()
         self._keys = set()
         self._core.ledger.take()
-        self._core.logs.clear()
+        self._core.backward_end.clear()
         for obj in self._owned:  # free the tensors for another attach call
             if _OWNERS.get(obj) is self:
                 del _OWNERS[obj]
@@ -350,14 +347,6 @@ def attach(
     hooks = HookSet(model, targets, loss_reduction, length)
     _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
-
-
-def _named_losses(losses: Any) -> dict[str, Tensor]:
-    """The losses by name (a sequence's by position); one line for what is not allowed."""
-    named = dict(losses) if isinstance(losses, Mapping) else {str(i): x for i, x in enumerate(losses)}
-    if not named or not all(isinstance(x, Tensor) and x.dim() == 0 for x in named.values()):
-        raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of scalar losses")
-    return {str(k): v for k, v in named.items()}
 
 
 def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[HookSet]) -> None:

@@ -32,6 +32,7 @@ from functools import cached_property
 from typing import Any, Callable, Mapping
 
 from gradmod.hooks import stages
+from gradmod.hooks.rule_spec import parse_spec
 
 KINDS = ("elementwise", "group", "per_sample", "per_loss")
 
@@ -220,16 +221,6 @@ class BuiltTransform:
             return self.name
         shown = {**self.args, **self.schedules}
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
-
-
-def parse_spec(spec: str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``"zero"`` or ``{"name": "clamp", "min": ..., "max": ...}`` -> (name, args)."""
-    if isinstance(spec, str):
-        return spec, {}
-    if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
-        args = {str(k): v for k, v in spec.items() if k != "name"}
-        return spec["name"], args
-    raise ValueError(f"a transform must be a name or a mapping with 'name' and its arguments, got {spec!r}")
 
 
 def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTransform:

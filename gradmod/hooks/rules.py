@@ -19,12 +19,13 @@ from torch import nn
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
 from gradmod.hooks.globs import select
+from gradmod.hooks.rule_spec import transform_list
 from gradmod.hooks.schedules import Active, Length
 from gradmod.hooks.timed import check_range, rule_window, split_schedules
 
-STAGES = stages.names()  # the stages a rule may name, in order
+STAGE_NAMES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
-NAMED = DEFAULT_STAGES + tuple(s for s in STAGES if s not in DEFAULT_STAGES)  # as messages list them
+NAMED = DEFAULT_STAGES + tuple(s for s in STAGE_NAMES if s not in DEFAULT_STAGES)  # as messages list them
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage", "active")
 
 
@@ -88,7 +89,7 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list,
     (``modules`` rules: the hook stage)."""
     asked = spec.get("stage")
     rule_stage = asked or default
-    if rule_stage not in STAGES:
+    if rule_stage not in STAGE_NAMES:
         raise ValueError(f"hooks.{rule}.stage: {rule_stage!r} is not a stage; allowed: {', '.join(NAMED)}")
     try:
         names = [R.parse_spec(t)[0] for t in transforms]
@@ -153,9 +154,7 @@ def _rule_targets(
     rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str], default_stage: str, length: Length
 ) -> list[Target]:
     kind = "param" if "params" in spec else "module"
-    transforms = spec.get("transforms")
-    if isinstance(transforms, (str, Mapping)):
-        transforms = [transforms]
+    transforms = transform_list(spec.get("transforms"))
     if not transforms:
         raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(R.names())}")
     stage = _rule_stage(rule, spec, kind, transforms, default_stage)
@@ -266,7 +265,7 @@ def group_steps(targets: list[Target]) -> list[tuple[str, str, R.BuiltTransform]
 
 def in_order(targets: list[Target]) -> list[Target]:
     """The targets in application order: by stage (``stages.STAGES``), each in config order."""
-    return [t for stage in STAGES for t in targets if t.stage == stage]
+    return [t for stage in STAGE_NAMES for t in targets if t.stage == stage]
 
 
 def chains_of(targets: list[Target]) -> list[tuple[str, list[str]]]:

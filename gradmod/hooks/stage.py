@@ -16,8 +16,8 @@ Under DDP, a loop asks each stage whether DDP's own all-reduce may run during it
 ``after_backward`` (``manual_mean``), whether it divides the step's gradient itself
 (``divides_step``), and hands it the facts only the loop knows (``set_up(Loop)``).
 
-``Core`` is what the stages of one ``HookSet`` share: the raw-gradient ledger, the log
-buffer, the loss scale of the backward in progress, the optimizer-step clock.
+``Core`` is what the stages of one ``HookSet`` share: the raw-gradient ledger, the work
+left for the end of backward, the loss scale of the backward in progress, the optimizer-step clock.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar, Mapping
 from torch import Tensor, nn
 
 from gradmod.hooks import stages
-from gradmod.hooks.hook.log_buffer import LogBuffer
+from gradmod.hooks.hook.backward_end import BackwardEnd
 from gradmod.hooks.ledger import RawLedger
 from gradmod.hooks.sharded import refuse_sharded
 
@@ -41,8 +41,9 @@ AllReduceSum = Callable[[list[Tensor], float], None]
 class Core:
     """What the stages of one ``HookSet`` share.
 
-    ``ledger``: raw gradients the chains replaced, for the non-finite count; ``logs``: the
-    chains' ``log`` observations until the end of backward; ``grad_scale``: GradScaler's
+    ``ledger``: raw gradients the chains replaced, for the non-finite count;
+    ``backward_end``: what the hook-stage chains leave for the end of backward (deferred
+    chains on ``.grad``, ``log`` observations computed together); ``grad_scale``: GradScaler's
     scale of the backward in progress (fp16), or None; ``loss_reduction``: how the loss
     combines the examples (``mean`` or ``sum``); ``step``: optimizer steps finished, one
     more at each ``HookSet.after_backward()`` (the clock a schedule reads); ``windows``: the
@@ -50,7 +51,7 @@ class Core:
 
     loss_reduction: str = "mean"
     ledger: RawLedger = field(default_factory=RawLedger)
-    logs: LogBuffer = field(default_factory=LogBuffer)
+    backward_end: BackwardEnd = field(default_factory=BackwardEnd)
     grad_scale: Tensor | None = None
     step: int = 0
     windows: frozenset[str] = frozenset()

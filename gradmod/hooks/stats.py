@@ -1,7 +1,7 @@
 """The ``log`` transform: gradient statistics accumulated on the device, read at log points.
 
 At the hook stage the chain does not call an observer per tensor: it hands the gradient
-to a ``LogBuffer``, which computes the rows of every observer of one backward together
+to a ``BackwardEnd``, which computes the rows of every observer of one backward together
 (``observe_batch``: a few ops for all tensors), so ``log`` costs few
 kernel launches however many tensors it watches. Called directly (the fused stage, a
 histogram step, your own code), an observer computes its row at once; both give the
@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.mesh import sharded_rows
-from gradmod.hooks.reduce import Seen, stat_rows
 from gradmod.hooks.sharded import is_sharded, plain
+from gradmod.hooks.stat_rows import Seen, stat_rows
 from gradmod.hooks.window import Window
 
 

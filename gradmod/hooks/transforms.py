@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import mesh, registry
-from gradmod.hooks.reduce import BIG
 from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
 from gradmod.hooks.sharded import is_sharded
+from gradmod.hooks.stat_rows import BIG
 from gradmod.hooks.validators import number, positive
 
 __all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec", "register"]

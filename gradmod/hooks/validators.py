@@ -1,4 +1,5 @@
-"""Checks of a transform's numeric arguments, each a one-line ValueError naming the bad one.
+"""Checks of the numeric arguments of transforms and per_loss methods, each a one-line
+ValueError naming the bad one.
 
 A leaf: the transforms of every stage import it, and it imports nothing of gradmod.
 """
@@ -26,3 +27,20 @@ def positive(transform: str, arg: str, value: Any, *, allow_zero: bool = True) -
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"transform {transform!r}: {arg}={value!r} must be {bound}")
     return v
+
+
+def in_range(what: str, arg: str, value: Any, low: float, *, strict: bool = False, high: float = math.inf) -> float:
+    """``value`` a number >= ``low`` (> with ``strict``) and <= ``high``; ``what`` names its
+    owner in the message (``per_loss method 'cagrad'``)."""
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and (value > low if strict else value >= low)
+        and value <= high
+    )
+    if not ok:
+        bound = f"> {low}" if strict else f">= {low}"
+        raise ValueError(
+            f"{what}: {arg}={value!r} must be a number {bound}" + (f" and <= {high}" if high < math.inf else "")
+        )
+    return float(value)

@@ -8,19 +8,17 @@ registered in ``gradmod/conf/config.yaml`` under ``hydra.callbacks``) writes, in
   ``frac_clipped`` and the total gradient norm), skipped steps, seconds and error; for a
   multi-task sweep then each task's test metric and loss (``TASK/test_metric``, ...);
 * ``sweep.md``: the same table in Markdown (the overrides that differ between jobs; the
-  shared ones above the table), then one row per group of jobs that differ only in
-  ``seed=``: accuracy and loss as mean +- std over the seeds, the statistics' means, and a
-  note naming the groups whose accuracy is within the seed spread of the best; with several
-  tasks, a table of each task's metric as mean +- std over the seeds, per group
-  (a multi-task run's accuracy is the mean of its tasks' accuracies);
+  shared ones above it), then one row per group of jobs that differ only in ``seed=``:
+  accuracy and loss as mean +- std over the seeds, the statistics' means, a note naming the
+  groups within the seed spread of the best; with several tasks, each task's metric as mean
+  +- std per group (a multi-task run's accuracy is the mean of its tasks' accuracies);
 * ``sweep_curves.png``: every job's test accuracy and loss per epoch, one colour per group.
 
 A job's ending comes from the record it wrote itself (``sweep_jobs``: ok, failed, refused,
 interrupted, killed, ...); its curve and statistics from the ``metrics.jsonl`` and
 ``grad_stats.jsonl`` it wrote (never an earlier run's, left in a folder that refused the
-job). A sweep folder without records (older sweeps) is read from its job folders: a
-``summary.json`` each, or ``incomplete``. ``python scripts/sweep_report.py PATH`` rebuilds
-the report of an existing sweep folder.
+job). A sweep folder without records (older sweeps) is read from its job folders (a
+``summary.json`` each, or ``incomplete``). ``python scripts/sweep_report.py PATH`` rebuilds it.
 """
 
 from __future__ import annotations

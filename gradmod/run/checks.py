@@ -3,7 +3,7 @@ that names the key, the value it was given and what is allowed.
 
 Torch-free, as the schemas are, so that a bad config is refused before torch loads (a
 second or less). Most registries the choice keys pick from import torch, so their names are
-restated here; ``tests/test_config_checks.py`` holds each equal to its registry.
+restated here; ``tests/run/test_config_checks.py`` holds each equal to its registry.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmod.hooks import stages  # the stage table, torch-free
+from gradmod.hooks.rule_spec import transform_list  # how a rule's transforms are written, torch-free
 
 MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt", "dann")  # gradmod.models.MODELS
 NORMS = ("batch", "group")  # gradmod.models.NORMS
@@ -178,7 +179,7 @@ def rules(hooks: Mapping[str, Any]) -> None:
                 f"transforms, e.g. +hooks.{name}={{params: '*', transforms: [zero]}}"
             )
         transforms = rule.get("transforms")
-        listed = [transforms] if isinstance(transforms, (str, Mapping)) else transforms
+        listed = transform_list(transforms)
         if transforms is not None and not (
             isinstance(listed, list) and all(isinstance(t, (str, Mapping)) for t in listed)
         ):

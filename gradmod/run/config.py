@@ -8,7 +8,7 @@ work. Python users can build them directly: ``Config(model=ModelConfig("mnist_cn
 Each field's default and its one-line doc (the comment on its line) are the source:
 ``gradmod/conf/`` restates them where users read them (``gradmod/conf/trainer/default.yaml`` lists
 every trainer key with its comment), ``--help`` lists the keys from these classes, and
-``tests/test_config_defaults.py`` holds the files equal to them.
+``tests/run/test_config_defaults.py`` holds the files equal to them.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gradmod.hooks import transforms as T
+from gradmod.hooks.rule_spec import transform_list
 from gradmod.hooks.schedules import Length, Schedule, is_schedule, parse_schedule
 from gradmod.run.config import Config
 from gradmod.training.loader import poisson_steps, steps_per_epoch
@@ -49,7 +50,7 @@ def _clips(rules: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for name, spec in (rules or {}).items():
         transforms = (spec or {}).get("transforms") or []
-        for t in [transforms] if isinstance(transforms, (str, Mapping)) else transforms:
+        for t in transform_list(transforms):
             try:
                 fn, args = T.parse_spec(t)
             except ValueError:

@@ -72,12 +72,12 @@ def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss
             model.train(training)
 
 
-def check_per_loss(targets: list[Any], several: bool, strategy: str, loss_key: str) -> None:
+def check_per_loss(targets: list[Any], named_losses: bool, strategy: str, loss_key: str) -> None:
     """A per_loss rule needs several named losses, and runs on one process or under DDP."""
     rules = list(dict.fromkeys(t.rule for t in targets if getattr(t, "stage", None) == "per_loss"))
     if not rules:
         return
-    if not several:
+    if not named_losses:
         raise ValueError(
             f"hooks.{rules[0]} runs at stage per_loss, which combines several losses, and {loss_key} "
             "gives one scalar loss; use a model with several outputs (e.g. model=multi_lenet "

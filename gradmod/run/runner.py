@@ -104,7 +104,7 @@ def _build(
     undo.callback(dist.close)
     claim, diffs = _claim_shared(cfg, folder, dist)
     data, loader_workers = load(cfg, dist)
-    model, several = build_model(cfg, data, dist.device)
+    model, named_losses = build_model(cfg, data, dist.device)
     if dist.strategy == "fsdp":
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
     rules, privacy = dp.prepare(cfg, len(data.train_y), dist.data_size)
@@ -119,7 +119,7 @@ def _build(
         steps_per_epoch=per_epoch,
     )
     undo.callback(hooks.remove)
-    preflight.check_per_loss(hooks.targets, several, dist.strategy, f"loss._target_={cfg.loss._target_}")
+    preflight.check_per_loss(hooks.targets, named_losses, dist.strategy, f"loss._target_={cfg.loss._target_}")
     return Run(
         cfg,
         folder,

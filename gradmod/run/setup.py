@@ -106,12 +106,12 @@ def build_model(cfg: Config, data: Data, device: torch.device) -> tuple[nn.Modul
     if cfg.trainer.channels_last:
         to_channels_last(model)  # same Parameter objects: attach before or after is the same
     key = f"model._target_={cfg.model._target_}" if cfg.model._target_ else f"model.name={cfg.model.name}"
-    several, metrics = preflight.check_model(
+    named_losses, metrics = preflight.check_model(
         model, data, build_tasks(cfg.loss, cfg.metric), key, f"loss._target_={cfg.loss._target_}"
     )
-    if several or not metrics.endswith("accuracy"):
+    if named_losses or not metrics.endswith("accuracy"):
         log.info("%s", metrics)  # the classification default goes without saying
-    return model, several
+    return model, named_losses
 
 
 def items(data: Data) -> str:

@@ -16,6 +16,8 @@ from typing import Iterable, Mapping
 
 import torch
 
+from gradmod.hooks.losses import total
+
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -65,8 +67,7 @@ class Precision:
         if hooks is not None:
             hooks.backward(losses)
             return
-        parts = list(_values(losses))
-        sum(parts[1:], parts[0]).backward()
+        total(losses).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
+from gradmod.hooks.losses import total
 from gradmod.labels import Labels
 
 METRICS = ("auto", "accuracy", "none")
@@ -39,14 +40,6 @@ def accuracy(output: Tensor, target: Tensor) -> Tensor:
 
 def is_class_labels(y: Tensor) -> bool:
     return not y.dtype.is_floating_point and y.dtype != torch.bool
-
-
-def total(losses: Tensor | Mapping[str, Tensor]) -> Tensor:
-    """The sum of the named losses (the loss itself when there is one)."""
-    if isinstance(losses, Tensor):
-        return losses
-    parts = list(losses.values())
-    return sum(parts[1:], parts[0])
 
 
 def scaled(losses: Tensor | Mapping[str, Tensor], fn: Callable[[Tensor], Tensor]) -> Tensor | dict[str, Tensor]:
@@ -92,8 +85,8 @@ class Tasks:
 
     def losses(self, output: Any, y: Tensor | Labels) -> Tensor | dict[str, Tensor]:
         """One scalar loss, or named scalar losses (a dict)."""
-        several = not isinstance(output, Tensor)
-        if self.per_task or (self.per_task is None and several):
+        multi_output = not isinstance(output, Tensor)
+        if self.per_task or (self.per_task is None and multi_output):
             return {k: self.loss_fn(o, t) for k, (o, t) in by_task(output, y).items()}
         made = self.loss_fn(output, y)
         return dict(made) if isinstance(made, Mapping) else made

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from gradmod.data import Data
+from gradmod.hooks.losses import total as total_loss
 from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
@@ -28,7 +29,6 @@ from gradmod.training.precision import Precision
 from gradmod.training.stage_sync import StageSync
 from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
 from gradmod.training.tasks import evaluate as evaluate_tasks
-from gradmod.training.tasks import total as total_loss
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import mesh
-from gradmod.hooks.reduce import BIG
 from gradmod.hooks.sharded import is_sharded, plain
+from gradmod.hooks.stat_rows import BIG
 from gradmod.hooks.validators import number, positive
 from gradmod.hooks.window import Window
 

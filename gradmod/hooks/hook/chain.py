@@ -8,8 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.hook.log_buffer import in_distributed
-from gradmod.hooks.reduce import BIG
+from gradmod.hooks.hook.backward_end import in_distributed
+from gradmod.hooks.stat_rows import BIG
 
 
 def _checked(rule: str, step: R.BuiltTransform, key: str, g: Tensor) -> Tensor | None:
@@ -45,33 +45,33 @@ def _slots(steps: list[tuple[str, R.BuiltTransform]]) -> list[tuple[str, int]]:
     return out
 
 
-def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, param: nn.Parameter | None):
+def chain_hook(steps: list[tuple[str, R.BuiltTransform]], core: Any, key: str, param: nn.Parameter | None):
     """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
-    handed to ``hooks.logs`` (a ``LogBuffer``: computed per rule and position for all
-    tensors together at the end of backward). The raw gradient goes to ``hooks.ledger`` (a
+    handed to ``core.backward_end`` (a ``BackwardEnd``, the ``gradmod.hooks.stage.Core`` shared by the stages: computed per rule and position for all
+    tensors together at the end of backward). The raw gradient goes to ``core.ledger`` (a
     ``RawLedger``) for the non-finite count, before a transform such as clamp can turn inf
-    into a number. Under fp16 (``hooks.grad_scale``, set by ``set_grad_scale``) the steps
+    into a number. Under fp16 (``core.grad_scale``, set by ``HookSet.set_grad_scale``) the steps
     see the unscaled gradient, as in fp32, and the result is scaled back for GradScaler;
     scales are powers of two, so this is exact."""
     first = True
     plan = [(rule, step, step.fn if step.observer else None, slot) for (rule, step), slot in zip(steps, _slots(steps))]
     observes_only = all(obs is not None for _, _, obs, _ in plan)
     # Rules with an ``active`` window: the general hook, which skips them outside it (a set lookup per step).
-    windowed = any(rule in hooks.windows for rule, _ in steps)
+    windowed = any(rule in core.windows for rule, _ in steps)
     defer = None if windowed else _deferrable(steps, param)
     group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
 
     def hook(grad: Tensor) -> Tensor | None:
         nonlocal first
-        scale = hooks.grad_scale
+        scale = core.grad_scale
         g = grad if scale is None else grad.float() * scale.reciprocal()
-        off = hooks.inactive if windowed else ()
+        off = core.inactive if windowed else ()
         if observes_only:  # nothing changes the gradient: no result to build
             if param is None:
-                hooks.ledger.note(key, grad, grad, False)
+                core.ledger.note(key, grad, grad, False)
             live = [(obs, g, slot) for rule, _, obs, slot in plan if rule not in off]
             if live:
-                _observe(hooks, live, grad, param)
+                _observe(core, live, grad, param)
             return None
         seen: list[tuple[Any, Tensor, tuple[str, int]]] = []  # (GradStats, its gradient, slot)
         changed = False
@@ -86,19 +86,19 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
                 g, changed = out, True
         first = False
         result = grad if not changed else g if scale is None else (g * scale).to(grad.dtype)
-        hooks.ledger.note(key, grad, result, param is not None)
+        core.ledger.note(key, grad, result, param is not None)
         if seen:
-            _observe(hooks, seen, result, param)
+            _observe(core, seen, result, param)
         return result
 
     # The common cases in as few Python steps as can be (a hook runs per tensor per
     # backward, a few µs each): else the general hook above, which never defers.
-    logs = hooks.logs
+    logs = core.backward_end
     if defer is not None:
 
         def deferring_hook(grad: Tensor) -> Tensor | None:
-            if hooks.grad_scale is None and defer(param):
-                logs.defer(group, steps, param, key, hooks.ledger)
+            if core.grad_scale is None and defer(param):
+                logs.defer(group, steps, param, key, core.ledger)
                 return None
             return hook(grad)
 
@@ -108,7 +108,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], hooks: Any, key: str, 
         observers = [obs for obs, _ in slots]
 
         def observing_hook(grad: Tensor) -> Tensor | None:
-            if hooks.grad_scale is None and not any(obs.histogram for obs in observers):
+            if core.grad_scale is None and not any(obs.histogram for obs in observers):
                 logs.add_small(slots, grad, param)
                 return None
             return hook(grad)
@@ -163,11 +163,11 @@ def _backward_may_defer(acc: Any) -> bool:
     return _TASK[1]
 
 
-def _observe(hooks: Any, seen: list, result: Tensor, param: nn.Parameter | None) -> None:
+def _observe(core: Any, seen: list, result: Tensor, param: nn.Parameter | None) -> None:
     for obs, g, _ in seen:
         if obs.histogram:  # the step before a log point: bin at once (the rows still batch)
             obs.observe_histogram(g)
-    hooks.logs.add(seen, result, param)
+    core.backward_end.add(seen, result, param)
 
 
 def output_hook(chain, rules: list[str], module: str):

@@ -5,8 +5,9 @@
 2. attach: one hook per tensor (a parameter, or a module's output through a forward hook),
    chaining the transforms of every rule on it in config order (``chain``).
 3. backward: autograd's own; each hook transforms the local gradient before it is
-   accumulated into ``.grad`` (and before DDP's all-reduce); ``log`` observations wait in
-   the core's ``LogBuffer`` until the end of backward.
+   accumulated into ``.grad`` (and before DDP's all-reduce); what a chain may leave for
+   the end of backward (a deferred chain, ``log`` observations) waits in the core's
+   ``BackwardEnd``.
 4. finish: nothing is left after backward.
 """
 

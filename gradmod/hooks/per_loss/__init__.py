@@ -1,10 +1,12 @@
 """The per_loss stage: several losses, one update per rule (PCGrad, MGDA, CAGrad, UPGrad, ...).
 
-``stage`` computes the task Gramian per layer and applies one weighted update; ``methods``
-holds the methods by name (``register`` adds one of one's own).
+``stage`` runs it: the task Gramian per layer (``gramian``) and one weighted update;
+``loss_rules`` groups and checks its rules; ``methods``, ``nash_mtl`` and ``weightings``
+hold the methods (``gradmod.register(name, factory, kind="per_loss")`` adds one of one's own).
 """
 
+from gradmod.hooks.per_loss.loss_rules import LossRule
 from gradmod.hooks.per_loss.methods import is_method, names, register
-from gradmod.hooks.per_loss.stage import LossRule, PerLossStage
+from gradmod.hooks.per_loss.stage import PerLossStage
 
 __all__ = ["LossRule", "PerLossStage", "is_method", "names", "register"]

@@ -6,19 +6,19 @@ Three kinds, by what a method needs:
   update is ``J^T w``. The stage never forms ``J`` for these (see ``stage``).
 * ``jacobian``: the update from the task gradients themselves (``graddrop``).
 * ``losses``: loss weightings that need the loss values only; the update is the gradient
-  of ``sum_i w_i L_i``.
+  of ``sum_i w_i L_i`` (``weightings``).
 
 Weights are computed on the host in float64 (k is small; the Gramian comes over in one
 copy). Random choices draw from the stage's generator, passed in as ``gen``.
-``gradmod.register(name, factory, kind="per_loss")`` adds a method of one's own: ``factory(**args)`` returns an
-object with ``kind`` and ``weights`` (or ``aggregate``), like the classes here.
+``gradmod.register(name, factory, kind="per_loss")`` adds a method of one's own:
+``factory(**args)`` returns an object with ``kind`` and ``weights`` (or ``aggregate``),
+like the classes here (``gradmod.Method`` is their base).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +28,7 @@ from torch import Tensor
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.per_loss import solvers
+from gradmod.hooks.validators import in_range
 
 KINDS = ("gramian", "jacobian", "losses")
 
@@ -52,19 +53,8 @@ def build(name: str, args: Mapping[str, Any]) -> Method:
 
 
 def _check(name: str, arg: str, value: Any, low: float, *, strict: bool = False, high: float = math.inf) -> float:
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and (value > low if strict else value >= low)
-        and value <= high
-    )
-    if not ok:
-        bound = f"> {low}" if strict else f">= {low}"
-        raise ValueError(
-            f"per_loss method {name!r}: {arg}={value!r} must be a number {bound}"
-            + (f" and <= {high}" if high < math.inf else "")
-        )
-    return float(value)
+    """A method's numeric argument, checked (``gradmod.hooks.validators.in_range``)."""
+    return in_range(f"per_loss method {name!r}", arg, value, low, strict=strict, high=high)
 
 
 def _needs(name: str, modules: list[str], extra: str) -> None:
@@ -288,86 +278,6 @@ class GradVac(Method):
         self.phi = None if state["phi"] is None else state["phi"].numpy().copy()
 
 
-class NashMTL(Method):
-    """Nash-MTL: the bargaining solution ``G w = 1 / w`` by a sequence of convex programs
-    (cvxpy, ECOS); the update's norm capped at ``max_norm`` (0: no cap)."""
-
-    name = "nash_mtl"
-
-    def __init__(self, max_norm: float = 1.0, update_weights_every: int = 1, optim_niter: int = 20):
-        self.max_norm = _check("nash_mtl", "max_norm", max_norm, 0.0)
-        self.every = int(_check("nash_mtl", "update_weights_every", update_weights_every, 1))
-        self.niter = int(_check("nash_mtl", "optim_niter", optim_niter, 1))
-        _needs("nash_mtl", ["cvxpy", "ecos"], 'pip install cvxpy ecos, or "torchjd[nash_mtl]"')
-        self.step = 0
-        self.alpha: np.ndarray | None = None  # the last weights (float32, as the reference keeps them)
-        self._problem = None
-
-    def _build(self, k: int) -> None:
-        import cvxpy as cp
-
-        a = cp.Variable(k, nonneg=True)
-        prev = cp.Parameter(k, value=self.alpha)
-        G = cp.Parameter((k, k), value=np.eye(k))
-        norm = cp.Parameter(1, value=np.ones(1))
-        lin = (1 / prev + (1 / (G @ prev)) @ G) @ (a - prev)  # linearisation of sum log(G a) around prev
-        Ga = G @ a
-        cons = [-cp.log(a[i] * norm) - cp.log(Ga[i]) <= 0 for i in range(k)]
-        self._problem = (cp.Problem(cp.Minimize(cp.sum(Ga) + lin / norm), cons), a, prev, G, norm)
-
-    def _solve(self, gtg: np.ndarray, norm: np.ndarray) -> np.ndarray:
-        import cvxpy as cp
-
-        prob, a, prev, G, norm_p = self._problem
-        G.value, norm_p.value = gtg, norm
-        alpha = self.alpha
-        for _ in range(self.niter):
-            a.value, prev.value = alpha, alpha
-            try:
-                with warnings.catch_warnings():  # the linearised problem is not DPP: cvxpy says so each solve
-                    warnings.filterwarnings("ignore", message=".*not DPP.*")
-                    prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
-            except (cp.SolverError, ValueError):
-                a.value = prev.value
-            if (
-                a.value is None
-                or np.linalg.norm(gtg @ alpha - 1 / (alpha + 1e-10)) < 1e-3
-                or np.linalg.norm(a.value - prev.value) < 1e-6
-            ):
-                break
-            alpha = a.value
-        if alpha is not None:
-            self.alpha = alpha
-        return self.alpha
-
-    def weights(self, G, gen):
-        k = len(G)
-        if self.alpha is None:
-            self.alpha = np.ones(k, dtype=np.float32)
-        if self._problem is None:
-            self._build(k)
-        if self.step % self.every == 0:
-            norm = np.array([float(torch.linalg.norm(G))])
-            alpha = self._solve((G / norm[0]).numpy(), norm)
-        else:
-            alpha = self.alpha
-        self.step += 1
-        w = torch.from_numpy(np.asarray(alpha)).to(G.dtype)
-        if self.max_norm > 0:
-            n = (w @ G @ w).clamp(min=0.0).sqrt()  # |J^T w| from the Gramian
-            if n > self.max_norm:
-                w = w / n * self.max_norm
-        return w
-
-    def state_dict(self):
-        return {"step": self.step, "alpha": None if self.alpha is None else self.alpha.copy()}
-
-    def load_state_dict(self, state):
-        self.step = state["step"]
-        self.alpha = None if state["alpha"] is None else np.array(state["alpha"])
-        self._problem = None
-
-
 class GradDrop(Method):
     """Gradient sign dropout: per coordinate, keep the positive or the negative parts of the
     task gradients, chosen at random by their sign purity. Needs the task gradients."""
@@ -389,179 +299,3 @@ class GradDrop(Method):
             keep = (P > U) * (J[i] > 0) + (P < U) * (J[i] < 0)
             out += (leak[i] + (1 - leak[i]) * keep) * J[i]
         return out
-
-
-# ---- loss weightings: weights from the loss values (detached, float64, host) ----
-
-
-class LossWeighting(Method):
-    kind = "losses"
-
-    def loss_weights(self, losses: Tensor, gen: torch.Generator) -> Tensor:
-        raise NotImplementedError
-
-
-class GeometricMean(LossWeighting):
-    """The gradient of ``(prod_i L_i)^(1/k)``: weights ``GM / (k L_i)``."""
-
-    name = "geometric_mean"
-
-    def loss_weights(self, losses, gen):
-        if (losses < 0).any():
-            raise ValueError("per_loss method 'geometric_mean': a loss is negative; it needs losses >= 0")
-        gm = torch.exp(torch.log(losses).mean())
-        return gm / (len(losses) * losses)
-
-
-class UW(LossWeighting):
-    """Uncertainty weighting: ``sum_i 0.5 exp(-s_i) L_i + 0.5 s_i``; the log-variances ``s`` are
-    learned by an Adam of their own (``lr``), stepped at each backward."""
-
-    name = "uw"
-
-    def __init__(self, lr: float = 0.001):
-        self.lr = _check("uw", "lr", lr, 0.0)
-        self.log_var: Tensor | None = None
-        self._opt: torch.optim.Adam | None = None
-
-    def _setup(self, k: int, dtype) -> None:
-        if self.log_var is None:
-            self.log_var = torch.zeros(k, dtype=dtype, requires_grad=True)
-        if self._opt is None:
-            self._opt = torch.optim.Adam([self.log_var], lr=self.lr)
-
-    def loss_weights(self, losses, gen):
-        self._setup(len(losses), losses.dtype)
-        s = self.log_var.detach()
-        w = 0.5 * torch.exp(-s)
-        self.log_var.grad = (0.5 - w * losses).to(self.log_var.dtype)  # d/ds of the scalarised loss
-        self._opt.step()
-        self.log_var.grad = None
-        return w
-
-    def state_dict(self):
-        return {
-            "log_var": None if self.log_var is None else self.log_var.detach().clone(),
-            "adam": None if self._opt is None else self._opt.state_dict(),
-        }
-
-    def load_state_dict(self, state):
-        if state["log_var"] is None:
-            return
-        self.log_var = state["log_var"].clone().requires_grad_(True)
-        self._opt = torch.optim.Adam([self.log_var], lr=self.lr)
-        self._opt.load_state_dict(state["adam"])
-
-
-class FAMO(LossWeighting):
-    """Fast adaptive multitask optimisation: the gradient of ``c sum_i z_i log(L_i - b_i + eps)``,
-    ``z = softmax(logits)``; the logits take an Adam step on the change of the log losses
-    between consecutive backward calls (the next batch's losses stand in for a second forward
-    on the same batch)."""
-
-    name = "famo"
-    EPS = 1e-8
-
-    def __init__(self, lr: float = 0.025, weight_decay: float = 0.001, min_losses: list[float] | None = None):
-        self.lr = _check("famo", "lr", lr, 0.0)
-        self.weight_decay = _check("famo", "weight_decay", weight_decay, 0.0)
-        self.min_losses = None if min_losses is None else [float(v) for v in min_losses]
-        self.logits: Tensor | None = None
-        self.prev: Tensor | None = None
-        self._opt: torch.optim.Adam | None = None
-
-    def _shifted(self, losses: Tensor) -> Tensor:
-        low = 0.0 if self.min_losses is None else losses.new_tensor(self.min_losses)
-        return losses - low + self.EPS
-
-    def update(self, losses: Tensor) -> None:
-        """One Adam step of the logits from the previous losses to these."""
-        delta = torch.log(self._shifted(self.prev)) - torch.log(self._shifted(losses))
-        with torch.enable_grad():
-            z = torch.softmax(self.logits, 0)
-            (grad,) = torch.autograd.grad(z, self.logits, grad_outputs=delta.to(z.dtype))
-        if self._opt is None:
-            self._opt = torch.optim.Adam([self.logits], lr=self.lr, weight_decay=self.weight_decay)
-        self.logits.grad = grad
-        self._opt.step()
-        self.logits.grad = None
-
-    def loss_weights(self, losses, gen):
-        if self.logits is None:
-            self.logits = torch.zeros(len(losses), dtype=torch.float32, requires_grad=True)
-        if self.prev is not None:
-            self.update(losses)
-        self.prev = losses.clone()
-        z = torch.softmax(self.logits.detach(), 0).to(losses.dtype)
-        shifted = self._shifted(losses)
-        return z / (z / shifted).sum() / shifted
-
-    def state_dict(self):
-        return {
-            "logits": None if self.logits is None else self.logits.detach().clone(),
-            "prev": None if self.prev is None else self.prev.clone(),
-            "adam": None if self._opt is None else self._opt.state_dict(),
-        }
-
-    def load_state_dict(self, state):
-        self.prev = None if state["prev"] is None else state["prev"].clone()
-        self.logits = None if state["logits"] is None else state["logits"].clone().requires_grad_(True)
-        self._opt = None
-        if state["adam"] is not None:
-            self._opt = torch.optim.Adam([self.logits], lr=self.lr, weight_decay=self.weight_decay)
-            self._opt.load_state_dict(state["adam"])
-
-
-class DWA(LossWeighting):
-    """Dynamic weight average: ``k softmax(r / T)``, ``r`` the ratio of the last two epochs' mean
-    losses (uniform until two epochs are done); ``HookSet.end_epoch()`` closes an epoch."""
-
-    name = "dwa"
-
-    def __init__(self, temperature: float = 2.0):
-        self.temperature = _check("dwa", "temperature", temperature, 0.0, strict=True)
-        self.sum: Tensor | None = None
-        self.batches = 0
-        self.averages: list[Tensor] = []
-
-    def loss_weights(self, losses, gen):
-        if len(self.averages) < 2:
-            w = torch.ones_like(losses)
-        else:
-            w = len(losses) * torch.softmax(self.averages[1] / self.averages[0] / self.temperature, 0)
-        self.sum = losses.clone() if self.sum is None else self.sum + losses
-        self.batches += 1
-        return w
-
-    def end_epoch(self) -> None:
-        if self.sum is not None:
-            self.averages = [*self.averages, self.sum / self.batches][-2:]
-        self.sum, self.batches = None, 0
-
-    def state_dict(self):
-        return {"sum": self.sum, "batches": self.batches, "averages": list(self.averages)}
-
-    def load_state_dict(self, state):
-        self.sum, self.batches, self.averages = state["sum"], state["batches"], list(state["averages"])
-
-
-# The shipped methods, in the order ``names`` lists them (``gradmod.hooks.catalog`` registers them).
-SHIPPED = (
-    Mean,
-    Sum,
-    Random,
-    PCGrad,
-    MGDA,
-    IMTLG,
-    AlignedMTL,
-    UPGrad,
-    DualProj,
-    CAGrad,
-    GradVac,
-    NashMTL,
-    GradDrop,
-    GeometricMean,
-    UW,
-    FAMO,
-    DWA,
-)

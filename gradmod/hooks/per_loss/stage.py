@@ -24,81 +24,16 @@ hook on that output: k cheap passes through the heads, one through the trunk.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
-from gradmod.hooks.per_loss.methods import Method
+from gradmod.hooks.per_loss import gramian
+from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.stage import Core, Loop, Stage
-
-CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-@dataclass
-class LossRule:
-    """One per_loss rule: its method, its parameters or modules, its statistics."""
-
-    name: str
-    method_name: str
-    method: Method
-    params: list[nn.Parameter] = field(default_factory=list)
-    modules: list[nn.Module] = field(default_factory=list)
-    record: TaskRecord = field(default_factory=TaskRecord)
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}/{self.method_name}"
-
-
-@dataclass
-class Layer:
-    """A Linear or Conv (groups 1) whose weight and bias a rule owns: answered from (a, b)."""
-
-    module: nn.Module
-    rule: LossRule
-    names: set[str]  # of "weight", "bias"
-    calls: list[tuple[Tensor, Any]] = field(default_factory=list)  # (input, output's gradient edge)
-
-
-def _rows(m: nn.Module, x: Tensor) -> Tensor:
-    """A Linear's input as rows ``[N, features]``: the weight gradient is ``b^T a``."""
-    return x.reshape(-1, x.shape[-1])
-
-
-def _out_rows(m: nn.Module, g: Tensor) -> Tensor:
-    """A Linear's output gradients ``[k, ..., out]`` as ``[k, N, out]``, rows matching ``_rows``."""
-    return g.reshape(g.shape[0], -1, g.shape[-1])
-
-
-def _conv_input(m: nn.Module, x: Tensor) -> Tensor:
-    """The input as the convolution saw it, padded (so any padding mode or string works)."""
-    pad = m._reversed_padding_repeated_twice
-    if any(pad):
-        x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
-    return x
-
-
-def _conv_weight_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
-    """``[k, *weight]``: the weight gradient of each of the k output gradients ``g`` (torch's
-    own convolution backward, no patches formed); the weights of a Conv are small."""
-    d, w = x.dim() - 2, m.weight.to(x.dtype)
-
-    def one(gi: Tensor) -> Tensor:
-        return torch.ops.aten.convolution_backward(
-            gi, x, w, None, m.stride, [0] * d, m.dilation, False, [0] * d, m.groups, [False, True, False]
-        )[1]
-
-    return torch.vmap(one)(g)
-
-
-def _gram_pays(n: int, d_in: int, d_out: int, k: int) -> bool:
-    """Row Gram (``n^2 (d_in + k d_out)``) against k weight gradients (``k n d_in d_out``)."""
-    return n * (d_in + k * d_out) < k * d_in * d_out
 
 
 class PerLossStage(Stage):
@@ -128,7 +63,7 @@ class PerLossStage(Stage):
         self.generator = torch.Generator().manual_seed(torch.initial_seed())
         self.inside = False  # True while the stage runs its own backward passes
         self._trainable = [p for p in model.parameters() if p.requires_grad]
-        self.layers: list[Layer] = []
+        self.layers: list[gramian.Layer] = []
         self.direct: dict[int, tuple[LossRule, nn.Parameter]] = {}  # the rule's params outside a Layer
         self._outputs: dict[int, list] = {}  # id(module rule's module) -> gradient edges of its outputs
         self._handles = []
@@ -148,12 +83,12 @@ class PerLossStage(Stage):
                 continue
             rules = {id(owner[id(p)]) for p in mine.values()}
             factored = (
-                isinstance(m, (nn.Linear, *CONVS))
+                isinstance(m, (nn.Linear, *gramian.CONVS))
                 and len(rules) == 1
                 and all(holders[id(p)] == 1 for p in mine.values())
             )
             if factored:
-                layer = Layer(m, owner[id(next(iter(mine.values())))], set(mine))
+                layer = gramian.Layer(m, owner[id(next(iter(mine.values())))], set(mine))
                 self.layers.append(layer)
                 self._handles.append(m.register_forward_hook(self._save(layer)))
             else:
@@ -172,7 +107,7 @@ class PerLossStage(Stage):
             and any(t.requires_grad for t in outs)
         )
 
-    def _save(self, layer: Layer):
+    def _save(self, layer: gramian.Layer):
         def hook(module, args, output):
             if isinstance(output, Tensor) and self._active([output]):
                 layer.calls.append((args[0].detach(), get_gradient_edge(output)))
@@ -200,26 +135,8 @@ class PerLossStage(Stage):
 
     @classmethod
     def check(cls, model: nn.Module, targets: list) -> None:
-        """Each parameter gets one method's update, after no hook- or per_sample-stage rule."""
         super().check(model, targets)
-        loss: dict[str, str] = {}
-        for t in targets:
-            if t.stage == "per_loss" and t.kind == "param":
-                if t.name in loss:
-                    raise ValueError(
-                        f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
-                        "each parameter gets one method's update: select it in one"
-                    )
-                loss[t.name] = t.rule
-        clash = next(
-            (t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")), None
-        )
-        if clash is not None:
-            raise ValueError(
-                f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
-                f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
-                "or per_sample, not both (a fused rule after it is fine)"
-            )
+        check_targets(targets)
 
     @property
     def grad_scale(self) -> Tensor | None:
@@ -325,13 +242,13 @@ class PerLossStage(Stage):
 
     def _apply(self, r: LossRule, names: list[str], parts: list, replace: dict, k: int) -> None:
         """Gramian, weights and the rule's update, from its entries of the batched backward."""
-        entries = _entries([(s, g) for s, g in parts if g is not None])
+        entries = gramian.entries([(s, g) for s, g in parts if g is not None])
         if not entries:
             return
         if r.method.kind == "jacobian" or (self.reduce is not None and r.params):
             self._jacobian_rule(r, names, entries, replace)
             return
-        G = sum(_gram(e) for e in entries)
+        G = sum(gramian.gram(e) for e in entries)
         if self.reduce is not None:  # modules rule: each rank's rows of the global Jacobian are 1/R of its own
             G = G.detach().clone()
             self.reduce([G])
@@ -341,7 +258,7 @@ class PerLossStage(Stage):
         r.record.add(names, Gh, w)
         wd = w.to(device=G.device)
         for e in entries:
-            _update(e, wd, replace)
+            gramian.update(e, wd, replace)
 
     def _unscaled(self, t: Tensor, power: int) -> Tensor:
         """``t`` without GradScaler's factor (the Gramian has it squared, the losses once)."""
@@ -357,7 +274,7 @@ class PerLossStage(Stage):
     def _jacobian_rule(self, r: LossRule, names: list[str], entries: list, replace: dict) -> None:
         """The task gradients themselves, one [k, D] matrix: for a method that needs them, and
         under ``reduce`` (averaged across ranks, then the Gramian of the global batch)."""
-        pieces = [piece for e in entries for piece in _pieces(e)]  # (kind, tensor, [k, numel])
+        pieces = [piece for e in entries for piece in gramian.pieces(e)]  # (kind, tensor, [k, numel])
         pieces.sort(key=lambda x: self._position((x[0], x[1])))
         J = torch.cat([g for _, _, g in pieces], 1)
         if self.reduce is not None and r.params:
@@ -377,7 +294,7 @@ class PerLossStage(Stage):
             piece = out[at : at + g.shape[1]].view_as(obj)
             at += g.shape[1]
             if what == "param":
-                _add_grad(obj, piece)
+                gramian.add_grad(obj, piece)
             else:
                 replace[id(obj)] = (obj, piece)
 
@@ -446,118 +363,3 @@ class PerLossStage(Stage):
         self._handles.clear()
         for layer in self.layers:
             layer.calls = []
-
-
-def _entries(parts: list) -> list[tuple]:
-    """One entry per tensor the rule answers for: a layer called several times in the
-    forward answers once (its task gradient is the sum over the calls). Half-precision
-    gradients are taken in float32 (the Gramian's sums need the range)."""
-    linear: dict[int, tuple] = {}
-    conv: dict[int, tuple] = {}
-    out = []
-    for (_, what, obj), g in parts:
-        g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-        if what != "layer":
-            out.append((what, obj, g))
-            continue
-        layer, a = obj
-        m = layer.module
-        if isinstance(m, CONVS):
-            conv.setdefault(id(layer), ("conv", layer, []))[2].append((_conv_input(m, a.to(g.dtype)), g))
-        else:
-            entry = linear.setdefault(id(layer), ("linear", layer, [], []))
-            entry[2].append(_rows(m, a).to(g.dtype))
-            entry[3].append(_out_rows(m, g))
-    rows = [("linear", layer, torch.cat(A), torch.cat(B, 1)) for _, layer, A, B in linear.values()]
-    # A Conv's weight is small and its activations large: its k weight gradients, once.
-    convs = [("param", obj, g.view(g.shape[0], *obj.shape)) for e in conv.values() for _, obj, g in _conv_pieces(e)]
-    return rows + convs + out
-
-
-def _gram(e: tuple) -> Tensor:
-    """The entry's part of the Gramian of the task gradients, ``[k, k]``."""
-    if e[0] == "linear":
-        _, layer, A, B = e
-        k = B.shape[0]
-        G = B.new_zeros(k, k)
-        if "weight" in layer.names:
-            if _gram_pays(A.shape[0], A.shape[1], B.shape[2], k):
-                KB = torch.matmul(A @ A.T, B)  # [k, N, out]
-                G = G + B.flatten(1) @ KB.flatten(1).T
-            else:
-                J = (B.transpose(1, 2) @ A).flatten(1)  # [k, out * in]
-                G = G + J @ J.T
-        if "bias" in layer.names:
-            s = B.sum(1)
-            G = G + s @ s.T
-        return G
-    f = e[2].flatten(1)
-    return f @ f.T
-
-
-def _pieces(e: tuple) -> list[tuple[str, Tensor, Tensor]]:
-    """(kind, tensor, its k task gradients flattened ``[k, numel]``) of an entry."""
-    if e[0] == "linear":
-        _, layer, A, B = e
-        m = layer.module
-        out = []
-        if "weight" in layer.names:
-            out.append(("param", m.weight, (B.transpose(1, 2) @ A).flatten(1)))
-        if "bias" in layer.names:
-            out.append(("param", m.bias, B.sum(1)))
-        return out
-    return [(e[0], e[1], e[2].flatten(1))]
-
-
-def _conv_pieces(e: tuple) -> list[tuple[str, Tensor, Tensor]]:
-    """A Conv's k weight (and bias) gradients, each summed over the layer's calls."""
-    _, layer, calls = e
-    m = layer.module
-    out = []
-    if "weight" in layer.names:
-        out.append(("param", m.weight, sum(_conv_weight_grads(m, x, g) for x, g in calls).flatten(1)))
-    if "bias" in layer.names:
-        out.append(("param", m.bias, sum(g.flatten(3).sum((1, 3)) for _, g in calls)))
-    return out
-
-
-def _update(e: tuple, w: Tensor, replace: dict) -> None:
-    """Add ``sum_i w_i g_i`` of the entry to ``.grad`` (or hand it to a module output's hook)."""
-    if e[0] == "linear":
-        _, layer, A, B = e
-        m = layer.module
-        bw = torch.tensordot(w.to(B.dtype), B, 1)  # [N, out]
-        if "weight" in layer.names:
-            _add_grad(m.weight, (bw.T @ A).view_as(m.weight))
-        if "bias" in layer.names:
-            _add_grad(m.bias, bw.sum(0))
-    else:
-        what, obj, g = e
-        agg = torch.tensordot(w.to(g.dtype), g, 1)
-        if what == "param":
-            _add_grad(obj, agg)
-        else:
-            replace[id(obj)] = (obj, agg)
-
-
-def _add_grad(p: Tensor, g: Tensor) -> None:
-    g = g.to(p.dtype)
-    if p.grad is None:
-        p.grad = g.contiguous() if g.is_contiguous() else g.clone(memory_format=torch.contiguous_format)
-    else:
-        p.grad.add_(g)
-
-
-def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> list[LossRule]:
-    """The per_loss targets grouped by rule, in config order."""
-    rules: dict[str, LossRule] = {}
-    for t in targets:
-        if t.stage != "per_loss":
-            continue
-        step = t.steps[0]
-        r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn))
-        if t.kind == "param":
-            r.params.append(params[t.name])
-        else:
-            r.modules.append(modules[t.name])
-    return list(rules.values())

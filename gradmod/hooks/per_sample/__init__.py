@@ -1,6 +1,6 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
-``stage`` runs it (``refusals``: what it cannot do), ``layers`` holds each layer type's form (``register_form`` adds one),
+``stage`` runs it (``sample_rules``: its rules and what they refuse), ``layers`` holds each layer type's form (``register_form`` adds one),
 ``tracing`` and ``assign`` decide which module call answers for each parameter, ``stats``
 holds ``per_sample_clip`` and the per-example ``log``; ``replace_batchnorm`` makes a
 BatchNorm model usable.
@@ -8,7 +8,7 @@ BatchNorm model usable.
 
 from gradmod.hooks.per_sample.layers import Form, register_form
 from gradmod.hooks.per_sample.norms import replace_batchnorm
-from gradmod.hooks.per_sample.refusals import check_model
-from gradmod.hooks.per_sample.stage import PerSampleStage, per_sample_rules
+from gradmod.hooks.per_sample.sample_rules import check_model, per_sample_rules
+from gradmod.hooks.per_sample.stage import PerSampleStage
 
 __all__ = ["Form", "PerSampleStage", "check_model", "per_sample_rules", "register_form", "replace_batchnorm"]

@@ -10,7 +10,8 @@ and convolutions); RNNs replay their recurrence once for the gates' gradients; a
 module goes through ``torch.func`` (vmap of its vjp). A form sees its input and output
 gradient with the batch first (the stage moves it there, from the dimension its trace of
 the first forward found); a ``whole_call`` form gets every input and output gradient.
-``register_form(layer_type, form)`` adds a form for a layer type of a user's own.
+``register_form(layer_type, form)`` adds a form for a layer type of a user's own
+(``form.Form`` is their base; ``recurrent`` holds the RNNs' form).
 """
 
 from __future__ import annotations
@@ -24,47 +25,13 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils import _pytree as pytree
 
-
-def _bcast(w: Tensor, like: Tensor) -> Tensor:
-    """Per-example weights ``[B]`` shaped to multiply ``like`` (batch first)."""
-    return w.view(-1, *[1] * (like.dim() - 1)).to(like.dtype)
-
+from gradmod.hooks.per_sample.form import Form, Inputs, broadcast_weights
+from gradmod.hooks.per_sample.recurrent import RNNForm
 
 # Elements of a [B, *param] tensor worth keeping during one backward: below this the
 # per-example weights (one matmul; norms and the weighted sum are then cheap) beat
 # Gram-matrix norms plus a second matmul for the weighted sum; above it, memory decides.
 MATERIALISE_MAX = 1 << 24
-
-
-def _rows(g: Tensor) -> Tensor:
-    """``[B, *param]`` as ``[B, numel]`` (a 0-dim parameter too)."""
-    return g.reshape(g.shape[0], -1)
-
-
-class Form:
-    """Defaults from ``per_example``: right for every layer, fast for small parameters.
-    Subclass it and implement ``per_example(m, a, b, names)``: ``a`` the layer's input,
-    ``b`` its output gradient (batch first), ``names`` the local names of the parameters
-    asked for; return ``{name: [B, *param.shape]}``, example i's gradient of each."""
-
-    whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
-
-    def refusal(self, m: nn.Module) -> str | None:
-        """Why this form cannot give ``m``'s per-example gradients (None: it can)."""
-        return None
-
-    def per_example(self, m: nn.Module, a: Any, b: Any, names: set[str]) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def materialises(self, m: nn.Module, a: Any, b: Tensor) -> bool:
-        """Whether ``per_example`` (then norms and the weighted sum from it) is the cheaper way."""
-        return True
-
-    def norms2(self, m, a, b, names) -> dict[str, Tensor]:
-        return {n: _rows(g).square().sum(1) for n, g in self.per_example(m, a, b, names).items()}
-
-    def weighted(self, m, a, b, w: Tensor, names) -> dict[str, Tensor]:
-        return {n: torch.tensordot(w.to(g.dtype), g, 1) for n, g in self.per_example(m, a, b, names).items()}
 
 
 def _seq(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -111,7 +78,7 @@ class LinearForm(Form):
 
     def weighted(self, m, a, b, w, names):
         out = {}
-        G = (b * _bcast(w, b)).reshape(-1, b.shape[-1])
+        G = (b * broadcast_weights(w, b)).reshape(-1, b.shape[-1])
         if "weight" in names:
             out["weight"] = G.T @ a.reshape(-1, a.shape[-1])
         if "bias" in names:
@@ -173,7 +140,7 @@ class ConvForm(Form):
 
     def weighted(self, m, a, b, w, names):
         out = {}
-        G = self._grads(m, b * _bcast(w, b))
+        G = self._grads(m, b * broadcast_weights(w, b))
         if "weight" in names:
             P = self._patches(m, a)
             # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
@@ -240,7 +207,7 @@ class EmbeddingForm(Form):
     def weighted(self, m, a, b, w, names):
         idx, G = self._flat(m, a, b)
         out = G.new_zeros(m.weight.shape)
-        return {"weight": out.index_add_(0, idx.flatten(), (G * _bcast(w, G)).flatten(0, 1))}
+        return {"weight": out.index_add_(0, idx.flatten(), (G * broadcast_weights(w, G)).flatten(0, 1))}
 
 
 class Conv1DForm(Form):
@@ -263,14 +230,6 @@ class Conv1DForm(Form):
         if "weight" in out:
             out["weight"] = out["weight"].T
         return out
-
-
-class Inputs:
-    """One call's inputs as the module got them, with each tensor's batch dimension
-    (``dims``: the same tree as ``(args, kwargs)``, None where a leaf is shared)."""
-
-    def __init__(self, args: tuple, kwargs: dict, dims: Any):
-        self.args, self.kwargs, self.dims = args, kwargs, dims
 
 
 def _insert(x: Any, d: int | None) -> Any:
@@ -296,111 +255,6 @@ class FuncForm(Form):
 
         args_dims, kwargs_dims = a.dims
         return vmap(grad(inner), in_dims=(None, args_dims, kwargs_dims, out_dims))(params, a.args, a.kwargs, grads)
-
-
-class RNNForm(Form):
-    """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: the recurrence replayed once with autograd for
-    the gradient of each step's input and hidden projections (``x W_ih^T + b_ih``, ``h W_hh^T
-    + b_hh``); example i's weight gradient is then a sum over its steps, as for a Linear
-    on a sequence. Every layer and direction; dropout between layers, ``proj_size`` and
-    packed sequences are refused when the layer is set up (``refusal``)."""
-
-    whole_call = True
-
-    def refusal(self, m: nn.Module) -> str | None:
-        if getattr(m, "proj_size", 0):
-            return "proj_size > 0"
-        if m.dropout and m.training and m.num_layers > 1:
-            return "dropout between layers (its masks cannot be replayed)"
-        return None
-
-    def per_example(self, m, a: Inputs, b: list, names):
-        x = a.args[0] if a.args else a.kwargs["input"]
-        if not isinstance(x, Tensor) or x.dim() != 3:
-            raise ValueError(
-                f"{type(m).__name__}: the per_sample stage takes batched 3-D input tensors "
-                "(not packed sequences or unbatched input)"
-            )
-        hx = a.args[1] if len(a.args) > 1 else a.kwargs.get("hx")
-        x = x.movedim(0 if m.batch_first else 1, 0).detach().requires_grad_()  # a graph to differentiate
-        with torch.enable_grad():
-            outs, taps = self._replay(m, x, hx)
-            grads = [g.movedim(0 if m.batch_first else 1, 0) if k == 0 else g for k, (g, _) in enumerate(b)]
-            flat = [t for tap in taps.values() for t in (tap[1], *tap[3])]
-            got = torch.autograd.grad(outs[: len(grads)], flat, grads, allow_unused=True)
-        got = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, got)]
-        return self._weights(taps, got, names)
-
-    @staticmethod
-    def _weights(taps: dict, got: list, names) -> dict[str, Tensor]:
-        out, k = {}, 0
-        for sfx, (inp, _, prev, steps) in taps.items():
-            g_in, g_h = got[k], torch.stack(got[k + 1 : k + 1 + len(steps)], 1)
-            k += 1 + len(steps)
-            parts = {
-                f"weight_ih{sfx}": (g_in, inp),
-                f"bias_ih{sfx}": (g_in, None),
-                f"weight_hh{sfx}": (g_h, prev),
-                f"bias_hh{sfx}": (g_h, None),
-            }
-            for n, (g, x) in parts.items():
-                if n in names:
-                    out[n] = g.sum(1) if x is None else torch.bmm(g.mT, x)
-        return out
-
-    def _replay(self, m, x: Tensor, hx):
-        """Outputs (the output batch first; h_n, c_n as torch gives them) and, per layer and direction,
-        (its input, the input projection, the previous hidden states, each step's hidden projection)."""
-        lstm, dirs = isinstance(m, nn.LSTM), 2 if m.bidirectional else 1
-        bsz, size = x.shape[0], m.hidden_size
-        if hx is None:
-            zeros = x.new_zeros(m.num_layers * dirs, bsz, size)
-            hx = (zeros, zeros) if lstm else zeros
-        h0, c0 = hx if lstm else (hx, None)
-        taps, hs, cs, inp = {}, [], [], x
-        for layer in range(m.num_layers):
-            outs = []
-            for d in range(dirs):
-                sfx, j = f"_l{layer}" + ("_reverse" if d else ""), layer * dirs + d
-                seq = inp.flip(1) if d else inp
-                h = h0[j].detach().requires_grad_()
-                c = None if c0 is None else c0[j].detach().requires_grad_()
-                gi = F.linear(seq, getattr(m, f"weight_ih{sfx}").detach(), _bias(m, f"bias_ih{sfx}"))
-                prev, steps, ys = [], [], []
-                for t in range(seq.shape[1]):
-                    prev.append(h)
-                    gh = F.linear(h, getattr(m, f"weight_hh{sfx}").detach(), _bias(m, f"bias_hh{sfx}"))
-                    steps.append(gh)
-                    h, c = self._cell(m, gi[:, t], gh, h, c)
-                    ys.append(h)
-                y = torch.stack(ys, 1)
-                outs.append(y.flip(1) if d else y)
-                taps[sfx] = (seq, gi, torch.stack(prev, 1), steps)
-                hs.append(h)
-                cs.append(c)
-            inp = torch.cat(outs, -1)
-        result = [inp, torch.stack(hs)] + ([torch.stack(cs)] if lstm else [])
-        return result, taps
-
-    @staticmethod
-    def _cell(m, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None):
-        if isinstance(m, nn.LSTM):
-            i, f, g, o = (gi + gh).chunk(4, -1)
-            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            return torch.sigmoid(o) * torch.tanh(c), c
-        if isinstance(m, nn.GRU):
-            ir, iz, i_n = gi.chunk(3, -1)
-            hr, hz, h_n = gh.chunk(3, -1)
-            r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-            n = torch.tanh(i_n + r * h_n)
-            return (1 - z) * n + z * h, None
-        act = torch.tanh if m.nonlinearity == "tanh" else torch.relu
-        return act(gi + gh), None
-
-
-def _bias(m: nn.Module, name: str) -> Tensor | None:
-    b = getattr(m, name, None) if m.bias else None
-    return None if b is None else b.detach()
 
 
 LINEAR, CONV, FUNC, RNN = LinearForm(), ConvForm(), FuncForm(), RNNForm()

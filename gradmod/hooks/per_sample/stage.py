@@ -23,43 +23,15 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.assign import Layer, assign
-from gradmod.hooks.per_sample.layers import Inputs, _rows, batch_dependent
-from gradmod.hooks.per_sample.refusals import check_targets
-from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
-from gradmod.hooks.per_sample.tracing import batch_dim, trace
+from gradmod.hooks.per_sample.form import Inputs, as_rows
+from gradmod.hooks.per_sample.layers import batch_dependent
+from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
+from gradmod.hooks.per_sample.stats import PerSampleClip
+from gradmod.hooks.per_sample.tracing import batch_dim, detach_input, followed_forward, param_or_none, trace
 from gradmod.hooks.stage import Core, Loop, Stage
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
-
-
-def _detach(x: Any, dtype: torch.dtype | None = None) -> Any:
-    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
-    if not isinstance(x, Tensor):
-        return x
-    x = x.detach()
-    return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
-
-
-def _get(model: nn.Module, name: str) -> Tensor | None:
-    try:
-        return model.get_parameter(name)
-    except AttributeError:
-        return None
-
-
-def _training() -> bool:
-    """A forward worth following: gradients on, and no torch.func transform (ours replaying
-    a module, or the user's) running it."""
-    return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-
-
-@dataclass
-class Rule:
-    name: str
-    params: list[nn.Parameter]
-    clip: PerSampleClip | None = None
-    log: PerSampleLog | None = None
 
 
 @dataclass
@@ -72,21 +44,6 @@ class Call:
     grads: list[Tensor | None] = field(default_factory=list)
 
 
-def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
-    """The per_sample targets grouped by rule, in config order."""
-    rules: dict[str, Rule] = {}
-    for t in targets:
-        if t.stage == "per_sample":
-            rule = rules.setdefault(t.rule, Rule(t.rule, [], *_steps(t.steps)))
-            rule.params.append(params[t.name])
-    return list(rules.values())
-
-
-def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
-    clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
-    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
-
-
 class PerSampleStage(Stage):
     """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor
     under Poisson sampling (else the examples counted this step); ``generator``: the
@@ -95,11 +52,10 @@ class PerSampleStage(Stage):
     (``set_up`` sets the three from the loop's facts).
     The layers are set up at the model's first training forward, from its trace.
 
-    Under DDP flat clipping knows its factors only after the whole backward, so DDP's
-    all-reduce must not run (``ddp_may_reduce``): ``reduce`` sums the ranks' clipped sums
-    after rank 0 alone added the noise, and the loop averages the parameters outside every
-    clipping rule itself (``manual_mean``). Each example's gradient is its own: the loop
-    does not divide a micro-batch's loss by their number (``divides_step``)."""
+    Under DDP flat clipping knows its factors only after the whole backward: no DDP
+    all-reduce (``ddp_may_reduce``), ``reduce`` sums the ranks' clipped sums after rank 0
+    alone added noise, the loop averages the rest (``manual_mean``); micro-batch losses
+    stay undivided (``divides_step``)."""
 
     name = "per_sample"
     ddp_may_reduce = False
@@ -135,7 +91,7 @@ class PerSampleStage(Stage):
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.layers is not None or self._tracing or not _training() or self._swapped():
+        if self.layers is not None or self._tracing or not followed_forward() or self._swapped():
             return
         self._tracing = True
         try:
@@ -161,7 +117,7 @@ class PerSampleStage(Stage):
 
     def _swapped(self) -> bool:
         """torch.func.functional_call runs the model with other tensors: not its training."""
-        return any(_get(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
+        return any(param_or_none(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
 
     def _rule_of_params(self) -> list[Tensor]:
         return [p for r in self.rules for p in r.params]
@@ -200,18 +156,18 @@ class PerSampleStage(Stage):
 
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._tracing or not _training():
+            if self._tracing or not followed_forward():
                 return
             outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
                 return
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                a, k = pytree.tree_map(lambda x: _detach(x, dtype), (args, kwargs))
+                a, k = pytree.tree_map(lambda x: detach_input(x, dtype), (args, kwargs))
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
-                inputs = _detach(first, dtype).movedim(layer.first_in, 0)
+                inputs = detach_input(first, dtype).movedim(layer.first_in, 0)
             call = Call(
                 layer,
                 inputs,
@@ -328,7 +284,7 @@ class PerSampleStage(Stage):
                     norms2[self._rule_of[id(c.layer.names[n])].name] += v.to(norms2_dtype)
                 ghost.append((c, b))
         for p, g in full.items():
-            norms2[self._rule_of[id(p)].name] += _rows(g).to(norms2_dtype).square().sum(1)
+            norms2[self._rule_of[id(p)].name] += as_rows(g).to(norms2_dtype).square().sum(1)
         return ghost, full
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
@@ -412,9 +368,8 @@ class PerSampleStage(Stage):
         self.examples = 0
 
     def set_up(self, loop: Loop) -> None:
-        """The divisor (Poisson: the expected global batch; else the examples of the step,
-        counted on each rank and times the ranks), noise on the main rank only, the sum of
-        the clipped sums over the ranks."""
+        """The divisor (Poisson: the expected global batch; else the examples counted, times
+        the ranks), noise on the main rank only, the ranks' clipped sums summed."""
         world = loop.world_size
         divide = 1.0 if loop.poisson else float(world)  # Poisson: the divisor is already global
         self.expected_batch_size = float(loop.step_examples or 0) * world if loop.poisson else None
@@ -423,8 +378,7 @@ class PerSampleStage(Stage):
         self.draws_noise = loop.is_main
 
     def manual_mean(self) -> list[nn.Parameter]:
-        """The parameters outside every clipping rule keep DDP's meaning, the mean over the
-        ranks of their local gradients."""
+        """Outside every clipping rule: DDP's meaning, the mean of the ranks' local gradients."""
         if self._plain is None:
             clipped = {id(p) for r in self.rules if r.clip is not None for p in r.params}
             self._plain = [p for p in self.model.parameters() if p.requires_grad and id(p) not in clipped]
@@ -432,13 +386,9 @@ class PerSampleStage(Stage):
 
     def records(self) -> list[tuple[str, Any]]:
         """(statistics key, window) of each rule's ``per_sample_clip`` and ``log``."""
-        out = []
-        for r in self.rules:
-            if r.clip is not None:
-                out.append((f"{r.name}/per_sample_clip", r.clip.record))
-            if r.log is not None:
-                out.append((f"{r.name}/log", r.log))
-        return out
+        clips = [(f"{r.name}/per_sample_clip", r.clip.record if r.clip else None) for r in self.rules]
+        logs = [(f"{r.name}/log", r.log) for r in self.rules]
+        return [kv for pair in zip(clips, logs) for kv in pair if kv[1] is not None]
 
     def remove(self) -> None:
         for h in self._handles:

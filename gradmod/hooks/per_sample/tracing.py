@@ -147,3 +147,24 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int]) -> Tra
         grown, _ = _record(model, grown_args, grown_kwargs, None)
     dims = {m: _dims(c, grown.get(m), batch) for m, c in calls.items()}
     return Trace(batch, dims, uses)
+
+
+def detach_input(x: Any, dtype: torch.dtype | None = None) -> Any:
+    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
+    if not isinstance(x, Tensor):
+        return x
+    x = x.detach()
+    return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
+
+
+def param_or_none(model: nn.Module, name: str) -> Tensor | None:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return None
+
+
+def followed_forward() -> bool:
+    """A forward worth following: gradients on, and no torch.func transform (ours replaying
+    a module, or the user's) running it."""
+    return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()

@@ -1,0 +1,23 @@
+"""One scalar loss, or several named ones: their names and their sum, in one place."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import Tensor
+
+
+def total(losses: Tensor | Mapping[str, Tensor]) -> Tensor:
+    """The sum of the named losses (the loss itself when there is one), in their order."""
+    if isinstance(losses, Tensor):
+        return losses
+    parts = list(losses.values())
+    return sum(parts[1:], parts[0])
+
+
+def named(losses: Any) -> dict[str, Tensor]:
+    """The losses by name (a sequence's by position); one line for what is not allowed."""
+    by_name = dict(losses) if isinstance(losses, Mapping) else {str(i): x for i, x in enumerate(losses)}
+    if not by_name or not all(isinstance(x, Tensor) and x.dim() == 0 for x in by_name.values()):
+        raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of scalar losses")
+    return {str(k): v for k, v in by_name.items()}

@@ -1,0 +1,64 @@
+"""The per_loss rules of one ``attach`` call, from its targets, and what they refuse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from gradmod.hooks.per_loss.methods import Method
+from gradmod.hooks.per_loss.record import TaskRecord
+
+
+@dataclass
+class LossRule:
+    """One per_loss rule: its method, its parameters or modules, its statistics."""
+
+    name: str
+    method_name: str
+    method: Method
+    params: list[nn.Parameter] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)
+    record: TaskRecord = field(default_factory=TaskRecord)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.method_name}"
+
+
+def check_targets(targets: list) -> None:
+    """Each parameter gets one method's update, after no hook- or per_sample-stage rule
+    (``targets``: every rule's)."""
+    loss: dict[str, str] = {}
+    for t in targets:
+        if t.stage == "per_loss" and t.kind == "param":
+            if t.name in loss:
+                raise ValueError(
+                    f"hooks.{t.rule}: {t.name!r} is also in per_loss rule {loss[t.name]!r}; "
+                    "each parameter gets one method's update: select it in one"
+                )
+            loss[t.name] = t.rule
+    clash = next(
+        (t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")), None
+    )
+    if clash is not None:
+        raise ValueError(
+            f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
+            f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
+            "or per_sample, not both (a fused rule after it is fine)"
+        )
+
+
+def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> list[LossRule]:
+    """The per_loss targets grouped by rule, in config order."""
+    rules: dict[str, LossRule] = {}
+    for t in targets:
+        if t.stage != "per_loss":
+            continue
+        step = t.steps[0]
+        r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn))
+        if t.kind == "param":
+            r.params.append(params[t.name])
+        else:
+            r.modules.append(modules[t.name])
+    return list(rules.values())

@@ -1,0 +1,91 @@
+"""Nash-MTL: weights from the bargaining solution over the task Gramian, solved with cvxpy
+(an optional dependency) warm-started from the previous step."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from gradmod.hooks.per_loss.methods import Method, _check, _needs
+
+
+class NashMTL(Method):
+    """Nash-MTL: the bargaining solution ``G w = 1 / w`` by a sequence of convex programs
+    (cvxpy, ECOS); the update's norm capped at ``max_norm`` (0: no cap)."""
+
+    name = "nash_mtl"
+
+    def __init__(self, max_norm: float = 1.0, update_weights_every: int = 1, optim_niter: int = 20):
+        self.max_norm = _check("nash_mtl", "max_norm", max_norm, 0.0)
+        self.every = int(_check("nash_mtl", "update_weights_every", update_weights_every, 1))
+        self.niter = int(_check("nash_mtl", "optim_niter", optim_niter, 1))
+        _needs("nash_mtl", ["cvxpy", "ecos"], 'pip install cvxpy ecos, or "torchjd[nash_mtl]"')
+        self.step = 0
+        self.alpha: np.ndarray | None = None  # the last weights (float32, as the reference keeps them)
+        self._problem = None
+
+    def _build(self, k: int) -> None:
+        import cvxpy as cp
+
+        a = cp.Variable(k, nonneg=True)
+        prev = cp.Parameter(k, value=self.alpha)
+        G = cp.Parameter((k, k), value=np.eye(k))
+        norm = cp.Parameter(1, value=np.ones(1))
+        lin = (1 / prev + (1 / (G @ prev)) @ G) @ (a - prev)  # linearisation of sum log(G a) around prev
+        Ga = G @ a
+        cons = [-cp.log(a[i] * norm) - cp.log(Ga[i]) <= 0 for i in range(k)]
+        self._problem = (cp.Problem(cp.Minimize(cp.sum(Ga) + lin / norm), cons), a, prev, G, norm)
+
+    def _solve(self, gtg: np.ndarray, norm: np.ndarray) -> np.ndarray:
+        import cvxpy as cp
+
+        prob, a, prev, G, norm_p = self._problem
+        G.value, norm_p.value = gtg, norm
+        alpha = self.alpha
+        for _ in range(self.niter):
+            a.value, prev.value = alpha, alpha
+            try:
+                with warnings.catch_warnings():  # the linearised problem is not DPP: cvxpy says so each solve
+                    warnings.filterwarnings("ignore", message=".*not DPP.*")
+                    prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
+            except (cp.SolverError, ValueError):
+                a.value = prev.value
+            if (
+                a.value is None
+                or np.linalg.norm(gtg @ alpha - 1 / (alpha + 1e-10)) < 1e-3
+                or np.linalg.norm(a.value - prev.value) < 1e-6
+            ):
+                break
+            alpha = a.value
+        if alpha is not None:
+            self.alpha = alpha
+        return self.alpha
+
+    def weights(self, G, gen):
+        k = len(G)
+        if self.alpha is None:
+            self.alpha = np.ones(k, dtype=np.float32)
+        if self._problem is None:
+            self._build(k)
+        if self.step % self.every == 0:
+            norm = np.array([float(torch.linalg.norm(G))])
+            alpha = self._solve((G / norm[0]).numpy(), norm)
+        else:
+            alpha = self.alpha
+        self.step += 1
+        w = torch.from_numpy(np.asarray(alpha)).to(G.dtype)
+        if self.max_norm > 0:
+            n = (w @ G @ w).clamp(min=0.0).sqrt()  # |J^T w| from the Gramian
+            if n > self.max_norm:
+                w = w / n * self.max_norm
+        return w
+
+    def state_dict(self):
+        return {"step": self.step, "alpha": None if self.alpha is None else self.alpha.copy()}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+        self.alpha = None if state["alpha"] is None else np.array(state["alpha"])
+        self._problem = None

@@ -1,0 +1,53 @@
+"""``Form``: what a layer type answers about its per-example gradients (the base of every
+form in ``layers`` and ``recurrent``, and of a user's own given to ``register_form``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def broadcast_weights(w: Tensor, like: Tensor) -> Tensor:
+    """Per-example weights ``[B]`` shaped to multiply ``like`` (batch first)."""
+    return w.view(-1, *[1] * (like.dim() - 1)).to(like.dtype)
+
+
+def as_rows(g: Tensor) -> Tensor:
+    """``[B, *param]`` as ``[B, numel]`` (a 0-dim parameter too)."""
+    return g.reshape(g.shape[0], -1)
+
+
+class Form:
+    """Defaults from ``per_example``: right for every layer, fast for small parameters.
+    Subclass it and implement ``per_example(m, a, b, names)``: ``a`` the layer's input,
+    ``b`` its output gradient (batch first), ``names`` the local names of the parameters
+    asked for; return ``{name: [B, *param.shape]}``, example i's gradient of each."""
+
+    whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
+
+    def refusal(self, m: nn.Module) -> str | None:
+        """Why this form cannot give ``m``'s per-example gradients (None: it can)."""
+        return None
+
+    def per_example(self, m: nn.Module, a: Any, b: Any, names: set[str]) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def materialises(self, m: nn.Module, a: Any, b: Tensor) -> bool:
+        """Whether ``per_example`` (then norms and the weighted sum from it) is the cheaper way."""
+        return True
+
+    def norms2(self, m, a, b, names) -> dict[str, Tensor]:
+        return {n: as_rows(g).square().sum(1) for n, g in self.per_example(m, a, b, names).items()}
+
+    def weighted(self, m, a, b, w: Tensor, names) -> dict[str, Tensor]:
+        return {n: torch.tensordot(w.to(g.dtype), g, 1) for n, g in self.per_example(m, a, b, names).items()}
+
+
+class Inputs:
+    """One call's inputs as the module got them, with each tensor's batch dimension
+    (``dims``: the same tree as ``(args, kwargs)``, None where a leaf is shared)."""
+
+    def __init__(self, args: tuple, kwargs: dict, dims: Any):
+        self.args, self.kwargs, self.dims = args, kwargs, dims

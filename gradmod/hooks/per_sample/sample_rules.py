@@ -1,0 +1,86 @@
+"""The per_sample rules of one ``attach`` call, from its targets, and what they refuse
+(each in one line, before anything is attached)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
+
+
+def check_model(model: nn.Module) -> None:
+    """BatchNorm in training mode mixes the examples of a batch: no per-example gradient exists."""
+    mixing = [
+        n or type(model).__name__
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+    ]
+    if mixing:
+        shown = ", ".join(mixing[:5]) + (f" and {len(mixing) - 5} more" if len(mixing) > 5 else "")
+        raise ValueError(
+            f"per_sample rules need each example's own gradient, but BatchNorm in training mode "
+            f"mixes the examples of a batch ({shown}); use GroupNorm instead (model.norm=group)"
+        )
+
+
+def check_targets(model: nn.Module, targets: list) -> None:
+    """Refuse what would make the per_sample stage wrong, each in one line (``targets``:
+    every rule's)."""
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    private = [t for t in targets if t.stage == "per_sample"]
+    if not private:
+        return
+    check_model(model)
+    covered = {t.name: t.rule for t in private}
+    clash = next((t for t in targets if t.stage == "hook" and t.kind == "param" and t.name in covered), None)
+    if clash is not None:
+        raise ValueError(
+            f"hooks.{clash.rule}: a hook-stage rule on {clash.name!r}, which per_sample rule "
+            f"{covered[clash.name]!r} selects, would act on the batch gradient that the per_sample "
+            "stage replaces; use stage fused (after it) or leave the parameter out"
+        )
+    noisy = sorted({t.rule for t in private for s in t.steps if s.kind == "per_sample" and s.fn.noise_multiplier > 0})
+    if len(noisy) > 1:
+        raise ValueError(
+            f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
+            "budget): put the parameters in one rule"
+        )
+    missing = [n for n in trainable if n not in covered]
+    if noisy and missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"hooks.{noisy[0]}: with noise every trained parameter must be in a per_sample rule, "
+            f"else the privacy claim is false; not covered: {shown} (select them or set "
+            "requires_grad=False)"
+        )
+    twice = next((t for t in private if [u.rule for u in private if u.name == t.name] != [t.rule]), None)
+    if twice is not None:
+        raise ValueError(
+            f"hooks.{twice.rule}: {twice.name!r} is in two per_sample rules; each example's "
+            "gradient is clipped once: select it in one"
+        )
+
+
+@dataclass
+class Rule:
+    name: str
+    params: list[nn.Parameter]
+    clip: PerSampleClip | None = None
+    log: PerSampleLog | None = None
+
+
+def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
+    """The per_sample targets grouped by rule, in config order."""
+    rules: dict[str, Rule] = {}
+    for t in targets:
+        if t.stage == "per_sample":
+            rule = rules.setdefault(t.rule, Rule(t.rule, [], *_steps(t.steps)))
+            rule.params.append(params[t.name])
+    return list(rules.values())
+
+
+def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
+    clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
+    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)

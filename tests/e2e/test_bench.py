@@ -1,0 +1,119 @@
+"""scripts/bench.py --quick: the JSON report's structure (no timed assertions)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_script", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench = _bench()
+    report = bench.main(["--quick", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    expected = (
+        {
+            "epoch.article",
+            "epoch.gradmod",
+            "epoch.floor",
+            "eval.article",
+            "eval.gradmod",
+            "eval.gradmod_b100",
+            "step.none",
+            "step.clip_hook",
+            "step.clip_fused",
+            "step.clip_grad_value_",
+            "step.norm_fused",
+            "step.log_every_step",
+            "step.log_every_50",
+            "step.clip_logged",
+        }
+        | {f"per_sample.{n}" for n in bench.per_sample.names()}
+        | {f"per_loss.{n}" for n in bench.per_loss.names()}
+    )
+    assert set(report["results"]) == expected
+    for name, r in report["results"].items():
+        assert r["section"] == name.split(".")[0]
+        assert len(r["seconds"]) == report["settings"]["repeats"] == 1
+        assert all(s > 0 and math.isfinite(s) for s in r["seconds"])
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["items"] == {"epoch": 200, "eval": 50, "step": 2, "per_sample": 1, "per_loss": 1}[r["section"]]
+    targets = {
+        "epoch_speedup_vs_article",
+        "epoch_gradmod_over_floor",
+        "eval_speedup_vs_article",
+        "hook_overhead",
+        "log_every_50_over_none",
+        "per_sample_resnet18gn_over_plain",
+        "per_sample_transformer_over_plain",
+    }
+    if bench.per_sample.has_opacus():
+        targets |= {"per_sample_mnist_over_opacus", "per_sample_mlp_over_opacus", "per_sample_mlp_over_opacus_ghost"}
+    for m in bench.per_loss.MODELS:
+        targets |= {f"per_loss_{m}_modules_over_plain", f"per_loss_{m}_famo_over_plain"}
+        if bench.per_loss.has_torchjd():
+            targets |= {f"per_loss_{m}_{x}_over_torchjd" for x in bench.per_loss.METHODS}
+    assert targets <= set(report["ratios"])
+    for name, r in report["ratios"].items():
+        assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
+        num, den = report["results"][r["numerator"]], report["results"][r["denominator"]]
+        assert r["value"] == pytest.approx(num[r["clock"]] / den[r["clock"]])
+        assert ("target" in r) == (name in targets) and (name not in targets or isinstance(r["met"], bool))
+    m = report["machine"]
+    assert m["cores"] >= 1 and m["torch"] and m["device"] == "cpu" and len(m["load_average_before"]) == 3
+    ops = report["ops"]
+    assert set(ops) == {"floor", "bare", "none", "clip_hook", "clip_fused", "log", "clip_logged", "norm_fused"}
+    assert (
+        ops["floor"]["ops"]
+        < ops["bare"]["ops"]
+        <= ops["none"]["ops"]
+        < ops["clip_hook"]["ops"]
+        < ops["clip_logged"]["ops"]
+    )
+    assert ops["clip_hook"]["over_bare"] <= 2 * ops["clip_hook"]["tensors"] + 4
+    assert ops["clip_logged"]["over_bare"] <= 12 * ops["clip_logged"]["tensors"]
+    table = capsys.readouterr().out
+    assert "epoch.article" in table and "hook_overhead" in table and str(out) in table and "ops per step" in table
+
+
+def test_bench_full_tiles_the_sample_to_mnist_sizes_and_unknown_sections_are_refused(tmp_path):
+    bench = _bench()
+    args = bench.parse_args(["--full", "--device", "cuda", "--epochs", "10"])
+    assert (args.train_size, args.test_size, args.epochs) == (60_000, 10_000, 10)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sections", "epoch,nope"])
+    assert bench.tile(bench.torch.arange(3), 7).tolist() == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_scale_section_times_every_contender_beside_its_ops(capsys):
+    """The scale section on two small shapes: every contender's ratio to bare and ops per step."""
+    bench = _bench()
+    out = bench.scale.measure(rounds=1, run_steps=1, shapes=((2, 8), (1, 16)))
+    assert list(out["shapes"]) == ["2x8", "1x16"]
+    for s in out["shapes"].values():
+        rows = s["contenders"]
+        assert set(rows) == set(bench.scale.CONTENDERS)
+        assert rows["bare"]["x_bare"] == 1.0 and rows["bare"]["ops_over_bare"] == 0
+        for name, r in rows.items():
+            assert r["ms"] > 0 and r["wall_ms"] > 0 and r["ops"] >= rows["bare"]["ops"], name
+            assert ("met" in r) == (name in bench.scale.TARGETS)
+        # clamp_min_ and clamp_max_ over every .grad at the end of backward (and, in the first two
+        # backward passes, the raw non-finite count, until the ledger sees nobody takes it)
+        assert rows["clamp_hook"]["ops_over_bare"] <= 4
+    print(bench.scale.table(out))
+    assert "clip_logged" in capsys.readouterr().out
+    assert bench.parse_args(["--sections", "scale"]).sections == ["scale"]
+    assert "scale" not in bench.parse_args([]).sections  # asked for by name

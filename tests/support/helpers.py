@@ -1,0 +1,122 @@
+"""What the tests share: the repository's paths, the tiny runs' overrides, the real config
+composed as train.py sees it, train.py run as a user would, and small reference objects."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from torch import nn
+
+import gradmod.app.config_store  # noqa: F401  (registers the schemas the YAMLs build on)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "gradmod" / "conf"
+
+# A tiny, fast run on the bundled sample: the overrides most end-to-end tests start from.
+FAST = ["data=mnist_sample", "trainer.epochs=1", "trainer.device=cpu", "trainer.progress=false"]
+# Two epochs of 6 steps on 28x28 FakeData, on one thread.
+TINY_FAKE = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=60",
+    "data.test_size=20",
+    "data.batch_size=10",
+    "trainer.epochs=2",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "trainer.threads=1",
+]
+# The resume tests' run: that, with a checkpoint every 4 steps.
+RESUMABLE = [*TINY_FAKE, "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
+
+KEEP = [*RESUMABLE, "trainer.checkpoint_keep=10"]  # checkpoints at steps 4, 6, 8 and 12
+
+
+def compose_config(*overrides: str):
+    """The real config with ``overrides``, as train.py would see it."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def run_train(
+    tmp_path: Path, *overrides: str, multirun: bool = False, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``python train.py`` in a subprocess with its outputs under ``tmp_path``."""
+    dir_key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    entry = "tests/support/kill_driver.py" if "GRADMOD_KILL_AT" in (env or {}) else "train.py"  # see kill_driver
+    cmd = [
+        sys.executable,
+        str(ROOT / entry),
+        *(["-m"] if multirun else []),
+        f"{dir_key}={tmp_path}",
+        f"data_dir={tmp_path / 'data'}",
+        *overrides,
+    ]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=full_env, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def same_params(a: dict, b: dict) -> None:
+    """Two state dicts hold the same names and bit-identical tensors."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def tiny_mlp(*widths: int, act: type[nn.Module] = nn.ReLU, seed: int = 0) -> nn.Sequential:
+    """Linear layers of ``widths`` with ``act`` between them, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(widths, widths[1:])):
+        layers += [act()] if i else []
+        layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for a process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def per_loss_method(name: str) -> bool:
+    """Whether this build has the per_loss stage's method ``name`` (pcgrad, mgda, ...)."""
+    try:
+        from gradmod.hooks.per_loss.methods import is_method
+    except ImportError:  # a build without the per_loss stage
+        return False
+    return is_method(name)
+
+
+def _rank_then_exit(rank: int, fn, args: tuple) -> None:
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # done: skip the interpreter's teardown (see spawn_ranks)
+
+
+def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes (``torch.multiprocessing.spawn``). The ranks
+    hand their results over in files, so a rank whose ``fn`` returned has nothing left to do
+    and ends at once (``os._exit(0)``): the interpreter's teardown, where torch's gloo threads
+    can abort a finished process ("terminate called without an active exception"), is
+    skipped. A rank that raises ends as spawn reports it, with its traceback."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_then_exit, args=(fn, args), nprocs=nprocs, join=True)

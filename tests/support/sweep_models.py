@@ -1,0 +1,19 @@
+"""Models for sweep tests, given by ``model._target_=tests.support.sweep_models.NAME``."""
+
+import os
+import signal
+
+from torch import nn
+
+
+def tiny(die: bool = False) -> nn.Module:
+    """A linear classifier of 1x28x28 images; ``die=true``: the process kills itself with
+    SIGKILL while the run builds it, as the OOM killer would."""
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+
+
+def mlp() -> nn.Module:
+    """Two linear layers: parameter names ``1.*`` and ``3.*``, unlike any shipped model's."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 16), nn.ReLU(), nn.Linear(16, 10))
