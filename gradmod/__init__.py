@@ -31,6 +31,9 @@ _HOMES = {
     "Form": "gradmod.hooks.per_sample.form",
     "register_form": "gradmod.hooks.per_sample.layers",
     "apply_init": "gradmod.weight_init",
+    "Accountant": "gradmod.training.accounting",
+    "PoissonSampler": "gradmod.training.accounting",
+    "epsilon": "gradmod.training.accounting",
 }
 __all__ = sorted(_HOMES)
 __version__ = "0.3.0.dev0"  # the one version source (pyproject reads it)

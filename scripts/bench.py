@@ -33,6 +33,9 @@ Sections:
          jac_to_grad) and gradmod's per_loss stage with the same method, on a 784-512-512 trunk with
          5 heads and a LeNet-like conv trunk with 2 heads; gradmod's modules mode and famo against plain;
          each contender's peak memory in a fresh process (see scripts/bench_per_loss.py)
+  sharpness  one SGD step with SAM (two forward and backward passes) and with SAM every 4th step against a
+         plain step, on the MNIST CNN (batch 100) and a ResNet-18 (batch 32, 32x32); SAM's extra peak
+         memory over one copy of the parameters (see scripts/bench_sharpness.py)
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample secti
 import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 import bench_scale as scale  # noqa: E402
+import bench_sharpness as sharpness  # noqa: E402
 
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks import attach  # noqa: E402
@@ -74,7 +78,7 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "scale")
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "scale")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # scale takes long: asked for by name
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
@@ -124,6 +128,19 @@ RATIOS = [
         lambda r: r <= 1.6,
     ),
     ("per_sample_mlp_over_plain", "per_sample.mlp.gradmod", "per_sample.mlp.plain", None, None),
+    (
+        "per_sample_mha_over_opacus",  # nn.MultiheadAttention against Opacus' DPMultiheadAttention
+        "per_sample.transformer.gradmod",
+        "per_sample.transformer.opacus",
+        "<= 0.8",
+        lambda r: r <= 0.8,
+    ),
+    ("per_sample_gpt2_over_plain", "per_sample.gpt2.gradmod", "per_sample.gpt2.plain", "<= 1.8", lambda r: r <= 1.8),
+    ("per_sample_gpt2_ids_over_plain", "per_sample.gpt2_ids.gradmod", "per_sample.gpt2_ids.plain", None, None),
+    ("per_sample_bert_over_plain", "per_sample.bert.gradmod", "per_sample.bert.plain", "<= 1.8", lambda r: r <= 1.8),
+    ("per_sample_llama_over_plain", "per_sample.llama.gradmod", "per_sample.llama.plain", "<= 1.8", lambda r: r <= 1.8),
+    ("per_sample_qwen2_over_plain", "per_sample.qwen2.gradmod", "per_sample.qwen2.plain", "<= 1.8", lambda r: r <= 1.8),
+    ("per_sample_t5_over_plain", "per_sample.t5.gradmod", "per_sample.t5.plain", "<= 2", lambda r: r <= 2),
     ("opacus_mlp_over_plain", "per_sample.mlp.opacus", "per_sample.mlp.plain", None, None),
     ("opacus_ghost_mlp_over_plain", "per_sample.mlp.opacus_ghost", "per_sample.mlp.plain", None, None),
 ]
@@ -158,7 +175,27 @@ for _m in per_loss.MODELS:  # every Gramian method <= 0.7x torchjd's step; modul
         (f"per_loss_{_m}_torchjd_{x}_over_plain", f"per_loss.{_m}.torchjd_{x}", f"per_loss.{_m}.plain", None, None)
         for x in ("upgrad", "mgda", "pcgrad")
     ]
-UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}  # images per item of these units
+for _m in sharpness.MODELS:  # two passes are the floor of a SAM step: <= 2.05x plain; every 4th step: <= 1.3x
+    RATIOS += [
+        (
+            f"sharpness_{_m}_sam_over_plain",
+            f"sharpness.{_m}.sam",
+            f"sharpness.{_m}.plain",
+            "<= 2.05",
+            lambda r: r <= 2.05,
+        ),
+        (
+            f"sharpness_{_m}_every4_over_plain",
+            f"sharpness.{_m}.sam_every4",
+            f"sharpness.{_m}.plain",
+            "<= 1.3",
+            lambda r: r <= 1.3,
+        ),
+        (f"sharpness_{_m}_sam_over_two_passes", f"sharpness.{_m}.sam", f"sharpness.{_m}.two_passes", None, None),
+        (f"sharpness_{_m}_two_passes_over_plain", f"sharpness.{_m}.two_passes", f"sharpness.{_m}.plain", None, None),
+    ]
+UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
+UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
 
 
@@ -383,11 +420,18 @@ class Bench:
             "step.clip_logged": (lambda: self.gradmod_epoch(rules=CLIP_LOGGED, read_every=50), self.steps, "step"),
         }
         steps = 1 if self.args.quick else per_sample.STEPS
-        for name in per_sample.names():
+        for name in per_sample.names(hf=not self.args.quick):  # a smoke run skips the HF models
             table[f"per_sample.{name}"] = (lambda name=name: per_sample.setup(name, steps), steps, "dp_step")
         steps = 1 if self.args.quick else per_loss.STEPS
         for name in per_loss.names():
             table[f"per_loss.{name}"] = (lambda name=name: per_loss.setup(name, steps), steps, "mtl_step")
+        steps, batch = (1, 4) if self.args.quick else (sharpness.STEPS, None)
+        for name in sharpness.names():
+            table[f"sharpness.{name}"] = (
+                lambda name=name: sharpness.setup(name, steps, batch, self.device),
+                steps,
+                f"{name.split('.')[0]}_step",  # the models' batches differ
+            )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -429,6 +473,7 @@ def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dic
             "median_cpu_s": statistics.median(cpu[name]),
             "items": items,
             "unit": unit,
+            "device": bench.device.type,
             "per_item_ms": 1000 * med / items,
             "images_per_s": images / med,
         }
@@ -495,9 +540,12 @@ def ops_table(ops: dict[str, dict]) -> str:
 
 
 def clock(result: dict) -> str:
-    """The median a ratio divides: the per_loss section's single-threaded steps compare CPU
-    time (on a shared machine wall time mostly measures the neighbours); the rest wall time."""
-    return "median_cpu_s" if result["section"] == "per_loss" and result["unit"] == "mtl_step" else "median_s"
+    """The median a ratio divides: the per_loss section's single-threaded steps, and the
+    sharpness section's on the CPU, compare CPU time (on a shared machine wall time mostly
+    measures the neighbours); the rest wall time."""
+    if result["section"] == "per_loss" and result["unit"] == "mtl_step":
+        return "median_cpu_s"
+    return "median_cpu_s" if result["section"] == "sharpness" and result.get("device") == "cpu" else "median_s"
 
 
 def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:
@@ -535,7 +583,7 @@ def per_loss_memory(log=print) -> dict[str, dict]:
 def peak_memory(log=print) -> dict[str, dict]:
     """Each per_sample contender's peak memory (fresh process each), and gradmod's over Opacus'."""
     peaks = {}
-    for name in per_sample.names():
+    for name in per_sample.names(hf=False):  # the HF models: time only
         peaks[name] = per_sample.peak_in_subprocess(name)
         log(f"  peak memory of {name}: {peaks[name] / 2**20:.1f} MiB", flush=True)
     out = {"peak_bytes": peaks, "ratios": {}}
@@ -621,6 +669,12 @@ def main(argv: list[str] | None = None) -> dict:
             memory = {
                 "peak_bytes": {**memory.get("peak_bytes", {}), **loss_memory["peak_bytes"]},
                 "ratios": {**memory.get("ratios", {}), **loss_memory["ratios"]},
+            }
+        if "sharpness" in args.sections and not args.quick:
+            sharp_memory = sharpness.memory(resident=device.type == "cpu", device=str(device))
+            memory = {
+                "peak_bytes": {**memory.get("peak_bytes", {}), **sharp_memory["peak_bytes"]},
+                "ratios": {**memory.get("ratios", {}), **sharp_memory["ratios"]},
             }
         results = measure(bench, args.repeats, args.warmup) if timed else {}
         scaled = (

@@ -94,16 +94,64 @@ class SmallTransformer(nn.Module):
         return self.head(self.blocks(self.emb(idx)).mean(1))
 
 
-# Opacus 1.6 runs neither of the others as built: resnet18's in-place ReLU after a full backward
-# hook is an autograd error, nn.MultiheadAttention needs its DPMultiheadAttention.
-OPACUS_RUNS = ("mnist", "mlp")
+class HFClassifier(nn.Module):
+    """A Hugging Face model built from its config (dropout 0: stock dropout sends GPT-2, BERT and
+    T5 to a refusal), classifying from the mean of its logits over the sequence."""
+
+    def __init__(self, kind: str, position_ids: bool = False):
+        super().__init__()
+        import transformers as T
+
+        small = dict(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4)
+        drop0 = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        if kind == "gpt2":
+            cfg = T.GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=4, n_positions=64,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+            self.hf = T.GPT2LMHeadModel(cfg)
+        elif kind == "bert":
+            self.hf = T.BertForMaskedLM(
+                T.BertConfig(**small, intermediate_size=512, max_position_embeddings=64, **drop0)
+            )
+        elif kind == "llama":
+            self.hf = T.LlamaForCausalLM(T.LlamaConfig(**small, intermediate_size=512, num_key_value_heads=4))
+        elif kind == "qwen2":
+            self.hf = T.Qwen2ForCausalLM(T.Qwen2Config(**small, intermediate_size=512, num_key_value_heads=4))
+        else:
+            cfg = T.T5Config(
+                vocab_size=1000, d_model=128, d_kv=32, d_ff=512, num_layers=2, num_heads=4, dropout_rate=0.0
+            )
+            self.hf = T.T5ForConditionalGeneration(cfg)
+        self.kind, self.position_ids = kind, position_ids
+
+    def forward(self, idx):
+        kw = {"decoder_input_ids": idx[:, :16]} if self.kind == "t5" else {}
+        if self.position_ids:  # one row of positions per example: the embedding's call carries the batch
+            kw["position_ids"] = torch.arange(idx.shape[1]).expand(idx.shape[0], -1)
+        return self.hf(input_ids=idx, **kw).logits.mean(1)[:, :10]
+
+
+def hf(kind: str, position_ids: bool = False) -> Callable[[], nn.Module]:
+    return lambda: HFClassifier(kind, position_ids)
+
+
+# Opacus 1.6 runs neither resnet18 (its in-place ReLU after a full backward hook is an autograd
+# error) nor the HF models as built; the transformer's nn.MultiheadAttention runs as its
+# DPMultiheadAttention (ModuleValidator.fix).
+OPACUS_RUNS = ("mnist", "mlp", "transformer")
 # name -> (model, one example's shape (None: 64 token ids), batch)
 MODELS = {
     "mnist": (SampleConvNet, (1, 28, 28), BATCH),
     "mlp": (mlp, (784,), BATCH),
     "resnet18gn": (resnet18_gn, (3, 32, 32), 32),
     "transformer": (SmallTransformer, None, 32),
+    "gpt2": (hf("gpt2"), None, 32),  # HF's default position ids: one row for the whole batch
+    "gpt2_ids": (hf("gpt2", position_ids=True), None, 32),
+    "bert": (hf("bert"), None, 32),
+    "llama": (hf("llama"), None, 32),
+    "qwen2": (hf("qwen2"), None, 32),
+    "t5": (hf("t5"), None, 32),
 }
+HF_MODELS = ("gpt2", "gpt2_ids", "bert", "llama", "qwen2", "t5")
 CONTENDERS = ("plain", "opacus", "opacus_ghost", "gradmod")
 
 
@@ -115,10 +163,19 @@ def has_opacus() -> bool:
     return True
 
 
-def names() -> list[str]:
-    """``model.contender`` for every contender that can run here."""
+def has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def names(hf: bool = True) -> list[str]:
+    """``model.contender`` for every contender that can run here (``hf``: the HF models too)."""
     usable = [c for c in CONTENDERS if has_opacus() or not c.startswith("opacus")]
-    return [f"{m}.{c}" for m in MODELS for c in usable if m in OPACUS_RUNS or not c.startswith("opacus")]
+    models = [m for m in MODELS if m not in HF_MODELS or (hf and has_transformers())]
+    return [f"{m}.{c}" for m in models for c in usable if m in OPACUS_RUNS or not c.startswith("opacus")]
 
 
 def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
@@ -180,8 +237,9 @@ def _gradmod(model, data):
 def _opacus(model, data):
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
+    from opacus.validators import ModuleValidator
 
-    module = GradSampleModule(model)
+    module = GradSampleModule(ModuleValidator.fix(model))  # nn.MultiheadAttention -> DPMultiheadAttention
     opt = DPOptimizer(
         torch.optim.SGD(module.parameters(), lr=0.01),
         noise_multiplier=SIGMA,
@@ -202,8 +260,11 @@ def _opacus_ghost(model, data):
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    from opacus.validators import ModuleValidator
 
-    module = GradSampleModuleFastGradientClipping(model, max_grad_norm=CLIP, use_ghost_clipping=True)
+    module = GradSampleModuleFastGradientClipping(
+        ModuleValidator.fix(model), max_grad_norm=CLIP, use_ghost_clipping=True
+    )
     opt = DPOptimizerFastGradientClipping(
         torch.optim.SGD(module.parameters(), lr=0.01),
         noise_multiplier=SIGMA,

@@ -37,3 +37,40 @@ def in_subprocess(script: str, name: str) -> int:
         env={"OMP_NUM_THREADS": "1", **os.environ},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+
+
+def live_tensor_peak(run: Callable[[], None]) -> int:
+    """Bytes of the tensors ``run`` allocates that are alive together at most, counted by a
+    dispatch mode (every op's outputs, backward's too, until their storage is freed): the
+    allocator's view, as CUDA's max_memory_allocated, deterministic on any device and free
+    of the heap's fragmentation that the resident set also shows."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Live(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.live = self.peak = 0
+            self.sizes: dict[int, int] = {}
+
+        def _free(self, key: int) -> None:
+            self.live -= self.sizes.pop(key)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    if id(storage) not in self.sizes:
+                        self.sizes[id(storage)] = storage.nbytes()
+                        self.live += storage.nbytes()
+                        self.peak = max(self.peak, self.live)
+                        weakref.finalize(storage, self._free, id(storage))
+            return out
+
+    with Live() as live:
+        run()
+    return live.peak

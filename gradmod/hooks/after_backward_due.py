@@ -11,6 +11,8 @@ unchanged parameters is the next micro-batch of gradient accumulation and passes
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ class AfterBackwardDue:
 
     def __init__(self, model: nn.Module, sentinels: dict[str, tuple[str, nn.Parameter]]):
         self._due: dict[str, tuple[str, nn.Parameter, int]] = {}  # rule -> (stage, parameter, its version)
+        self._moving = False  # inside parameters_moved()
         # FSDP2 writes sharded .grad itself: no accumulation to watch there.
         plain = {rule: sp for rule, sp in sentinels.items() if not is_sharded(sp[1])}
         self._handles = [
@@ -54,8 +57,19 @@ class AfterBackwardDue:
             self._due.clear()
             _DUE.discard(self)
 
+    @contextmanager
+    def parameters_moved(self) -> Iterator[None]:
+        """Inside, parameters move and come back (the sharpness stage's second forward):
+        no forward is a missed step, and the versions are read again after."""
+        self._moving = True
+        try:
+            yield
+        finally:
+            self._moving = False
+            self._due = {rule: (stage, p, p._version) for rule, (stage, p, _) in self._due.items()}
+
     def _before_forward(self, module: nn.Module, args) -> None:
-        if self._due and any(p._version != v for _, p, v in self._due.values()):
+        if self._due and not self._moving and any(p._version != v for _, p, v in self._due.values()):
             raise RuntimeError(self.message())
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:

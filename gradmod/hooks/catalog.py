@@ -17,6 +17,7 @@ from gradmod.hooks.per_loss import weightings as W
 from gradmod.hooks.per_loss.nash_mtl import NashMTL
 from gradmod.hooks.per_sample.stats import PerSampleClip, per_sample_log
 from gradmod.hooks.registry import add_stage_form, register
+from gradmod.hooks.sharpness.perturb import Asam, Sam
 from gradmod.hooks.stats import log
 from gradmod.hooks.validators import number
 
@@ -52,3 +53,7 @@ register("agc", AGC, kind="group")
 register("zclip", ZClip, kind="group")
 register("autoclip", AutoClip, kind="group")
 register("freeze", Freeze, kind="group")
+
+# Sharpness: how a rule's parameters move before the second forward and backward.
+register("sam", Sam, kind="sharpness")
+register("asam", Asam, kind="sharpness")

@@ -13,6 +13,8 @@ of its own; ``HookSet`` runs them through that protocol and names none:
   its method's combination of the task gradients (``gradmod.hooks.per_loss``).
 * ``per_sample``: each example's gradient (``gradmod.hooks.per_sample``); the clipped,
   noised mean is written at the start of ``after_backward()``.
+* ``sharpness``: ``backward(loss, closure=fn)`` leaves in ``.grad`` the gradient at the rule's
+  parameters moved to ``w + e``, by a second forward and backward (``gradmod.hooks.sharpness``).
 * ``fused``: ``after_backward()`` transforms the accumulated ``.grad`` tensors, grouped
   per transform with ``torch._foreach_*`` ops, once per optimizer step; a transform
   without a foreach form runs per tensor, each with its own state.
@@ -21,6 +23,7 @@ of its own; ``HookSet`` runs them through that protocol and names none:
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -53,10 +56,15 @@ class HookSet:
     backward. ``stages``: one ``Stage`` per stage some rule runs at, in stage order."""
 
     def __init__(
-        self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean", length: Length | None = None
+        self,
+        model: nn.Module,
+        targets: list[Target],
+        loss_reduction: str = "mean",
+        batch_dim: int | None = None,
+        length: Length | None = None,
     ):
         self.targets = targets
-        self._core = Core(loss_reduction)
+        self._core = Core(loss_reduction, batch_dim=batch_dim)
         # The step clock, the scheduled arguments and the windows (rules that change over training).
         self.timed = Timed(targets, {t.rule: t.active for t in targets if t.active is not None}, length or Length())
         self._core.windows = frozenset(self.timed.windows)
@@ -129,10 +137,18 @@ class HookSet:
         task gradients, every other parameter the gradient of the sum) takes it over;
         ``closure``: recomputes the loss, for a stage that needs a second pass."""
         given = losses if isinstance(losses, Tensor) else named(losses)
-        for stage in self.stages:
-            if stage.backward(given, closure):
-                return
+        # A second forward at moved parameters (and back) is not a step taken without after_backward().
+        with self._due.parameters_moved() if self.forward_passes() > 1 else nullcontext():
+            for stage in self.stages:
+                if stage.backward(given, closure):
+                    return
         total(given).backward()
+
+    def forward_passes(self) -> int:
+        """Forward passes each micro-batch of this optimizer step takes (``Stage.forward_passes``):
+        2 where a stage's second runs through ``backward``'s closure; under DDP only the last
+        may all-reduce."""
+        return max((s.forward_passes() for s in self.stages), default=1)
 
     def end_epoch(self) -> None:
         """Close an epoch for the stages that count in epochs (per_loss's ``dwa``)."""
@@ -303,6 +319,7 @@ def attach(
     stage: str = stages.DEFAULT,
     replace: bool = True,
     loss_reduction: str = "mean",
+    batch_dim: int | None = None,
     total_steps: int | None = None,
     steps_per_epoch: int | None = None,
 ) -> HookSet:
@@ -315,9 +332,11 @@ def attach(
     a live HookSet that is not replaced (kept, or attached through another module such as
     a wrapper) are refused: remove that one first.
     ``loss_reduction``: how the loss combines the examples (``mean`` or ``sum``), so the
-    per_sample stage knows each example's gradient.
-    ``total_steps``, ``steps_per_epoch``: the run's length in optimizer steps, for schedules
-    and windows given in ``dur`` or ``ep`` (refused in one line without them).
+    per_sample stage knows each example's gradient; ``batch_dim``: the dimension of the
+    model's inputs that holds the examples (default 0, or 1 for a model with
+    ``batch_first = False``). ``total_steps``, ``steps_per_epoch``: the run's length in
+    optimizer steps, for schedules and windows given in ``dur`` or ``ep`` (refused in one
+    line without them).
     """
     for name, n in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
@@ -331,6 +350,8 @@ def attach(
         raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
+    if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
+        raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
     targets = build_targets(model, rules, stage, length)  # validate everything before touching the model
     at = {t.stage for t in targets}
     for name in stages.names():
@@ -344,7 +365,7 @@ def attach(
     _refuse_overlap(model, targets, replaced)
     for old in replaced:
         old.remove()
-    hooks = HookSet(model, targets, loss_reduction, length)
+    hooks = HookSet(model, targets, loss_reduction, batch_dim, length)
     _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
 

@@ -14,6 +14,8 @@ builds and so at which stage it may run (``gradmod.hooks.stages``):
 * ``per_sample``: read by the per_sample stage on each example's gradient (as
   ``per_sample_clip``); implies stage ``per_sample``.
 * ``per_loss``: read by the per_loss stage on each loss's gradient; implies ``per_loss``.
+* ``sharpness``: how the sharpness stage perturbs a rule's parameters before its second
+  forward and backward (``sam``, ``asam``: ``gradmod.hooks.sharpness``); implies ``sharpness``.
 
 An entry may also have a form at another stage (``add_stage_form``): ``log`` is
 element-wise, and at the per_sample stage keeps per-example statistics instead.
@@ -34,7 +36,7 @@ from typing import Any, Callable, Mapping
 from gradmod.hooks import stages
 from gradmod.hooks.rule_spec import parse_spec
 
-KINDS = ("elementwise", "group", "per_sample", "per_loss")
+KINDS = ("elementwise", "group", "per_sample", "per_loss", "sharpness")
 
 # How a transform of one's own gets a name (train.py imports the modules named in plugins).
 OWN_TRANSFORMS = "a transform of your own is registered with gradmod.register, in a module given as plugins=[my_pkg.x]"

@@ -143,6 +143,11 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
             f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
             f"gradients into one update), got {', '.join(names)}; put the others in rules of their own"
         )
+    if stage == "sharpness" and len(names) != 1:
+        raise ValueError(
+            f"hooks.{rule}.transforms: a sharpness rule holds exactly one of {', '.join(R.accepted_at(stage))} "
+            f"(how its parameters move), got {', '.join(names)}; put the others in rules of their own"
+        )
 
 
 def _shared(step: R.BuiltTransform) -> bool:

@@ -7,7 +7,8 @@ facts: ``gradmod.hooks.stages``). Each lives in its own folder (``hooks/hook/``,
 
 1. ``check(model, targets)``: refuse in one line what it cannot do, before anything is attached;
 2. ``__init__(model, targets, core)``: attach (hooks on tensors or modules);
-3. ``backward(losses, closure)``: run the backward itself, or leave it to ``HookSet``;
+3. ``backward(losses, closure)``: run the backward itself, or leave it to ``HookSet``
+   (``forward_passes``: whether the closure's second forward runs this step);
 4. ``finish()``: in ``HookSet.after_backward``, in stage order, before ``optimizer.step()``;
 5. ``records()``, ``state_dict()``, ``load_state_dict()``, ``end_epoch()``, ``remove()``.
 
@@ -47,7 +48,9 @@ class Core:
     scale of the backward in progress (fp16), or None; ``loss_reduction``: how the loss
     combines the examples (``mean`` or ``sum``); ``step``: optimizer steps finished, one
     more at each ``HookSet.after_backward()`` (the clock a schedule reads); ``windows``: the
-    rules with an ``active`` window, ``inactive``: those outside it now (they do nothing)."""
+    rules with an ``active`` window, ``inactive``: those outside it now (they do nothing);
+    ``batch_dim``: the dimension of the model's inputs that holds the examples (None: 0, or
+    1 for a model with ``batch_first = False``)."""
 
     loss_reduction: str = "mean"
     ledger: RawLedger = field(default_factory=RawLedger)
@@ -56,6 +59,7 @@ class Core:
     step: int = 0
     windows: frozenset[str] = frozenset()
     inactive: frozenset[str] = frozenset()
+    batch_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,12 @@ class Stage(abc.ABC):
 
     def set_up(self, loop: Loop) -> None:  # noqa: B027  (most stages need no loop facts)
         """What the loop knows (ranks, batch size, the all-reduce)."""
+
+    def forward_passes(self) -> int:
+        """Forward passes each micro-batch of the optimizer step in progress takes: 1, or 2
+        for a stage that runs a second one through ``HookSet.backward``'s closure, at moved
+        parameters (sharpness). Under DDP only the last may all-reduce."""
+        return 1
 
     def manual_mean(self) -> list[nn.Parameter]:
         """Under DDP with ``ddp_may_reduce`` False: the parameters whose ``.grad`` the loop

@@ -9,6 +9,9 @@ the plan (``HookSet.describe``) and of ``HookSet.after_backward``:
   output), combined into one by ``HookSet.backward(losses)`` (``gradmod.hooks.per_loss``).
 * ``per_sample``: each example's gradient before the batch sum; the clipped, noised mean
   is written at the start of ``HookSet.after_backward``.
+* ``sharpness``: the gradient at the rule's parameters moved to ``w + e``, from a second
+  forward and backward that ``HookSet.backward(loss, closure=fn)`` runs
+  (``gradmod.hooks.sharpness``).
 * ``fused``: the accumulated ``.grad`` tensors after backward, grouped per transform.
 
 Each stage names the transform kinds it runs (``accepts``) and the kind that puts a rule
@@ -73,6 +76,16 @@ STAGES: tuple[StageFacts, ...] = (
         needs_after_backward=True,
         sees="each example's gradient",
         home="gradmod.hooks.per_sample.stage:PerSampleStage",
+    ),
+    StageFacts(
+        "sharpness",
+        ("sharpness",),
+        "sharpness",
+        default=False,
+        modules=False,
+        needs_after_backward=True,
+        sees="the gradient at the rule's parameters moved by a second forward and backward",
+        home="gradmod.hooks.sharpness.stage:SharpnessStage",
     ),
     StageFacts(
         "fused",

@@ -7,9 +7,32 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from gradmod.hooks import registry as R
 from gradmod.hooks.hookset import HookSet, attach
 from gradmod.hooks.rules import build_targets
 from gradmod.hooks.schedules import Length
+
+
+def refuse_per_sample(trainer: str, rules: Mapping[str, Any], stage: str) -> None:
+    """Per_sample rules, read from the rules alone (before any model): refused in one line
+    when the callback is made, not when training starts."""
+    for name, spec in rules.items():
+        if not isinstance(spec, Mapping):
+            continue  # attach names what is wrong with it
+        transforms = spec.get("transforms") or []
+        kinds = set()
+        for t in transforms if isinstance(transforms, list) else []:
+            try:
+                kinds.add(R.entry(R.parse_spec(t)[0]).stage)
+            except ValueError:
+                continue
+        if "per_sample" in kinds or spec.get("stage", stage) == "per_sample":
+            raise ValueError(
+                f"hooks.{name}: per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: "
+                "its loop scales the loss for accumulation and samples fixed-size batches, so neither the "
+                "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
+                "+hooks=dp) or attach the rules in your own loop (gradmod.PoissonSampler, gradmod.Accountant)"
+            )
 
 
 def attach_for(
@@ -29,7 +52,8 @@ def attach_for(
     ``zclip(on_spike="skip")`` (a callback cannot skip one optimizer step, and zeroing the
     gradients is not a skip under momentum or weight decay), and hook-stage rules when
     ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled), and per_sample
-    rules (see ``docs/privacy.md``)."""
+    rules (see ``docs/privacy.md``), and sharpness rules (the loop's own backward cannot take
+    a second pass)."""
     _refuse_shared(trainer, model, rules, stage, *shared, Length(steps_per_epoch, total_steps))
     hooks = attach(model, rules, stage=stage, replace=False, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     private = hooks.stage("per_sample")
@@ -41,6 +65,16 @@ def attach_for(
             "its loop scales the loss for accumulation and samples fixed-size batches, so neither the "
             "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
             "+hooks=dp) or attach the rules in your own loop"
+        )
+    sharp = hooks.stage("sharpness")
+    if sharp is not None:
+        rule = sharp.rules[0].name
+        hooks.remove()
+        raise ValueError(
+            f"hooks.{rule}: sharpness rules (SAM) are refused under {trainer}: its loop runs the backward "
+            "itself, and SAM needs a second forward and backward at the moved weights; train with gradmod's "
+            "trainer (gradmod +hooks=sam), or attach the rules in your own loop (Lightning: manual "
+            "optimisation) and call hooks.backward(loss, closure=fn)"
         )
     skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]
     hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]

@@ -34,6 +34,7 @@ from gradmod.run.assembly import Parts, build_trainer
 from gradmod.run.config import Config
 from gradmod.run.files import GradCamCallback, RunFiles
 from gradmod.run.folder import Claim, RunFolder
+from gradmod.run.per_sample_paths import PerSamplePaths
 from gradmod.run.resume import apply_optimizer, check_epochs, compare
 from gradmod.run.setup import build_model, import_plugins, items, load, place
 from gradmod.run.state import Run
@@ -225,6 +226,8 @@ def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: 
     stack.callback(files.close)
     callbacks = [files, EpochLine(run.cfg.trainer.epochs)]  # the console's line after the record is complete
     callbacks += [GradCamCallback(parts.probe, logger, folder)] if parts.probe is not None else []
+    private = run.hooks.stage("per_sample")
+    callbacks += [PerSamplePaths(folder, run.plan, private)] if private is not None else []
     sync = SyncCheck(run.cfg.trainer.sync_check, run.dist.device)
     stack.callback(sync.allow)
     run.stop.saver = parts.saver

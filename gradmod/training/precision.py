@@ -56,16 +56,22 @@ class Precision:
     def autocast(self):
         return nullcontext() if self.dtype is None else torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward(self, losses: torch.Tensor | Mapping[str, torch.Tensor], hooks=None) -> None:
+    def backward(self, losses: torch.Tensor | Mapping[str, torch.Tensor], hooks=None, closure=None) -> None:
         """Backward of one loss or several named ones, each scaled under fp16, through
         ``hooks.backward`` when there are hooks (a per_loss stage aggregates the tasks'
-        gradients there; it reads ``hooks.grad_scale`` to see them unscaled)."""
-        if self.scaler is not None:
-            losses = _scaled(self.scaler, losses)  # creates the scale tensor on first use
+        gradients there; it reads ``hooks.grad_scale`` to see them unscaled). ``closure``:
+        the losses recomputed at the current parameters, for a sharpness stage's second
+        pass (scaled the same way)."""
+        scaler = self.scaler
+        if scaler is not None:
+            losses = _scaled(scaler, losses)  # creates the scale tensor on first use
             if hooks is not None:
-                hooks.set_grad_scale(_scale_tensor(self.scaler, next(iter(_values(losses))).device))
+                hooks.set_grad_scale(_scale_tensor(scaler, next(iter(_values(losses))).device))
+            if closure is not None:
+                unscaled = closure
+                closure = lambda: _scaled(scaler, unscaled())  # noqa: E731
         if hooks is not None:
-            hooks.backward(losses)
+            hooks.backward(losses, closure=closure) if closure is not None else hooks.backward(losses)
             return
         total(losses).backward()
 

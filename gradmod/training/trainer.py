@@ -199,13 +199,38 @@ class Trainer:
             group = 1
         if not self.stage_sync.ddp_may_reduce:  # the stages reduce what they need after backward
             sync = False
-        with no_sync(self.net, not sync):
-            with self.amp.autocast():
-                losses = self.tasks.losses(self.net(xb), yb)  # one loss, or named ones
-            self.amp.backward(scaled(losses, lambda t: t / group), self.hooks)
+        passes = getattr(self.hooks, "forward_passes", None)  # a HookSet's; an object of your own may lack it
+        if passes is not None and passes() > 1:
+            losses = self._two_passes(xb, yb, group, sync)
+        else:
+            with no_sync(self.net, not sync):
+                with self.amp.autocast():
+                    losses = self.tasks.losses(self.net(xb), yb)  # one loss, or named ones
+                self.amp.backward(scaled(losses, lambda t: t / group), self.hooks, self._closure(xb, yb, group, sync))
         loss = total_loss(losses).detach()
         self.loss_sum += loss
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
+
+    def _closure(self, xb: Tensor, yb: Any, group: int, sync: bool) -> Callable[[], Any] | None:
+        """The micro-batch's losses recomputed at the current parameters, for a stage's
+        second pass (DDP's forward decides whether its backward all-reduces)."""
+        if getattr(self.hooks, "forward_passes", None) is None:
+            return None
+
+        def closure():
+            with no_sync(self.net, not sync), self.amp.autocast():
+                return scaled(self.tasks.losses(self.net(xb), yb), lambda t: t / group)
+
+        return closure
+
+    def _two_passes(self, xb: Tensor, yb: Any, group: int, sync: bool) -> Any:
+        """A micro-batch of two forward passes (a sharpness step): the first never
+        all-reduces (under DDP each rank moves by its own gradient, the paper's
+        m-sharpness), the second, through the closure, as usual."""
+        with no_sync(self.net, True), self.amp.autocast():
+            losses = self.tasks.losses(self.net(xb), yb)
+        self.amp.backward(scaled(losses, lambda t: t / group), self.hooks, self._closure(xb, yb, group, sync))
+        return losses
 
     def _optimizer_step(self) -> None:
         self._call("on_after_backward")  # raw .grad, before the fused stage changes it

@@ -41,8 +41,9 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
             "step.log_every_50",
             "step.clip_logged",
         }
-        | {f"per_sample.{n}" for n in bench.per_sample.names()}
+        | {f"per_sample.{n}" for n in bench.per_sample.names(hf=False)}
         | {f"per_loss.{n}" for n in bench.per_loss.names()}
+        | {f"sharpness.{n}" for n in bench.sharpness.names()}
     )
     assert set(report["results"]) == expected
     for name, r in report["results"].items():
@@ -50,7 +51,10 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         assert len(r["seconds"]) == report["settings"]["repeats"] == 1
         assert all(s > 0 and math.isfinite(s) for s in r["seconds"])
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
-        assert r["items"] == {"epoch": 200, "eval": 50, "step": 2, "per_sample": 1, "per_loss": 1}[r["section"]]
+        assert (
+            r["items"]
+            == {"epoch": 200, "eval": 50, "step": 2, "per_sample": 1, "per_loss": 1, "sharpness": 1}[r["section"]]
+        )
     targets = {
         "epoch_speedup_vs_article",
         "epoch_gradmod_over_floor",
@@ -62,6 +66,9 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     }
     if bench.per_sample.has_opacus():
         targets |= {"per_sample_mnist_over_opacus", "per_sample_mlp_over_opacus", "per_sample_mlp_over_opacus_ghost"}
+        targets |= {"per_sample_mha_over_opacus"}
+    for m in bench.sharpness.MODELS:
+        targets |= {f"sharpness_{m}_sam_over_plain", f"sharpness_{m}_every4_over_plain"}
     for m in bench.per_loss.MODELS:
         targets |= {f"per_loss_{m}_modules_over_plain", f"per_loss_{m}_famo_over_plain"}
         if bench.per_loss.has_torchjd():

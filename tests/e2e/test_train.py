@@ -32,9 +32,11 @@ def _per_loss(hooks: str) -> bool:
 
 def _applies(hooks: str, model: str) -> bool:
     """per_loss files select multi_lenet's trunk only; agc leaves the output layer (fc.*, l1.*)
-    out, and multi_lenet's are its heads, named by task."""
+    out, and multi_lenet's are its heads, named by task; sam_on moves a ResNet's BatchNorm layers."""
     if _per_loss(hooks):
         return model == "multi_lenet"
+    if hooks == "sam_on":
+        return model.startswith("resnet")
     return not (hooks == "agc" and model == "multi_lenet")
 
 
@@ -46,6 +48,13 @@ def test_a_per_loss_file_on_a_one_head_model_is_one_clear_error(compose_cfg, hoo
     cfg = compose_cfg(f"+hooks={hooks}", "model=mnist_cnn")
     net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=28, norm=cfg.model.norm)
     with pytest.raises(ValueError, match=r"'trunk\.\*' matches no parameter .* names look like: conv1\.weight"):
+        attach(net, cfg.hooks, stage=cfg.trainer.hook_stage)
+
+
+def test_sam_on_a_model_without_batchnorm_is_one_clear_error(compose_cfg):
+    cfg = compose_cfg("+hooks=sam_on", "model=mnist_cnn")
+    net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=28, norm=cfg.model.norm)
+    with pytest.raises(ValueError, match=r"^hooks.sam_on.params: '\*bn\*' matches no parameter [^\n]*$"):
         attach(net, cfg.hooks, stage=cfg.trainer.hook_stage)
 
 

@@ -116,11 +116,60 @@ def test_rules_from_a_hook_file_and_log_statistics_reach_the_logger(tmp_path):
     assert callback.hooks is None  # removed at the end of fit
 
 
-def test_per_sample_rules_are_refused_in_one_line_at_setup(tmp_path):
+def test_per_sample_rules_are_refused_in_one_line_when_the_callback_is_made():
     with pytest.raises(
-        ValueError, match=r"^hooks.dp: per_sample rules .* are refused under Lightning: [^\n]*own loop$"
+        ValueError,
+        match=r"^hooks.dp: per_sample rules .* are refused under Lightning: [^\n]*own loop \(gradmod.PoissonSampler",
     ):
-        _lightning(tmp_path, [GradmodCallback("dp")])
+        GradmodCallback("dp")
+
+
+SAM = {"sam": {"params": "*", "transforms": [{"name": "sam", "rho": 0.1}]}}
+
+
+def test_sam_rules_are_refused_in_one_line_at_setup(tmp_path):
+    with pytest.raises(ValueError, match=r"^hooks.sam: sharpness rules \(SAM\) are refused under Lightning: [^\n]*$"):
+        _lightning(tmp_path, [GradmodCallback(SAM)])
+
+
+class ManualSam(Module):
+    """SAM under Lightning's manual optimisation: the rules attached in the module, the
+    closure recomputing the batch's loss."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__(net)
+        self.automatic_optimization = False
+        self.hooks = attach(net, SAM)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+
+        def loss():
+            return F.cross_entropy(self(x), y)
+
+        self.hooks.backward(loss(), closure=loss)
+        self.hooks.after_backward()
+        opt.step()
+
+
+def test_sam_under_manual_optimisation_equals_gradmods_trainer(tmp_path):
+    x, y = _data()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED)).tolist()
+    module = ManualSam(_net())
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order))
+    _equal({k: v.clone() for k, v in module.net.state_dict().items()}, _gradmod(SAM, "hook"))
 
 
 class ClipByHand(L.Callback):

@@ -258,15 +258,26 @@ def test_two_callbacks_on_one_tensor_name_the_one_callback_to_use(tmp_path):
         t.train()
 
 
-def test_per_sample_rules_are_refused_in_one_line_at_train_begin(tmp_path):
+def test_sam_rules_are_refused_in_one_line_at_train_begin(tmp_path):
     t = trainer(tmp_path)
-    add_to(t, "dp")
+    add_to(t, "sam")
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.sam: sharpness rules \(SAM\) are refused under Transformers' Trainer: [^\n]*closure=fn\)$",
+    ):
+        t.train()
+
+
+def test_per_sample_rules_are_refused_in_one_line_at_add_to(tmp_path):
+    t = trainer(tmp_path)
+    before = list(t.callback_handler.callbacks)
     with pytest.raises(
         ValueError,
         match=r"^hooks.dp: per_sample rules .* are refused under Transformers' Trainer: "
-        r"[^\n]*attach the rules in your own loop$",
+        r"[^\n]*attach the rules in your own loop \(gradmod.PoissonSampler, gradmod.Accountant\)$",
     ):
-        t.train()
+        add_to(t, "dp")
+    assert t.callback_handler.callbacks == before  # nothing added
 
 
 RAMP = {

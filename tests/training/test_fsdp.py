@@ -175,6 +175,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         hook_rules = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}
         results["hook_stage"] = _error(lambda: attach(sharded_model(), hook_rules))
         results["attach_then_shard"] = _error(lambda: _attach_then_shard(rank))
+        sam = {"sam": {"params": "*", "transforms": [{"name": "sam", "rho": 0.05}]}}
+        results["sharpness"] = _error(lambda: attach(sharded_model(), sam))
         results["units"] = _units(dist)
         results["accumulate"] = _accumulate(rank)
         results["zclip"] = zclip_steps(sharded_model(), slice(4 * rank, 4 * rank + 4))
@@ -277,6 +279,13 @@ def test_hook_stage_on_sharded_parameters_is_refused_at_attach(fsdp):
         message = rank["hook_stage"]
         assert message is not None and "\n" not in message
         assert "hooks.clip: stage 'hook'" in message and "use stage: fused" in message
+
+
+def test_sharpness_on_sharded_parameters_is_refused_at_attach(fsdp):
+    for rank in fsdp:
+        message = rank["sharpness"]
+        assert message is not None and "\n" not in message
+        assert "hooks.sam: stage 'sharpness'" in message and "use trainer.strategy=ddp or one process" in message
 
 
 def test_rules_attached_before_fully_shard_fail_at_the_first_backward(fsdp):

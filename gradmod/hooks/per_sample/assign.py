@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
@@ -30,10 +31,22 @@ class Layer:
     in_dims: Any = None  # the (args, kwargs) tree of batch dims (None: a shared leaf)
     out_dims: list = field(default_factory=list)
     materialise: bool = False  # weights shared with another layer: per-example tensors needed
+    broadcast: bool = False  # called without the batch (one row); its output is expanded to the batch
+    materialised: bool | None = None  # at its last backward: per-example tensors formed (None: none yet)
 
     @property
     def first_in(self) -> Any:
         return next(iter(pytree.tree_leaves(self.in_dims)), None)
+
+
+@dataclass
+class Call:
+    """One forward call of a layer: its input and, after backward, its output gradients."""
+
+    layer: Layer
+    inputs: Any
+    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
+    grads: list[Tensor | None] = field(default_factory=list)
 
 
 def _direct(m: nn.Module, p: nn.Parameter) -> str | None:
@@ -58,6 +71,25 @@ def _closed(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
     return isinstance(first, int) and bool(outs) and all(isinstance(d, int) for d in outs)
 
 
+def _one_row(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
+    """``m`` holds ``p``, has a closed form, and is called without the batch on one row
+    (``[1, ...]`` in, ``[1, ...]`` out: HF's default position ids), which the stage can expand."""
+    dims, first = trace.dims.get(id(m), UNKNOWN), trace.first.get(id(m))
+    if _direct(m, p) is None or form_of(m) is FUNC or form_of(m).whole_call or dims == UNKNOWN or first is None:
+        return False
+    ins, outs = cast(tuple, dims)
+    shapes = [s for s in pytree.tree_leaves(first.spec, is_leaf=lambda x: isinstance(x, torch.Size)) if s is not None]
+    return (
+        all(d is None for d in _leaves(ins))
+        and outs == [None]
+        and bool(shapes)
+        and len(shapes[0]) > 0
+        and shapes[0][0] == 1
+        and len(first.outs[0]) > 0
+        and first.outs[0][0] == 1
+    )
+
+
 def _general(m: nn.Module, trace: Trace) -> bool:
     """``m``'s calls split per example: every input's batch dim known, every output batched."""
     dims = trace.dims.get(id(m), UNKNOWN)
@@ -79,9 +111,11 @@ def _cover(p: nn.Parameter, uses: list[tuple], trace: Trace) -> nn.Module | None
     return next((m for m in reversed(common) if _dotted(m, p) is not None and _general(m, trace)), None)
 
 
-def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter]) -> list[Layer]:
+def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter], broadcast: bool = True) -> list[Layer]:
     """The layers answering for ``params`` (name -> parameter). Unused parameters get
-    none (a gradient for one is refused at the backward that brings it)."""
+    none (a gradient for one is refused at the backward that brings it). ``broadcast``:
+    closed-form layers called on one row without the batch are followed with their output
+    expanded to the batch (the caller checks that the model's outputs stay the same)."""
     modules = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     layers: dict[tuple[int, bool], Layer] = {}
     for name, p in params.items():
@@ -92,6 +126,16 @@ def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter]) -> l
         if all(_closed(m, p, trace) for m in inner):
             for m in inner:
                 _layer(layers, m, form_of(m), trace, False).names[_direct(m, p)] = p
+            continue
+        if broadcast and all(_closed(m, p, trace) or _one_row(m, p, trace) for m in inner):
+            for m in inner:
+                layer = _layer(layers, m, form_of(m), trace, False)
+                layer.names[_direct(m, p)] = p
+                if not _closed(m, p, trace):  # the batch's dim 0 once expanded
+                    first = trace.first[id(m)].spec
+                    layer.in_dims = pytree.tree_map(lambda s: 0 if isinstance(s, torch.Size) else None, first,
+                                                    is_leaf=lambda x: isinstance(x, torch.Size))  # fmt: skip
+                    layer.out_dims, layer.broadcast = [0], True
             continue
         m = _cover(p, uses, trace)
         if m is None:
@@ -118,3 +162,19 @@ def _layer(layers: dict, m: nn.Module, form: Form, trace: Trace, general: bool) 
         ins, outs = trace.dims[id(m)]
         layers[key] = Layer(m, form, {}, ins, outs)
     return layers[key]
+
+
+def path_of(layer: Layer, where: str) -> str:
+    """How the stage gets a layer's per-example gradients, as the plan names it: ``closed
+    form`` (per-example weights from the call's input and output gradient), ``Gram`` (norms
+    without them: Gram matrices or ``|a_i||b_i|``, the clipped sum as one matmul), ``replay``
+    (an RNN's recurrence replayed once), ``general`` (torch.func over ``where``: the slow path)."""
+    from gradmod.hooks.per_sample.layers import FuncForm, RNNForm
+
+    if isinstance(layer.form, FuncForm):
+        path = f"general: torch.func over {where}"
+    elif isinstance(layer.form, RNNForm):
+        path = "replay"
+    else:
+        path = "Gram" if layer.materialised is False else "closed form"
+    return path + (", one row expanded to the batch" if layer.broadcast else "")

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.form import Form, Inputs, broadcast_weights
@@ -217,9 +218,10 @@ class Conv1DForm(Form):
         return LINEAR.materialises(m, a, b)
 
     def per_example(self, m, a, b, names):
-        out = LINEAR.per_example(m, a, b, names)
-        if "weight" in out:
-            out["weight"] = out["weight"].mT
+        out = LINEAR.per_example(m, a, b, names - {"weight"})
+        if "weight" in names:  # [B, in, out] as stored, contiguous: norms and sums read it in one pass
+            A, G = _seq(a, b)
+            out["weight"] = torch.bmm(A.mT, G)
         return out
 
     def norms2(self, m, a, b, names):
@@ -254,7 +256,17 @@ class FuncForm(Form):
             return sum((o * g.unsqueeze(d)).sum() for o, g, d in zip(outs, gs, out_dims))
 
         args_dims, kwargs_dims = a.dims
-        return vmap(grad(inner), in_dims=(None, args_dims, kwargs_dims, out_dims))(params, a.args, a.kwargs, grads)
+        try:  # attention in its math form: vmap batches it (the fused kernels it would loop over)
+            with sdpa_kernel(SDPBackend.MATH):
+                return vmap(grad(inner), in_dims=(None, args_dims, kwargs_dims, out_dims))(
+                    params, a.args, a.kwargs, grads
+                )
+        except RuntimeError as e:  # what torch.func cannot batch (data-dependent control flow, .item())
+            why = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"per_sample: torch.func cannot replay {type(m).__name__} per example ({why}); give the layer "
+                "a form (gradmod.register_form) or leave its parameters out of the rule"
+            ) from None
 
 
 LINEAR, CONV, FUNC, RNN = LinearForm(), ConvForm(), FuncForm(), RNNForm()

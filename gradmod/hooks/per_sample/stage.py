@@ -1,47 +1,45 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
-A forward hook on every module that directly holds a parameter of a per_sample rule
-keeps the module's input (detached) and registers a hook on its output tensor, which
-receives the output gradient during backward (a tensor hook, not a full backward hook,
-so in-place operations after the module, as in ResNet, are fine). At the end of each
-backward the stage computes, per rule, each example's gradient norm over all the rule's
-parameters (flat clipping), the clip factors ``min(1, C / (|g_i| + 1e-6))``, and adds
-``sum_i c_i g_i`` (one weighted matmul per layer) to the step's sums; the plain gradient
-autograd put in ``.grad`` is dropped. ``finish()`` (``HookSet.after_backward``) adds
-``N(0, (sigma C)^2)`` once and divides by the step's (expected) number of examples.
-Nothing per example outlives the backward that made it.
+A forward hook on every module that directly holds a parameter of a per_sample rule keeps
+its input (detached) and hooks its output tensor for the output gradient (a tensor hook, so
+in-place operations after the module are fine). At the end of each backward: per rule each
+example's norm over all the rule's parameters (flat clipping), the factors ``min(1, C /
+(|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer) into the step's sums,
+in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)`` once and divides by
+the step's (expected) number of examples. Nothing per example outlives its backward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_sample.assign import Layer, assign
+from gradmod.hooks.per_sample import refusals
+from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
+from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
 from gradmod.hooks.per_sample.form import Inputs, as_rows
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
 from gradmod.hooks.per_sample.stats import PerSampleClip
-from gradmod.hooks.per_sample.tracing import batch_dim, detach_input, followed_forward, param_or_none, trace
+from gradmod.hooks.per_sample.tracing import (
+    batch_dim,
+    batch_size,
+    broadcasts_alike,
+    detach_input,
+    followed_forward,
+    param_or_none,
+    trace,
+)
 from gradmod.hooks.stage import Core, Loop, Stage
+
+__all__ = ["PerSampleStage", "per_sample_rules"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
-
-
-@dataclass
-class Call:
-    """One forward call of a layer: its input and, after backward, its output gradients."""
-
-    layer: Layer
-    inputs: Any
-    shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
-    grads: list[Tensor | None] = field(default_factory=list)
 
 
 class PerSampleStage(Stage):
@@ -49,8 +47,10 @@ class PerSampleStage(Stage):
     under Poisson sampling (else the examples counted this step); ``generator``: the
     noise's; ``reduce``: called on the clipped sums (after this rank's noise) before the
     division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none
-    (``set_up`` sets the three from the loop's facts).
-    The layers are set up at the model's first training forward, from its trace.
+    (``set_up`` sets the three from the loop's facts); ``batch_dim`` (``core``'s): the
+    batch dimension of the model's inputs (None: 0, or 1 for a model with ``batch_first =
+    False``). The layers are set up at the model's first training forward with a non-empty
+    batch, from its trace.
 
     Under DDP flat clipping knows its factors only after the whole backward: no DDP
     all-reduce (``ddp_may_reduce``), ``reduce`` sums the ranks' clipped sums after rank 0
@@ -67,11 +67,14 @@ class PerSampleStage(Stage):
         check_targets(model, targets)
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
-        loss_reduction = core.loss_reduction
+        loss_reduction, batch_dim = core.loss_reduction, core.batch_dim
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
+        if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
+            raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
         rules = per_sample_rules(targets, dict(model.named_parameters()))
-        self.model, self.rules, self.loss_reduction = model, rules, loss_reduction
+        self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
+        self._empty = False  # a forward of zero examples ran this step: its gradients are zeros
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
         self.reduce: Callable[[list[Tensor]], None] | None = None
@@ -86,26 +89,32 @@ class PerSampleStage(Stage):
         self._batch_dependent: set[int] = set()  # whose batch gradient is no sum of per-example ones
         self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
-        self._queued = self._tracing = False
+        self._probed = Probed()  # every later one along a random direction per parameter
+        self._queued = self._tracing = self._broadcast = False
+        self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.layers is not None or self._tracing or not followed_forward() or self._swapped():
+        if self.layers is not None:
+            if self._broadcast and followed_forward():  # the size one-row calls are expanded to
+                self._batch = batch_size(module, args, kwargs, self.batch_dim) or 0
             return
-        self._tracing = True
+        if self._tracing or not followed_forward() or self._swapped():
+            return
+        if batch_size(module, args, kwargs, self.batch_dim) == 0:
+            self._empty = True  # nothing to trace; the step's gradients are zeros (plus noise)
+            return
+        self._tracing = True  # the stage's own forwards are no training forwards
         try:
-            found = trace(module, args, kwargs, set(self._rule_of))
+            found, params, layers = self._layers(module, args, kwargs)
         finally:
             self._tracing = False
-        if found is None:
-            raise ValueError(
-                f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
-                f"(dim {batch_dim(module)}); the stage needs the batch in the model's inputs"
-            )
-        params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
-        self.layers = assign(self.model, found, params)
-        self._refuse(self.layers)
+        self._broadcast, self._batch = any(layer.broadcast for layer in layers), found.batch
+        refusals.refuse_positions(self.model, found, batch_dim(module, self.batch_dim))
+        refusals.refuse_forms(self.model, layers, self._names)
+        refusals.refuse_random(self.model, layers, found, self._names)
+        self.layers = layers
         self._batch_dependent = {
             id(p) for layer in self.layers if batch_dependent(layer.module) for p in layer.names.values()
         }
@@ -113,7 +122,24 @@ class PerSampleStage(Stage):
             layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
         ]
         # after the trace: a lazy module's parameters exist only once a forward ran
+        self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
+
+    def _layers(self, module: nn.Module, args: tuple, kwargs: dict):
+        """The trace, the parameters it covers, the layers answering for them."""
+        found = trace(module, args, kwargs, set(self._rule_of), self.batch_dim)
+        if found is None:
+            raise ValueError(
+                f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
+                f"(dim {batch_dim(module, self.batch_dim)}); the stage needs the batch in the model's inputs"
+            )
+        refusals.refuse_packed(self.model, found, set(self._rule_of))
+        params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
+        layers = assign(self.model, found, params)
+        rows = [layer.module for layer in layers if layer.broadcast]
+        if rows and not broadcasts_alike(self.model, args, kwargs, rows, found):
+            layers = assign(self.model, found, params, broadcast=False)  # the general path instead
+        return found, params, layers
 
     def _swapped(self) -> bool:
         """torch.func.functional_call runs the model with other tensors: not its training."""
@@ -122,24 +148,14 @@ class PerSampleStage(Stage):
     def _rule_of_params(self) -> list[Tensor]:
         return [p for r in self.rules for p in r.params]
 
-    def _refuse(self, layers: list[Layer]) -> None:
-        names = {id(m): n for n, m in self.model.named_modules()}
-        for layer in layers:
-            why = layer.form.refusal(layer.module)
-            if why:
-                p = self._names[id(next(iter(layer.names.values())))]
-                raise ValueError(
-                    f"per_sample: {p!r} is in {names.get(id(layer.module)) or 'the model'} "
-                    f"({type(layer.module).__name__}), whose per-example gradient the stage cannot "
-                    f"give with {why}; change the layer or leave its parameters out of the rule"
-                )
-
     def _arrived(self, p: Tensor):
-        """A hook on the parameter: its whole gradient of this backward, from every use.
-        The first backward keeps it, to check that the calls followed add up to it."""
+        """The parameter's whole gradient of this backward, from every use: kept whole at the
+        first backward, along the parameter's probe direction at every later one."""
 
         def hook(g: Tensor) -> None:
             self._got[id(p)] = g if self._verify else None
+            if not self._verify:
+                self._probed.arrived(p, g)
             self._queue()
 
         return hook
@@ -155,18 +171,22 @@ class PerSampleStage(Stage):
         return next((r.clip for r in self.rules if r.clip and r.clip.noise_multiplier > 0), None)
 
     def _forward_hook(self, layer: Layer):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             if self._tracing or not followed_forward():
-                return
+                return None
+            if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
+                output = output.expand(self._batch, *output.shape[1:])
             outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
-                return
+                return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
                 a, k = pytree.tree_map(lambda x: detach_input(x, dtype), (args, kwargs))
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
+                if layer.broadcast:
+                    first = first.expand(self._batch, *first.shape[1:])
                 inputs = detach_input(first, dtype).movedim(layer.first_in, 0)
             call = Call(
                 layer,
@@ -178,6 +198,7 @@ class PerSampleStage(Stage):
             for k, t in enumerate(outs):
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(call, k))
+            return output if layer.broadcast else None
 
         return hook
 
@@ -196,57 +217,24 @@ class PerSampleStage(Stage):
         calls = [c for c in self._calls if any(g is not None for g in c.grads)]
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
         got, self._got = self._got, {}
-        self._check_covered(calls, got)
+        covered = {id(p) for c in calls for p in c.layer.names.values()}
+        check_covered(self._names, covered, got, self.layers is not None)
         if not calls:
             return
         bsz = self._clip(calls, got if self._verify else None)
-        self._verify = False
+        self._verify = self._verify and not bsz
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:
                     p.grad = None
         self.examples += bsz
 
-    def _check_covered(self, calls: list[Call], got: dict[int, Tensor | None]) -> None:
-        """Every parameter autograd gave a gradient came through a call the stage follows."""
-        covered = {id(p) for c in calls for p in c.layer.names.values()}
-        missing = [i for i in got if i not in covered]
-        if not missing:
-            return
-        name = self._names[missing[0]]
-        if self.layers is None:
-            raise ValueError(
-                f"per_sample: {name!r} got a gradient before the attached model's first training "
-                "forward set the stage up; call the model you attached (not one of its parts)"
-            )
-        raise ValueError(
-            f"per_sample: {name!r} got a gradient from outside every module call the stage follows "
-            "(used outside the model's forward, e.g. in the loss, or in a way its first forward did "
-            "not); its per-example gradient is unknown, so it is neither clipped nor kept"
-        )
-
-    def _check_sums(self, ghost, full, got: dict[int, Tensor | None], like: Tensor) -> None:
-        """The followed calls' gradients add up to autograd's: no use of a parameter escaped them."""
-        ones = {r.name: torch.ones_like(like) for r in self.rules}
-        summed = self._weighted(ghost, full, ones)
-        scale = max((float(g.norm()) for g in got.values() if g is not None), default=0.0)
-        for p, g in summed.items():
-            whole = got.get(id(p))
-            if whole is None or id(p) in self._batch_dependent:
-                continue
-            # rounding: relative to this gradient, or to the largest where this one is ~0 exactly
-            eps = max(torch.finfo(g.dtype).eps, self._grad_eps)
-            tol = (10 if eps > 1e-4 else 1e3) * eps * max(float(whole.norm()), 1e-3 * scale) + 1e-30
-            if float((g - whole).norm()) > tol:
-                raise ValueError(
-                    f"per_sample: {self._names[id(p)]!r} got part of its gradient outside the module "
-                    "calls the stage follows (used outside the model's forward, e.g. in the loss); "
-                    "that part has no per-example split, so the parameter cannot be clipped"
-                )
-
     def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
         b0 = self._grads(calls[0])
         bsz = b0[0][0].shape[b0[0][1]] if calls[0].layer.form.whole_call else b0.shape[0]
+        if bsz == 0:  # an empty batch: no example, nothing to clip (the step may still add noise)
+            self._empty = True
+            return 0
         scale = float(bsz) if self.loss_reduction == "mean" else 1.0  # per-example = scale * what b gives
         dtype = torch.promote_types(calls[0].shapes[0][1], torch.float32)  # norms in float32 or better
         norms2 = {r.name: torch.zeros(bsz, dtype=dtype, device=calls[0].shapes[0][2]) for r in self.rules}
@@ -258,9 +246,12 @@ class PerSampleStage(Stage):
             if r.clip is not None
         }
         if got is not None:
-            self._check_sums(ghost, full, got, next(iter(norms.values())))
-        for p, g in self._weighted(ghost, full, clip).items():
+            ones = {r.name: torch.ones_like(norms[r.name]) for r in self.rules}
+            check_sums(self._weighted(ghost, full, ones), got, self._names, self._batch_dependent, self._grad_eps)
+        for p, g in self._weighted(ghost, full, clip, got is None).items():
             self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
+        if got is None:
+            self._probed.check(self._names, self._batch_dependent, self._grad_eps)
         self._record(ghost, full, norms, scale)
         return bsz
 
@@ -275,16 +266,24 @@ class PerSampleStage(Stage):
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
             b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
-            if c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b):
+            full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
+            c.layer.materialised = full_
+            if full_:
                 for n, g in form.per_example(c.layer.module, c.inputs, b, names).items():
                     p = c.layer.names[n]
                     full[p] = g if p not in full else full[p] + g
             else:
-                for n, v in form.norms2(c.layer.module, c.inputs, b, names).items():
+                by_name = form.norms2(c.layer.module, c.inputs, b, names)
+                for n, v in by_name.items():
                     norms2[self._rule_of[id(c.layer.names[n])].name] += v.to(norms2_dtype)
                 ghost.append((c, b))
+                if not self._verify:
+                    self._probed.ghost(c.layer, c.inputs, b, by_name)
         for p, g in full.items():
-            norms2[self._rule_of[id(p)].name] += as_rows(g).to(norms2_dtype).square().sum(1)
+            rows2 = as_rows(g).to(norms2_dtype).square().sum(1)
+            norms2[self._rule_of[id(p)].name] += rows2
+            if not self._verify:
+                self._probed.full(p, rows2)
         return ghost, full
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
@@ -302,8 +301,9 @@ class PerSampleStage(Stage):
                 sq = sum(means[p].to(norms[r.name].dtype).square().sum() for p in r.params if p in means)
                 r.log.add_norms(norms[r.name], norms[r.name].new_tensor(0.0) + sq)
 
-    def _weighted(self, ghost, full, weights: dict[str, Tensor]) -> dict[nn.Parameter, Tensor]:
-        """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B])."""
+    def _weighted(self, ghost, full, weights: dict[str, Tensor], probe: bool = False) -> dict[nn.Parameter, Tensor]:
+        """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B]); ``probe``:
+        per-example tensors also summed plainly in the same pass, for the probe check."""
         out: dict[nn.Parameter, Tensor] = {}
         for c, b in ghost:
             by_rule: dict[str, set[str]] = {}
@@ -316,40 +316,31 @@ class PerSampleStage(Stage):
         for p, g in full.items():
             rule = self._rule_of[id(p)].name
             if rule in weights:
-                out[p] = torch.tensordot(weights[rule].to(g.dtype), g, 1).to(p.dtype)
+                w = weights[rule].to(g.dtype)
+                both = torch.tensordot(torch.stack([w, torch.ones_like(w)]) if probe else w, g, 1)
+                out[p] = (both[0] if probe else both).to(p.dtype)
+                self._probed.summed(p, both[1]) if probe else None
         return out
 
     def _grads(self, c: Call):
         """The output gradient(s) of a call (outputs that got none count as zeros): for a
         whole-call form (gradient, batch dim) pairs, else the first, batch first."""
-        grads = [
-            g if g is not None else torch.zeros(s, dtype=dt, device=dev) for g, (s, dt, dev) in zip(c.grads, c.shapes)
-        ]
+        grads = [torch.zeros(s, dtype=t, device=d) if g is None else g for g, (s, t, d) in zip(c.grads, c.shapes)]
         if c.layer.form.whole_call:
             return list(zip(grads, c.layer.out_dims))
         return grads[0].movedim(c.layer.out_dims[0], 0)
 
     def finish(self) -> None:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
-        if self.layers is None:
-            stray = next(
-                (
-                    n
-                    for r in self.rules
-                    if r.clip
-                    for p in r.params
-                    if p.grad is not None
-                    for n in [self._names.get(id(p))]
-                ),
-                None,
-            )
-            if stray is not None:
-                raise ValueError(
-                    f"per_sample: {stray!r} got a gradient, but the attached model never ran a training "
-                    "forward to set the stage up; call the model you attached (not one of its parts)"
-                )
+        self._probed.settle()
+        if self.layers is None and not self._empty:
+            refusals.refuse_untraced(self.rules, self._names)
         if not self.examples and self.expected_batch_size is None:
+            for p in [p for r in self.rules if r.clip and self._empty for p in r.params]:
+                p.grad = torch.zeros_like(p)  # zero examples, no expected size to divide noise by
+            self._empty = False
             return  # nothing seen; under Poisson sampling an empty step still gets its noise
+        self._empty = False
         n = float(self.expected_batch_size or self.examples)
         for r in self.rules:
             if r.clip is None:
@@ -389,6 +380,13 @@ class PerSampleStage(Stage):
         clips = [(f"{r.name}/per_sample_clip", r.clip.record if r.clip else None) for r in self.rules]
         logs = [(f"{r.name}/log", r.log) for r in self.rules]
         return [kv for pair in zip(clips, logs) for kv in pair if kv[1] is not None]
+
+    def paths(self) -> dict[str, str]:
+        """Each parameter's path (``assign.path_of``); {} before the first training forward."""
+        where = {id(m): n or type(self.model).__name__ for n, m in self.model.named_modules()}
+        return {
+            self._names[id(p)]: path_of(x, where[id(x.module)]) for x in self.layers or [] for p in x.names.values()
+        }
 
     def remove(self) -> None:
         for h in self._handles:

@@ -6,19 +6,31 @@ forwards were running when an operation used it; one with the batch grown by one
 A tensor dimension whose size changed with the batch is that call's batch dimension: known,
 not guessed from sizes (a sequence as long as the batch is large stays put). A dimension
 that holds the batch merged with another, or two that both changed, is marked ``UNKNOWN``.
+The first forward also notes every random operation (dropout) and the modules running it,
+and every module call that gets or gives a ``PackedSequence``: the stage refuses both where
+it cannot split them per example.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 UNKNOWN = "?"
+PACKED = "packed"  # a PackedSequence where a tensor's shape would be
+# Operations that draw random numbers whatever their arguments (dropout-like ones are checked apart).
+RANDOM = {
+    "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+    "randperm", "multinomial", "normal", "normal_", "uniform_", "exponential_", "geometric_",
+    "log_normal_", "cauchy_", "random_", "poisson",
+}  # fmt: skip
 
 
 @dataclass
@@ -34,10 +46,53 @@ class Trace:
     batch: int
     dims: dict[int, tuple[Any, list]]  # id(module) -> (input dims tree, output dims) or UNKNOWN
     uses: dict[int, list[tuple[nn.Module, ...]]]  # id(param) -> each use's stack of running modules
+    random: list[tuple[str, float, tuple[nn.Module, ...]]] = field(default_factory=list)  # (op, p, stack)
+    packed: list[nn.Module] = field(default_factory=list)  # modules called with or giving a PackedSequence
+    outs: list[torch.Size] = field(default_factory=list)  # the shapes of the model's own outputs
+    first: dict[int, CallShapes] = field(default_factory=dict)  # id(module) -> its first call's shapes
+    output: Any = None  # the model's output (detached), to compare a changed forward with
+    rng: Any = None  # the random state the first forward started from
+
+
+class TraceError(ValueError):
+    """The model's forward cannot be traced as the stage needs (one line)."""
+
+
+def _packed(x: Any) -> bool:
+    return isinstance(x, PackedSequence)
 
 
 def _shape(x: Any) -> Any:
+    if isinstance(x, PackedSequence):
+        return PACKED
     return x.shape if isinstance(x, Tensor) else None
+
+
+def _dropout_p(func, args: tuple, kwargs: dict) -> float:
+    """The probability a random operation zeroes with (1.0: it draws whatever it does); 0: none."""
+    name = getattr(func, "__name__", "")
+    if name in RANDOM:
+        return 1.0
+    if "dropout" not in name and name not in (
+        "scaled_dot_product_attention",
+        "multi_head_attention_forward",
+        "rrelu",
+        "rrelu_",
+    ):
+        return 0.0
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+    except (TypeError, ValueError):  # a builtin: torch.dropout(input, p, train), sdpa(q, k, v, mask, dropout_p)
+        order = ["input", "p", "train"] if "dropout" in name else ["query", "key", "value", "attn_mask", "dropout_p"]
+        given = {**dict(zip(order, args)), **kwargs}
+    if name.startswith("rrelu"):  # random in training only
+        return 1.0 if given.get("training", False) else 0.0
+    if not given.get("training", given.get("train", True)):
+        return 0.0
+    p = given.get("dropout_p", given.get("p", 0.0))
+    return float(p) if isinstance(p, (int, float)) else 1.0
 
 
 def _tensors(out: Any) -> list[Tensor]:
@@ -47,12 +102,15 @@ def _tensors(out: Any) -> list[Tensor]:
 class _Uses(TorchFunctionMode):
     """Each operation that takes a watched parameter and gives a tensor autograd connects to it."""
 
-    def __init__(self, watched: set[int], stack: list, uses: dict):
+    def __init__(self, watched: set[int], stack: list, uses: dict, random: list):
         super().__init__()
-        self.watched, self.stack, self.uses = watched, stack, uses
+        self.watched, self.stack, self.uses, self.random = watched, stack, uses, random
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        drop = _dropout_p(func, args, kwargs or {})
+        if drop > 0:
+            self.random.append((getattr(func, "__name__", str(func)), drop, tuple(self.stack)))
         used = {id(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor)} & self.watched
         if used and any(t.grad_fn is not None for t in _tensors(out)):
             for p in used:
@@ -60,20 +118,26 @@ class _Uses(TorchFunctionMode):
         return out
 
 
-def _record(model: nn.Module, args, kwargs, watched: set[int] | None) -> tuple[dict[int, list[CallShapes]], dict]:
+def _record(model: nn.Module, args, kwargs, watched: set[int] | None, trace: Trace | None = None):
     calls: dict[int, list[CallShapes]] = {}
     stack: list[nn.Module] = []
     open_calls: list[CallShapes] = []
-    uses: dict[int, list] = {}
+    uses: dict[int, list] = {} if trace is None else trace.uses
+    random: list = [] if trace is None else trace.random
+    packed: list = [] if trace is None else trace.packed
 
     def pre(m, a, kw):
         stack.append(m)
-        call = CallShapes(pytree.tree_map(_shape, (a, kw)))
+        if any(_packed(x) for x in pytree.tree_leaves((a, kw), is_leaf=_packed)):
+            packed.append(m)
+        call = CallShapes(pytree.tree_map(_shape, (a, kw), is_leaf=_packed))
         calls.setdefault(id(m), []).append(call)
         open_calls.append(call)
 
     def post(m, a, kw, out):
         stack.pop()
+        if any(_packed(x) for x in pytree.tree_leaves(out, is_leaf=_packed)) and m not in packed:
+            packed.append(m)
         open_calls.pop().outs = [t.shape for t in _tensors(out)]
 
     modules = {id(m): m for m in model.modules()}.values()
@@ -87,16 +151,18 @@ def _record(model: nn.Module, args, kwargs, watched: set[int] | None) -> tuple[d
             with torch.no_grad():
                 model(*args, **kwargs)
         else:
-            with torch.enable_grad(), _Uses(watched, stack, uses):
-                model(*args, **kwargs)
+            with torch.enable_grad(), _Uses(watched, stack, uses, random):
+                output = model(*args, **kwargs)
+            if trace is not None:
+                trace.output = pytree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, output)
     finally:
         for h in handles:
             h.remove()
-    return calls, uses
+    return calls
 
 
 def _dim(a: torch.Size | None, b: torch.Size | None, batch: int):
-    if a is None:
+    if a is None or a == PACKED:
         return None
     if b is None or len(a) != len(b):
         return UNKNOWN
@@ -113,8 +179,8 @@ def _dims(first: list[CallShapes], grown: list[CallShapes] | None, batch: int):
         return UNKNOWN
     found = []
     for c1, c2 in zip(first, grown):
-        leaves1, tree1 = pytree.tree_flatten(c1.spec, is_leaf=lambda x: isinstance(x, torch.Size))
-        leaves2, tree2 = pytree.tree_flatten(c2.spec, is_leaf=lambda x: isinstance(x, torch.Size))
+        leaves1, tree1 = pytree.tree_flatten(c1.spec, is_leaf=lambda x: isinstance(x, torch.Size) or x == PACKED)
+        leaves2, tree2 = pytree.tree_flatten(c2.spec, is_leaf=lambda x: isinstance(x, torch.Size) or x == PACKED)
         if tree1 != tree2 or len(c1.outs) != len(c2.outs):
             return UNKNOWN
         ins = pytree.tree_unflatten([_dim(x, y, batch) for x, y in zip(leaves1, leaves2)], tree1)
@@ -122,9 +188,19 @@ def _dims(first: list[CallShapes], grown: list[CallShapes] | None, batch: int):
     return found[0] if all(f == found[0] for f in found) else UNKNOWN
 
 
-def batch_dim(model: nn.Module) -> int:
-    """The batch dimension of the model's own inputs: 0, or 1 for a sequence-first torch layer."""
+def batch_dim(model: nn.Module, declared: int | None = None) -> int:
+    """The batch dimension of the model's own inputs: ``declared`` (``attach(batch_dim=...)``),
+    else 0, or 1 for a model that says ``batch_first = False`` as torch's sequence layers do."""
+    if declared is not None:
+        return declared
     return 1 if getattr(model, "batch_first", True) is False else 0
+
+
+def batch_size(model: nn.Module, args: tuple, kwargs: dict, declared: int | None = None) -> int | None:
+    """The size of the batch dimension of the model's first input that has one (None: none has)."""
+    d = batch_dim(model, declared)
+    first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.dim() > d), None)
+    return None if first is None else first.shape[d]
 
 
 def _grow(x: Any, d: int, batch: int) -> Any:
@@ -133,20 +209,73 @@ def _grow(x: Any, d: int, batch: int) -> Any:
     return x
 
 
-def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int]) -> Trace | None:
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declared: int | None = None) -> Trace | None:
     """The trace of one forward of ``model(*args, **kwargs)``; None when no input has a batch."""
-    d = batch_dim(model)
-    first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.dim() > d), None)
-    if first is None:
+    d = batch_dim(model, declared)
+    if any(_packed(x) for x in pytree.tree_leaves((args, kwargs), is_leaf=_packed)):
+        return Trace(0, {}, {}, packed=[model])
+    batch = batch_size(model, args, kwargs, declared)
+    if batch is None:
         return None
-    batch = first.shape[d]
+    out = Trace(batch, {}, {})
     devices = [x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.is_cuda]
-    with torch.random.fork_rng(devices=sorted({x.index or 0 for x in devices})):
-        calls, uses = _record(model, args, kwargs, watched)
+    cuda = sorted({x.index or 0 for x in devices})
+    with torch.random.fork_rng(devices=cuda):
+        out.rng = (torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in cuda})
+        calls = _record(model, args, kwargs, watched, out)
+        if out.packed:
+            return out
         grown_args, grown_kwargs = pytree.tree_map(lambda x: _grow(x, d, batch), (args, kwargs))
-        grown, _ = _record(model, grown_args, grown_kwargs, None)
-    dims = {m: _dims(c, grown.get(m), batch) for m, c in calls.items()}
-    return Trace(batch, dims, uses)
+        try:
+            grown = _record(model, grown_args, grown_kwargs, None)
+        except Exception as e:  # the user's model: any error it raises on a batch one larger
+            raise TraceError(
+                f"per_sample: {type(model).__name__}'s forward fails on its inputs with the batch (dim {d}) "
+                f"grown by one example ({_first_line(e)}); the stage runs it so to find each call's batch "
+                "dimension: declare the inputs' batch dimension with attach(batch_dim=...), or make the "
+                "forward take any batch size"
+            ) from None
+    out.dims = {m: _dims(c, grown.get(m), batch) for m, c in calls.items()}
+    out.outs = calls[id(model)][0].outs
+    out.first = {m: c[0] for m, c in calls.items()}
+    return out
+
+
+def _expanded(batch: int):
+    def hook(m, args, output):
+        return output.expand(batch, *output.shape[1:])
+
+    return hook
+
+
+def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[nn.Module], trace: Trace) -> bool:
+    """Whether the model's forward gives the very same outputs when each of ``modules``
+    returns its one-row output (no batch in its inputs: HF's default position ids) expanded
+    to the batch, as the stage will then do so to see each example's share of its gradient.
+    Run once, as the first forward ran: from its random state (the same dropout masks), with
+    gradients on (some layers, an LSTM, pick other kernels without)."""
+    handles = [m.register_forward_hook(_expanded(trace.batch)) for m in modules]
+    cpu, cuda = trace.rng
+    try:
+        with torch.random.fork_rng(devices=list(cuda)), torch.enable_grad():  # the first's kernels too
+            torch.set_rng_state(cpu)
+            for i, state in cuda.items():
+                torch.cuda.set_rng_state(state, i)
+            output = model(*args, **kwargs)
+    except Exception:  # a consumer that needs the one row (its shape): not alike
+        return False
+    finally:
+        for h in handles:
+            h.remove()
+    mine, theirs = pytree.tree_leaves(output), pytree.tree_leaves(trace.output)
+    return len(mine) == len(theirs) and all(
+        torch.equal(a, b) if isinstance(a, Tensor) and isinstance(b, Tensor) else a == b for a, b in zip(mine, theirs)
+    )
 
 
 def detach_input(x: Any, dtype: torch.dtype | None = None) -> Any:

@@ -1,0 +1,98 @@
+"""What the model's first training forward shows the per_sample stage cannot split per
+example, each refused in one line when it sets the stage up (the rules and the model before
+anything is attached: ``sample_rules``). A refusal names the parameter or module and what to
+change; a per-example gradient the stage cannot know is never replaced by something else.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from gradmod.hooks.per_sample.assign import Layer
+from gradmod.hooks.per_sample.layers import FuncForm
+from gradmod.hooks.per_sample.tracing import Trace
+
+
+def _path(model: nn.Module, m: nn.Module) -> str:
+    return next((n for n, x in model.named_modules() if x is m), "") or type(model).__name__
+
+
+def refuse_packed(model: nn.Module, trace: Trace, watched: set[int]) -> None:
+    """A PackedSequence merges the examples' steps into one dimension the stage cannot split."""
+    if not trace.packed:
+        return
+    holding = [m for m in trace.packed if any(id(p) in watched for p in m.parameters(recurse=False))]
+    m = (holding or trace.packed)[0]
+    where = f"{type(m).__name__}, the attached model," if m is model else f"{_path(model, m)} ({type(m).__name__})"
+    raise ValueError(
+        f"per_sample: {where} gets or gives a PackedSequence, whose "
+        "packed steps the stage cannot split per example; feed it padded tensors "
+        "(nn.utils.rnn.pad_packed_sequence) with the batch in one dimension, or leave its parameters "
+        "out of the rule"
+    )
+
+
+def refuse_positions(model: nn.Module, trace: Trace, dim: int) -> None:
+    """Outputs that do not grow with the declared batch: whatever grew was not the examples.
+    (A model that returns only scalars, its loss, says nothing either way.)"""
+    dims = trace.dims.get(id(model))
+    if not isinstance(dims, tuple) or any(d is not None for d in dims[1]) or all(len(s) == 0 for s in trace.outs):
+        return
+    raise ValueError(
+        f"per_sample: {type(model).__name__}'s outputs do not grow with dim {dim} of its inputs, so that "
+        "dim is not the examples' (each position's gradient would be clipped, not each example's); "
+        "declare the inputs' batch dimension with attach(batch_dim=...) (or the model's batch_first)"
+    )
+
+
+def refuse_forms(model: nn.Module, layers: list[Layer], names: dict[int, str]) -> None:
+    """A closed form's own refusal (``Form.refusal``) of its layer's configuration."""
+    for layer in layers:
+        why = layer.form.refusal(layer.module)
+        if why:
+            p = names[id(next(iter(layer.names.values())))]
+            raise ValueError(
+                f"per_sample: {p!r} is in {_path(model, layer.module)} ({type(layer.module).__name__}), "
+                f"whose per-example gradient the stage cannot give with {why}; change the layer or leave "
+                "its parameters out of the rule"
+            )
+
+
+def _dropout_keys(stack: tuple[nn.Module, ...], p: float) -> str:
+    """The model config's dropout keys (Hugging Face: ``model.config``) with probability ``p``."""
+    for m in reversed(stack):
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            found = {k: v for k, v in config.to_dict().items() if "drop" in k and isinstance(v, float) and v > 0}
+            keys = [k for k, v in found.items() if abs(v - p) < 1e-12] or list(found)
+            if keys:
+                return f"set {' and '.join(f'config.{k}' for k in sorted(keys))} to 0.0"
+    return "give it dropout 0.0 (nn.TransformerEncoderLayer(dropout=0.0), nn.MultiheadAttention(dropout=0.0)) or .eval() it"
+
+
+def refuse_random(model: nn.Module, layers: list[Layer], trace: Trace, names: dict[int, str]) -> None:
+    """The general path replays a module per example with ``torch.func``, which cannot see the
+    masks the batch's forward drew: dropout inside such a module is refused."""
+    for layer in layers:
+        if not isinstance(layer.form, FuncForm):
+            continue
+        for op, p, stack in trace.random:
+            if any(m is layer.module for m in stack):
+                inner = stack[-1]
+                param = names[id(next(iter(layer.names.values())))]
+                raise ValueError(
+                    f"per_sample: {param!r} takes the general path through {_path(model, layer.module)} "
+                    f"({type(layer.module).__name__}), which replays it per example without the batch's "
+                    f"dropout masks, and {_path(model, inner)} ({type(inner).__name__}) runs {op} there "
+                    f"(p={p:g}); {_dropout_keys(stack, p)}, or leave the parameter out of the rule"
+                )
+
+
+def refuse_untraced(rules: list, names: dict[int, str]) -> None:
+    """A clipped parameter got a gradient, yet the attached model never ran a training forward."""
+    stray = next((names.get(id(p)) for r in rules if r.clip for p in r.params if p.grad is not None), None)
+    if stray is not None:
+        raise ValueError(
+            f"per_sample: {stray!r} got a gradient, but the attached model never ran a training "
+            "forward to set the stage up; call the model you attached (not one of its parts)"
+        )

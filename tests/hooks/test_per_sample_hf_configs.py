@@ -1,0 +1,123 @@
+"""Stock Hugging Face configs, default dropout kept (tiny sizes only): the per_sample stage
+gives each example's gradient under the batch forward's own dropout masks (float64, against
+one autograd gradient per example of that same forward), or refuses in one line naming the
+module and the config key to change. Dropout inside torch's TransformerEncoderLayer likewise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradmod.hooks.hookset import attach
+
+transformers = pytest.importorskip("transformers", reason="the models are built from transformers' configs")
+
+VOCAB, B, T = 37, 3, 5
+SMALL = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=8)
+    )
+
+
+def _bert():
+    return transformers.BertForSequenceClassification(
+        transformers.BertConfig(**SMALL, max_position_embeddings=8, num_labels=3)
+    )
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, num_key_value_heads=2))
+
+
+def _qwen2():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, num_key_value_heads=2))
+
+
+def _t5():
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+class Logits(nn.Module):
+    def __init__(self, hf: nn.Module, seq2seq: bool = False):
+        super().__init__()
+        self.hf, self.seq2seq = hf, seq2seq
+
+    def forward(self, idx):
+        if self.seq2seq:
+            return self.hf(input_ids=idx, decoder_input_ids=idx[:, :3]).logits
+        return self.hf(input_ids=idx).logits
+
+
+def _rule(max_norm: float) -> dict:
+    return {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": max_norm}]}}
+
+
+def check_or_refusal(model: nn.Module, x: torch.Tensor, rtol: float = 1e-10) -> str | None:
+    """None where the stage's clipped mean equals the reference's to ``rtol``; else its one-line refusal."""
+    model = model.double().train()
+    x = x.double() if x.is_floating_point() else x
+    params = dict(model.named_parameters())
+    torch.manual_seed(1)
+    out = model(x)
+    weights = torch.randn_like(out)
+    per = [torch.autograd.grad((out[i] * weights[i]).sum(), list(params.values()), retain_graph=True, allow_unused=True)
+           for i in range(len(x))]  # fmt: skip
+    per = [[torch.zeros_like(p) if g is None else g for g, p in zip(row, params.values())] for row in per]
+    norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in row)) for row in per])
+    max_norm = float(norms.median())
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    want = [sum(c * row[k] for c, row in zip(coef, per)) / len(x) for k in range(len(params))]
+    hooks = attach(model, _rule(max_norm))
+    torch.manual_seed(1)  # the same dropout masks as the reference's forward
+    try:
+        ((model(x) * weights).sum() / len(x)).backward()
+    except ValueError as e:
+        hooks.remove()
+        assert "\n" not in str(e)
+        return str(e)
+    hooks.after_backward()
+    scale = max(float(w.norm()) for w in want)
+    for (name, p), w in zip(params.items(), want):
+        err = float((p.grad - w).norm())
+        assert err <= rtol * max(float(w.norm()), 1e-3 * scale), f"{name}: error {err:.2e}"
+    hooks.remove()
+    return None
+
+
+# model -> None (right) or (module named, config key named) in the refusal. GPT-2's and BERT's
+# position embeddings, called on one row of ids for the whole batch, are followed with their
+# output expanded to the batch, so nothing of theirs is replayed. Llama's and Qwen2's RMSNorm
+# compute in float32 whatever the model's dtype: their gradients agree to float32's rounding.
+CASES = {
+    "gpt2": (_gpt2, None),
+    "bert": (_bert, None),
+    "llama": (_llama, None),
+    "qwen2": (_qwen2, None),
+    "t5": (_t5, ("hf.encoder.dropout (Dropout)", "config.dropout_rate")),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", list(CASES))
+def test_stock_configs_with_their_dropout_are_right_or_refused_in_one_line(name):
+    make, refused = CASES[name]
+    torch.manual_seed(0)
+    model = Logits(make(), seq2seq=name == "t5")
+    rtol = 1e-6 if name in ("llama", "qwen2") else 1e-10
+    msg = check_or_refusal(model, torch.randint(0, VOCAB, (B, T)), rtol=rtol)
+    if refused is None:
+        assert msg is None, msg
+    else:
+        assert msg is not None and all(word in msg for word in refused), msg
+
+
+def test_dropout_inside_a_transformer_encoder_layer_is_refused_in_one_line():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)  # dropout=0.1 by default
+    msg = check_or_refusal(nn.Sequential(layer, nn.Flatten(), nn.Linear(40, 3)), torch.randn(B, T, 8))
+    assert msg is not None and "self_attn (MultiheadAttention)" in msg and "dropout=0.0" in msg, msg
