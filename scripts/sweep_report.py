@@ -9,19 +9,21 @@ one whose process is gone without an ending as killed.
 import argparse
 import sys
 
-from gradmod.reporting.sweep_report import markdown, write_report
+from gradmod.reporting.sweep_report import write_report
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", help="the sweep folder (Hydra's hydra.sweep.dir)")
+    parser.add_argument("--metric", default="auto", help="what ranks the groups (as report.metric)")
+    parser.add_argument("--direction", default="auto", help="auto | higher | lower (as report.direction)")
     args = parser.parse_args()
     try:
-        paths, rows = write_report(args.path)
+        paths, rows = write_report(args.path, metric=args.metric, direction=args.direction)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(markdown(rows, args.path))
+    print(paths["md"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 

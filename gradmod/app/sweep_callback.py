@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import write_report
@@ -46,7 +46,15 @@ class SweepReport(Callback):
             signal.signal(s, handler)
         if stop_asked():  # after the last job: the report says all ran
             stop_sweep(config.hydra.sweep.dir, stop_asked())
-        paths, rows = write_report(config.hydra.sweep.dir, ended=True)
+        report = OmegaConf.select(config, "report") or {}
+        rank = {"metric": report.get("metric", "auto"), "direction": report.get("direction", "auto")}
+        try:
+            paths, rows = write_report(config.hydra.sweep.dir, ended=True, **rank)
+        except ValueError as e:  # a task the jobs do not have: said, and the report ranked as by default
+            if not str(e).startswith("report."):
+                raise
+            print(f"error: {e}; the report ranks by report.metric=auto instead", file=sys.stderr)
+            paths, rows = write_report(config.hydra.sweep.dir, ended=True)
         bad = [r for r in rows if r["status"] != "ok"]
         log.info("sweep report: %s, %s, %s", *paths.values())
         if bad:

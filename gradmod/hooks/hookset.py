@@ -155,6 +155,18 @@ class HookSet:
         for stage in self.stages:
             stage.end_epoch()
 
+    @property
+    def wants_step_losses(self) -> bool:
+        """A stage learns from the step's batch's losses after the optimizer step (famo)."""
+        return any(stage.wants_step_losses for stage in self.stages)
+
+    def after_step(self, losses: Mapping[str, Tensor]) -> None:
+        """Hand the stages that want them (``wants_step_losses``) the same batch's named
+        losses after ``optimizer.step()``, computed under ``torch.no_grad()``."""
+        for stage in self.stages:
+            if stage.wants_step_losses:
+                stage.after_step(losses)
+
     def after_backward(self) -> bool:
         """Finish the stages that act after backward, in their order (call before
         optimizer.step): the per_sample stage's parameters get their clipped, noised mean

@@ -78,6 +78,11 @@ def entries() -> dict[str, Entry]:
     return _ENTRIES
 
 
+# kind -> check(name, factory) of the factories of that kind, set by the module that defines
+# the kind's base class (a per_loss factory must build a per_loss Method): refused at register.
+FACTORY_CHECKS: dict[str, Callable[[str, Any], None]] = {}
+
+
 def _check(name: str, factory: Any, kind: str, foreach: Any, observer: bool) -> None:
     where = f"register({name!r})"
     if not isinstance(name, str) or not name:
@@ -119,6 +124,8 @@ def register(
             raise TypeError(f"register({name!r}): factory must be callable, got {type(f).__name__}")
         if name in entries() and not overwrite:
             raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
+        if kind in FACTORY_CHECKS:  # after entries(): the catalog's import sets the checks
+            FACTORY_CHECKS[kind](name, f)
         _ENTRIES[name] = Entry(name, f, kind, foreach, observer)
         return f
 

@@ -26,7 +26,8 @@ from gradmod.hooks.timed import check_range, rule_window, split_schedules
 STAGE_NAMES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
 NAMED = DEFAULT_STAGES + tuple(s for s in STAGE_NAMES if s not in DEFAULT_STAGES)  # as messages list them
-RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage", "active")
+RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage", "rows", "active")
+ROWS = ("examples", "batch")  # a per_loss modules rule's Gramian: per-example rows, or batch-summed (LibMTL)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Target:
     name: str
     stage: str
     steps: list[R.BuiltTransform]
+    rows: str | None = None  # a per_loss modules rule's ``rows`` (ROWS); None: examples
     active: Active | None = None  # the rule's window; None: every step
 
     @property
@@ -183,8 +185,21 @@ def _rule_targets(
         except ValueError as e:
             raise ValueError(f"hooks.{rule}.transforms: {e}") from None
         shared.update((i, st) for i, st in enumerate(steps) if _shared(st))
-        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage), window))
+        rows = _rows(rule, spec, kind, stage)
+        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage), rows, window))
     return targets
+
+
+def _rows(rule: str, spec: Mapping[str, Any], kind: str, stage: str) -> str | None:
+    """``rows``: how a per_loss ``modules:`` rule with a Gramian method forms its Gramian."""
+    rows = spec.get("rows")
+    if rows is None:
+        return None
+    if rows not in ROWS:
+        raise ValueError(f"hooks.{rule}.rows: {rows!r}; allowed: {', '.join(ROWS)}")
+    if kind != "module" or stage != "per_loss":
+        raise ValueError(f"hooks.{rule}.rows: only a per_loss rule on modules (its output's task gradients) has rows")
+    return rows
 
 
 def _build(spec: Any, schedules: dict[str, Any], stage: str, length: Length) -> R.BuiltTransform:

@@ -144,6 +144,15 @@ class Stage(abc.ABC):
     def end_epoch(self) -> None:  # noqa: B027  (only epoch-counting methods act)
         """An epoch ended."""
 
+    @property
+    def wants_step_losses(self) -> bool:
+        """Whether ``after_step`` wants the step's batch's losses after ``optimizer.step()``
+        (a loop then computes them in a forward without gradients)."""
+        return False
+
+    def after_step(self, losses: Mapping[str, Tensor]) -> None:  # noqa: B027  (famo's same-batch update)
+        """The same batch's named losses after the optimizer step, computed without gradients."""
+
     def set_up(self, loop: Loop) -> None:  # noqa: B027  (most stages need no loop facts)
         """What the loop knows (ranks, batch size, the all-reduce)."""
 

@@ -51,9 +51,9 @@ def attach_for(
     callback cannot honour:
     ``zclip(on_spike="skip")`` (a callback cannot skip one optimizer step, and zeroing the
     gradients is not a skip under momentum or weight decay), and hook-stage rules when
-    ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled), and per_sample
-    rules (see ``docs/privacy.md``), and sharpness rules (the loop's own backward cannot take
-    a second pass)."""
+    ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled), per_sample
+    rules (see ``docs/privacy.md``), per_loss rules (the loop's backward takes one loss) and
+    sharpness rules (the loop's own backward cannot take a second pass)."""
     _refuse_shared(trainer, model, rules, stage, *shared, Length(steps_per_epoch, total_steps))
     hooks = attach(model, rules, stage=stage, replace=False, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     private = hooks.stage("per_sample")
@@ -65,6 +65,14 @@ def attach_for(
             "its loop scales the loss for accumulation and samples fixed-size batches, so neither the "
             "clipping nor an epsilon would be true; train with gradmod's trainer (python train.py "
             "+hooks=dp) or attach the rules in your own loop"
+        )
+    if hooks.per_loss is not None:
+        rule = hooks.per_loss.rules[0].name
+        hooks.remove()
+        raise ValueError(
+            f"hooks.{rule}: per_loss rules combine the gradients of several named losses through "
+            f"hooks.backward(losses), and {trainer} calls backward on one summed loss itself; train with "
+            "gradmod's trainer (python train.py +hooks=upgrad) or call hooks.backward(losses) in your own loop"
         )
     sharp = hooks.stage("sharpness")
     if sharp is not None:

@@ -200,9 +200,17 @@ def _panels(n: int):
     return fig, [a[0] for a in axes]
 
 
+NORM_FIELDS = ("norm", "norm_mean", "norm_max", "p50", "p90")
+
+
+def has_norms(rows: Sequence[tuple[int, dict[str, Any]]]) -> bool:
+    """Whether ``plot_grad_norms`` has a line to draw (per_loss records have none of these)."""
+    return any(f in s for _, stats in rows for s in stats.values() for f in NORM_FIELDS)
+
+
 def _finish(fig, axes, path: str | Path) -> Path:
     for ax in axes:
-        if len(ax.lines) <= 16:
+        if ax.get_legend_handles_labels()[0] and len(ax.lines) <= 16:
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -8,10 +8,11 @@ registered in ``gradmod/conf/config.yaml`` under ``hydra.callbacks``) writes, in
   ``frac_clipped`` and the total gradient norm), skipped steps, seconds and error; for a
   multi-task sweep then each task's test metric and loss (``TASK/test_metric``, ...);
 * ``sweep.md``: the same table in Markdown (the overrides that differ between jobs; the
-  shared ones above it), then one row per group of jobs that differ only in ``seed=``:
-  accuracy and loss as mean +- std over the seeds, the statistics' means, a note naming the
-  groups within the seed spread of the best; with several tasks, each task's metric as mean
-  +- std per group (a multi-task run's accuracy is the mean of its tasks' accuracies);
+  shared ones above the table), then one row per group of jobs that differ only in
+  ``seed=``: accuracy and loss as mean +- std over the seeds, the statistics' means, ranked
+  by ``report.metric`` in its direction (``sweep_rank``), and a note naming the groups within
+  the seed spread of the best; with several tasks, a table of each task's metric (accuracy,
+  rmse or one's own) as mean +- std over the seeds, per group;
 * ``sweep_curves.png``: every job's test accuracy and loss per epoch, one colour per group.
 
 A job's ending comes from the record it wrote itself (``sweep_jobs``: ok, failed, refused,
@@ -33,6 +34,7 @@ from typing import Any, Mapping
 import yaml
 
 from gradmod.reporting import run_summary, sweep_jobs
+from gradmod.reporting.sweep_rank import Ranking, ordered, ranking, spread_note
 
 log = logging.getLogger(__name__)
 
@@ -220,32 +222,36 @@ def _spread(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
 
 
-def by_group(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per group of jobs that differ only in ``seed=``: how many finished ok, accuracy and
-    loss as mean and sample std over them, and the means of the statistics, skipped steps
-    and seconds; best mean accuracy first."""
+def by_group(rows: list[dict[str, Any]], rank: Ranking | None = None) -> list[dict[str, Any]]:
+    """Per group of jobs that differ only in ``seed=``: how many ended ok, the ranking's
+    number (``score``), accuracy and loss as mean and sample std over them, and the means of
+    the statistics, skipped steps and seconds; best score first (``sweep_rank``)."""
+    rank = rank or ranking(rows)
     groups: dict[str, list[dict[str, Any]]] = {}
     for row, own in zip(rows, _varying(rows)[1]):
         groups.setdefault(group_of(own), []).append(row)
     out = []
     for name, members in groups.items():
-        ok = [r for r in members if r["status"] == "ok" and r["test_accuracy"] is not None]
-        acc, acc_std = _spread([r["test_accuracy"] for r in ok])
+        ok = [r for r in members if r["status"] == "ok"]
+        score, score_std = _spread([v for v in map(rank.value, ok) if v is not None])
+        acc, acc_std = _spread([r["test_accuracy"] for r in ok if r["test_accuracy"] is not None])
         loss, loss_std = _spread([r["test_loss"] for r in ok if r["test_loss"] is not None])
         out.append(
             {
                 "group": name,
                 "jobs": len(members),
                 "ok": len(ok),
+                "score": score,
+                "score_std": score_std,
                 "accuracy": acc,
                 "accuracy_std": acc_std,
                 "loss": loss,
                 "loss_std": loss_std,
                 "tasks": _task_spread(ok),
-                **{k: _mean([r[k] for r in ok]) for k in (*STATS, "skipped_steps", "seconds")},
+                **{k: _mean([r.get(k) for r in ok]) for k in (*STATS, "skipped_steps", "seconds")},
             }
         )
-    return sorted(out, key=lambda g: -1.0 if g["accuracy"] is None else -g["accuracy"])
+    return ordered(out, rank)
 
 
 def task_names(rows: list[dict[str, Any]]) -> list[str]:
@@ -262,31 +268,6 @@ def _task_spread(ok: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]
         loss, loss_std = _spread([v["test_loss"] for v in values if v.get("test_loss") is not None])
         out[task] = {"metric": metric, "metric_std": metric_std, "loss": loss, "loss_std": loss_std}
     return out
-
-
-def spread_note(groups: list[dict[str, Any]]) -> str:
-    """Which groups' accuracy is within the seed spread of the best group's (their means
-    differ by less than the larger of the two stds), so the ranking between them is noise."""
-    ranked = [g for g in groups if g["accuracy"] is not None]
-    if len(ranked) < 2:
-        return ""
-    if all(g["accuracy_std"] is None for g in ranked):
-        return "One seed per group: no seed spread to compare the differences with (add e.g. seed=0,1,2)."
-    best = ranked[0]
-    close = [
-        g
-        for g in ranked[1:]
-        if g["accuracy_std"] is not None
-        and best["accuracy_std"] is not None
-        and best["accuracy"] - g["accuracy"] <= max(best["accuracy_std"], g["accuracy_std"])
-    ]
-    if not close:
-        return f"The best group, `{best['group']}`, is ahead of every other by more than the seed spread."
-    names = ", ".join(f"`{g['group']}`" for g in close)
-    return (
-        f"Within the seed spread of the best group (`{best['group']}`): {names}; the accuracy differences "
-        "between them are smaller than the std over seeds, so they do not rank these settings."
-    )
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -317,7 +298,8 @@ def _count_line(rows: list[dict[str, Any]]) -> str:
     return f"{len(rows)} jobs: {ok} ok" + (f", {rest}" if rest else "") + "."
 
 
-def markdown(rows: list[dict[str, Any]], sweep_dir: str | Path = "") -> str:
+def markdown(rows: list[dict[str, Any]], sweep_dir: str | Path = "", rank: Ranking | None = None) -> str:
+    rank = rank or ranking(rows)
     shared, varying = _varying(rows)
     lines = [f"# Sweep {sweep_dir}".rstrip(), "", _count_line(rows), ""]
     if shared:
@@ -334,41 +316,47 @@ def markdown(rows: list[dict[str, Any]], sweep_dir: str | Path = "") -> str:
             f"{_num(r['total_norm'], 3)} | {_num(r['skipped_steps'], 0)} | {_num(r['seconds'], 1)} | "
             f"{_cell(r['error'])} |"
         )
-    groups = by_group(rows)
+    groups = by_group(rows, rank)
+    own = rank.metric not in ("accuracy", "loss")  # a column of its own for a task's number
     if len(groups) > 1 or any(g["ok"] > 1 for g in groups):
         lines += [
             "",
             "## Per group, over seeds",
             "",
-            "Jobs that differ only in `seed=` form a group; mean ± sample std over the jobs that ended ok.",
+            "Jobs that differ only in `seed=` form a group; mean ± sample std over the jobs that ended ok; "
+            f"ranked by {rank.label} ({rank.better} is better; report.metric, report.direction).",
             "",
-            "| group | jobs ok | test accuracy | test loss | clip_coef | frac_clipped | total norm | skipped "
-            "| seconds |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| group | jobs ok | " + (f"{rank.label} | " if own else "") + "test accuracy | test loss | clip_coef "
+            "| frac_clipped | total norm | skipped | seconds |",
+            "|---|---:|" + ("---:|" if own else "") + "---:|---:|---:|---:|---:|---:|---:|",
         ]
         for g in groups:
+            score = f"{_pm(g['score'], g['score_std'])} | " if own else ""
             lines.append(
-                f"| {_cell(g['group'])} | {g['ok']}/{g['jobs']} | {_pm(g['accuracy'], g['accuracy_std'])} | "
+                f"| {_cell(g['group'])} | {g['ok']}/{g['jobs']} | {score}{_pm(g['accuracy'], g['accuracy_std'])} | "
                 f"{_pm(g['loss'], g['loss_std'])} | {_num(g['clip_coef'], 3)} | "
                 f"{_num(g['frac_clipped'], 3)} | {_num(g['total_norm'], 3)} | "
                 f"{_num(g['skipped_steps'], 1)} | {_num(g['seconds'], 1)} |"
             )
-        note = spread_note(groups)
+        note = spread_note(groups, rank)
         lines += ["", note] if note else []
-        lines += _task_table(groups, task_names(rows))
+        lines += _task_table(groups, rows)
     return "\n".join(lines) + "\n"
 
 
-def _task_table(groups: list[dict[str, Any]], tasks: list[str]) -> list[str]:
-    """Per group, each task's test metric (accuracy for class labels) as mean ± std over seeds."""
+def _task_table(groups: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
+    """Per group, each task's test metric (any: accuracy, rmse, one's own) as mean ± std over seeds."""
+    tasks = task_names(rows)
     if not tasks:
         return []
+    names = {t: {((r.get("tasks") or {}).get(t) or {}).get("metric") for r in rows} - {None} for t in tasks}
+    said = ", ".join(f"{t}: {' or '.join(sorted(n)) or 'its metric'}" for t, n in names.items())
     lines = [
         "",
         "## Per task, over seeds",
         "",
-        "Each task's test metric (accuracy for class labels), mean ± sample std over the group's jobs that "
-        "ended ok; the group's accuracy above is the mean over its tasks.",
+        f"Each task's test metric ({said}), mean ± sample std over the group's jobs that ended ok; "
+        "a group's test accuracy above is the mean over its tasks when every task's metric is accuracy.",
         "",
         "| group | jobs ok | " + " | ".join(tasks) + " |",
         "|---|---:|" + "---:|" * len(tasks),
@@ -379,9 +367,12 @@ def _task_table(groups: list[dict[str, Any]], tasks: list[str]) -> list[str]:
     return lines
 
 
-def write_report(sweep_dir: str | Path, *, ended: bool = False) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+def write_report(
+    sweep_dir: str | Path, *, ended: bool = False, metric: str = "auto", direction: str = "auto"
+) -> tuple[dict[str, Path], list[dict[str, Any]]]:
     """Write the CSV, Markdown and PNG report into ``sweep_dir``; returns (paths, rows).
-    ``ended``: the sweep is over (a job still recorded as running was killed)."""
+    ``ended``: the sweep is over (a job still recorded as running was killed); ``metric``,
+    ``direction``: what ranks the groups (``report.metric``, ``report.direction``)."""
     from gradmod.reporting.plots import plot_sweep_curves
 
     root = Path(sweep_dir)
@@ -392,9 +383,10 @@ def write_report(sweep_dir: str | Path, *, ended: bool = False) -> tuple[dict[st
         raise ValueError(
             f"no job folders under {str(root)!r} (looked for .gradmod/jobs/, .hydra/overrides.yaml and summary.json)"
         )
+    rank = ranking(rows, metric, direction)
     paths = {kind: root / name for kind, name in FILES.items()}
     write_csv(rows, paths["csv"])
-    paths["md"].write_text(markdown(rows, root))
+    paths["md"].write_text(markdown(rows, root, rank))
     _, varying = _varying(rows)
     plot_sweep_curves(rows, [group_of(own) for own in varying], [" ".join(own) for own in varying], paths["png"])
     return paths, rows

@@ -101,7 +101,7 @@ def optimizer(opt: Any) -> None:
     finite("optimizer.weight_decay", opt.weight_decay)
 
 
-METRIC_NAMES = ("auto", "accuracy", "none")
+METRIC_NAMES = ("auto", "accuracy", "rmse", "none")
 
 
 def metric(key: str, spec: Any, by_task: bool = True) -> None:

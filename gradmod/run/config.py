@@ -216,7 +216,7 @@ class LossConfig:
     (a mapping or tuple); false hands it the whole outputs and labels (a loss of your own
     that returns a mapping of named losses); true always per task."""
 
-    _target_: str = "torch.nn.CrossEntropyLoss"
+    _target_: str = "gradmod.training.tasks.LossByTarget"
     _partial_: bool = False
     args: Dict[str, Any] = field(default_factory=dict)
     per_task: Optional[bool] = None  # null: per task when the model returns several outputs | true | false
@@ -264,12 +264,27 @@ class RuleConfig:
     modules: Any = None
     exclude: Any = None
     transforms: Any = None
+    rows: Optional[str] = None  # a per_loss modules rule: examples (default) | batch (LibMTL's rep_grad)
     active: Any = None  # the rule's window {from: 2ep, until: 5ep} (half-open); null: every step
-    stage: Optional[str] = None
+    stage: Optional[str] = None  # last: the help's key list names the stages after it
 
     def as_rule(self) -> Dict[str, Any]:
         """The rule as ``attach`` takes it: the keys that are set."""
         return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass
+class ReportConfig:
+    """What a sweep's report ranks its groups by (``gradmod.reporting.sweep_rank``)."""
+
+    metric: str = "auto"  # auto (test accuracy, else test loss) | accuracy | loss | <task> (its test metric) | <task>/loss
+    direction: str = "auto"  # auto (accuracy higher is better; loss and rmse lower) | higher | lower
+
+    def __post_init__(self):
+        if self.direction not in ("auto", "higher", "lower"):
+            raise ValueError(f"report.direction={self.direction!r} is not allowed; allowed: auto, higher, lower")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"report.metric={self.metric!r} must be auto, accuracy, loss, a task's name or <task>/loss")
 
 
 @dataclass
@@ -282,12 +297,13 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     seed: int = 1234  # the article's seed; fixes init, data split and batch order on the CPU
     data_dir: str = "data"  # where torchvision looks for (and downloads) MNIST
     hooks: Dict[str, Any] = field(default_factory=dict)  # rule name -> rule; filled by the hooks group or the command line
     plugins: List[str] = field(default_factory=list)  # modules imported before the rules are built, e.g. [my_pkg.transforms]: their gradmod.register(...) calls make `transforms: [flip]` work
     loss: Any = None  # LossConfig, or a mapping {_target_: ..., its arguments}; None: cross-entropy
-    metric: Any = "auto"  # auto | accuracy | none | {_target_: ...}, or task name -> one of those
+    metric: Any = "auto"  # auto | accuracy | rmse | none | {_target_: ...}, or task name -> one of those
     scheduler: Any = None  # SchedulerConfig, or a mapping {_target_: ..., its arguments}; None or {}: constant lr
 
     def __post_init__(self):

@@ -25,7 +25,7 @@ from gradmod.training.callbacks import Callback
 class RunFiles(Callback):
     """``metrics.jsonl`` (one line per epoch), ``grad_stats.jsonl`` (one line per log point,
     when a ``log`` is attached), the logger, and at the end ``model.pt``, ``curves.png``,
-    ``grad_norms.png`` and ``frac_clipped.png``. Resumed (``trainer.resumed_from``): the
+    ``grad_norms.png``, ``frac_clipped.png`` and ``tasks.png`` (each when it has something to show). Resumed (``trainer.resumed_from``): the
     checkpoint's records are written again and statistics lines after its step dropped.
     ``close()`` closes whatever was opened, however the run ends. A write that fails (a
     full disk) raises an ``OSError`` naming its file."""
@@ -61,22 +61,25 @@ class RunFiles(Callback):
         self.logger.log_metrics(int(record["step"]), record)
 
     def on_fit_end(self, trainer) -> None:
-        from gradmod.reporting.plots import plot_curves, plot_frac_clipped, plot_grad_norms, plot_schedules
+        from gradmod.reporting.plots import has_norms, plot_curves, plot_frac_clipped, plot_grad_norms, plot_schedules
+        from gradmod.reporting.task_plots import has_tasks, plot_tasks
 
         buf = io.BytesIO()  # torch.save into a file says only "unexpected pos" when the disk is full
         torch.save(trainer.dist.model_state(trainer.model), buf)  # FSDP2: gathered
         atomic.write_bytes(self.out / "model.pt", buf.getvalue())
         plots = [(plot_curves, trainer.history, "curves.png")]
-        if self.rows:
-            if any("value" not in s for _, stats in self.rows for s in stats.values()):
-                plots.append((plot_grad_norms, self.rows, "grad_norms.png"))
-            if any("frac_clipped" in s for _, stats in self.rows for s in stats.values()):
-                plots.append((plot_frac_clipped, self.rows, "frac_clipped.png"))
-            if any("value" in s for _, stats in self.rows for s in stats.values()):
-                plots.append((plot_schedules, self.rows, "schedules.png"))
+        if has_norms(self.rows):
+            plots.append((plot_grad_norms, self.rows, "grad_norms.png"))
+        if any("frac_clipped" in s for _, stats in self.rows for s in stats.values()):
+            plots.append((plot_frac_clipped, self.rows, "frac_clipped.png"))
+        if any("value" in s for _, stats in self.rows for s in stats.values()):
+            plots.append((plot_schedules, self.rows, "schedules.png"))
         for plot, rows, name in plots:
             with names_file(self.out / name):
                 plot(rows, self.out / name)
+        if has_tasks(self.rows, trainer.history):  # several tasks, or per_loss statistics
+            with names_file(self.out / "tasks.png"):
+                plot_tasks(self.rows, trainer.history, self.out / "tasks.png")
 
     def close(self) -> None:
         with names_file(self.out):

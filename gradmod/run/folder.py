@@ -47,6 +47,7 @@ OUTPUTS = (
     "grad_stats.csv",
     "curves.png",
     "grad_norms.png",
+    "tasks.png",
     "frac_clipped.png",
     "gradcam.png",
 )

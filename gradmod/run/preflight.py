@@ -64,6 +64,7 @@ def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss
             pairs = _pairs(out, y, model_key)
             for task, (o, t) in pairs.items():
                 _check_classes(data, task, o, t, model_key)
+            tasks.check(out, y, loss_key)  # a loss that does not fit a task's targets
             losses = tasks.losses(out, y)
             _check_loss(losses, loss_key)
             tasks.metrics(out, y)  # a metric that does not apply to the labels fails here

@@ -6,24 +6,34 @@ named scalar losses: the configured loss applied to each task's output and label
 (``per_task``: when the model returns several outputs, unless set false), or a loss of the
 user's own that takes the whole outputs and labels and returns a mapping itself.
 
+The default loss (``loss=auto``, ``LossByTarget``) follows each task's target: class indices
+(integers) get cross-entropy, float targets the mean squared error. ``check_fit`` refuses,
+before training, a cross-entropy or NLL loss on float targets that are no class
+probabilities and a regression loss on class indices or on targets of another shape.
+
 Metrics (``metric``): ``accuracy`` (the argmax over dimension 1 equals the class label;
-per token for sequences), ``none``, a callable ``metric(output, target) -> scalar`` (the
-batch's mean), or ``auto``: accuracy for integer class labels, none for other labels. One
-spec for every task, or a mapping of task name -> spec. Evaluation reports the loss and the
-metric as batch-size-weighted means over the test set, read from the device once.
+per token for sequences), ``rmse`` (the root of the mean squared error; lower is better),
+``none``, a callable ``metric(output, target) -> scalar`` (the batch's mean), or ``auto``:
+accuracy for integer class labels, rmse for float targets. One spec for every task, or a
+mapping of task name -> spec. Evaluation reports the loss and the metric as
+batch-size-weighted means over the test set, read from the device once (rmse: the root of
+the mean of the batches' squared errors).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from gradmod.hooks.losses import total
 from gradmod.labels import Labels
 
-METRICS = ("auto", "accuracy", "none")
+METRICS = ("auto", "accuracy", "rmse", "none")
+LOWER_IS_BETTER = ("rmse",)  # metrics a smaller value of which is better (accuracy: higher)
 SINGLE = ""  # the task name of a single-output, single-label run
 
 
@@ -36,6 +46,91 @@ def accuracy(output: Tensor, target: Tensor) -> Tensor:
     labelled = target != IGNORE_INDEX
     right = (output.argmax(1) == target) & labelled
     return right.sum().float() / labelled.sum().clamp_min(1).float()
+
+
+def squared_error(output: Tensor, target: Tensor) -> Tensor:
+    """The batch's mean squared error; evaluation reports the root of its mean (``rmse``)."""
+    return F.mse_loss(output.float(), _like(target, output).float())
+
+
+def _like(target: Tensor, output: Tensor) -> Tensor:
+    """A target of N numbers for an output of N x 1 (or the reverse), reshaped to match."""
+    return target.reshape(output.shape) if target.shape != output.shape and target.numel() == output.numel() else target
+
+
+class LossByTarget:
+    """The default loss: cross-entropy for class indices, mean squared error for float targets.
+    ``label_smoothing``, ``weight`` and ``ignore_index`` are cross-entropy's (class indices
+    only); ``reduction`` both losses'."""
+
+    def __init__(
+        self, label_smoothing: float = 0.0, weight: Any = None, ignore_index: int = -100, reduction: str = "mean"
+    ):
+        self.class_args = {"label_smoothing": label_smoothing, "ignore_index": ignore_index, "reduction": reduction}
+        self.weight = None if weight is None else torch.as_tensor(weight, dtype=torch.float32)
+        self.reduction = reduction
+
+    def __call__(self, output: Tensor, target: Tensor) -> Tensor:
+        if is_class_labels(target):
+            weight = None if self.weight is None else self.weight.to(output.device, output.dtype)
+            return F.cross_entropy(output, target, weight=weight, **self.class_args)
+        return F.mse_loss(output, _like(target, output), reduction=self.reduction)
+
+    def __repr__(self) -> str:
+        return "LossByTarget()"
+
+
+CLASS_LOSSES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss, F.cross_entropy, F.nll_loss)
+REGRESSION_LOSSES = (
+    torch.nn.MSELoss,
+    torch.nn.L1Loss,
+    torch.nn.SmoothL1Loss,
+    torch.nn.HuberLoss,
+    F.mse_loss,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+)
+
+
+def _family(fn: Any) -> str | None:
+    inner = getattr(fn, "func", fn)  # functools.partial
+    if inner in CLASS_LOSSES or isinstance(inner, CLASS_LOSSES[:2]):
+        return "class"
+    if inner in REGRESSION_LOSSES or isinstance(inner, REGRESSION_LOSSES[:4]):
+        return "regression"
+    return None
+
+
+def check_fit(loss_fn: Any, task: str, output: Tensor, target: Tensor, loss_key: str = "loss") -> None:
+    """Refuse in one line a known loss that does not fit the task's target: cross-entropy or
+    NLL on float targets that are no class probabilities shaped like the output; a
+    regression loss on class indices, or on targets of another number of values."""
+    family = _family(loss_fn)
+    which = f"task {task!r}" if task else "the target"
+    if family == "class" and not is_class_labels(target):
+        probabilities = (
+            target.shape == output.shape
+            and bool((target >= 0).all())
+            and bool(torch.allclose(target.sum(1), torch.ones(1)))
+        )
+        if not probabilities:
+            raise ValueError(
+                f"{loss_key} is a cross-entropy (class) loss, and {which} has float targets of shape "
+                f"{tuple(target.shape)} that are no class probabilities; use loss=auto (mean squared error "
+                "for float targets) or loss=mse"
+            )
+    if family == "regression":
+        if is_class_labels(target):
+            raise ValueError(
+                f"{loss_key} is a regression loss, and {which} has class indices ({target.dtype}); "
+                "use loss=auto (cross-entropy for class indices) or loss=cross_entropy"
+            )
+        if target.numel() != output.numel():
+            raise ValueError(
+                f"{loss_key} is a regression loss, and {which} has targets of shape {tuple(target.shape)} "
+                f"for outputs of shape {tuple(output.shape)}; they must hold as many values"
+            )
 
 
 def is_class_labels(y: Tensor) -> bool:
@@ -91,13 +186,28 @@ class Tasks:
         made = self.loss_fn(output, y)
         return dict(made) if isinstance(made, Mapping) else made
 
+    def check(self, output: Any, y: Tensor | Labels, loss_key: str = "loss") -> None:
+        """``check_fit`` for each task the configured loss is applied to on its own."""
+        several = not isinstance(output, Tensor)
+        if self.per_task is False or (several and self.per_task is None and not isinstance(y, Labels)):
+            return
+        for task, (o, t) in by_task_or_single(output, y).items():
+            check_fit(self.loss_fn, task, o, t, loss_key)
+
     def metric_of(self, task: str, y: Tensor) -> Callable[[Tensor, Tensor], Tensor] | None:
         """The task's metric function (None: no metric), ``auto`` resolved by its labels."""
         spec = self.metric.get(task, "auto") if isinstance(self.metric, Mapping) else self.metric
         if callable(spec):
             return spec
         if spec == "auto":
-            return accuracy if is_class_labels(y) else None
+            return accuracy if is_class_labels(y) else squared_error
+        if spec == "rmse":
+            if is_class_labels(y):
+                where = f"metric.{task}" if task else "metric"
+                raise ValueError(
+                    f"{where}=rmse needs float targets, and the labels are {y.dtype}; use {where}=accuracy"
+                )
+            return squared_error
         if spec == "accuracy":
             if not is_class_labels(y):
                 where = f"metric.{task}" if task else "metric"
@@ -111,9 +221,9 @@ class Tasks:
         raise ValueError(f"metric={spec!r} is not allowed; allowed: {', '.join(METRICS)} or a _target_")
 
     def metric_name(self, task: str, y: Tensor) -> str:
-        """``accuracy``, ``none`` or the callable's name, for summaries and reports."""
+        """``accuracy``, ``rmse``, ``none`` or the callable's name, for summaries and reports."""
         fn = self.metric_of(task, y)
-        return "none" if fn is None else "accuracy" if fn is accuracy else _name(fn)
+        return "none" if fn is None else "accuracy" if fn is accuracy else "rmse" if fn is squared_error else _name(fn)
 
     def metrics(self, output: Any, y: Tensor | Labels) -> dict[str, Tensor]:
         """Task -> the batch's metric, for the tasks that have one."""
@@ -147,7 +257,7 @@ def _name(fn: Any) -> str:
     return f"{getattr(inner, '__module__', '')}.{getattr(inner, '__qualname__', type(inner).__name__)}".lstrip(".")
 
 
-CROSS_ENTROPY = Tasks(torch.nn.functional.cross_entropy, "accuracy")  # the classification default
+CROSS_ENTROPY = Tasks(torch.nn.functional.cross_entropy, "accuracy")  # classification (the Python API's default)
 
 
 def evaluation_sums(tasks: Tasks, output: Any, y: Tensor | Labels) -> dict[str, Tensor]:
@@ -166,17 +276,30 @@ def results(means: Mapping[str, float], metric_names: Mapping[str, str]) -> dict
     """The record's test fields from the means of ``evaluation_sums`` and each task's metric
     name: ``test_loss``; ``test_metric`` (a one-output run's metric, else None);
     ``test_accuracy`` (the accuracy, or the mean of the tasks' accuracies when every task's
-    metric is accuracy; else None); with named tasks, ``tasks: {name: {test_loss, test_metric}}``."""
+    metric is accuracy; else None); with named tasks, ``tasks: {name: {test_loss, test_metric,
+    metric}}`` (``metric``: the metric's name, as ``Tasks.metric_name``)."""
     names = list(dict.fromkeys([k.split("/", 1)[1] for k in means if "/" in k]))
+    means = {k: _root(k, v, metric_names) for k, v in means.items()}
     out: dict[str, Any] = {"test_loss": means["loss"], "test_metric": means.get(f"metric/{SINGLE}")}
     accuracies = [means.get(f"metric/{k}") for k, m in metric_names.items() if m == "accuracy"]
     every = metric_names and len(accuracies) == len(metric_names)
     out["test_accuracy"] = sum(accuracies) / len(accuracies) if every else None
     if names and names != [SINGLE]:
         out["tasks"] = {
-            k: {"test_loss": means.get(f"loss/{k}"), "test_metric": means.get(f"metric/{k}")} for k in names
+            k: {
+                "test_loss": means.get(f"loss/{k}"),
+                "test_metric": means.get(f"metric/{k}"),
+                "metric": metric_names.get(k),
+            }
+            for k in names
         }
     return out
+
+
+def _root(key: str, value: float, metric_names: Mapping[str, str]) -> float:
+    """rmse: the root of the mean squared error the batches summed."""
+    task = key.split("/", 1)[1] if key.startswith("metric/") else None
+    return math.sqrt(value) if task is not None and metric_names.get(task) == "rmse" and value >= 0 else value
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from gradmod.data import Data
 from gradmod.hooks.losses import total as total_loss
+from gradmod.training.after_step import AfterStepLosses
 from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed import Dist, no_sync
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
@@ -109,6 +110,9 @@ class Trainer:
             batch_size=settings.batch_size,
             accumulate=settings.accumulate,
         )
+        self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
+        if hooks is not None and hooks.wants_step_losses:
+            self.after_step = AfterStepLosses(hooks, self.net, self.tasks, self.amp)
 
     def add_callbacks(self, callbacks: Sequence[Any]) -> None:
         """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
@@ -207,6 +211,8 @@ class Trainer:
                 with self.amp.autocast():
                     losses = self.tasks.losses(self.net(xb), yb)  # one loss, or named ones
                 self.amp.backward(scaled(losses, lambda t: t / group), self.hooks, self._closure(xb, yb, group, sync))
+        if self.after_step is not None:
+            self.after_step.keep(xb, yb)
         loss = total_loss(losses).detach()
         self.loss_sum += loss
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
@@ -242,6 +248,8 @@ class Trainer:
         votes = [cb.on_before_optimizer_step(self) for cb in self.callbacks]  # every callback sees it
         skip = skip or any(votes)
         self.amp.step(self.optimizer, skip)
+        if self.after_step is not None:
+            self.after_step.after_step(taken=not skip)
         self.skipped += skip
         self.step += 1
         if self.step % self.settings.log_every == 0:

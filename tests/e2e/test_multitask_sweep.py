@@ -91,3 +91,31 @@ def test_multi_mnist_sweep_over_methods_and_seeds(tmp_path):
     for hooks in methods:  # one method alone is every job's: the group of all
         group = f"+hooks={hooks}" if len(methods) > 1 else "(all)"
         assert f"| {group} | 2/2 | 0." in md.split("## Per task, over seeds")[1], hooks
+
+
+def _regression_job(root, name: str, overrides: list[str], status: str, rmse: float | None) -> None:
+    d = root / name
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(overrides)))
+    tasks = {"cls": {"test_metric": 0.8, "test_loss": 0.5, "metric": "accuracy"}}
+    tasks["reg"] = {"test_metric": rmse, "test_loss": None if rmse is None else rmse**2, "metric": "rmse"}
+    summary = {"status": status, "test_accuracy": None, "test_loss": 1.0 if rmse is None else rmse, "tasks": tasks}
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+def test_groups_rank_by_a_chosen_task_metric_in_its_direction(tmp_path):
+    """No job has an accuracy: the groups still count their ok jobs, rank by the task's rmse
+    (lower is better) and fill the per-task table."""
+    jobs = [("+hooks=a", "ok", 0.30), ("+hooks=a", "ok", 0.34), ("+hooks=b", "ok", 0.10), ("+hooks=b", "failed", None)]
+    for i, (hooks, status, rmse) in enumerate(jobs):
+        _regression_job(tmp_path, str(i), [hooks, f"seed={i}"], status, rmse)
+    paths, rows = sweep.write_report(tmp_path, metric="reg")
+    md = paths["md"].read_text()
+    assert "4 jobs: 3 ok, 1 failed." in md
+    assert "ranked by reg test rmse (lower is better" in md
+    assert md.index("| +hooks=b | 1/2 | 0.1000 |") < md.index("| +hooks=a | 2/2 | 0.3200 ± ")
+    assert "| group | jobs ok | cls | reg |" in md and "cls: accuracy, reg: rmse" in md
+    groups = sweep.by_group(rows, sweep.ranking(rows, "reg", "higher"))
+    assert [g["group"] for g in groups] == ["+hooks=a", "+hooks=b"]
+    with pytest.raises(ValueError, match=r"report.metric='nope'; allowed: auto, accuracy, loss, cls, reg"):
+        sweep.ranking(rows, "nope")

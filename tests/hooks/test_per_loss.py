@@ -4,7 +4,9 @@ shared-trunk model, loss weightings over many steps; its refusals, statistics an
 from __future__ import annotations
 
 import copy
+import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,7 +177,9 @@ def test_modules_rule_aggregates_the_representation_gradient(name):
 
 
 def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
-    """``steps`` SGD steps with gradmod's weighting and with torchjd's scalarizer, side by side."""
+    """``steps`` SGD steps with gradmod's weighting and with torchjd's scalarizer, side by side.
+    FAMO: by default both update from the same batch's losses after the step; with
+    ``update_from: next_batch`` ours takes the next batch's losses, so torchjd's is given those."""
     torch.manual_seed(3)
     k = 3
     ours, theirs = Shared(k).double(), None
@@ -187,15 +191,22 @@ def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
     opt_s = torch.optim.Adam(extra, lr=args.get("lr", 0.001)) if extra else None
     for step in range(steps):
         x, ys = _batch(k, False, seed=step)
+        next_batch = args.get("update_from") == "next_batch"
         opt_a.zero_grad()
         hooks.backward(_losses(ours, x, ys))
         opt_a.step()
+        if name == "famo" and not next_batch:
+            with torch.no_grad():
+                hooks.after_step(_losses(ours, x, ys))
         opt_b.zero_grad()
         L = torch.stack(list(_losses(theirs, x, ys).values()))
-        if name == "famo" and step > 0:
-            scalarizer.update(L)  # ours takes the next batch's losses as the after-step losses
+        if name == "famo" and next_batch and step > 0:
+            scalarizer.update(L)
         scalarizer(L).backward()
         opt_b.step()
+        if name == "famo" and not next_batch:
+            with torch.no_grad():
+                scalarizer.update(torch.stack(list(_losses(theirs, x, ys).values())))
         if opt_s is not None:
             opt_s.step()
             opt_s.zero_grad()
@@ -213,6 +224,7 @@ def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
         ("uw", {"lr": 0.01}, lambda: tjs.UW(3)),
         ("dwa", {}, lambda: tjs.DWA()),
         ("famo", {}, lambda: tjs.FAMO(3)),
+        ("famo", {"update_from": "next_batch"}, lambda: tjs.FAMO(3)),
     ],
 )
 def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, make):
@@ -474,3 +486,95 @@ def test_fsdp_sharded_parameters_are_refused(monkeypatch):
     monkeypatch.setattr(S, "is_sharded", lambda t: True)
     with pytest.raises(ValueError, match="FSDP-sharded"):
         gradmod.attach(Shared(2), {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+
+
+@pytest.mark.parametrize("rescale", [1, 2])
+def test_cagrad_rescale_is_libmtls_form(rescale):
+    """LibMTL's CAGrad: the simplex point minimising ``x^T G b + c |g_0| sqrt(x^T G x)`` (scipy,
+    from the uniform start), the update ``mean + c |g_0| / |J^T x| J^T x``, divided by
+    ``1 + c^2`` (rescale 1) or ``1 + c`` (rescale 2); written here from that description."""
+    from scipy.optimize import minimize
+
+    J = _jacobian(3, 30, 11)
+    G = (J @ J.T).numpy()
+    k, c = 3, 0.5
+    b = np.full(k, 1.0 / k)
+    c_norm = c * np.sqrt(G.mean() + 1e-8)
+
+    def objective(x):
+        return x @ G @ b + c_norm * np.sqrt(x @ G @ x + 1e-8)
+
+    x = minimize(objective, b, bounds=[(0, 1)] * k, constraints={"type": "eq", "fun": lambda x: 1 - x.sum()}).x
+    gw = torch.from_numpy(x) @ J
+    update = J.mean(0) + c_norm / gw.norm() * gw
+    expected = update / (1 + c**2 if rescale == 1 else 1 + c)
+    got = M.build("cagrad", {"c": c, "rescale": rescale}).weights(torch.from_numpy(G), torch.Generator()) @ J
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="rescale=3; allowed: 0, 1, 2"):
+        M.build("cagrad", {"rescale": 3})
+
+
+def test_uw_starts_from_init():
+    """LibMTL starts the log-variances at -0.5: the first weights are 0.5 exp(0.5)."""
+    losses = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    w = M.build("uw", {"init": -0.5}).loss_weights(losses, torch.Generator())
+    torch.testing.assert_close(w, torch.full((2,), 0.5 * math.exp(0.5), dtype=torch.float64))
+    torch.testing.assert_close(M.build("uw", {}).loss_weights(losses, torch.Generator()), torch.full_like(w, 0.5))
+
+
+def test_nash_mtl_weights_the_heads_by_argument():
+    """``heads: weighted`` (LibMTL, the authors): the heads get the gradient of
+    ``sum_i alpha_i L_i`` with the uncapped weights; the trunk's update is unchanged."""
+    torch.manual_seed(12)
+    k = 3
+    plain = Shared(k).double()
+    weighted = copy.deepcopy(plain)
+    x, ys = _batch(k, False)
+    gradmod.attach(plain, {"mtl": {"params": "trunk.*", "transforms": ["nash_mtl"]}}).backward(_losses(plain, x, ys))
+    hooks = gradmod.attach(
+        weighted, {"mtl": {"params": "trunk.*", "transforms": [{"name": "nash_mtl", "heads": "weighted"}]}}
+    )
+    hooks.backward(_losses(weighted, x, ys))
+    alpha = torch.from_numpy(np.array(hooks.per_loss.rules[0].method.alpha)).double()
+    ref = copy.deepcopy(plain)
+    L = torch.stack(list(_losses(ref, x, ys).values()))
+    heads = list(ref.heads.parameters())
+    for p, q, g in zip(
+        weighted.heads.parameters(), plain.heads.parameters(), torch.autograd.grad((alpha * L).sum(), heads)
+    ):
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(q.grad, g)  # the default: the plain sum
+    for p, q in zip(weighted.trunk.parameters(), plain.trunk.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", ["examples", "batch"])
+def test_modules_rule_rows_follow_torchjd_or_libmtl(rows):
+    """``rows: examples`` (default): the Gramian of the output's task gradients over every
+    example's entries (torchjd's features, MGDA-UB); ``rows: batch``: of each task's gradient
+    summed over the batch first (LibMTL's rep_grad). Either way the per-example task
+    gradients, weighted, go down the trunk. Reference: torchjd's UPGrad weighting, by hand."""
+    torch.manual_seed(13)
+    k = 3
+    model = Shared(k).double()
+    x, ys = _batch(k, False)
+    ref = copy.deepcopy(model)
+    z = ref.trunk(x)
+    losses = [F.cross_entropy(h(z), ys[n]) for n, h in ref.heads.items()]
+    Jz = torch.stack([torch.autograd.grad(L, z, retain_graph=True)[0] for L in losses])  # [k, B, F]
+    rows_of = Jz.flatten(1) if rows == "examples" else Jz.sum(1)
+    w = tja.UPGradWeighting()(rows_of @ rows_of.T)
+    heads = list(ref.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    z.backward(torch.tensordot(w, Jz, 1))
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    rule = {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"], "rows": rows}
+    hooks = gradmod.attach(model, {"rep": rule})
+    hooks.backward(_losses(model, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=n)
+    with pytest.raises(ValueError, match=r"hooks\.r\.rows: only a per_loss rule on modules"):
+        gradmod.attach(Shared(2), {"r": {"params": "trunk.*", "transforms": ["upgrad"], "rows": "batch"}})
+    with pytest.raises(ValueError, match=r"hooks\.r\.rows: 'sum'; allowed: examples, batch"):
+        gradmod.attach(Shared(2), {"r": {**rule, "rows": "sum"}})

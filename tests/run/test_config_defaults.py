@@ -45,7 +45,7 @@ def test_trainer_yaml_lists_every_trainer_key_with_its_default():
         ("logger/tensorboard.yaml", C.TensorBoardLoggerConfig),
         ("logger/csv.yaml", C.LoggerConfig),
         ("init/default.yaml", C.InitConfig),
-        ("loss/cross_entropy.yaml", C.LossConfig),
+        ("loss/auto.yaml", C.LossConfig),
     ],
 )
 def test_option_files_restate_their_schema_defaults(name, schema):

@@ -173,3 +173,38 @@ def test_fp16_hands_the_hooks_each_loss_scaled():
     assert scale == amp.scale() > 1
     assert seen["a"].item() == pytest.approx(6 * scale) and seen["b"].item() == pytest.approx(3 * scale)
     assert torch.equal(w.grad, torch.full((3,), 3 * scale))
+
+
+def test_the_trainer_updates_famo_from_the_same_batch_after_the_step():
+    """Three full-batch steps of the Trainer against torchjd's FAMO updated, as its authors do,
+    from the same batch's losses after each step (a forward without gradients)."""
+    import torchjd.scalarization as tjs
+
+    x, y = data(2 * BATCH)
+    model = TwoTasks()
+    hooks = attach(model, {"w": {"params": "*", "transforms": ["famo"]}})
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        TrainerSettings(batch_size=2 * BATCH, log_every=2**62),
+        hooks=hooks,
+        generator=torch.Generator().manual_seed(5),
+    )
+    for _ in range(3):
+        trainer.train_epoch(x, y)
+    ref, famo = TwoTasks(), tjs.FAMO(2)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+
+    def losses():
+        out = ref(x)
+        return torch.stack([F.cross_entropy(out["a"], y["a"]), F.cross_entropy(out["b"], y["b"])])
+
+    for _ in range(3):
+        opt.zero_grad()
+        famo(losses()).backward()
+        opt.step()
+        with torch.no_grad():
+            famo.update(losses())
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=n)
+    assert not torch.equal(hooks.per_loss.rules[0].method.logits, torch.zeros(2))  # it learned

@@ -43,9 +43,8 @@ def test_regression_trains_and_reports_its_own_loss(compose_cfg, tmp_path):
         "model._target_=torch.nn.Linear",
         "+model.in_features=4",
         "+model.out_features=1",
-        "loss=mse",
         "optimizer.lr=0.05",
-    )
+    )  # the default loss=auto: float targets get the mean squared error, metric rmse
     summary = run(cfg, tmp_path)
     model = torch.nn.Linear(4, 1)
     model.load_state_dict(torch.load(tmp_path / "model.pt"))
@@ -54,7 +53,8 @@ def test_regression_trains_and_reports_its_own_loss(compose_cfg, tmp_path):
         by_hand = F.mse_loss(model(x), y).item()
     assert summary["test_loss"] == pytest.approx(by_hand, rel=1e-5)
     assert summary["test_loss"] < 0.05  # noise 0.1: the irreducible error is 0.01; ln-style numbers are gone
-    assert summary["test_accuracy"] is None and summary["test_metric"] is None  # auto: float targets, no metric
+    assert summary["test_accuracy"] is None
+    assert summary["test_metric"] == pytest.approx(math.sqrt(by_hand), rel=1e-5)  # rmse, lower is better
     losses = [m["train_loss"] for m in _metrics(tmp_path)]
     assert losses[-1] < losses[0] / 10
 
@@ -186,6 +186,41 @@ def test_a_loss_of_ones_own_names_its_losses_and_metrics_go_per_task(compose_cfg
     assert summary["test_accuracy"] is None  # one task has no accuracy: no mean of accuracies
 
 
+def test_a_loss_that_does_not_fit_the_targets_is_refused_before_training(compose_cfg, tmp_path):
+    common = [
+        *CPU,
+        f"data._target_={OBJ}.regression",
+        "model._target_=torch.nn.Linear",
+        "+model.in_features=4",
+        "+model.out_features=1",
+    ]
+    cfg = compose_cfg(*common, "loss=cross_entropy", "trainer.epochs=1")
+    message = r"^loss._target_=torch.nn.CrossEntropyLoss is a cross-entropy \(class\) loss, and the "
+    with pytest.raises(ValueError, match=message) as e:
+        run(cfg, tmp_path / "ce")
+    assert "\n" not in str(e.value) and "use loss=auto" in str(e.value)
+    assert not (tmp_path / "ce" / "metrics.jsonl").exists()
+
+
+def test_loss_by_target_and_the_fit_checks_by_hand():
+    from gradmod.training.tasks import LossByTarget, check_fit
+
+    out = torch.randn(5, 3)
+    classes, floats = torch.randint(3, (5,)), torch.randn(5, 3)
+    torch.testing.assert_close(LossByTarget()(out, classes), F.cross_entropy(out, classes))
+    torch.testing.assert_close(LossByTarget()(out, floats), F.mse_loss(out, floats))
+    torch.testing.assert_close(LossByTarget()(out[:, :1], floats[:, 0]), F.mse_loss(out[:, 0], floats[:, 0]))
+    check_fit(torch.nn.CrossEntropyLoss(), "a", out, torch.softmax(floats, 1))  # class probabilities: fine
+    check_fit(torch.nn.L1Loss(), "r", out, floats)  # a regression loss on float targets: fine
+    check_fit(torch.nn.CrossEntropyLoss(), "c", out, classes)
+    with pytest.raises(ValueError, match="task 'a' has float targets of shape"):
+        check_fit(torch.nn.CrossEntropyLoss(), "a", out, floats)
+    with pytest.raises(ValueError, match="is a regression loss, and task 'b' has class indices"):
+        check_fit(F.mse_loss, "b", out, classes)
+    with pytest.raises(ValueError, match=r"targets of shape \(5,\) for outputs of shape \(5, 3\)"):
+        check_fit(torch.nn.MSELoss(), "b", out, floats[:, 0])
+
+
 def test_several_outputs_with_one_label_tensor_are_one_line():
     tasks = Tasks(F.cross_entropy)
     with pytest.raises(ValueError, match="the model returned outputs for a, b and the data holds one tensor"):
@@ -236,7 +271,7 @@ def test_train_refuses_a_per_loss_rule_on_one_loss_before_training(compose_cfg, 
     with pytest.raises(
         ValueError,
         match=r"^hooks.s runs at stage per_loss, which combines several losses, and "
-        r"loss._target_=torch.nn.CrossEntropyLoss gives one scalar loss",
+        r"loss._target_=gradmod.training.tasks.LossByTarget gives one scalar loss",
     ):
         run(cfg, tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()

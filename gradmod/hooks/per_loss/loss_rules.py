@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from gradmod.hooks.per_loss.methods import Method
+from gradmod.hooks.per_loss.methods import Method, check_method
 from gradmod.hooks.per_loss.record import TaskRecord
 
 
@@ -20,6 +20,7 @@ class LossRule:
     params: list[nn.Parameter] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
     record: TaskRecord = field(default_factory=TaskRecord)
+    rows: str = "examples"  # a modules rule's Gramian: per-example rows, or each task's sum over the batch
 
     @property
     def key(self) -> str:
@@ -56,7 +57,13 @@ def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict
         if t.stage != "per_loss":
             continue
         step = t.steps[0]
-        r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn))
+        if t.rule not in rules:
+            check_method(step.name, step.fn)  # a factory of one's own may build anything
+            if t.rows is not None and step.fn.kind != "gramian":
+                raise ValueError(
+                    f"hooks.{t.rule}.rows: only a Gramian method has rows; {step.name!r} is {step.fn.kind!r}"
+                )
+        r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn, rows=t.rows or "examples"))
         if t.kind == "param":
             r.params.append(params[t.name])
         else:

@@ -39,6 +39,34 @@ def register(name: str, factory: Callable[..., Method] | None = None, *, overwri
     return R.register(name, factory, kind="per_loss", overwrite=overwrite)
 
 
+NEEDS = {"gramian": "weights", "jacobian": "aggregate", "losses": "loss_weights"}  # kind -> what it defines
+
+
+def check_method(name: str, made: Any) -> None:
+    """A per_loss method: a ``Method`` whose ``kind`` is one of ``KINDS`` and which defines
+    what its kind needs (``weights``, ``aggregate`` or ``loss_weights``); a class is checked
+    when registered, what a function builds when a rule is attached."""
+    cls = made if isinstance(made, type) else type(made)
+    what = f"per_loss method {name!r}"
+    if not issubclass(cls, Method):
+        raise TypeError(
+            f"{what}: its factory builds a {cls.__name__}, not a Method; subclass gradmod's per_loss "
+            "Method and define weights (kind 'gramian'), aggregate ('jacobian') or loss_weights ('losses')"
+        )
+    need = NEEDS.get(cls.kind)
+    if need is None:
+        raise TypeError(f"{what}: kind={cls.kind!r}; allowed: {', '.join(KINDS)}")
+    impl = getattr(cls, need, None)
+    bases = ("Method", "LossWeighting")  # the base classes' stubs, which only raise
+    if impl is None or getattr(impl, "__qualname__", "").split(".")[0] in bases:
+        raise TypeError(f"{what}: a method of kind {cls.kind!r} defines {need}, and {cls.__name__} does not")
+
+
+def _check_factory(name: str, factory: Any) -> None:
+    if isinstance(factory, type):
+        check_method(name, factory)
+
+
 def names() -> list[str]:
     return R.names("per_loss")
 
@@ -64,10 +92,12 @@ def _needs(name: str, modules: list[str], extra: str) -> None:
 
 
 class Method:
-    """Base: stateless unless ``state_dict`` says otherwise."""
+    """Base: stateless unless ``state_dict`` says otherwise. ``per_task_state``: the method
+    keeps a state per task (by position), so every backward must bring the same tasks."""
 
     kind = "gramian"
     name = "method"
+    per_task_state = False
 
     def weights(self, G: Tensor, gen: torch.Generator) -> Tensor:
         raise NotImplementedError
@@ -83,26 +113,43 @@ class Method:
 
 
 class Mean(Method):
+    """``1/k`` per task. Weights that need no task gradient: the stage runs it as a loss
+    weighting (one ordinary backward); ``weights`` gives the same from a Gramian."""
+
+    kind = "losses"
     name = "mean"
 
     def weights(self, G, gen):
         return torch.full((len(G),), 1.0 / len(G), dtype=G.dtype)
 
+    def loss_weights(self, losses, gen):
+        return torch.full((len(losses),), 1.0 / len(losses), dtype=losses.dtype)
+
 
 class Sum(Method):
+    """``1`` per task: the plain sum (``+hooks=mtl_sum``), one ordinary backward."""
+
+    kind = "losses"
     name = "sum"
 
     def weights(self, G, gen):
         return torch.ones(len(G), dtype=G.dtype)
 
+    def loss_weights(self, losses, gen):
+        return torch.ones(len(losses), dtype=losses.dtype)
+
 
 class Random(Method):
-    """Positive random weights: a softmax of standard normal draws (RLW)."""
+    """Positive random weights: a softmax of standard normal draws (RLW); a loss weighting."""
 
+    kind = "losses"
     name = "random"
 
     def weights(self, G, gen):
         return torch.softmax(torch.randn(len(G), generator=gen, dtype=G.dtype), 0)
+
+    def loss_weights(self, losses, gen):
+        return torch.softmax(torch.randn(len(losses), generator=gen, dtype=losses.dtype), 0)
 
 
 class PCGrad(Method):
@@ -223,17 +270,23 @@ class DualProj(_DualCone):
 
 class CAGrad(Method):
     """Conflict-averse gradient: the update in a ball of radius ``c |g_0|`` around the mean that
-    maximises the worst task's improvement (a cone program; Clarabel)."""
+    maximises the worst task's improvement (a cone program; Clarabel). ``rescale``: 0 leaves
+    the update as it is (torchjd, the default); LibMTL's 1 divides it by ``1 + c^2``, 2 by ``1 + c``."""
 
     name = "cagrad"
+    RESCALES = (0, 1, 2)
 
-    def __init__(self, c: float = 0.5, norm_eps: float = 0.0001):
+    def __init__(self, c: float = 0.5, norm_eps: float = 0.0001, rescale: int = 0):
         self.c = _check("cagrad", "c", c, 0.0)
         self.norm_eps = _check("cagrad", "norm_eps", norm_eps, 0.0)
+        if rescale not in self.RESCALES or isinstance(rescale, bool):
+            raise ValueError(f"per_loss method 'cagrad': rescale={rescale!r}; allowed: 0, 1, 2")
+        self.rescale = {0: 1.0, 1: 1.0 + self.c**2, 2: 1.0 + self.c}[rescale]
         _needs("cagrad", ["clarabel", "scipy"], 'pip install clarabel scipy, or "torchjd[cagrad]"')
 
     def weights(self, G, gen):
-        return torch.from_numpy(solvers.cagrad_socp(G.numpy(), self.c, self.norm_eps)).to(G.dtype)
+        w = torch.from_numpy(solvers.cagrad_socp(G.numpy(), self.c, self.norm_eps)).to(G.dtype)
+        return w / self.rescale
 
 
 class GradVac(Method):
@@ -241,6 +294,7 @@ class GradVac(Method):
     others (random order), from the Gramian; the EMA of the cosines is its state."""
 
     name = "gradvac"
+    per_task_state = True
 
     def __init__(self, beta: float = 0.5, eps: float = 1e-8):
         self.beta = _check("gradvac", "beta", beta, 0.0, high=1.0)
@@ -299,3 +353,6 @@ class GradDrop(Method):
             keep = (P > U) * (J[i] > 0) + (P < U) * (J[i] < 0)
             out += (leak[i] + (1 - leak[i]) * keep) * J[i]
         return out
+
+
+R.FACTORY_CHECKS["per_loss"] = _check_factory  # a per_loss factory of one's own is checked when registered

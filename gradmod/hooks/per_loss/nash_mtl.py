@@ -7,17 +7,25 @@ import warnings
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from gradmod.hooks.per_loss.methods import Method, _check, _needs
 
 
 class NashMTL(Method):
     """Nash-MTL: the bargaining solution ``G w = 1 / w`` by a sequence of convex programs
-    (cvxpy, ECOS); the update's norm capped at ``max_norm`` (0: no cap)."""
+    (cvxpy, ECOS); the update's norm capped at ``max_norm`` (0: no cap). ``heads``: the
+    parameters outside the rule get the gradient of the plain sum (``sum``, torchjd) or of
+    ``sum_i alpha_i L_i`` with the uncapped weights (``weighted``, LibMTL and the authors)."""
 
     name = "nash_mtl"
+    per_task_state = True
+    HEADS = ("sum", "weighted")
 
-    def __init__(self, max_norm: float = 1.0, update_weights_every: int = 1, optim_niter: int = 20):
+    def __init__(self, max_norm: float = 1.0, update_weights_every: int = 1, optim_niter: int = 20, heads: str = "sum"):
+        if heads not in self.HEADS:
+            raise ValueError(f"per_loss method 'nash_mtl': heads={heads!r}; allowed: {', '.join(self.HEADS)}")
+        self.heads = heads
         self.max_norm = _check("nash_mtl", "max_norm", max_norm, 0.0)
         self.every = int(_check("nash_mtl", "update_weights_every", update_weights_every, 1))
         self.niter = int(_check("nash_mtl", "optim_niter", optim_niter, 1))
@@ -82,10 +90,15 @@ class NashMTL(Method):
                 w = w / n * self.max_norm
         return w
 
-    def state_dict(self):
-        return {"step": self.step, "alpha": None if self.alpha is None else self.alpha.copy()}
+    def rest_weights(self) -> Tensor | None:
+        """``heads: weighted``: the weights of the losses for the parameters outside the rule."""
+        return None if self.heads == "sum" or self.alpha is None else torch.from_numpy(np.array(self.alpha))
+
+    def state_dict(self):  # tensors, not numpy arrays: checkpoints load with weights_only=True
+        return {"step": self.step, "alpha": None if self.alpha is None else torch.from_numpy(np.array(self.alpha))}
 
     def load_state_dict(self, state):
-        self.step = state["step"]
-        self.alpha = None if state["alpha"] is None else np.array(state["alpha"])
+        self.step = int(state["step"])
+        alpha = state["alpha"]
+        self.alpha = None if alpha is None else np.array(alpha.numpy() if isinstance(alpha, Tensor) else alpha)
         self._problem = None

@@ -14,25 +14,29 @@ needs the task gradients:
 3. Weights from the Gramian (host, float64), then the update ``sum_i w_i g_i`` per layer as
    one matmul ``(sum_i w_i b_i)^T a``, added to ``.grad``.
 
-Every parameter outside the gradient rules gets the gradient of the sum of the losses (a
-loss-weighting rule's parameters: of ``sum_i w_i L_i``), in one more backward restricted
-to them. A ``modules:`` rule aggregates the task gradients of the module's output (the
+Every other parameter gets the gradient of the sum of the losses in one more backward
+(``rest``). A ``modules:`` rule aggregates the task gradients of the module's output (the
 representation) and hands the aggregate to the rest of the backward through a tensor
 hook on that output: k cheap passes through the heads, one through the trunk.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_loss import gramian
 from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
 from gradmod.hooks.per_loss.record import TaskRecord
+from gradmod.hooks.per_loss.rest import rest_backward
+from gradmod.hooks.per_loss.task_grads import assign_layers, refuse_sparse, task_grads
+from gradmod.hooks.per_sample.tracing import param_uses
 from gradmod.hooks.stage import Core, Loop, Stage
 
 
@@ -59,45 +63,66 @@ class PerLossStage(Stage):
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.rules = per_loss_rules(targets, dict(model.named_parameters()), dict(model.named_modules()))
         self._core = core
+        self.model = model
+        rules = self.rules
         self.reduce = None
         self.generator = torch.Generator().manual_seed(torch.initial_seed())
         self.inside = False  # True while the stage runs its own backward passes
-        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        # One batched backward for the k losses; False: k backward passes (set by the first
+        # batched pass a torch.compile'd backward refuses: its kernels do not run batched).
+        self.batched = True
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self._owner = {id(p): r for r in rules if r.method.kind != "losses" for p in r.params}
+        refuse_sparse(model, self._owner)
+        weighting = [r.name for r in rules if getattr(r.method, "heads", "sum") == "weighted"]
+        if len(weighting) > 1:
+            raise ValueError(
+                f"hooks.{weighting[1]}: only one per_loss rule may weight the losses of the parameters "
+                f"outside the rules (heads: weighted), and hooks.{weighting[0]} does"
+            )
         self.layers: list[gramian.Layer] = []
-        self.direct: dict[int, tuple[LossRule, nn.Parameter]] = {}  # the rule's params outside a Layer
-        self._outputs: dict[int, list] = {}  # id(module rule's module) -> gradient edges of its outputs
+        # Until the first training forward is traced, every parameter is answered directly.
+        self.direct: dict[int, tuple[LossRule, nn.Parameter]] = {
+            id(p): (r, p) for r in rules if r.method.kind != "losses" for p in r.params
+        }
+        self.outputs: dict[int, list] = {}  # id(module rule's module) -> its outputs' tensors
         self._handles = []
-        self._setup(model)
+        self._traced = self._tracing = False
+        self.tasks: list[str] | None = None  # the losses' names at the first backward, in order
+        if self._owner:
+            self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
+        for r in self.rules:
+            for m in r.modules:
+                self.outputs[id(m)] = []
+                self._handles.append(m.register_forward_hook(self._save_output(m)))
 
     # ---- set-up: which parameters are answered from (a, b), which directly ----
 
-    def _setup(self, model: nn.Module) -> None:
-        owner = {id(p): r for r in self.rules if r.method.kind != "losses" for p in r.params}
-        holders: dict[int, int] = {}
-        for _, m in model.named_modules():
-            for _, p in m.named_parameters(recurse=False):
-                holders[id(p)] = holders.get(id(p), 0) + 1
-        for _, m in model.named_modules():
-            mine = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in owner}
-            if not mine:
-                continue
-            rules = {id(owner[id(p)]) for p in mine.values()}
-            factored = (
-                isinstance(m, (nn.Linear, *gramian.CONVS))
-                and len(rules) == 1
-                and all(holders[id(p)] == 1 for p in mine.values())
-            )
-            if factored:
-                layer = gramian.Layer(m, owner[id(next(iter(mine.values())))], set(mine))
-                self.layers.append(layer)
-                self._handles.append(m.register_forward_hook(self._save(layer)))
-            else:
-                for p in mine.values():
-                    self.direct[id(p)] = (owner[id(p)], p)
-        for r in self.rules:
-            for m in r.modules:
-                self._outputs[id(m)] = []
-                self._handles.append(m.register_forward_hook(self._save_output(m)))
+    def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The first training forward is traced once: a Linear or Conv is answered from its
+        (input, output gradient) pairs only when every use of its weight and bias ran inside
+        its own forward (not attention's ``out_proj`` inside ``F.multi_head_attention_forward``,
+        not a weight also used through ``F.linear`` or tied to another module)."""
+        if self._traced or self._tracing or not self._active_forward():
+            return
+        self._tracing = True
+        try:
+            uses = param_uses(module, args, kwargs, set(self._owner))
+        finally:
+            self._tracing = False
+        self._traced = True
+        self._assign(uses)
+
+    def _assign(self, uses: dict[int, list]) -> None:
+        for layer in assign_layers(self.model, self._owner, uses):
+            self.layers.append(layer)
+            self._handles.append(layer.module.register_forward_hook(self._save(layer)))
+            for p in layer.module.parameters(recurse=False):
+                self.direct.pop(id(p), None)
+
+    @staticmethod
+    def _active_forward() -> bool:
+        return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
 
     @staticmethod
     def _active(outs: list[Tensor]) -> bool:
@@ -109,7 +134,7 @@ class PerLossStage(Stage):
 
     def _save(self, layer: gramian.Layer):
         def hook(module, args, output):
-            if isinstance(output, Tensor) and self._active([output]):
+            if isinstance(output, Tensor) and not self._tracing and self._active([output]):
                 layer.calls.append((args[0].detach(), get_gradient_edge(output)))
                 output.register_hook(self._guard(layer.rule))
 
@@ -117,9 +142,9 @@ class PerLossStage(Stage):
 
     def _save_output(self, m: nn.Module):
         def hook(module, args, output):
-            outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, Tensor)]
-            if self._active(outs):
-                self._outputs[id(m)].extend(t for t in outs if t.requires_grad)
+            outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]  # an LSTM's (h, c) too
+            if not self._tracing and self._active(outs):
+                self.outputs[id(m)].extend(t for t in outs if t.requires_grad)
 
         return hook
 
@@ -154,7 +179,7 @@ class PerLossStage(Stage):
         """Every parameter but a gradient method's ``params`` rule's: its update is formed
         from the reduced task gradients."""
         whole = {id(p) for r in self.rules if r.method.kind != "losses" for p in r.params}
-        return [p for p in self._trainable if id(p) not in whole]
+        return [p for p in self.trainable if id(p) not in whole]
 
     # ---- one backward ----
 
@@ -171,7 +196,7 @@ class PerLossStage(Stage):
                 f"hooks.{self.rules[0].name}: a per_loss rule combines the gradients of several "
                 f"losses, but hooks.backward got one ({', '.join(map(str, losses))}); give two or more"
             )
-        names = list(losses)
+        names = self._tasks(list(losses))
         L = torch.stack([losses[n] for n in names])
         try:
             self.inside = True
@@ -180,11 +205,33 @@ class PerLossStage(Stage):
             self.inside = False
             for layer in self.layers:
                 layer.calls = []
-            for k in self._outputs:
-                self._outputs[k] = []
+            for k in self.outputs:
+                self.outputs[k] = []
         return True
 
+    def _tasks(self, names: list[str]) -> list[str]:
+        """The tasks in the order of the first backward (a method's state is by position);
+        another set of tasks is refused by a method that keeps a state per task."""
+        if self.tasks is None:
+            self.tasks = names
+        if set(names) == set(self.tasks):
+            return self.tasks
+        for r in self.rules:
+            if r.method.per_task_state:
+                raise ValueError(
+                    f"hooks.{r.name}: per_loss method {r.method_name!r} keeps a state per task and got the "
+                    f"losses {', '.join(names)} after {', '.join(self.tasks)}; every backward must bring "
+                    "the same named losses (a stateless method, such as upgrad or mean, takes any)"
+                )
+        return names
+
     def _backward(self, names: list[str], L: Tensor) -> None:
+        for r in self.rules:
+            if r.modules and not any(self.outputs[id(m)] for m in r.modules):
+                raise ValueError(
+                    f"hooks.{r.name}: no module of this modules rule ran in a training forward (gradients "
+                    "on) before this backward, so there is no output whose task gradients to combine"
+                )
         k = len(names)
         grad_rules = [r for r in self.rules if r.method.kind != "losses"]
         inputs, slots = self._inputs(grad_rules)
@@ -192,7 +239,7 @@ class PerLossStage(Stage):
         replace: dict[int, Tensor] = {}  # id(module rule output) -> aggregated gradient
         for r in grad_rules:
             self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
-        self._rest(names, L, replace, grad_rules)
+        rest_backward(self, names, L, replace, grad_rules)
 
     def _inputs(self, rules: list[LossRule]) -> tuple[list, list]:
         """What the batched backward differentiates to, and (rule, what, object) per entry."""
@@ -206,39 +253,18 @@ class PerLossStage(Stage):
             slots.append((rule, "param", p))
         for r in rules:
             for m in r.modules:
-                for t in self._outputs[id(m)]:
+                for t in self.outputs[id(m)]:
                     inputs.append(get_gradient_edge(t))
                     slots.append((r, "output", t))
         return inputs, slots
 
     def _task_grads(self, L: Tensor, inputs: list, outputs_only: bool) -> list[Tensor | None]:
-        """``[k, *input]`` per input: the k losses' gradients. Down to shared layers, one
-        batched backward (big matmuls); down to a module's output only (the heads), k plain
-        backward passes: each loss then goes through its own head alone, where the batched
-        pass would send k rows, k - 1 of them zeros, through every head."""
+        """``[k, *input]`` per input (``per_loss.task_grads``); a backward that cannot
+        run batched (torch.compile's kernels) turns ``batched`` off for good."""
+        grads, ran_batched = task_grads(L, inputs, batched=self.batched and not outputs_only)
         if not outputs_only:
-            eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
-            return list(
-                torch.autograd.grad(
-                    L,
-                    inputs,
-                    grad_outputs=eye,
-                    is_grads_batched=True,
-                    retain_graph=True,
-                    allow_unused=True,
-                    materialize_grads=False,
-                )
-            )
-        rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
-        out = []
-        for j in range(len(inputs)):
-            got = [r[j] for r in rows]
-            if all(g is None for g in got):
-                out.append(None)
-                continue
-            like = next(g for g in got if g is not None)
-            out.append(torch.stack([torch.zeros_like(like) if g is None else g for g in got]))
-        return out
+            self.batched = ran_batched
+        return grads
 
     def _apply(self, r: LossRule, names: list[str], parts: list, replace: dict, k: int) -> None:
         """Gramian, weights and the rule's update, from its entries of the batched backward."""
@@ -248,19 +274,39 @@ class PerLossStage(Stage):
         if r.method.kind == "jacobian" or (self.reduce is not None and r.params):
             self._jacobian_rule(r, names, entries, replace)
             return
-        G = sum(gramian.gram(e) for e in entries)
-        if self.reduce is not None:  # modules rule: each rank's rows of the global Jacobian are 1/R of its own
+        if r.rows == "batch":  # LibMTL's rep_grad: each task's output gradient summed over the batch (dim 0)
+            S = torch.cat([e[2].sum(1).flatten(1) for e in entries], 1)
+            if self.reduce is not None:  # the global batch's sums: the mean of the ranks' (each loss a mean)
+                S = S.detach().clone()
+                self.reduce([S])
+            G = S @ S.T
+        else:
+            G = sum(gramian.gram(e) for e in entries)
+        if (
+            self.reduce is not None and r.rows != "batch"
+        ):  # modules rule: each rank's rows of the global Jacobian are 1/R of its own
             G = G.detach().clone()
             self.reduce([G])
             G = G / self.reduce_size()
-        Gh = self._unscaled(G.detach().to("cpu", torch.float64), 2)
-        w = r.method.weights(Gh, self.generator)
-        r.record.add(names, Gh, w)
+        Gh = self.unscaled(G.detach().to("cpu", torch.float64), 2)
+        w = self._weights(r, names, Gh)
         wd = w.to(device=G.device)
         for e in entries:
             gramian.update(e, wd, replace)
 
-    def _unscaled(self, t: Tensor, power: int) -> Tensor:
+    def _weights(self, r: LossRule, names: list[str], G: Tensor) -> Tensor:
+        """The method's weights, recorded; a non-finite Gramian (a nan or inf in a task's
+        loss or gradient) gives nan weights without asking the method, whose solver would
+        fail and whose state would keep the nan: the update is nan, and the trainer's
+        non-finite policy (``skip``, ``raise``) and its divergence check act on it as on
+        any other step."""
+        if not torch.isfinite(G).all():
+            return torch.full((len(G),), math.nan, dtype=G.dtype)
+        w = r.method.weights(G, self.generator)
+        r.record.add(names, G, w)
+        return w
+
+    def unscaled(self, t: Tensor, power: int) -> Tensor:
         """``t`` without GradScaler's factor (the Gramian has it squared, the losses once)."""
         if self.grad_scale is None:
             return t
@@ -280,14 +326,14 @@ class PerLossStage(Stage):
         if self.reduce is not None and r.params:
             J = J.detach().clone()
             self.reduce([J])
-        Gh = self._unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
+        Gh = self.unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
         if r.method.kind == "jacobian":
             U = torch.rand(J.shape[1], generator=self.generator, dtype=J.dtype).to(J.device)
             out = r.method.aggregate(J, U)
-            r.record.add(names, Gh, None)
+            if torch.isfinite(Gh).all():
+                r.record.add(names, Gh, None)
         else:
-            w = r.method.weights(Gh, self.generator)
-            r.record.add(names, Gh, w)
+            w = self._weights(r, names, Gh)
             out = torch.tensordot(w.to(J.device, J.dtype), J, 1)
         at = 0
         for what, obj, g in pieces:
@@ -302,37 +348,25 @@ class PerLossStage(Stage):
         """Parameters in model order (the order of the Jacobian's columns)."""
         what, obj = target
         if what != "param":
-            return len(self._trainable)
-        return next(i for i, p in enumerate(self._trainable) if p is obj)
+            return len(self.trainable)
+        return next(i for i, p in enumerate(self.trainable) if p is obj)
 
-    def _rest(self, names: list[str], L: Tensor, replace: dict, grad_rules: list[LossRule]) -> None:
-        """The parameters outside the gradient rules: the gradient of the sum of the losses
-        (of a loss weighting's weighted sum for its rule's parameters), the module rules'
-        aggregates handed on through their outputs."""
-        covered = {id(p) for r in grad_rules for p in r.params}
-        weighted = [r for r in self.rules if r.method.kind == "losses"]
-        groups: list[tuple[Tensor, list[nn.Parameter]]] = []
-        values = L.detach().clone()
-        if weighted and self.reduce is not None:  # the weights from the global batch's losses
+    @property
+    def wants_step_losses(self) -> bool:
+        """A method learns from the step's batch's losses after the step (famo's same_batch)."""
+        return any(getattr(r.method, "wants_after_step", False) for r in self.rules)
+
+    def after_step(self, losses: Mapping[str, Tensor]) -> None:
+        """The same batch's losses after ``optimizer.step()``, computed without gradients, for
+        the methods that learn from them (famo): under ``reduce`` averaged over the ranks."""
+        names = self._tasks(list(losses))
+        values = torch.stack([losses[n].detach() for n in names]).clone()
+        if self.reduce is not None:
             self.reduce([values])
-        for r in weighted:
-            w = r.method.loss_weights(self._unscaled(values.cpu(), 1), self.generator)
-            r.record.add(names, None, w)
-            groups.append(((w.to(L.device, L.dtype) * L).sum(), r.params))
-            covered.update(id(p) for p in r.params)
-        rest = [p for p in self._trainable if id(p) not in covered]
-        if rest:
-            groups.append((L.sum(), rest))
-        handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
-        try:
-            if len(groups) == 1 and len(groups[0][1]) == len(self._trainable):
-                groups[0][0].backward()  # everything from one loss: no restriction needed
-            else:
-                for i, (loss, params) in enumerate(groups):
-                    loss.backward(inputs=params, retain_graph=i < len(groups) - 1)
-        finally:
-            for h in handles:
-                h.remove()
+        host = values.cpu()  # as the losses the weights came from (_rest)
+        for r in self.rules:
+            if getattr(r.method, "wants_after_step", False):
+                r.method.after_step(host)
 
     # ---- statistics and state ----
 

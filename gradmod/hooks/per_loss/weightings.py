@@ -5,6 +5,8 @@ The update is the gradient of ``sum_i w_i L_i``; no task gradient is formed.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -32,18 +34,21 @@ class GeometricMean(LossWeighting):
 
 class UW(LossWeighting):
     """Uncertainty weighting: ``sum_i 0.5 exp(-s_i) L_i + 0.5 s_i``; the log-variances ``s`` are
-    learned by an Adam of their own (``lr``), stepped at each backward."""
+    learned by an Adam of their own (``lr``), stepped at each backward, from ``init`` (0, as
+    torchjd; LibMTL starts at -0.5)."""
 
     name = "uw"
+    per_task_state = True
 
-    def __init__(self, lr: float = 0.001):
+    def __init__(self, lr: float = 0.001, init: float = 0.0):
         self.lr = _check("uw", "lr", lr, 0.0)
+        self.init = _check("uw", "init", init, -math.inf)
         self.log_var: Tensor | None = None
         self._opt: torch.optim.Adam | None = None
 
     def _setup(self, k: int, dtype) -> None:
         if self.log_var is None:
-            self.log_var = torch.zeros(k, dtype=dtype, requires_grad=True)
+            self.log_var = torch.full((k,), self.init, dtype=dtype, requires_grad=True)
         if self._opt is None:
             self._opt = torch.optim.Adam([self.log_var], lr=self.lr)
 
@@ -72,20 +77,38 @@ class UW(LossWeighting):
 
 class FAMO(LossWeighting):
     """Fast adaptive multitask optimisation: the gradient of ``c sum_i z_i log(L_i - b_i + eps)``,
-    ``z = softmax(logits)``; the logits take an Adam step on the change of the log losses
-    between consecutive backward calls (the next batch's losses stand in for a second forward
-    on the same batch)."""
+    ``z = softmax(logits)``; the logits take an Adam step on the fall of the log losses over
+    an optimizer step. ``update_from``: ``same_batch`` (as its authors define it) compares the
+    step's losses with the same batch's losses after the step, which ``after_step`` brings
+    (the trainer computes them in a second forward without gradients; in one's own loop call
+    ``hooks.after_step(losses)`` after ``optimizer.step()``); ``next_batch`` uses the
+    next backward's losses instead (no second forward; a different batch)."""
 
     name = "famo"
+    per_task_state = True
     EPS = 1e-8
+    UPDATES = ("same_batch", "next_batch")
 
-    def __init__(self, lr: float = 0.025, weight_decay: float = 0.001, min_losses: list[float] | None = None):
+    def __init__(
+        self,
+        lr: float = 0.025,
+        weight_decay: float = 0.001,
+        min_losses: list[float] | None = None,
+        update_from: str = "same_batch",
+    ):
         self.lr = _check("famo", "lr", lr, 0.0)
         self.weight_decay = _check("famo", "weight_decay", weight_decay, 0.0)
         self.min_losses = None if min_losses is None else [float(v) for v in min_losses]
+        if update_from not in self.UPDATES:
+            raise ValueError(f"per_loss method 'famo': update_from={update_from!r}; allowed: {', '.join(self.UPDATES)}")
+        self.update_from = update_from
         self.logits: Tensor | None = None
         self.prev: Tensor | None = None
         self._opt: torch.optim.Adam | None = None
+
+    @property
+    def wants_after_step(self) -> bool:
+        return self.update_from == "same_batch"
 
     def _shifted(self, losses: Tensor) -> Tensor:
         low = 0.0 if self.min_losses is None else losses.new_tensor(self.min_losses)
@@ -103,10 +126,16 @@ class FAMO(LossWeighting):
         self._opt.step()
         self.logits.grad = None
 
+    def after_step(self, losses: Tensor) -> None:
+        """``same_batch``: the step's batch's losses after the optimizer step (on the host)."""
+        if self.update_from == "same_batch" and self.prev is not None and bool(torch.isfinite(losses).all()):
+            self.update(losses)
+            self.prev = None
+
     def loss_weights(self, losses, gen):
         if self.logits is None:
             self.logits = torch.zeros(len(losses), dtype=torch.float32, requires_grad=True)
-        if self.prev is not None:
+        if self.update_from == "next_batch" and self.prev is not None:
             self.update(losses)
         self.prev = losses.clone()
         z = torch.softmax(self.logits.detach(), 0).to(losses.dtype)
@@ -134,6 +163,7 @@ class DWA(LossWeighting):
     losses (uniform until two epochs are done); ``HookSet.end_epoch()`` closes an epoch."""
 
     name = "dwa"
+    per_task_state = True
 
     def __init__(self, temperature: float = 2.0):
         self.temperature = _check("dwa", "temperature", temperature, 0.0, strict=True)

@@ -278,6 +278,26 @@ def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[
     )
 
 
+def param_uses(
+    model: nn.Module, args: tuple, kwargs: dict, watched: set[int]
+) -> dict[int, list[tuple[nn.Module, ...]]]:
+    """id(param) -> the stack of running modules at each use of a ``watched`` parameter, from
+    one forward of ``model(*args, **kwargs)``; the random state and the buffers (BatchNorm's
+    running statistics) are as they were before it."""
+    devices = [x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.is_cuda]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=sorted({x.index or 0 for x in devices})):
+        try:
+            found = Trace(batch=0, dims={}, uses={})
+            _record(model, args, kwargs, watched, found)
+            uses = found.uses
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+    return uses
+
+
 def detach_input(x: Any, dtype: torch.dtype | None = None) -> Any:
     """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
     if not isinstance(x, Tensor):

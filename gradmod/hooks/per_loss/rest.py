@@ -1,0 +1,69 @@
+"""The one backward after the task gradients: every parameter outside the gradient rules
+gets the gradient of the sum of the losses (a loss weighting's parameters: of its weighted
+sum; a weighting that gives every task one weight scales the plain sum's gradient on its
+parameters by a hook instead, in the same backward), the module rules' aggregates handed on
+through their outputs' hooks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def rest_backward(stage: Any, names: list[str], L: Tensor, replace: dict, grad_rules: list) -> None:
+    """The parameters outside the gradient rules: the gradient of the sum of the losses
+    (of a loss weighting's weighted sum for its rule's parameters), the module rules'
+    aggregates handed on through their outputs."""
+    covered = {id(p) for r in grad_rules for p in r.params}
+    weighted = [r for r in stage.rules if r.method.kind == "losses"]
+    groups: list[tuple[Tensor, list[nn.Parameter]]] = []
+    scaled: list[tuple[nn.Parameter, float]] = []
+    values = L.detach().clone()
+    if weighted and stage.reduce is not None:  # the weights from the global batch's losses
+        stage.reduce([values])
+    host = stage.unscaled(values.cpu(), 1)
+    for r in weighted:
+        if torch.isfinite(host).all():
+            w = r.method.loss_weights(host, stage.generator)
+            r.record.add(names, None, w)
+        else:  # as _weights: nan weights, the method's state left as it was
+            w = torch.full_like(host, math.nan)
+        weighted_loss = (w.to(L.device, L.dtype) * L).sum()
+        if r.params and bool((w == w[0]).all()) and math.isfinite(float(w[0])):
+            # One weight for every task: the gradient of the plain sum, times it, in the
+            # one backward of the sum (a hook on each parameter scales what arrives there).
+            if float(w[0]) != 1.0:
+                scaled += [(p, float(w[0])) for p in r.params]
+        elif r.params:
+            groups.append((weighted_loss, r.params))
+            covered.update(id(p) for p in r.params)
+        outs = [t for m in r.modules for t in stage.outputs[id(m)]]
+        if outs:  # a modules rule: the weighted sum's gradient enters the module through its outputs
+            got = torch.autograd.grad(weighted_loss, outs, retain_graph=True, materialize_grads=True)
+            replace.update({id(t): (t, g) for t, g in zip(outs, got)})
+    rest = [p for p in stage.trainable if id(p) not in covered]
+    if rest:
+        groups.append((_rest_loss(L, grad_rules), rest))
+    handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
+    handles += [p.register_hook(lambda g, c=c: g * c) for p, c in scaled]
+    try:
+        if len(groups) == 1 and len(groups[0][1]) == len(stage.trainable):
+            groups[0][0].backward()  # everything from one loss: no restriction needed
+        else:
+            for i, (loss, params) in enumerate(groups):
+                loss.backward(inputs=params, retain_graph=i < len(groups) - 1)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _rest_loss(L: Tensor, grad_rules: list) -> Tensor:
+    """The plain sum, or the weighted one a method asks for the parameters outside it
+    (``nash_mtl`` with ``heads: weighted``)."""
+    asked = [w for r in grad_rules if (w := getattr(r.method, "rest_weights", lambda: None)()) is not None]
+    if not asked:
+        return L.sum()
+    return (asked[0].to(L.device, L.dtype) * L).sum()

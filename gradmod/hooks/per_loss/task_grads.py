@@ -1,0 +1,80 @@
+"""Which of a per_loss rule's parameters are answered from a layer's (input, output gradient)
+pairs, from the trace of the model's first training forward (``per_sample.tracing.param_uses``),
+and the k task gradients of the rest (``task_grads``).
+
+A Linear or Conv with torch's own forward is answered so only when every use of its weight
+and bias ran inside its own forward and no other module holds them: not attention's
+``out_proj`` (used inside ``F.multi_head_attention_forward``), not a weight also used through
+``F.linear``, not a weight tied to another module. Every other parameter gets its k task
+gradients directly from the batched backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradmod.hooks.per_loss import gramian
+
+
+def factored_forward(m: nn.Module) -> bool:
+    """A Linear, or a Conv with torch's own forward (a subclass's forward may do anything)."""
+    return any(type(m).forward is cls.forward for cls in (nn.Linear, *gramian.CONVS) if isinstance(m, cls))
+
+
+def assign_layers(model: nn.Module, owner: dict[int, Any], uses: dict[int, list]) -> list[gramian.Layer]:
+    """The layers answered from their calls; ``owner``: id(param) -> its gradient rule."""
+    holders: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    layers = []
+    for m in model.modules():
+        mine = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in owner}
+        if not mine or not factored_forward(m):
+            continue
+        rules = {id(owner[id(p)]) for p in mine.values()}
+        inside = all(uses.get(id(p)) and all(s and s[-1] is m for s in uses[id(p)]) for p in mine.values())
+        if len(rules) == 1 and inside and all(holders[id(p)] == 1 for p in mine.values()):
+            layers.append(gramian.Layer(m, owner[id(next(iter(mine.values())))], set(mine)))
+    return layers
+
+
+def refuse_sparse(model: nn.Module, owner: dict[int, Any]) -> None:
+    """A sparse embedding's gradient has no per-task Gramian here: one line names it."""
+    for n, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in owner:
+            raise ValueError(
+                f"hooks.{owner[id(m.weight)].name}: {n + '.weight'!r} has sparse gradients (sparse=True), "
+                "which have no per-task Gramian; use sparse=False or leave it out of the rule"
+            )
+
+
+def task_grads(L: Tensor, inputs: list, batched: bool) -> tuple[list[Tensor | None], bool]:
+    """(``[k, *input]`` per input: the k losses' gradients, whether they came from one batched
+    backward). Batched: one backward with the k rows of the identity (big matmuls); else, or
+    where the backward cannot run batched (a compiled backward's ``out=`` kernels), k plain
+    passes, the same gradients. Down to a module's output only (the heads), k passes are the
+    cheaper: each loss then goes through its own head alone."""
+    if batched:
+        eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
+        try:
+            with warnings.catch_warnings():  # an op without a batching rule loops over the k rows: right, slower
+                warnings.filterwarnings("ignore", message=".*we have not yet implemented the batching rule")
+                got = torch.autograd.grad(
+                    L, inputs, grad_outputs=eye, is_grads_batched=True, retain_graph=True, allow_unused=True
+                )
+            return list(got), True
+        except RuntimeError as e:
+            if "Batching rule not implemented" not in str(e):
+                raise
+    rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
+    out: list[Tensor | None] = []
+    for j in range(len(inputs)):
+        found = [r[j] for r in rows]
+        like = next((g for g in found if g is not None), None)
+        out.append(None if like is None else torch.stack([torch.zeros_like(like) if g is None else g for g in found]))
+    return out, False

@@ -1,0 +1,378 @@
+"""The per_loss stage under hostile use: a nan in one task, a task set that changes, a
+loss weighting on a module's output, checkpoints loaded with ``weights_only``, a compiled
+model, Lightning and Transformers loops, a malformed method of one's own."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchjd.aggregation as tja  # the reference (a test dependency, torchjd[full])
+from helpers import per_loss_method
+from torch import nn
+
+import gradmod
+from gradmod.integrations.support import attach_for
+
+OBJ = "tests.support.task_objects"
+CPU = ["trainer.device=cpu", "trainer.progress=false", "trainer.threads=1"]
+STATEFUL = ["famo", "dwa", "uw", "nash_mtl", "gradvac"]
+
+
+class Shared(nn.Module):
+    def __init__(self, k: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(8, 3) for i in range(k)})
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return {n: h(z) for n, h in self.heads.items()}
+
+
+def _losses(model, seed: int = 0, nan: str | None = None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    out = model(x)
+    losses = {n: F.cross_entropy(o, torch.randint(0, 3, (5,), generator=g)) for n, o in out.items()}
+    if nan is not None:
+        losses[nan] = losses[nan] * float("nan")
+    return losses
+
+
+def _rule(name: str) -> dict:
+    params = "*" if name in ("famo", "uw", "dwa") else "trunk.*"
+    return {"mtl": {"params": params, "transforms": [name]}}
+
+
+@pytest.mark.parametrize("name", ["upgrad", "dualproj", "imtl_g", "nash_mtl", "cagrad", "mgda", "famo", "uw"])
+def test_a_nan_in_one_task_gives_a_nan_update_and_leaves_the_state_alone(name):
+    if not per_loss_method(name):
+        pytest.skip(f"{name} is not registered in this build")
+    model = Shared().double()
+    hooks = gradmod.attach(model, _rule(name))
+    hooks.backward(_losses(model, 0))
+    state = copy.deepcopy(hooks.state_dict())
+    model.zero_grad()
+    hooks.backward(_losses(model, 1, nan="t1"))  # no solver error, no traceback
+    assert torch.isnan(model.trunk[0].weight.grad).all()
+    after = hooks.state_dict()["per_loss"]["methods"]
+    for key, value in state["per_loss"]["methods"].items():
+        assert repr(after[key]) == repr(value), f"{name}: the nan step changed the method's state"
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_task_ends_the_run_diverged(compose_cfg, tmp_path):
+    from gradmod.app.cli import run
+    from gradmod.training.nonfinite import Diverged
+
+    common = [
+        *CPU,
+        f"data._target_={OBJ}.two_targets",
+        "data.batch_size=20",
+        "trainer.epochs=1",
+        f"model._target_={OBJ}.TwoHeads",
+        f"loss._target_={OBJ}.RegNanAt",
+        "+loss.per_task=false",
+        "metric={cls: accuracy, reg: none}",
+        "+hooks=upgrad",
+    ]
+    with pytest.raises(Diverged, match=r"^diverged: the loss and a parameter became non-finite"):
+        run(compose_cfg(*common), tmp_path / "warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no matplotlib warning from an empty panel
+        summary = run(compose_cfg(*common, "trainer.nonfinite=skip"), tmp_path / "skip")
+    assert summary["status"] == "ok" and summary["skipped_steps"] == 1
+    assert (tmp_path / "skip" / "tasks.png").read_bytes()[:4] == b"\x89PNG"  # the per-task plot
+    assert not (tmp_path / "skip" / "grad_norms.png").exists()  # per_loss records hold no norm to draw
+
+
+def test_the_task_plot_draws_what_was_logged_and_nothing_else(tmp_path):
+    from gradmod.reporting.plots import has_norms
+    from gradmod.reporting.task_plots import has_tasks, loss_rule_keys, plot_tasks
+
+    rows = [
+        (s, {"mtl/upgrad": {"norm/a": 1.0, "cos/a,b": -0.2 * s, "conflict": 1.0, "weight/a": 0.5, "calls": 1}})
+        for s in (1, 2)
+    ]
+    history = [
+        {"epoch": e, "tasks": {"a": {"test_loss": 1.0 / e, "test_metric": 0.5, "metric": "accuracy"}}} for e in (1, 2)
+    ]
+    assert loss_rule_keys(rows) == ["mtl/upgrad"] and not has_norms(rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_tasks(rows, history, tmp_path / "tasks.png")
+        plot_tasks([], history, tmp_path / "history_only.png")  # a loss weighting logged nothing yet
+    assert (tmp_path / "tasks.png").read_bytes()[:4] == b"\x89PNG"
+    assert not has_tasks([], [{"epoch": 1, "test_loss": 1.0}])
+    with pytest.raises(ValueError, match="nothing|no per_loss statistics"):
+        plot_tasks([], [{"epoch": 1}], tmp_path / "empty.png")
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_a_changed_task_set_is_one_line_for_a_method_with_state_per_task(name):
+    if not per_loss_method(name):
+        pytest.skip(f"{name} is not registered in this build")
+    model = Shared().double()
+    hooks = gradmod.attach(model, _rule(name))
+    hooks.backward(_losses(model))
+    losses = _losses(model, 1)
+    with pytest.raises(ValueError, match=rf"hooks\.mtl: per_loss method '{name}' keeps a state per task") as e:
+        hooks.backward({"t0": losses["t0"], "t2": losses["t2"], "t9": losses["t1"]})
+    assert "\n" not in str(e.value)
+
+
+def test_the_same_tasks_in_another_order_keep_their_state():
+    """A method's state is by task: losses given in another order are put back in the first."""
+    ours, ref = Shared().double(), Shared().double()
+    hooks, ref_hooks = gradmod.attach(ours, _rule("uw")), gradmod.attach(ref, _rule("uw"), replace=False)
+    for step in range(3):
+        losses, ref_losses = _losses(ours, step), _losses(ref, step)
+        hooks.backward(dict(reversed(list(losses.items()))))
+        ref_hooks.backward(ref_losses)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-15)
+
+
+def test_a_stateless_method_takes_a_changed_task_set():
+    model = Shared().double()
+    hooks = gradmod.attach(model, _rule("upgrad"))
+    hooks.backward(_losses(model))
+    losses = _losses(model, 1)
+    hooks.backward({"t0": losses["t0"], "t2": losses["t2"]})
+    assert model.trunk[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("name", ["famo", "dwa", "geometric_mean", "uw"])
+def test_a_modules_rule_with_a_loss_weighting_weights_the_output_gradient(name):
+    """The weighted sum's gradient enters the trunk through its output; the heads get the
+    plain sum's. Reference: the weights from a params rule on the same losses, by hand."""
+    if not per_loss_method(name):
+        pytest.skip(f"{name} is not registered in this build")
+    model = Shared().double()
+    ref = copy.deepcopy(model)
+    hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
+    method = gradmod.hooks.per_loss.methods.build(name, {})
+    for step in range(2):
+        model.zero_grad()
+        ref.zero_grad()
+        hooks.backward(_losses(model, step))
+        losses = _losses(ref, step)
+        L = torch.stack(list(losses.values()))
+        w = method.loss_weights(L.detach().clone(), torch.Generator())
+        trunk, heads = list(ref.trunk.parameters()), list(ref.heads.parameters())
+        for p, g in zip(trunk, torch.autograd.grad((w * L).sum(), trunk, retain_graph=True)):
+            p.grad = g
+        for p, g in zip(heads, torch.autograd.grad(L.sum(), heads)):
+            p.grad = g
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-14, msg=f"step {step}: {n}")
+
+
+def test_a_modules_rule_whose_module_never_ran_is_one_line():
+    model = Shared().double()
+    hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}})
+    with torch.no_grad():
+        model(torch.randn(2, 6, dtype=torch.float64))
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    losses = {n: h(x).sum() for n, h in model.heads.items()}
+    with pytest.raises(ValueError, match=r"hooks\.rep: no module of this modules rule ran in a training forward"):
+        hooks.backward(losses)
+
+
+@pytest.mark.parametrize("name", ["nash_mtl", "gradvac", "famo", "uw", "dwa"])
+def test_checkpoints_load_with_weights_only_and_resume_identically(name):
+    if not per_loss_method(name):
+        pytest.skip(f"{name} is not registered in this build")
+
+    def steps(model, hooks, opt, at):
+        for step in at:
+            opt.zero_grad()
+            hooks.backward(_losses(model, step))
+            opt.step()
+            hooks.end_epoch()
+
+    straight, first = Shared().double(), Shared().double()
+    hooks = gradmod.attach(straight, _rule(name))
+    steps(straight, hooks, torch.optim.SGD(straight.parameters(), lr=0.1), range(4))
+    hooks = gradmod.attach(first, _rule(name))
+    opt = torch.optim.SGD(first.parameters(), lr=0.1)
+    steps(first, hooks, opt, range(2))
+    buffer = io.BytesIO()
+    torch.save({"hooks": hooks.state_dict(), "model": first.state_dict()}, buffer)
+    hooks.remove()
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # as gradmod's checkpoint loader reads it
+    resumed = Shared().double()
+    resumed.load_state_dict(saved["model"])
+    hooks = gradmod.attach(resumed, _rule(name))
+    hooks.load_state_dict(saved["hooks"])
+    steps(resumed, hooks, torch.optim.SGD(resumed.parameters(), lr=0.1), range(2, 4))
+    for p, q in zip(resumed.parameters(), straight.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("trainer", ["Lightning", "Transformers' Trainer"])
+def test_per_loss_rules_are_refused_at_set_up_under_lightning_and_transformers(trainer):
+    with pytest.raises(ValueError, match=rf"^hooks\.mtl: per_loss rules combine .* and {trainer} calls backward") as e:
+        attach_for(trainer, Shared(), _rule("upgrad"), "hook", scaled=False)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_per_loss_rules_are_refused_when_lightning_sets_up(tmp_path):
+    pytest.importorskip("lightning", reason="lightning is not installed")
+    import lightning as L
+
+    from gradmod.integrations.lightning import GradmodCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Shared()
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return sum(F.cross_entropy(o, y) for o in self.net(x).values())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 6), torch.randint(0, 3, (8,))))
+    trainer = L.Trainer(
+        max_epochs=1,
+        callbacks=[GradmodCallback({"mtl": {"params": "net.trunk.*", "transforms": ["upgrad"]}})],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+    )
+    with pytest.raises(ValueError, match=r"^hooks\.mtl: per_loss rules combine"):
+        trainer.fit(Module(), data)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_gets_the_eager_models_gradients():
+    """torch.compile's backward kernels do not run batched: the stage takes k passes instead."""
+    model, ref = Shared(2), Shared(2)
+    hooks = gradmod.attach(model, _rule("upgrad"))
+    ref_hooks = gradmod.attach(ref, _rule("upgrad"), replace=False)
+    net = torch.compile(model)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    for _ in range(2):
+        model.zero_grad()
+        ref.zero_grad()
+        hooks.backward({n: F.cross_entropy(o, y) for n, o in net(x).items()})
+        ref_hooks.backward({n: F.cross_entropy(o, y) for n, o in ref(x).items()})
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert hooks.per_loss.batched is False
+
+
+def test_a_malformed_method_is_refused_when_registered_or_attached():
+    from gradmod.hooks import registry
+    from gradmod.hooks.per_loss.methods import Method
+
+    class NotAMethod:
+        kind = "gramian"
+
+        def weights(self, G, gen):
+            return torch.ones(len(G))
+
+    class NoWeights(Method):
+        pass
+
+    class BadKind(Method):
+        kind = "tasks"
+
+    for cls, message in [
+        (NotAMethod, "builds a NotAMethod, not a Method"),
+        (NoWeights, "a method of kind 'gramian' defines weights, and NoWeights does not"),
+        (BadKind, "kind='tasks'; allowed: gramian, jacobian, losses"),
+    ]:
+        with pytest.raises(TypeError, match=message) as e:
+            registry.register("mine", cls, kind="per_loss")
+        assert "\n" not in str(e.value)
+    registry.register("made_by_a_function", lambda: {"weights": None}, kind="per_loss")
+    with pytest.raises(TypeError, match="per_loss method 'made_by_a_function': its factory builds a dict"):
+        gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": ["made_by_a_function"]}})
+
+
+def test_the_own_method_page_runs_as_written():
+    """docs/guide/own_method.md: its method registered as written, its YAML rule attached;
+    the update is the mean of the unit task gradients, by hand."""
+    import re
+
+    import yaml
+    from helpers import ROOT
+
+    from gradmod.hooks import registry
+
+    page = (ROOT / "docs" / "guide" / "own_method.md").read_text()
+    python = re.findall(r"```python\n(.*?)```", page, re.S)
+    (rules,) = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", page, re.S)]
+    try:
+        exec(compile(python[0], "own_method.md", "exec"), {})
+        model = Shared().double()
+        ref = copy.deepcopy(model)
+        hooks = gradmod.attach(model, rules)
+        hooks.backward(_losses(model))
+        losses = list(_losses(ref).values())
+        trunk, heads = list(ref.trunk.parameters()), list(ref.heads.parameters())
+        rows = [torch.cat([g.flatten() for g in torch.autograd.grad(L, trunk, retain_graph=True)]) for L in losses]
+        update = sum(r / r.norm() for r in rows) / len(rows)
+        got = torch.cat([p.grad.flatten() for p in model.trunk.parameters()])
+        torch.testing.assert_close(got, update, rtol=0, atol=1e-14)
+        for p, g in zip(model.heads.parameters(), torch.autograd.grad(sum(losses), heads)):
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-14)
+        assert "weight/t0" in hooks.read_stats()["unit_mean/unit_mean"]
+        with pytest.raises(ValueError, match="per_loss method 'unit_mean': eps=0 must be > 0"):
+            gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": [{"name": "unit_mean", "eps": 0}]}})
+    finally:
+        registry.unregister("unit_mean")
+
+
+class _OutMatmul(torch.autograd.Function):
+    """A Linear whose backward writes through ``out=``, as torch.compile's kernels do: no
+    batching rule, so a batched backward through it fails."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx, gw = torch.empty_like(x), torch.empty_like(w)
+        torch.mm(g, w, out=gx)
+        torch.mm(g.T, x, out=gw)
+        return gx, gw
+
+
+def test_a_backward_that_cannot_run_batched_falls_back_to_k_passes():
+    class Trunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 6, dtype=torch.float64))
+
+        def forward(self, x):
+            return torch.tanh(_OutMatmul.apply(x, self.w))
+
+    torch.manual_seed(3)
+    model = Shared().double()
+    model.trunk = Trunk()
+    ref = copy.deepcopy(model)
+    hooks = gradmod.attach(model, _rule("upgrad"))
+    hooks.backward(_losses(model))
+    assert hooks.per_loss.batched is False
+    losses = list(_losses(ref).values())
+    rows = torch.stack([torch.autograd.grad(L, ref.trunk.w, retain_graph=True)[0].flatten() for L in losses])
+    torch.testing.assert_close(model.trunk.w.grad.flatten(), tja.UPGrad()(rows), rtol=1e-10, atol=1e-12)

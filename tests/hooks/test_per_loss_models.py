@@ -1,0 +1,252 @@
+"""Every tensor a per_loss rule claims gets its per-task gradient, on models people use:
+attention (``out_proj`` used inside ``F.multi_head_attention_forward``), a Linear whose weight
+is also used through ``F.linear``, a tied embedding, an LSTM, tiny HF BERT and GPT-2 built
+from configs. One step's ``.grad`` against torchjd 0.18 (``backward`` + ``jac_to_grad``), float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchjd.aggregation as tja  # the reference implementation (a test dependency, torchjd[full])
+from torch import nn
+from torchjd.autojac import backward as tj_backward
+from torchjd.autojac import jac_to_grad
+
+import gradmod
+
+B, T, D, V = 4, 5, 8, 11
+REFERENCE = {
+    "upgrad": tja.UPGrad,
+    "mgda": tja.MGDA,
+    "pcgrad": tja.PCGrad,
+    "imtl_g": tja.IMTLG,
+    "aligned_mtl": tja.AlignedMTL,
+    "cagrad": lambda: tja.CAGrad(c=0.5),
+}
+TOL = {"cagrad": 1e-6}  # Clarabel's tolerance on both sides; the rest 1e-10
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.enc(self.emb(x)).mean(1)
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lstm = nn.Embedding(V, D), nn.LSTM(D, D, batch_first=True)
+
+    def forward(self, x):
+        out, (h, _) = self.lstm(self.emb(x))
+        return out.mean(1) + h[0]
+
+
+class Tied(nn.Module):
+    """The decoder's weight is the embedding's."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(V, D), nn.Linear(D, D)
+        self.dec = nn.Linear(D, V, bias=False)
+        self.dec.weight = self.emb.weight
+
+    def forward(self, x):
+        return torch.tanh(self.dec(torch.tanh(self.lin(self.emb(x))))).mean(1)[:, :D]
+
+
+class BothWays(nn.Module):
+    """``lin`` runs as a module and its weight is used again through ``F.linear``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.lin2 = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(self.emb(x)))
+        return torch.tanh(F.linear(self.lin2(h), self.lin.weight)).mean(1)
+
+
+class HF(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, x):
+        return self.m(input_ids=x).last_hidden_state.mean(1)
+
+
+def bert():
+    tf = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = tf.BertConfig(
+        vocab_size=V,
+        hidden_size=D,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return HF(tf.BertModel(config, add_pooling_layer=False))
+
+
+def gpt2():
+    tf = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = tf.GPT2Config(
+        vocab_size=V, n_embd=D, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    config.bos_token_id = config.eos_token_id = 0
+    return HF(tf.GPT2Model(config))
+
+
+class Heads(nn.Module):
+    def __init__(self, trunk: nn.Module, k: int = 3):
+        super().__init__()
+        self.trunk = trunk
+        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(D, 3) for i in range(k)})
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return {n: h(z) for n, h in self.heads.items()}
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (B, T), generator=g)
+    return x, {f"t{i}": torch.randint(0, 3, (B,), generator=g) for i in range(3)}
+
+
+def _losses(model, x, ys):
+    out = model(x)
+    return {n: F.cross_entropy(out[n], ys[n]) for n in out}
+
+
+def _torchjd_grads(model, x, ys, aggregator) -> dict[str, torch.Tensor]:
+    losses = list(_losses(model, x, ys).values())
+    trunk, heads = list(model.trunk.parameters()), list(model.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    tj_backward(losses, inputs=trunk)
+    torch.manual_seed(5)
+    jac_to_grad(trunk, aggregator)
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _compare(make, name: str) -> gradmod.hooks.HookSet:
+    torch.manual_seed(1)
+    model = Heads(make()).double()
+    x, ys = _batch()
+    expected = _torchjd_grads(copy.deepcopy(model), x, ys, REFERENCE[name]())
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
+    hooks.per_loss.generator.manual_seed(5)
+    hooks.backward(_losses(model, x, ys))
+    scale = max(g.abs().max() for g in expected.values())
+    tol = TOL.get(name, 1e-10) * float(scale)
+    for n, p in model.named_parameters():
+        assert p.grad is not None, f"{n} got no gradient"
+        torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=tol, msg=n)
+    return hooks
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_transformer_encoder_trunk_equals_torchjd(name):
+    hooks = _compare(Encoder, name)
+    answered = {id(p) for layer in hooks.per_loss.layers for p in layer.module.parameters(recurse=False)}
+    attn = hooks.per_loss.model.trunk.enc.layers[0].self_attn
+    assert id(attn.out_proj.weight) not in answered  # used inside F.multi_head_attention_forward
+    assert id(hooks.per_loss.model.trunk.enc.layers[0].linear1.weight) in answered  # a plain Linear call
+
+
+@pytest.mark.parametrize("make", [Recurrent, Tied, BothWays], ids=["lstm", "tied", "both_ways"])
+@pytest.mark.parametrize("name", ["upgrad", "pcgrad", "cagrad"])
+def test_rnn_tied_and_functional_weights_equal_torchjd(make, name):
+    _compare(make, name)
+
+
+@pytest.mark.parametrize("make", [bert, gpt2], ids=["bert", "gpt2"])
+@pytest.mark.parametrize("name", ["upgrad", "mgda"])
+def test_hf_trunks_from_configs_equal_torchjd(make, name):
+    _compare(make, name)
+
+
+def test_a_linear_used_both_ways_moves_under_pcgrad_in_the_trainer_loop():
+    """The weight used through ``F.linear`` too: answered directly, never left without gradient."""
+    torch.manual_seed(2)
+    model = Heads(BothWays()).double()
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["pcgrad"]}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.trunk.lin.weight.detach().clone()
+    for step in range(2):
+        x, ys = _batch(step)
+        opt.zero_grad()
+        hooks.backward(_losses(model, x, ys))
+        opt.step()
+    assert not torch.equal(model.trunk.lin.weight, before)
+    assert all(layer.module is not model.trunk.lin for layer in hooks.per_loss.layers)
+
+
+def test_lstm_modules_rule_aggregates_every_output_including_the_state():
+    """A ``modules:`` rule on an LSTM: its output and its (h, c) are the representation; the
+    task gradients of all of them aggregated (torchjd on the joined rows), none left plain."""
+    torch.manual_seed(3)
+    model = Heads(Recurrent()).double()
+    x, ys = _batch()
+    ref = copy.deepcopy(model)
+    emb = ref.trunk.emb(x)
+    out, (h, c) = ref.trunk.lstm(emb)
+    z = out.mean(1) + h[0]
+    losses = [F.cross_entropy(head(z), ys[n]) for n, head in ref.heads.items()]
+    rows = torch.stack(
+        [torch.cat([g.flatten() for g in torch.autograd.grad(L, [out, h], retain_graph=True)]) for L in losses]
+    )
+    agg = tja.UPGrad()(rows)
+    heads = list(ref.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    torch.autograd.backward([out, h], [agg[: out.numel()].view_as(out), agg[out.numel() :].view_as(h)])
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    hooks = gradmod.attach(model, {"rep": {"modules": "trunk.lstm", "stage": "per_loss", "transforms": ["upgrad"]}})
+    hooks.backward(_losses(model, x, ys))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=n)
+
+
+def test_a_sparse_embedding_is_refused_in_one_line():
+    class Sparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D, sparse=True)
+
+        def forward(self, x):
+            return self.emb(x).mean(1)
+
+    with pytest.raises(ValueError, match=r"hooks\.mtl: 'trunk\.emb\.weight' has sparse gradients") as e:
+        gradmod.attach(Heads(Sparse()), {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    assert "\n" not in str(e.value)
+
+
+def test_the_trace_leaves_batchnorm_statistics_and_the_random_state_alone():
+    torch.manual_seed(4)
+    trunk = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Dropout(0.5))
+    model, ref = Heads(trunk).double(), None
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, D, dtype=torch.float64)
+    gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    torch.manual_seed(9)
+    out = model(x)
+    torch.manual_seed(9)
+    expected = ref(x)
+    for n in out:
+        torch.testing.assert_close(out[n], expected[n], rtol=0, atol=0)
+    torch.testing.assert_close(model.trunk[1].running_mean, ref.trunk[1].running_mean, rtol=0, atol=0)
+    assert int(model.trunk[1].num_batches_tracked) == 1
