@@ -172,7 +172,7 @@ def _rule_targets(
         "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
     )
     window = rule_window(rule, spec, length)
-    if window is not None and stage in ("per_sample", "per_loss"):
+    if window is not None and stage not in ("hook", "fused"):
         raise ValueError(
             f"hooks.{rule}.active: a window is for rules at stage hook or fused; a {stage} rule acts every step"
         )

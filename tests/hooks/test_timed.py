@@ -361,3 +361,9 @@ def test_a_per_loss_methods_argument_follows_its_schedule_and_keeps_its_state():
         hooks.after_backward()
         assert method.phi is phi  # its running state is kept when the value changes
     assert seen == pytest.approx([0.1, 0.3, 0.5, 0.7, 0.9, 0.9])
+
+
+def test_a_window_on_a_stage_that_cannot_skip_a_step_is_refused():
+    rules = {"m": {"params": "0.*", "transforms": ["pcgrad"], "active": {"until": 3}}}
+    with pytest.raises(ValueError, match=r"^hooks.m.active: a window is for rules at stage hook or fused; a per_loss"):
+        attach(model(), rules)
