@@ -19,13 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from gradmod.labels import Labels
 
 log = logging.getLogger(__name__)
 
-DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text")
+DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text", "dann_digits")
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,34 @@ def load_multi_mnist(seed: int = 0, n_test: int = 1000) -> Data:
     return Data("multi_mnist", *train, *test)
 
 
+IGNORE = -100  # a label the loss and the accuracy leave out (PyTorch's ignore_index)
+
+
+def shifted_domain(images: Tensor, seed: int) -> Tensor:
+    """The target domain of ``dann_digits``: each digit over a textured grey background (a
+    coarse random 7x7 grid in [0, 160], upsampled to 28x28), the brighter pixel kept, as
+    MNIST-M puts digits over photo patches."""
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(len(images), 1, 7, 7, generator=g) * 160
+    background = F.interpolate(coarse, size=images.shape[-2:], mode="bilinear", align_corners=False)
+    return torch.maximum(images, background.round().to(torch.uint8))
+
+
+def load_dann_digits(seed: int = 0, n_test: int = 1000) -> Data:
+    """Unsupervised domain adaptation from the bundled digits, offline: the source domain
+    is half the training digits with their labels; the target domain is the other half on
+    a textured background (``shifted_domain``), their digit labels ``IGNORE``. Labels
+    ``digit`` and ``domain`` (0 source, 1 target). The test set is the held-out digits in
+    the target domain, with their labels, so the test accuracy is the target's."""
+    train_x, train_y, test_x, test_y = load_mnist_sample(seed, n_test)
+    half = len(train_y) // 2
+    x = torch.cat([train_x[:half], shifted_domain(train_x[half:], seed)])
+    digit = torch.cat([train_y[:half], torch.full_like(train_y[half:], IGNORE)])
+    domain = torch.cat([torch.zeros(half, dtype=torch.int64), torch.ones(len(train_y) - half, dtype=torch.int64)])
+    test = Labels({"digit": test_y, "domain": torch.ones_like(test_y)})
+    return Data("dann_digits", x, Labels({"digit": digit, "domain": domain}), shifted_domain(test_x, seed + 1), test)
+
+
 TEXT = Path(__file__).with_name("texts") / "lighthouse.txt"  # a short original story, bundled
 
 
@@ -237,6 +266,8 @@ def load_data(
         return _fake(seed, **fake)
     if name == "multi_mnist":
         return load_multi_mnist(seed, n_test)
+    if name == "dann_digits":
+        return load_dann_digits(seed, n_test)
     if name == "char_text":
         return load_char_text(**fake)
     raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(DATASETS)}")

@@ -69,6 +69,45 @@ class MultiLeNet(nn.Module):
         return {task: getattr(self, task)(h) for task in self.tasks}
 
 
+class Tap(nn.Module):
+    """Identity, as a new tensor: a ``modules:`` rule on it (``grl``) sees the gradient of this
+    branch only, not of every use of its input."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+
+class DANNNet(nn.Module):
+    """Domain-adversarial digits (Ganin and Lempitsky 2015): ``features`` (two 3x3 convs with
+    pooling, a Linear to 64) shared by the ``digit`` head and the ``domain`` head (source or
+    target), whose first module ``domain.reverse`` is where ``+hooks=grl`` reverses the
+    gradient. Forward returns ``{"digit": logits, "domain": logits}``. Sized for 28x28."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            OrderedDict(
+                conv1=nn.Conv2d(in_channels, 32, kernel_size=3, padding=1),
+                relu1=nn.ReLU(),
+                pool1=nn.MaxPool2d(2),
+                conv2=nn.Conv2d(32, 32, kernel_size=3, padding=1),
+                relu2=nn.ReLU(),
+                pool2=nn.MaxPool2d(2),
+                flat=nn.Flatten(),
+                fc=nn.Linear(7 * 7 * 32, 64),
+                relu3=nn.ReLU(),
+            )
+        )
+        self.digit = nn.Linear(64, num_classes)
+        self.domain = nn.Sequential(
+            OrderedDict(reverse=Tap(), fc=nn.Linear(64, 64), relu=nn.ReLU(), out=nn.Linear(64, 2))
+        )
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        h = self.features(x)
+        return {"digit": self.digit(h), "domain": self.domain(h)}
+
+
 class CharLM(nn.Module):
     """A small causal character model: an embedding, two causal 1-D convolutions (each
     position sees itself and the ``context - 1`` before it) and a Linear to the characters.
@@ -184,7 +223,7 @@ def _resnet(name: str, in_channels: int, num_classes: int, image_size: int, norm
     return model
 
 
-MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt")
+MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt", "dann")
 
 
 def build_model(
@@ -210,6 +249,10 @@ def build_model(
         return CharLM(num_classes)
     if name == "tiny_gpt":
         return TinyGPT(num_classes)
+    if name == "dann":
+        if image_size != 28:
+            raise ValueError(f"model 'dann' needs 28x28 images, got {image_size}x{image_size}; use data=dann_digits")
+        return DANNNet(in_channels, num_classes)
     if name in ("resnet18", "resnet50"):
         return _resnet(name, in_channels, num_classes, image_size, norm)
     raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")

@@ -47,7 +47,11 @@ def transform_lines(plugins: list[str] = ()) -> list[str]:
     for name in transforms.names():
         factory = transforms.factory(name)
         args = ", ".join(_argument(p) for p in inspect.signature(factory).parameters.values())
-        lines += columns(f"{name}({args})", first_sentence(inspect.getdoc(factory) or "").replace("``", ""))
+        signature = f"{name}({args})"
+        if len(signature) + 2 > WIDTH:  # many arguments: the signature over lines of its own, then the sentence
+            *head, signature = textwrap.wrap(signature, WIDTH - 2, subsequent_indent=" " * 34, break_on_hyphens=False)
+            lines += [f"  {ln}" for ln in head]
+        lines += columns(signature, first_sentence(inspect.getdoc(factory) or "").replace("``", ""))
     return lines
 
 

@@ -111,5 +111,7 @@ def _install() -> None:
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if not _DUE:  # the usual case: every loop called after_backward()
         return
+    if len(args) > 1 or (kwargs or {}).get("closure") is not None:  # args[0]: the optimizer
+        return  # step(closure): the step's last backward (and after_backward) run inside, as Lightning's do
     for watch in list(_DUE):
         watch.before_step(optimizer)

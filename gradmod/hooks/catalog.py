@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from gradmod.hooks import transforms as T
-from gradmod.hooks.fused.group import AGC, GlobalNormClip, ZClip
+from gradmod.hooks.fused.group import AGC, Freeze, GlobalNormClip
+from gradmod.hooks.fused.norm_history import AutoClip, ZClip
 from gradmod.hooks.per_loss import methods as M
 from gradmod.hooks.per_loss import weightings as W
 from gradmod.hooks.per_loss.nash_mtl import NashMTL
@@ -50,6 +51,8 @@ for _method in PER_LOSS:
 register("global_norm_clip", GlobalNormClip, kind="group")
 register("agc", AGC, kind="group")
 register("zclip", ZClip, kind="group")
+register("autoclip", AutoClip, kind="group")
+register("freeze", Freeze, kind="group")
 
 # Sharpness: how a rule's parameters move before the second forward and backward.
 register("sam", Sam, kind="sharpness")

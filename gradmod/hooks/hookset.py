@@ -38,9 +38,11 @@ from gradmod.hooks.losses import named, total
 from gradmod.hooks.per_sample.stage import PerSampleStage  # set_per_sample, deprecated
 from gradmod.hooks.registry import warn_moved
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
+from gradmod.hooks.schedules import Length
 from gradmod.hooks.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
 from gradmod.hooks.stage import Core, Loop, Stage
 from gradmod.hooks.stats import take_all
+from gradmod.hooks.timed import Timed
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, list[HookSet]] = weakref.WeakKeyDictionary()
@@ -54,10 +56,19 @@ class HookSet:
     backward. ``stages``: one ``Stage`` per stage some rule runs at, in stage order."""
 
     def __init__(
-        self, model: nn.Module, targets: list[Target], loss_reduction: str = "mean", batch_dim: int | None = None
+        self,
+        model: nn.Module,
+        targets: list[Target],
+        loss_reduction: str = "mean",
+        batch_dim: int | None = None,
+        length: Length | None = None,
     ):
         self.targets = targets
         self._core = Core(loss_reduction, batch_dim=batch_dim)
+        # The step clock, the scheduled arguments and the windows (rules that change over training).
+        self.timed = Timed(targets, {t.rule: t.active for t in targets if t.active is not None}, length or Length())
+        self._core.windows = frozenset(self.timed.windows)
+        self._tick()
         at = {t.stage for t in targets}
         self.stages: list[Stage] = [
             stages.stage_class(name)(model, targets, self._core) for name in stages.names() if name in at
@@ -71,7 +82,7 @@ class HookSet:
         self._keys = {t.key for t in targets}
         self._params = {t.name: params[t.name] for t in targets if t.kind == "param"}
         self._stepped_once = False
-        self._due = AfterBackwardDue(model, _sentinels(targets, params))  # a forgotten after_backward()
+        self._due = AfterBackwardDue(model, _sentinels(targets, params, self.timed))  # a forgotten after_backward()
         for obj in self._owned:
             _OWNERS[obj] = self
 
@@ -113,8 +124,9 @@ class HookSet:
 
     @property
     def needs_after_backward(self) -> bool:
-        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample)."""
-        return any(s.needs_after_backward for s in self.stages)
+        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample),
+        or changes over training (its clock advances there)."""
+        return bool(self.timed) or any(s.needs_after_backward for s in self.stages)
 
     def backward(
         self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor], closure: Callable[[], Any] | None = None
@@ -168,8 +180,27 @@ class HookSet:
         skip = False
         for stage in self.stages:
             skip = bool(stage.finish()) or skip
-        self._core.step += 1
+        self.timed.advance()  # the next step's scheduled values and windows, on the host
+        self._tick()
         return skip
+
+    def _tick(self) -> None:
+        """The core follows the clock: the step, and the rules outside their window."""
+        self._core.step, self._core.inactive = self.timed.t, frozenset(self.timed.inactive)
+
+    @property
+    def step(self) -> int:
+        """The optimizer steps completed (``after_backward`` calls, or ``set_step``)."""
+        return self.timed.t
+
+    def set_step(self, t: int) -> None:
+        """Set the step clock to ``t`` completed optimizer steps (a trainer's global step):
+        scheduled values and windows follow."""
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"set_step: t={t!r} must be an int >= 0 (optimizer steps completed)")
+        if t != self.timed.t:
+            self.timed.at(t)
+            self._tick()
 
     def set_up(self, loop: Loop) -> None:
         """Hand every stage what the training loop knows (``gradmod.hooks.stage.Loop``:
@@ -198,25 +229,29 @@ class HookSet:
         """Every ``log`` accumulator's window (and histogram, if one was taken), read
         with a single host sync."""
         observers = self.observers()
+        timed = self.timed.stats()  # the scheduled values and windows of the last step
         pending = []
         for (key, obs), (calls, acc) in zip(observers, take_all([obs for _, obs in observers])):
             if acc is not None:
                 pending.append((key, obs, calls, acc, obs.pre is not None))
         if not pending:
-            return {}
+            return timed
         device = pending[0][3].device
         flat = torch.cat([acc.to(device) for _, _, _, acc, _ in pending]).tolist()
         out, i = {}, 0
         for key, obs, calls, acc, paired in pending:
             out[key] = obs.summarize(calls, flat[i : i + len(acc)], paired)
             i += len(acc)
-        return out
+        return {**out, **timed}
 
     def state_dict(self) -> dict[str, Any]:
         """What the hooks carry from step to step (the ``log`` windows in progress, the
         stages' own state such as zclip's running mean and variance), for checkpoints:
         resuming with ``load_state_dict`` continues bit for bit."""
-        state: dict[str, Any] = {"log_windows": {key: obs.state_dict() for key, obs in self.observers()}}
+        state: dict[str, Any] = {
+            "log_windows": {key: obs.state_dict() for key, obs in self.observers()},
+            "clock": self.timed.clock.state_dict(),
+        }
         for stage in self.stages:
             state.update(stage.state_dict())
         return state
@@ -224,6 +259,10 @@ class HookSet:
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         """Restore ``state_dict()``'s windows; ``device``: where this run's gradients are.
         Windows of tensors this HookSet does not observe are ignored."""
+        if "clock" in state:  # first: the transforms' values at that step, then the stages' state
+            self.timed.clock.load_state_dict(state["clock"])
+            self.timed.at(self.timed.clock.t)
+            self._tick()
         windows = state.get("log_windows", {})
         for key, obs in self.observers():
             if key in windows:
@@ -272,11 +311,16 @@ class HookSet:
         self.remove()
 
 
-def _sentinels(targets: list[Target], params: dict[str, nn.Parameter]) -> dict[str, tuple[str, nn.Parameter]]:
-    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes."""
+def _sentinels(
+    targets: list[Target], params: dict[str, nn.Parameter], timed: Timed
+) -> dict[str, tuple[str, nn.Parameter]]:
+    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes,
+    or whose transforms follow the step clock it advances."""
+    changing = {t.rule for t in targets if t.active is not None or any(s.schedules for s in t.steps)}
+    changing |= {t.rule for t in targets for s in t.steps if any(s is c for c in timed.clocked)}
     out: dict[str, tuple[str, nn.Parameter]] = {}
     for t in targets:
-        if t.kind == "param" and stages.get(t.stage).needs_after_backward:
+        if t.kind == "param" and (stages.get(t.stage).needs_after_backward or t.rule in changing):
             out.setdefault(t.rule, (t.stage, params[t.name]))
     return out
 
@@ -288,6 +332,8 @@ def attach(
     replace: bool = True,
     loss_reduction: str = "mean",
     batch_dim: int | None = None,
+    total_steps: int | None = None,
+    steps_per_epoch: int | None = None,
 ) -> HookSet:
     """Attach ``rules`` to ``model`` and return the ``HookSet`` holding every handle.
 
@@ -300,8 +346,14 @@ def attach(
     ``loss_reduction``: how the loss combines the examples (``mean`` or ``sum``), so the
     per_sample stage knows each example's gradient; ``batch_dim``: the dimension of the
     model's inputs that holds the examples (default 0, or 1 for a model with
-    ``batch_first = False``).
+    ``batch_first = False``). ``total_steps``, ``steps_per_epoch``: the run's length in
+    optimizer steps, for schedules and windows given in ``dur`` or ``ep`` (refused in one
+    line without them).
     """
+    for name, n in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"attach: {name}={n!r} must be an int >= 1 (optimizer steps), or None")
+    length = Length(steps_per_epoch=steps_per_epoch, total_steps=total_steps)
     if stage not in DEFAULT_STAGES:
         hint = ""
         if stage in stages.names():  # a stage of its own: a rule sets it, or a transform's kind implies it
@@ -312,7 +364,7 @@ def attach(
         raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
     if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
         raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
-    targets = build_targets(model, rules, stage)  # validate everything before touching the model
+    targets = build_targets(model, rules, stage, length)  # validate everything before touching the model
     at = {t.stage for t in targets}
     for name in stages.names():
         if name in at:
@@ -325,7 +377,7 @@ def attach(
     _refuse_overlap(model, targets, replaced)
     for old in replaced:
         old.remove()
-    hooks = HookSet(model, targets, loss_reduction, batch_dim)
+    hooks = HookSet(model, targets, loss_reduction, batch_dim, length)
     _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
 

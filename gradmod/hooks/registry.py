@@ -204,6 +204,8 @@ class BuiltTransform:
     args: dict[str, Any] = field(default_factory=dict)
     fn: Any = field(default=None, repr=False, compare=False)
     at: str | None = None
+    # argument -> its schedule (gradmod.hooks.schedules); ``args`` holds the values in use
+    schedules: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __call__(self, grad):
         return self.fn(grad)
@@ -226,7 +228,8 @@ class BuiltTransform:
     def __str__(self) -> str:
         if not self.args:
             return self.name
-        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.args.items())})"
+        shown = {**self.args, **self.schedules}
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
 
 def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTransform:

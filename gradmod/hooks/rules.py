@@ -10,7 +10,7 @@ is its own, else the default, unless a transform's kind implies one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,11 +20,13 @@ from gradmod.hooks import registry as R
 from gradmod.hooks import stages
 from gradmod.hooks.globs import select
 from gradmod.hooks.rule_spec import transform_list
+from gradmod.hooks.schedules import Active, Length
+from gradmod.hooks.timed import check_range, rule_window, split_schedules
 
 STAGE_NAMES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
 NAMED = DEFAULT_STAGES + tuple(s for s in STAGE_NAMES if s not in DEFAULT_STAGES)  # as messages list them
-RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage", "rows")
+RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage", "rows", "active")
 ROWS = ("examples", "batch")  # a per_loss modules rule's Gramian: per-example rows, or batch-summed (LibMTL)
 
 
@@ -38,6 +40,7 @@ class Target:
     stage: str
     steps: list[R.BuiltTransform]
     rows: str | None = None  # a per_loss modules rule's ``rows`` (ROWS); None: examples
+    active: Active | None = None  # the rule's window; None: every step
 
     @property
     def key(self) -> str:
@@ -46,9 +49,13 @@ class Target:
 
 
 def build_targets(
-    model: nn.Module, rules: Mapping[str, Mapping[str, Any]] | None, stage: str = stages.DEFAULT
+    model: nn.Module,
+    rules: Mapping[str, Mapping[str, Any]] | None,
+    stage: str = stages.DEFAULT,
+    length: Length | None = None,
 ) -> list[Target]:
-    """Check the rules against the model and return what to attach, in config order."""
+    """Check the rules against the model and return what to attach, in config order.
+    ``length``: what turns schedules' and windows' epochs and fractions into steps."""
     if not isinstance(rules, Mapping) and rules is not None:
         raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
     params = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -65,7 +72,7 @@ def build_targets(
             )
         if ("params" in spec) == ("modules" in spec):
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
-        targets.extend(_rule_targets(rule, spec, params, modules, stage))
+        targets.extend(_rule_targets(rule, spec, params, modules, stage, length or Length()))
     _check_observer_keys(targets)
     return targets
 
@@ -151,7 +158,7 @@ def _shared(step: R.BuiltTransform) -> bool:
 
 
 def _rule_targets(
-    rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str], default_stage: str
+    rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str], default_stage: str, length: Length
 ) -> list[Target]:
     kind = "param" if "params" in spec else "module"
     transforms = transform_list(spec.get("transforms"))
@@ -164,15 +171,22 @@ def _rule_targets(
         params if kind == "param" else modules,
         "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
     )
+    window = rule_window(rule, spec, length)
+    if window is not None and stage not in ("hook", "fused"):
+        raise ValueError(
+            f"hooks.{rule}.active: a window is for rules at stage hook or fused; a {stage} rule acts every step"
+        )
+    timed = [split_schedules(t, f"hooks.{rule}.transforms.{i}", length) for i, t in enumerate(transforms)]
     shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
     targets = []
     for name in names:
         try:  # per tensor: observers and stateful transforms keep their own state
-            steps = [shared.get(i) or R.build(t, stage) for i, t in enumerate(transforms)]
+            steps = [shared.get(i) or _build(first, sched, stage, length) for i, (first, sched) in enumerate(timed)]
         except ValueError as e:
             raise ValueError(f"hooks.{rule}.transforms: {e}") from None
         shared.update((i, st) for i, st in enumerate(steps) if _shared(st))
-        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage), _rows(rule, spec, kind, stage)))
+        rows = _rows(rule, spec, kind, stage)
+        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage), rows, window))
     return targets
 
 
@@ -186,6 +200,17 @@ def _rows(rule: str, spec: Mapping[str, Any], kind: str, stage: str) -> str | No
     if kind != "module" or stage != "per_loss":
         raise ValueError(f"hooks.{rule}.rows: only a per_loss rule on modules (its output's task gradients) has rows")
     return rows
+
+
+def _build(spec: Any, schedules: dict[str, Any], stage: str, length: Length) -> R.BuiltTransform:
+    """One step, with its schedules (its arguments at their first value)."""
+    step = R.build(spec, stage)
+    if not schedules:
+        return step
+    if step.observer:
+        raise ValueError(f"{step.name!r} observes: its arguments cannot be scheduled")
+    check_range(spec, schedules, length, stage)
+    return replace(step, fn=step.fn, schedules=schedules)
 
 
 def _label_observers(steps: list[R.BuiltTransform], stage: str) -> list[R.BuiltTransform]:
@@ -274,7 +299,13 @@ def chains_of(targets: list[Target]) -> list[tuple[str, list[str]]]:
 def describe(targets: list[Target]) -> list[dict[str, Any]]:
     """The plan with rules, stages and arguments, for printing and saving (application order)."""
     return [
-        {"tensor": t.key, "rule": t.rule, "stage": t.stage, "transforms": [str(s) for s in t.steps]}
+        {
+            "tensor": t.key,
+            "rule": t.rule,
+            "stage": t.stage,
+            "transforms": [str(s) for s in t.steps],
+            **({"active": str(t.active)} if t.active is not None else {}),
+        }
         for t in in_order(targets)
     ]
 
@@ -284,5 +315,9 @@ def format_plan(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "hook plan: no rules"
     width = max(len(d["tensor"]) for d in rows)
-    lines = [f"  {d['tensor']:<{width}}  {d['stage']:<5}  {d['rule']}: {' -> '.join(d['transforms'])}" for d in rows]
+    lines = [
+        f"  {d['tensor']:<{width}}  {d['stage']:<5}  {d['rule']}: {' -> '.join(d['transforms'])}"
+        + (f"  (active steps {d['active']})" if "active" in d else "")
+        for d in rows
+    ]
     return "hook plan:\n" + "\n".join(lines)

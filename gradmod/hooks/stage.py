@@ -47,15 +47,18 @@ class Core:
     chains on ``.grad``, ``log`` observations computed together); ``grad_scale``: GradScaler's
     scale of the backward in progress (fp16), or None; ``loss_reduction``: how the loss
     combines the examples (``mean`` or ``sum``); ``step``: optimizer steps finished, one
-    more at each ``HookSet.after_backward()`` (the clock a schedule reads); ``batch_dim``:
-    the dimension of the model's inputs that holds the examples (None: 0, or 1 for a model
-    with ``batch_first = False``)."""
+    more at each ``HookSet.after_backward()`` (the clock a schedule reads); ``windows``: the
+    rules with an ``active`` window, ``inactive``: those outside it now (they do nothing);
+    ``batch_dim``: the dimension of the model's inputs that holds the examples (None: 0, or
+    1 for a model with ``batch_first = False``)."""
 
     loss_reduction: str = "mean"
     ledger: RawLedger = field(default_factory=RawLedger)
     backward_end: BackwardEnd = field(default_factory=BackwardEnd)
     grad_scale: Tensor | None = None
     step: int = 0
+    windows: frozenset[str] = frozenset()
+    inactive: frozenset[str] = frozenset()
     batch_dim: int | None = None
 
 

@@ -138,24 +138,30 @@ def norm_clip(max_norm: float) -> Transform:
     return apply
 
 
-def noise(std: float, decay: float = 0.55) -> Transform:
-    """Add Gaussian noise with std ``std / (1 + t) ** decay`` at call ``t`` (annealed).
-    On a DTensor each piece draws its own values (replicas of a piece the same ones)."""
-    s = positive("noise", "std", std)
-    d = positive("noise", "decay", decay)
-    calls = 0
+class Noise:
+    """Add Gaussian noise with std ``std / (1 + t) ** decay``, ``t`` the optimizer steps
+    completed (annealed). The step clock sets ``t`` (``at_step``, at each
+    ``HookSet.after_backward``), so every micro-batch of a step gets the same std and a
+    resumed run continues the decay from its checkpoint's clock. On a DTensor each piece
+    draws its own values (replicas of a piece the same ones)."""
 
-    def apply(grad: Tensor) -> Tensor:
-        nonlocal calls
-        sigma = s / (1 + calls) ** d
-        calls += 1
+    def __init__(self, std: float, decay: float = 0.55):
+        self.std = positive("noise", "std", std)
+        self.decay = positive("noise", "decay", decay)
+        self.sigma = self.std  # at t = 0
+
+    def at_step(self, t: int) -> None:
+        self.sigma = self.std / (1 + t) ** self.decay
+
+    def __call__(self, grad: Tensor) -> Tensor:
         if is_sharded(grad):
             # One seed from the global generator (the same on every rank seeded alike), then
             # each piece its own stream: pieces differ, replicas agree, a rerun repeats.
             seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
             piece = mesh.local(grad)
             drawn = torch.randn(piece.shape, generator=mesh.shard_generator(grad, seed), device=piece.device)
-            return mesh.like(grad, piece + sigma * drawn.to(piece.dtype))
-        return grad + sigma * torch.randn_like(grad)
+            return mesh.like(grad, piece + self.sigma * drawn.to(piece.dtype))
+        return grad + self.sigma * torch.randn_like(grad)
 
-    return apply
+
+noise = Noise

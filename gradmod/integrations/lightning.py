@@ -29,11 +29,22 @@ class GradmodCallback(Callback):
 
     ``stage``: the default stage of rules that set none (``hook`` or ``fused``).
     ``log_every``: steps between reads of the ``log`` statistics (default: the Trainer's
-    ``log_every_n_steps``); each read is one host sync.
+    ``log_every_n_steps``); each read is one host sync. ``total_steps``,
+    ``steps_per_epoch``: the run's length in optimizer steps for schedules and windows in
+    ``dur`` or ``ep`` (default: the Trainer's ``max_steps``, else its estimate). The step
+    clock is the Trainer's ``global_step``, so a resumed fit continues the schedules.
     """
 
-    def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook", log_every: int | None = None):
+    def __init__(
+        self,
+        rules: Mapping[str, Any] | str | Path | list,
+        stage: str = "hook",
+        log_every: int | None = None,
+        total_steps: int | None = None,
+        steps_per_epoch: int | None = None,
+    ):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         refuse_per_sample("Lightning", self.rules, stage)  # when the callback is made, not at fit()
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
@@ -53,7 +64,31 @@ class GradmodCallback(Callback):
                 for cb in trainer.callbacks
                 if isinstance(cb, GradmodCallback) and cb is not self and cb.hooks is not None
             }
-            self.hooks = attach_for("Lightning", pl_module, self.rules, self.stage, scaled, (self.sources, peers))
+            total, per_epoch = self._length(trainer)
+            self.hooks = attach_for(
+                "Lightning", pl_module, self.rules, self.stage, scaled, (self.sources, peers), total, per_epoch
+            )
+
+    def _length(self, trainer) -> tuple[int | None, int | None]:
+        """(total optimizer steps, per epoch): given, else what the Trainer can say now."""
+        total, per_epoch = self.total_steps, self.steps_per_epoch
+        if total is None and trainer.max_steps and trainer.max_steps > 0:
+            total = int(trainer.max_steps)
+        if total is None or per_epoch is None:
+            try:  # loads the train dataloader's length; unknown (an iterable) -> left None
+                estimate = int(trainer.estimated_stepping_batches)
+            except Exception:  # noqa: BLE001  (no length: rules in ep/dur are refused in one line)
+                estimate = None
+            if estimate is not None and estimate > 0:
+                total = estimate if total is None else total
+                epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+                if per_epoch is None and epochs and estimate % epochs == 0:
+                    per_epoch = estimate // epochs
+        return total, per_epoch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.hooks is not None and self.hooks.timed:
+            self.hooks.set_step(int(trainer.global_step))  # accumulated micro-batches share it
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._read_at = trainer.global_step

@@ -10,6 +10,7 @@ from torch import nn
 from gradmod.hooks import registry as R
 from gradmod.hooks.hookset import HookSet, attach
 from gradmod.hooks.rules import build_targets
+from gradmod.hooks.schedules import Length
 
 
 def refuse_per_sample(trainer: str, rules: Mapping[str, Any], stage: str) -> None:
@@ -41,6 +42,8 @@ def attach_for(
     stage: str,
     scaled: bool,
     shared: tuple[str, Mapping[str, HookSet]] = ("", {}),
+    total_steps: int | None = None,
+    steps_per_epoch: int | None = None,
 ) -> HookSet:
     """``attach(..., replace=False)``, so several callbacks share the model (overlapping
     tensors stay refused; ``shared``: this callback's rule sources and the other callbacks'
@@ -51,8 +54,8 @@ def attach_for(
     ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled), per_sample
     rules (see ``docs/privacy.md``), per_loss rules (the loop's backward takes one loss) and
     sharpness rules (the loop's own backward cannot take a second pass)."""
-    _refuse_shared(trainer, model, rules, stage, *shared)
-    hooks = attach(model, rules, stage=stage, replace=False)
+    _refuse_shared(trainer, model, rules, stage, *shared, Length(steps_per_epoch, total_steps))
+    hooks = attach(model, rules, stage=stage, replace=False, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     private = hooks.stage("per_sample")
     if private is not None:
         rule = private.rules[0].name
@@ -109,10 +112,18 @@ def flat_stats(hooks: HookSet) -> dict[str, float]:
 
 
 def _refuse_shared(
-    trainer: str, model: nn.Module, rules: Mapping[str, Any], stage: str, own: str, peers: Mapping[str, HookSet]
+    trainer: str,
+    model: nn.Module,
+    rules: Mapping[str, Any],
+    stage: str,
+    own: str,
+    peers: Mapping[str, HookSet],
+    length: Length,
 ) -> None:
     """Two callbacks on the same tensors: one line saying to give one callback both sources."""
-    mine = {t.key for t in build_targets(model, rules, stage)}
+    if not peers:
+        return
+    mine = {t.key for t in build_targets(model, rules, stage, length)}
     for theirs, hooks in peers.items():
         shared = [t.key for t in hooks.targets if t.key in mine]
         if shared:

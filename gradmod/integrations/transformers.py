@@ -15,6 +15,7 @@ Needs ``pip install "gradmod[transformers]"``.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from pathlib import Path
@@ -44,11 +45,22 @@ class GradmodCallback(TrainerCallback, ExportableState):
 
     ``stage``: the default stage of rules that set none (``hook`` or ``fused``).
     ``log_every``: steps between reads of the ``log`` statistics at HF's log events
-    (default: ``logging_steps``); each read is one host sync.
+    (default: ``logging_steps``); each read is one host sync. ``total_steps``,
+    ``steps_per_epoch``: the run's length for schedules and windows in ``dur`` or ``ep``
+    (default: HF's ``max_steps`` and its steps per epoch). The step clock is HF's
+    ``global_step``, so a resumed train continues the schedules.
     """
 
-    def __init__(self, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook", log_every: int | None = None):
+    def __init__(
+        self,
+        rules: Mapping[str, Any] | str | Path | list,
+        stage: str = "hook",
+        log_every: int | None = None,
+        total_steps: int | None = None,
+        steps_per_epoch: int | None = None,
+    ):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         refuse_per_sample("Transformers' Trainer", self.rules, stage)  # at add_to, not at train()
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
@@ -57,7 +69,15 @@ class GradmodCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._detach(model)  # a train() that raised never reached on_train_end
         peers = {cb.sources: cb.hooks for cb in _TRAINING.get(model, ()) if cb is not self and cb.hooks is not None}
-        hooks = attach_for("Transformers' Trainer", model, self.rules, self.stage, args.fp16, (self.sources, peers))
+        max_steps = getattr(state, "max_steps", None)
+        total = self.total_steps or (max_steps if max_steps and max_steps > 0 else None)
+        per_epoch = self.steps_per_epoch
+        epochs = math.ceil(getattr(state, "num_train_epochs", 0) or 0)
+        if per_epoch is None and total and epochs and total % epochs == 0:
+            per_epoch = total // epochs
+        hooks = attach_for(
+            "Transformers' Trainer", model, self.rules, self.stage, args.fp16, (self.sources, peers), total, per_epoch
+        )
         if hooks.stage("fused") is not None and args.max_grad_norm and args.max_grad_norm > 0:
             warnings.warn(
                 f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
@@ -69,6 +89,10 @@ class GradmodCallback(TrainerCallback, ExportableState):
             hooks.load_state_dict(_from_json(self.rule_state), next(model.parameters()).device)
             self.rule_state = {}
         _warn_shared_checkpoint(self, model, args)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.hooks is not None and self.hooks.timed:
+            self.hooks.set_step(int(state.global_step))  # accumulated micro-batches share it
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.hooks is not None and self.hooks.needs_after_backward:
@@ -100,18 +124,29 @@ class GradmodCallback(TrainerCallback, ExportableState):
         ``restore_callback_states_from_checkpoint=True``) as ``GradmodCallback(**args)``."""
         live = _to_json(self.hooks.state_dict()) if self.hooks is not None else self.rule_state
         return {
-            "args": {"rules": _to_json(self.rules), "stage": self.stage, "log_every": self.log_every},
+            "args": {
+                "rules": _to_json(self.rules),
+                "stage": self.stage,
+                "log_every": self.log_every,
+                "total_steps": self.total_steps,
+                "steps_per_epoch": self.steps_per_epoch,
+            },
             "attributes": {"rule_state": live},
         }
 
 
 def add_to(
-    trainer, rules: Mapping[str, Any] | str | Path | list, stage: str = "hook", log_every: int | None = None
+    trainer,
+    rules: Mapping[str, Any] | str | Path | list,
+    stage: str = "hook",
+    log_every: int | None = None,
+    total_steps: int | None = None,
+    steps_per_epoch: int | None = None,
 ) -> GradmodCallback:
     """A ``GradmodCallback`` placed first in ``trainer``'s callbacks, before the reporting
     integrations, so its ``grad/...`` entries reach them; also after a checkpoint restore,
     which HF does by re-creating the callback at the end of the list."""
-    callback = GradmodCallback(rules, stage, log_every)
+    callback = GradmodCallback(rules, stage, log_every, total_steps, steps_per_epoch)
     trainer.callback_handler.callbacks.insert(0, callback)
     _before_printer(trainer.callback_handler.callbacks, ConsoleLine())
     load = getattr(trainer, "_load_callback_state", None)

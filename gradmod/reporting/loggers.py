@@ -35,7 +35,9 @@ STAT_COLUMNS = (
     "norm_max",
     "clip_coef",
     "clip_coef_min",
-)  # the last three: group transforms (rule/transform)
+    "value",
+)  # norm_max, clip_coef, clip_coef_min: group transforms (rule/transform);
+# value: a scheduled argument's (rule/transform.arg) or a window's (rule/active: 1 open, 0 closed)
 
 
 @contextlib.contextmanager
@@ -161,6 +163,8 @@ class TensorBoardLogger(Logger):
                     self.writer.add_scalar(f"per_example_norm/{key}/{field}", s[field], step)
             if "frac_clipped" in s:
                 self.writer.add_scalar(f"frac_clipped/{split_key(key)[0]}", s["frac_clipped"], step)
+            if "value" in s:  # a scheduled argument's value in use, or whether a window is open
+                self.writer.add_scalar(f"schedule/{key}", s["value"], step)
             h = s.get("histogram")
             if h is not None:
                 self.writer.add_histogram_raw(

@@ -27,6 +27,8 @@ def _rule_line(name: str, rows: list[dict[str, Any]], rule: Mapping[str, Any]) -
     first = rows[0]
     stage = f" [{first['stage']}]" if first["stage"] in ("fused", "per_sample") else ""
     transforms = " -> ".join(first["transforms"])
+    if "active" in first:  # a window: when the rule acts, in optimizer steps completed
+        transforms += f" (active steps {first['active']})"
     if len(rows) <= LIST_UP_TO:
         return f"  {name}{stage}: {', '.join(r['tensor'] for r in rows)} -> {transforms}"
     kind = "module outputs" if rule.get("modules") is not None else "tensors"

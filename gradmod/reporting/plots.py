@@ -364,3 +364,21 @@ def gradcam_overlay(images, cams, alpha: float = 0.5):
     peak = cams.reshape(len(cams), -1).max(axis=1).reshape(-1, 1, 1)
     heat = plt.get_cmap("jet")(cams / np.where(peak > 0, peak, 1.0))[..., :3]
     return np.clip((1 - alpha) * images[..., None] + alpha * heat, 0.0, 1.0)
+
+
+def plot_schedules(rows: Sequence[tuple[int, dict[str, Any]]], path: str | Path) -> Path:
+    """The scheduled arguments' values in use (``rule/transform.arg``) and whether each
+    window was open (``rule/active``, 1 or 0), at each log point, against the step."""
+    series = _series(rows, "value")
+    values = {k: v for k, v in series.items() if not k.endswith("/active")}
+    windows = {k: v for k, v in series.items() if k.endswith("/active")}
+    fig, axes = _panels(int(bool(values)) + int(bool(windows)) or 1)
+    if values:
+        for key, (xs, ys) in sorted(values.items()):
+            axes[0].plot(xs, ys, drawstyle="steps-post", label=key, marker="." if len(xs) < 3 else None)
+        axes[0].set(xlabel="optimizer step", ylabel="value in use", title="scheduled arguments")
+    if windows:
+        for key, (xs, ys) in sorted(windows.items()):
+            axes[-1].plot(xs, ys, drawstyle="steps-post", label=key.partition("/")[0])
+        axes[-1].set(xlabel="optimizer step", ylabel="open (1) or closed (0)", ylim=(-0.1, 1.1), title="rule windows")
+    return _finish(fig, axes, path)

@@ -85,6 +85,7 @@ def build_trainer(run: Run) -> Parts:
                 sampling=dp.sampling(cfg),
                 target_epsilon=cfg.privacy.target_epsilon,
                 clip=run.hooks.stage("per_sample").noisy,
+                noise_at=run.privacy.noise_at if run.privacy.sigmas is not None else None,
             )
         )
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.

@@ -18,9 +18,9 @@ from typing import Any
 from gradmod.hooks import stages  # the stage table, torch-free
 from gradmod.hooks.rule_spec import transform_list  # how a rule's transforms are written, torch-free
 
-MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt")  # gradmod.models.MODELS
+MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt", "dann")  # gradmod.models.MODELS
 NORMS = ("batch", "group")  # gradmod.models.NORMS
-DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text")  # gradmod.data.DATASETS
+DATASETS = ("mnist", "mnist_sample", "fake", "multi_mnist", "char_text", "dann_digits")  # gradmod.data.DATASETS
 INITS = ("default", "xavier", "kaiming")  # gradmod.weight_init.INITS
 HOOK_STAGES = stages.default_names()  # a stage for every rule: hook, fused
 PRECISIONS = ("fp32", "bf16", "fp16")  # gradmod.training.precision.DTYPES

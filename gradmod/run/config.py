@@ -272,6 +272,7 @@ class RuleConfig:
     exclude: Any = None
     transforms: Any = None
     rows: Optional[str] = None  # a per_loss modules rule: examples (default) | batch (LibMTL's rep_grad)
+    active: Any = None  # the rule's window {from: 2ep, until: 5ep} (half-open); null: every step
     stage: Optional[str] = None  # last: the help's key list names the stages after it
 
     def as_rule(self) -> Dict[str, Any]:

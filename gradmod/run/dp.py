@@ -16,14 +16,16 @@ from typing import Any, Mapping
 
 from gradmod.hooks import transforms as T
 from gradmod.hooks.rule_spec import transform_list
+from gradmod.hooks.schedules import Length, Schedule, is_schedule, parse_schedule
 from gradmod.run.config import Config
 from gradmod.training.loader import poisson_steps, steps_per_epoch
-from gradmod.training.privacy import make_accountant, noise_for_epsilon
+from gradmod.training.privacy import make_accountant, noise_for_epsilon, scale_for_epsilon
 
 log = logging.getLogger(__name__)
 
 CLIP = "per_sample_clip"
 PER_SAMPLE_STRATEGIES = ("single", "ddp")
+MAX_DISTINCT_SIGMAS = 64  # a noise schedule's values the accountant composes one by one
 
 
 @dataclass
@@ -31,9 +33,16 @@ class Privacy:
     """What the accountant needs: the rule's noise multiplier, the sample rate, the planned steps."""
 
     rule: str
-    noise_multiplier: float
+    noise_multiplier: float  # the first step's
     sample_rate: float
     steps: int
+    sigmas: list[float] | None = None  # a scheduled noise_multiplier: each planned step's value
+
+    def noise_at(self, t: int) -> float:
+        """The noise multiplier of optimizer step ``t`` (0 for the first)."""
+        if self.sigmas is None:
+            return self.noise_multiplier
+        return self.sigmas[min(t, len(self.sigmas) - 1)]  # a resume may train longer: the last value
 
 
 def _clips(rules: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -53,11 +62,25 @@ def _clips(rules: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _check_clip(rule: str, spec: Any) -> None:
-    """per_sample_clip's own checks of its arguments, before its noise multiplier is read."""
+    """per_sample_clip's own checks of its arguments (a schedule's at its start), before
+    its noise multiplier is read."""
+    if isinstance(spec, Mapping):
+        spec = {k: (v["start"] if is_schedule(v) and "start" in v else v) for k, v in spec.items()}
     try:
         T.build(spec)
     except ValueError as e:
         raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+
+
+def _sigma(rule: str, value: Any) -> float | Schedule:
+    """A noise multiplier as the rule gives it: a number, or a schedule."""
+    if is_schedule(value):
+        return parse_schedule(value, f"hooks.{rule}.noise_multiplier")
+    return float(value or 0)
+
+
+def _first(sigma: float | Schedule) -> float:
+    return sigma.start if isinstance(sigma, Schedule) else sigma
 
 
 def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
@@ -66,12 +89,9 @@ def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
     return sorted(named | {name for name, _ in _clips(rules)})
 
 
-def _noisy(rules: Mapping[str, Any]) -> list[tuple[str, float]]:
-    return [
-        (name, float(args["noise_multiplier"]))
-        for name, args in _clips(rules)
-        if (args.get("noise_multiplier") or 0) > 0
-    ]
+def _noisy(rules: Mapping[str, Any]) -> list[tuple[str, float | Schedule]]:
+    sigmas = [(name, _sigma(name, args.get("noise_multiplier"))) for name, args in _clips(rules)]
+    return [(name, s) for name, s in sigmas if _first(s) > 0]
 
 
 def adds_noise(cfg: Config) -> bool:
@@ -142,8 +162,13 @@ def prepare(
             10 ** math.floor(math.log10(0.1 / train_size)),
         )
     rules = copy.deepcopy(cfg.hooks)
+    scheduled = next((s for _, s in _noisy(rules) if isinstance(s, Schedule)), None)
+    if scheduled is not None:
+        length = Length(steps // t.epochs, steps)
+        return rules, _scheduled(cfg, rules, scheduled, rate, steps, length)
     if cfg.privacy.target_epsilon is None:
         ((rule, sigma),) = _noisy(rules)[:1]
+        assert isinstance(sigma, float)
     else:
         ((rule, args),) = _clips(rules)
         kept = _kept_noise(cfg.privacy.target_epsilon, resumed)
@@ -182,7 +207,58 @@ def _kept_noise(target: float, resumed: Mapping[str, Any] | None) -> float | Non
     return float(resumed["noise_multiplier"])
 
 
-def _set_noise(spec: dict[str, Any], sigma: float) -> None:
+def _scheduled(
+    cfg: Config, rules: dict[str, Any], schedule: Schedule, rate: float, steps: int, length: Length
+) -> Privacy:
+    """A scheduled noise multiplier: every planned step's value, all > 0 (a step without
+    noise voids the claim); with ``privacy.target_epsilon``, the schedule scaled so that
+    the run's history spends at most the target."""
+    ((rule, _),) = _noisy(rules)[:1]
+    where = f"hooks.{rule}.noise_multiplier"
+    schedule.check(length, where)
+    sigmas = [schedule.value(t, length) for t in range(steps)]
+    if min(sigmas) <= 0:
+        t = next(t for t, s in enumerate(sigmas) if s <= 0)
+        raise ValueError(
+            f"{where}: the schedule reaches {sigmas[t]:g} at step {t}; every step needs noise > 0 "
+            "for a privacy claim (end the schedule above 0)"
+        )
+    distinct = len(set(sigmas))
+    if distinct > MAX_DISTINCT_SIGMAS:
+        raise ValueError(
+            f"{where}: a {schedule.kind} schedule gives {distinct} distinct noise multipliers over {steps} "
+            f"steps; the accountant composes one mechanism per value (about 40 ms each, at every epsilon), "
+            f"so at most {MAX_DISTINCT_SIGMAS}: use exp or step (constant between changes)"
+        )
+    target = cfg.privacy.target_epsilon
+    if target is not None:
+        scale = scale_for_epsilon(target, cfg.privacy.delta, rate, sigmas, cfg.privacy.accountant)
+        scaled = _scaled(rules[rule], scale)
+        _set_noise(rules[rule], scaled)
+        sigmas = [parse_schedule(scaled, where).value(t, length) for t in range(steps)]  # as the rule computes them
+        log.info(
+            "privacy.target_epsilon=%s: the noise_multiplier schedule scaled by %.4f (first step %.4f, last %.4f)",
+            target,
+            scale,
+            sigmas[0],
+            sigmas[-1],
+        )
+    return Privacy(rule, sigmas[0], rate, steps, sigmas)
+
+
+def _scaled(spec: Mapping[str, Any], scale: float) -> dict[str, Any]:
+    """The rule's noise_multiplier schedule with every value times ``scale`` (its start and
+    end: each schedule is linear in them)."""
+    transforms = spec["transforms"]
+    for t in [transforms] if isinstance(transforms, (str, Mapping)) else transforms:
+        name, args = T.parse_spec(t)
+        if name == CLIP:
+            sched = dict(args["noise_multiplier"])
+            return {**sched, **{k: sched[k] * scale for k in ("start", "end") if sched.get(k) is not None}}
+    raise AssertionError("no per_sample_clip in the noisy rule")
+
+
+def _set_noise(spec: dict[str, Any], sigma: Any) -> None:
     transforms = spec["transforms"]
     transforms = [transforms] if isinstance(transforms, (str, Mapping)) else list(transforms)
     for i, t in enumerate(transforms):

@@ -40,7 +40,7 @@ class RunFiles(Callback):
         for record in trainer.history:  # resumed: what the checkpoint knew; later lines are redone
             self._write(self.metrics, record)
             self.logger.log_metrics(int(record["step"]), record)
-        if trainer.hooks is not None and trainer.hooks.observers():
+        if trainer.hooks is not None and (trainer.hooks.observers() or trainer.hooks.timed):
             resumed = trainer.step if trainer.resumed_from else None
             self.stats = self._open_stats(self.out / "grad_stats.jsonl", resumed)
         self._arm_histograms(trainer)
@@ -60,7 +60,7 @@ class RunFiles(Callback):
         self.logger.log_metrics(int(record["step"]), record)
 
     def on_fit_end(self, trainer) -> None:
-        from gradmod.reporting.plots import has_norms, plot_curves, plot_frac_clipped, plot_grad_norms
+        from gradmod.reporting.plots import has_norms, plot_curves, plot_frac_clipped, plot_grad_norms, plot_schedules
         from gradmod.reporting.task_plots import has_tasks, plot_tasks
 
         buf = io.BytesIO()  # torch.save into a file says only "unexpected pos" when the disk is full
@@ -71,6 +71,8 @@ class RunFiles(Callback):
             plots.append((plot_grad_norms, self.rows, "grad_norms.png"))
         if any("frac_clipped" in s for _, stats in self.rows for s in stats.values()):
             plots.append((plot_frac_clipped, self.rows, "frac_clipped.png"))
+        if any("value" in s for _, stats in self.rows for s in stats.values()):
+            plots.append((plot_schedules, self.rows, "schedules.png"))
         for plot, rows, name in plots:
             with names_file(self.out / name):
                 plot(rows, self.out / name)

@@ -41,6 +41,7 @@ from gradmod.run.state import Run
 from gradmod.training.callbacks import EpochLine, SyncCheckCallback
 from gradmod.training.distributed import Dist, env_rank
 from gradmod.training.interrupt import Interrupted, StopOnSignal
+from gradmod.training.loader import steps_per_epoch
 from gradmod.training.nonfinite import Diverged
 from gradmod.training.peers import peer_lost
 from gradmod.training.privacy import PrivacyCallback
@@ -122,11 +123,15 @@ def _build(
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
     resumed = claim.found[1].get("callbacks", {}).get(PrivacyCallback.key) if claim.found else None
     rules, privacy = dp.prepare(cfg, len(data.train_y), dist.data_size, resumed)
+    t = cfg.trainer
+    per_epoch = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, dp.sampling(cfg))
     hooks = attach(
         model,
         rules,
-        stage=cfg.trainer.hook_stage,  # before DDP: names without "module."
+        stage=t.hook_stage,  # before DDP: names without "module."
         loss_reduction=cfg.loss.args.get("reduction", "mean"),
+        total_steps=per_epoch * t.epochs,  # what schedules' and windows' ep and dur mean
+        steps_per_epoch=per_epoch,
     )
     undo.callback(hooks.remove)
     preflight.check_per_loss(hooks.targets, named_losses, dist.strategy, f"loss._target_={cfg.loss._target_}")

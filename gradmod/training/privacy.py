@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from gradmod.training.callbacks import Callback
 
@@ -77,6 +77,51 @@ def noise_for_epsilon(target_epsilon: float, delta: float, sample_rate: float, s
     )
 
 
+def history_of(sigmas: list[float], sample_rate: float) -> list[tuple[float, float, int]]:
+    """Per-step noise multipliers as an accountant's history: runs of one value, counted."""
+    out: list[tuple[float, float, int]] = []
+    for s in sigmas:
+        if out and out[-1][0] == s:
+            out[-1] = (s, sample_rate, out[-1][2] + 1)
+        else:
+            out.append((s, sample_rate, 1))
+    return out
+
+
+def scale_for_epsilon(
+    target_epsilon: float, delta: float, sample_rate: float, sigmas: list[float], accountant: str
+) -> float:
+    """The smallest factor for a noise schedule (every step's multiplier times it) whose run
+    stays within ``target_epsilon``: a bisection as Opacus' ``get_noise_multiplier`` does
+    for one multiplier, to within 0.01 below the target; refused in one line out of reach."""
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"privacy.target_epsilon={target_epsilon} must be a finite number > 0, or null")
+
+    def eps(scale: float) -> float:
+        return epsilon_of(history_of([scale * s for s in sigmas], sample_rate), delta, accountant)
+
+    low, high = (r / max(sigmas) for r in SIGMA_RANGE)  # the largest step within the constant case's range
+    if eps(high) > target_epsilon:
+        raise ValueError(
+            f"privacy.target_epsilon={target_epsilon} is unreachable with this noise schedule: even scaled "
+            f"by {high:g} it gives more over {len(sigmas)} steps; raise the target or train fewer steps"
+        )
+    if eps(low) <= target_epsilon:
+        raise ValueError(
+            f"privacy.target_epsilon={target_epsilon} bounds nothing: the noise schedule scaled by {low:g} "
+            "already stays within it; lower the target or set the schedule itself"
+        )
+    while True:
+        mid = (low + high) / 2
+        e = eps(mid)
+        if e <= target_epsilon:
+            high = mid
+            if target_epsilon - e <= 0.01:
+                return high
+        else:
+            low = mid
+
+
 class PrivacyCallback(Callback):
     """Counts every optimizer step (a skipped one too: its gradient saw the data) as one
     sampled Gaussian mechanism; ``epsilon`` in each epoch's record and in ``summary()``.
@@ -97,8 +142,10 @@ class PrivacyCallback(Callback):
         sampling: str = "poisson",
         target_epsilon: float | None = None,
         clip: Any = None,
+        noise_at: Callable[[int], float] | None = None,
     ):
         self.name, self.delta, self.sampling, self.target = accountant, delta, sampling, target_epsilon
+        self.noise_at = noise_at  # a scheduled noise multiplier: step t's value
         self.noise_multiplier, self.sample_rate, self.clip = noise_multiplier, sample_rate, clip
         self.accountant = make_accountant(accountant)
         self._cached: tuple[int, float] = (0, 0.0)  # (steps, epsilon)
@@ -108,7 +155,10 @@ class PrivacyCallback(Callback):
         return sum(int(n) for _, _, n in self.accountant.history)
 
     def on_step_end(self, trainer) -> None:
-        self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        sigma = (
+            self.noise_multiplier if self.noise_at is None else self.noise_at(trainer.step - 1)
+        )  # the step just taken
+        self.accountant.step(noise_multiplier=sigma, sample_rate=self.sample_rate)
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
         record["epsilon"] = self.epsilon()
@@ -174,7 +224,8 @@ class PrivacyCallback(Callback):
         self._cached = (0, 0.0)
         kept = state.get("noise_multiplier")
         if (
-            self.target is not None
+            self.noise_at is None
+            and self.target is not None
             and state.get("target_epsilon") == self.target
             and kept not in (None, self.noise_multiplier)
         ):

@@ -37,9 +37,15 @@ LOWER_IS_BETTER = ("rmse",)  # metrics a smaller value of which is better (accur
 SINGLE = ""  # the task name of a single-output, single-label run
 
 
+IGNORE_INDEX = -100  # a class label left out of the loss (cross_entropy's default) and the accuracy
+
+
 def accuracy(output: Tensor, target: Tensor) -> Tensor:
-    """The fraction of predictions (argmax over dimension 1) equal to the class label."""
-    return (output.argmax(1) == target).float().mean()
+    """The fraction of predictions (argmax over dimension 1) equal to the class label, over
+    the examples whose label is not ``IGNORE_INDEX`` (0 when none is labelled)."""
+    labelled = target != IGNORE_INDEX
+    right = (output.argmax(1) == target) & labelled
+    return right.sum().float() / labelled.sum().clamp_min(1).float()
 
 
 def squared_error(output: Tensor, target: Tensor) -> Tensor:

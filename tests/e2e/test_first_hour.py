@@ -147,7 +147,7 @@ def test_help_page_keeps_whole_sentences_in_columns_and_names_the_keys():
     section = help_page.transform_lines()
     assert all(len(ln) <= help_page.WIDTH for ln in section)
     for ln in section:  # a name and its arguments, then the description at column 36; or a continuation
-        assert re.match(r"^  \S.{32} \S|^ {36}\S|^  \S+\(.*\)$", ln), ln
+        assert re.match(r"^  \S.{32} \S|^ {36}\S|^  \S+\(.*[),]$", ln), ln  # a long signature goes on over lines
     zclip = " ".join(" ".join(section).split("zclip(")[1].split())
     assert zclip.endswith(".") and "After warmup_steps" not in zclip  # one whole sentence
     template = (ROOT / "gradmod" / "conf" / "hydra" / "help" / "gradmod.yaml").read_text()
@@ -274,7 +274,7 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
         assert re.search(rf"^  {hook.stem}\s+\S", page, re.M), hook.stem
     assert (
         "  optimizer: adam, sgd\n" in page
-        and "  model: char_lm, mnist_cnn, multi_lenet, resnet18, resnet50, tiny_gpt\n" in page
+        and "  model: char_lm, dann, mnist_cnn, multi_lenet, resnet18, resnet50, tiny_gpt\n" in page
     )
     assert page.count("\n  gradmod ") >= 3 and "outputs/DATE/TIME/" in page  # the examples, as the console script
 

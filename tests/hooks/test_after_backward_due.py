@@ -87,3 +87,18 @@ def test_nothing_is_due_for_hook_rules_other_optimizers_or_removed_hooks():
     hooks.remove()
     opt.step()  # removed: its rules no longer apply
     model(torch.randn(2, 4))
+
+
+def test_a_step_with_a_closure_is_not_refused_before_its_backward():
+    """Lightning's accumulation: step(closure) runs the step's last backward and
+    after_backward inside, after the pre-hook has seen the earlier micro-batch's due work."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with attach(model, CLIP) as hooks:
+        _backward(model)  # the first micro-batch
+
+        def closure():
+            _backward(model)
+            hooks.after_backward()
+
+        opt.step(closure)

@@ -15,7 +15,7 @@ from torch import nn
 
 import gradmod
 from gradmod.hooks import attach
-from gradmod.hooks.fused.group import ZClip
+from gradmod.hooks.fused.norm_history import ZClip
 from gradmod.testing.opcount import OpCounter
 
 
@@ -478,7 +478,7 @@ def test_global_norm_clip_under_ddp_clips_the_averaged_gradient(tmp_path):
 
 
 def test_zclip_an_infinite_norm_after_warm_up_leaves_the_running_statistics():
-    from gradmod.hooks.fused.group import ZClip
+    from gradmod.hooks.fused.norm_history import ZClip
 
     zc = ZClip(warmup_steps=3)
     for norm in (1.0, 2.0, 3.0):

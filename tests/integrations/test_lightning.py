@@ -170,3 +170,25 @@ def test_sam_under_manual_optimisation_equals_gradmods_trainer(tmp_path):
     )
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order))
     _equal({k: v.clone() for k, v in module.net.state_dict().items()}, _gradmod(SAM, "hook"))
+
+
+class ClipByHand(L.Callback):
+    """clip_grad_norm_ with a linear ramp over Lightning's global step (the reference)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        t = trainer.global_step
+        torch.nn.utils.clip_grad_norm_(list(pl_module.parameters()), 1.0 + (0.1 - 1.0) * min(t / 4, 1.0))
+
+
+def test_a_schedule_follows_the_global_step_under_accumulation(tmp_path):
+    rules = {
+        "ramp": {
+            "params": "*",
+            "stage": "fused",
+            "transforms": [{"name": "global_norm_clip", "max_norm": {"schedule": "linear", "start": 1.0, "end": 0.1}}],
+        }
+    }
+    callback = GradmodCallback(rules)
+    ours = _lightning(tmp_path, [callback], accumulate_grad_batches=2)  # 8 batches: 4 steps, the whole run
+    _equal(ours, _lightning(tmp_path, [ClipByHand()], accumulate_grad_batches=2))
+    assert callback._state["clock"]["t"] == 4

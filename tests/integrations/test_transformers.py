@@ -278,3 +278,33 @@ def test_per_sample_rules_are_refused_in_one_line_at_add_to(tmp_path):
     ):
         add_to(t, "dp")
     assert t.callback_handler.callbacks == before  # nothing added
+
+
+RAMP = {
+    "ramp": {
+        "params": "*",
+        "stage": "fused",
+        "transforms": [{"name": "global_norm_clip", "max_norm": {"schedule": "linear", "start": 1.0, "end": 0.1}}],
+    }
+}
+
+
+class ClipByHand(TrainerCallback):
+    """clip_grad_norm_ with the linear ramp over HF's own global step (the reference)."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        t = state.global_step
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0 + (0.1 - 1.0) * min(t / state.max_steps, 1.0))
+
+
+def test_a_schedule_follows_hfs_global_step_and_resumes(tmp_path):
+    ours = trainer(tmp_path / "a", max_steps=4, save_strategy="steps", save_steps=2)
+    add_to(ours, RAMP)
+    ours.train()
+    ref = trainer(tmp_path / "r", max_steps=4, callbacks=[ClipByHand()])
+    ref.train()
+    assert all(torch.equal(p, q) for p, q in zip(params(ours), params(ref)))
+    resumed = trainer(tmp_path / "c", max_steps=4)
+    add_to(resumed, RAMP)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))  # the clock: HF's global step
+    assert all(torch.equal(p, q) for p, q in zip(params(ours), params(resumed)))

@@ -693,3 +693,59 @@ def test_each_epoch_of_a_dp_run_says_its_epsilon_on_the_console(caplog):
     with caplog.at_level("INFO", logger="gradmod.training.privacy"):
         cb.on_epoch_end(None, record)
     assert f"epoch 1: epsilon {record['epsilon']:.4f} at delta 1e-05 after 10 steps (rdp accountant)" in caplog.text
+
+
+# -- a scheduled noise multiplier ---------------------------------------------------------------
+
+EXP_NOISE = "hooks.dp.transforms.0.noise_multiplier={schedule: exp, start: 1.5, gamma: 0.5, every: 1ep}"
+
+
+@needs_opacus
+def test_a_noise_schedule_reaches_the_accountant_step_by_step(tmp_path):
+    """Epoch 1 at sigma 1.5, epoch 2 at 0.75: epsilon is Opacus' RDP accountant over that history."""
+    from opacus.accountants import RDPAccountant
+
+    summary, metrics = _run(tmp_path, "+hooks=dp", EXP_NOISE)
+    q = summary["privacy"]["sample_rate"]
+    for epoch, record in enumerate(metrics, start=1):
+        acc = RDPAccountant()
+        acc.history = [(1.5, q, 6), (0.75, q, 6)][:epoch]
+        assert record["epsilon"] == acc.get_epsilon(1e-5)  # exactly: the same history
+    assert metrics[-1]["grad_stats"]["dp/per_sample_clip.noise_multiplier"] == {"value": 0.75}
+
+
+@needs_opacus
+def test_a_target_epsilon_scales_a_noise_schedule():
+    from opacus.accountants import RDPAccountant
+
+    from gradmod.app.config_store import validate
+    from gradmod.run import dp
+
+    steps = "hooks.dp.transforms.0.noise_multiplier={schedule: step, start: 2.0, gamma: 0.7, milestones: [1ep, 2ep]}"
+    cfg = validate(compose_config(*TINY_FAKE, "+hooks=dp", steps, "privacy.target_epsilon=3", "trainer.epochs=3"))
+    rules, privacy = dp.prepare(cfg, train_size=1000, world_size=1)
+    sched = rules["dp"]["transforms"][0]["noise_multiplier"]
+    scale = sched["start"] / 2.0
+    assert sched["milestones"] == ["1ep", "2ep"] and len(privacy.sigmas) == 300
+    assert privacy.sigmas[0] == sched["start"] and privacy.sigmas[150] == pytest.approx(scale * 2.0 * 0.7)
+
+    def eps(k: float) -> float:
+        acc = RDPAccountant()
+        acc.history = [(s * k, 0.01, 100) for s in (privacy.sigmas[0], privacy.sigmas[100], privacy.sigmas[200])]
+        return acc.get_epsilon(1e-5)
+
+    assert 2.99 <= eps(1.0) <= 3.0 < eps(0.98)  # the smallest scale that fits, within 0.01
+
+
+def test_a_noise_schedule_that_reaches_zero_is_refused():
+    from gradmod.app.config_store import validate
+    from gradmod.run import dp
+
+    to_zero = "hooks.dp.transforms.0.noise_multiplier={schedule: linear, start: 1.0, end: 0.0, until: 6}"
+    cfg = validate(compose_config(*TINY_FAKE, "+hooks=dp", to_zero))
+    with pytest.raises(ValueError, match=r"^hooks.dp.noise_multiplier: the schedule reaches 0 at step 6; every"):
+        dp.prepare(cfg, train_size=60, world_size=1)
+    smooth = "hooks.dp.transforms.0.noise_multiplier={schedule: cosine, start: 2.0, end: 1.0}"
+    cfg = validate(compose_config(*TINY_FAKE, "+hooks=dp", smooth, "trainer.epochs=20"))
+    with pytest.raises(ValueError, match=r"cosine schedule gives 120 distinct noise multipliers .* use exp or step"):
+        dp.prepare(cfg, train_size=60, world_size=1)

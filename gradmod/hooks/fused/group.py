@@ -1,8 +1,9 @@
 """Group transforms: act on all the gradients one rule selects, together.
 
 ``global_norm_clip`` (``torch.nn.utils.clip_grad_norm_`` over the rule's parameters),
-``agc`` (adaptive, unit-wise clipping, Brock et al. 2021) and ``zclip`` (clipping of
-statistical spikes of the gradient norm, Kumar et al. 2025). They need every gradient of
+``agc`` (adaptive, unit-wise clipping, Brock et al. 2021) and ``freeze`` (``.grad =
+None``); ``autoclip`` and ``zclip``, whose thresholds come from the history of norms, are
+in ``gradmod.hooks.fused.norm_history``. They need every gradient of
 the rule after backward, so they run at the fused stage only, in place on the accumulated
 ``.grad`` tensors, chained in config order with the rule's other transforms.
 
@@ -229,77 +230,14 @@ def _by_shape(params: list[Tensor], grads: list[Tensor]) -> list[tuple[list[Tens
     return list(groups.values())
 
 
-class ZClip(GroupTransform):
-    """Clip spikes of the total L2 norm ``g``. After ``warmup_steps`` calls that only
-    gather ``g`` (mean and variance start from them), a call with
-    ``z = (g - mean) / (std + 1e-6) > z_threshold`` scales the gradients down to the norm
-    ``mean + z_threshold * std``. Then ``mean <- alpha * mean + (1 - alpha) * g'`` and
-    ``var <- alpha * var + (1 - alpha) * (g' - mean)^2`` with the new mean and the clipped
-    norm ``g'`` (non-finite norms leave them unchanged). ``on_spike="skip"``: clip too, and
-    ``HookSet.after_backward()`` answers True so the loop skips the optimizer step.
-    """
+class Freeze(GroupTransform):
+    """``.grad = None`` for every parameter of the rule, for this optimizer step: no
+    momentum, weight decay or Adam step moves them (``zero`` would leave weight decay and
+    the moments at work). Nothing toggles ``requires_grad``, so DDP's and FSDP's gradient
+    reduction is unchanged; with ``active`` it is a freeze window."""
 
-    name = "zclip"
-    ON_SPIKE = ("clip", "skip")
+    name = "freeze"
 
-    def __init__(self, alpha: float = 0.97, z_threshold: float = 2.5, warmup_steps: int = 25, on_spike: str = "clip"):
-        super().__init__()
-        self.alpha = number(self.name, "alpha", alpha)
-        if not 0 < self.alpha < 1:
-            raise ValueError(f"transform 'zclip': alpha={alpha!r} must be in (0, 1)")
-        self.z_threshold = positive(self.name, "z_threshold", z_threshold, allow_zero=False)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"transform 'zclip': warmup_steps={warmup_steps!r} must be an int >= 1")
-        self.warmup_steps = warmup_steps
-        if on_spike not in self.ON_SPIKE:
-            raise ValueError(f"transform 'zclip': on_spike={on_spike!r}; allowed: {', '.join(self.ON_SPIKE)}")
-        self.skip = on_spike == "skip"
-        self.steps = 0  # calls so far (host counter: no sync to know the phase)
-        self.mean: Tensor | None = None  # during warm-up: sum of finite norms
-        self.var: Tensor | None = None  # during warm-up: sum of their squares
-        self.count: Tensor | None = None  # during warm-up: how many were finite
-
-    def apply_(self, params: list[Tensor], grads: list[Tensor]) -> Tensor | None:
-        norm = plain(total_norm(grads)).float()  # FSDP2: its running statistics stay plain tensors
-        self.steps += 1
-        if self.steps <= self.warmup_steps:
-            self._gather(norm)
-            self.record.add(norm, torch.ones_like(norm))
-            return None
-        std = self.var.sqrt()
-        spike = (norm - self.mean) / (std + EPS) > self.z_threshold
-        limit = self.mean + self.z_threshold * std
-        coef = torch.where(spike, limit / (norm + EPS), 1.0)
-        torch._foreach_mul_([mesh.local(g) for g in grads], coef)
-        self._update(torch.where(spike, limit, norm), torch.isfinite(norm))  # inf is a spike, clipped to limit
-        self.record.add(norm, coef)
-        return spike if self.skip else None
-
-    def _gather(self, norm: Tensor) -> None:
-        finite = torch.isfinite(norm)
-        g = torch.where(finite, norm, 0.0)
-        if self.mean is None:
-            self.mean, self.var, self.count = g, g * g, finite.float()
-        else:
-            self.mean, self.var, self.count = self.mean + g, self.var + g * g, self.count + finite.float()
-        if self.steps == self.warmup_steps:
-            n = self.count.clamp_min(1.0)
-            self.mean = self.mean / n
-            self.var = (self.var / n - self.mean * self.mean).clamp_min(0.0)
-
-    def _update(self, norm: Tensor, finite: Tensor) -> None:
-        """Running statistics from the (clipped) ``norm``, where the raw norm was ``finite``."""
-        mean = self.alpha * self.mean + (1 - self.alpha) * norm
-        var = self.alpha * self.var + (1 - self.alpha) * (norm - mean) ** 2
-        self.mean = torch.where(finite, mean, self.mean)
-        self.var = torch.where(finite, var, self.var)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "mean": self.mean, "var": self.var, "count": self.count}
-
-    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
-        self.steps = int(state["steps"])
-        move = (lambda t: t) if device is None else (lambda t: t.to(device))
-        self.mean, self.var, self.count = (
-            None if state[k] is None else move(state[k]) for k in ("mean", "var", "count")
-        )
+    def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        for p in params:
+            p.grad = None

@@ -97,10 +97,11 @@ def fused_transforms(targets, params: dict[str, nn.Parameter]) -> list[FusedTran
     ]
 
 
-def run_fused(steps: list[FusedTransform]) -> bool:
-    """Run every step; True when a group transform asks to skip the optimizer step. The
-    host reads that answer only when such a transform is configured to give one."""
-    answers = [a for a in (s.run() for s in steps) if a is not None]
+def run_fused(steps: list[FusedTransform], inactive: set[str] | frozenset[str] = frozenset()) -> bool:
+    """Run every step but those of ``inactive`` rules (outside their window); True when a
+    group transform asks to skip the optimizer step. The host reads that answer only when
+    such a transform is configured to give one."""
+    answers = [a for a in (s.run() for s in steps if s.rule not in inactive) if a is not None]
     if not answers:
         return False
     return bool(torch.stack(answers).any())
@@ -112,11 +113,12 @@ class FusedStage(Stage):
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.targets = [t for t in targets if t.stage == self.name]
+        self._core = core  # its ``inactive``: the rules outside their window now
         self._steps = fused_transforms(self.targets, dict(model.named_parameters()))
         self._groups = [(key, s.fn) for key, _, s in group_steps(self.targets)]
 
     def finish(self) -> bool:
-        return run_fused(self._steps)
+        return run_fused(self._steps, self._core.inactive)
 
     def records(self) -> list[tuple[str, Any]]:
         """Each ``log``'s accumulator, then each group transform's ``NormRecord`` (key

@@ -56,21 +56,28 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], core: Any, key: str, p
     first = True
     plan = [(rule, step, step.fn if step.observer else None, slot) for (rule, step), slot in zip(steps, _slots(steps))]
     observes_only = all(obs is not None for _, _, obs, _ in plan)
-    defer = _deferrable(steps, param)
+    # Rules with an ``active`` window: the general hook, which skips them outside it (a set lookup per step).
+    windowed = any(rule in core.windows for rule, _ in steps)
+    defer = None if windowed else _deferrable(steps, param)
     group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
 
     def hook(grad: Tensor) -> Tensor | None:
         nonlocal first
         scale = core.grad_scale
         g = grad if scale is None else grad.float() * scale.reciprocal()
+        off = core.inactive if windowed else ()
         if observes_only:  # nothing changes the gradient: no result to build
             if param is None:
                 core.ledger.note(key, grad, grad, False)
-            _observe(core, [(obs, g, slot) for _, _, obs, slot in plan], grad, param)
+            live = [(obs, g, slot) for rule, _, obs, slot in plan if rule not in off]
+            if live:
+                _observe(core, live, grad, param)
             return None
         seen: list[tuple[Any, Tensor, tuple[str, int]]] = []  # (GradStats, its gradient, slot)
         changed = False
         for rule, step, obs, slot in plan:
+            if rule in off:
+                continue
             if obs is not None:
                 seen.append((obs, g, slot))
                 continue
@@ -96,7 +103,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], core: Any, key: str, p
             return hook(grad)
 
         return deferring_hook
-    if observes_only and param is not None and param.numel() < BIG:
+    if observes_only and param is not None and param.numel() < BIG and not windowed:
         slots = [(obs, slot) for _, _, obs, slot in plan]
         observers = [obs for obs, _ in slots]
 
