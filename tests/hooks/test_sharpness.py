@@ -57,6 +57,17 @@ def test_sam_equals_hand_written_float64():
     assert max((p - q).abs().max().item() for p, q in zip(ours.parameters(), plain.parameters())) > 1e-4
 
 
+def test_scheduled_rho_equals_hand_written_float64():
+    """rho follows its schedule step by step: linear 0.1 -> 0 over 6 steps, then plain SGD."""
+    x, y = _data()
+    ramp = {"schedule": "linear", "start": 0.1, "end": 0.0, "until": "6ba"}
+    ours = _train(_mlp(), _rule(rho=ramp), x, y, steps=10)
+    ref = _hand_sam(_mlp(), x, y, steps=10, rho=lambda t: 0.1 * (1 - min(t / 6, 1.0)))
+    _close(ours, ref, 1e-10)
+    constant = _hand_sam(_mlp(), x, y, steps=10, rho=0.1)  # the comparison can fail
+    assert max((p - q).abs().max().item() for p, q in zip(ours.parameters(), constant.parameters())) > 1e-6
+
+
 def test_asam_with_eta_equals_hand_written_float64():
     x, y = _data()
     ours = _train(_mlp(), _rule("asam", rho=0.5, eta=0.01), x, y, steps=10)

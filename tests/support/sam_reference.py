@@ -35,7 +35,8 @@ def hand_sam(model, x, y, steps, rho, moved=None, every=1, micro=1, adaptive=Fal
                 grads = torch.autograd.grad(loss, list(model.parameters()))
             else:
                 g = torch.autograd.grad(loss, [named[n] for n in names])
-                e = shift([named[n] for n in names], g, rho, adaptive)
+                r = rho(step) if callable(rho) else rho  # a schedule: rho of the steps done
+                e = shift([named[n] for n in names], g, r, adaptive)
                 with torch.no_grad():
                     for n, d in zip(names, e):
                         named[n].add_(d)
