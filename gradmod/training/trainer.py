@@ -111,7 +111,7 @@ class Trainer:
             accumulate=settings.accumulate,
         )
         self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
-        if hooks is not None and hooks.wants_step_losses:
+        if getattr(hooks, "wants_step_losses", False):  # a HookSet's; an object of your own may lack it
             self.after_step = AfterStepLosses(hooks, self.net, self.tasks, self.amp)
 
     def add_callbacks(self, callbacks: Sequence[Any]) -> None:

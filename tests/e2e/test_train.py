@@ -32,11 +32,16 @@ def _per_loss(hooks: str) -> bool:
 
 def _applies(hooks: str, model: str) -> bool:
     """per_loss files select multi_lenet's trunk only; agc leaves the output layer (fc.*, l1.*)
-    out, and multi_lenet's are its heads, named by task; sam_on moves a ResNet's BatchNorm layers."""
+    out, and multi_lenet's are its heads, named by task; sam_on moves a ResNet's BatchNorm layers;
+    grl reverses the dann model's domain gradient; min_zero is the articles' hook on conv weights."""
     if _per_loss(hooks):
         return model == "multi_lenet"
     if hooks == "sam_on":
         return model.startswith("resnet")
+    if hooks == "grl":
+        return model == "dann"
+    if hooks == "min_zero" and model == "tiny_gpt":  # a transformer: no conv layers
+        return False
     return not (hooks == "agc" and model == "multi_lenet")
 
 
@@ -69,7 +74,8 @@ def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hoo
         image_size=36 if model == "multi_lenet" else 28,
         norm=cfg.model.norm,
     )
-    with attach(net, cfg.hooks, stage=cfg.trainer.hook_stage) as hs:
+    # The run's length, as the trainer gives it: schedules and windows in ep/dur need it.
+    with attach(net, cfg.hooks, stage=cfg.trainer.hook_stage, total_steps=100, steps_per_epoch=10) as hs:
         if hooks == "none":  # the baseline: no rules at all
             assert not cfg.hooks and not hs.chains
         else:
