@@ -17,6 +17,7 @@ run is sealed").
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -197,8 +198,13 @@ class RunFolder:
         if claim.abandon:
             self._set_aside(claim.abandon, int(claim.found[1]["step"]))
         self.run_id, self.owned, self.previous = claim.run_id, True, claim.previous
-        # Room the ending can free to write its summary when the disk fills up (endings.write).
-        atomic.write_bytes(self.meta / RESERVE, b"\0" * RESERVE_BYTES)
+        # Room the ending can free to write its summary when the disk fills up (endings.write);
+        # a disk without that room already runs without it: the first write that fails is named.
+        try:
+            atomic.write_bytes(self.meta / RESERVE, b"\0" * RESERVE_BYTES)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
         record = {"run_id": claim.run_id, "pid": os.getpid(), "parent": claim.parent}
         atomic.write_text(self.meta / "run.json", json.dumps(record) + "\n")
         atomic.write_text(self.out / "summary.json", json_text.dumps(running(claim), indent=2) + "\n")

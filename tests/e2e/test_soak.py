@@ -31,7 +31,9 @@ def snapshot(out: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(out)): p.read_bytes()
         for p in sorted(out.rglob("*"))
-        if p.is_file() and p.relative_to(out) != Path(".gradmod/lock") and "data" not in p.relative_to(out).parts
+        if p.is_file()
+        and p.relative_to(out) not in (Path(".gradmod/lock"), Path(".gradmod/lock.pid"))  # the holder's, not the run's
+        and "data" not in p.relative_to(out).parts
     }
 
 
