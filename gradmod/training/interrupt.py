@@ -17,7 +17,7 @@ from typing import Iterator
 
 from gradmod.training.callbacks import Callback
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the controlling terminal closed
 
 
 class Interrupted(BaseException):

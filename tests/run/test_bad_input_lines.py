@@ -34,7 +34,7 @@ def test_sighup_ends_a_run_as_interrupted_with_its_checkpoint(tmp_path, monkeypa
     class HangUpAtStep3(Callback):
         def on_step_end(self, trainer) -> None:
             if trainer.step == 3:
-                os.kill(os.getpid(), signal.SIGHUP)  # the terminal or ssh session closed
+                os.kill(os.getpid(), signal.SIGHUP)  # the controlling terminal closed
 
     fit = Trainer.fit
 
