@@ -19,6 +19,12 @@ def as_rows(g: Tensor) -> Tensor:
     return g.reshape(g.shape[0], -1)
 
 
+def rows_norm2(g: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Each example's squared norm of ``g`` (``[B, *param]``) in ``dtype``: one reduction, no
+    squared copy (a large temporary costs more to map than to fill)."""
+    return torch.linalg.vector_norm(as_rows(g), dim=1, dtype=dtype).square()
+
+
 class Form:
     """Defaults from ``per_example``: right for every layer, fast for small parameters.
     Subclass it and implement ``per_example(m, a, b, names)``: ``a`` the layer's input,
@@ -39,7 +45,7 @@ class Form:
         return True
 
     def norms2(self, m, a, b, names) -> dict[str, Tensor]:
-        return {n: as_rows(g).square().sum(1) for n, g in self.per_example(m, a, b, names).items()}
+        return {n: rows_norm2(g) for n, g in self.per_example(m, a, b, names).items()}
 
     def weighted(self, m, a, b, w: Tensor, names) -> dict[str, Tensor]:
         return {n: torch.tensordot(w.to(g.dtype), g, 1) for n, g in self.per_example(m, a, b, names).items()}

@@ -175,6 +175,20 @@ class GroupNormForm(Form):
         return _affine(b, xhat, tuple(range(2, b.dim())), names)  # channels are dim 1
 
 
+class ScaleNormForm(Form):
+    """A norm whose output is ``weight * normalised(x)``, no bias (RMSNorm: torch's, Llama's,
+    T5's): ``normalised(x)`` is the module's own forward with the weight set to ones, so its
+    dtype steps (Hugging Face's float32 variance) are the module's."""
+
+    @staticmethod
+    def normalised(m: nn.Module, a: Tensor) -> Tensor:
+        with torch.no_grad():  # no graph, and no call the stage would follow
+            return functional_call(m, {"weight": torch.ones_like(m.weight)}, (a,))
+
+    def per_example(self, m, a, b, names):
+        return _affine(b, self.normalised(m, a), tuple(range(1, b.dim() - m.weight.dim())), names)
+
+
 class EmbeddingForm(Form):
     """Rows gathered by index: the gradient of example i adds ``b_it`` to row ``idx_it``."""
 
@@ -269,7 +283,7 @@ class FuncForm(Form):
             ) from None
 
 
-LINEAR, CONV, FUNC, RNN = LinearForm(), ConvForm(), FuncForm(), RNNForm()
+LINEAR, CONV, FUNC, RNN, SCALE_NORM = LinearForm(), ConvForm(), FuncForm(), RNNForm(), ScaleNormForm()
 FORMS: dict[type, Form] = {
     nn.Linear: LINEAR,
     nn.Conv1d: CONV,
@@ -277,13 +291,29 @@ FORMS: dict[type, Form] = {
     nn.Conv3d: CONV,
     nn.LayerNorm: LayerNormForm(),
     nn.GroupNorm: GroupNormForm(),
+    nn.RMSNorm: SCALE_NORM,
     nn.Embedding: EmbeddingForm(),
     nn.RNN: RNN,
     nn.LSTM: RNN,
     nn.GRU: RNN,
 }
 # Forms of other libraries' layers, found by the type's module and name (nothing imported).
-NAMED_FORMS: dict[tuple[str, str], Form] = {("transformers.pytorch_utils", "Conv1D"): Conv1DForm()}
+# Hugging Face's RMSNorms that return ``self.weight * normalised(x)`` (Gemma's ``1 + weight`` does not).
+NAMED_FORMS: dict[tuple[str, str], Form] = {
+    ("transformers.pytorch_utils", "Conv1D"): Conv1DForm(),
+    **{
+        (f"transformers.models.{model}.modeling_{model}", name): SCALE_NORM
+        for model, name in (
+            ("llama", "LlamaRMSNorm"),
+            ("mistral", "MistralRMSNorm"),
+            ("mixtral", "MixtralRMSNorm"),
+            ("qwen2", "Qwen2RMSNorm"),
+            ("qwen3", "Qwen3RMSNorm"),
+            ("t5", "T5LayerNorm"),
+            ("mt5", "MT5LayerNorm"),
+        )
+    },  # fmt: skip
+}
 
 
 def register_form(layer_type: type, form: Form | None = None):

@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
-from gradmod.hooks.per_sample.form import Inputs, as_rows
+from gradmod.hooks.per_sample.form import Inputs, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
 from gradmod.hooks.per_sample.stats import PerSampleClip
@@ -280,7 +280,7 @@ class PerSampleStage(Stage):
                 if not self._verify:
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
         for p, g in full.items():
-            rows2 = as_rows(g).to(norms2_dtype).square().sum(1)
+            rows2 = rows_norm2(g, norms2_dtype)
             norms2[self._rule_of[id(p)].name] += rows2
             if not self._verify:
                 self._probed.full(p, rows2)
