@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
+from gradmod.hooks.per_sample.detach import Detacher
 from gradmod.hooks.per_sample.form import Inputs, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
@@ -90,6 +91,7 @@ class PerSampleStage(Stage):
         self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
         self._probed = Probed()  # every later one along a random direction per parameter
+        self._detacher = Detacher()  # and Linear weights out of autograd's graph after the first
         self._queued = self._tracing = self._broadcast = False
         self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
@@ -121,6 +123,8 @@ class PerSampleStage(Stage):
         self._handles += [
             layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
         ]
+        clipped = {id(p) for r in self.rules if r.clip is not None for p in r.params}
+        self._handles += self._detacher.install(self.layers, clipped)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
@@ -219,10 +223,12 @@ class PerSampleStage(Stage):
         got, self._got = self._got, {}
         covered = {id(p) for c in calls for p in c.layer.names.values()}
         check_covered(self._names, covered, got, self.layers is not None)
+        self._detacher.refuse_arrivals(got, self._names)
         if not calls:
             return
         bsz = self._clip(calls, got if self._verify else None)
         self._verify = self._verify and not bsz
+        self._detacher.active = not self._verify
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:
