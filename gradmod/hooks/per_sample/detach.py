@@ -3,10 +3,11 @@
 Autograd computes each Linear's batch weight gradient, which the per_sample stage drops for
 its clipped sum: a matmul as large as the per-example weights it forms anyway. After the
 first backward (whose whole gradients check every form against autograd's), each followed
-call of a Linear (or Hugging Face's Conv1D) whose weight is clipped and used by such calls
-only runs on a detached alias of its weight and bias: the output gradient the stage needs is
-still computed, the weight gradient is not. A gradient that still reaches such a parameter
-came from a use the stage does not follow, and is refused in one line.
+call of a Linear, Hugging Face's Conv1D or an Embedding whose weight is clipped and used by
+such calls only runs on a detached alias of its weight and bias: the output gradient the
+stage needs is still computed (an output that would leave the graph, its input being token
+ids or data, becomes a leaf of its own), the weight gradient is not. A gradient that still
+reaches such a parameter came from a use the stage does not follow: refused in one line.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.accounts import OUTSIDE
-from gradmod.hooks.per_sample.layers import Conv1DForm, LinearForm
+from gradmod.hooks.per_sample.layers import Conv1DForm, EmbeddingForm, LinearForm
 from gradmod.hooks.per_sample.tracing import followed_forward
 
 NAMES = ("weight", "bias")  # what these forms answer for: any other parameter keeps its graph
@@ -49,36 +49,34 @@ class Detacher:
                 self.params |= {id(p) for p in names.values()}
                 m = layer.module
                 handles += [
-                    m.register_forward_pre_hook(self._detach(tuple(names)), with_kwargs=True),
-                    m.register_forward_hook(self._restore, always_call=True),
+                    m.register_forward_pre_hook(self._detach(tuple(names))),
+                    m.register_forward_hook(self._restore, prepend=True, always_call=True),  # before the stage's
                 ]
         return handles
 
     def _detach(self, names: tuple[str, ...]):
-        def hook(m: nn.Module, args: tuple, kwargs: dict):
+        def hook(m: nn.Module, args: tuple) -> None:
             stack = self._saved.setdefault(id(m), [])
             if not (self.active and followed_forward()):
                 stack.append(None)
-                return None
+                return
             saved = {n: m._parameters[n] for n in names if m._parameters.get(n) is not None}
             stack.append(saved)  # type: ignore[arg-type]
             for n, p in saved.items():
                 m._parameters[n] = p.detach()  # type: ignore[assignment]
-            # an input outside the graph: the output still needs one to carry the output gradient
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            k = next((i for i, x in enumerate(leaves) if isinstance(x, Tensor)), None)
-            if k is None or leaves[k].requires_grad or not leaves[k].is_floating_point():
-                return None
-            leaves[k] = leaves[k].detach().requires_grad_()
-            return pytree.tree_unflatten(leaves, spec)
 
         return hook
 
-    def _restore(self, m: nn.Module, args: tuple, output: Any) -> None:
+    def _restore(self, m: nn.Module, args: tuple, output: Any) -> Any:
         stack = self._saved.get(id(m))
         saved = stack.pop() if stack else None
-        if saved:
-            m._parameters.update(saved)
+        if not saved:
+            return None
+        m._parameters.update(saved)
+        if isinstance(output, Tensor) and not output.requires_grad and output.is_floating_point():
+            # an input outside the graph (token ids, the data): the output still carries the gradient
+            return output.detach().requires_grad_()
+        return None
 
     def refuse_arrivals(self, got: dict[int, Any], names: dict[int, str]) -> None:
         """A detached parameter got a gradient from autograd: a use outside the followed calls."""
@@ -93,4 +91,4 @@ class Detacher:
 
 
 def _detachable(layer) -> bool:
-    return isinstance(layer.form, (LinearForm, Conv1DForm)) and not layer.broadcast
+    return isinstance(layer.form, (LinearForm, Conv1DForm, EmbeddingForm)) and not layer.broadcast
