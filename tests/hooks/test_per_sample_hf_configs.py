@@ -98,7 +98,7 @@ CASES = {
     "bert": (_bert, None),
     "llama": (_llama, None),
     "qwen2": (_qwen2, None),
-    "t5": (_t5, ("hf.encoder.dropout (Dropout)", "config.dropout_rate")),
+    "t5": (_t5, ("hf.encoder.block.0.layer.0.SelfAttention (T5Attention)", "config.dropout_rate")),
 }
 
 

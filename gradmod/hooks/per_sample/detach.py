@@ -31,9 +31,10 @@ class Detacher:
         self.params: set[int] = set()
         self._saved: dict[int, list[dict[str, nn.Parameter] | None]] = {}
 
-    def install(self, layers: list, clipped: set[int]) -> list[Any]:
-        """Hooks on the layers whose every parameter they answer for is detachable; ``clipped``:
-        ids of the parameters of clipping rules (a log-only rule keeps autograd's gradient)."""
+    def install(self, layers: list, rules: list) -> list[Any]:
+        """Hooks on the layers answering for detachable parameters: those of clipping rules (a
+        log-only rule keeps autograd's gradient) that only such layers use."""
+        clipped = {id(p) for r in rules if r.clip is not None for p in r.params}
         held: dict[int, list] = {}
         for layer in layers:
             for p in layer.names.values():

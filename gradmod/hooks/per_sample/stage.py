@@ -31,6 +31,7 @@ from gradmod.hooks.per_sample.tracing import (
     batch_size,
     broadcasts_alike,
     detach_input,
+    expand_rows,
     followed_forward,
     param_or_none,
     trace,
@@ -123,8 +124,7 @@ class PerSampleStage(Stage):
         self._handles += [
             layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
         ]
-        clipped = {id(p) for r in self.rules if r.clip is not None for p in r.params}
-        self._handles += self._detacher.install(self.layers, clipped)
+        self._handles += self._detacher.install(self.layers, self.rules)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
@@ -140,17 +140,14 @@ class PerSampleStage(Stage):
         refusals.refuse_packed(self.model, found, set(self._rule_of))
         params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
         layers = assign(self.model, found, params)
-        rows = [layer.module for layer in layers if layer.broadcast]
+        rows = [(layer.module, layer.rows) for layer in layers if layer.broadcast]
         if rows and not broadcasts_alike(self.model, args, kwargs, rows, found):
             layers = assign(self.model, found, params, broadcast=False)  # the general path instead
         return found, params, layers
 
     def _swapped(self) -> bool:
         """torch.func.functional_call runs the model with other tensors: not its training."""
-        return any(param_or_none(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
-
-    def _rule_of_params(self) -> list[Tensor]:
-        return [p for r in self.rules for p in r.params]
+        return any(param_or_none(self.model, self._names[id(p)]) is not p for r in self.rules for p in r.params)
 
     def _arrived(self, p: Tensor):
         """The parameter's whole gradient of this backward, from every use: kept whole at the
@@ -179,7 +176,7 @@ class PerSampleStage(Stage):
             if self._tracing or not followed_forward():
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
-                output = output.expand(self._batch, *output.shape[1:])
+                output = expand_rows(output, layer.rows, self._batch)
             outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
                 return output if layer.broadcast else None
