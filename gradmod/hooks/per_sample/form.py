@@ -32,6 +32,7 @@ class Form:
     asked for; return ``{name: [B, *param.shape]}``, example i's gradient of each."""
 
     whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
+    fresh = False  # True: ``per_example``'s tensors are new, never views of inputs (the stage adds to them in place)
 
     def refusal(self, m: nn.Module) -> str | None:
         """Why this form cannot give ``m``'s per-example gradients (None: it can)."""
@@ -39,6 +40,10 @@ class Form:
 
     def per_example(self, m: nn.Module, a: Any, b: Any, names: set[str]) -> dict[str, Tensor]:
         raise NotImplementedError
+
+    def add_per_example(self, m: nn.Module, a: Any, b: Any, names: set[str], into: dict[str, Tensor]):
+        """``per_example``, added in place to ``into``'s tensors (the stage's own) where it has one."""
+        return {n: into[n].add_(g) if n in into else g for n, g in self.per_example(m, a, b, names).items()}
 
     def materialises(self, m: nn.Module, a: Any, b: Tensor) -> bool:
         """Whether ``per_example`` (then norms and the weighted sum from it) is the cheaper way."""
@@ -57,3 +62,21 @@ class Inputs:
 
     def __init__(self, args: tuple, kwargs: dict, dims: Any):
         self.args, self.kwargs, self.dims = args, kwargs, dims
+
+
+class PerExample:
+    """One backward's per-example tensors, summed per parameter over the calls that use it
+    (tied weights: an embedding and its output layer), in place where a tensor is the stage's own."""
+
+    def __init__(self) -> None:
+        self.sums: dict[Tensor, Tensor] = {}
+        self._own: set[Tensor] = set()
+
+    def add(self, form: Form, m: nn.Module, a: Any, b: Any, params: dict[str, Tensor]) -> None:
+        into = {n: self.sums[p] for n, p in params.items() if p in self._own}
+        for n, g in form.add_per_example(m, a, b, set(params), into).items():
+            p = params[n]
+            merge = p in self.sums and n not in into
+            self.sums[p] = self.sums[p] + g if merge else g
+            if merge or form.fresh:
+                self._own.add(p)

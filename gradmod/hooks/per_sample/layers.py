@@ -50,6 +50,15 @@ def _small(bsz: int, m: nn.Module) -> bool:
 
 
 class LinearForm(Form):
+    fresh = True
+
+    def add_per_example(self, m, a, b, names, into):
+        if "weight" not in into:
+            return super().add_per_example(m, a, b, names, into)
+        A, G = _seq(a, b)
+        out = {**self.per_example(m, a, b, names - {"weight"}), "weight": into["weight"].baddbmm_(G.mT, A)}
+        return {n: into[n].add_(g) if n in into and n != "weight" else g for n, g in out.items()}
+
     def materialises(self, m, a, b):
         """On sequences, where the per-example weights are small (on 2-D input |a_i||b_i| is cheaper)."""
         return a.dim() > 2 and _small(len(a), m)
@@ -192,6 +201,8 @@ class ScaleNormForm(Form):
 class EmbeddingForm(Form):
     """Rows gathered by index: the gradient of example i adds ``b_it`` to row ``idx_it``."""
 
+    fresh = True
+
     def refusal(self, m):
         if m.max_norm is not None:
             return "max_norm (its forward rescales the rows the whole batch looked up, in place)"
@@ -209,10 +220,12 @@ class EmbeddingForm(Form):
         return idx, b
 
     def per_example(self, m, a, b, names):
+        return self.add_per_example(m, a, b, names, {})
+
+    def add_per_example(self, m, a, b, names, into):
         idx, G = self._flat(m, a, b)
-        out = G.new_zeros(idx.shape[0], *m.weight.shape)
-        out.scatter_add_(1, idx.unsqueeze(-1).expand_as(G), G)
-        return {"weight": out}
+        out = into["weight"] if "weight" in into else G.new_zeros(idx.shape[0], *m.weight.shape)
+        return {"weight": out.scatter_add_(1, idx.unsqueeze(-1).expand_as(G), G)}
 
     def norms2(self, m, a, b, names):
         idx, G = self._flat(m, a, b)

@@ -22,7 +22,7 @@ from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
 from gradmod.hooks.per_sample.detach import Detacher
-from gradmod.hooks.per_sample.form import Inputs, rows_norm2
+from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
 from gradmod.hooks.per_sample.stats import PerSampleClip
@@ -265,16 +265,14 @@ class PerSampleStage(Stage):
         seen: dict[int, int] = {}
         for c in calls:
             seen[id(c.layer)] = seen.get(id(c.layer), 0) + 1
-        ghost, full = [], {}
+        ghost, summed = [], PerExample()
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
             b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
             full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
             c.layer.materialised = full_
             if full_:
-                for n, g in form.per_example(c.layer.module, c.inputs, b, names).items():
-                    p = c.layer.names[n]
-                    full[p] = g if p not in full else full[p] + g
+                summed.add(form, c.layer.module, c.inputs, b, c.layer.names)
             else:
                 by_name = form.norms2(c.layer.module, c.inputs, b, names)
                 for n, v in by_name.items():
@@ -282,12 +280,12 @@ class PerSampleStage(Stage):
                 ghost.append((c, b))
                 if not self._verify:
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
-        for p, g in full.items():
+        for p, g in summed.sums.items():
             rows2 = rows_norm2(g, norms2_dtype)
             norms2[self._rule_of[id(p)].name] += rows2
             if not self._verify:
                 self._probed.full(p, rows2)
-        return ghost, full
+        return ghost, summed.sums
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
         """The rules' statistics of this backward; ``log`` needs the mean gradient too."""
