@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
-from gradmod.hooks.per_sample.tracing import UNKNOWN, Trace
+from gradmod.hooks.per_sample.tracing import PACKED, UNKNOWN, Trace
 
 
 @dataclass
@@ -69,7 +69,12 @@ def _closed(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
         return False
     ins, outs = cast(tuple, dims)
     first = next(iter(_leaves(ins)), None)
-    return isinstance(first, int) and bool(outs) and all(isinstance(d, int) for d in outs)
+    packed = form_of(m).takes_packed  # an RNN's PackedSequence in and out: the form splits it
+    return (
+        (isinstance(first, int) or (packed and first == PACKED))
+        and bool(outs)
+        and all(isinstance(d, int) or (packed and d == PACKED) for d in outs)
+    )
 
 
 def _one_row(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
@@ -113,6 +118,7 @@ def _general(m: nn.Module, trace: Trace, rows: bool = False) -> bool:
     expandable = _rows(m, trace) if rows else ()
     return (
         UNKNOWN not in leaves
+        and PACKED not in leaves  # torch.func cannot split a PackedSequence per example
         and any(isinstance(d, int) for d in leaves)
         and any(isinstance(d, int) for d in outs)
         and all(isinstance(d, int) or k in expandable for k, d in enumerate(outs))

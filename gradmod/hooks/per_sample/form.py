@@ -32,6 +32,7 @@ class Form:
     asked for; return ``{name: [B, *param.shape]}``, example i's gradient of each."""
 
     whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
+    takes_packed = False  # True (whole_call too): PackedSequence inputs and outputs (dim ``PACKED``)
     fresh = False  # True: ``per_example``'s tensors are new, never views of inputs (the stage adds to them in place)
 
     def refusal(self, m: nn.Module) -> str | None:

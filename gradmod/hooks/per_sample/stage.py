@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample import refusals
@@ -42,6 +43,16 @@ __all__ = ["PerSampleStage", "per_sample_rules"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
+
+
+def _packed(x: Any) -> bool:
+    return isinstance(x, PackedSequence)
+
+
+def _detached(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, PackedSequence):  # its data as any input; the steps' sizes and order kept
+        return x._replace(data=detach_input(x.data, dtype))
+    return detach_input(x, dtype)
 
 
 class PerSampleStage(Stage):
@@ -137,9 +148,9 @@ class PerSampleStage(Stage):
                 f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
                 f"(dim {batch_dim(module, self.batch_dim)}); the stage needs the batch in the model's inputs"
             )
-        refusals.refuse_packed(self.model, found, set(self._rule_of))
         params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
         layers = assign(self.model, found, params)
+        refusals.refuse_packed(self.model, found, layers)
         rows = [(layer.module, layer.rows) for layer in layers if layer.broadcast]
         if rows and not broadcasts_alike(self.model, args, kwargs, rows, found):
             layers = assign(self.model, found, params, broadcast=False)  # the general path instead
@@ -177,12 +188,13 @@ class PerSampleStage(Stage):
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
                 output = expand_rows(output, layer.rows, self._batch)
-            outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+            outs = [t.data if isinstance(t, PackedSequence) else t for t in pytree.tree_leaves(output, is_leaf=_packed)]
+            outs = [t for t in outs if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
                 return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                a, k = pytree.tree_map(lambda x: detach_input(x, dtype), (args, kwargs))
+                a, k = pytree.tree_map(lambda x: _detached(x, dtype), (args, kwargs), is_leaf=_packed)
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
@@ -234,7 +246,10 @@ class PerSampleStage(Stage):
 
     def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
         b0 = self._grads(calls[0])
-        bsz = b0[0][0].shape[b0[0][1]] if calls[0].layer.form.whole_call else b0.shape[0]
+        if calls[0].layer.form.whole_call:  # from an output with a batch dim (an RNN's h_n when packed)
+            bsz = next(g.shape[d] for g, d in b0 if isinstance(d, int))
+        else:
+            bsz = b0.shape[0]
         if bsz == 0:  # an empty batch: no example, nothing to clip (the step may still add noise)
             self._empty = True
             return 0
