@@ -202,3 +202,9 @@ def path_of(layer: Layer, where: str) -> str:
     else:
         path = "Gram" if layer.materialised is False else "closed form"
     return path + (", one row expanded to the batch" if layer.broadcast else "")
+
+
+def paths_of(model: nn.Module, layers: list[Layer], names: dict[int, str]) -> dict[str, str]:
+    """Each parameter's path (``path_of``) by its name (``names``: id -> name)."""
+    where = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+    return {names[id(p)]: path_of(x, where[id(x.module)]) for x in layers for p in x.names.values()}

@@ -11,6 +11,7 @@ the step's (expected) number of examples. Nothing per example outlives its backw
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -21,11 +22,11 @@ from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
-from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
+from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
 from gradmod.hooks.per_sample.detach import Detacher
 from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
-from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
+from gradmod.hooks.per_sample.sample_rules import check_options, check_targets, per_sample_rules
 from gradmod.hooks.per_sample.stats import PerSampleClip
 from gradmod.hooks.per_sample.tracing import (
     batch_dim,
@@ -41,7 +42,6 @@ from gradmod.hooks.stage import Core, Loop, Stage
 
 __all__ = ["PerSampleStage", "per_sample_rules"]
 
-LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
 
 
@@ -81,10 +81,7 @@ class PerSampleStage(Stage):
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         loss_reduction, batch_dim = core.loss_reduction, core.batch_dim
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
-        if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
-            raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
+        check_options(loss_reduction, batch_dim)
         rules = per_sample_rules(targets, dict(model.named_parameters()))
         self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
         self._empty = False  # a forward of zero examples ran this step: its gradients are zeros
@@ -129,9 +126,7 @@ class PerSampleStage(Stage):
         refusals.refuse_forms(self.model, layers, self._names)
         refusals.refuse_random(self.model, layers, found, self._names)
         self.layers = layers
-        self._batch_dependent = {
-            id(p) for layer in self.layers if batch_dependent(layer.module) for p in layer.names.values()
-        }
+        self._batch_dependent = {id(p) for x in layers if batch_dependent(x.module) for p in x.names.values()}
         self._handles += [
             layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
         ]
@@ -277,9 +272,7 @@ class PerSampleStage(Stage):
         """Add each call's squared per-example norms to its rules' ``norms2``. Returns the
         calls whose layer answers without per-example tensors (with their output
         gradients), and the per-example tensors of the others, summed per parameter."""
-        seen: dict[int, int] = {}
-        for c in calls:
-            seen[id(c.layer)] = seen.get(id(c.layer), 0) + 1
+        seen = Counter(id(c.layer) for c in calls)
         ghost, summed = [], PerExample()
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
@@ -304,11 +297,8 @@ class PerSampleStage(Stage):
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
         """The rules' statistics of this backward; ``log`` needs the mean gradient too."""
-        logs = {
-            r.name: torch.full_like(norms[r.name], scale / norms[r.name].numel())
-            for r in self.rules
-            if r.log is not None
-        }
+        logged = [r.name for r in self.rules if r.log is not None]
+        logs = {name: torch.full_like(norms[name], scale / norms[name].numel()) for name in logged}
         means = self._weighted(ghost, full, logs) if logs else {}
         for r in self.rules:
             if r.clip is not None:
@@ -361,8 +351,7 @@ class PerSampleStage(Stage):
         for r in self.rules:
             if r.clip is None:
                 continue
-            sums = [self._sums.pop(id(p), None) for p in r.params]
-            sums = [torch.zeros_like(p) if s is None else s for p, s in zip(r.params, sums)]
+            sums = [self._sums.pop(id(p)) if id(p) in self._sums else torch.zeros_like(p) for p in r.params]
             std = r.clip.noise_multiplier * r.clip.max_norm
             if std > 0 and self.draws_noise:
                 for s in sums:
@@ -399,10 +388,7 @@ class PerSampleStage(Stage):
 
     def paths(self) -> dict[str, str]:
         """Each parameter's path (``assign.path_of``); {} before the first training forward."""
-        where = {id(m): n or type(self.model).__name__ for n, m in self.model.named_modules()}
-        return {
-            self._names[id(p)]: path_of(x, where[id(x.module)]) for x in self.layers or [] for p in x.names.values()
-        }
+        return paths_of(self.model, self.layers or [], self._names)
 
     def remove(self) -> None:
         for h in self._handles:
