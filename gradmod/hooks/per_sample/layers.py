@@ -209,7 +209,9 @@ class EmbeddingForm(Form):
         return None
 
     def materialises(self, m, a, b):
-        return False
+        """Where the table is smaller than the tokens' Gram matrix (T5's bias: 32 rows, T^2 lookups)."""
+        positions = a[0].numel() if len(a) else 0
+        return _small(len(a), m) and positions * positions > m.weight.numel()
 
     @staticmethod
     def _flat(m, idx: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

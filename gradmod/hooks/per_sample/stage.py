@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_sample import refusals
+from gradmod.hooks.per_sample import position_bias, refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
 from gradmod.hooks.per_sample.detach import Detacher
@@ -36,7 +36,6 @@ from gradmod.hooks.per_sample.tracing import (
     expand_rows,
     followed_forward,
     param_or_none,
-    trace,
 )
 from gradmod.hooks.stage import Core, Loop, Stage
 
@@ -137,7 +136,8 @@ class PerSampleStage(Stage):
 
     def _layers(self, module: nn.Module, args: tuple, kwargs: dict):
         """The trace, the parameters it covers, the layers answering for them."""
-        found = trace(module, args, kwargs, set(self._rule_of), self.batch_dim)
+        found, handles = position_bias.traced(module, args, kwargs, set(self._rule_of), self.batch_dim)
+        self._handles += handles
         if found is None:
             raise ValueError(
                 f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "

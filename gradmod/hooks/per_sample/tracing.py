@@ -285,10 +285,19 @@ def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[
     """Whether the model's forward gives the very same outputs when each of ``modules``
     (module, ``rows`` as ``expand_rows`` takes them) returns its one-row outputs (no batch in
     its inputs: HF's default position ids, T5's position bias) expanded to the batch, as the
-    stage will then do so to see each example's share of their gradient.
-    Run once, as the first forward ran: from its random state (the same dropout masks), with
-    gradients on (some layers, an LSTM, pick other kernels without)."""
+    stage will then do so to see each example's share of their gradient (``same_output``)."""
     handles = [m.register_forward_hook(_expanded(trace.batch, rows)) for m, rows in modules]
+    try:
+        return same_output(model, args, kwargs, trace)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def same_output(model: nn.Module, args: tuple, kwargs: dict, trace: Trace) -> bool:
+    """Whether the model's forward, run as the traced one ran (from its random state: the same
+    dropout masks; gradients on: some layers, an LSTM, pick other kernels without), gives the
+    very same outputs as the trace's."""
     cpu, cuda = trace.rng
     try:
         with torch.random.fork_rng(devices=list(cuda)), torch.enable_grad():  # the first's kernels too
@@ -298,9 +307,6 @@ def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[
             output = model(*args, **kwargs)
     except Exception:  # a consumer that needs the one row (its shape): not alike
         return False
-    finally:
-        for h in handles:
-            h.remove()
     mine, theirs = pytree.tree_leaves(output), pytree.tree_leaves(trace.output)
     return len(mine) == len(theirs) and all(
         torch.equal(a, b) if isinstance(a, Tensor) and isinstance(b, Tensor) else a == b for a, b in zip(mine, theirs)
