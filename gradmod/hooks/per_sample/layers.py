@@ -60,8 +60,11 @@ class LinearForm(Form):
         return {n: into[n].add_(g) if n in into and n != "weight" else g for n, g in out.items()}
 
     def materialises(self, m, a, b):
-        """On sequences, where the per-example weights are small (on 2-D input |a_i||b_i| is cheaper)."""
-        return a.dim() > 2 and _small(len(a), m)
+        """On sequences, where the per-example weights are small and cost fewer flops than the
+        Gram matrices (on 2-D input |a_i||b_i| is cheaper); either way the clipped sum costs
+        one matmul as large as the weight gradient autograd is spared (``detach``)."""
+        A, G = _seq(a, b)
+        return a.dim() > 2 and _small(len(a), m) and not _gram_pays(A.shape[1], A.shape[2], G.shape[2])
 
     def per_example(self, m, a, b, names):
         A, G = _seq(a, b)
