@@ -117,6 +117,26 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.mix(self.emb(idx)))).mean(1)
 
 
+class InPlace(nn.Module):
+    """Outputs of layers on token ids and on data changed in place, as some models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.proj, self.head = nn.Embedding(VOCAB, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        y = self.proj(torch.linspace(-1, 1, 6, dtype=x.dtype).expand_as(x))  # data: no gradient of its own
+        y.mul_(2.0)
+        x += y
+        return self.head(torch.tanh(x)).mean(1)
+
+
+def test_outputs_changed_in_place_stay_right():
+    torch.manual_seed(0)
+    check_steps(InPlace(), lambda: torch.randint(0, VOCAB, (B, T)))
+
+
 def test_tied_embedding_and_output_layer_stay_right():
     torch.manual_seed(0)
     check_steps(TiedLM(), lambda: torch.randint(0, VOCAB, (B, T)))

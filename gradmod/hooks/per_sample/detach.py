@@ -6,7 +6,7 @@ first backward (whose whole gradients check every form against autograd's), each
 call of a Linear, Hugging Face's Conv1D or an Embedding whose weight is clipped and used by
 such calls only runs on a detached alias of its weight and bias: the output gradient the
 stage needs is still computed (an output that would leave the graph, its input being token
-ids or data, becomes a leaf of its own), the weight gradient is not. A gradient that still
+ids or data, hangs from a leaf of its own), the weight gradient is not. A gradient that still
 reaches such a parameter came from a use the stage does not follow: refused in one line.
 """
 
@@ -75,8 +75,9 @@ class Detacher:
             return None
         m._parameters.update(saved)
         if isinstance(output, Tensor) and not output.requires_grad and output.is_floating_point():
-            # an input outside the graph (token ids, the data): the output still carries the gradient
-            return output.detach().requires_grad_()
+            # an input outside the graph (token ids, the data): the output still carries the gradient,
+            # from a leaf of its own (cloned: in-place operations on the output stay allowed)
+            return output.detach().requires_grad_().clone()
         return None
 
     def refuse_arrivals(self, got: dict[int, Any], names: dict[int, str]) -> None:
