@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_sample import position_bias, refusals
+from gradmod.hooks.per_sample import position_bias, refusals, tied
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
 from gradmod.hooks.per_sample.detach import Detacher
@@ -269,15 +269,15 @@ class PerSampleStage(Stage):
         return bsz
 
     def _norms(self, calls: list[Call], norms2: dict[str, Tensor]) -> tuple[list, dict[nn.Parameter, Tensor]]:
-        """Add each call's squared per-example norms to its rules' ``norms2``. Returns the
-        calls whose layer answers without per-example tensors (with their output
-        gradients), and the per-example tensors of the others, summed per parameter."""
+        """Add each call's squared per-example norms to its rules' ``norms2``. Returns the calls answered
+        without per-example tensors (with their output gradients), and the others' summed per parameter."""
         seen = Counter(id(c.layer) for c in calls)
-        ghost, summed = [], PerExample()
+        ghost, summed, pairs = [], PerExample(), tied.shared(calls)  # pairs: shared weights' cross terms
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
             b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
             full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
+            full_ = full_ and not any(id(p) in pairs for p in c.layer.names.values())
             c.layer.materialised = full_
             if full_:
                 summed.add(form, c.layer.module, c.inputs, b, c.layer.names)
@@ -288,6 +288,8 @@ class PerSampleStage(Stage):
                 ghost.append((c, b))
                 if not self._verify:
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
+        for i in pairs:
+            norms2[self._rule_of[i].name] += tied.cross_norms2(i, ghost, norms2_dtype)
         for p, g in summed.sums.items():
             rows2 = rows_norm2(g, norms2_dtype)
             norms2[self._rule_of[id(p)].name] += rows2
@@ -318,7 +320,8 @@ class PerSampleStage(Stage):
             for rule, names in by_rule.items():
                 if rule in weights:
                     for n, g in c.layer.form.weighted(c.layer.module, c.inputs, b, weights[rule], names).items():
-                        out[c.layer.names[n]] = g.to(c.layer.names[n].dtype)
+                        p = c.layer.names[n]  # a shared weight's calls add up
+                        out[p] = g.to(p.dtype) if p not in out else out[p] + g.to(p.dtype)
         for p, g in full.items():
             rule = self._rule_of[id(p)].name
             if rule in weights:
