@@ -223,3 +223,17 @@ def test_a_detached_weight_used_outside_its_layer_later_is_refused():
             out.sum().backward()
         assert "\n" not in str(err.value)
     hooks.remove()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_t5_switched_to_eval_mode_after_its_first_step_stays_right():
+    torch.manual_seed(0)
+    model = Logits(_hf("t5"), seq2seq=True)
+    steps = []
+
+    def inputs():  # from the second step on in eval mode (dropout off, as some train): the bias still batched
+        model.train(not steps)
+        steps.append(1)
+        return torch.randint(0, VOCAB, (B, T))
+
+    check_steps(model, inputs, rtol=1e-6)

@@ -3,7 +3,7 @@
 The first attention block of each T5 stack looks its bias up in an Embedding of relative
 position buckets (``[T, T]`` ids: no batch), adds it to every example's scores and hands it
 to the later blocks; its per-example gradient would otherwise need the block, or the stack,
-replayed per example. While the model trains, such a block is given its ``position_bias``
+replayed per example. Once the stage is set up, such a block is given its ``position_bias``
 from the same lookup on the bucket ids expanded to the batch (``[B, T, T]``), the values
 unchanged (the stage compares the model's outputs once, with and without, before relying on
 it): the bias Embedding is then an ordinary batched Embedding call. Found by what the module
@@ -41,8 +41,10 @@ class BatchedBias:
         self.handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True) for m in modules]
 
     def _pre(self, m: nn.Module, args: tuple, kwargs: dict):
-        if not (self.on and m.training) or torch._C._are_functorch_transforms_active():
-            return None  # evaluation and generation (a cache with a past) look the bias up as T5 does
+        if not self.on or torch._C._are_functorch_transforms_active():
+            return None  # a replay (torch.func) looks the bias up as T5 does, and so does generation's
+        # later steps (a cache with a past); evaluation too gets the batched lookup (the same values,
+        # and the stage's Embedding call always carries the batch)
         hidden = args[0] if args else kwargs.get("hidden_states")
         given = len(args) > 2 or any(kwargs.get(k) is not None for k in ("position_bias", "key_value_states"))
         if not isinstance(hidden, Tensor) or hidden.dim() != 3 or given or _has_past(kwargs):
