@@ -8,7 +8,7 @@ from the same lookup on the bucket ids expanded to the batch (``[B, T, T]``), th
 unchanged (the stage compares the model's outputs once, with and without, before relying on
 it): the bias Embedding is then an ordinary batched Embedding call. Found by what the module
 has (``has_relative_attention_bias``, ``relative_attention_bias``, ``_relative_position_bucket``),
-so T5's copies (mT5, LongT5's global blocks aside) are found too; nothing is imported.
+so copies of T5's attention are found too (each checked as above); nothing is imported.
 """
 
 from __future__ import annotations
