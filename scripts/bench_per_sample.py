@@ -14,11 +14,18 @@ Peak memory: each contender runs a few steps in a fresh process, and the growth 
 peak resident set over the set-up is reported (the same measure for every contender).
 
     python scripts/bench_per_sample.py --peak mlp.gradmod   # what bench.py runs per contender
+
+Plain against gradmod on a loaded machine, the two taking turns run by run (median of 7 runs
+of 3 steps per model, one thread):
+
+    python scripts/bench_per_sample.py --alternate gpt2,bert,llama,qwen2,t5
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -291,5 +298,33 @@ def peak_in_subprocess(name: str) -> int:
     return peak_memory.in_subprocess(__file__, name)
 
 
+def alternate(models: list[str], contenders: tuple[str, ...] = ("plain", "gradmod"), rounds: int = 7, steps: int = 3):
+    """Median ms per optimizer step of each contender on each model, the contenders taking turns
+    run by run (``rounds`` runs of ``steps`` steps each, in one process: a shared machine's load
+    moves them alike), and its ratio to the first contender's."""
+    out = {}
+    for model in models:
+        runs = {c: setup(f"{model}.{c}", steps) for c in contenders}
+        times: dict[str, list[float]] = {c: [] for c in contenders}
+        for run in runs.values():
+            run()  # warm-up: the stage's set-up, the first backward's whole check
+        for _ in range(rounds):
+            for c, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[c].append(time.perf_counter() - start)
+        ms = {c: statistics.median(v) / steps * 1000 for c, v in times.items()}
+        out[model] = {c: (ms[c], ms[c] / ms[contenders[0]]) for c in contenders}
+    return out
+
+
 if __name__ == "__main__":
-    peak_memory.main(__doc__, peak)
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--alternate":  # --alternate gpt2,bert [rounds]
+        torch.set_num_threads(1)
+        warnings.filterwarnings("ignore")
+        for model, row in alternate(
+            sys.argv[2].split(","), rounds=int(sys.argv[3]) if len(sys.argv) == 4 else 7
+        ).items():
+            print(model, " ".join(f"{c}={ms:.1f}ms ({x:.2f}x)" for c, (ms, x) in row.items()), flush=True)
+    else:
+        peak_memory.main(__doc__, peak)

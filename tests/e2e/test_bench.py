@@ -127,3 +127,12 @@ def test_scale_section_times_every_contender_beside_its_ops(capsys):
     assert "clip_logged" in capsys.readouterr().out
     assert bench.parse_args(["--sections", "scale"]).sections == ["scale"]
     assert "scale" not in bench.parse_args([]).sections  # asked for by name
+
+
+def test_per_sample_contenders_alternate_with_their_ratio_to_the_first():
+    per_sample = _bench().per_sample
+    out = per_sample.alternate(["mlp"], rounds=1, steps=1)
+    assert set(out) == {"mlp"} and set(out["mlp"]) == {"plain", "gradmod"}
+    assert out["mlp"]["plain"][1] == 1.0
+    ms, ratio = out["mlp"]["gradmod"]
+    assert ms > 0 and math.isclose(ratio, ms / out["mlp"]["plain"][0])

@@ -241,7 +241,7 @@ class Paths(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.seq, self.rnn, self.pos = nn.Linear(4, 4), nn.LSTM(4, 4, batch_first=True), nn.Embedding(5, 4)
+        self.seq, self.rnn, self.pos = nn.Linear(4, 4), nn.LSTM(4, 4, batch_first=True), nn.Embedding(9, 4)
         self.scale, self.head = nn.Parameter(torch.ones(4)), nn.Linear(4, 3)
 
     def forward(self, x):
@@ -262,7 +262,8 @@ def test_the_stage_names_each_parameters_path():
     assert paths["seq.weight"] == paths["seq.bias"] == "closed form"
     assert paths["head.weight"] == "Gram"
     assert {paths[n] for n in paths if n.startswith("rnn.")} == {"replay"}
-    assert paths["pos.weight"] == "Gram, one row expanded to the batch"  # an embedding never forms [B, V, d]
+    # a table larger than the tokens' Gram matrix (9 x 4 > 5 x 5) is never formed per example
+    assert paths["pos.weight"] == "Gram, one row expanded to the batch"
     assert paths["scale"] == "general: torch.func over Paths"
     assert paths_line(paths).startswith("per_sample paths (10 parameters): 4 replay, 2 closed form, 2 Gram, ")
     hooks.remove()

@@ -32,6 +32,7 @@ class Layer:
     out_dims: list = field(default_factory=list)
     materialise: bool = False  # weights shared with another layer: per-example tensors needed
     broadcast: bool = False  # called without the batch (one row); its output is expanded to the batch
+    rows: tuple[int, ...] | None = None  # with broadcast: which output tensors (None: the one output)
     materialised: bool | None = None  # at its last backward: per-example tensors formed (None: none yet)
 
     @property
@@ -95,26 +96,39 @@ def _one_row(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
     )
 
 
-def _general(m: nn.Module, trace: Trace) -> bool:
-    """``m``'s calls split per example: every input's batch dim known, every output batched."""
-    dims = trace.dims.get(id(m), UNKNOWN)
-    if dims == UNKNOWN:
+def _rows(m: nn.Module, trace: Trace) -> tuple[int, ...]:
+    """The outputs of ``m``'s calls without the batch but with one leading row (T5's position
+    bias, which later blocks add to their batched scores): the stage can expand those."""
+    outs, first = cast(tuple, trace.dims[id(m)])[1], trace.first.get(id(m))
+    return tuple(
+        k
+        for k, d in enumerate(outs)
+        if d is None and first is not None and len(first.outs[k]) and first.outs[k][0] == 1
+    )
+
+
+def _general(m: nn.Module, trace: Trace, rows: bool = False) -> bool:
+    """``m``'s calls split per example: every input's batch dim known, none an object of its own
+    (a cache), every output batched (``rows``: or one row the stage expands, beside a batched one)."""
+    dims, first = trace.dims.get(id(m), UNKNOWN), trace.first.get(id(m))
+    if dims == UNKNOWN or (first is not None and first.opaque):
         return False
     ins, outs = cast(tuple, dims)
     leaves = _leaves(ins)
+    expandable = _rows(m, trace) if rows else ()
     return (
         UNKNOWN not in leaves
         and PACKED not in leaves  # torch.func cannot split a PackedSequence per example
         and any(isinstance(d, int) for d in leaves)
-        and bool(outs)
-        and all(isinstance(d, int) for d in outs)
+        and any(isinstance(d, int) for d in outs)
+        and all(isinstance(d, int) or k in expandable for k, d in enumerate(outs))
     )
 
 
-def _cover(p: nn.Parameter, uses: list[tuple], trace: Trace) -> nn.Module | None:
+def _cover(p: nn.Parameter, uses: list[tuple], trace: Trace, rows: bool) -> nn.Module | None:
     """The deepest module running during every use of ``p`` that holds it and splits per example."""
     common = [m for m in uses[0] if all(any(m is u for u in stack) for stack in uses[1:])]
-    return next((m for m in reversed(common) if _dotted(m, p) is not None and _general(m, trace)), None)
+    return next((m for m in reversed(common) if _dotted(m, p) is not None and _general(m, trace, rows)), None)
 
 
 def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter], broadcast: bool = True) -> list[Layer]:
@@ -143,7 +157,7 @@ def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter], broa
                                                     is_leaf=lambda x: isinstance(x, torch.Size))  # fmt: skip
                     layer.out_dims, layer.broadcast = [0], True
             continue
-        m = _cover(p, uses, trace)
+        m = _cover(p, uses, trace, broadcast)
         if m is None:
             users = ", ".join(sorted({modules.get(id(s[-1]), "?") or type(model).__name__ for s in uses}))
             raise ValueError(
@@ -151,7 +165,11 @@ def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter], broa
                 "and whose outputs all carry the batch, so its per-example gradient cannot be known; "
                 "use it inside one module's forward, or leave it out of the rule"
             )
-        _layer(layers, m, FUNC, trace, True).names[_dotted(m, p)] = p
+        layer = _layer(layers, m, FUNC, trace, True)
+        layer.names[_dotted(m, p)] = p
+        if not _general(m, trace):  # its one-row outputs expanded to the batch
+            layer.rows, layer.broadcast = _rows(m, trace), True
+            layer.out_dims = [0 if k in layer.rows else d for k, d in enumerate(layer.out_dims)]
     out = list(layers.values())
     held: dict[int, int] = {}
     for layer in out:
@@ -184,3 +202,9 @@ def path_of(layer: Layer, where: str) -> str:
     else:
         path = "Gram" if layer.materialised is False else "closed form"
     return path + (", one row expanded to the batch" if layer.broadcast else "")
+
+
+def paths_of(model: nn.Module, layers: list[Layer], names: dict[int, str]) -> dict[str, str]:
+    """Each parameter's path (``path_of``) by its name (``names``: id -> name)."""
+    where = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+    return {names[id(p)]: path_of(x, where[id(x.module)]) for x in layers for p in x.names.values()}

@@ -50,9 +50,21 @@ def _small(bsz: int, m: nn.Module) -> bool:
 
 
 class LinearForm(Form):
+    fresh = True
+
+    def add_per_example(self, m, a, b, names, into):
+        if "weight" not in into:
+            return super().add_per_example(m, a, b, names, into)
+        A, G = _seq(a, b)
+        out = {**self.per_example(m, a, b, names - {"weight"}), "weight": into["weight"].baddbmm_(G.mT, A)}
+        return {n: into[n].add_(g) if n in into and n != "weight" else g for n, g in out.items()}
+
     def materialises(self, m, a, b):
-        """On sequences, where the per-example weights are small (on 2-D input |a_i||b_i| is cheaper)."""
-        return a.dim() > 2 and _small(len(a), m)
+        """On sequences, where the per-example weights are small and cost fewer flops than the
+        Gram matrices (on 2-D input |a_i||b_i| is cheaper); either way the clipped sum costs
+        one matmul as large as the weight gradient autograd is spared (``detach``)."""
+        A, G = _seq(a, b)
+        return a.dim() > 2 and _small(len(a), m) and not _gram_pays(A.shape[1], A.shape[2], G.shape[2])
 
     def per_example(self, m, a, b, names):
         A, G = _seq(a, b)
@@ -175,8 +187,24 @@ class GroupNormForm(Form):
         return _affine(b, xhat, tuple(range(2, b.dim())), names)  # channels are dim 1
 
 
+class ScaleNormForm(Form):
+    """A norm whose output is ``weight * normalised(x)``, no bias (RMSNorm: torch's, Llama's,
+    T5's): ``normalised(x)`` is the module's own forward with the weight set to ones, so its
+    dtype steps (Hugging Face's float32 variance) are the module's."""
+
+    @staticmethod
+    def normalised(m: nn.Module, a: Tensor) -> Tensor:
+        with torch.no_grad():  # no graph, and no call the stage would follow
+            return functional_call(m, {"weight": torch.ones_like(m.weight)}, (a,))
+
+    def per_example(self, m, a, b, names):
+        return _affine(b, self.normalised(m, a), tuple(range(1, b.dim() - m.weight.dim())), names)
+
+
 class EmbeddingForm(Form):
     """Rows gathered by index: the gradient of example i adds ``b_it`` to row ``idx_it``."""
+
+    fresh = True
 
     def refusal(self, m):
         if m.max_norm is not None:
@@ -184,7 +212,9 @@ class EmbeddingForm(Form):
         return None
 
     def materialises(self, m, a, b):
-        return False
+        """Where the table is smaller than the tokens' Gram matrix (T5's bias: 32 rows, T^2 lookups)."""
+        positions = a[0].numel() if len(a) else 0
+        return _small(len(a), m) and positions * positions > m.weight.numel()
 
     @staticmethod
     def _flat(m, idx: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -195,10 +225,12 @@ class EmbeddingForm(Form):
         return idx, b
 
     def per_example(self, m, a, b, names):
+        return self.add_per_example(m, a, b, names, {})
+
+    def add_per_example(self, m, a, b, names, into):
         idx, G = self._flat(m, a, b)
-        out = G.new_zeros(idx.shape[0], *m.weight.shape)
-        out.scatter_add_(1, idx.unsqueeze(-1).expand_as(G), G)
-        return {"weight": out}
+        out = into["weight"] if "weight" in into else G.new_zeros(idx.shape[0], *m.weight.shape)
+        return {"weight": out.scatter_add_(1, idx.unsqueeze(-1).expand_as(G), G)}
 
     def norms2(self, m, a, b, names):
         idx, G = self._flat(m, a, b)
@@ -269,7 +301,7 @@ class FuncForm(Form):
             ) from None
 
 
-LINEAR, CONV, FUNC, RNN = LinearForm(), ConvForm(), FuncForm(), RNNForm()
+LINEAR, CONV, FUNC, RNN, SCALE_NORM = LinearForm(), ConvForm(), FuncForm(), RNNForm(), ScaleNormForm()
 FORMS: dict[type, Form] = {
     nn.Linear: LINEAR,
     nn.Conv1d: CONV,
@@ -277,13 +309,29 @@ FORMS: dict[type, Form] = {
     nn.Conv3d: CONV,
     nn.LayerNorm: LayerNormForm(),
     nn.GroupNorm: GroupNormForm(),
+    nn.RMSNorm: SCALE_NORM,
     nn.Embedding: EmbeddingForm(),
     nn.RNN: RNN,
     nn.LSTM: RNN,
     nn.GRU: RNN,
 }
 # Forms of other libraries' layers, found by the type's module and name (nothing imported).
-NAMED_FORMS: dict[tuple[str, str], Form] = {("transformers.pytorch_utils", "Conv1D"): Conv1DForm()}
+# Hugging Face's RMSNorms that return ``self.weight * normalised(x)`` (Gemma's ``1 + weight`` does not).
+NAMED_FORMS: dict[tuple[str, str], Form] = {
+    ("transformers.pytorch_utils", "Conv1D"): Conv1DForm(),
+    **{
+        (f"transformers.models.{model}.modeling_{model}", name): SCALE_NORM
+        for model, name in (
+            ("llama", "LlamaRMSNorm"),
+            ("mistral", "MistralRMSNorm"),
+            ("mixtral", "MixtralRMSNorm"),
+            ("qwen2", "Qwen2RMSNorm"),
+            ("qwen3", "Qwen3RMSNorm"),
+            ("t5", "T5LayerNorm"),
+            ("mt5", "MT5LayerNorm"),
+        )
+    },  # fmt: skip
+}
 
 
 def register_form(layer_type: type, form: Form | None = None):

@@ -106,6 +106,11 @@ def _group_norm(m, a, b, probes, names):
     return _affine(b, xhat, probes, names, torch.Size([m.num_channels]), (1, -1, *[1] * (b.dim() - 2)))
 
 
+def _scale_norm(m, a, b, probes, names):
+    xhat = L.ScaleNormForm.normalised(m, a)
+    return _affine(b, xhat, probes, names, m.weight.shape, m.weight.shape)
+
+
 def _embedding(m, a, b, probes, names):
     idx, G = L.EmbeddingForm._flat(m, a, b)
     u, v = probes["weight"]
@@ -118,6 +123,7 @@ PROBES: dict[type, Callable] = {
     L.ConvForm: _conv,
     L.LayerNormForm: _layer_norm,
     L.GroupNormForm: _group_norm,
+    L.ScaleNormForm: _scale_norm,
     L.EmbeddingForm: _embedding,
 }
 

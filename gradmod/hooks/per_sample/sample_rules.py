@@ -9,6 +9,16 @@ from torch import nn
 
 from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
 
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def check_options(loss_reduction: str, batch_dim: int | None) -> None:
+    """The stage's options: how the loss reduces over the batch, and where the batch is."""
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
+    if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
+        raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
+
 
 def check_model(model: nn.Module) -> None:
     """BatchNorm in training mode mixes the examples of a batch: no per-example gradient exists."""

@@ -11,6 +11,7 @@ the step's (expected) number of examples. Nothing per example outlives its backw
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -19,27 +20,27 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_sample import refusals
+from gradmod.hooks.per_sample import position_bias, refusals, tied
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
-from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
-from gradmod.hooks.per_sample.form import Inputs, as_rows
+from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
+from gradmod.hooks.per_sample.detach import Detacher
+from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
-from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
+from gradmod.hooks.per_sample.sample_rules import check_options, check_targets, per_sample_rules
 from gradmod.hooks.per_sample.stats import PerSampleClip
 from gradmod.hooks.per_sample.tracing import (
     batch_dim,
     batch_size,
     broadcasts_alike,
     detach_input,
+    expand_rows,
     followed_forward,
     param_or_none,
-    trace,
 )
 from gradmod.hooks.stage import Core, Loop, Stage
 
 __all__ = ["PerSampleStage", "per_sample_rules"]
 
-LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
 
 
@@ -79,10 +80,7 @@ class PerSampleStage(Stage):
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         loss_reduction, batch_dim = core.loss_reduction, core.batch_dim
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: {', '.join(LOSS_REDUCTIONS)}")
-        if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
-            raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
+        check_options(loss_reduction, batch_dim)
         rules = per_sample_rules(targets, dict(model.named_parameters()))
         self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
         self._empty = False  # a forward of zero examples ran this step: its gradients are zeros
@@ -101,6 +99,7 @@ class PerSampleStage(Stage):
         self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
         self._probed = Probed()  # every later one along a random direction per parameter
+        self._detacher = Detacher()  # and Linear weights out of autograd's graph after the first
         self._queued = self._tracing = self._broadcast = False
         self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
@@ -126,19 +125,19 @@ class PerSampleStage(Stage):
         refusals.refuse_forms(self.model, layers, self._names)
         refusals.refuse_random(self.model, layers, found, self._names)
         self.layers = layers
-        self._batch_dependent = {
-            id(p) for layer in self.layers if batch_dependent(layer.module) for p in layer.names.values()
-        }
+        self._batch_dependent = {id(p) for x in layers if batch_dependent(x.module) for p in x.names.values()}
         self._handles += [
             layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
         ]
+        self._handles += self._detacher.install(self.layers, self.rules)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
 
     def _layers(self, module: nn.Module, args: tuple, kwargs: dict):
         """The trace, the parameters it covers, the layers answering for them."""
-        found = trace(module, args, kwargs, set(self._rule_of), self.batch_dim)
+        found, handles = position_bias.traced(module, args, kwargs, set(self._rule_of), self.batch_dim)
+        self._handles += handles
         if found is None:
             raise ValueError(
                 f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
@@ -147,17 +146,14 @@ class PerSampleStage(Stage):
         params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
         layers = assign(self.model, found, params)
         refusals.refuse_packed(self.model, found, layers)
-        rows = [layer.module for layer in layers if layer.broadcast]
+        rows = [(layer.module, layer.rows) for layer in layers if layer.broadcast]
         if rows and not broadcasts_alike(self.model, args, kwargs, rows, found):
             layers = assign(self.model, found, params, broadcast=False)  # the general path instead
         return found, params, layers
 
     def _swapped(self) -> bool:
         """torch.func.functional_call runs the model with other tensors: not its training."""
-        return any(param_or_none(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
-
-    def _rule_of_params(self) -> list[Tensor]:
-        return [p for r in self.rules for p in r.params]
+        return any(param_or_none(self.model, self._names[id(p)]) is not p for r in self.rules for p in r.params)
 
     def _arrived(self, p: Tensor):
         """The parameter's whole gradient of this backward, from every use: kept whole at the
@@ -186,7 +182,7 @@ class PerSampleStage(Stage):
             if self._tracing or not followed_forward():
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
-                output = output.expand(self._batch, *output.shape[1:])
+                output = expand_rows(output, layer.rows, self._batch)
             outs = [t.data if isinstance(t, PackedSequence) else t for t in pytree.tree_leaves(output, is_leaf=_packed)]
             outs = [t for t in outs if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
@@ -231,10 +227,12 @@ class PerSampleStage(Stage):
         got, self._got = self._got, {}
         covered = {id(p) for c in calls for p in c.layer.names.values()}
         check_covered(self._names, covered, got, self.layers is not None)
+        self._detacher.refuse_arrivals(got, self._names)
         if not calls:
             return
         bsz = self._clip(calls, got if self._verify else None)
         self._verify = self._verify and not bsz
+        self._detacher.active = not self._verify
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:
@@ -271,22 +269,18 @@ class PerSampleStage(Stage):
         return bsz
 
     def _norms(self, calls: list[Call], norms2: dict[str, Tensor]) -> tuple[list, dict[nn.Parameter, Tensor]]:
-        """Add each call's squared per-example norms to its rules' ``norms2``. Returns the
-        calls whose layer answers without per-example tensors (with their output
-        gradients), and the per-example tensors of the others, summed per parameter."""
-        seen: dict[int, int] = {}
-        for c in calls:
-            seen[id(c.layer)] = seen.get(id(c.layer), 0) + 1
-        ghost, full = [], {}
+        """Add each call's squared per-example norms to its rules' ``norms2``. Returns the calls answered
+        without per-example tensors (with their output gradients), and the others' summed per parameter."""
+        seen = Counter(id(c.layer) for c in calls)
+        ghost, summed, pairs = [], PerExample(), tied.shared(calls)  # pairs: shared weights' cross terms
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
             b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
             full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
+            full_ = full_ and not any(id(p) in pairs for p in c.layer.names.values())
             c.layer.materialised = full_
             if full_:
-                for n, g in form.per_example(c.layer.module, c.inputs, b, names).items():
-                    p = c.layer.names[n]
-                    full[p] = g if p not in full else full[p] + g
+                summed.add(form, c.layer.module, c.inputs, b, c.layer.names)
             else:
                 by_name = form.norms2(c.layer.module, c.inputs, b, names)
                 for n, v in by_name.items():
@@ -294,20 +288,19 @@ class PerSampleStage(Stage):
                 ghost.append((c, b))
                 if not self._verify:
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
-        for p, g in full.items():
-            rows2 = as_rows(g).to(norms2_dtype).square().sum(1)
+        for i in pairs:
+            norms2[self._rule_of[i].name] += tied.cross_norms2(i, ghost, norms2_dtype)
+        for p, g in summed.sums.items():
+            rows2 = rows_norm2(g, norms2_dtype)
             norms2[self._rule_of[id(p)].name] += rows2
             if not self._verify:
                 self._probed.full(p, rows2)
-        return ghost, full
+        return ghost, summed.sums
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
         """The rules' statistics of this backward; ``log`` needs the mean gradient too."""
-        logs = {
-            r.name: torch.full_like(norms[r.name], scale / norms[r.name].numel())
-            for r in self.rules
-            if r.log is not None
-        }
+        logged = [r.name for r in self.rules if r.log is not None]
+        logs = {name: torch.full_like(norms[name], scale / norms[name].numel()) for name in logged}
         means = self._weighted(ghost, full, logs) if logs else {}
         for r in self.rules:
             if r.clip is not None:
@@ -327,7 +320,8 @@ class PerSampleStage(Stage):
             for rule, names in by_rule.items():
                 if rule in weights:
                     for n, g in c.layer.form.weighted(c.layer.module, c.inputs, b, weights[rule], names).items():
-                        out[c.layer.names[n]] = g.to(c.layer.names[n].dtype)
+                        p = c.layer.names[n]  # a shared weight's calls add up
+                        out[p] = g.to(p.dtype) if p not in out else out[p] + g.to(p.dtype)
         for p, g in full.items():
             rule = self._rule_of[id(p)].name
             if rule in weights:
@@ -360,8 +354,7 @@ class PerSampleStage(Stage):
         for r in self.rules:
             if r.clip is None:
                 continue
-            sums = [self._sums.pop(id(p), None) for p in r.params]
-            sums = [torch.zeros_like(p) if s is None else s for p, s in zip(r.params, sums)]
+            sums = [self._sums.pop(id(p)) if id(p) in self._sums else torch.zeros_like(p) for p in r.params]
             std = r.clip.noise_multiplier * r.clip.max_norm
             if std > 0 and self.draws_noise:
                 for s in sums:
@@ -398,10 +391,7 @@ class PerSampleStage(Stage):
 
     def paths(self) -> dict[str, str]:
         """Each parameter's path (``assign.path_of``); {} before the first training forward."""
-        where = {id(m): n or type(self.model).__name__ for n, m in self.model.named_modules()}
-        return {
-            self._names[id(p)]: path_of(x, where[id(x.module)]) for x in self.layers or [] for p in x.names.values()
-        }
+        return paths_of(self.model, self.layers or [], self._names)
 
     def remove(self) -> None:
         for h in self._handles:

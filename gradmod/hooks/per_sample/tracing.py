@@ -24,6 +24,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 UNKNOWN = "?"
+# Inputs a replay can pass again as they were (anything else may hold state a call changes).
+PLAIN = (Tensor, PackedSequence, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 PACKED = "packed"  # a PackedSequence where a tensor's shape would be
 # Operations that draw random numbers whatever their arguments (dropout-like ones are checked apart).
 RANDOM = {
@@ -39,6 +41,7 @@ class CallShapes:
 
     spec: Any  # the (args, kwargs) tree with each tensor leaf replaced by its shape, else None
     outs: list[torch.Size] = field(default_factory=list)
+    opaque: bool = False  # an input that is an object of its own (a key/value cache): no replay can reuse it
 
 
 @dataclass
@@ -136,6 +139,7 @@ def _record(model: nn.Module, args, kwargs, watched: set[int] | None, trace: Tra
         if any(_packed(x) for x in pytree.tree_leaves((a, kw), is_leaf=_packed)):
             packed.append(m)
         call = CallShapes(pytree.tree_map(_shape, (a, kw), is_leaf=_packed))
+        call.opaque = not all(isinstance(x, PLAIN) for x in pytree.tree_leaves((a, kw), is_leaf=_packed))
         calls.setdefault(id(m), []).append(call)
         open_calls.append(call)
 
@@ -257,20 +261,43 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declar
     return out
 
 
-def _expanded(batch: int):
-    def hook(m, args, output):
+def expand_rows(output: Any, rows: tuple[int, ...] | None, batch: int) -> Any:
+    """``output`` with its one-row tensors expanded to ``batch``: ``rows`` the indices of those
+    among its tensor leaves (None: the output is that one tensor)."""
+    if rows is None:
         return output.expand(batch, *output.shape[1:])
+    leaves, spec = pytree.tree_flatten(output)
+    tensors = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+    for k in rows:
+        x = leaves[tensors[k]]
+        leaves[tensors[k]] = x.expand(batch, *x.shape[1:])
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _expanded(batch: int, rows: tuple[int, ...] | None):
+    def hook(m, args, output):
+        return expand_rows(output, rows, batch)
 
     return hook
 
 
-def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[nn.Module], trace: Trace) -> bool:
+def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[tuple], trace: Trace) -> bool:
     """Whether the model's forward gives the very same outputs when each of ``modules``
-    returns its one-row output (no batch in its inputs: HF's default position ids) expanded
-    to the batch, as the stage will then do so to see each example's share of its gradient.
-    Run once, as the first forward ran: from its random state (the same dropout masks), with
-    gradients on (some layers, an LSTM, pick other kernels without)."""
-    handles = [m.register_forward_hook(_expanded(trace.batch)) for m in modules]
+    (module, ``rows`` as ``expand_rows`` takes them) returns its one-row outputs (no batch in
+    its inputs: HF's default position ids, T5's position bias) expanded to the batch, as the
+    stage will then do so to see each example's share of their gradient (``same_output``)."""
+    handles = [m.register_forward_hook(_expanded(trace.batch, rows)) for m, rows in modules]
+    try:
+        return same_output(model, args, kwargs, trace)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def same_output(model: nn.Module, args: tuple, kwargs: dict, trace: Trace) -> bool:
+    """Whether the model's forward, run as the traced one ran (from its random state: the same
+    dropout masks; gradients on: some layers, an LSTM, pick other kernels without), gives the
+    very same outputs as the trace's."""
     cpu, cuda = trace.rng
     try:
         with torch.random.fork_rng(devices=list(cuda)), torch.enable_grad():  # the first's kernels too
@@ -280,9 +307,6 @@ def broadcasts_alike(model: nn.Module, args: tuple, kwargs: dict, modules: list[
             output = model(*args, **kwargs)
     except Exception:  # a consumer that needs the one row (its shape): not alike
         return False
-    finally:
-        for h in handles:
-            h.remove()
     mine, theirs = pytree.tree_leaves(output), pytree.tree_leaves(trace.output)
     return len(mine) == len(theirs) and all(
         torch.equal(a, b) if isinstance(a, Tensor) and isinstance(b, Tensor) else a == b for a, b in zip(mine, theirs)
