@@ -33,6 +33,12 @@ from gradmod.hooks.per_sample.recurrent import RNNForm
 # per-example weights (one matmul; norms and the weighted sum are then cheap) beat
 # Gram-matrix norms plus a second matmul for the weighted sum; above it, memory decides.
 MATERIALISE_MAX = 1 << 24
+# A pass over one element of [B, *param] costs about as much as this many multiply-adds of
+# a Gram matrix (memory against arithmetic, measured on resnet18's convolutions on a CPU).
+GRAM_MARGIN = 8
+# Up to this many output positions a convolution's clipped sum is one matmul of its unfolded
+# input (torch's weight-gradient kernel is slow on tiny outputs); above, that kernel.
+FEW_POSITIONS = 4
 
 
 def _seq(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -114,7 +120,11 @@ class ConvForm(Form):
         return b.reshape(b.shape[0], m.groups, b.shape[1] // m.groups, -1)  # [B, g, O_g, L]
 
     def materialises(self, m, a, b):
-        return _small(len(b), m)
+        """Where the per-example weights are small and the Gram matrices would not cost less:
+        ``L^2 (C_g K + O_g)`` against ``L C_g K O_g`` plus three passes over ``[B, *param]`` (to
+        form it, norm it, sum it), worth about ``GRAM_MARGIN`` products an element."""
+        positions, taps, outs = math.prod(b.shape[2:]), m.weight[0].numel(), m.weight.shape[0] // m.groups
+        return _small(len(b), m) and positions * positions * (taps + outs) >= GRAM_MARGIN * taps * outs
 
     def per_example(self, m, a, b, names):
         out = {}
@@ -141,15 +151,33 @@ class ConvForm(Form):
 
     def weighted(self, m, a, b, w, names):
         out = {}
-        G = self._grads(m, b * broadcast_weights(w, b))
+        bw = b * broadcast_weights(w, b)
         if "weight" in names:
-            P = self._patches(m, a)
-            # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
-            gw = torch.einsum("bgol,bgkl->gok", G, P)
-            out["weight"] = gw.reshape(m.weight.shape)
+            if math.prod(b.shape[2:]) <= FEW_POSITIONS:  # patches as small as the input: one matmul
+                G, P = self._grads(m, bw), self._patches(m, a)
+                # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
+                out["weight"] = torch.einsum("bgol,bgkl->gok", G, P).reshape(m.weight.shape)
+            else:  # torch's own weight-gradient kernel, on the weighted output gradient
+                out["weight"] = _conv_weight_grad(m, a, bw)
         if "bias" in names:
-            out["bias"] = G.sum((0, 3)).flatten()
+            out["bias"] = bw.sum((0, *range(2, b.dim())))
         return out
+
+
+def _conv_weight_grad(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
+    """The weight gradient of ``m``'s convolution of ``a`` given the output gradient ``b``
+    (summed over the batch), by the kernel autograd uses; padding other than zeros applied first."""
+    padding: Any = m.padding
+    if m.padding_mode != "zeros" or isinstance(padding, str):  # "same" may pad unevenly: pad, then none
+        a = F.pad(
+            a, m._reversed_padding_repeated_twice, mode="constant" if m.padding_mode == "zeros" else m.padding_mode
+        )
+        padding = [0] * (a.dim() - 2)
+    zeros = [0] * (a.dim() - 2)
+    mask = [False, True, False]
+    return torch.ops.aten.convolution_backward(
+        b, a, m.weight, None, m.stride, padding, m.dilation, False, zeros, m.groups, mask
+    )[1]
 
 
 def _affine(b: Tensor, xhat: Tensor, dims: tuple[int, ...], names: set[str]) -> dict[str, Tensor]:

@@ -280,7 +280,7 @@ class PerSampleStage(Stage):
                 if not self._verify:
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
         for p, g in full.items():
-            rows2 = as_rows(g).to(norms2_dtype).square().sum(1)
+            rows2 = torch.linalg.vector_norm(as_rows(g), dim=1, dtype=norms2_dtype).square()  # one pass, no copy
             norms2[self._rule_of[id(p)].name] += rows2
             if not self._verify:
                 self._probed.full(p, rows2)
