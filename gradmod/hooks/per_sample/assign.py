@@ -61,10 +61,16 @@ def _leaves(dims) -> list:
     return [d for d in pytree.tree_leaves(dims)]
 
 
+def _local(m: nn.Module, p: nn.Parameter) -> str | None:
+    """``p``'s name in ``m`` where ``m``'s form answers for it: held directly, or by a child
+    whose weight ``m``'s forward uses itself (attention's ``out_proj.weight``)."""
+    return _direct(m, p) or (_dotted(m, p) if form_of(m).captures else None)
+
+
 def _closed(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
     """``m`` holds ``p``, has a closed form, and its calls' batch dims are known."""
     dims = trace.dims.get(id(m), UNKNOWN)
-    if _direct(m, p) is None or form_of(m) is FUNC or dims == UNKNOWN:
+    if _local(m, p) is None or form_of(m) is FUNC or dims == UNKNOWN:
         return False
     ins, outs = cast(tuple, dims)
     first = next(iter(_leaves(ins)), None)
@@ -75,7 +81,8 @@ def _one_row(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
     """``m`` holds ``p``, has a closed form, and is called without the batch on one row
     (``[1, ...]`` in, ``[1, ...]`` out: HF's default position ids), which the stage can expand."""
     dims, first = trace.dims.get(id(m), UNKNOWN), trace.first.get(id(m))
-    if _direct(m, p) is None or form_of(m) is FUNC or form_of(m).whole_call or dims == UNKNOWN or first is None:
+    form = form_of(m)
+    if _direct(m, p) is None or form is FUNC or form.whole_call or form.captures or dims == UNKNOWN or first is None:
         return False
     ins, outs = cast(tuple, dims)
     shapes = [s for s in pytree.tree_leaves(first.spec, is_leaf=lambda x: isinstance(x, torch.Size)) if s is not None]
@@ -125,7 +132,7 @@ def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter], broa
         inner = list({id(s[-1]): s[-1] for s in uses}.values())
         if all(_closed(m, p, trace) for m in inner):
             for m in inner:
-                _layer(layers, m, form_of(m), trace, False).names[_direct(m, p)] = p
+                _layer(layers, m, form_of(m), trace, False).names[cast(str, _local(m, p))] = p
             continue
         if broadcast and all(_closed(m, p, trace) or _one_row(m, p, trace) for m in inner):
             for m in inner:

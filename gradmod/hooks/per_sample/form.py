@@ -26,6 +26,11 @@ class Form:
     asked for; return ``{name: [B, *param.shape]}``, example i's gradient of each."""
 
     whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
+    captures = False  # True: records calls inside its module's forward (``attention``), children's params too
+
+    def applies(self, m: nn.Module) -> bool:
+        """Whether this form answers for ``m`` (False: ``m`` takes the general path)."""
+        return True
 
     def refusal(self, m: nn.Module) -> str | None:
         """Why this form cannot give ``m``'s per-example gradients (None: it can)."""

@@ -26,6 +26,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
+from gradmod.hooks.per_sample.attention import AttentionForm
 from gradmod.hooks.per_sample.form import Form, Inputs, broadcast_weights
 from gradmod.hooks.per_sample.recurrent import RNNForm
 
@@ -309,6 +310,7 @@ FORMS: dict[type, Form] = {
     nn.RNN: RNN,
     nn.LSTM: RNN,
     nn.GRU: RNN,
+    nn.MultiheadAttention: AttentionForm(),
 }
 # Forms of other libraries' layers, found by the type's module and name (nothing imported).
 NAMED_FORMS: dict[tuple[str, str], Form] = {("transformers.pytorch_utils", "Conv1D"): Conv1DForm()}
@@ -350,5 +352,5 @@ def form_of(m: nn.Module) -> Form:
         if isinstance(m, cls) and type(m).forward is cls.forward:
             if isinstance(m, nn.Embedding) and (m.scale_grad_by_freq or m.sparse):
                 return FUNC
-            return FORMS[cls]
+            return FORMS[cls] if FORMS[cls].applies(m) else FUNC
     return FUNC

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradmod.hooks.per_sample import attention
 from gradmod.hooks.per_sample import layers as L
 
 Probe = tuple[Tensor, ...]  # (u, v): R = u v^T over (dim 0, the rest); (r,): R = r
@@ -119,6 +120,7 @@ PROBES: dict[type, Callable] = {
     L.LayerNormForm: _layer_norm,
     L.GroupNormForm: _group_norm,
     L.EmbeddingForm: _embedding,
+    attention.AttentionForm: attention.probe,
 }
 
 

@@ -1,12 +1,12 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
-A forward hook on every module that directly holds a parameter of a per_sample rule keeps
-its input (detached) and hooks its output tensor for the output gradient (a tensor hook, so
-in-place operations after the module are fine). At the end of each backward: per rule each
-example's norm over all the rule's parameters (flat clipping), the factors ``min(1, C /
-(|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer) into the step's sums,
-in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)`` once and divides by
-the step's (expected) number of examples. Nothing per example outlives its backward.
+A forward hook on every module that holds a parameter of a per_sample rule keeps its input
+(detached) and hooks its output tensors for their gradients (attention records its projections'
+inside its forward). At the end of each backward: per rule each example's norm over all the
+rule's parameters (flat clipping), the factors ``min(1, C / (|g_i| + 1e-6))``, and ``sum_i c_i
+g_i`` (one weighted matmul per layer) into the step's sums, in place of autograd's ``.grad``.
+``finish()`` adds ``N(0, (sigma C)^2)`` once and divides by the step's (expected) number of
+examples. Nothing per example outlives its backward.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
+from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, as_rows
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_targets, per_sample_rules
@@ -121,6 +122,8 @@ class PerSampleStage(Stage):
         self._handles += [
             layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
         ]
+        for x in [x for x in self.layers if x.form.captures]:  # calls recorded inside the module (attention's)
+            self._handles += follow(x.module, x.form, x.names, self._following, lambda a, o, x=x: self._follow(x, a, o))
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
@@ -143,10 +146,7 @@ class PerSampleStage(Stage):
 
     def _swapped(self) -> bool:
         """torch.func.functional_call runs the model with other tensors: not its training."""
-        return any(param_or_none(self.model, n) is not p for p in self._rule_of_params() for n in [self._names[id(p)]])
-
-    def _rule_of_params(self) -> list[Tensor]:
-        return [p for r in self.rules for p in r.params]
+        return any(param_or_none(self.model, self._names[id(p)]) is not p for r in self.rules for p in r.params)
 
     def _arrived(self, p: Tensor):
         """The parameter's whole gradient of this backward, from every use: kept whole at the
@@ -170,9 +170,22 @@ class PerSampleStage(Stage):
         """The rule that adds noise (at most one): its ``max_norm`` and ``noise_multiplier``."""
         return next((r.clip for r in self.rules if r.clip and r.clip.noise_multiplier > 0), None)
 
+    def _following(self) -> bool:  # a training forward of the model, not one of the stage's own
+        return not self._tracing and followed_forward()
+
+    def _follow(self, layer: Layer, inputs: Any, outs: list[Tensor]) -> None:
+        """A call of ``layer`` to clip at the end of the backward: its output gradients hooked."""
+        dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
+        shapes = [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs]
+        call = Call(layer, inputs, shapes, [None] * len(outs))
+        self._calls.append(call)
+        for k, t in enumerate(outs):
+            if t.requires_grad:
+                t.register_hook(self._grad_hook(call, k))
+
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if self._tracing or not followed_forward():
+            if not self._following() or layer.form.captures:
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
                 output = output.expand(self._batch, *output.shape[1:])
@@ -188,16 +201,7 @@ class PerSampleStage(Stage):
                 if layer.broadcast:
                     first = first.expand(self._batch, *first.shape[1:])
                 inputs = detach_input(first, dtype).movedim(layer.first_in, 0)
-            call = Call(
-                layer,
-                inputs,
-                [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs],
-                [None] * len(outs),
-            )
-            self._calls.append(call)
-            for k, t in enumerate(outs):
-                if t.requires_grad:
-                    t.register_hook(self._grad_hook(call, k))
+            self._follow(layer, inputs, outs)
             return output if layer.broadcast else None
 
         return hook
@@ -230,8 +234,8 @@ class PerSampleStage(Stage):
         self.examples += bsz
 
     def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
-        b0 = self._grads(calls[0])
-        bsz = b0[0][0].shape[b0[0][1]] if calls[0].layer.form.whole_call else b0.shape[0]
+        b0, form = self._grads(calls[0]), calls[0].layer.form
+        bsz = calls[0].inputs.batch if form.captures else b0[0][0].shape[b0[0][1]] if form.whole_call else b0.shape[0]
         if bsz == 0:  # an empty batch: no example, nothing to clip (the step may still add noise)
             self._empty = True
             return 0
@@ -326,6 +330,8 @@ class PerSampleStage(Stage):
         """The output gradient(s) of a call (outputs that got none count as zeros): for a
         whole-call form (gradient, batch dim) pairs, else the first, batch first."""
         grads = [torch.zeros(s, dtype=t, device=d) if g is None else g for g, (s, t, d) in zip(c.grads, c.shapes)]
+        if c.layer.form.captures:  # each recorded output's, as it came
+            return grads
         if c.layer.form.whole_call:
             return list(zip(grads, c.layer.out_dims))
         return grads[0].movedim(c.layer.out_dims[0], 0)
@@ -383,10 +389,8 @@ class PerSampleStage(Stage):
 
     def paths(self) -> dict[str, str]:
         """Each parameter's path (``assign.path_of``); {} before the first training forward."""
-        where = {id(m): n or type(self.model).__name__ for n, m in self.model.named_modules()}
-        return {
-            self._names[id(p)]: path_of(x, where[id(x.module)]) for x in self.layers or [] for p in x.names.values()
-        }
+        at = {id(m): n or type(self.model).__name__ for n, m in self.model.named_modules()}
+        return {self._names[id(p)]: path_of(x, at[id(x.module)]) for x in self.layers or [] for p in x.names.values()}
 
     def remove(self) -> None:
         for h in self._handles:

@@ -1,0 +1,140 @@
+"""nn.MultiheadAttention's projections in closed form (recorded inside torch's attention
+function, no replay): float64 against one autograd gradient per example of the same batch
+forward (so attention's dropout masks are the batch's), in every configuration of the module
+torch runs through its projections; the plan names the path; a later use of a weight outside
+the module is refused by the probe check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradmod.hooks.hookset import attach
+from gradmod.hooks.per_sample import layers
+from gradmod.hooks.per_sample.attention import AttentionForm
+
+B, T, S, E = 4, 5, 3, 8
+
+
+def rule(max_norm=1.0):
+    return {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": max_norm}]}}
+
+
+class Attend(nn.Module):
+    """One attention call (self, or over a memory of S steps), pooled to 3 classes."""
+
+    def __init__(self, mode="self", batch_first=True, need_weights=False, mask=None, **kw):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, 2, batch_first=batch_first, **kw)
+        self.mem = nn.Linear(E, kw.get("kdim") or E)
+        self.head = nn.Linear(E, 3)
+        self.mode, self.need_weights, self.mask, self.first = mode, need_weights, mask, batch_first
+
+    def forward(self, x):
+        bd = 0 if self.first else 1
+        q = x if self.first else x.transpose(0, 1)
+        m = self.mem(q.narrow(1 - bd, 0, S))  # a memory of S steps, its own (per-example) input
+        kw = {}
+        if self.mask == "padding":
+            pad = torch.zeros(x.shape[0], S if self.mode != "self" else T, dtype=torch.bool)
+            pad[::2, -1] = True
+            kw["key_padding_mask"] = pad
+        elif self.mask == "causal":
+            kw["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(T)
+            kw["is_causal"] = True
+        k, v = {"self": (q, q), "kv": (m, m), "qkv": (m, m.flip(1 - bd))}[self.mode]
+        out, w = self.attn(q, k, v, need_weights=self.need_weights, **kw)
+        out = out if self.first else out.transpose(0, 1)
+        extra = 0 if w is None else w.sum((1, 2)).unsqueeze(1)
+        return self.head(out.mean(1)) + extra
+
+
+CASES = {
+    "self_batch_first": dict(),
+    "self_seq_first": dict(batch_first=False),
+    "cross_kv": dict(mode="kv"),
+    "cross_qkv": dict(mode="qkv"),
+    "kdim_vdim": dict(mode="qkv", kdim=6, vdim=6),
+    "need_weights": dict(need_weights=True),
+    "key_padding_mask": dict(mask="padding"),
+    "causal": dict(mask="causal"),
+    "zero_attn_no_bias": dict(add_zero_attn=True, bias=False),
+    "dropout": dict(dropout=0.3),
+}
+
+
+def per_example_reference(model, x, seed=1):
+    """Each example's gradient from the batch forward's own graph (its dropout masks), the clipped mean."""
+    params = dict(model.named_parameters())
+    torch.manual_seed(seed)
+    out = model(x)
+    w = torch.randn_like(out)
+    per = []
+    for i in range(len(x)):
+        g = torch.autograd.grad((out[i] * w[i]).sum(), list(params.values()), retain_graph=True, allow_unused=True)
+        per.append([torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params.values())])
+    norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in row)) for row in per])
+    max_norm = float(norms.median())
+    coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    want = {n: sum(c * row[k] for c, row in zip(coef, per)) / len(x) for k, n in enumerate(params)}
+    return want, w, max_norm
+
+
+def clipped(model, x, w, max_norm, seed=1, steps=1):
+    hooks = attach(model, rule(max_norm))
+    for _ in range(steps):
+        torch.manual_seed(seed)  # the reference's dropout masks
+        ((model(x) * w).sum() / len(x)).backward()
+        hooks.after_backward()
+    return hooks
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("ghost", [False, True], ids=["materialised", "gram"])
+def test_projections_equal_per_example_autograd_in_float64(case, ghost, monkeypatch):
+    monkeypatch.setattr(AttentionForm, "materialises", lambda self, m, a, b: not ghost)
+    torch.manual_seed(0)
+    model = Attend(**CASES[case]).double().train()
+    x = torch.randn(B, T, E, dtype=torch.float64)
+    want, w, max_norm = per_example_reference(model, x)
+    hooks = clipped(model, x, w, max_norm, steps=2)  # the second through the probe check
+    paths = hooks.per_sample.paths()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
+        if name.startswith("attn."):
+            assert paths[name] == ("Gram" if ghost else "closed form"), (name, paths[name])
+    hooks.remove()
+
+
+def test_no_replay_of_the_module_and_bias_kv_keeps_the_general_path(monkeypatch):
+    calls = []
+    real = layers.FuncForm.per_example
+    monkeypatch.setattr(layers.FuncForm, "per_example", lambda self, *a: calls.append(1) or real(self, *a))
+    torch.manual_seed(0)
+    model = Attend().double()
+    x = torch.randn(B, T, E, dtype=torch.float64)
+    hooks = clipped(model, x, torch.ones(B, 3, dtype=torch.float64), 1.0, steps=2)
+    assert calls == []
+    hooks.remove()
+    model = Attend(add_bias_kv=True).double()
+    want, w, max_norm = per_example_reference(model, x)
+    hooks = clipped(model, x, w, max_norm)
+    assert calls and hooks.per_sample.paths()["attn.in_proj_weight"] == "general: torch.func over attn"
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_later_use_of_a_projection_weight_outside_the_module_is_refused():
+    torch.manual_seed(0)
+    model = Attend().double()
+    x = torch.randn(B, T, E, dtype=torch.float64)
+    hooks = attach(model, rule())
+    F.cross_entropy(model(x), torch.zeros(B, dtype=torch.long)).backward()
+    hooks.after_backward()
+    with pytest.raises(ValueError, match=r"'attn.in_proj_weight' got part of its gradient outside") as err:
+        loss = F.cross_entropy(model(x), torch.zeros(B, dtype=torch.long)) + model.attn.in_proj_weight[:2].sum()
+        loss.backward()
+    assert "\n" not in str(err.value)
+    hooks.remove()
