@@ -144,14 +144,18 @@ RATIOS = [
     ("opacus_mlp_over_plain", "per_sample.mlp.opacus", "per_sample.mlp.plain", None, None),
     ("opacus_ghost_mlp_over_plain", "per_sample.mlp.opacus_ghost", "per_sample.mlp.plain", None, None),
 ]
-for _m in per_loss.MODELS:  # every Gramian method <= 0.7x torchjd's step; modules <= 1.3x plain; famo <= 1.05x
+# per_loss: a Gramian method <= 0.6x torchjd's step, and <= 3x a plain step on the MLP with 10
+# heads, <= 2.5x on the transformer trunk; a loss weighting <= 1.05x plain; modules <= 1.3x plain.
+GRAMIAN_OVER_PLAIN = {"mlp10": 3.0, "trans5": 2.5}
+WEIGHTINGS = ("sum", "mean", "random", "famo")
+for _m in per_loss.MODELS:
     RATIOS += [
         (
             f"per_loss_{_m}_{x}_over_torchjd",
             f"per_loss.{_m}.gradmod_{x}",
             f"per_loss.{_m}.torchjd_{x}",
-            "<= 0.7",
-            lambda r: r <= 0.7,
+            None if x in WEIGHTINGS else "<= 0.6",
+            None if x in WEIGHTINGS else (lambda r: r <= 0.6),
         )
         for x in per_loss.METHODS
     ]
@@ -162,15 +166,31 @@ for _m in per_loss.MODELS:  # every Gramian method <= 0.7x torchjd's step; modul
             f"per_loss.{_m}.plain",
             "<= 1.3",
             lambda r: r <= 1.3,
-        ),
+        )
+    ]
+    RATIOS += [
         (
-            f"per_loss_{_m}_famo_over_plain",
-            f"per_loss.{_m}.gradmod_famo",
+            f"per_loss_{_m}_{x}_over_plain",
+            f"per_loss.{_m}.gradmod_{x}",
             f"per_loss.{_m}.plain",
             "<= 1.05",
             lambda r: r <= 1.05,
-        ),
+        )
+        for x in WEIGHTINGS
     ]
+    if _m in GRAMIAN_OVER_PLAIN:
+        _t = GRAMIAN_OVER_PLAIN[_m]
+        RATIOS += [
+            (
+                f"per_loss_{_m}_{x}_over_plain",
+                f"per_loss.{_m}.gradmod_{x}",
+                f"per_loss.{_m}.plain",
+                f"<= {_t:g}",
+                lambda r, t=_t: r <= t,
+            )
+            for x in per_loss.METHODS
+            if x not in WEIGHTINGS
+        ]
     RATIOS += [
         (f"per_loss_{_m}_torchjd_{x}_over_plain", f"per_loss.{_m}.torchjd_{x}", f"per_loss.{_m}.plain", None, None)
         for x in ("upgrad", "mgda", "pcgrad")

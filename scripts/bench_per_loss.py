@@ -7,7 +7,9 @@ several losses, SGD step) by each contender, at batch 64 on one thread:
     gradmod_modules  <m> = upgrad on the trunk's output (``modules: trunk``)
     gradmod_famo     famo on every parameter (a loss weighting: no task gradients)
 
-Models: ``mlp5``, a 784-512-512 trunk with 5 classification heads (Linear 512-10); and
+Models: ``mlp5``, a 784-512-512 trunk with 5 classification heads (Linear 512-10); ``mlp10``,
+the same trunk with 10 heads; ``trans5``, a 2-layer ``nn.TransformerEncoder`` (width 64, 4
+attention heads, feed-forward 128, 16 tokens, mean-pooled) with 5 heads (Linear 64-10); and
 ``lenet``, a LeNet-like conv trunk (MultiMNIST's 36x36 input) with 2 heads (50-50-10).
 
 Peak memory: each contender runs a few steps in a fresh process; the growth of its peak
@@ -64,6 +66,18 @@ class MultiMLP(nn.Module):
         return z, {n: h(z) for n, h in self.heads.items()}
 
 
+class MultiTransformer(nn.Module):
+    def __init__(self, tasks: int = 5):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.trunk = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(64, 10) for i in range(tasks)})
+
+    def forward(self, x):
+        z = self.trunk(x).mean(1)
+        return z, {n: h(z) for n, h in self.heads.items()}
+
+
 class MultiLeNet(nn.Module):
     def __init__(self, tasks: int = 2):
         super().__init__()
@@ -87,7 +101,12 @@ class MultiLeNet(nn.Module):
         return z, {n: h(z) for n, h in self.heads.items()}
 
 
-MODELS = {"mlp5": (MultiMLP, (784,)), "lenet": (MultiLeNet, (1, 36, 36))}
+MODELS = {
+    "mlp5": (MultiMLP, (784,)),
+    "mlp10": (lambda: MultiMLP(10), (784,)),
+    "trans5": (MultiTransformer, (16, 64)),
+    "lenet": (MultiLeNet, (1, 36, 36)),
+}
 
 
 def has_torchjd() -> bool:

@@ -61,6 +61,34 @@ def test_weights_equal_torchjd_on_random_jacobians(name, k):
         torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("name", ["upgrad", "dualproj"])
+@pytest.mark.parametrize("k", [10, 16])
+def test_dual_cone_weights_equal_torchjd_with_many_tasks(name, k):
+    """The k bound-constrained problems solved together, against torchjd's quadprog."""
+    method, ref = M.build(name, {}), REFERENCE[name](k)
+    for seed in range(3):
+        J = _jacobian(k, 3 * k, 7 * k + seed)
+        torch.testing.assert_close(method.weights(J @ J.T, torch.Generator()) @ J, ref(J), rtol=0, atol=1e-10)
+
+
+def test_bound_qps_meet_the_optimality_conditions():
+    """v >= u, the multipliers H v >= 0 on the bounds and 0 off them, on ill-conditioned H too."""
+    from gradmod.hooks.per_loss import solvers
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        k = int(rng.integers(2, 17))
+        J = rng.standard_normal((k, int(rng.integers(1, 30))))
+        H = J @ J.T + 1e-4 * np.eye(k)
+        U = rng.random((k, k)) * (rng.random((k, k)) < 0.6)
+        V = solvers.bound_qps(H, U)
+        lam, scale = V @ H, 1e-9 * (1 + np.abs(H).max()) * (1 + np.abs(V).max())
+        assert (V >= U).all()
+        assert (lam >= -scale).all()
+        assert (np.abs(lam * (V - U)) <= scale * (1 + np.abs(V - U))).all()
+        np.testing.assert_array_equal(solvers.bound_qp(H, U[0]), V[0])
+
+
 def test_graddrop_equals_torchjd_on_a_random_jacobian():
     J = _jacobian(4, 50, 7)
     torch.manual_seed(3)
@@ -231,6 +259,40 @@ def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, 
     ours, theirs = _train_weighting(name, args, make())
     for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=n)
+
+
+class OneLinearHeads(nn.Module):
+    def __init__(self, k: int = 3):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU())
+        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(12, 3) for i in range(k)})
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return {n: h(z) for n, h in self.heads.items()}
+
+
+@pytest.mark.parametrize("name", ["sum", "mean", "random", "geometric_mean", "uw", "dwa", "famo"])
+def test_loss_weightings_take_one_ordinary_backward(name):
+    """A method whose weights need no task gradient: the matmuls of one plain backward of the
+    sum, no batched pass (the step's dispatched ops, deterministic)."""
+    from gradmod.testing.opcount import OpCounter
+
+    def matmuls(rule):
+        torch.manual_seed(0)
+        model = OneLinearHeads()
+        x, ys = _batch(3, False)
+        hooks = gradmod.attach(model, {"mtl": rule}) if rule else None
+        for _ in range(2):  # the second step: past the first forward's trace
+            model.zero_grad(set_to_none=True)
+            losses = _losses(model, x.float(), ys)
+            with OpCounter() as ops:
+                hooks.backward(losses) if hooks else sum(losses.values()).backward()
+        return {op: n for op, n in ops.by_op.items() if "mm" in op}
+
+    plain = matmuls(None)
+    assert plain == {"aten.mm.default": 9}
+    assert matmuls({"params": "trunk.*", "transforms": [name]}) == plain
 
 
 def test_statistics_are_the_task_gradients_norms_cosines_and_conflicts():

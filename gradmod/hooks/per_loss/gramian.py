@@ -85,10 +85,14 @@ def entries(parts: list) -> list[tuple]:
             entry = linear.setdefault(id(layer), ("linear", layer, [], []))
             entry[2].append(linear_rows(m, a).to(g.dtype))
             entry[3].append(out_rows(m, g))
-    rows = [("linear", layer, torch.cat(A), torch.cat(B, 1)) for _, layer, A, B in linear.values()]
+    rows = [("linear", layer, _cat(A, 0), _cat(B, 1)) for _, layer, A, B in linear.values()]
     # A Conv's weight is small and its activations large: its k weight gradients, once.
     convs = [("param", obj, g.view(g.shape[0], *obj.shape)) for e in conv.values() for _, obj, g in conv_pieces(e)]
     return rows + convs + out
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)  # one call: no copy
 
 
 def gram(e: tuple) -> Tensor:

@@ -45,10 +45,20 @@ def rest_backward(stage: Any, names: list[str], L: Tensor, replace: dict, grad_r
             got = torch.autograd.grad(weighted_loss, outs, retain_graph=True, materialize_grads=True)
             replace.update({id(t): (t, g) for t, g in zip(outs, got)})
     rest = [p for p in stage.trainable if id(p) not in covered]
+    rest_loss = _rest_loss(L, grad_rules)
+    if scaled and len(weighted) == 1 and not grad_rules and len(rest) == len(stage.trainable):
+        # One scale on most of the model: the weighted sum's backward, the few others scaled back.
+        mine = {id(p) for p, _ in scaled}
+        others = [p for p in rest if id(p) not in mine]
+        if sum(p.numel() for p in others) < sum(p.numel() for p, _ in scaled):
+            rest_loss, scaled = weighted_loss, [(p, 1.0 / scaled[0][1]) for p in others]
     if rest:
-        groups.append((_rest_loss(L, grad_rules), rest))
+        groups.append((rest_loss, rest))
     handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
-    handles += [p.register_hook(lambda g, c=c: g * c) for p, c in scaled]
+    # Scaled after the backward in one call where .grad starts empty, else as it arrives
+    # (.grad holds earlier micro-batches); a hook per parameter costs more than the multiply.
+    after = [(p, c) for p, c in scaled if p.grad is None]
+    handles += [p.register_hook(lambda g, c=c: g * c) for p, c in scaled if p.grad is not None]
     try:
         if len(groups) == 1 and len(groups[0][1]) == len(stage.trainable):
             groups[0][0].backward()  # everything from one loss: no restriction needed
@@ -58,6 +68,10 @@ def rest_backward(stage: Any, names: list[str], L: Tensor, replace: dict, grad_r
     finally:
         for h in handles:
             h.remove()
+    for c in {c for _, c in after}:
+        grads = [p.grad for p, f in after if f == c and p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, c)
 
 
 def _rest_loss(L: Tensor, grad_rules: list) -> Tensor:

@@ -1,8 +1,10 @@
 """Small exact solvers on the k x k Gramian of the task gradients (float64, on the host).
 
-``bound_qp`` solves ``min_v v^T H v`` subject to ``v >= u`` with a primal active-set method:
-each step solves a linear system on the free coordinates, so the answer is exact up to
-rounding (the same problem a dense QP solver answers; k is the number of tasks, small).
+``bound_qps`` solves ``min_v v^T H v`` subject to ``v >= u`` for several bounds ``u`` at
+once with a primal active-set method: each step solves one linear system per problem (all
+of them in one batched call, the free coordinates' equations ``(H v)_j = 0`` and the bound
+ones' ``v_j = u_j``), so the answer is exact up to rounding (the same problem a dense QP
+solver answers; k is the number of tasks, small). UPGrad solves k such problems per step.
 """
 
 from __future__ import annotations
@@ -10,36 +12,56 @@ from __future__ import annotations
 import numpy as np
 
 
+def bound_qps(H: np.ndarray, U: np.ndarray, max_steps: int | None = None) -> np.ndarray:
+    """Row i: the minimiser of ``v^T H v`` over ``v >= U[i]`` (``H`` positive definite)."""
+    U = np.atleast_2d(np.asarray(U, dtype=np.float64))
+    m, k = U.shape
+    V = U.copy()
+    active = np.ones((m, k), dtype=bool)  # coordinates held at their bound
+    todo = np.ones(m, dtype=bool)
+    tol = 1e-14 * (1.0 + np.abs(H).max()) * (1.0 + np.abs(U).max(1))
+    eye = np.eye(k, dtype=bool)
+    for _ in range(max_steps or 50 * k + 50):
+        rows = np.flatnonzero(todo)
+        if not len(rows):
+            return V
+        act, v = active[rows], V[rows]
+        # One system per problem: H's row j where j is free, the identity's where j is bound.
+        M = np.where(act[:, :, None], eye, H)
+        target = np.linalg.solve(M, np.where(act, v, 0.0)[:, :, None])[:, :, 0]
+        step = np.where(act, 0.0, target - v)  # bound coordinates stay exactly at their bounds
+        still = ~(act.all(1) | (np.abs(step).max(1) <= 1e-15 * (1.0 + np.abs(v).max(1))))
+        # At a stationary point: done if every bound's multiplier is >= 0, else free the worst.
+        lam = np.where(act, v @ H, np.inf)  # H symmetric: (H v)_j, half the multipliers
+        j = lam.argmin(1)
+        low = lam[np.arange(len(rows)), j]
+        for r, i in enumerate(rows):
+            if still[r]:
+                continue
+            if low[r] >= -tol[i]:
+                todo[i] = False
+            else:
+                active[i, j[r]] = False
+        # Moving: the longest step along ``step`` that keeps every free coordinate >= its bound.
+        moving = np.flatnonzero(still)
+        if len(moving):
+            i = rows[moving]
+            s, vv, u = step[moving], v[moving], U[i]
+            blocking = ~act[moving] & (s < 0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(blocking, (u - vv) / np.where(blocking, s, 1.0), np.inf)
+            b = ratio.argmin(1)
+            alpha = np.minimum(1.0, ratio[np.arange(len(i)), b])
+            V[i] = vv + alpha[:, None] * s
+            hit = np.flatnonzero(ratio[np.arange(len(i)), b] < 1.0)
+            active[i[hit], b[hit]] = True
+            V[i[hit], b[hit]] = U[i[hit], b[hit]]
+    raise RuntimeError("bound_qps: the active-set method did not converge")
+
+
 def bound_qp(H: np.ndarray, u: np.ndarray, max_steps: int | None = None) -> np.ndarray:
     """The minimiser of ``v^T H v`` over ``v >= u`` (``H`` positive definite)."""
-    k = len(u)
-    v = u.astype(np.float64).copy()
-    active = np.ones(k, dtype=bool)  # coordinates held at their bound
-    tol = 1e-14 * (1.0 + np.abs(H).max()) * (1.0 + np.abs(u).max())
-    for _ in range(max_steps or 50 * k + 50):
-        free = ~active
-        target = v.copy()
-        if free.any():
-            target[free] = np.linalg.solve(H[np.ix_(free, free)], -H[np.ix_(free, active)] @ v[active])
-        step = target - v
-        if not free.any() or np.abs(step).max() <= 1e-15 * (1.0 + np.abs(v).max()):
-            lam = H @ v  # half the multipliers of the bounds; >= 0 at the optimum
-            lam[free] = np.inf
-            j = int(np.argmin(lam))
-            if lam[j] >= -tol:
-                return v
-            active[j] = False
-            continue
-        alpha, block = 1.0, -1
-        for i in np.flatnonzero(free & (step < 0)):
-            a = (u[i] - v[i]) / step[i]
-            if a < alpha:
-                alpha, block = a, i
-        v = v + alpha * step
-        if block >= 0:
-            active[block] = True
-            v[block] = u[block]
-    raise RuntimeError("bound_qp: the active-set method did not converge")
+    return bound_qps(H, np.asarray(u)[None], max_steps)[0]
 
 
 def normalize(G: np.ndarray, eps: float) -> np.ndarray:
