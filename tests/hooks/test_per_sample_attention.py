@@ -65,6 +65,18 @@ CASES = {
 }
 
 
+class SelfOnFeatures(nn.Module):
+    """Self-attention on features that carry a gradient (a Linear's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.attn, self.head = nn.Linear(E, E), nn.MultiheadAttention(E, 2, batch_first=True), nn.Linear(E, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
 def per_example_reference(model, x, seed=1):
     """Each example's gradient from the batch forward's own graph (its dropout masks), the clipped mean."""
     params = dict(model.named_parameters())
@@ -126,9 +138,10 @@ def test_no_replay_of_the_module_and_bias_kv_keeps_the_general_path(monkeypatch)
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_a_later_use_of_a_projection_weight_outside_the_module_is_refused():
+@pytest.mark.parametrize("detached", [False, True], ids=["in_graph", "detached"])
+def test_a_later_use_of_a_projection_weight_outside_the_module_is_refused(detached):
     torch.manual_seed(0)
-    model = Attend().double()
+    model = (SelfOnFeatures() if detached else Attend()).double()
     x = torch.randn(B, T, E, dtype=torch.float64)
     hooks = attach(model, rule())
     F.cross_entropy(model(x), torch.zeros(B, dtype=torch.long)).backward()
@@ -137,4 +150,47 @@ def test_a_later_use_of_a_projection_weight_outside_the_module_is_refused():
         loss = F.cross_entropy(model(x), torch.zeros(B, dtype=torch.long)) + model.attn.in_proj_weight[:2].sum()
         loss.backward()
     assert "\n" not in str(err.value)
+    hooks.remove()
+
+
+def test_after_the_first_backward_autograd_no_longer_forms_the_projection_weight_gradients():
+    """Op count: the stage sums the clipped weight gradients itself, so from the second backward
+    autograd's own (what the first one checks every form against) is not computed."""
+    torch.manual_seed(0)
+    model = SelfOnFeatures().double()
+    x = torch.randn(B, T, E, dtype=torch.float64)
+    arrived = {n: 0 for n, _ in model.attn.named_parameters()}
+    for n, p in model.attn.named_parameters():
+        p.register_hook(lambda g, n=n: arrived.__setitem__(n, arrived[n] + 1))
+    want, w, max_norm = per_example_reference(model, x)
+    arrived = dict.fromkeys(arrived, 0)
+    hooks = clipped(model, x, w, max_norm, steps=3)
+    assert arrived == dict.fromkeys(arrived, 1), arrived  # the first backward only
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
+    hooks.remove()
+    assert all(p is model.attn.get_parameter(n) for n, p in model.attn.named_parameters())
+
+
+class MemoryOfData(nn.Module):
+    """Cross-attention over the raw input (no gradient): its k and v projections stay in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(E, E)
+        self.attn = nn.MultiheadAttention(E, 2, batch_first=True)
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(self.q(x), x, x, need_weights=False)[0].mean(1))
+
+
+def test_a_memory_without_gradient_keeps_its_projections_followed():
+    torch.manual_seed(0)
+    model = MemoryOfData().double()
+    x = torch.randn(B, T, E, dtype=torch.float64)
+    want, w, max_norm = per_example_reference(model, x)
+    hooks = clipped(model, x, w, max_norm, steps=3)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
     hooks.remove()

@@ -227,24 +227,44 @@ def probe(m, a: Projections, b: list[Tensor], probes: dict, names) -> dict[str, 
     return out
 
 
-def follow(m: nn.Module, form: AttentionForm, names: dict[str, Tensor], active, done) -> list:
+def follow(m: nn.Module, form: AttentionForm, names: dict[str, Tensor], active, done, detach=None) -> list:
     """Hooks that record each call of ``m`` while ``active()``: ``done(found, outputs)`` gets its
-    projections and their output tensors (whose gradients the caller hooks)."""
+    projections and their output tensors (whose gradients the caller hooks). While ``detach()``
+    (after the first backward, whose whole gradients check the form) the parameters in it (ids)
+    run as detached aliases: the projections' weight gradients, which the stage forms itself,
+    are not computed by autograd too. Only where the query, key and value all carry a gradient
+    (else a projection's output would leave the graph, and its call the record)."""
     dtype = next(iter(names.values())).dtype
-    open_: list[_Record] = []
+    open_: list[tuple[_Record, list]] = []
+
+    def close() -> _Record:
+        mode, swapped = open_.pop()
+        mode.__exit__(None, None, None)
+        for owner, attr, p in swapped:
+            owner._parameters[attr] = p
+        return mode
 
     def pre(module, args, kwargs):
         while open_:  # a forward that raised left its recording open
-            open_.pop().__exit__(None, None, None)
-        if active():
-            mode = form.record(module, names, dtype)
-            mode.__enter__()
-            open_.append(mode)
+            close()
+        if not active():
+            return
+        qkv = [*args[:3], *(kwargs[k] for k in ("query", "key", "value")[len(args[:3]) :] if k in kwargs)]
+        swap = detach is not None and all(isinstance(t, Tensor) and t.requires_grad for t in qkv)
+        params, swapped = dict(names), []
+        for n, p in names.items():
+            if swap and id(p) in detach():
+                owner_name, _, attr = n.rpartition(".")
+                owner = module.get_submodule(owner_name)
+                params[n] = owner._parameters[attr] = p.detach()
+                swapped.append((owner, attr, p))
+        mode = form.record(module, params, dtype)
+        mode.__enter__()
+        open_.append((mode, swapped))
 
     def post(module, args, kwargs, output):
         if open_:
-            mode = open_.pop()
-            mode.__exit__(None, None, None)
+            mode = close()
             if mode.found is not None and mode.found.calls:
                 done(mode.found, mode.outs)
 

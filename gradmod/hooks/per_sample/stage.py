@@ -83,6 +83,7 @@ class PerSampleStage(Stage):
         self._plain: list[nn.Parameter] | None = None  # outside every clipping rule (manual_mean)
         self.examples = 0  # examples whose clipped gradients are in the sums of this step
         self._rule_of = {id(p): r for r in rules for p in r.params}
+        self._clipped = {id(p) for r in rules if r.clip is not None for p in r.params}
         self._names = {id(p): n for n, p in model.named_parameters() if id(p) in self._rule_of}
         self._sums: dict[int, Tensor] = {}  # id(param) -> clipped sum of this step
         self._calls: list[Call] = []
@@ -116,14 +117,14 @@ class PerSampleStage(Stage):
         refusals.refuse_forms(self.model, layers, self._names)
         refusals.refuse_random(self.model, layers, found, self._names)
         self.layers = layers
-        self._batch_dependent = {
-            id(p) for layer in self.layers if batch_dependent(layer.module) for p in layer.names.values()
-        }
+        self._batch_dependent = {id(p) for x in self.layers if batch_dependent(x.module) for p in x.names.values()}
         self._handles += [
             layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
         ]
         for x in [x for x in self.layers if x.form.captures]:  # calls recorded inside the module (attention's)
-            self._handles += follow(x.module, x.form, x.names, self._following, lambda a, o, x=x: self._follow(x, a, o))
+            done = lambda a, o, x=x: self._follow(x, a, o)  # noqa: E731
+            detach = lambda: set() if self._verify else self._clipped  # noqa: E731  (after the first backward)
+            self._handles += follow(x.module, x.form, x.names, self._following, done, detach)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
@@ -377,8 +378,7 @@ class PerSampleStage(Stage):
     def manual_mean(self) -> list[nn.Parameter]:
         """Outside every clipping rule: DDP's meaning, the mean of the ranks' local gradients."""
         if self._plain is None:
-            clipped = {id(p) for r in self.rules if r.clip is not None for p in r.params}
-            self._plain = [p for p in self.model.parameters() if p.requires_grad and id(p) not in clipped]
+            self._plain = [p for p in self.model.parameters() if p.requires_grad and id(p) not in self._clipped]
         return self._plain
 
     def records(self) -> list[tuple[str, Any]]:
