@@ -83,20 +83,20 @@ class _Record(TorchFunctionMode):
             self.found = Projections(query.shape[1] if query.dim() == 3 else 0)
             with self:  # torch's function, its operations seen by this mode
                 return _MHA_FORWARD(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if func is F.linear and self.found is not None and self.found.batch:
-            self._linear(list(args) + [kwargs.get(k) for k in ("input", "weight", "bias")[len(args) :]], out)
+        if func is not F.linear or self.found is None or not self.found.batch:
+            return func(*args, **kwargs)
+        x, w, bias = [*args, *(kwargs.get(k) for k in ("input", "weight", "bias")[len(args) :])][:3]
+        rows = {n: r for n, r in (_rows(t, self.params) for t in (w, bias) if t is not None) if n is not None}
+        if rows and not w.requires_grad and x.dim() > 2 and not x.is_contiguous():
+            # a detached weight makes matmul broadcast it over a strided input (a copy per row): fold instead
+            x = x.contiguous()
+        out = F.linear(x, w, bias)
+        if rows and isinstance(out, Tensor) and out.requires_grad:
+            x = x.detach()
+            x = x.to(self.dtype) if x.is_floating_point() and x.dtype != self.dtype else x
+            self.found.calls.append(Projection(x, self.found.batch, rows))
+            self.outs.append(out)
         return out
-
-    def _linear(self, args: list, out: Tensor) -> None:
-        x, w, b = (args + [None] * 3)[:3]
-        rows = {n: r for n, r in (_rows(t, self.params) for t in (w, b) if t is not None) if n is not None}
-        if not rows or not isinstance(out, Tensor) or not out.requires_grad:
-            return
-        x = x.detach()
-        x = x.to(self.dtype) if x.is_floating_point() and x.dtype != self.dtype else x
-        self.found.calls.append(Projection(x, self.found.batch, rows))
-        self.outs.append(out)
 
 
 def _rows(t: Tensor, params: dict[str, Tensor]) -> tuple[str | None, int]:
@@ -197,10 +197,15 @@ class AttentionForm(Form):
             for c, g in zip(a.calls, b):
                 if n not in c.rows:
                     continue
-                r = c.rows[n]
-                # in torch's own layout: batch in dim 1 of [N, B, out], no copy of the output gradient
-                gw = (g.reshape(-1, c.batch, g.shape[-1]) * w.to(g.dtype).view(1, -1, 1)).reshape(-1, g.shape[-1])
-                part = torch.mm(c.x.reshape(-1, c.x.shape[-1]).T, gw).T if _weight(n) else gw.sum(0)
+                r, wt = c.rows[n], w.to(g.dtype).view(1, -1, 1)
+                # in torch's own layout (batch in dim 1 of [N, B, .]): the narrower side weighted
+                g3, x3 = g.reshape(-1, c.batch, g.shape[-1]), c.x.reshape(-1, c.batch, c.x.shape[-1])
+                if not _weight(n):
+                    part = wt.view(-1) @ g3.sum(0)
+                elif x3.shape[-1] <= g3.shape[-1]:
+                    part = torch.mm((x3 * wt).flatten(0, 1).T, g3.flatten(0, 1)).T
+                else:
+                    part = torch.mm((g3 * wt).flatten(0, 1).T, x3.flatten(0, 1))
                 acc[r : r + part.shape[0]] += part
             out[n] = acc
         return out
