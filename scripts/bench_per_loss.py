@@ -20,7 +20,6 @@ resident set over the set-up is reported.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -224,8 +223,4 @@ def peak_in_subprocess(name: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
-        torch.set_num_threads(1)
-        print(json.dumps({"peak_bytes": peak(sys.argv[2])}))
-    else:
-        print(__doc__)
+    peak_memory.main(__doc__, peak)

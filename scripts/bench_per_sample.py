@@ -18,7 +18,6 @@ peak resident set over the set-up is reported (the same measure for every conten
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -293,8 +292,4 @@ def peak_in_subprocess(name: str) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
-        torch.set_num_threads(1)
-        print(json.dumps({"peak_bytes": peak(sys.argv[2])}))
-    else:
-        print(__doc__)
+    peak_memory.main(__doc__, peak)

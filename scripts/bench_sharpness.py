@@ -23,7 +23,6 @@ fresh process is reported beside it (it also holds the heap's fragmentation):
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -132,8 +131,4 @@ def memory(log=print, resident: bool = True, device: str = "cpu") -> dict[str, d
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
-        torch.set_num_threads(1)
-        print(json.dumps({"peak_bytes": peak(sys.argv[2])}))
-    else:
-        print(__doc__)
+    peak_memory.main(__doc__, peak)

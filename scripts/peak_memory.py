@@ -39,6 +39,18 @@ def in_subprocess(script: str, name: str) -> int:
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 
+def main(doc: str, peak: Callable[[str], int]) -> None:
+    """A section script's command line: ``--peak NAME`` prints that contender's peak (one
+    thread) as ``in_subprocess`` reads it; anything else prints the script's ``doc``."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
+        import torch
+
+        torch.set_num_threads(1)
+        print(json.dumps({"peak_bytes": peak(sys.argv[2])}))
+    else:
+        print(doc)
+
+
 def live_tensor_peak(run: Callable[[], None]) -> int:
     """Bytes of the tensors ``run`` allocates that are alive together at most, counted by a
     dispatch mode (every op's outputs, backward's too, until their storage is freed): the

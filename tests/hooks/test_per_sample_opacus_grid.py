@@ -1,8 +1,8 @@
 """Opacus' per-layer test configurations (tests/support/opacus_grid.py), each under mean and sum
 losses, in float64: the per_sample stage's clipped mean (flat clipping at the median
 per-example norm) against per-example gradients from ``torch.func`` (vmap of grad), to
-1e-10 relative. Packed sequences are refused in one line; a batch of zero examples gives
-zero gradients. The default suite walks one configuration per family (and the edge cases), the slow one thirty."""
+1e-10 relative; packed sequences against each sequence packed alone (Opacus' own RNN layers
+are refused then, in one line); a batch of zero examples gives zero gradients. The default suite walks one configuration per family (and the edge cases), the slow one thirty."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from gradmod.hooks.hookset import attach
 
@@ -53,11 +53,23 @@ def per_example(module: nn.Module, inputs: tuple, weights: torch.Tensor, dim: in
     return vmap(grad(loss), in_dims=(None, *[dim] * (len(inputs) + 1)))(params, *inputs, weights)
 
 
+def per_sequence(module: nn.Module, x: PackedSequence, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each sequence's gradient of ``sum(output.data * weights)``, the sequence packed alone."""
+    names, params = zip(*module.named_parameters())
+    padded, lengths = pad_packed_sequence(x, batch_first=True)
+    w = pad_packed_sequence(x._replace(data=weights), batch_first=True)[0]
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
+        one = pack_padded_sequence(padded[i : i + 1, :n], [n], batch_first=True)
+        rows.append(torch.autograd.grad((module(one) * w[i, :n]).sum(), params))
+    return {name: torch.stack([r[j] for r in rows]) for j, name in enumerate(names)}
+
+
 def run(family: str, build, reduction: str, seed: int) -> None:
     torch.manual_seed(seed)
     module, inputs, dim, packed = build()
     module, inputs = module.double(), tuple(_double(x) for x in inputs)
-    if packed:
+    if packed and not isinstance(module.rnn, nn.RNNBase):  # Opacus' layers: Linears on each step's rows
         hooks = attach(module, _rule(1.0), loss_reduction=reduction, batch_dim=dim)
         with pytest.raises(ValueError, match="PackedSequence") as err:
             module(*inputs).sum().backward()
@@ -67,7 +79,7 @@ def run(family: str, build, reduction: str, seed: int) -> None:
     with torch.no_grad():
         out = module(*inputs)
     weights = torch.randn_like(out)
-    n = out.shape[dim]
+    n = int(inputs[0].batch_sizes[0]) if packed else out.shape[dim]
     if n == 0:  # an empty batch: zero gradients, not an error
         hooks = attach(module, _rule(1.0), loss_reduction=reduction, batch_dim=dim)
         (module(*inputs) * weights).sum().backward()
@@ -82,7 +94,7 @@ def run(family: str, build, reduction: str, seed: int) -> None:
         assert "\n" not in str(err.value)
         hooks.remove()
         return
-    per = per_example(module, inputs, weights, dim)
+    per = per_sequence(module, inputs[0], weights) if packed else per_example(module, inputs, weights, dim)
     norms = torch.stack([g.flatten(1).square().sum(1) for g in per.values()]).sum(0).sqrt()
     max_norm = float(norms.median()) if float(norms.median()) > 0 else 1.0
     coef = (max_norm / (norms + 1e-6)).clamp(max=1.0)
@@ -121,14 +133,15 @@ def test_opacus_layer_configurations_full_walk(family, build):
 
 
 def _edge_cases():
-    """From the full walk: the first packed LSTM and GRU inputs and the first empty batches."""
+    """From the full walk: packed inputs to torch's and Opacus' RNNs and the first empty batches."""
     walk = grid(30)
-    packed = [c for c in walk if "packed" in c[1] and ("LSTM" in c[1] or "GRU" in c[1])][:2]
+    packed = [c for c in walk if "packed" in c[1] and c[1].split()[0] in ("LSTM", "GRU", "RNN")][:4]
+    packed += [c for c in walk if "packed" in c[1] and c[1].startswith("DP")][:1]
     empty = [c for c in walk if c[1].startswith("N0 ")][:2]
     return [pytest.param(f, b, id=f"{f}-{label}") for f, label, b in packed + empty]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("family, build", _edge_cases())
-def test_packed_sequences_are_refused_and_empty_batches_give_zeros(family, build):
+def test_packed_sequences_and_empty_batches(family, build):
     run(family, build, "mean", seed=0)

@@ -369,6 +369,36 @@ def first_backward_error(model, x, loss):
     return str(err.value)
 
 
+class PackedTagger(nn.Module):
+    """Tokens and their lengths in, packed inside: embedding, a 2-layer bidirectional LSTM on the
+    packed sequences, heads on the final states and on the padded outputs' mean."""
+
+    def __init__(self, sort: bool):
+        super().__init__()
+        self.sort = sort
+        self.emb = nn.Embedding(20, 6)
+        self.lstm = nn.LSTM(6, 5, num_layers=2, bidirectional=True, batch_first=True)
+        self.head, self.pooled = nn.Linear(10, 3), nn.Linear(10, 3)
+
+    def forward(self, tokens, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.emb(tokens), lengths, batch_first=True, enforce_sorted=self.sort
+        )
+        out, (h, _) = self.lstm(packed)
+        out = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])[0]
+        return self.head(torch.cat([h[-2], h[-1]], -1)) + self.pooled(out.sum(1) / lengths.unsqueeze(1))
+
+
+@pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "sorted"])
+def test_packed_sequences_equal_the_per_example_loop(sort):
+    """Each sequence's recurrence stops at its own length (the reverse direction starts there)."""
+    torch.manual_seed(0)
+    lengths = torch.tensor([7, 6, 4, 4, 2, 1]) if sort else torch.tensor([3, 7, 1, 5, 2, 6])
+    tokens = torch.randint(0, 20, (6, 7))
+    y = torch.randint(0, 3, (6,))
+    check(PackedTagger(sort), (tokens, lengths), y, lambda out, t: F.cross_entropy(out, t, reduction="none"))
+
+
 def test_a_parameter_used_in_the_loss_is_refused_not_dropped():
     model = nn.Linear(5, 3)
     msg = first_backward_error(model, torch.randn(4, 5), lambda out: out.sum() + model.weight.square().sum())

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,21 +30,23 @@ class TaskRecord:
         self._sum: Tensor | None = None  # [norms k, cosines k(k-1)/2, conflict 1, weights k]
 
     def add(self, names: list[str], G: Tensor | None, w: Tensor | None) -> None:
+        """One call's row, in numpy (a few k x k host values: torch's per-op cost would dominate)."""
         k = len(names)
         if names != self.names:  # other tasks: a fresh window
             self.names, self.calls, self._sum = list(names), 0, None
         self.has_gram, self.has_weights = G is not None, w is not None
-        row = torch.zeros(2 * k + k * (k - 1) // 2 + 1, dtype=torch.float64)
+        row = np.zeros(2 * k + k * (k - 1) // 2 + 1)
         if G is not None:
-            d = torch.diagonal(G).clamp(min=0.0).sqrt()
-            iu = torch.triu_indices(k, k, 1)
-            cos = G[iu[0], iu[1]] / (d[iu[0]] * d[iu[1]]).clamp(min=1e-300)
+            g = G.detach().to("cpu", torch.float64).numpy()
+            d = np.sqrt(np.clip(np.diagonal(g), 0.0, None))
+            i, j = np.triu_indices(k, 1)
             row[:k] = d
-            row[k : k + len(cos)] = cos
-            row[k + len(cos)] = (G[iu[0], iu[1]] < 0).double().mean() if len(cos) else 0.0
+            row[k : k + len(i)] = g[i, j] / np.maximum(d[i] * d[j], 1e-300)
+            row[k + len(i)] = (g[i, j] < 0).mean() if len(i) else 0.0
         if w is not None:
-            row[-k:] = w.detach().to("cpu", torch.float64)
-        self._sum = row if self._sum is None else self._sum + row
+            row[-k:] = w.detach().to("cpu", torch.float64).numpy()
+        t = torch.from_numpy(row)
+        self._sum = t if self._sum is None else self._sum + t
         self.calls += 1
 
     def take(self) -> tuple[int, Tensor | None]:

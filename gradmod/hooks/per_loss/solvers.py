@@ -18,44 +18,36 @@ def bound_qps(H: np.ndarray, U: np.ndarray, max_steps: int | None = None) -> np.
     m, k = U.shape
     V = U.copy()
     active = np.ones((m, k), dtype=bool)  # coordinates held at their bound
-    todo = np.ones(m, dtype=bool)
+    todo = np.arange(m)  # the problems not solved yet
     tol = 1e-14 * (1.0 + np.abs(H).max()) * (1.0 + np.abs(U).max(1))
     eye = np.eye(k, dtype=bool)
     for _ in range(max_steps or 50 * k + 50):
-        rows = np.flatnonzero(todo)
-        if not len(rows):
+        if not len(todo):
             return V
-        act, v = active[rows], V[rows]
+        act, v, u = active[todo], V[todo], U[todo]
         # One system per problem: H's row j where j is free, the identity's where j is bound.
-        M = np.where(act[:, :, None], eye, H)
-        target = np.linalg.solve(M, np.where(act, v, 0.0)[:, :, None])[:, :, 0]
+        target = np.linalg.solve(np.where(act[:, :, None], eye, H), np.where(act, v, 0.0)[:, :, None])[:, :, 0]
         step = np.where(act, 0.0, target - v)  # bound coordinates stay exactly at their bounds
-        still = ~(act.all(1) | (np.abs(step).max(1) <= 1e-15 * (1.0 + np.abs(v).max(1))))
+        moving = ~act.all(1) & (np.abs(step).max(1) > 1e-15 * (1.0 + np.abs(v).max(1)))
         # At a stationary point: done if every bound's multiplier is >= 0, else free the worst.
         lam = np.where(act, v @ H, np.inf)  # H symmetric: (H v)_j, half the multipliers
         j = lam.argmin(1)
-        low = lam[np.arange(len(rows)), j]
-        for r, i in enumerate(rows):
-            if still[r]:
-                continue
-            if low[r] >= -tol[i]:
-                todo[i] = False
-            else:
-                active[i, j[r]] = False
+        low = lam[np.arange(len(todo)), j]
+        release = ~moving & (low < -tol[todo])
+        active[todo[release], j[release]] = False
         # Moving: the longest step along ``step`` that keeps every free coordinate >= its bound.
-        moving = np.flatnonzero(still)
-        if len(moving):
-            i = rows[moving]
-            s, vv, u = step[moving], v[moving], U[i]
+        if moving.any():
+            i, s, vv, ui = todo[moving], step[moving], v[moving], u[moving]
             blocking = ~act[moving] & (s < 0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.where(blocking, (u - vv) / np.where(blocking, s, 1.0), np.inf)
+            ratio = np.full_like(s, np.inf)
+            np.divide(ui - vv, s, out=ratio, where=blocking)
             b = ratio.argmin(1)
-            alpha = np.minimum(1.0, ratio[np.arange(len(i)), b])
-            V[i] = vv + alpha[:, None] * s
-            hit = np.flatnonzero(ratio[np.arange(len(i)), b] < 1.0)
+            first = ratio[np.arange(len(i)), b]
+            V[i] = vv + np.minimum(1.0, first)[:, None] * s
+            hit = first < 1.0
             active[i[hit], b[hit]] = True
             V[i[hit], b[hit]] = U[i[hit], b[hit]]
+        todo = todo[moving | release]
     raise RuntimeError("bound_qps: the active-set method did not converge")
 
 

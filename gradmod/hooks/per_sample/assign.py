@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
-from gradmod.hooks.per_sample.tracing import UNKNOWN, Trace
+from gradmod.hooks.per_sample.tracing import PACKED, UNKNOWN, Trace
 
 
 @dataclass
@@ -48,6 +48,33 @@ class Call:
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
     grads: list[Tensor | None] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, layer: Layer, inputs: Any, outs: list[Tensor]) -> Call:
+        """A call whose outputs ``outs`` get their gradients later (in the parameters' dtype: autocast)."""
+        dtype = next(iter(layer.names.values())).dtype
+        shapes = [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs]
+        return cls(layer, inputs, shapes, [None] * len(outs))
+
+    def output_grads(self):
+        """The output gradient(s) (outputs that got none count as zeros): for a recording form
+        each recorded output's as it came, for a whole-call form (gradient, batch dim) pairs,
+        else the first, batch first."""
+        grads = [torch.zeros(s, dtype=t, device=d) if g is None else g for g, (s, t, d) in zip(self.grads, self.shapes)]
+        if self.layer.form.captures:
+            return grads
+        if self.layer.form.whole_call:
+            return list(zip(grads, self.layer.out_dims))
+        return grads[0].movedim(self.layer.out_dims[0], 0)
+
+    def batch(self) -> int:
+        """Its number of examples."""
+        form, b = self.layer.form, self.output_grads()
+        if form.captures:
+            return self.inputs.batch
+        if form.whole_call:  # from an output with a batch dim (an RNN's h_n when packed)
+            return next(g.shape[d] for g, d in b if isinstance(d, int))
+        return b.shape[0]
+
 
 def _direct(m: nn.Module, p: nn.Parameter) -> str | None:
     return next((n for n, q in m.named_parameters(recurse=False, remove_duplicate=False) if q is p), None)
@@ -74,7 +101,12 @@ def _closed(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
         return False
     ins, outs = cast(tuple, dims)
     first = next(iter(_leaves(ins)), None)
-    return isinstance(first, int) and bool(outs) and all(isinstance(d, int) for d in outs)
+    packed = form_of(m).takes_packed  # an RNN's PackedSequence in and out: the form splits it
+    return (
+        (isinstance(first, int) or (packed and first == PACKED))
+        and bool(outs)
+        and all(isinstance(d, int) or (packed and d == PACKED) for d in outs)
+    )
 
 
 def _one_row(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
@@ -106,6 +138,7 @@ def _general(m: nn.Module, trace: Trace) -> bool:
     leaves = _leaves(ins)
     return (
         UNKNOWN not in leaves
+        and PACKED not in leaves  # torch.func cannot split a PackedSequence per example
         and any(isinstance(d, int) for d in leaves)
         and bool(outs)
         and all(isinstance(d, int) for d in outs)

@@ -26,6 +26,7 @@ class Form:
     asked for; return ``{name: [B, *param.shape]}``, example i's gradient of each."""
 
     whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
+    takes_packed = False  # True (whole_call too): PackedSequence inputs and outputs (dim ``PACKED``)
     captures = False  # True: records calls inside its module's forward (``attention``), children's params too
 
     def applies(self, m: nn.Module) -> bool:

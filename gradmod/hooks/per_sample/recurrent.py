@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from gradmod.hooks.per_sample.form import Form, Inputs
 
@@ -14,10 +15,12 @@ class RNNForm(Form):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: the recurrence replayed once with autograd for
     the gradient of each step's input and hidden projections (``x W_ih^T + b_ih``, ``h W_hh^T
     + b_hh``); example i's weight gradient is then a sum over its steps, as for a Linear
-    on a sequence. Every layer and direction; dropout between layers, ``proj_size`` and
-    packed sequences are refused when the layer is set up (``refusal``)."""
+    on a sequence. Every layer and direction, padded or packed sequences (each example's
+    recurrence stops at its own length); dropout between layers and ``proj_size`` are refused
+    when the layer is set up (``refusal``)."""
 
     whole_call = True
+    takes_packed = True
 
     def refusal(self, m: nn.Module) -> str | None:
         if getattr(m, "proj_size", 0):
@@ -28,16 +31,20 @@ class RNNForm(Form):
 
     def per_example(self, m, a: Inputs, b: list, names):
         x = a.args[0] if a.args else a.kwargs["input"]
-        if not isinstance(x, Tensor) or x.dim() != 3:
-            raise ValueError(
-                f"{type(m).__name__}: the per_sample stage takes batched 3-D input tensors "
-                "(not packed sequences or unbatched input)"
-            )
+        grads = [g for g, _ in b]
+        lengths = None
+        if isinstance(x, PackedSequence):  # padded in the sequences' own order; each its own length
+            grads[0] = pad_packed_sequence(x._replace(data=grads[0]), batch_first=True)[0]
+            x, lengths = pad_packed_sequence(x, batch_first=True)
+            lengths = lengths.to(x.device)
+        elif isinstance(x, Tensor) and x.dim() == 3:
+            x, grads[0] = (t.movedim(0 if m.batch_first else 1, 0) for t in (x, grads[0]))
+        else:
+            raise ValueError(f"{type(m).__name__}: the per_sample stage takes batched 3-D inputs, not unbatched ones")
         hx = a.args[1] if len(a.args) > 1 else a.kwargs.get("hx")
-        x = x.movedim(0 if m.batch_first else 1, 0).detach().requires_grad_()  # a graph to differentiate
+        x = x.detach().requires_grad_()  # a graph to differentiate
         with torch.enable_grad():
-            outs, taps = self._replay(m, x, hx)
-            grads = [g.movedim(0 if m.batch_first else 1, 0) if k == 0 else g for k, (g, _) in enumerate(b)]
+            outs, taps = self._replay(m, x, hx, lengths)
             flat = [t for tap in taps.values() for t in (tap[1], *tap[3])]
             got = torch.autograd.grad(outs[: len(grads)], flat, grads, allow_unused=True)
         got = [torch.zeros_like(t) if g is None else g for t, g in zip(flat, got)]
@@ -60,9 +67,11 @@ class RNNForm(Form):
                     out[n] = g.sum(1) if x is None else torch.bmm(g.mT, x)
         return out
 
-    def _replay(self, m, x: Tensor, hx):
+    def _replay(self, m, x: Tensor, hx, lengths: Tensor | None = None):
         """Outputs (the output batch first; h_n, c_n as torch gives them) and, per layer and direction,
-        (its input, the input projection, the previous hidden states, each step's hidden projection)."""
+        (its input, the input projection, the previous hidden states, each step's hidden projection).
+        ``lengths``: each example's own length (packed sequences): its state stops there, and
+        the reverse direction starts from its own last step."""
         lstm, dirs = isinstance(m, nn.LSTM), 2 if m.bidirectional else 1
         bsz, size = x.shape[0], m.hidden_size
         if hx is None:
@@ -74,7 +83,7 @@ class RNNForm(Form):
             outs = []
             for d in range(dirs):
                 sfx, j = f"_l{layer}" + ("_reverse" if d else ""), layer * dirs + d
-                seq = inp.flip(1) if d else inp
+                seq = _reverse(inp, lengths) if d else inp
                 h = h0[j].detach().requires_grad_()
                 c = None if c0 is None else c0[j].detach().requires_grad_()
                 gi = F.linear(seq, getattr(m, f"weight_ih{sfx}").detach(), _bias(m, f"bias_ih{sfx}"))
@@ -83,10 +92,15 @@ class RNNForm(Form):
                     prev.append(h)
                     gh = F.linear(h, getattr(m, f"weight_hh{sfx}").detach(), _bias(m, f"bias_hh{sfx}"))
                     steps.append(gh)
-                    h, c = self._cell(m, gi[:, t], gh, h, c)
+                    h_t, c_t = self._cell(m, gi[:, t], gh, h, c)
+                    if lengths is None:
+                        h, c = h_t, c_t
+                    else:  # a sequence that ended keeps its last state
+                        on = (t < lengths).unsqueeze(1)
+                        h, c = torch.where(on, h_t, h), None if c is None else torch.where(on, c_t, c)
                     ys.append(h)
                 y = torch.stack(ys, 1)
-                outs.append(y.flip(1) if d else y)
+                outs.append(_reverse(y, lengths) if d else y)
                 taps[sfx] = (seq, gi, torch.stack(prev, 1), steps)
                 hs.append(h)
                 cs.append(c)
@@ -108,6 +122,15 @@ class RNNForm(Form):
             return (1 - z) * n + z * h, None
         act = torch.tanh if m.nonlinearity == "tanh" else torch.relu
         return act(gi + gh), None
+
+
+def _reverse(x: Tensor, lengths: Tensor | None) -> Tensor:
+    """Each example's steps in reverse order, within its own length (the rest left in place)."""
+    if lengths is None:
+        return x.flip(1)
+    t = torch.arange(x.shape[1], device=x.device)
+    idx = torch.where(t < lengths.unsqueeze(1), lengths.unsqueeze(1) - 1 - t, t)
+    return x.gather(1, idx.unsqueeze(2).expand_as(x))
 
 
 def _bias(m: nn.Module, name: str) -> Tensor | None:

@@ -17,19 +17,22 @@ def _path(model: nn.Module, m: nn.Module) -> str:
     return next((n for n, x in model.named_modules() if x is m), "") or type(model).__name__
 
 
-def refuse_packed(model: nn.Module, trace: Trace, watched: set[int]) -> None:
-    """A PackedSequence merges the examples' steps into one dimension the stage cannot split."""
-    if not trace.packed:
-        return
-    holding = [m for m in trace.packed if any(id(p) in watched for p in m.parameters(recurse=False))]
-    m = (holding or trace.packed)[0]
-    where = f"{type(m).__name__}, the attached model," if m is model else f"{_path(model, m)} ({type(m).__name__})"
-    raise ValueError(
-        f"per_sample: {where} gets or gives a PackedSequence, whose "
-        "packed steps the stage cannot split per example; feed it padded tensors "
-        "(nn.utils.rnn.pad_packed_sequence) with the batch in one dimension, or leave its parameters "
-        "out of the rule"
-    )
+def refuse_packed(model: nn.Module, trace: Trace, layers: list[Layer]) -> None:
+    """A PackedSequence merges the examples' steps into one dimension: only an RNN's own form
+    splits it (``Form.takes_packed``). Every parameter of a rule under a module that gets or
+    gives one must be such an RNN's, or one line names the module."""
+    splits = {id(p) for layer in layers if layer.form.takes_packed for p in layer.names.values()}
+    ruled = {id(p) for layer in layers for p in layer.names.values()}
+    for m in trace.packed:
+        if all(id(p) in splits for p in m.parameters() if id(p) in ruled):
+            continue
+        where = f"{type(m).__name__}, the attached model," if m is model else f"{_path(model, m)} ({type(m).__name__})"
+        raise ValueError(
+            f"per_sample: {where} gets or gives a PackedSequence, whose packed steps the stage can split per "
+            "example only inside torch's nn.RNN, nn.LSTM or nn.GRU; pack and unpack around those, feed the "
+            "other layers padded tensors (nn.utils.rnn.pad_packed_sequence), or leave their parameters out "
+            "of the rule"
+        )
 
 
 def refuse_positions(model: nn.Module, trace: Trace, dim: int) -> None:

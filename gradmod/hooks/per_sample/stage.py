@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample import refusals
@@ -41,6 +42,16 @@ __all__ = ["PerSampleStage", "per_sample_rules"]
 
 LOSS_REDUCTIONS = ("mean", "sum")
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
+
+
+def _packed(x: Any) -> bool:
+    return isinstance(x, PackedSequence)
+
+
+def _detached(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, PackedSequence):  # its data as any input; the steps' sizes and order kept
+        return x._replace(data=detach_input(x.data, dtype))
+    return detach_input(x, dtype)
 
 
 class PerSampleStage(Stage):
@@ -137,9 +148,9 @@ class PerSampleStage(Stage):
                 f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
                 f"(dim {batch_dim(module, self.batch_dim)}); the stage needs the batch in the model's inputs"
             )
-        refusals.refuse_packed(self.model, found, set(self._rule_of))
         params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
         layers = assign(self.model, found, params)
+        refusals.refuse_packed(self.model, found, layers)
         rows = [layer.module for layer in layers if layer.broadcast]
         if rows and not broadcasts_alike(self.model, args, kwargs, rows, found):
             layers = assign(self.model, found, params, broadcast=False)  # the general path instead
@@ -176,9 +187,7 @@ class PerSampleStage(Stage):
 
     def _follow(self, layer: Layer, inputs: Any, outs: list[Tensor]) -> None:
         """A call of ``layer`` to clip at the end of the backward: its output gradients hooked."""
-        dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
-        shapes = [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs]
-        call = Call(layer, inputs, shapes, [None] * len(outs))
+        call = Call.of(layer, inputs, outs)
         self._calls.append(call)
         for k, t in enumerate(outs):
             if t.requires_grad:
@@ -190,12 +199,13 @@ class PerSampleStage(Stage):
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
                 output = output.expand(self._batch, *output.shape[1:])
-            outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+            outs = [t.data if isinstance(t, PackedSequence) else t for t in pytree.tree_leaves(output, is_leaf=_packed)]
+            outs = [t for t in outs if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
                 return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                a, k = pytree.tree_map(lambda x: detach_input(x, dtype), (args, kwargs))
+                a, k = pytree.tree_map(lambda x: _detached(x, dtype), (args, kwargs), is_leaf=_packed)
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
@@ -235,8 +245,7 @@ class PerSampleStage(Stage):
         self.examples += bsz
 
     def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
-        b0, form = self._grads(calls[0]), calls[0].layer.form
-        bsz = calls[0].inputs.batch if form.captures else b0[0][0].shape[b0[0][1]] if form.whole_call else b0.shape[0]
+        bsz = calls[0].batch()
         if bsz == 0:  # an empty batch: no example, nothing to clip (the step may still add noise)
             self._empty = True
             return 0
@@ -270,7 +279,7 @@ class PerSampleStage(Stage):
         ghost, full = [], {}
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
-            b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
+            b, form, names = c.output_grads(), c.layer.form, set(c.layer.names)
             full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
             c.layer.materialised = full_
             if full_:
@@ -326,16 +335,6 @@ class PerSampleStage(Stage):
                 out[p] = (both[0] if probe else both).to(p.dtype)
                 self._probed.summed(p, both[1]) if probe else None
         return out
-
-    def _grads(self, c: Call):
-        """The output gradient(s) of a call (outputs that got none count as zeros): for a
-        whole-call form (gradient, batch dim) pairs, else the first, batch first."""
-        grads = [torch.zeros(s, dtype=t, device=d) if g is None else g for g, (s, t, d) in zip(c.grads, c.shapes)]
-        if c.layer.form.captures:  # each recorded output's, as it came
-            return grads
-        if c.layer.form.whole_call:
-            return list(zip(grads, c.layer.out_dims))
-        return grads[0].movedim(c.layer.out_dims[0], 0)
 
     def finish(self) -> None:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -60,6 +60,11 @@ class TraceError(ValueError):
 
 def _packed(x: Any) -> bool:
     return isinstance(x, PackedSequence)
+
+
+def _carried(x: Any) -> bool:
+    """A tensor, or a PackedSequence taken whole (its data carries the gradient)."""
+    return isinstance(x, (Tensor, PackedSequence))
 
 
 def _shape(x: Any) -> Any:
@@ -138,7 +143,7 @@ def _record(model: nn.Module, args, kwargs, watched: set[int] | None, trace: Tra
         stack.pop()
         if any(_packed(x) for x in pytree.tree_leaves(out, is_leaf=_packed)) and m not in packed:
             packed.append(m)
-        open_calls.pop().outs = [t.shape for t in _tensors(out)]
+        open_calls.pop().outs = [_shape(x) for x in pytree.tree_leaves(out, is_leaf=_packed) if _carried(x)]
 
     modules = {id(m): m for m in model.modules()}.values()
     handles = [
@@ -162,7 +167,9 @@ def _record(model: nn.Module, args, kwargs, watched: set[int] | None, trace: Tra
 
 
 def _dim(a: torch.Size | None, b: torch.Size | None, batch: int):
-    if a is None or a == PACKED:
+    if a == PACKED or b == PACKED:  # the examples are the packed sequences
+        return PACKED if a == b else UNKNOWN
+    if a is None:
         return None
     if b is None or len(a) != len(b):
         return UNKNOWN
@@ -199,13 +206,21 @@ def batch_dim(model: nn.Module, declared: int | None = None) -> int:
 def batch_size(model: nn.Module, args: tuple, kwargs: dict, declared: int | None = None) -> int | None:
     """The size of the batch dimension of the model's first input that has one (None: none has)."""
     d = batch_dim(model, declared)
-    first = next((x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.dim() > d), None)
+    leaves = pytree.tree_leaves((args, kwargs), is_leaf=_packed)
+    first = next((x for x in leaves if _packed(x) or (isinstance(x, Tensor) and x.dim() > d)), None)
+    if isinstance(first, PackedSequence):
+        return int(first.batch_sizes[0]) if len(first.batch_sizes) else 0
     return None if first is None else first.shape[d]
 
 
 def _grow(x: Any, d: int, batch: int) -> Any:
+    """``x`` with its first example twice (in front: sorted sequence lengths stay sorted)."""
+    if isinstance(x, PackedSequence):
+        padded, lengths = pad_packed_sequence(x, batch_first=True)
+        padded, lengths = torch.cat([padded[:1], padded]), torch.cat([lengths[:1], lengths])
+        return pack_padded_sequence(padded, lengths, batch_first=True, enforce_sorted=x.sorted_indices is None)
     if isinstance(x, Tensor) and x.dim() > d and x.shape[d] == batch:
-        return torch.cat([x, x.narrow(d, 0, 1)], d)
+        return torch.cat([x.narrow(d, 0, 1), x], d)
     return x
 
 
@@ -217,8 +232,6 @@ def _first_line(e: Exception) -> str:
 def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declared: int | None = None) -> Trace | None:
     """The trace of one forward of ``model(*args, **kwargs)``; None when no input has a batch."""
     d = batch_dim(model, declared)
-    if any(_packed(x) for x in pytree.tree_leaves((args, kwargs), is_leaf=_packed)):
-        return Trace(0, {}, {}, packed=[model])
     batch = batch_size(model, args, kwargs, declared)
     if batch is None:
         return None
@@ -228,9 +241,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declar
     with torch.random.fork_rng(devices=cuda):
         out.rng = (torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in cuda})
         calls = _record(model, args, kwargs, watched, out)
-        if out.packed:
-            return out
-        grown_args, grown_kwargs = pytree.tree_map(lambda x: _grow(x, d, batch), (args, kwargs))
+        grown_args, grown_kwargs = pytree.tree_map(lambda x: _grow(x, d, batch), (args, kwargs), is_leaf=_packed)
         try:
             grown = _record(model, grown_args, grown_kwargs, None)
         except Exception as e:  # the user's model: any error it raises on a batch one larger
