@@ -195,3 +195,16 @@ def test_a_memory_without_gradient_keeps_its_projections_followed():
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
     hooks.remove()
+
+
+def test_a_torch_whose_attention_function_hides_its_projections_is_refused_in_one_line(monkeypatch):
+    from gradmod.hooks.per_sample import attention
+
+    monkeypatch.setattr(attention, "_MHA_FORWARD", F.multi_head_attention_forward)  # dispatches again
+    torch.manual_seed(0)
+    model = SelfOnFeatures().double()
+    hooks = attach(model, rule())
+    with pytest.raises(ValueError, match=r"'attn\.\S+' got a gradient from outside every module call") as err:
+        F.cross_entropy(model(torch.randn(B, T, E, dtype=torch.float64)), torch.zeros(B, dtype=torch.long)).backward()
+    assert "\n" not in str(err.value)
+    hooks.remove()

@@ -30,7 +30,8 @@ def _undispatched(fn):
     """A copy of torch's Python function ``fn`` whose ``__torch_function__`` check says no, so a
     mode sees the operations inside it (torch's own function is left as it is)."""
     namespace = dict(fn.__globals__)
-    namespace["has_torch_function"] = lambda *_: False
+    for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
+        namespace[name] = lambda *_: False
     copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
@@ -78,11 +79,13 @@ class _Record(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.multi_head_attention_forward:
+        if func is F.multi_head_attention_forward and self.found is None:
             query = args[0] if args else kwargs["query"]
             self.found = Projections(query.shape[1] if query.dim() == 3 else 0)
             with self:  # torch's function, its operations seen by this mode
                 return _MHA_FORWARD(*args, **kwargs)
+        # (a torch whose function dispatches again lands here: nothing is recorded, and the first
+        # backward's check refuses the parameters in one line)
         if func is not F.linear or self.found is None or not self.found.batch:
             return func(*args, **kwargs)
         x, w, bias = [*args, *(kwargs.get(k) for k in ("input", "weight", "bias")[len(args) :])][:3]
