@@ -68,3 +68,44 @@ def test_resnet18_groupnorm_plan_names_each_convolutions_path():
     assert paths["layer2.0.downsample.0.weight"] == "Gram" and paths["bn1.weight"] == "closed form"
     assert all(p.grad is not None for p in model.parameters())
     hooks.remove()
+
+
+class TwoConvs(nn.Module):
+    """A convolution on the data (its input takes no gradient), one on its features, a head;
+    ``shared``: the second reuses the first's weight."""
+
+    def __init__(self, shared=False):
+        super().__init__()
+        self.c1, self.c2, self.head = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1), nn.Linear(48, 3)
+        if shared:
+            self.c2.weight = self.c1.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.c2(torch.tanh(self.c1(x)))).flatten(1))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_weights", "shared_weight"])
+def test_after_the_first_backward_autograd_no_longer_forms_the_convolution_weight_gradients(shared):
+    """Op count: from the second backward the convolutions run on detached weights (the stage
+    sums their clipped gradients itself); the per-example gradients stay the loop's."""
+    from tests.hooks.test_per_sample_zoo import loop_reference
+
+    torch.manual_seed(0)
+    model = TwoConvs(shared).double()
+    x, y = torch.randn(4, 3, 4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    want, max_norm = loop_reference(model, x, y, lambda out, t: F.cross_entropy(out, t, reduction="none"))
+    arrived = {n: 0 for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.register_hook(lambda g, n=n: arrived.__setitem__(n, arrived[n] + 1))
+    hooks = attach(model, {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": max_norm}]}})
+    for _ in range(3):
+        F.cross_entropy(model(x), y).backward()
+        hooks.after_backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
+    convs = [n for n in arrived if n.startswith("c")]
+    # layers that share a weight keep autograd's gradients (their calls' parts are checked against it)
+    kept = set(convs) if shared else set()
+    assert {n: arrived[n] for n in convs} == {n: 3 if n in kept else 1 for n in convs}, arrived
+    assert arrived["head.weight"] == 3  # a Linear keeps autograd's here
+    hooks.remove()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from gradmod.hooks.per_sample.aliases import in_graph, restore, swap
 from gradmod.hooks.per_sample.form import Form
 
 MATERIALISE_MAX = 1 << 24  # as the Linear's: elements of [B, *param] worth keeping
@@ -94,6 +95,8 @@ class _Record(TorchFunctionMode):
             # a detached weight makes matmul broadcast it over a strided input (a copy per row): fold instead
             x = x.contiguous()
         out = F.linear(x, w, bias)
+        if rows and not w.requires_grad:  # a detached weight on data: its output takes a gradient still
+            out = in_graph(out) if in_graph(out) is not None else out
         if rows and isinstance(out, Tensor) and out.requires_grad:
             x = x.detach()
             x = x.to(self.dtype) if x.is_floating_point() and x.dtype != self.dtype else x
@@ -235,40 +238,27 @@ def probe(m, a: Projections, b: list[Tensor], probes: dict, names) -> dict[str, 
     return out
 
 
-def follow(m: nn.Module, form: AttentionForm, names: dict[str, Tensor], active, done, detach=None) -> list:
+def follow(m: nn.Module, form: AttentionForm, names: dict[str, Tensor], active, done, detach) -> list:
     """Hooks that record each call of ``m`` while ``active()``: ``done(found, outputs)`` gets its
-    projections and their output tensors (whose gradients the caller hooks). While ``detach()``
-    (after the first backward, whose whole gradients check the form) the parameters in it (ids)
-    run as detached aliases: the projections' weight gradients, which the stage forms itself,
-    are not computed by autograd too. Only where the query, key and value all carry a gradient
-    (else a projection's output would leave the graph, and its call the record)."""
+    projections and their output tensors (whose gradients the caller hooks). The parameters in
+    ``detach()`` (ids; after the first backward) run as detached aliases (``aliases``)."""
     dtype = next(iter(names.values())).dtype
     open_: list[tuple[_Record, list]] = []
 
     def close() -> _Record:
         mode, swapped = open_.pop()
         mode.__exit__(None, None, None)
-        for owner, attr, p in swapped:
-            owner._parameters[attr] = p
+        restore(swapped)
         return mode
 
     def pre(module, args, kwargs):
         while open_:  # a forward that raised left its recording open
             close()
-        if not active():
-            return
-        qkv = [*args[:3], *(kwargs[k] for k in ("query", "key", "value")[len(args[:3]) :] if k in kwargs)]
-        swap = detach is not None and all(isinstance(t, Tensor) and t.requires_grad for t in qkv)
-        params, swapped = dict(names), []
-        for n, p in names.items():
-            if swap and id(p) in detach():
-                owner_name, _, attr = n.rpartition(".")
-                owner = module.get_submodule(owner_name)
-                params[n] = owner._parameters[attr] = p.detach()
-                swapped.append((owner, attr, p))
-        mode = form.record(module, params, dtype)
-        mode.__enter__()
-        open_.append((mode, swapped))
+        if active():
+            params, swapped = swap(module, names, detach())
+            mode = form.record(module, params, dtype)
+            mode.__enter__()
+            open_.append((mode, swapped))
 
     def post(module, args, kwargs, output):
         if open_:

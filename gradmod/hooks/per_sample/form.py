@@ -28,6 +28,7 @@ class Form:
     whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
     takes_packed = False  # True (whole_call too): PackedSequence inputs and outputs (dim ``PACKED``)
     captures = False  # True: records calls inside its module's forward (``attention``), children's params too
+    detaches = False  # True: its weights may run detached after the first backward (``aliases``)
 
     def applies(self, m: nn.Module) -> bool:
         """Whether this form answers for ``m`` (False: ``m`` takes the general path)."""

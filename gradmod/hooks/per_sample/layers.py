@@ -98,6 +98,8 @@ class ConvForm(Form):
     """Conv1d/2d/3d: the input unfolded into patches ``[B, groups, L, C_g * K]``, the output
     gradient as ``[B, groups, O_g, L]``; the weight gradient of example i is their product."""
 
+    detaches = True
+
     @staticmethod
     def _patches(m: nn.Module, x: Tensor) -> Tensor:
         """``[B, groups, C_g * K, L]``: ``Tensor.unfold`` per spatial dimension (faster

@@ -1,13 +1,12 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
 A forward hook on every module that holds a parameter of a per_sample rule keeps its input
-(detached) and hooks its output tensors for their gradients (attention records its projections'
-inside its forward). At the end of each backward: per rule each example's norm over all the
-rule's parameters (flat clipping), the factors ``min(1, C / (|g_i| + 1e-6))``, and ``sum_i c_i
-g_i`` (one weighted matmul per layer) into the step's sums, in place of autograd's ``.grad``.
-``finish()`` adds ``N(0, (sigma C)^2)`` once and divides by the step's (expected) number of
-examples. Nothing per example outlives its backward.
-"""
+(detached) and hooks its outputs for their gradients (attention records its projections'). After
+each backward: per rule each example's norm over all the rule's parameters (flat clipping), the
+factors ``min(1, C / (|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer)
+into the step's sums, in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)``
+once and divides by the step's (expected) number of examples. Nothing per example outlives its
+backward."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
+from gradmod.hooks.per_sample.aliases import detach_during, refuse_arrivals, runs_detached
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
 from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, as_rows
@@ -129,13 +129,15 @@ class PerSampleStage(Stage):
         refusals.refuse_random(self.model, layers, found, self._names)
         self.layers = layers
         self._batch_dependent = {id(p) for x in self.layers if batch_dependent(x.module) for p in x.names.values()}
-        self._handles += [
-            layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
-        ]
-        for x in [x for x in self.layers if x.form.captures]:  # calls recorded inside the module (attention's)
+        self._detached = {id(p) for x in self.layers if runs_detached(x) for p in x.names.values()} & self._clipped
+        detach = lambda: set() if self._verify or not self._following() else self._detached  # noqa: E731
+        for x in self.layers:  # attention records its calls inside its forward; convolutions run detached
+            self._handles.append(x.module.register_forward_hook(self._forward_hook(x), with_kwargs=True))
             done = lambda a, o, x=x: self._follow(x, a, o)  # noqa: E731
-            detach = lambda: set() if self._verify else self._clipped  # noqa: E731  (after the first backward)
-            self._handles += follow(x.module, x.form, x.names, self._following, done, detach)
+            if x.form.captures:
+                self._handles += follow(x.module, x.form, x.names, self._following, done, detach)
+            elif runs_detached(x):
+                self._handles += detach_during(x.module, x.names, detach)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
@@ -187,8 +189,7 @@ class PerSampleStage(Stage):
 
     def _follow(self, layer: Layer, inputs: Any, outs: list[Tensor]) -> None:
         """A call of ``layer`` to clip at the end of the backward: its output gradients hooked."""
-        call = Call.of(layer, inputs, outs)
-        self._calls.append(call)
+        self._calls.append(call := Call.of(layer, inputs, outs))
         for k, t in enumerate(outs):
             if t.requires_grad:
                 t.register_hook(self._grad_hook(call, k))
@@ -234,6 +235,7 @@ class PerSampleStage(Stage):
         got, self._got = self._got, {}
         covered = {id(p) for c in calls for p in c.layer.names.values()}
         check_covered(self._names, covered, got, self.layers is not None)
+        refuse_arrivals(got, set() if self._verify else self._detached, self._names)
         if not calls:
             return
         bsz = self._clip(calls, got if self._verify else None)
