@@ -208,3 +208,19 @@ def test_a_torch_whose_attention_function_hides_its_projections_is_refused_in_on
         F.cross_entropy(model(torch.randn(B, T, E, dtype=torch.float64)), torch.zeros(B, dtype=torch.long)).backward()
     assert "\n" not in str(err.value)
     hooks.remove()
+
+
+def test_weights_kept_in_the_graph_are_checked_along_their_probe_every_backward(monkeypatch):
+    """A log-only rule keeps autograd's gradients (nothing detached): a later use outside the
+    module is caught by the probe of the recorded projections (``attention.probe``)."""
+    monkeypatch.setattr(AttentionForm, "materialises", lambda self, m, a, b: False)
+    torch.manual_seed(0)
+    model = SelfOnFeatures().double()
+    x, y = torch.randn(B, T, E, dtype=torch.float64), torch.zeros(B, dtype=torch.long)
+    hooks = attach(model, {"watch": {"params": "*", "stage": "per_sample", "transforms": ["log"]}})
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()
+        hooks.after_backward()
+    with pytest.raises(ValueError, match=r"'attn.out_proj.weight' got part of its gradient outside"):
+        (F.cross_entropy(model(x), y) + model.attn.out_proj.weight[0].sum()).backward()
+    hooks.remove()

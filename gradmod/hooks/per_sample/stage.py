@@ -293,7 +293,7 @@ class PerSampleStage(Stage):
                 for n, v in by_name.items():
                     norms2[self._rule_of[id(c.layer.names[n])].name] += v.to(norms2_dtype)
                 ghost.append((c, b))
-                if not self._verify:
+                if not (self._verify or {id(p) for p in c.layer.names.values()} <= self._detached):  # (else refused)
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
         for p, g in full.items():
             rows2 = torch.linalg.vector_norm(as_rows(g), dim=1, dtype=norms2_dtype).square()  # one pass, no copy
