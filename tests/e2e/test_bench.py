@@ -69,10 +69,13 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         targets |= {"per_sample_mha_over_opacus"}
     for m in bench.sharpness.MODELS:
         targets |= {f"sharpness_{m}_sam_over_plain", f"sharpness_{m}_every4_over_plain"}
+    gramian = [x for x in bench.per_loss.METHODS if x not in bench.WEIGHTINGS]
     for m in bench.per_loss.MODELS:
-        targets |= {f"per_loss_{m}_modules_over_plain", f"per_loss_{m}_famo_over_plain"}
+        targets |= {f"per_loss_{m}_modules_over_plain"} | {f"per_loss_{m}_{x}_over_plain" for x in bench.WEIGHTINGS}
         if bench.per_loss.has_torchjd():
-            targets |= {f"per_loss_{m}_{x}_over_torchjd" for x in bench.per_loss.METHODS}
+            targets |= {f"per_loss_{m}_{x}_over_torchjd" for x in gramian}
+        if m in bench.GRAMIAN_OVER_PLAIN:
+            targets |= {f"per_loss_{m}_{x}_over_plain" for x in gramian}
     assert targets <= set(report["ratios"])
     for name, r in report["ratios"].items():
         assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
