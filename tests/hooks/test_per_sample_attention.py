@@ -224,3 +224,20 @@ def test_weights_kept_in_the_graph_are_checked_along_their_probe_every_backward(
     with pytest.raises(ValueError, match=r"'attn.out_proj.weight' got part of its gradient outside"):
         (F.cross_entropy(model(x), y) + model.attn.out_proj.weight[0].sum()).backward()
     hooks.remove()
+
+
+def test_a_forward_that_raises_inside_attention_leaves_its_parameters_and_torch_as_they_were():
+    torch.manual_seed(0)
+    model = SelfOnFeatures()
+    before = dict(model.named_parameters())
+    hooks = attach(model, rule())
+    x, y = torch.randn(B, T, E), torch.zeros(B, dtype=torch.long)
+    F.cross_entropy(model(x), y).backward()
+    hooks.after_backward()  # from here the projections run detached
+    with pytest.raises((RuntimeError, AssertionError)):
+        model.attn(x, torch.randn(B, T, E + 1), torch.randn(B, T, E + 1))  # key and value of the wrong width
+    assert all(p is before[n] for n, p in model.named_parameters())
+    assert not torch._C._is_torch_function_mode_enabled()  # no recording left open
+    F.cross_entropy(model(x), y).backward()
+    hooks.after_backward()
+    hooks.remove()

@@ -109,3 +109,20 @@ def test_after_the_first_backward_autograd_no_longer_forms_the_convolution_weigh
     assert {n: arrived[n] for n in convs} == {n: 3 if n in kept else 1 for n in convs}, arrived
     assert arrived["head.weight"] == 3  # a Linear keeps autograd's here
     hooks.remove()
+
+
+def test_a_forward_that_raises_leaves_the_parameters_as_they_were():
+    torch.manual_seed(0)
+    model = TwoConvs()
+    before = dict(model.named_parameters())
+    hooks = attach(model, {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}})
+    x, y = torch.randn(4, 3, 4, 4), torch.randint(0, 3, (4,))
+    F.cross_entropy(model(x), y).backward()
+    hooks.after_backward()  # from here the convolutions run detached
+    with pytest.raises(RuntimeError):
+        model(torch.randn(4, 5, 4, 4))  # the wrong number of channels
+    assert all(p is before[n] for n, p in model.named_parameters())
+    F.cross_entropy(model(x), y).backward()
+    hooks.after_backward()
+    assert all(p.grad is not None for p in model.parameters())
+    hooks.remove()

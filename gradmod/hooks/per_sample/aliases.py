@@ -45,7 +45,8 @@ def in_graph(output: Any) -> Any:
 
 def detach_during(module: nn.Module, names: dict[str, Tensor], ids: Callable[[], set[int]]) -> list:
     """Hooks that run ``module``'s forward on detached aliases of those of ``names`` in ``ids()``
-    (empty: none), ahead of any other forward hook (so the stage sees the output in the graph)."""
+    (empty: none), ahead of any other forward hook (so the stage sees the output in the graph);
+    the parameters are back when the forward ends, also by an error."""
     open_: list[list] = []
 
     def pre(m: nn.Module, args: tuple) -> None:
@@ -61,7 +62,7 @@ def detach_during(module: nn.Module, names: dict[str, Tensor], ids: Callable[[],
         restore(open_.pop())
         return in_graph(output)
 
-    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, prepend=True)]
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, prepend=True, always_call=True)]
 
 
 def runs_detached(layer: Any) -> bool:

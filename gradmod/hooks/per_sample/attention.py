@@ -260,10 +260,11 @@ def follow(m: nn.Module, form: AttentionForm, names: dict[str, Tensor], active, 
             mode.__enter__()
             open_.append((mode, swapped))
 
-    def post(module, args, kwargs, output):
+    def post(module, args, kwargs, output):  # also when the forward raised (output None)
         if open_:
             mode = close()
-            if mode.found is not None and mode.found.calls:
+            if output is not None and mode.found is not None and mode.found.calls:
                 done(mode.found, mode.outs)
 
-    return [m.register_forward_pre_hook(pre, with_kwargs=True), m.register_forward_hook(post, with_kwargs=True)]
+    post_hook = m.register_forward_hook(post, with_kwargs=True, always_call=True)
+    return [m.register_forward_pre_hook(pre, with_kwargs=True), post_hook]
