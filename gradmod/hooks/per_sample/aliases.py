@@ -7,7 +7,7 @@ projections (``attention.follow``), run on detached aliases of their clipped wei
 output gradient the stage needs is still computed (an output that would leave the graph, its
 input being the data, becomes a leaf of its own), the weight gradient is not. A gradient that
 still reaches such a weight came from a use the stage does not follow: refused in one line
-(``refuse_arrivals``; a probe along one direction could miss a use that repeats a followed call).
+(``accounts.refuse_arrivals``; a probe along one direction could miss a use that repeats a followed call).
 """
 
 from __future__ import annotations
@@ -69,15 +69,3 @@ def runs_detached(layer: Any) -> bool:
     """A layer whose clipped weights run detached after the first backward: its form says so
     (convolutions) or records its calls (attention), and no other layer shares them."""
     return (layer.form.detaches or layer.form.captures) and not (layer.materialise or layer.broadcast)
-
-
-def refuse_arrivals(got: dict[int, Any], detached: set[int], names: dict[int, str]) -> None:
-    """A detached weight got a gradient from autograd: a use outside the followed calls."""
-    arrived = next((i for i in got if i in detached), None)
-    if arrived is not None:
-        from gradmod.hooks.per_sample.accounts import OUTSIDE  # (accounts needs the forms, which need this)
-
-        raise ValueError(
-            f"per_sample: {names[arrived]!r} {OUTSIDE}, here after the first backward); that part "
-            "has no per-example split, so the parameter cannot be clipped"
-        )

@@ -19,8 +19,8 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample import refusals
-from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
-from gradmod.hooks.per_sample.aliases import detach_during, refuse_arrivals, runs_detached
+from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums, refuse_arrivals
+from gradmod.hooks.per_sample.aliases import detach_during, runs_detached
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, path_of
 from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, as_rows
