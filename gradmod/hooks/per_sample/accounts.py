@@ -46,6 +46,16 @@ def check_covered(names: dict[int, str], covered: set[int], got: dict[int, Any],
     )
 
 
+def refuse_arrivals(got: dict[int, Any], detached: set[int], names: dict[int, str]) -> None:
+    """A detached weight got a gradient from autograd: a use outside the followed calls."""
+    arrived = next((i for i in got if i in detached), None)
+    if arrived is not None:
+        raise ValueError(
+            f"per_sample: {names[arrived]!r} {OUTSIDE}, here after the first backward); that part "
+            "has no per-example split, so the parameter cannot be clipped"
+        )
+
+
 def check_sums(summed: dict, got: dict[int, Tensor | None], names: dict[int, str], skip: set[int], grad_eps: float):
     """The followed calls' gradients (``summed``: parameter -> sum over examples) add up to autograd's."""
     scale = max((float(g.norm()) for g in got.values() if g is not None), default=0.0)

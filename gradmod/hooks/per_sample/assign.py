@@ -49,6 +49,33 @@ class Call:
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
     grads: list[Tensor | None] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, layer: Layer, inputs: Any, outs: list[Tensor]) -> Call:
+        """A call whose outputs ``outs`` get their gradients later (in the parameters' dtype: autocast)."""
+        dtype = next(iter(layer.names.values())).dtype
+        shapes = [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs]
+        return cls(layer, inputs, shapes, [None] * len(outs))
+
+    def output_grads(self):
+        """The output gradient(s) (outputs that got none count as zeros): for a recording form
+        each recorded output's as it came, for a whole-call form (gradient, batch dim) pairs,
+        else the first, batch first."""
+        grads = [torch.zeros(s, dtype=t, device=d) if g is None else g for g, (s, t, d) in zip(self.grads, self.shapes)]
+        if self.layer.form.captures:
+            return grads
+        if self.layer.form.whole_call:
+            return list(zip(grads, self.layer.out_dims))
+        return grads[0].movedim(self.layer.out_dims[0], 0)
+
+    def batch(self) -> int:
+        """Its number of examples."""
+        form, b = self.layer.form, self.output_grads()
+        if form.captures:
+            return self.inputs.batch
+        if form.whole_call:  # from an output with a batch dim (an RNN's h_n when packed)
+            return next(g.shape[d] for g, d in b if isinstance(d, int))
+        return b.shape[0]
+
 
 def _direct(m: nn.Module, p: nn.Parameter) -> str | None:
     return next((n for n, q in m.named_parameters(recurse=False, remove_duplicate=False) if q is p), None)
@@ -62,10 +89,16 @@ def _leaves(dims) -> list:
     return [d for d in pytree.tree_leaves(dims)]
 
 
+def _local(m: nn.Module, p: nn.Parameter) -> str | None:
+    """``p``'s name in ``m`` where ``m``'s form answers for it: held directly, or by a child
+    whose weight ``m``'s forward uses itself (attention's ``out_proj.weight``)."""
+    return _direct(m, p) or (_dotted(m, p) if form_of(m).captures else None)
+
+
 def _closed(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
     """``m`` holds ``p``, has a closed form, and its calls' batch dims are known."""
     dims = trace.dims.get(id(m), UNKNOWN)
-    if _direct(m, p) is None or form_of(m) is FUNC or dims == UNKNOWN:
+    if _local(m, p) is None or form_of(m) is FUNC or dims == UNKNOWN:
         return False
     ins, outs = cast(tuple, dims)
     first = next(iter(_leaves(ins)), None)
@@ -81,7 +114,8 @@ def _one_row(m: nn.Module, p: nn.Parameter, trace: Trace) -> bool:
     """``m`` holds ``p``, has a closed form, and is called without the batch on one row
     (``[1, ...]`` in, ``[1, ...]`` out: HF's default position ids), which the stage can expand."""
     dims, first = trace.dims.get(id(m), UNKNOWN), trace.first.get(id(m))
-    if _direct(m, p) is None or form_of(m) is FUNC or form_of(m).whole_call or dims == UNKNOWN or first is None:
+    form = form_of(m)
+    if _direct(m, p) is None or form is FUNC or form.whole_call or form.captures or dims == UNKNOWN or first is None:
         return False
     ins, outs = cast(tuple, dims)
     shapes = [s for s in pytree.tree_leaves(first.spec, is_leaf=lambda x: isinstance(x, torch.Size)) if s is not None]
@@ -145,7 +179,7 @@ def assign(model: nn.Module, trace: Trace, params: dict[str, nn.Parameter], broa
         inner = list({id(s[-1]): s[-1] for s in uses}.values())
         if all(_closed(m, p, trace) for m in inner):
             for m in inner:
-                _layer(layers, m, form_of(m), trace, False).names[_direct(m, p)] = p
+                _layer(layers, m, form_of(m), trace, False).names[cast(str, _local(m, p))] = p
             continue
         if broadcast and all(_closed(m, p, trace) or _one_row(m, p, trace) for m in inner):
             for m in inner:

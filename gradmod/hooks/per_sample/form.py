@@ -34,6 +34,12 @@ class Form:
     whole_call = False  # True: ``a`` is the call's Inputs, ``b`` the list of output gradients
     takes_packed = False  # True (whole_call too): PackedSequence inputs and outputs (dim ``PACKED``)
     fresh = False  # True: ``per_example``'s tensors are new, never views of inputs (the stage adds to them in place)
+    captures = False  # True: records calls inside its module's forward (``attention``), children's params too
+    detaches = False  # True: its weights may run detached after the first backward (``aliases``)
+
+    def applies(self, m: nn.Module) -> bool:
+        """Whether this form answers for ``m`` (False: ``m`` takes the general path)."""
+        return True
 
     def refusal(self, m: nn.Module) -> str | None:
         """Why this form cannot give ``m``'s per-example gradients (None: it can)."""

@@ -26,6 +26,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
+from gradmod.hooks.per_sample.attention import AttentionForm
 from gradmod.hooks.per_sample.form import Form, Inputs, broadcast_weights
 from gradmod.hooks.per_sample.recurrent import RNNForm
 
@@ -33,6 +34,12 @@ from gradmod.hooks.per_sample.recurrent import RNNForm
 # per-example weights (one matmul; norms and the weighted sum are then cheap) beat
 # Gram-matrix norms plus a second matmul for the weighted sum; above it, memory decides.
 MATERIALISE_MAX = 1 << 24
+# A pass over one element of [B, *param] costs about as much as this many multiply-adds of
+# a Gram matrix (memory against arithmetic, measured on resnet18's convolutions on a CPU).
+GRAM_MARGIN = 8
+# Up to this many output positions a convolution's clipped sum is one matmul of its unfolded
+# input (torch's weight-gradient kernel is slow on tiny outputs); above, that kernel.
+FEW_POSITIONS = 4
 
 
 def _seq(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -51,6 +58,7 @@ def _small(bsz: int, m: nn.Module) -> bool:
 
 class LinearForm(Form):
     fresh = True
+    detaches = True  # runs on detached aliases after the first backward (``aliases``)
 
     def add_per_example(self, m, a, b, names, into):
         if "weight" not in into:
@@ -62,7 +70,7 @@ class LinearForm(Form):
     def materialises(self, m, a, b):
         """On sequences, where the per-example weights are small and cost fewer flops than the
         Gram matrices (on 2-D input |a_i||b_i| is cheaper); either way the clipped sum costs
-        one matmul as large as the weight gradient autograd is spared (``detach``)."""
+        one matmul as large as the weight gradient autograd is spared (``aliases``)."""
         A, G = _seq(a, b)
         return a.dim() > 2 and _small(len(a), m) and not _gram_pays(A.shape[1], A.shape[2], G.shape[2])
 
@@ -103,6 +111,8 @@ class ConvForm(Form):
     """Conv1d/2d/3d: the input unfolded into patches ``[B, groups, L, C_g * K]``, the output
     gradient as ``[B, groups, O_g, L]``; the weight gradient of example i is their product."""
 
+    detaches = True
+
     @staticmethod
     def _patches(m: nn.Module, x: Tensor) -> Tensor:
         """``[B, groups, C_g * K, L]``: ``Tensor.unfold`` per spatial dimension (faster
@@ -126,7 +136,11 @@ class ConvForm(Form):
         return b.reshape(b.shape[0], m.groups, b.shape[1] // m.groups, -1)  # [B, g, O_g, L]
 
     def materialises(self, m, a, b):
-        return _small(len(b), m)
+        """Where the per-example weights are small and the Gram matrices would not cost less:
+        ``L^2 (C_g K + O_g)`` against ``L C_g K O_g`` plus three passes over ``[B, *param]`` (to
+        form it, norm it, sum it), worth about ``GRAM_MARGIN`` products an element."""
+        positions, taps, outs = math.prod(b.shape[2:]), m.weight[0].numel(), m.weight.shape[0] // m.groups
+        return _small(len(b), m) and positions * positions * (taps + outs) >= GRAM_MARGIN * taps * outs
 
     def per_example(self, m, a, b, names):
         out = {}
@@ -153,15 +167,33 @@ class ConvForm(Form):
 
     def weighted(self, m, a, b, w, names):
         out = {}
-        G = self._grads(m, b * broadcast_weights(w, b))
+        bw = b * broadcast_weights(w, b)
         if "weight" in names:
-            P = self._patches(m, a)
-            # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
-            gw = torch.einsum("bgol,bgkl->gok", G, P)
-            out["weight"] = gw.reshape(m.weight.shape)
+            if math.prod(b.shape[2:]) <= FEW_POSITIONS:  # patches as small as the input: one matmul
+                G, P = self._grads(m, bw), self._patches(m, a)
+                # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
+                out["weight"] = torch.einsum("bgol,bgkl->gok", G, P).reshape(m.weight.shape)
+            else:  # torch's own weight-gradient kernel, on the weighted output gradient
+                out["weight"] = _conv_weight_grad(m, a, bw)
         if "bias" in names:
-            out["bias"] = G.sum((0, 3)).flatten()
+            out["bias"] = bw.sum((0, *range(2, b.dim())))
         return out
+
+
+def _conv_weight_grad(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
+    """The weight gradient of ``m``'s convolution of ``a`` given the output gradient ``b``
+    (summed over the batch), by the kernel autograd uses; padding other than zeros applied first."""
+    padding: Any = m.padding
+    if m.padding_mode != "zeros" or isinstance(padding, str):  # "same" may pad unevenly: pad, then none
+        a = F.pad(
+            a, m._reversed_padding_repeated_twice, mode="constant" if m.padding_mode == "zeros" else m.padding_mode
+        )
+        padding = [0] * (a.dim() - 2)
+    zeros = [0] * (a.dim() - 2)
+    mask = [False, True, False]
+    return torch.ops.aten.convolution_backward(
+        b, a, m.weight, None, m.stride, padding, m.dilation, False, zeros, m.groups, mask
+    )[1]
 
 
 def _affine(b: Tensor, xhat: Tensor, dims: tuple[int, ...], names: set[str]) -> dict[str, Tensor]:
@@ -204,6 +236,8 @@ class ScaleNormForm(Form):
 class EmbeddingForm(Form):
     """Rows gathered by index: the gradient of example i adds ``b_it`` to row ``idx_it``."""
 
+    detaches = True  # runs on detached aliases after the first backward (``aliases``)
+
     fresh = True
 
     def refusal(self, m):
@@ -245,6 +279,8 @@ class EmbeddingForm(Form):
 
 class Conv1DForm(Form):
     """Hugging Face's ``Conv1D``: a Linear whose weight is stored ``[in, out]``."""
+
+    detaches = True  # runs on detached aliases after the first backward (``aliases``)
 
     def materialises(self, m, a, b):
         return LINEAR.materialises(m, a, b)
@@ -314,6 +350,7 @@ FORMS: dict[type, Form] = {
     nn.RNN: RNN,
     nn.LSTM: RNN,
     nn.GRU: RNN,
+    nn.MultiheadAttention: AttentionForm(),
 }
 # Forms of other libraries' layers, found by the type's module and name (nothing imported).
 # Hugging Face's RMSNorms that return ``self.weight * normalised(x)`` (Gemma's ``1 + weight`` does not).
@@ -370,5 +407,5 @@ def form_of(m: nn.Module) -> Form:
         if isinstance(m, cls) and type(m).forward is cls.forward:
             if isinstance(m, nn.Embedding) and (m.scale_grad_by_freq or m.sparse):
                 return FUNC
-            return FORMS[cls]
+            return FORMS[cls] if FORMS[cls].applies(m) else FUNC
     return FUNC

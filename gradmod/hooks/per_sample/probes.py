@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gradmod.hooks.per_sample import attention
 from gradmod.hooks.per_sample import layers as L
 
 Probe = tuple[Tensor, ...]  # (u, v): R = u v^T over (dim 0, the rest); (r,): R = r
@@ -125,6 +126,7 @@ PROBES: dict[type, Callable] = {
     L.GroupNormForm: _group_norm,
     L.ScaleNormForm: _scale_norm,
     L.EmbeddingForm: _embedding,
+    attention.AttentionForm: attention.probe,
 }
 
 

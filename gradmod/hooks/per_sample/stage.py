@@ -1,13 +1,12 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
-A forward hook on every module that directly holds a parameter of a per_sample rule keeps
-its input (detached) and hooks its output tensor for the output gradient (a tensor hook, so
-in-place operations after the module are fine). At the end of each backward: per rule each
-example's norm over all the rule's parameters (flat clipping), the factors ``min(1, C /
-(|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer) into the step's sums,
-in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)`` once and divides by
-the step's (expected) number of examples. Nothing per example outlives its backward.
-"""
+A forward hook on every module that holds a parameter of a per_sample rule keeps its input
+(detached) and hooks its outputs for their gradients (attention records its projections'). After
+each backward: per rule each example's norm over all the rule's parameters (flat clipping), the
+factors ``min(1, C / (|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer)
+into the step's sums, in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)``
+once and divides by the step's (expected) number of examples. Nothing per example outlives its
+backward."""
 
 from __future__ import annotations
 
@@ -21,9 +20,10 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample import position_bias, refusals, tied
-from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums
+from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums, refuse_arrivals
+from gradmod.hooks.per_sample.aliases import detach_during, detachable
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
-from gradmod.hooks.per_sample.detach import Detacher
+from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_options, check_targets, per_sample_rules
@@ -48,7 +48,7 @@ def _packed(x: Any) -> bool:
     return isinstance(x, PackedSequence)
 
 
-def _detached(x: Any, dtype: torch.dtype) -> Any:
+def _input_detached(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, PackedSequence):  # its data as any input; the steps' sizes and order kept
         return x._replace(data=detach_input(x.data, dtype))
     return detach_input(x, dtype)
@@ -91,6 +91,7 @@ class PerSampleStage(Stage):
         self._plain: list[nn.Parameter] | None = None  # outside every clipping rule (manual_mean)
         self.examples = 0  # examples whose clipped gradients are in the sums of this step
         self._rule_of = {id(p): r for r in rules for p in r.params}
+        self._clipped = {id(p) for r in rules if r.clip is not None for p in r.params}
         self._names = {id(p): n for n, p in model.named_parameters() if id(p) in self._rule_of}
         self._sums: dict[int, Tensor] = {}  # id(param) -> clipped sum of this step
         self._calls: list[Call] = []
@@ -99,7 +100,6 @@ class PerSampleStage(Stage):
         self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
         self._probed = Probed()  # every later one along a random direction per parameter
-        self._detacher = Detacher()  # and Linear weights out of autograd's graph after the first
         self._queued = self._tracing = self._broadcast = False
         self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
@@ -125,11 +125,16 @@ class PerSampleStage(Stage):
         refusals.refuse_forms(self.model, layers, self._names)
         refusals.refuse_random(self.model, layers, found, self._names)
         self.layers = layers
-        self._batch_dependent = {id(p) for x in layers if batch_dependent(x.module) for p in x.names.values()}
-        self._handles += [
-            layer.module.register_forward_hook(self._forward_hook(layer), with_kwargs=True) for layer in self.layers
-        ]
-        self._handles += self._detacher.install(self.layers, self.rules)
+        self._batch_dependent = {id(p) for x in self.layers if batch_dependent(x.module) for p in x.names.values()}
+        self._detached = detachable(self.layers) & self._clipped
+        detach = lambda: set() if self._verify or not self._following() else self._detached  # noqa: E731
+        for x in self.layers:  # attention records its calls inside its forward; the others may run detached
+            self._handles.append(x.module.register_forward_hook(self._forward_hook(x), with_kwargs=True))
+            done = lambda a, o, x=x: self._follow(x, a, o)  # noqa: E731
+            if x.form.captures:
+                self._handles += follow(x.module, x.form, x.names, self._following, done, detach)
+            elif any(id(p) in self._detached for p in x.names.values()):
+                self._handles += detach_during(x.module, x.names, detach)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
@@ -177,9 +182,19 @@ class PerSampleStage(Stage):
         """The rule that adds noise (at most one): its ``max_norm`` and ``noise_multiplier``."""
         return next((r.clip for r in self.rules if r.clip and r.clip.noise_multiplier > 0), None)
 
+    def _following(self) -> bool:  # a training forward of the model, not one of the stage's own
+        return not self._tracing and followed_forward()
+
+    def _follow(self, layer: Layer, inputs: Any, outs: list[Tensor]) -> None:
+        """A call of ``layer`` to clip at the end of the backward: its output gradients hooked."""
+        self._calls.append(call := Call.of(layer, inputs, outs))
+        for k, t in enumerate(outs):
+            if t.requires_grad:
+                t.register_hook(self._grad_hook(call, k))
+
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if self._tracing or not followed_forward():
+            if not self._following() or layer.form.captures:
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
                 output = expand_rows(output, layer.rows, self._batch)
@@ -189,23 +204,14 @@ class PerSampleStage(Stage):
                 return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                a, k = pytree.tree_map(lambda x: _detached(x, dtype), (args, kwargs), is_leaf=_packed)
+                a, k = pytree.tree_map(lambda x: _input_detached(x, dtype), (args, kwargs), is_leaf=_packed)
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))
                 if layer.broadcast:
                     first = first.expand(self._batch, *first.shape[1:])
                 inputs = detach_input(first, dtype).movedim(layer.first_in, 0)
-            call = Call(
-                layer,
-                inputs,
-                [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs],
-                [None] * len(outs),
-            )
-            self._calls.append(call)
-            for k, t in enumerate(outs):
-                if t.requires_grad:
-                    t.register_hook(self._grad_hook(call, k))
+            self._follow(layer, inputs, outs)
             return output if layer.broadcast else None
 
         return hook
@@ -227,12 +233,11 @@ class PerSampleStage(Stage):
         got, self._got = self._got, {}
         covered = {id(p) for c in calls for p in c.layer.names.values()}
         check_covered(self._names, covered, got, self.layers is not None)
-        self._detacher.refuse_arrivals(got, self._names)
+        refuse_arrivals(got, set() if self._verify else self._detached, self._names)
         if not calls:
             return
         bsz = self._clip(calls, got if self._verify else None)
         self._verify = self._verify and not bsz
-        self._detacher.active = not self._verify
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:
@@ -240,11 +245,7 @@ class PerSampleStage(Stage):
         self.examples += bsz
 
     def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
-        b0 = self._grads(calls[0])
-        if calls[0].layer.form.whole_call:  # from an output with a batch dim (an RNN's h_n when packed)
-            bsz = next(g.shape[d] for g, d in b0 if isinstance(d, int))
-        else:
-            bsz = b0.shape[0]
+        bsz = calls[0].batch()
         if bsz == 0:  # an empty batch: no example, nothing to clip (the step may still add noise)
             self._empty = True
             return 0
@@ -275,7 +276,7 @@ class PerSampleStage(Stage):
         ghost, summed, pairs = [], PerExample(), tied.shared(calls)  # pairs: shared weights' cross terms
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
-            b, form, names = self._grads(c), c.layer.form, set(c.layer.names)
+            b, form, names = c.output_grads(), c.layer.form, set(c.layer.names)
             full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
             full_ = full_ and not any(id(p) in pairs for p in c.layer.names.values())
             c.layer.materialised = full_
@@ -286,7 +287,7 @@ class PerSampleStage(Stage):
                 for n, v in by_name.items():
                     norms2[self._rule_of[id(c.layer.names[n])].name] += v.to(norms2_dtype)
                 ghost.append((c, b))
-                if not self._verify:
+                if not (self._verify or {id(p) for p in c.layer.names.values()} <= self._detached):  # (else refused)
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
         for i in pairs:
             norms2[self._rule_of[i].name] += tied.cross_norms2(i, ghost, norms2_dtype)
@@ -331,14 +332,6 @@ class PerSampleStage(Stage):
                 self._probed.summed(p, both[1]) if probe else None
         return out
 
-    def _grads(self, c: Call):
-        """The output gradient(s) of a call (outputs that got none count as zeros): for a
-        whole-call form (gradient, batch dim) pairs, else the first, batch first."""
-        grads = [torch.zeros(s, dtype=t, device=d) if g is None else g for g, (s, t, d) in zip(c.grads, c.shapes)]
-        if c.layer.form.whole_call:
-            return list(zip(grads, c.layer.out_dims))
-        return grads[0].movedim(c.layer.out_dims[0], 0)
-
     def finish(self) -> None:
         """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
         self._probed.settle()
@@ -379,8 +372,7 @@ class PerSampleStage(Stage):
     def manual_mean(self) -> list[nn.Parameter]:
         """Outside every clipping rule: DDP's meaning, the mean of the ranks' local gradients."""
         if self._plain is None:
-            clipped = {id(p) for r in self.rules if r.clip is not None for p in r.params}
-            self._plain = [p for p in self.model.parameters() if p.requires_grad and id(p) not in clipped]
+            self._plain = [p for p in self.model.parameters() if p.requires_grad and id(p) not in self._clipped]
         return self._plain
 
     def records(self) -> list[tuple[str, Any]]:
