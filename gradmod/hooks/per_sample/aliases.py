@@ -6,9 +6,9 @@ whole gradients check every form against autograd's), a followed Linear, convolu
 or Embedding, and attention's projections (``attention.follow``), run on detached aliases of
 their clipped weights: the output gradient the stage needs is still computed (an output that
 would leave the graph, its input being the data or token ids, becomes a leaf of its own), the
-weight gradient is not. A gradient that
-still reaches such a weight came from a use the stage does not follow: refused in one line
-(``accounts.refuse_arrivals``; a probe along one direction could miss a use that repeats a followed call).
+weight gradient is not. A gradient that still reaches such a weight came from a use the
+stage does not follow: refused in one line (``accounts.refuse_arrivals``; a probe along one
+direction could miss a use that repeats a followed call).
 """
 
 from __future__ import annotations
