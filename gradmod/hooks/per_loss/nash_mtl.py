@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -35,35 +33,36 @@ class NashMTL(Method):
         self._problem = None
 
     def _build(self, k: int) -> None:
+        """The convex step in parameters only cvxpy can cache (DPP): the linearisation's
+        coefficients ``(1 / prev + (1 / (G prev)) G) / norm`` computed on the host each solve."""
         import cvxpy as cp
 
         a = cp.Variable(k, nonneg=True)
-        prev = cp.Parameter(k, value=self.alpha)
         G = cp.Parameter((k, k), value=np.eye(k))
-        norm = cp.Parameter(1, value=np.ones(1))
-        lin = (1 / prev + (1 / (G @ prev)) @ G) @ (a - prev)  # linearisation of sum log(G a) around prev
+        slope = cp.Parameter(k, value=np.ones(k))
+        log_norm = cp.Parameter(value=0.0)
         Ga = G @ a
-        cons = [-cp.log(a[i] * norm) - cp.log(Ga[i]) <= 0 for i in range(k)]
-        self._problem = (cp.Problem(cp.Minimize(cp.sum(Ga) + lin / norm), cons), a, prev, G, norm)
+        cons = [-cp.log(a[i]) - cp.log(Ga[i]) <= log_norm for i in range(k)]  # log(a_i norm) + log(G a)_i >= 0
+        self._problem = (cp.Problem(cp.Minimize(cp.sum(Ga) + slope @ a), cons), a, G, slope, log_norm)
 
     def _solve(self, gtg: np.ndarray, norm: np.ndarray) -> np.ndarray:
         import cvxpy as cp
 
-        prob, a, prev, G, norm_p = self._problem
-        G.value, norm_p.value = gtg, norm
+        prob, a, G, slope, log_norm = self._problem
+        G.value, log_norm.value = gtg, float(np.log(norm[0]))
         alpha = self.alpha
         for _ in range(self.niter):
-            a.value, prev.value = alpha, alpha
+            prev = np.asarray(alpha, dtype=np.float64)
+            slope.value = (1 / prev + (1 / (gtg @ prev)) @ gtg) / norm[0]
+            a.value = prev
             try:
-                with warnings.catch_warnings():  # the linearised problem is not DPP: cvxpy says so each solve
-                    warnings.filterwarnings("ignore", message=".*not DPP.*")
-                    prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
+                prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
             except (cp.SolverError, ValueError):
-                a.value = prev.value
+                a.value = prev
             if (
                 a.value is None
                 or np.linalg.norm(gtg @ alpha - 1 / (alpha + 1e-10)) < 1e-3
-                or np.linalg.norm(a.value - prev.value) < 1e-6
+                or np.linalg.norm(a.value - prev) < 1e-6
             ):
                 break
             alpha = a.value
