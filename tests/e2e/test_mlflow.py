@@ -35,7 +35,7 @@ def server(tmp_path_factory):
         cwd=home,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: the server and its workers stop together
+        preexec_fn=os.setpgrp,  # its own process group: the server and its workers stop together
     )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
