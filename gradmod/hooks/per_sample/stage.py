@@ -35,6 +35,7 @@ from gradmod.hooks.per_sample.tracing import (
     detach_input,
     expand_rows,
     followed_forward,
+    is_packed,
     param_or_none,
 )
 from gradmod.hooks.stage import Core, Loop, Stage
@@ -42,16 +43,6 @@ from gradmod.hooks.stage import Core, Loop, Stage
 __all__ = ["PerSampleStage", "per_sample_rules"]
 
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
-
-
-def _packed(x: Any) -> bool:
-    return isinstance(x, PackedSequence)
-
-
-def _input_detached(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, PackedSequence):  # its data as any input; the steps' sizes and order kept
-        return x._replace(data=detach_input(x.data, dtype))
-    return detach_input(x, dtype)
 
 
 class PerSampleStage(Stage):
@@ -198,13 +189,15 @@ class PerSampleStage(Stage):
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
                 output = expand_rows(output, layer.rows, self._batch)
-            outs = [t.data if isinstance(t, PackedSequence) else t for t in pytree.tree_leaves(output, is_leaf=_packed)]
+            outs = [
+                t.data if isinstance(t, PackedSequence) else t for t in pytree.tree_leaves(output, is_leaf=is_packed)
+            ]
             outs = [t for t in outs if isinstance(t, Tensor)]
             if not any(t.requires_grad for t in outs):
                 return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
-                a, k = pytree.tree_map(lambda x: _input_detached(x, dtype), (args, kwargs), is_leaf=_packed)
+                a, k = pytree.tree_map(lambda x: detach_input(x, dtype), (args, kwargs), is_leaf=is_packed)
                 inputs = Inputs(a, k, layer.in_dims)
             else:  # a closed form's one input, however it was passed, batch first
                 first = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor))

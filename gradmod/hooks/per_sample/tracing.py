@@ -61,7 +61,8 @@ class TraceError(ValueError):
     """The model's forward cannot be traced as the stage needs (one line)."""
 
 
-def _packed(x: Any) -> bool:
+def is_packed(x: Any) -> bool:
+    """A PackedSequence: a pytree leaf here (its data carries the examples' steps)."""
     return isinstance(x, PackedSequence)
 
 
@@ -136,18 +137,18 @@ def _record(model: nn.Module, args, kwargs, watched: set[int] | None, trace: Tra
 
     def pre(m, a, kw):
         stack.append(m)
-        if any(_packed(x) for x in pytree.tree_leaves((a, kw), is_leaf=_packed)):
+        if any(is_packed(x) for x in pytree.tree_leaves((a, kw), is_leaf=is_packed)):
             packed.append(m)
-        call = CallShapes(pytree.tree_map(_shape, (a, kw), is_leaf=_packed))
-        call.opaque = not all(isinstance(x, PLAIN) for x in pytree.tree_leaves((a, kw), is_leaf=_packed))
+        call = CallShapes(pytree.tree_map(_shape, (a, kw), is_leaf=is_packed))
+        call.opaque = not all(isinstance(x, PLAIN) for x in pytree.tree_leaves((a, kw), is_leaf=is_packed))
         calls.setdefault(id(m), []).append(call)
         open_calls.append(call)
 
     def post(m, a, kw, out):
         stack.pop()
-        if any(_packed(x) for x in pytree.tree_leaves(out, is_leaf=_packed)) and m not in packed:
+        if any(is_packed(x) for x in pytree.tree_leaves(out, is_leaf=is_packed)) and m not in packed:
             packed.append(m)
-        open_calls.pop().outs = [_shape(x) for x in pytree.tree_leaves(out, is_leaf=_packed) if _carried(x)]
+        open_calls.pop().outs = [_shape(x) for x in pytree.tree_leaves(out, is_leaf=is_packed) if _carried(x)]
 
     modules = {id(m): m for m in model.modules()}.values()
     handles = [
@@ -210,8 +211,8 @@ def batch_dim(model: nn.Module, declared: int | None = None) -> int:
 def batch_size(model: nn.Module, args: tuple, kwargs: dict, declared: int | None = None) -> int | None:
     """The size of the batch dimension of the model's first input that has one (None: none has)."""
     d = batch_dim(model, declared)
-    leaves = pytree.tree_leaves((args, kwargs), is_leaf=_packed)
-    first = next((x for x in leaves if _packed(x) or (isinstance(x, Tensor) and x.dim() > d)), None)
+    leaves = pytree.tree_leaves((args, kwargs), is_leaf=is_packed)
+    first = next((x for x in leaves if is_packed(x) or (isinstance(x, Tensor) and x.dim() > d)), None)
     if isinstance(first, PackedSequence):
         return int(first.batch_sizes[0]) if len(first.batch_sizes) else 0
     return None if first is None else first.shape[d]
@@ -245,7 +246,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declar
     with torch.random.fork_rng(devices=cuda):
         out.rng = (torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in cuda})
         calls = _record(model, args, kwargs, watched, out)
-        grown_args, grown_kwargs = pytree.tree_map(lambda x: _grow(x, d, batch), (args, kwargs), is_leaf=_packed)
+        grown_args, grown_kwargs = pytree.tree_map(lambda x: _grow(x, d, batch), (args, kwargs), is_leaf=is_packed)
         try:
             grown = _record(model, grown_args, grown_kwargs, None)
         except Exception as e:  # the user's model: any error it raises on a batch one larger
@@ -334,7 +335,10 @@ def param_uses(
 
 
 def detach_input(x: Any, dtype: torch.dtype | None = None) -> Any:
-    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs)."""
+    """``x`` out of the graph; a floating tensor in ``dtype`` (autocast's bf16 inputs); a
+    PackedSequence's data so, its steps' sizes and order kept."""
+    if isinstance(x, PackedSequence):
+        return x._replace(data=detach_input(x.data, dtype))
     if not isinstance(x, Tensor):
         return x
     x = x.detach()
