@@ -45,7 +45,7 @@ def rest_backward(stage: Any, names: list[str], L: Tensor, replace: dict, grad_r
             got = torch.autograd.grad(weighted_loss, outs, retain_graph=True, materialize_grads=True)
             replace.update({id(t): (t, g) for t, g in zip(outs, got)})
     rest = [p for p in stage.trainable if id(p) not in covered]
-    rest_loss = _rest_loss(L, grad_rules)
+    rest_loss = None  # the plain sum's (or what a method asks), unless the weighted sum serves
     if scaled and len(weighted) == 1 and not grad_rules and len(rest) == len(stage.trainable):
         # One scale on most of the model: the weighted sum's backward, the few others scaled back.
         mine = {id(p) for p, _ in scaled}
@@ -53,7 +53,7 @@ def rest_backward(stage: Any, names: list[str], L: Tensor, replace: dict, grad_r
         if sum(p.numel() for p in others) < sum(p.numel() for p, _ in scaled):
             rest_loss, scaled = weighted_loss, [(p, 1.0 / scaled[0][1]) for p in others]
     if rest:
-        groups.append((rest_loss, rest))
+        groups.append((_rest_loss(L, grad_rules) if rest_loss is None else rest_loss, rest))
     handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
     # Scaled after the backward in one call where .grad starts empty, else as it arrives
     # (.grad holds earlier micro-batches); a hook per parameter costs more than the multiply.
