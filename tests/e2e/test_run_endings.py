@@ -342,10 +342,10 @@ ENTRIES = {  # python train.py, and what the console script gradmod runs
 
 @pytest.mark.slow
 @pytest.mark.parametrize("entry", sorted(ENTRIES))
-@pytest.mark.parametrize("after", [0.0, 3.0])
+@pytest.mark.parametrize("after", ["torch", "claimed"])
 def test_ctrl_c_during_start_up_is_one_line(tmp_path, after, entry):
-    """Ctrl-C while torch is imported (``after`` 0: as soon as it starts loading) or later in
-    the start-up (Hydra composing, the run's checks): one line, exit 130."""
+    """Ctrl-C while torch is imported (as soon as it starts loading) or later in the start-up
+    (the run folder claimed, the data and model still to come): one line, exit 130."""
     proc = subprocess.Popen(
         [*ENTRIES[entry], f"hydra.run.dir={tmp_path / 'run'}", *RESUMABLE],
         cwd=tmp_path,
@@ -357,7 +357,8 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, after, entry):
     deadline = time.monotonic() + 120
     while not _torch_loading(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(after)
+    while after == "claimed" and not (tmp_path / "run" / ".gradmod").exists() and proc.poll() is None:
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
