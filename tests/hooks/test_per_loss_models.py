@@ -16,6 +16,8 @@ from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
 
 import gradmod
+from gradmod.hooks.per_loss import stage as per_loss_stage
+from gradmod.testing.opcount import OpCounter
 
 B, T, D, V = 4, 5, 8, 11
 REFERENCE = {
@@ -38,6 +40,22 @@ class Encoder(nn.Module):
 
     def forward(self, x):
         return self.enc(self.emb(x)).mean(1)
+
+
+class Attend(nn.Module):
+    """Self-attention called by keywords, then attention to a memory (key is value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.selfattn = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.cross = nn.MultiheadAttention(D, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.selfattn(query=h, key=h, value=h, need_weights=False)[0]
+        m = torch.tanh(h)
+        return self.cross(h, m, m, need_weights=False)[0].mean(1)
 
 
 class Recurrent(nn.Module):
@@ -165,6 +183,27 @@ def test_transformer_encoder_trunk_equals_torchjd(name):
     attn = hooks.per_loss.model.trunk.enc.layers[0].self_attn
     assert id(attn.out_proj.weight) not in answered  # used inside F.multi_head_attention_forward
     assert id(hooks.per_loss.model.trunk.enc.layers[0].linear1.weight) in answered  # a plain Linear call
+
+
+@pytest.mark.parametrize("make", [Encoder, Attend], ids=["encoder", "keywords_and_memory"])
+def test_attention_projects_query_key_and_value_apart_without_zero_buffers(make, monkeypatch):
+    """Given one tensor as query and key (or key and value), MultiheadAttention projects it
+    in one matmul and takes q, k, v apart by indexing, whose backward zero-fills the whole
+    projection per task; under a per_loss rule it gets aliases and projects them apart:
+    equal to torchjd, and no zero-filled buffer in the stage's backward."""
+
+    def zeros_in_second_backward(hooks) -> int:
+        model = hooks.per_loss.model
+        x, ys = _batch(1)
+        hooks.backward(_losses(model, x, ys))  # the first backward traced the forward
+        with OpCounter() as ops:
+            hooks.backward(_losses(model, x, ys))
+        hooks.remove()
+        return ops.by_op["aten.zeros.default"]
+
+    assert zeros_in_second_backward(_compare(make, "upgrad")) == 0
+    monkeypatch.setattr(per_loss_stage, "split_in_projections", lambda model, owned: [])
+    assert zeros_in_second_backward(_compare(make, "upgrad")) > 0  # torch's packed path: the buffers avoided
 
 
 @pytest.mark.parametrize("make", [Recurrent, Tied, BothWays], ids=["lstm", "tied", "both_ways"])

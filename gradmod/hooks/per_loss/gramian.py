@@ -2,9 +2,10 @@
 the weighted update ``sum_i w_i g_i`` written from the same pieces (``stage``'s steps 2 and 3).
 
 A Linear's task gradients are ``b_i^T a``; the Gramian is either ``b_i^T (a a^T) b_j``
-(the Gram of the rows, when the rows are fewer than the features) or formed from those task
-gradients of that layer alone, whichever costs fewer flops (``gram_pays``). A Conv's weight
-is small and its activations large: its k weight gradients are formed once.
+(the Gram of the rows, when the rows are fewer than the features), or those task gradients
+are formed once, whichever costs fewer flops (``gram_pays``): then the Gramian and the update
+both come from them. A Conv's weight is small and its activations large: its k weight
+gradients are formed once.
 """
 
 from __future__ import annotations
@@ -85,10 +86,18 @@ def entries(parts: list) -> list[tuple]:
             entry = linear.setdefault(id(layer), ("linear", layer, [], []))
             entry[2].append(linear_rows(m, a).to(g.dtype))
             entry[3].append(out_rows(m, g))
-    rows = [("linear", layer, _cat(A, 0), _cat(B, 1)) for _, layer, A, B in linear.values()]
+    rows = [e for _, layer, A, B in linear.values() for e in linear_entries(layer, _cat(A, 0), _cat(B, 1))]
     # A Conv's weight is small and its activations large: its k weight gradients, once.
     convs = [("param", obj, g.view(g.shape[0], *obj.shape)) for e in conv.values() for _, obj, g in conv_pieces(e)]
     return rows + convs + out
+
+
+def linear_entries(layer: Layer, A: Tensor, B: Tensor) -> list[tuple]:
+    """The layer answered from (a, b) while the rows' Gram pays, else its k task gradients
+    formed here, once: the Gramian and the update then read them (no second weight matmul)."""
+    if "weight" not in layer.names or gram_pays(A.shape[0], A.shape[1], B.shape[2], B.shape[0]):
+        return [("linear", layer, A, B)]
+    return [("param", p, g.view(g.shape[0], *p.shape)) for _, p, g in pieces(("linear", layer, A, B))]
 
 
 def _cat(parts: list[Tensor], dim: int) -> Tensor:
@@ -101,13 +110,9 @@ def gram(e: tuple) -> Tensor:
         _, layer, A, B = e
         k = B.shape[0]
         G = B.new_zeros(k, k)
-        if "weight" in layer.names:
-            if gram_pays(A.shape[0], A.shape[1], B.shape[2], k):
-                KB = torch.matmul(A @ A.T, B)  # [k, N, out]
-                G = G + B.flatten(1) @ KB.flatten(1).T
-            else:
-                J = (B.transpose(1, 2) @ A).flatten(1)  # [k, out * in]
-                G = G + J @ J.T
+        if "weight" in layer.names:  # the rows' Gram (linear_entries chose it)
+            KB = torch.matmul(A @ A.T, B)  # [k, N, out]
+            G = G + B.flatten(1) @ KB.flatten(1).T
         if "bias" in layer.names:
             s = B.sum(1)
             G = G + s @ s.T

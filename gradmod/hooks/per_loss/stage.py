@@ -9,10 +9,15 @@ needs the task gradients:
    weight gradients.
 2. The Gramian ``G_ij = <g_i, g_j>`` over all the rule's tensors together, per layer from
    the saved input ``a`` and the ``b_i``: either ``b_i^T (a a^T) b_j`` (the Gram of the
-   rows, when the rows are fewer than the features) or the task gradients ``b_i^T a`` of
-   that layer alone, whichever costs fewer flops.
-3. Weights from the Gramian (host, float64), then the update ``sum_i w_i g_i`` per layer as
-   one matmul ``(sum_i w_i b_i)^T a``, added to ``.grad``.
+   rows, when the rows are fewer than the features) or the layer's task gradients
+   ``b_i^T a``, formed once, whichever costs fewer flops.
+3. Weights from the Gramian (host, float64), then the update ``sum_i w_i g_i`` per layer:
+   one matmul ``(sum_i w_i b_i)^T a`` on the rows' route, a weighted sum of the formed task
+   gradients on the other, added to ``.grad``.
+
+Self-attention given one tensor as query, key and value projects the three apart (the
+``in_projection`` module): the same values, without the zero buffers a packed projection's
+backward fills per task.
 
 Every other parameter gets the gradient of the sum of the losses in one more backward
 (``rest``). A ``modules:`` rule aggregates the task gradients of the module's output (the
@@ -32,6 +37,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_loss import gramian
+from gradmod.hooks.per_loss.in_projection import split_in_projections
 from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.per_loss.rest import rest_backward
@@ -91,6 +97,7 @@ class PerLossStage(Stage):
         self.tasks: list[str] | None = None  # the losses' names at the first backward, in order
         if self._owner:
             self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
+            self._handles += split_in_projections(model, set(self._owner))
         for r in self.rules:
             for m in r.modules:
                 self.outputs[id(m)] = []
