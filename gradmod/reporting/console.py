@@ -32,12 +32,21 @@ def _flat(numbers: Mapping[str, Any], prefix: str = "") -> list[tuple[str, float
                 _flat(value, f"{key}.")
                 if key != "tasks"
                 else [
-                    kv for task, inner in value.items() if isinstance(inner, Mapping) for kv in _flat(inner, f"{task}.")
+                    kv for task, inner in value.items() if isinstance(inner, Mapping) for kv in _task(task, inner)
                 ]
             )
         elif _is_number(value):
             out.append((prefix + key, value))
     return out
+
+
+def _task(name: str, numbers: Mapping[str, Any]) -> list[tuple[str, float]]:
+    """A task's numbers as ``name.key``, its metric under its own name (``left.test_rmse``)."""
+    metric = numbers.get("metric")
+    return [
+        (f"{name}.test_{metric}" if key == f"{name}.test_metric" and isinstance(metric, str) else key, value)
+        for key, value in _flat(numbers, f"{name}.")
+    ]
 
 
 def _is_number(value: Any) -> bool:

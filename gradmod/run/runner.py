@@ -317,6 +317,6 @@ def _result_line(summary: dict[str, Any]) -> str:
         else [f"test_loss {summary['test_loss']:.4f}"]
     )
     for name, t in summary.get("tasks", {}).items():
-        metric = "" if t["test_metric"] is None else f" metric {t['test_metric']:.4f}"
+        metric = "" if t["test_metric"] is None else f" {t.get('metric') or 'metric'} {t['test_metric']:.4f}"
         parts.append(f"{name}: loss {t['test_loss']:.4f}{metric}" if t["test_loss"] is not None else f"{name}:{metric}")
     return ", ".join(parts)

@@ -98,12 +98,16 @@ def test_each_tasks_numbers_by_name_and_the_metric_once():
         "test_loss": 0.4,
         "test_accuracy": 0.75,
         "test_metric": None,
-        "tasks": {"left": {"test_loss": 0.3, "test_metric": 0.8}, "right": {"test_loss": 0.5, "test_metric": 0.7}},
+        "tasks": {
+            "left": {"test_loss": 0.3, "test_metric": 0.8, "metric": "accuracy"},
+            "right": {"test_loss": 0.5, "test_metric": 0.7, "metric": "rmse"},
+            "other": {"test_loss": 0.6, "test_metric": 0.1},
+        },
         "seconds": 1.0,
     }
     assert epoch_line(record) == (
-        "epoch 1: train_loss 0.5 test_loss 0.4 test_accuracy 0.75 left.test_loss 0.3 "
-        "left.test_metric 0.8 right.test_loss 0.5 right.test_metric 0.7 (1.0 s)"
+        "epoch 1: train_loss 0.5 test_loss 0.4 test_accuracy 0.75 left.test_loss 0.3 left.test_accuracy 0.8 "
+        "right.test_loss 0.5 right.test_rmse 0.7 other.test_loss 0.6 other.test_metric 0.1 (1.0 s)"
     )
     single = {"epoch": 1, "test_accuracy": 0.75, "test_metric": 0.75, "seconds": 1.0}
     assert epoch_line(single) == "epoch 1: test_accuracy 0.75 (1.0 s)"

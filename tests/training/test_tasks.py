@@ -132,7 +132,8 @@ def test_multi_lenet_has_a_trunk_and_two_heads():
         build_model("multi_lenet", image_size=28)
 
 
-def test_multi_mnist_reports_every_task(compose_cfg, tmp_path):
+def test_multi_mnist_reports_every_task(compose_cfg, tmp_path, caplog):
+    caplog.set_level("INFO")
     cfg = compose_cfg(
         *CPU, "data=multi_mnist", "model=multi_lenet", "trainer.epochs=1", "data.n_test=200", "optimizer.lr=0.003"
     )
@@ -155,6 +156,9 @@ def test_multi_mnist_reports_every_task(compose_cfg, tmp_path):
     assert [set(r["tasks"]) for r in records] == [{"left", "right"}] and records[-1]["tasks"] == tasks
     header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"left/test_loss", "left/test_metric", "right/test_metric"} <= set(header)
+    log = caplog.text
+    assert f"left.test_accuracy {tasks['left']['test_metric']:.4g}" in log  # each task's metric by its name
+    assert f"left: loss {tasks['left']['test_loss']:.4f} accuracy {tasks['left']['test_metric']:.4f}" in log
 
 
 def test_a_loss_of_ones_own_names_its_losses_and_metrics_go_per_task(compose_cfg, tmp_path):
