@@ -31,9 +31,7 @@ def _flat(numbers: Mapping[str, Any], prefix: str = "") -> list[tuple[str, float
             out += (
                 _flat(value, f"{key}.")
                 if key != "tasks"
-                else [
-                    kv for task, inner in value.items() if isinstance(inner, Mapping) for kv in _task(task, inner)
-                ]
+                else [kv for task, inner in value.items() if isinstance(inner, Mapping) for kv in _task(task, inner)]
             )
         elif _is_number(value):
             out.append((prefix + key, value))
