@@ -195,6 +195,24 @@ for _m in per_loss.MODELS:
         (f"per_loss_{_m}_torchjd_{x}_over_plain", f"per_loss.{_m}.torchjd_{x}", f"per_loss.{_m}.plain", None, None)
         for x in ("upgrad", "mgda", "pcgrad")
     ]
+    # The k task gradients by k ordinary backward passes: what an exact method pays where it
+    # must form them (a convolution, a Linear with more rows than features).
+    RATIOS += [
+        (
+            f"per_loss_{_m}_task_backwards_over_plain",
+            f"per_loss.{_m}.task_backwards",
+            f"per_loss.{_m}.plain",
+            None,
+            None,
+        ),
+        (
+            f"per_loss_{_m}_upgrad_over_task_backwards",
+            f"per_loss.{_m}.gradmod_upgrad",
+            f"per_loss.{_m}.task_backwards",
+            None,
+            None,
+        ),
+    ]
 for _m in sharpness.MODELS:  # two passes are the floor of a SAM step: <= 2.05x plain; every 4th step: <= 1.3x
     RATIOS += [
         (

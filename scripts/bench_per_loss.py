@@ -2,6 +2,8 @@
 several losses, SGD step) by each contender, at batch 64 on one thread:
 
     plain            the sum of the losses, one backward
+    task_backwards   each loss's own backward (k passes): the task gradients an exact method
+                     needs, formed the ordinary way and combined by nothing
     torchjd_<m>      torchjd 0.18: mtl_backward(losses, features) + jac_to_grad(trunk, <m>)
     gradmod_<m>      attach(model, {<m> on "trunk.*"}) and hooks.backward(losses)
     gradmod_modules  <m> = upgrad on the trunk's output (``modules: trunk``)
@@ -21,6 +23,7 @@ resident set over the set-up is reported.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # peak_memory, also wh
 import peak_memory  # noqa: E402  (beside this script)
 
 from gradmod.hooks import attach  # noqa: E402
+
+# torchjd's batched backward loops over the tasks where torch has no batching rule (attention,
+# on the transformer) and warns at every step; the timings say what it costs.
+warnings.filterwarnings("ignore", message=".*we have not yet implemented the batching rule")
 
 BATCH = 64
 STEPS = 3  # optimizer steps per timed run
@@ -120,7 +127,7 @@ def names() -> list[str]:
     """``model.contender`` for every contender that can run here."""
     out = []
     for m in MODELS:
-        out.append(f"{m}.plain")
+        out += [f"{m}.plain", f"{m}.task_backwards"]
         for method in METHODS:
             if has_torchjd():
                 out.append(f"{m}.torchjd_{method}")
@@ -174,6 +181,13 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
         def step(x, ys):
             _, L = losses(x, ys)
             sum(L.values()).backward()
+    elif contender == "task_backwards":
+        params = list(model.parameters())
+
+        def step(x, ys):
+            _, L = losses(x, ys)
+            for i, loss in enumerate(L.values()):
+                torch.autograd.grad(loss, params, retain_graph=i < len(L) - 1, allow_unused=True)
     elif contender.startswith("torchjd_"):
         from torchjd.autojac import jac_to_grad, mtl_backward
 

@@ -58,6 +58,17 @@ class Attend(nn.Module):
         return self.cross(h, m, m, need_weights=False)[0].mean(1)
 
 
+class Wide(nn.Module):
+    """Linears on few rows (4 examples) against their features: the rows' Gram route."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.up, self.down = nn.Embedding(V, D), nn.Linear(D, 64), nn.Linear(64, D)
+
+    def forward(self, x):
+        return torch.tanh(self.down(torch.tanh(self.up(self.emb(x).mean(1)))))
+
+
 class Recurrent(nn.Module):
     def __init__(self):
         super().__init__()
@@ -199,14 +210,30 @@ def test_attention_projects_query_key_and_value_apart_without_zero_buffers(make,
         with OpCounter() as ops:
             hooks.backward(_losses(model, x, ys))
         hooks.remove()
-        return ops.by_op["aten.zeros.default"]
+        return ops.by_op["aten.zeros.default"] + ops.by_op["aten.select_backward.default"]  # batched, k passes
 
     assert zeros_in_second_backward(_compare(make, "upgrad")) == 0
     monkeypatch.setattr(per_loss_stage, "split_in_projections", lambda model, owned: [])
     assert zeros_in_second_backward(_compare(make, "upgrad")) > 0  # torch's packed path: the buffers avoided
 
 
-@pytest.mark.parametrize("make", [Recurrent, Tied, BothWays], ids=["lstm", "tied", "both_ways"])
+@pytest.mark.parametrize("make, batched", [(Wide, True), (Encoder, False)], ids=["wide", "encoder"])
+def test_one_batched_backward_where_the_rows_route_holds_most_parameters_else_k_passes(make, batched, monkeypatch):
+    """The Linears on few rows take their task gradients' Gramian from their k output
+    gradients, which one batched backward gives; a trunk whose tensors need their own k
+    gradients (attention, Linears on many token rows) takes k ordinary passes."""
+    seen = []
+    real = per_loss_stage.task_grads
+    monkeypatch.setattr(
+        per_loss_stage, "task_grads", lambda *a, batched: seen.append(batched) or real(*a, batched=batched)
+    )
+    hooks = _compare(make, "upgrad")  # equal to torchjd either way
+    x, ys = _batch(1)
+    hooks.backward(_losses(hooks.per_loss.model, x, ys))
+    assert seen == [batched, batched]
+
+
+@pytest.mark.parametrize("make", [Recurrent, Tied, BothWays, Wide], ids=["lstm", "tied", "both_ways", "wide"])
 @pytest.mark.parametrize("name", ["upgrad", "pcgrad", "cagrad"])
 def test_rnn_tied_and_functional_weights_equal_torchjd(make, name):
     _compare(make, name)

@@ -3,17 +3,17 @@
 ``HookSet.backward(losses)`` hands the stage k scalar losses. For each rule whose method
 needs the task gradients:
 
-1. One batched backward (``is_grads_batched``: the k rows of the identity as output
-   gradients) to the *outputs* of the rule's Linear and Conv layers (and to the rule's
-   other parameters directly): the layers' k output gradients ``b_i``, never their k
-   weight gradients.
-2. The Gramian ``G_ij = <g_i, g_j>`` over all the rule's tensors together, per layer from
-   the saved input ``a`` and the ``b_i``: either ``b_i^T (a a^T) b_j`` (the Gram of the
-   rows, when the rows are fewer than the features) or the layer's task gradients
-   ``b_i^T a``, formed once, whichever costs fewer flops.
-3. Weights from the Gramian (host, float64), then the update ``sum_i w_i g_i`` per layer:
-   one matmul ``(sum_i w_i b_i)^T a`` on the rows' route, a weighted sum of the formed task
-   gradients on the other, added to ``.grad``.
+1. The k losses' gradients to the rule's parameters, and, for a Linear whose rows are few
+   against its features, to its *output* instead: that layer's k output gradients ``b_i``,
+   never its k weight gradients. In one batched backward (``is_grads_batched``: the k rows
+   of the identity as output gradients) where such Linears hold most of the parameters,
+   else in k ordinary passes (``task_grads.batch_pays``).
+2. The Gramian ``G_ij = <g_i, g_j>`` over all the rule's tensors together: such a Linear's
+   part ``b_i^T (a a^T) b_j`` from its saved input ``a`` (the Gram of the rows), every other
+   tensor's from its k task gradients.
+3. Weights from the Gramian (host, float64), then the update ``sum_i w_i g_i``: one matmul
+   ``(sum_i w_i b_i)^T a`` for such a Linear, a weighted sum of the k task gradients for the
+   rest, added to ``.grad``.
 
 Self-attention given one tensor as query, key and value projects the three apart (the
 ``in_projection`` module): the same values, without the zero buffers a packed projection's
@@ -41,7 +41,7 @@ from gradmod.hooks.per_loss.in_projection import split_in_projections
 from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.per_loss.rest import rest_backward
-from gradmod.hooks.per_loss.task_grads import assign_layers, refuse_sparse, task_grads
+from gradmod.hooks.per_loss.task_grads import assign_layers, batch_pays, refuse_sparse, task_grads
 from gradmod.hooks.per_sample.tracing import param_uses
 from gradmod.hooks.stage import Core, Loop, Stage
 
@@ -204,10 +204,10 @@ class PerLossStage(Stage):
                 f"losses, but hooks.backward got one ({', '.join(map(str, losses))}); give two or more"
             )
         names = self._tasks(list(losses))
-        L = torch.stack([losses[n] for n in names])
+        listed = [losses[n] for n in names]
         try:
             self.inside = True
-            self._backward(names, L)
+            self._backward(names, listed)
         finally:
             self.inside = False
             for layer in self.layers:
@@ -232,7 +232,7 @@ class PerLossStage(Stage):
                 )
         return names
 
-    def _backward(self, names: list[str], L: Tensor) -> None:
+    def _backward(self, names: list[str], listed: list[Tensor]) -> None:
         for r in self.rules:
             if r.modules and not any(self.outputs[id(m)] for m in r.modules):
                 raise ValueError(
@@ -241,20 +241,26 @@ class PerLossStage(Stage):
                 )
         k = len(names)
         grad_rules = [r for r in self.rules if r.method.kind != "losses"]
-        inputs, slots = self._inputs(grad_rules)
-        grads = self._task_grads(L, inputs, all(s[1] == "output" for s in slots)) if inputs else []
+        inputs, slots = self._inputs(grad_rules, k)
+        grads = self._task_grads(listed, inputs, slots) if inputs else []
         replace: dict[int, Tensor] = {}  # id(module rule output) -> aggregated gradient
         for r in grad_rules:
             self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
-        rest_backward(self, names, L, replace, grad_rules)
+        rest_backward(self, names, torch.stack(listed), replace, grad_rules)
 
-    def _inputs(self, rules: list[LossRule]) -> tuple[list, list]:
+    def _inputs(self, rules: list[LossRule], k: int) -> tuple[list, list]:
         """What the batched backward differentiates to, and (rule, what, object) per entry."""
         inputs, slots = [], []
         for layer in self.layers:
-            for a, edge in layer.calls:
-                inputs.append(edge)
-                slots.append((layer.rule, "layer", (layer, a)))
+            if layer.rows_pay(k):
+                for a, edge in layer.calls:
+                    inputs.append(edge)
+                    slots.append((layer.rule, "layer", (layer, a)))
+            elif layer.calls:  # its k task gradients from the backward itself
+                for n in sorted(layer.names):
+                    p = getattr(layer.module, n)
+                    inputs.append(p)
+                    slots.append((layer.rule, "param", p))
         for rule, p in self.direct.values():
             inputs.append(p)
             slots.append((rule, "param", p))
@@ -265,11 +271,13 @@ class PerLossStage(Stage):
                     slots.append((r, "output", t))
         return inputs, slots
 
-    def _task_grads(self, L: Tensor, inputs: list, outputs_only: bool) -> list[Tensor | None]:
-        """``[k, *input]`` per input (``per_loss.task_grads``); a backward that cannot
-        run batched (torch.compile's kernels) turns ``batched`` off for good."""
-        grads, ran_batched = task_grads(L, inputs, batched=self.batched and not outputs_only)
-        if not outputs_only:
+    def _task_grads(self, losses: list[Tensor], inputs: list, slots: list) -> list[Tensor | None]:
+        """``[k, *input]`` per input (``per_loss.task_grads``), from one batched backward where
+        it pays (``batch_pays``), else k passes; a backward that cannot run batched
+        (torch.compile's kernels) turns ``batched`` off for good."""
+        batch = self.batched and batch_pays(slots)
+        grads, ran_batched = task_grads(losses, inputs, batched=batch)
+        if batch:
             self.batched = ran_batched
         return grads
 

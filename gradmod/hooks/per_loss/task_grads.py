@@ -1,8 +1,8 @@
-"""Which of a per_loss rule's parameters are answered from a layer's (input, output gradient)
+"""Which of a per_loss rule's parameters may be answered from a layer's (input, output gradient)
 pairs, from the trace of the model's first training forward (``per_sample.tracing.param_uses``),
 and the k task gradients of the rest (``task_grads``).
 
-A Linear or Conv with torch's own forward is answered so only when every use of its weight
+A Linear with torch's own forward may be answered so only when every use of its weight
 and bias ran inside its own forward and no other module holds them: not attention's
 ``out_proj`` (used inside ``F.multi_head_attention_forward``), not a weight also used through
 ``F.linear``, not a weight tied to another module. Every other parameter gets its k task
@@ -21,8 +21,8 @@ from gradmod.hooks.per_loss import gramian
 
 
 def factored_forward(m: nn.Module) -> bool:
-    """A Linear, or a Conv with torch's own forward (a subclass's forward may do anything)."""
-    return any(type(m).forward is cls.forward for cls in (nn.Linear, *gramian.CONVS) if isinstance(m, cls))
+    """A Linear with torch's own forward (a subclass's forward may do anything)."""
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
 
 
 def assign_layers(model: nn.Module, owner: dict[int, Any], uses: dict[int, list]) -> list[gramian.Layer]:
@@ -53,13 +53,27 @@ def refuse_sparse(model: nn.Module, owner: dict[int, Any]) -> None:
             )
 
 
-def task_grads(L: Tensor, inputs: list, batched: bool) -> tuple[list[Tensor | None], bool]:
+def batch_pays(slots: list) -> bool:
+    """Whether one batched backward beats k ordinary passes: where the Linears on the rows'
+    route (whose k output gradients it gives in one matmul per layer) hold at least as many
+    of the rules' parameters as the tensors that need their own k gradients. Those (a
+    convolution, a Linear on many rows, attention's projections) take vmap's copies and its
+    per-op loops in a batched backward, and a plain backward's kernels in k passes. A
+    ``modules:`` rule's output gradients (the heads alone) take k passes: each loss through
+    its own head."""
+    rows = {id(obj[0]): obj[0] for _, what, obj in slots if what == "layer"}
+    on_rows = sum(getattr(layer.module, n).numel() for layer in rows.values() for n in layer.names)
+    own = sum(obj.numel() for _, what, obj in slots if what == "param")
+    return bool(rows) and on_rows >= own
+
+
+def task_grads(losses: list[Tensor], inputs: list, batched: bool) -> tuple[list[Tensor | None], bool]:
     """(``[k, *input]`` per input: the k losses' gradients, whether they came from one batched
     backward). Batched: one backward with the k rows of the identity (big matmuls); else, or
     where the backward cannot run batched (a compiled backward's ``out=`` kernels), k plain
-    passes, the same gradients. Down to a module's output only (the heads), k passes are the
-    cheaper: each loss then goes through its own head alone."""
+    passes, the same gradients."""
     if batched:
+        L = torch.stack(losses)
         eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
         try:
             with warnings.catch_warnings():  # an op without a batching rule loops over the k rows: right, slower
@@ -71,7 +85,7 @@ def task_grads(L: Tensor, inputs: list, batched: bool) -> tuple[list[Tensor | No
         except RuntimeError as e:
             if "Batching rule not implemented" not in str(e):
                 raise
-    rows = [torch.autograd.grad(L[i], inputs, retain_graph=True, allow_unused=True) for i in range(len(L))]
+    rows = [torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True) for loss in losses]
     out: list[Tensor | None] = []
     for j in range(len(inputs)):
         found = [r[j] for r in rows]
