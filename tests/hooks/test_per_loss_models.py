@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 import torchjd.aggregation as tja  # the reference implementation (a test dependency, torchjd[full])
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
 
 import gradmod
 from gradmod.hooks.per_loss import stage as per_loss_stage
+from gradmod.hooks.per_loss import task_grads as task_grads_module
 from gradmod.testing.opcount import OpCounter
 
 B, T, D, V = 4, 5, 8, 11
@@ -171,9 +173,9 @@ def _torchjd_grads(model, x, ys, aggregator) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _compare(make, name: str) -> gradmod.hooks.HookSet:
+def _compare(make, name: str, heads: bool = True) -> gradmod.hooks.HookSet:
     torch.manual_seed(1)
-    model = Heads(make()).double()
+    model = (Heads(make()) if heads else make()).double()
     x, ys = _batch()
     expected = _torchjd_grads(copy.deepcopy(model), x, ys, REFERENCE[name]())
     hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
@@ -225,12 +227,74 @@ def test_one_batched_backward_where_the_rows_route_holds_most_parameters_else_k_
     seen = []
     real = per_loss_stage.task_grads
     monkeypatch.setattr(
-        per_loss_stage, "task_grads", lambda *a, batched: seen.append(batched) or real(*a, batched=batched)
+        per_loss_stage, "task_grads", lambda *a, batched, **kw: seen.append(batched) or real(*a, batched=batched, **kw)
     )
     hooks = _compare(make, "upgrad")  # equal to torchjd either way
     x, ys = _batch(1)
     hooks.backward(_losses(hooks.per_loss.model, x, ys))
     assert seen == [batched, batched]
+
+
+class Around(Heads):
+    """A head that also reads the trunk other than through its output: a trunk weight used
+    by the head, or a trunk module called again outside the trunk."""
+
+    def __init__(self, way: str):
+        super().__init__(Wide())
+        self.way = way
+
+    def forward(self, x):
+        z = self.trunk(x)
+        out = {n: h(z) for n, h in self.heads.items()}
+        if self.way == "weight":
+            out["t0"] = out["t0"] + F.linear(z, self.trunk.up.weight)[:, :3]
+        elif self.way == "module":
+            out["t1"] = out["t1"] + self.trunk.emb(x).mean(1)[:, :3]
+        elif self.way == "detached":  # only through the output after all: the frontier serves
+            out["t2"] = out["t2"] + self.trunk.emb.weight.detach()[:4, :3]
+        return out
+
+
+@pytest.mark.parametrize("way, through", [("weight", False), ("module", False), ("detached", True)])
+def test_the_batched_backward_starts_at_the_trunks_output_only_where_every_path_runs_through_it(
+    way, through, monkeypatch
+):
+    """Each loss goes down its own head to the trunk's output, and the k gradients found there
+    go down the trunk in one batched pass, only where no path from a loss reaches the rule's
+    tensors around that output; the gradients equal torchjd's either way."""
+    calls = []
+    real = task_grads_module.task_grads_through
+    monkeypatch.setattr(task_grads_module, "task_grads_through", lambda *a: calls.append(1) or real(*a))
+    hooks = _compare(lambda: Around(way), "upgrad", heads=False)
+    assert hooks.per_loss.batched and bool(calls) is through
+
+
+def test_the_heads_run_once_per_task_in_the_batched_backward(monkeypatch):
+    """Ten heads: from the trunk's output down, each head's backward runs for its own task
+    alone, where a batched backward from the losses runs each head for all ten rows (nine of
+    them zero); flops counted by torch's FlopCounterMode, the gradients the same."""
+    torch.manual_seed(0)
+    model = Heads(Wide(), k=10).double()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (B, T), generator=g)
+    ys = {n: torch.randint(0, 3, (B,), generator=g) for n in model.heads}
+
+    def step_flops() -> tuple[int, list[torch.Tensor]]:
+        m = copy.deepcopy(model)
+        hooks = gradmod.attach(m, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+        hooks.backward(_losses(m, x, ys))  # the first backward traces the forward
+        m.zero_grad()
+        with FlopCounterMode(display=False) as flops:
+            hooks.backward(_losses(m, x, ys))
+        return flops.get_total_flops(), [p.grad for p in m.parameters()]
+
+    through, grads = step_flops()
+    monkeypatch.setattr(task_grads_module, "reached", lambda *a: None)
+    around, expected = step_flops()
+    head_input_grads = 10 * (10 - 1) * B * 3 * D * 2  # the zero rows' matmuls through the heads
+    assert around - through >= head_input_grads, (around, through)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("make", [Recurrent, Tied, BothWays, Wide], ids=["lstm", "tied", "both_ways", "wide"])

@@ -37,6 +37,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_loss import gramian
+from gradmod.hooks.per_loss.frontier import frontier_module
 from gradmod.hooks.per_loss.in_projection import split_in_projections
 from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
 from gradmod.hooks.per_loss.record import TaskRecord
@@ -102,6 +103,12 @@ class PerLossStage(Stage):
             for m in r.modules:
                 self.outputs[id(m)] = []
                 self._handles.append(m.register_forward_hook(self._save_output(m)))
+        # The outputs of the smallest module holding every params rule's tensors: the batched
+        # backward starts there when every path runs through them (``frontier``).
+        self.frontier: list[Tensor] = []
+        shared = frontier_module(model, [p for r in rules if r.method.kind != "losses" for p in r.params])
+        if shared is not None and not any(r.modules for r in rules):
+            self._handles.append(shared.register_forward_hook(self._save_frontier))
 
     # ---- set-up: which parameters are answered from (a, b), which directly ----
 
@@ -154,6 +161,11 @@ class PerLossStage(Stage):
                 self.outputs[id(m)].extend(t for t in outs if t.requires_grad)
 
         return hook
+
+    def _save_frontier(self, module, args, output) -> None:
+        outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        if not self._tracing and self._active(outs):
+            self.frontier.extend(outs)
 
     def _guard(self, rule: LossRule):
         def hook(g):
@@ -214,6 +226,7 @@ class PerLossStage(Stage):
                 layer.calls = []
             for k in self.outputs:
                 self.outputs[k] = []
+            self.frontier = []
         return True
 
     def _tasks(self, names: list[str]) -> list[str]:
@@ -276,7 +289,7 @@ class PerLossStage(Stage):
         it pays (``batch_pays``), else k passes; a backward that cannot run batched
         (torch.compile's kernels) turns ``batched`` off for good."""
         batch = self.batched and batch_pays(slots)
-        grads, ran_batched = task_grads(losses, inputs, batched=batch)
+        grads, ran_batched = task_grads(losses, inputs, batched=batch, frontier=self.frontier)
         if batch:
             self.batched = ran_batched
         return grads
@@ -410,5 +423,6 @@ class PerLossStage(Stage):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.frontier = []
         for layer in self.layers:
             layer.calls = []

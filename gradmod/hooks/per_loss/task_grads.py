@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks.per_loss import gramian
+from gradmod.hooks.per_loss.frontier import reached, task_grads_through
 
 
 def factored_forward(m: nn.Module) -> bool:
@@ -67,17 +68,23 @@ def batch_pays(slots: list) -> bool:
     return bool(rows) and on_rows >= own
 
 
-def task_grads(losses: list[Tensor], inputs: list, batched: bool) -> tuple[list[Tensor | None], bool]:
-    """(``[k, *input]`` per input: the k losses' gradients, whether they came from one batched
-    backward). Batched: one backward with the k rows of the identity (big matmuls); else, or
-    where the backward cannot run batched (a compiled backward's ``out=`` kernels), k plain
-    passes, the same gradients."""
+def task_grads(
+    losses: list[Tensor], inputs: list, batched: bool, frontier: list[Tensor] = ()
+) -> tuple[list[Tensor | None], bool]:
+    """(``[k, *input]`` per input: the k losses' gradients, whether they came from a batched
+    backward). Batched: one backward with the k rows of the identity (big matmuls), from
+    the ``frontier`` tensors down where every path runs through them (``frontier``); else,
+    or where the backward cannot run batched (a compiled backward's ``out=`` kernels), k
+    plain passes, the same gradients."""
     if batched:
-        L = torch.stack(losses)
-        eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
+        through = reached(losses, list(frontier), inputs) if frontier else None
         try:
             with warnings.catch_warnings():  # an op without a batching rule loops over the k rows: right, slower
                 warnings.filterwarnings("ignore", message=".*we have not yet implemented the batching rule")
+                if through:
+                    return task_grads_through(losses, through, inputs), True
+                L = torch.stack(losses)
+                eye = torch.eye(len(L), dtype=L.dtype, device=L.device)
                 got = torch.autograd.grad(
                     L, inputs, grad_outputs=eye, is_grads_batched=True, retain_graph=True, allow_unused=True
                 )

@@ -1,0 +1,77 @@
+"""The task gradients through a shared representation: each loss's own pass down to it,
+then one batched pass below it.
+
+A batched backward of k losses carries k rows through every op, so each task's head also
+runs for the k - 1 rows that are zero there: k heads cost k^2 head passes and their k
+gradients of the representation are added in full. Where every path from the losses to the
+rules' tensors runs through the outputs of one module (the smallest holding all the rules'
+parameters: ``trunk`` for ``trunk.*``), each loss goes to those outputs alone (its own head),
+and the k gradients found there go down together. Any other path (a tied weight used by a
+head, a loss on a parameter, another output of the op that made the representation) and the
+step takes the ordinary batched backward instead: always the same gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+
+
+def frontier_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module | None:
+    """The deepest module below the model whose subtree holds every one of ``params``."""
+    wanted = {id(p) for p in params}
+    paths = [name.rpartition(".")[0] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted]
+    if not paths:
+        return None
+    common = paths[0].split(".") if paths[0] else []
+    for path in paths[1:]:
+        parts = path.split(".") if path else []
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return model.get_submodule(".".join(common)) if common else None
+
+
+def reached(losses: list[Tensor], frontier: list[Tensor], inputs: list) -> list[Tensor] | None:
+    """The ``frontier`` tensors the losses reach, when every path of the autograd graph from
+    ``losses`` to ``inputs`` (parameters, gradient edges) passes through one of them (walked
+    from the losses, stopping there); else None."""
+    stop: dict = {}
+    for t in frontier:
+        edge = get_gradient_edge(t)
+        stop.setdefault(edge.node, {})[edge.output_nr] = t
+    targets = {get_gradient_edge(x).node if isinstance(x, Tensor) else x.node for x in inputs}
+    found: dict[int, Tensor] = {}
+    seen, todo = set(), [loss.grad_fn for loss in losses if loss.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in targets:
+            return None
+        for nxt, nr in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt in stop:
+                if nr not in stop[nxt]:
+                    return None  # another output of the node that made the representation
+                found[id(stop[nxt][nr])] = stop[nxt][nr]
+                continue
+            todo.append(nxt)
+    return list(found.values())
+
+
+def task_grads_through(losses: list[Tensor], frontier: list[Tensor], inputs: list) -> list[Tensor | None]:
+    """``[k, *input]`` per input: each loss's gradient of the frontier tensors in its own pass,
+    then the k of them down to ``inputs`` in one batched pass."""
+    rows = [torch.autograd.grad(loss, frontier, retain_graph=True, allow_unused=True) for loss in losses]
+    cotangents = [
+        torch.stack([torch.zeros_like(t) if r[j] is None else r[j] for r in rows]) for j, t in enumerate(frontier)
+    ]
+    got = torch.autograd.grad(
+        frontier, inputs, grad_outputs=cotangents, is_grads_batched=True, retain_graph=True, allow_unused=True
+    )
+    return list(got)
