@@ -71,6 +71,25 @@ class Wide(nn.Module):
         return torch.tanh(self.down(torch.tanh(self.up(self.emb(x).mean(1)))))
 
 
+class EndsInLinear(Wide):
+    """The trunk's output is a Linear's own output (the layer on the rows' route)."""
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(self.emb(x).mean(1))))
+
+
+class Convolved(Wide):
+    """A convolution over the tokens before the wide Linears (which hold most parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(D, D, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(self.emb(x).transpose(1, 2))).mean(2)
+        return torch.tanh(self.down(torch.tanh(self.up(h))))
+
+
 class Recurrent(nn.Module):
     def __init__(self):
         super().__init__()
@@ -219,11 +238,14 @@ def test_attention_projects_query_key_and_value_apart_without_zero_buffers(make,
     assert zeros_in_second_backward(_compare(make, "upgrad")) > 0  # torch's packed path: the buffers avoided
 
 
-@pytest.mark.parametrize("make, batched", [(Wide, True), (Encoder, False)], ids=["wide", "encoder"])
+@pytest.mark.parametrize(
+    "make, batched", [(Wide, True), (Encoder, False), (Convolved, False)], ids=["wide", "encoder", "convolved"]
+)
 def test_one_batched_backward_where_the_rows_route_holds_most_parameters_else_k_passes(make, batched, monkeypatch):
     """The Linears on few rows take their task gradients' Gramian from their k output
     gradients, which one batched backward gives; a trunk whose tensors need their own k
-    gradients (attention, Linears on many token rows) takes k ordinary passes."""
+    gradients (attention, Linears on many token rows), or a convolution, takes k ordinary
+    passes."""
     seen = []
     real = per_loss_stage.task_grads
     monkeypatch.setattr(
@@ -297,7 +319,9 @@ def test_the_heads_run_once_per_task_in_the_batched_backward(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("make", [Recurrent, Tied, BothWays, Wide], ids=["lstm", "tied", "both_ways", "wide"])
+@pytest.mark.parametrize(
+    "make", [Recurrent, Tied, BothWays, Wide, EndsInLinear], ids=["lstm", "tied", "both_ways", "wide", "ends_in_linear"]
+)
 @pytest.mark.parametrize("name", ["upgrad", "pcgrad", "cagrad"])
 def test_rnn_tied_and_functional_weights_equal_torchjd(make, name):
     _compare(make, name)

@@ -6,8 +6,8 @@ needs the task gradients:
 1. The k losses' gradients to the rule's parameters, and, for a Linear whose rows are few
    against its features, to its *output* instead: that layer's k output gradients ``b_i``,
    never its k weight gradients. In one batched backward (``is_grads_batched``: the k rows
-   of the identity as output gradients) where such Linears hold most of the parameters,
-   else in k ordinary passes (``task_grads.batch_pays``).
+   of the identity as output gradients) where such Linears hold most of the parameters and
+   no convolution is among them, else in k ordinary passes (``task_grads.batch_pays``).
 2. The Gramian ``G_ij = <g_i, g_j>`` over all the rule's tensors together: such a Linear's
    part ``b_i^T (a a^T) b_j`` from its saved input ``a`` (the Gram of the rows), every other
    tensor's from its k task gradients.
@@ -80,6 +80,12 @@ class PerLossStage(Stage):
         self.batched = True
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._owner = {id(p): r for r in rules if r.method.kind != "losses" for p in r.params}
+        self._convolutions = {
+            id(p)
+            for m in model.modules()
+            if isinstance(m, nn.modules.conv._ConvNd)
+            for p in m.parameters(recurse=False)
+        }
         refuse_sparse(model, self._owner)
         weighting = [r.name for r in rules if getattr(r.method, "heads", "sum") == "weighted"]
         if len(weighting) > 1:
@@ -288,7 +294,7 @@ class PerLossStage(Stage):
         """``[k, *input]`` per input (``per_loss.task_grads``), from one batched backward where
         it pays (``batch_pays``), else k passes; a backward that cannot run batched
         (torch.compile's kernels) turns ``batched`` off for good."""
-        batch = self.batched and batch_pays(slots)
+        batch = self.batched and batch_pays(slots, self._convolutions)
         grads, ran_batched = task_grads(losses, inputs, batched=batch, frontier=self.frontier)
         if batch:
             self.batched = ran_batched

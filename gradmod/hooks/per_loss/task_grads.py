@@ -54,18 +54,17 @@ def refuse_sparse(model: nn.Module, owner: dict[int, Any]) -> None:
             )
 
 
-def batch_pays(slots: list) -> bool:
+def batch_pays(slots: list, convolutions: set[int]) -> bool:
     """Whether one batched backward beats k ordinary passes: where the Linears on the rows'
     route (whose k output gradients it gives in one matmul per layer) hold at least as many
-    of the rules' parameters as the tensors that need their own k gradients. Those (a
-    convolution, a Linear on many rows, attention's projections) take vmap's copies and its
-    per-op loops in a batched backward, and a plain backward's kernels in k passes. A
-    ``modules:`` rule's output gradients (the heads alone) take k passes: each loss through
-    its own head."""
+    of the rules' parameters as the tensors that need their own k gradients, and none of
+    these is a convolution's (``convolutions``: ids). Those tensors (a convolution, a Linear
+    on many rows, attention's projections) take vmap's copies and its per-op loops (pooling,
+    attention, norms) in a batched backward, and a plain backward's kernels in k passes."""
     rows = {id(obj[0]): obj[0] for _, what, obj in slots if what == "layer"}
     on_rows = sum(getattr(layer.module, n).numel() for layer in rows.values() for n in layer.names)
-    own = sum(obj.numel() for _, what, obj in slots if what == "param")
-    return bool(rows) and on_rows >= own
+    own = [obj for _, what, obj in slots if what == "param"]
+    return bool(rows) and on_rows >= sum(p.numel() for p in own) and not any(id(p) in convolutions for p in own)
 
 
 def task_grads(
