@@ -4,8 +4,8 @@ the weighted update ``sum_i w_i g_i`` written from the same pieces (``stage``'s 
 A Linear's task gradients are ``b_i^T a``. Where the rows are few against the features
 (``gram_pays``) its Gramian is ``b_i^T (a a^T) b_j`` and its update ``(sum_i w_i b_i)^T a``:
 the k weight gradients are never formed. Everywhere else (more rows, a convolution, a weight
-used functionally) the batched backward forms each tensor's k task gradients itself, in the
-same kernels as the input gradients.
+used functionally) the backward forms each tensor's k task gradients itself, in the same
+kernels as the input gradients.
 """
 
 from __future__ import annotations
