@@ -119,7 +119,7 @@ class PerLossStage(Stage):
     # ---- set-up: which parameters are answered from (a, b), which directly ----
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The first training forward is traced once: a Linear or Conv is answered from its
+        """The first training forward is traced once: a Linear may be answered from its
         (input, output gradient) pairs only when every use of its weight and bias ran inside
         its own forward (not attention's ``out_proj`` inside ``F.multi_head_attention_forward``,
         not a weight also used through ``F.linear`` or tied to another module)."""
