@@ -29,9 +29,10 @@ Sections:
          784-512-512-10 MLP: plain step, Opacus (default and ghost mode, if installed), gradmod's
          per_sample stage; and each contender's peak memory, in a fresh process
          (see scripts/bench_per_sample.py)
-  per_loss  one multi-task step at batch 64: the sum of the losses (plain), torchjd 0.18 (mtl_backward +
-         jac_to_grad) and gradmod's per_loss stage with the same method, on a 784-512-512 trunk with
-         5 heads and a LeNet-like conv trunk with 2 heads; gradmod's modules mode and famo against plain;
+  per_loss  one multi-task step at batch 64: the sum of the losses (plain), each loss's own backward
+         (task_backwards), torchjd 0.18 (mtl_backward + jac_to_grad) and gradmod's per_loss stage with
+         the same method, on a 784-512-512 trunk with 5 and 10 heads, a 2-layer transformer encoder
+         with 5 and a LeNet-like conv trunk with 2; gradmod's modules mode and famo against plain;
          each contender's peak memory in a fresh process (see scripts/bench_per_loss.py)
   sharpness  one SGD step with SAM (two forward and backward passes) and with SAM every 4th step against a
          plain step, on the MNIST CNN (batch 100) and a ResNet-18 (batch 32, 32x32); SAM's extra peak
