@@ -60,6 +60,21 @@ class Attend(nn.Module):
         return self.cross(h, m, m, need_weights=False)[0].mean(1)
 
 
+class AttendDefaults(nn.Module):
+    """MultiheadAttention as constructed by default (time major, attention weights returned),
+    with a padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mha = nn.Embedding(V, D), nn.MultiheadAttention(D, 2)
+        self.register_buffer("pad", torch.arange(T).expand(B, T) == T - 1)  # each example's last token
+
+    def forward(self, x):
+        h = self.emb(x).transpose(0, 1)  # [T, B, D]
+        out, weights = self.mha(h, h, h, key_padding_mask=self.pad)
+        return out.mean(0) + weights.mean((1, 2))[:, None]
+
+
 class Wide(nn.Module):
     """Linears on few rows (4 examples) against their features: the rows' Gram route."""
 
@@ -217,7 +232,9 @@ def test_transformer_encoder_trunk_equals_torchjd(name):
     assert id(hooks.per_loss.model.trunk.enc.layers[0].linear1.weight) in answered  # a plain Linear call
 
 
-@pytest.mark.parametrize("make", [Encoder, Attend], ids=["encoder", "keywords_and_memory"])
+@pytest.mark.parametrize(
+    "make", [Encoder, Attend, AttendDefaults], ids=["encoder", "keywords_and_memory", "defaults_with_padding"]
+)
 def test_attention_projects_query_key_and_value_apart_without_zero_buffers(make, monkeypatch):
     """Given one tensor as query and key (or key and value), MultiheadAttention projects it
     in one matmul and takes q, k, v apart by indexing, whose backward zero-fills the whole
