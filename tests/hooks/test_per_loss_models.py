@@ -392,6 +392,27 @@ def test_lstm_modules_rule_aggregates_every_output_including_the_state():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=n)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_inside_the_trunk(reentrant):
+    """Non-reentrant checkpointing: the same gradients as torchjd's; reentrant checkpointing,
+    which refuses torch.autograd.grad, is refused in one line naming what works."""
+
+    class Checkpointed(Wide):
+        def forward(self, x):
+            body = lambda h: torch.tanh(self.down(torch.tanh(self.up(h))))  # noqa: E731
+            return torch.utils.checkpoint.checkpoint(body, self.emb(x).mean(1), use_reentrant=reentrant)
+
+    if not reentrant:
+        _compare(Checkpointed, "upgrad")
+        return
+    model = Heads(Checkpointed()).double()
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    x, ys = _batch()
+    with pytest.raises(ValueError, match=r"hooks\.mtl: .*use_reentrant=True; checkpoint with use_reentrant=False") as e:
+        hooks.backward(_losses(model, x, ys))
+    assert "\n" not in str(e.value)
+
+
 def test_a_sparse_embedding_is_refused_in_one_line():
     class Sparse(nn.Module):
         def __init__(self):

@@ -226,6 +226,14 @@ class PerLossStage(Stage):
         try:
             self.inside = True
             self._backward(names, listed)
+        except RuntimeError as e:
+            if "use_reentrant=True" not in str(e):
+                raise
+            raise ValueError(
+                f"hooks.{self.rules[0].name}: a per_loss rule takes each task's gradient with "
+                "torch.autograd.grad, which torch.utils.checkpoint refuses with use_reentrant=True; "
+                "checkpoint with use_reentrant=False"
+            ) from e
         finally:
             self.inside = False
             for layer in self.layers:
