@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import torchjd.aggregation as tja  # the reference implementation (a test dependency, torchjd[full])
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
@@ -400,7 +401,7 @@ def test_activation_checkpointing_inside_the_trunk(reentrant):
     class Checkpointed(Wide):
         def forward(self, x):
             body = lambda h: torch.tanh(self.down(torch.tanh(self.up(h))))  # noqa: E731
-            return torch.utils.checkpoint.checkpoint(body, self.emb(x).mean(1), use_reentrant=reentrant)
+            return checkpoint(body, self.emb(x).mean(1), use_reentrant=reentrant)
 
     if not reentrant:
         _compare(Checkpointed, "upgrad")
