@@ -64,8 +64,10 @@ class LinearForm(Form):
         if "weight" not in into:
             return super().add_per_example(m, a, b, names, into)
         A, G = _seq(a, b)
-        out = {**self.per_example(m, a, b, names - {"weight"}), "weight": into["weight"].baddbmm_(G.mT, A)}
-        return {n: into[n].add_(g) if n in into and n != "weight" else g for n, g in out.items()}
+        return {
+            **super().add_per_example(m, a, b, names - {"weight"}, into),
+            "weight": into["weight"].baddbmm_(G.mT, A),
+        }
 
     def materialises(self, m, a, b):
         """On sequences, where the per-example weights are small and cost fewer flops than the
