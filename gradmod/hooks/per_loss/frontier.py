@@ -13,6 +13,8 @@ step takes the ordinary batched backward instead: always the same gradients.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
@@ -21,16 +23,8 @@ from torch.autograd.graph import get_gradient_edge
 def frontier_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module | None:
     """The deepest module below the model whose subtree holds every one of ``params``."""
     wanted = {id(p) for p in params}
-    paths = [name.rpartition(".")[0] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted]
-    if not paths:
-        return None
-    common = paths[0].split(".") if paths[0] else []
-    for path in paths[1:]:
-        parts = path.split(".") if path else []
-        n = 0
-        while n < min(len(common), len(parts)) and common[n] == parts[n]:
-            n += 1
-        common = common[:n]
+    owners = [name.split(".")[:-1] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted]
+    common = os.path.commonprefix(owners) if owners else []
     return model.get_submodule(".".join(common)) if common else None
 
 
