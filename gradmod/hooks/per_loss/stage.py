@@ -98,23 +98,25 @@ class PerLossStage(Stage):
         self.direct: dict[int, tuple[LossRule, nn.Parameter]] = {
             id(p): (r, p) for r in rules if r.method.kind != "losses" for p in r.params
         }
-        self.outputs: dict[int, list] = {}  # id(module rule's module) -> its outputs' tensors
+        self.outputs: dict[int, list] = {}  # id(module) -> its outputs' tensors: a module rule's, the frontier's
         self._handles = []
         self._traced = self._tracing = False
         self.tasks: list[str] | None = None  # the losses' names at the first backward, in order
         if self._owner:
             self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
             self._handles += split_in_projections(model, set(self._owner))
-        for r in self.rules:
-            for m in r.modules:
-                self.outputs[id(m)] = []
-                self._handles.append(m.register_forward_hook(self._save_output(m)))
         # The outputs of the smallest module holding every params rule's tensors: the batched
         # backward starts there when every path runs through them (``frontier``).
-        self.frontier: list[Tensor] = []
-        shared = frontier_module(model, [p for r in rules if r.method.kind != "losses" for p in r.params])
-        if shared is not None and not any(r.modules for r in rules):
-            self._handles.append(shared.register_forward_hook(self._save_frontier))
+        modules = [m for r in rules for m in r.modules]
+        shared = (
+            None
+            if modules
+            else frontier_module(model, [p for r in rules if r.method.kind != "losses" for p in r.params])
+        )
+        self._frontier = None if shared is None else id(shared)
+        for m in modules + ([] if shared is None else [shared]):
+            self.outputs[id(m)] = []
+            self._handles.append(m.register_forward_hook(self._save_output(m)))
 
     # ---- set-up: which parameters are answered from (a, b), which directly ----
 
@@ -167,11 +169,6 @@ class PerLossStage(Stage):
                 self.outputs[id(m)].extend(t for t in outs if t.requires_grad)
 
         return hook
-
-    def _save_frontier(self, module, args, output) -> None:
-        outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
-        if not self._tracing and self._active(outs):
-            self.frontier.extend(outs)
 
     def _guard(self, rule: LossRule):
         def hook(g):
@@ -240,7 +237,6 @@ class PerLossStage(Stage):
                 layer.calls = []
             for k in self.outputs:
                 self.outputs[k] = []
-            self.frontier = []
         return True
 
     def _tasks(self, names: list[str]) -> list[str]:
@@ -303,7 +299,7 @@ class PerLossStage(Stage):
         it pays (``batch_pays``), else k passes; a backward that cannot run batched
         (torch.compile's kernels) turns ``batched`` off for good."""
         batch = self.batched and batch_pays(slots, self._convolutions)
-        grads, ran_batched = task_grads(losses, inputs, batched=batch, frontier=self.frontier)
+        grads, ran_batched = task_grads(losses, inputs, batched=batch, frontier=self.outputs.get(self._frontier, []))
         if batch:
             self.batched = ran_batched
         return grads
@@ -437,6 +433,5 @@ class PerLossStage(Stage):
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.frontier = []
         for layer in self.layers:
             layer.calls = []
