@@ -1,5 +1,5 @@
-"""The task gradients through a shared representation: each loss's own pass down to it,
-then one batched pass below it.
+"""Where the task gradients may go through a shared representation: each loss's own pass down
+to it, then one batched pass below it (``task_grads.task_grads_through``).
 
 A batched backward of k losses carries k rows through every op, so each task's head also
 runs for the k - 1 rows that are zero there: k heads cost k^2 head passes and their k
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
@@ -56,16 +55,3 @@ def reached(losses: list[Tensor], frontier: list[Tensor], inputs: list) -> list[
                 continue
             todo.append(nxt)
     return list(found.values())
-
-
-def task_grads_through(losses: list[Tensor], frontier: list[Tensor], inputs: list) -> list[Tensor | None]:
-    """``[k, *input]`` per input: each loss's gradient of the frontier tensors in its own pass,
-    then the k of them down to ``inputs`` in one batched pass."""
-    rows = [torch.autograd.grad(loss, frontier, retain_graph=True, allow_unused=True) for loss in losses]
-    cotangents = [
-        torch.stack([torch.zeros_like(t) if r[j] is None else r[j] for r in rows]) for j, t in enumerate(frontier)
-    ]
-    got = torch.autograd.grad(
-        frontier, inputs, grad_outputs=cotangents, is_grads_batched=True, retain_graph=True, allow_unused=True
-    )
-    return list(got)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks.per_loss import gramian
-from gradmod.hooks.per_loss.frontier import reached, task_grads_through
+from gradmod.hooks.per_loss.frontier import reached
 
 
 def factored_forward(m: nn.Module) -> bool:
@@ -91,10 +91,32 @@ def task_grads(
         except RuntimeError as e:
             if "Batching rule not implemented" not in str(e):
                 raise
+    return passes(losses, inputs), False
+
+
+def passes(losses: list[Tensor], inputs: list) -> list[Tensor | None]:
+    """``[k, *input]`` per input from k plain passes (None: no loss reaches it; zeros for the
+    losses that do not where another does)."""
     rows = [torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True) for loss in losses]
     out: list[Tensor | None] = []
     for j in range(len(inputs)):
         found = [r[j] for r in rows]
         like = next((g for g in found if g is not None), None)
         out.append(None if like is None else torch.stack([torch.zeros_like(like) if g is None else g for g in found]))
-    return out, False
+    return out
+
+
+def task_grads_through(losses: list[Tensor], frontier: list[Tensor], inputs: list) -> list[Tensor | None]:
+    """``[k, *input]`` per input: each loss's gradient of the ``frontier`` tensors (the ones it
+    reaches) in its own pass, then the k of them down to ``inputs`` in one batched pass."""
+    cotangents = passes(losses, frontier)
+    return list(
+        torch.autograd.grad(
+            [t for t, c in zip(frontier, cotangents) if c is not None],
+            inputs,
+            grad_outputs=[c for c in cotangents if c is not None],
+            is_grads_batched=True,
+            retain_graph=True,
+            allow_unused=True,
+        )
+    )
