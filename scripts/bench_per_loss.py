@@ -7,7 +7,8 @@ several losses, SGD step) by each contender, at batch 64 on one thread:
     torchjd_<m>      torchjd 0.18: mtl_backward(losses, features) + jac_to_grad(trunk, <m>)
     gradmod_<m>      attach(model, {<m> on "trunk.*"}) and hooks.backward(losses)
     gradmod_modules  <m> = upgrad on the trunk's output (``modules: trunk``)
-    gradmod_famo     famo on every parameter (a loss weighting: no task gradients)
+    gradmod_famo     famo on the trunk, as ``+hooks=famo`` (a loss weighting: no task gradients;
+                     the same batch's forward after the step, from which it learns, is left out)
 
 Models: ``mlp5``, a 784-512-512 trunk with 5 classification heads (Linear 512-10); ``mlp10``,
 the same trunk with 10 heads; ``trans5``, a 2-layer ``nn.TransformerEncoder`` (width 64, 4
@@ -201,7 +202,7 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
         method = contender.removeprefix("gradmod_")
         rule = {
             "modules": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]},
-            "famo": {"params": "*", "transforms": ["famo"]},
+            "famo": {"params": "trunk.*", "transforms": ["famo"]},
         }.get(method, {"params": "trunk.*", "transforms": [method]})
         hooks = attach(model, {"mtl": rule})
 

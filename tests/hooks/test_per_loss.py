@@ -261,6 +261,28 @@ def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, 
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_weightings_adam_step_is_torchs_bit_for_bit(dtype):
+    """uw's and famo's Adam, stepped by torch's functional Adam on the optimizer's own state,
+    equals ``torch.optim.Adam.step`` exactly, and its state dict resumes a torch Adam."""
+    from gradmod.hooks.per_loss.weightings import adam_step
+
+    g = torch.Generator().manual_seed(0)
+    ours = torch.zeros(4, dtype=dtype, requires_grad=True)
+    theirs = ours.detach().clone().requires_grad_(True)
+    opt_a = torch.optim.Adam([ours], lr=0.025, weight_decay=0.001)
+    opt_b = torch.optim.Adam([theirs], lr=0.025, weight_decay=0.001)
+    for step in range(50):
+        grad = torch.randn(4, generator=g, dtype=dtype)
+        adam_step(opt_a, grad)
+        theirs.grad = grad
+        opt_b.step()
+        assert torch.equal(ours, theirs), step
+        if step == 20:  # resumed from our state dict
+            opt_b = torch.optim.Adam([theirs], lr=0.025, weight_decay=0.001)
+            opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # a checkpoint, not shared tensors
+
+
 class OneLinearHeads(nn.Module):
     def __init__(self, k: int = 3):
         super().__init__()
@@ -275,7 +297,7 @@ class OneLinearHeads(nn.Module):
 @pytest.mark.parametrize("name", ["sum", "mean", "random", "geometric_mean", "uw", "dwa", "famo"])
 def test_loss_weightings_take_one_ordinary_backward(name):
     """A method whose weights need no task gradient: the matmuls of one plain backward of the
-    sum, no batched pass (the step's dispatched ops, deterministic)."""
+    sum, no batched pass, each loss's backward once (the step's dispatched ops, deterministic)."""
     from gradmod.testing.opcount import OpCounter
 
     def matmuls(rule):
@@ -288,10 +310,10 @@ def test_loss_weightings_take_one_ordinary_backward(name):
             losses = _losses(model, x.float(), ys)
             with OpCounter() as ops:
                 hooks.backward(losses) if hooks else sum(losses.values()).backward()
-        return {op: n for op, n in ops.by_op.items() if "mm" in op}
+        return {op: n for op, n in ops.by_op.items() if "mm" in op or "softmax_backward" in op}
 
     plain = matmuls(None)
-    assert plain == {"aten.mm.default": 9}
+    assert plain == {"aten.mm.default": 9, "aten._log_softmax_backward_data.default": 3}
     assert matmuls({"params": "trunk.*", "transforms": [name]}) == plain
 
 

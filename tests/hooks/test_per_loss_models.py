@@ -309,6 +309,68 @@ def test_the_batched_backward_starts_at_the_trunks_output_only_where_every_path_
     assert hooks.per_loss.batched and bool(calls) is through
 
 
+class Stemmed(Heads):
+    """The trunk reads an embedding outside it: below the trunk's output, a tensor outside
+    a ``trunk.*`` rule gets a gradient too."""
+
+    def __init__(self):
+        super().__init__(nn.Sequential(nn.Linear(D, D), nn.Tanh()))
+        self.stem = nn.Embedding(V, D)
+
+    def forward(self, x):
+        z = self.trunk(self.stem(x).mean(1))
+        return {n: h(z) for n, h in self.heads.items()}
+
+
+class SharedHead(Heads):
+    """One head's output enters two losses."""
+
+    def __init__(self):
+        super().__init__(Wide())
+
+    def forward(self, x):
+        out = super().forward(x)
+        return {**out, "t1": out["t1"] + out["t0"]}
+
+
+@pytest.mark.parametrize(
+    "make, one",
+    [
+        (lambda: Heads(Wide()), True),
+        (lambda: Heads(Encoder()), True),
+        (lambda: Heads(Recurrent()), True),
+        (Stemmed, False),
+        (lambda: Around("weight"), False),
+        (SharedHead, False),
+    ],
+    ids=["wide", "encoder", "lstm", "stem_outside", "head_reads_a_trunk_weight", "shared_head"],
+)
+@pytest.mark.parametrize("name", ["random", "famo", "geometric_mean"])
+def test_a_loss_weighting_on_the_trunk_takes_one_backward_where_the_losses_reach_it_through_its_output(make, one, name):
+    """The trunk the weighted sum's gradient, every other parameter the plain sum's: in one
+    backward (each loss's log-softmax backward runs once) where each loss reaches the trunk
+    only through its output by its own head and nothing outside the rule lies below it;
+    else two (the plain sum's for the rest). Against autograd of both sums, float64."""
+    torch.manual_seed(1)
+    model = make().double()
+    x, ys = _batch()
+    hooks = gradmod.attach(model, {"w": {"params": "trunk.*", "transforms": [name]}})
+    with OpCounter() as ops:
+        hooks.backward(_losses(model, x, ys))
+    assert ops.by_op["aten._log_softmax_backward_data.default"] == (3 if one else 6)
+    stats = hooks.read_stats()[f"w/{name}"]
+    w = torch.tensor([stats[f"weight/t{i}"] for i in range(3)], dtype=torch.float64)
+    assert not torch.allclose(w, w[0].expand(3))  # the weights differ: a plain sum would not pass
+    L = torch.stack(list(_losses(model, x, ys).values()))
+    named = dict(model.named_parameters())
+    trunk = [n for n in named if n.startswith("trunk.")]
+    rest = [n for n in named if n not in trunk]
+    expected = dict(zip(trunk, torch.autograd.grad((w * L).sum(), [named[n] for n in trunk], retain_graph=True)))
+    expected |= dict(zip(rest, torch.autograd.grad(L.sum(), [named[n] for n in rest])))
+    for n, p in named.items():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-12, atol=1e-14, msg=n)
+
+
 def test_the_heads_run_once_per_task_in_the_batched_backward(monkeypatch):
     """Ten heads: from the trunk's output down, each head's backward runs for its own task
     alone, where a batched backward from the losses runs each head for all ten rows (nine of

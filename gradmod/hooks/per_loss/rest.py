@@ -1,8 +1,9 @@
 """The one backward after the task gradients: every parameter outside the gradient rules
 gets the gradient of the sum of the losses (a loss weighting's parameters: of its weighted
 sum; a weighting that gives every task one weight scales the plain sum's gradient on its
-parameters by a hook instead, in the same backward), the module rules' aggregates handed on
-through their outputs' hooks."""
+parameters by a hook instead, in the same backward; one whose parameters the losses reach
+only through a module's outputs scales each loss's gradient where it enters them, in the
+same backward too), the module rules' aggregates handed on through their outputs' hooks."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradmod.hooks.per_loss.frontier import loss_edges
 
-def rest_backward(stage: Any, names: list[str], L: Tensor, replace: dict, grad_rules: list) -> None:
+
+def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: dict, grad_rules: list) -> None:
     """The parameters outside the gradient rules: the gradient of the sum of the losses
     (of a loss weighting's weighted sum for its rule's parameters), the module rules'
     aggregates handed on through their outputs."""
+    L = torch.stack(listed)
     covered = {id(p) for r in grad_rules for p in r.params}
     weighted = [r for r in stage.rules if r.method.kind == "losses"]
     groups: list[tuple[Tensor, list[nn.Parameter]]] = []
@@ -55,6 +59,14 @@ def rest_backward(stage: Any, names: list[str], L: Tensor, replace: dict, grad_r
     if rest:
         groups.append((_rest_loss(L, grad_rules) if rest_loss is None else rest_loss, rest))
     handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
+    if len(weighted) == 1 and len(groups) == 2 and groups[0][0] is weighted_loss and not grad_rules and not replace:
+        # One weighting on the parameters below a module's outputs: the plain sum's one backward,
+        # each loss's gradient scaled by its weight where it enters those outputs.
+        frontier = stage.outputs.get(stage.frontier, [])
+        edges = loss_edges(listed, frontier, groups[0][1], stage.trainable) if frontier else None
+        if edges is not None:
+            handles += [node.register_hook(_scale(ins, w)) for node, ins in edges.items()]
+            groups = [(groups[1][0], groups[0][1] + groups[1][1])]
     # Scaled after the backward in one call where .grad starts empty, else as it arrives
     # (.grad holds earlier micro-batches); a hook per parameter costs more than the multiply.
     after = [(p, c) for p, c in scaled if p.grad is None]
@@ -72,6 +84,20 @@ def rest_backward(stage: Any, names: list[str], L: Tensor, replace: dict, grad_r
         grads = [p.grad for p, f in after if f == c and p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, c)
+
+
+def _scale(inputs: list[tuple[int, int]], w: Tensor):
+    """A node's hook: the gradient to its input ``j`` times the weight of loss ``i``."""
+    factors = [(j, float(w[i])) for j, i in inputs]
+
+    def hook(grad_inputs, _grad_outputs):
+        out = list(grad_inputs)
+        for j, c in factors:
+            if out[j] is not None:
+                out[j] = out[j] * c
+        return tuple(out)
+
+    return hook
 
 
 def _rest_loss(L: Tensor, grad_rules: list) -> Tensor:
