@@ -322,6 +322,18 @@ class Stemmed(Heads):
         return {n: h(z) for n, h in self.heads.items()}
 
 
+class PooledOutside(Heads):
+    """The trunk gives a sequence and the model pools it: every loss reaches the trunk through
+    one pooling op, which none of them owns."""
+
+    def __init__(self):
+        super().__init__(nn.Sequential(nn.Embedding(V, D), nn.Linear(D, D), nn.Tanh()))
+
+    def forward(self, x):
+        z = self.trunk(x).mean(1)
+        return {n: h(z) for n, h in self.heads.items()}
+
+
 class SharedHead(Heads):
     """One head's output enters two losses."""
 
@@ -339,18 +351,20 @@ class SharedHead(Heads):
         (lambda: Heads(Wide()), True),
         (lambda: Heads(Encoder()), True),
         (lambda: Heads(Recurrent()), True),
+        (PooledOutside, True),
+        (lambda: Around("weight"), True),
         (Stemmed, False),
-        (lambda: Around("weight"), False),
         (SharedHead, False),
     ],
-    ids=["wide", "encoder", "lstm", "stem_outside", "head_reads_a_trunk_weight", "shared_head"],
+    ids=["wide", "encoder", "lstm", "pooled_outside", "head_reads_a_trunk_weight", "stem_outside", "shared_head"],
 )
 @pytest.mark.parametrize("name", ["random", "famo", "geometric_mean"])
-def test_a_loss_weighting_on_the_trunk_takes_one_backward_where_the_losses_reach_it_through_its_output(make, one, name):
+def test_a_loss_weighting_on_the_trunk_takes_one_backward_where_it_lies_below_the_losses_join(make, one, name):
     """The trunk the weighted sum's gradient, every other parameter the plain sum's: in one
-    backward (each loss's log-softmax backward runs once) where each loss reaches the trunk
-    only through its output by its own head and nothing outside the rule lies below it;
-    else two (the plain sum's for the rest). Against autograd of both sums, float64."""
+    backward (each loss's log-softmax backward runs once) where nothing outside the rule lies
+    below the point where the losses' paths join and nothing of the rule's above it (a head
+    reading a trunk weight is scaled on that path too); else two (the plain sum's for the
+    rest). Against autograd of both sums, float64."""
     torch.manual_seed(1)
     model = make().double()
     x, ys = _batch()
@@ -369,6 +383,17 @@ def test_a_loss_weighting_on_the_trunk_takes_one_backward_where_the_losses_reach
     expected |= dict(zip(rest, torch.autograd.grad(L.sum(), [named[n] for n in rest])))
     for n, p in named.items():
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-12, atol=1e-14, msg=n)
+
+
+def test_the_frontier_is_the_called_module_above_a_list_of_layers():
+    """A TransformerEncoder's parameters all lie in its ``layers`` (a ModuleList, never called):
+    the frontier is the encoder, whose outputs exist."""
+    from gradmod.hooks.per_loss.frontier import frontier_module
+
+    layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)
+    model = Heads(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    assert frontier_module(model, list(model.trunk.parameters())) is model.trunk
+    assert frontier_module(model, list(model.trunk.layers[1].parameters())) is model.trunk.layers[1]
 
 
 def test_the_heads_run_once_per_task_in_the_batched_backward(monkeypatch):

@@ -1,9 +1,9 @@
 """The one backward after the task gradients: every parameter outside the gradient rules
 gets the gradient of the sum of the losses (a loss weighting's parameters: of its weighted
 sum; a weighting that gives every task one weight scales the plain sum's gradient on its
-parameters by a hook instead, in the same backward; one whose parameters the losses reach
-only through a module's outputs scales each loss's gradient where it enters them, in the
-same backward too), the module rules' aggregates handed on through their outputs' hooks."""
+parameters by a hook instead, in the same backward; one whose parameters lie below where
+the losses' paths join scales each loss's gradient there, in the same backward too), the
+module rules' aggregates handed on through their outputs' hooks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks.per_loss.frontier import loss_edges
+from gradmod.hooks.per_loss.joins import loss_edges
 
 
 def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: dict, grad_rules: list) -> None:
@@ -25,22 +25,26 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     weighted = [r for r in stage.rules if r.method.kind == "losses"]
     groups: list[tuple[Tensor, list[nn.Parameter]]] = []
     scaled: list[tuple[nn.Parameter, float]] = []
-    values = L.detach().clone()
-    if weighted and stage.reduce is not None:  # the weights from the global batch's losses
-        stage.reduce([values])
-    host = stage.unscaled(values.cpu(), 1)
+    if weighted:  # the weights from the losses on the host (the global batch's under reduce)
+        values = L.detach()
+        if stage.reduce is not None:
+            values = values.clone()
+            stage.reduce([values])
+        host = stage.unscaled(values.cpu(), 1)
+        finite = all(map(math.isfinite, host.tolist()))  # Python floats: a torch op each costs more
     for r in weighted:
-        if torch.isfinite(host).all():
+        if finite:
             w = r.method.loss_weights(host, stage.generator)
             r.record.add(names, None, w)
         else:  # as _weights: nan weights, the method's state left as it was
             w = torch.full_like(host, math.nan)
+        weights = w.tolist()
         weighted_loss = (w.to(L.device, L.dtype) * L).sum()
-        if r.params and bool((w == w[0]).all()) and math.isfinite(float(w[0])):
+        if r.params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
             # One weight for every task: the gradient of the plain sum, times it, in the
             # one backward of the sum (a hook on each parameter scales what arrives there).
-            if float(w[0]) != 1.0:
-                scaled += [(p, float(w[0])) for p in r.params]
+            if weights[0] != 1.0:
+                scaled += [(p, weights[0]) for p in r.params]
         elif r.params:
             groups.append((weighted_loss, r.params))
             covered.update(id(p) for p in r.params)
@@ -60,12 +64,11 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
         groups.append((_rest_loss(L, grad_rules) if rest_loss is None else rest_loss, rest))
     handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
     if len(weighted) == 1 and len(groups) == 2 and groups[0][0] is weighted_loss and not grad_rules and not replace:
-        # One weighting on the parameters below a module's outputs: the plain sum's one backward,
-        # each loss's gradient scaled by its weight where it enters those outputs.
-        frontier = stage.outputs.get(stage.frontier, [])
-        edges = loss_edges(listed, frontier, groups[0][1], stage.trainable) if frontier else None
+        # One weighting on the parameters below where the losses' paths join: the plain sum's
+        # one backward, each loss's gradient scaled by its weight where its path joins.
+        edges = loss_edges(listed, groups[0][1], stage.trainable)
         if edges is not None:
-            handles += [node.register_hook(_scale(ins, w)) for node, ins in edges.items()]
+            handles += [node.register_hook(_scale(ins, weights)) for node, ins in edges.items()]
             groups = [(groups[1][0], groups[0][1] + groups[1][1])]
     # Scaled after the backward in one call where .grad starts empty, else as it arrives
     # (.grad holds earlier micro-batches); a hook per parameter costs more than the multiply.
@@ -86,9 +89,9 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
             torch._foreach_mul_(grads, c)
 
 
-def _scale(inputs: list[tuple[int, int]], w: Tensor):
+def _scale(inputs: list[tuple[int, int]], weights: list[float]):
     """A node's hook: the gradient to its input ``j`` times the weight of loss ``i``."""
-    factors = [(j, float(w[i])) for j, i in inputs]
+    factors = [(j, weights[i]) for j, i in inputs]
 
     def hook(grad_inputs, _grad_outputs):
         out = list(grad_inputs)

@@ -105,13 +105,15 @@ class PerLossStage(Stage):
         if self._owner:
             self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
             self._handles += split_in_projections(model, set(self._owner))
-        # The outputs of the smallest module holding every gradient rule's tensors (else every
-        # loss weighting's): the batched backward starts there, a weighting weights each loss
-        # where it enters them, when every path runs through them (``frontier``).
+        # The outputs of the smallest module holding every gradient rule's tensors: the batched
+        # backward starts there when every path runs through them (``frontier``).
         modules = [m for r in rules for m in r.modules]
-        held = [p for r in rules if r.method.kind != "losses" for p in r.params] or [p for r in rules for p in r.params]
-        shared = None if modules else frontier_module(model, held)
-        self.frontier = None if shared is None else id(shared)
+        shared = (
+            None
+            if modules
+            else frontier_module(model, [p for r in rules if r.method.kind != "losses" for p in r.params])
+        )
+        self._frontier = None if shared is None else id(shared)
         for m in modules + ([] if shared is None else [shared]):
             self.outputs[id(m)] = []
             self._handles.append(m.register_forward_hook(self._save_output(m)))
@@ -297,7 +299,7 @@ class PerLossStage(Stage):
         it pays (``batch_pays``), else k passes; a backward that cannot run batched
         (torch.compile's kernels) turns ``batched`` off for good."""
         batch = self.batched and batch_pays(slots, self._convolutions)
-        grads, ran_batched = task_grads(losses, inputs, batched=batch, frontier=self.outputs.get(self.frontier, []))
+        grads, ran_batched = task_grads(losses, inputs, batched=batch, frontier=self.outputs.get(self._frontier, []))
         if batch:
             self.batched = ran_batched
         return grads
