@@ -72,14 +72,19 @@ def test_dual_cone_weights_equal_torchjd_with_many_tasks(name, k):
 
 
 def test_bound_qps_meet_the_optimality_conditions():
-    """v >= u, the multipliers H v >= 0 on the bounds and 0 off them, on ill-conditioned H too."""
+    """v >= u, the multipliers H v >= 0 on the bounds and 0 off them, on ill-conditioned and
+    degenerate H too (repeated, opposite and zero task gradients)."""
     from gradmod.hooks.per_loss import solvers
 
     rng = np.random.default_rng(0)
-    for _ in range(200):
+    for trial in range(400):
         k = int(rng.integers(2, 17))
         J = rng.standard_normal((k, int(rng.integers(1, 30))))
-        H = J @ J.T + 1e-4 * np.eye(k)
+        if trial % 4 == 1 and k > 2:  # repeated and opposite task gradients: degenerate problems
+            J[1:3] = J[0], -J[0]
+        if trial % 4 == 2:  # a task with no gradient
+            J[-1] = 0.0
+        H = J @ J.T + (1e-4 if trial % 4 != 3 else 1e-12) * np.eye(k)
         U = rng.random((k, k)) * (rng.random((k, k)) < 0.6)
         V = solvers.bound_qps(H, U)
         lam, scale = V @ H, 1e-9 * (1 + np.abs(H).max()) * (1 + np.abs(V).max())

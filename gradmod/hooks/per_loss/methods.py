@@ -237,7 +237,7 @@ class AlignedMTL(Method):
 
 class _DualCone(Method):
     """Projections onto the dual cone of the task gradients, as bound-constrained QPs on the
-    normalised, regularised Gramian (exact active-set solves)."""
+    normalised, regularised Gramian (``solvers.bound_qps``: exact)."""
 
     def __init__(self, norm_eps: float = 0.0001, reg_eps: float = 0.0001):
         self.norm_eps = _check(self.name, "norm_eps", norm_eps, 0.0)

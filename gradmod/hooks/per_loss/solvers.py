@@ -1,15 +1,20 @@
 """Small exact solvers on the k x k Gramian of the task gradients (float64, on the host).
 
 ``bound_qps`` solves ``min_v v^T H v`` subject to ``v >= u`` for several bounds ``u`` at
-once with a primal active-set method: each step solves one linear system per problem (all
-of them in one batched call, the free coordinates' equations ``(H v)_j = 0`` and the bound
-ones' ``v_j = u_j``), so the answer is exact up to rounding (the same problem a dense QP
-solver answers; k is the number of tasks, small). UPGrad solves k such problems per step.
+once by block principal pivoting (Judice and Pires' method for the linear complementarity
+problem ``v - u >= 0, H v >= 0, (v - u) . H v = 0``): each step solves one linear system per
+problem (all in one batched call: the free coordinates' equations ``(H v)_j = 0``, the bound
+ones' ``v_j = u_j``) and swaps every coordinate on the wrong side at once, or the last one
+alone where that stops making progress (Murty's rule, which always ends), so the answer is
+exact up to rounding, in two to five steps where a one-swap active-set method takes about
+twice the number of free coordinates. UPGrad solves k such problems per step.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+SPARE = 3  # block swaps allowed without fewer wrong coordinates before Murty's rule
 
 
 def bound_qps(H: np.ndarray, U: np.ndarray, max_steps: int | None = None) -> np.ndarray:
@@ -17,38 +22,38 @@ def bound_qps(H: np.ndarray, U: np.ndarray, max_steps: int | None = None) -> np.
     U = np.atleast_2d(np.asarray(U, dtype=np.float64))
     m, k = U.shape
     V = U.copy()
-    active = np.ones((m, k), dtype=bool)  # coordinates held at their bound
+    bound = np.ones((m, k), dtype=bool)  # coordinates held at their bound: all, at first
+    fewest = np.full(m, k + 1)  # the fewest wrong coordinates a step has had
+    spare = np.full(m, SPARE)
     todo = np.arange(m)  # the problems not solved yet
     tol = 1e-14 * (1.0 + np.abs(H).max()) * (1.0 + np.abs(U).max(1))
     eye = np.eye(k, dtype=bool)
     for _ in range(max_steps or 50 * k + 50):
         if not len(todo):
             return V
-        act, v, u = active[todo], V[todo], U[todo]
-        # One system per problem: H's row j where j is free, the identity's where j is bound.
-        target = np.linalg.solve(np.where(act[:, :, None], eye, H), np.where(act, v, 0.0)[:, :, None])[:, :, 0]
-        step = np.where(act, 0.0, target - v)  # bound coordinates stay exactly at their bounds
-        moving = ~act.all(1) & (np.abs(step).max(1) > 1e-15 * (1.0 + np.abs(v).max(1)))
-        # At a stationary point: done if every bound's multiplier is >= 0, else free the worst.
-        lam = np.where(act, v @ H, np.inf)  # H symmetric: (H v)_j, half the multipliers
-        j = lam.argmin(1)
-        low = lam[np.arange(len(todo)), j]
-        release = ~moving & (low < -tol[todo])
-        active[todo[release], j[release]] = False
-        # Moving: the longest step along ``step`` that keeps every free coordinate >= its bound.
-        if moving.any():
-            i, s, vv, ui = todo[moving], step[moving], v[moving], u[moving]
-            blocking = ~act[moving] & (s < 0)
-            ratio = np.full_like(s, np.inf)
-            np.divide(ui - vv, s, out=ratio, where=blocking)
-            b = ratio.argmin(1)
-            first = ratio[np.arange(len(i)), b]
-            V[i] = vv + np.minimum(1.0, first)[:, None] * s
-            hit = first < 1.0
-            active[i[hit], b[hit]] = True
-            V[i[hit], b[hit]] = U[i[hit], b[hit]]
-        todo = todo[moving | release]
-    raise RuntimeError("bound_qps: the active-set method did not converge")
+        b, u, t = bound[todo], U[todo], tol[todo, None]
+        v = np.where(b, u, _solve(H, eye, b, u))
+        # Wrong: a free coordinate below its bound, a bound one whose multiplier (H v)_j < 0.
+        wrong = np.where(b, v @ H < -t, v < u - t)
+        V[todo] = np.maximum(v, u)
+        n = wrong.sum(1)
+        better = n < fewest[todo]
+        fewest[todo[better]] = n[better]
+        spare[todo[better]] = SPARE
+        block = better | (spare[todo] > 0)
+        spare[todo[block & ~better]] -= 1
+        last = k - 1 - wrong[:, ::-1].argmax(1)
+        swap = np.where(block[:, None], wrong, np.arange(k) == last[:, None])
+        left = n > 0
+        bound[todo[left]] ^= swap[left]
+        todo = todo[left]
+    raise RuntimeError("bound_qps: block principal pivoting did not converge")
+
+
+def _solve(H: np.ndarray, eye: np.ndarray, bound: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """One system per problem: H's row j where j is free (``(H v)_j = 0``), the identity's
+    where j is bound (``v_j = u_j``)."""
+    return np.linalg.solve(np.where(bound[:, :, None], eye, H), np.where(bound, u, 0.0)[:, :, None])[:, :, 0]
 
 
 def bound_qp(H: np.ndarray, u: np.ndarray, max_steps: int | None = None) -> np.ndarray:
