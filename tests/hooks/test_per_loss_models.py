@@ -501,6 +501,45 @@ def test_activation_checkpointing_inside_the_trunk(reentrant):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_loss_weighting_across_a_reentrant_checkpoint_is_refused_not_wrong(reentrant):
+    """A reentrant checkpoint builds its segment's graph in the backward, so the graph cannot
+    show that a tensor outside the rule (``trunk.0``, excluded) lies below the losses' joins:
+    refused in one line, not given the weighted sum's gradient in one backward. Non-reentrant:
+    the graph shows it, so two backward passes, the plain sum's gradient on ``trunk.0``."""
+
+    class Segment(Heads):
+        def __init__(self):
+            super().__init__(nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D), nn.Tanh()))
+            self.stem = nn.Embedding(V, D)
+
+        def forward(self, x):
+            z = checkpoint(self.trunk, self.stem(x).mean(1), use_reentrant=reentrant)
+            return {n: h(z) for n, h in self.heads.items()}
+
+    torch.manual_seed(1)
+    model = Segment().double()
+    x, ys = _batch()
+    rule = {"params": ["stem.*", "trunk.*"], "exclude": "trunk.0.*", "transforms": ["random"]}
+    hooks = gradmod.attach(model, {"w": rule})
+    if reentrant:
+        with pytest.raises(ValueError, match=r"hooks\.w: .*use_reentrant=True; checkpoint with use_reentrant=False"):
+            hooks.backward(_losses(model, x, ys))
+        return
+    with OpCounter() as ops:
+        hooks.backward(_losses(model, x, ys))
+    assert ops.by_op["aten._log_softmax_backward_data.default"] == 6
+    stats = hooks.read_stats()["w/random"]
+    w = torch.tensor([stats[f"weight/t{i}"] for i in range(3)], dtype=torch.float64)
+    L = torch.stack(list(_losses(model, x, ys).values()))
+    inside = [model.stem.weight, model.trunk[2].weight, model.trunk[2].bias]
+    outside = [model.trunk[0].weight, model.trunk[0].bias, *model.heads.parameters()]
+    for p, g in zip(inside, torch.autograd.grad((w * L).sum(), inside, retain_graph=True)):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+    for p, g in zip(outside, torch.autograd.grad(L.sum(), outside)):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+
+
 def test_a_sparse_embedding_is_refused_in_one_line():
     class Sparse(nn.Module):
         def __init__(self):

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.autograd.graph import Node
 
 SHARED = -1  # a node more than one loss reaches
+HIDING = {"CheckpointFunctionBackward"}  # use_reentrant=True: the segment's graph is built in the backward
 
 
 def loss_edges(losses: list[Tensor], params: list[Tensor], trainable: list[Tensor]) -> dict | None:
@@ -32,6 +33,8 @@ def loss_edges(losses: list[Tensor], params: list[Tensor], trainable: list[Tenso
             if now == was:
                 continue  # each node changes at most twice: unseen, one loss's, shared
             owner[node] = now
+            if type(node).__name__ in HIDING:
+                return None  # its backward reaches tensors the graph does not show
             todo += [(nxt, now) for nxt, _ in node.next_functions if nxt is not None]
     if any(loss.grad_fn is not None and owner[loss.grad_fn] == SHARED for loss in losses):
         return None  # a loss that is another's (or part of it)

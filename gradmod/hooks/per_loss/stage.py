@@ -227,9 +227,9 @@ class PerLossStage(Stage):
             if "use_reentrant=True" not in str(e):
                 raise
             raise ValueError(
-                f"hooks.{self.rules[0].name}: a per_loss rule takes each task's gradient with "
-                "torch.autograd.grad, which torch.utils.checkpoint refuses with use_reentrant=True; "
-                "checkpoint with use_reentrant=False"
+                f"hooks.{self.rules[0].name}: a per_loss rule takes gradients of some tensors only "
+                "(torch.autograd.grad, backward(inputs=...)), which torch.utils.checkpoint refuses with "
+                "use_reentrant=True; checkpoint with use_reentrant=False"
             ) from e
         finally:
             self.inside = False
