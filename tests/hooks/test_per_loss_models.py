@@ -351,12 +351,24 @@ class SharedHead(Heads):
         (lambda: Heads(Wide()), True),
         (lambda: Heads(Encoder()), True),
         (lambda: Heads(Recurrent()), True),
+        (lambda: Heads(bert()), True),
+        (lambda: Heads(gpt2()), True),
         (PooledOutside, True),
         (lambda: Around("weight"), True),
         (Stemmed, False),
         (SharedHead, False),
     ],
-    ids=["wide", "encoder", "lstm", "pooled_outside", "head_reads_a_trunk_weight", "stem_outside", "shared_head"],
+    ids=[
+        "wide",
+        "encoder",
+        "lstm",
+        "hf_bert",
+        "hf_gpt2",
+        "pooled_outside",
+        "head_reads_a_trunk_weight",
+        "stem_outside",
+        "shared_head",
+    ],
 )
 @pytest.mark.parametrize("name", ["random", "famo", "geometric_mean"])
 def test_a_loss_weighting_on_the_trunk_takes_one_backward_where_it_lies_below_the_losses_join(make, one, name):
