@@ -347,6 +347,34 @@ def test_statistics_are_the_task_gradients_norms_cosines_and_conflicts():
     assert stats["calls"] == 1
 
 
+def test_task_statistics_of_a_window_fold_the_same_across_reads_and_checkpoints():
+    """The calls' statistics are formed when read: a window split by a checkpoint gives the
+    same bits as one read, and the means equal a per-call computation by hand."""
+    from gradmod.hooks.per_loss.record import TaskRecord
+
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for c in range(9):
+        J = torch.randn(3, 5, generator=g, dtype=torch.float64)
+        calls.append((None if c == 4 else J @ J.T, torch.rand(3, generator=g, dtype=torch.float64)))
+    whole, split = TaskRecord(), TaskRecord()
+    for c, (G, w) in enumerate(calls):
+        whole.add(["a", "b", "c"], G, w)
+        split.add(["a", "b", "c"], G, w)
+        if c == 5:
+            resumed = TaskRecord()
+            resumed.load_state_dict(split.state_dict())
+            split = resumed
+    (n, one), (m, two) = whole.take(), split.take()
+    assert n == m == 9 and torch.equal(one, two)
+    stats = whole.summarize(n, one.tolist())
+    norms = torch.stack([G.diagonal().sqrt() if G is not None else torch.zeros(3) for G, _ in calls])
+    assert stats["norm/b"] == pytest.approx(norms[:, 1].mean().item(), rel=1e-12)
+    cos = [G[0, 2] / (G[0, 0] * G[2, 2]).sqrt() if G is not None else torch.tensor(0.0) for G, _ in calls]
+    assert stats["cos/a,c"] == pytest.approx(torch.stack(cos).mean().item(), rel=1e-12)
+    assert stats["weight/c"] == pytest.approx(torch.stack([w[2] for _, w in calls]).mean().item(), rel=1e-12)
+
+
 @pytest.mark.parametrize("name", ["gradvac", "pcgrad", "famo", "uw", "nash_mtl"])
 def test_resume_from_state_dict_is_bit_identical(name):
     def run(model, hooks, opt, steps):

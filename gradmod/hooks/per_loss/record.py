@@ -1,9 +1,10 @@
 """The per_loss statistics of one rule, kept on the host (the Gramian is there already).
 
-Per backward call: each task's gradient norm ``sqrt(G_ii)``, each pair's cosine
-``G_ij / sqrt(G_ii G_jj)``, the fraction of pairs that conflict (``G_ij < 0``) and the
-weights the method gave (for a loss weighting: the loss weights; no Gramian). Summed over
-the calls of a log window; ``HookSet.read_stats`` reads them as means under
+Per backward call (formed when read, for all the calls of a window together): each task's
+gradient norm ``sqrt(G_ii)``, each pair's cosine ``G_ij / sqrt(G_ii G_jj)``, the fraction of
+pairs that conflict (``G_ij < 0``) and the weights the method gave (for a loss weighting: the
+loss weights; no Gramian). Summed over the calls of a log window; ``HookSet.read_stats``
+reads them as means under
 ``<rule>/<method>``: ``norm/<task>``, ``cos/<a>,<b>``, ``conflict``, ``weight/<task>``.
 """
 
@@ -28,28 +29,42 @@ class TaskRecord:
         self.has_gram = False
         self.has_weights = False
         self._sum: Tensor | None = None  # [norms k, cosines k(k-1)/2, conflict 1, weights k]
+        self._pending: list[tuple[np.ndarray | None, np.ndarray | None]] = []  # calls not folded in yet
 
     def add(self, names: list[str], G: Tensor | None, w: Tensor | None) -> None:
-        """One call's row, in numpy (a few k x k host values: torch's per-op cost would dominate)."""
-        k = len(names)
+        """One call's Gramian and weights, kept on the host (copies of a few values); the
+        statistics of a window's calls are formed together when it is read: numpy's per-op
+        cost, paid per call, would be a loss weighting's largest host cost per step."""
         if names != self.names:  # other tasks: a fresh window
-            self.names, self.calls, self._sum = list(names), 0, None
+            self.names, self.calls, self._sum, self._pending = list(names), 0, None, []
         self.has_gram, self.has_weights = G is not None, w is not None
-        row = np.zeros(2 * k + k * (k - 1) // 2 + 1)
-        if G is not None:
-            g = G.detach().to("cpu", torch.float64).numpy()
-            d = np.sqrt(np.clip(np.diagonal(g), 0.0, None))
-            i, j = np.triu_indices(k, 1)
-            row[:k] = d
-            row[k : k + len(i)] = g[i, j] / np.maximum(d[i] * d[j], 1e-300)
-            row[k + len(i)] = (g[i, j] < 0).mean() if len(i) else 0.0
-        if w is not None:
-            row[-k:] = w.detach().to("cpu", torch.float64).numpy()
-        t = torch.from_numpy(row)
-        self._sum = t if self._sum is None else self._sum + t
+        self._pending.append((_host(G), _host(w)))
         self.calls += 1
 
+    def _fold(self) -> None:
+        """The pending calls' rows, added to the window's sum one call after another (the
+        same bits however the calls are split between reads and checkpoints)."""
+        if not self._pending:
+            return
+        k = len(self.names)
+        i, j = np.triu_indices(k, 1)
+        rows = np.zeros((len(self._pending), 2 * k + len(i) + 1))
+        with_gram = [c for c, (g, _) in enumerate(self._pending) if g is not None]
+        if with_gram:
+            g = np.stack([self._pending[c][0] for c in with_gram])  # [calls, k, k]
+            d = np.sqrt(np.clip(np.diagonal(g, axis1=1, axis2=2), 0.0, None))
+            rows[with_gram, :k] = d
+            rows[with_gram, k : k + len(i)] = g[:, i, j] / np.maximum(d[:, i] * d[:, j], 1e-300)
+            rows[with_gram, k + len(i)] = (g[:, i, j] < 0).mean(1) if len(i) else 0.0
+        for c, (_, w) in enumerate(self._pending):
+            if w is not None:
+                rows[c, -k:] = w
+        for row in torch.from_numpy(rows):
+            self._sum = row if self._sum is None else self._sum + row
+        self._pending = []
+
     def take(self) -> tuple[int, Tensor | None]:
+        self._fold()
         out, calls = self._sum, self.calls
         self._sum, self.calls = None, 0
         return calls, out
@@ -73,6 +88,7 @@ class TaskRecord:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        self._fold()
         return {
             "names": list(self.names),
             "calls": self.calls,
@@ -83,4 +99,10 @@ class TaskRecord:
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         self.names, self.calls, self._sum = list(state["names"]), state["calls"], state["sum"]
+        self._pending = []
         self.has_gram, self.has_weights = state["has_gram"], state["has_weights"]
+
+
+def _host(t: Tensor | None) -> np.ndarray | None:
+    """A float64 host copy (the method's tensor may be its own state)."""
+    return None if t is None else np.array(t.detach().to("cpu", torch.float64).numpy())
