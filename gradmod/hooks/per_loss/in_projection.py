@@ -3,8 +3,9 @@
 Given one tensor as query, key and value, ``nn.MultiheadAttention`` projects it by its whole
 ``in_proj_weight`` in one matmul and takes q, k and v apart by indexing. The backward of each
 index fills a zero buffer of the whole projection and the three are added: three full-size
-buffers per task in the stage's backward, about a fifth of a transformer trunk's step. Given distinct aliases of the tensor, torch's function projects each by its own third of
-the weight instead: the same values, and no buffers.
+buffers per task in the stage's backward, about a fifth of a transformer trunk's step. Given
+distinct aliases of the tensor, torch's function projects each by its own third of the weight
+instead: the same values, and no buffers.
 """
 
 from __future__ import annotations
