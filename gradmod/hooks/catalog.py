@@ -10,16 +10,19 @@ from __future__ import annotations
 import torch
 
 from gradmod.hooks import transforms as T
-from gradmod.hooks.fused.group import AGC, Freeze, GlobalNormClip
+from gradmod.hooks.fused.group import AGC, Freeze, GlobalNormClip, GroupTransform
 from gradmod.hooks.fused.norm_history import AutoClip, ZClip
 from gradmod.hooks.per_loss import methods as M
 from gradmod.hooks.per_loss import weightings as W
 from gradmod.hooks.per_loss.nash_mtl import NashMTL
 from gradmod.hooks.per_sample.stats import PerSampleClip, per_sample_log
-from gradmod.hooks.registry import add_stage_form, register
+from gradmod.hooks.registry import FACTORY_BASES, add_stage_form, register
 from gradmod.hooks.sharpness.perturb import Asam, Sam
 from gradmod.hooks.stats import log
 from gradmod.hooks.validators import number
+
+# The kinds whose factories are classes of a base: one's own subclass needs no ``kind=``.
+FACTORY_BASES.update(group=GroupTransform, per_loss=M.Method)
 
 # Element-wise: grad -> Tensor | None, with an in-place form over a list of .grad where one pays.
 register("clamp", T.clamp, foreach=T.clamp_foreach)

@@ -81,9 +81,11 @@ def entries() -> dict[str, Entry]:
 # kind -> check(name, factory) of the factories of that kind, set by the module that defines
 # the kind's base class (a per_loss factory must build a per_loss Method): refused at register.
 FACTORY_CHECKS: dict[str, Callable[[str, Any], None]] = {}
+# kind -> the base class whose subclasses are of that kind, set by the module that defines it.
+FACTORY_BASES: dict[str, type] = {}
 
 
-def _check(name: str, factory: Any, kind: str, foreach: Any, observer: bool) -> None:
+def _check(name: str, factory: Any, kind: str | None, foreach: Any, observer: bool) -> None:
     where = f"register({name!r})"
     if not isinstance(name, str) or not name:
         raise TypeError(f"register: name must be a non-empty str, got {name!r}")
@@ -91,11 +93,11 @@ def _check(name: str, factory: Any, kind: str, foreach: Any, observer: bool) -> 
         raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}")
     if foreach is not None and not callable(foreach):
         raise TypeError(f"{where}: foreach must be callable or None, got {type(foreach).__name__}")
-    if kind not in KINDS:
+    if kind is not None and kind not in KINDS:
         raise ValueError(f"{where}: kind={kind!r}; allowed: {', '.join(KINDS)}")
-    if foreach is not None and kind != "elementwise":
+    if foreach is not None and kind not in (None, "elementwise"):
         raise ValueError(f"{where}: a {kind} transform has no foreach form (elementwise only)")
-    if observer and kind != "elementwise":
+    if observer and kind not in (None, "elementwise"):
         raise ValueError(f"{where}: observer=True is for elementwise transforms only")
 
 
@@ -103,7 +105,7 @@ def register(
     name: str,
     factory: Callable[..., Any] | None = None,
     *,
-    kind: str = "elementwise",
+    kind: str | None = None,
     foreach: Callable[..., Any] | None = None,
     observer: bool = False,
     overwrite: bool = False,
@@ -111,7 +113,9 @@ def register(
     """Register ``factory(**args)`` under ``name`` as a transform of ``kind``; usable as a
     decorator (``@register("name", kind="group")``).
 
-    ``kind``: one of ``KINDS`` (see the module docstring for what each factory returns).
+    ``kind``: one of ``KINDS`` (see the module docstring for what each factory returns); left
+    out, the kind whose base class a class factory subclasses (``gradmod.Method``: per_loss,
+    ``gradmod.GroupTransform``: group), else elementwise.
     ``foreach(**args)``: for an element-wise transform, an in-place function over a list
     of gradients for the fused stage. ``observer``: the transform keeps statistics with
     ``GradStats``' protocol and returns None. A name is registered once unless
@@ -124,12 +128,29 @@ def register(
             raise TypeError(f"register({name!r}): factory must be callable, got {type(f).__name__}")
         if name in entries() and not overwrite:
             raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
-        if kind in FACTORY_CHECKS:  # after entries(): the catalog's import sets the checks
-            FACTORY_CHECKS[kind](name, f)
-        _ENTRIES[name] = Entry(name, f, kind, foreach, observer)
+        k = _kind_of(name, f, kind)  # after entries(): the catalog's import sets the bases and checks
+        _check(name, f, k, foreach, observer)
+        if k in FACTORY_CHECKS:
+            FACTORY_CHECKS[k](name, f)
+        _ENTRIES[name] = Entry(name, f, k, foreach, observer)
         return f
 
     return add(factory) if factory is not None else add
+
+
+def _kind_of(name: str, factory: Any, kind: str | None) -> str:
+    """The kind a class factory's base class implies (``FACTORY_BASES``), which a given
+    ``kind`` must match; elementwise for a function left without one."""
+    implied = [(k, b) for k, b in FACTORY_BASES.items() if isinstance(factory, type) and issubclass(factory, b)]
+    if not implied:
+        return kind or "elementwise"
+    k, base = implied[0]
+    if kind is not None and kind != k:
+        raise ValueError(
+            f"register({name!r}): {factory.__name__} is a {base.__name__}, so a {k} transform, "
+            f"not kind={kind!r}; pass kind={k!r} or leave kind out"
+        )
+    return k
 
 
 def add_stage_form(name: str, stage: str, factory: Callable[..., Any]) -> None:

@@ -175,6 +175,29 @@ def test_one_door_registers_every_kind_and_exports_the_base_classes():
     torch.testing.assert_close(model.weight.grad, torch.full((1, 3), -4.0))
 
 
+def test_a_class_of_a_base_registers_as_its_kind_and_another_kind_is_refused_in_one_line():
+    """A Method or GroupTransform subclass needs no ``kind=``; given another kind it would
+    fail only when a rule first called it, so it is refused when registered."""
+    import gradmod
+
+    class Unit(gradmod.GroupTransform):
+        def apply_(self, params, grads):
+            pass
+
+    class Half(gradmod.Method):
+        def weights(self, G, gen):
+            return torch.full((G.shape[0],), 0.5, dtype=G.dtype)
+
+    gradmod.register("unit_kindless_test", Unit, overwrite=True)
+    gradmod.register("half_kindless_test", Half, overwrite=True)
+    assert [registry.entry(n).kind for n in ("unit_kindless_test", "half_kindless_test")] == ["group", "per_loss"]
+    for cls, kind in [(Half, "elementwise"), (Half, "group"), (Unit, "per_loss")]:
+        with pytest.raises(ValueError, match=rf"is a \w+, so a \w+ transform, not kind={kind!r}") as e:
+            gradmod.register("wrong_kind_test", cls, kind=kind)
+        assert "\n" not in str(e.value)
+    assert "wrong_kind_test" not in registry.names()
+
+
 def _at_stage():
     form = registry.entry("log").at_stage["per_sample"]
     registry.register_at_stage("log", "per_sample", form)  # the same form again: nothing changes
