@@ -345,18 +345,35 @@ class SharedHead(Heads):
         return {**out, "t1": out["t1"] + out["t0"]}
 
 
+class Fixed(gradmod.Method):
+    """A loss weighting of given weights."""
+
+    kind = "losses"
+
+    def __init__(self, weights: list[float]):
+        self.given = weights
+
+    def loss_weights(self, losses, gen):
+        return torch.tensor(self.given, dtype=losses.dtype)
+
+
+gradmod.register("fixed_weights_test", Fixed, overwrite=True)
+
+
 @pytest.mark.parametrize(
-    "make, one",
+    "make, params, one",
     [
-        (lambda: Heads(Wide()), True),
-        (lambda: Heads(Encoder()), True),
-        (lambda: Heads(Recurrent()), True),
-        (lambda: Heads(bert()), True),
-        (lambda: Heads(gpt2()), True),
-        (PooledOutside, True),
-        (lambda: Around("weight"), True),
-        (Stemmed, False),
-        (SharedHead, False),
+        (lambda: Heads(Wide()), "trunk.*", True),
+        (lambda: Heads(Encoder()), "trunk.*", True),
+        (lambda: Heads(Recurrent()), "trunk.*", True),
+        (lambda: Heads(bert()), "trunk.*", True),
+        (lambda: Heads(gpt2()), "trunk.*", True),
+        (PooledOutside, "trunk.*", True),
+        (lambda: Around("weight"), "trunk.*", True),
+        (lambda: Heads(Wide()), ["trunk.*", "heads.t0.*"], True),
+        (SharedHead, ["trunk.*", "heads.t0.*"], True),
+        (Stemmed, "trunk.*", False),
+        (SharedHead, "trunk.*", False),
     ],
     ids=[
         "wide",
@@ -366,32 +383,38 @@ class SharedHead(Heads):
         "hf_gpt2",
         "pooled_outside",
         "head_reads_a_trunk_weight",
+        "a_head_in_the_rule",
+        "the_shared_head_in_the_rule",
         "stem_outside",
         "shared_head",
     ],
 )
-@pytest.mark.parametrize("name", ["random", "famo", "geometric_mean"])
-def test_a_loss_weighting_on_the_trunk_takes_one_backward_where_it_lies_below_the_losses_join(make, one, name):
-    """The trunk the weighted sum's gradient, every other parameter the plain sum's: in one
-    backward (each loss's log-softmax backward runs once) where nothing outside the rule lies
-    below the point where the losses' paths join and nothing of the rule's above it (a head
-    reading a trunk weight is scaled on that path too); else two (the plain sum's for the
-    rest). Against autograd of both sums, float64."""
+@pytest.mark.parametrize("name", ["random", "famo", "geometric_mean", "zero_weight"])
+def test_a_loss_weighting_takes_one_backward_where_one_loss_alone_reaches_each_other_tensor(make, params, one, name):
+    """The rule's tensors the weighted sum's gradient, every other parameter the plain sum's:
+    in one backward (each loss's log-softmax backward runs once) where each other tensor is
+    reached by one loss alone (it gets ``w_i`` times its gradient, divided back), else two
+    (the plain sum's for the rest): a stem below the trunk, a head two losses share, a zero
+    weight. Against autograd of both sums, float64."""
     torch.manual_seed(1)
     model = make().double()
     x, ys = _batch()
-    hooks = gradmod.attach(model, {"w": {"params": "trunk.*", "transforms": [name]}})
+    method = {"name": "fixed_weights_test", "weights": [0.5, 0.0, 2.0]} if name == "zero_weight" else name
+    hooks = gradmod.attach(model, {"w": {"params": params, "transforms": [method]}})
     with OpCounter() as ops:
         hooks.backward(_losses(model, x, ys))
-    assert ops.by_op["aten._log_softmax_backward_data.default"] == (3 if one else 6)
-    stats = hooks.read_stats()[f"w/{name}"]
+    passes = ops.by_op["aten._log_softmax_backward_data.default"]  # 3 a pass, fewer for a restricted one
+    assert passes == 3 if one and name != "zero_weight" else passes > 3
+    stats = hooks.read_stats()[f"w/{method if isinstance(method, str) else method['name']}"]
     w = torch.tensor([stats[f"weight/t{i}"] for i in range(3)], dtype=torch.float64)
     assert not torch.allclose(w, w[0].expand(3))  # the weights differ: a plain sum would not pass
     L = torch.stack(list(_losses(model, x, ys).values()))
     named = dict(model.named_parameters())
-    trunk = [n for n in named if n.startswith("trunk.")]
-    rest = [n for n in named if n not in trunk]
-    expected = dict(zip(trunk, torch.autograd.grad((w * L).sum(), [named[n] for n in trunk], retain_graph=True)))
+    mine = [
+        n for n in named if any(n.startswith(q.rstrip("*")) for q in ([params] if isinstance(params, str) else params))
+    ]
+    rest = [n for n in named if n not in mine]
+    expected = dict(zip(mine, torch.autograd.grad((w * L).sum(), [named[n] for n in mine], retain_graph=True)))
     expected |= dict(zip(rest, torch.autograd.grad(L.sum(), [named[n] for n in rest])))
     for n, p in named.items():
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-12, atol=1e-14, msg=n)

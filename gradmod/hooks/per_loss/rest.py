@@ -1,9 +1,9 @@
 """The one backward after the task gradients: every parameter outside the gradient rules
 gets the gradient of the sum of the losses (a loss weighting's parameters: of its weighted
 sum; a weighting that gives every task one weight scales the plain sum's gradient on its
-parameters by a hook instead, in the same backward; one whose parameters lie below where
-the losses' paths join scales each loss's gradient there, in the same backward too), the
-module rules' aggregates handed on through their outputs' hooks."""
+parameters instead, in the same backward; where each other parameter is reached by one
+loss alone, the weighted sum's backward serves all, those parameters divided back by their
+loss's weight), the module rules' aggregates handed on through their outputs' hooks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks.per_loss.joins import loss_edges
+from gradmod.hooks.per_loss.owners import SHARED, loss_owners
 
 
 def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: dict, grad_rules: list) -> None:
@@ -64,12 +64,12 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
         groups.append((_rest_loss(L, grad_rules) if rest_loss is None else rest_loss, rest))
     handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
     if len(weighted) == 1 and len(groups) == 2 and groups[0][0] is weighted_loss and not grad_rules and not replace:
-        # One weighting on the parameters below where the losses' paths join: the plain sum's
-        # one backward, each loss's gradient scaled by its weight where its path joins.
-        edges = loss_edges(listed, groups[0][1], stage.trainable)
-        if edges is not None:
-            handles += [node.register_hook(_scale(ins, weights)) for node, ins in edges.items()]
-            groups = [(groups[1][0], groups[0][1] + groups[1][1])]
+        # One weighting on part of the model: the weighted sum's one backward, each other
+        # parameter (one loss's alone: a head) divided back by its loss's weight.
+        back = _divided_back(listed, groups[1][1], weights)
+        if back is not None:
+            groups = [(weighted_loss, groups[0][1] + groups[1][1])]
+            scaled += back
     # Scaled after the backward in one call where .grad starts empty, else as it arrives
     # (.grad holds earlier micro-batches); a hook per parameter costs more than the multiply.
     after = [(p, c) for p, c in scaled if p.grad is None]
@@ -83,24 +83,27 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     finally:
         for h in handles:
             h.remove()
-    for c in {c for _, c in after}:
-        grads = [p.grad for p, f in after if f == c and p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, c)
+    after = [(p.grad, c) for p, c in after if p.grad is not None]
+    if after:
+        torch._foreach_mul_(*map(list, zip(*after)))
 
 
-def _scale(inputs: list[tuple[int, int]], weights: list[float]):
-    """A node's hook: the gradient to its input ``j`` times the weight of loss ``i``."""
-    factors = [(j, weights[i]) for j, i in inputs]
-
-    def hook(grad_inputs, _grad_outputs):
-        out = list(grad_inputs)
-        for j, c in factors:
-            if out[j] is not None:
-                out[j] = out[j] * c
-        return tuple(out)
-
-    return hook
+def _divided_back(losses: list[Tensor], others: list[nn.Parameter], weights: list[float]) -> list | None:
+    """``(p, 1 / w_i)`` for each of ``others`` the losses reach, where one loss alone (``i``)
+    reaches each and its weight is neither zero nor far from one (``w_i g / w_i`` is then
+    ``g`` to the dtype's rounding); else None."""
+    owners = loss_owners(losses)
+    if owners is None:
+        return None
+    out = []
+    for p in others:
+        i = owners.get(id(p))
+        if i is None:
+            continue  # no loss reaches it: no gradient either way
+        if i == SHARED or not 1e-6 <= abs(weights[i]) <= 1e6:
+            return None
+        out.append((p, 1.0 / weights[i]))
+    return out
 
 
 def _rest_loss(L: Tensor, grad_rules: list) -> Tensor:
