@@ -81,7 +81,7 @@ def entries() -> dict[str, Entry]:
 # kind -> check(name, factory) of the factories of that kind, set by the module that defines
 # the kind's base class (a per_loss factory must build a per_loss Method): refused at register.
 FACTORY_CHECKS: dict[str, Callable[[str, Any], None]] = {}
-# kind -> the base class whose subclasses are of that kind, set by the module that defines it.
+# kind -> the base class whose subclasses are of that kind, set by the catalog.
 FACTORY_BASES: dict[str, type] = {}
 
 

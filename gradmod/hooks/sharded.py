@@ -65,13 +65,16 @@ def refuse_pipeline_stage(model: torch.nn.Module) -> None:
 
 
 def refuse_optimizer_in_backward(targets, params: dict[str, Tensor], late: bool = False) -> None:
-    """One line when a rule that acts after backward (fused, group transforms, per_sample)
-    selects a parameter whose post-accumulate-grad hook steps an optimizer (torchtune's
-    ``optimizer_in_bwd``): the step would be taken before ``after_backward()`` changes
-    ``.grad``, so the rule would do nothing. Hook-stage rules still work (they run before)."""
+    """One line when a rule that acts after backward (fused, group transforms, per_sample,
+    a per_loss method of the task gradients) selects a parameter whose post-accumulate-grad
+    hook steps an optimizer (torchtune's ``optimizer_in_bwd``): the step would be taken
+    before the rule changes ``.grad``, so the rule would do nothing. Hook-stage rules, loss
+    weightings and per_loss ``modules:`` rules still work (their gradients go through
+    autograd's accumulation)."""
     known: dict[int, bool] = {}  # one hook is often shared by every parameter
     for t in targets:
-        if t.kind != "param" or t.stage in ("hook", "per_loss"):
+        weighting = t.stage == "per_loss" and all(getattr(s.fn, "kind", None) == "losses" for s in t.steps)
+        if t.kind != "param" or t.stage == "hook" or weighting:
             continue
         hooks = getattr(params[t.name], "_post_accumulate_grad_hooks", None) or {}
         for h in hooks.values():
@@ -82,7 +85,9 @@ def refuse_optimizer_in_backward(targets, params: dict[str, Tensor], late: bool 
             raise ValueError(
                 f"hooks.{t.rule}: {t.name!r} has a post-accumulate-grad hook that steps an optimizer "
                 f"inside backward (found {when}), so stage {t.stage!r} would run after the step and do nothing; "
-                "use stage: hook rules (element-wise, before the step), or step the optimizer after backward"
+                "use stage: hook rules (element-wise, before the step)"
+                + (", a loss weighting or a modules: rule" if t.stage == "per_loss" else "")
+                + ", or step the optimizer after backward"
             )
 
 

@@ -107,3 +107,52 @@ def test_a_post_accumulate_hook_without_an_optimizer_is_left_alone():
     assert len(seen) == len(list(model.parameters()))
     total = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     assert total == pytest.approx(0.1, rel=1e-4)  # the clip ran
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.heads = nn.ModuleList([nn.Linear(8, 3) for _ in range(3)])
+
+    def losses(self, x):
+        z = self.trunk(x)
+        return {
+            f"t{i}": torch.nn.functional.cross_entropy(h(z), torch.full((len(x),), i)) for i, h in enumerate(self.heads)
+        }
+
+
+@pytest.mark.parametrize("method", ["mean", "random", "geometric_mean", "famo", "modules"])
+def test_a_per_loss_rule_acts_before_the_step_in_backward(method):
+    """A loss weighting's gradients reach each parameter before its post-accumulate hook
+    steps it, its scaled or divided-back parameters too (the trunk the weighted sum's
+    gradient, the heads the plain sum's), and a modules rule's through its output: against
+    the same step taken after backward."""
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    rule = {"w": {"params": "trunk.*", "transforms": [method]}}
+    if method == "modules":
+        rule = {"w": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}}
+    ref = TwoHeads()
+    hooks = attach(ref, rule)
+    hooks.backward(ref.losses(x))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    model = TwoHeads()
+    step_in_backward(model)
+    attach(model, rule).backward(model.losses(x))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+        assert p.grad is None  # zeroed by the step in backward
+
+
+def test_a_per_loss_method_of_the_task_gradients_is_refused_with_a_step_in_backward():
+    """Its update is written to ``.grad`` after the backward, past the step."""
+    model = TwoHeads()
+    step_in_backward(model)
+    with pytest.raises(
+        ValueError, match="steps an optimizer inside backward.*a loss weighting or a modules: rule"
+    ) as e:
+        attach(model, {"w": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    assert "\n" not in str(e.value)

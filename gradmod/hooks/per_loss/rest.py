@@ -71,9 +71,11 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
             groups = [(weighted_loss, groups[0][1] + groups[1][1])]
             scaled += back
     # Scaled after the backward in one call where .grad starts empty, else as it arrives
-    # (.grad holds earlier micro-batches); a hook per parameter costs more than the multiply.
-    after = [(p, c) for p, c in scaled if p.grad is None]
-    handles += [p.register_hook(lambda g, c=c: g * c) for p, c in scaled if p.grad is not None]
+    # (.grad holds earlier micro-batches, or a post-accumulate hook reads it: an optimizer
+    # stepped in backward); a hook per parameter costs more than the multiply.
+    late = [p.grad is None and not p._post_accumulate_grad_hooks for p, _ in scaled]
+    after = [s for s, ok in zip(scaled, late) if ok]
+    handles += [p.register_hook(lambda g, c=c: g * c) for (p, c), ok in zip(scaled, late) if not ok]
     try:
         if len(groups) == 1 and len(groups[0][1]) == len(stage.trainable):
             groups[0][0].backward()  # everything from one loss: no restriction needed
