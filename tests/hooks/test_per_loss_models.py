@@ -357,9 +357,6 @@ class Fixed(gradmod.Method):
         return torch.tensor(self.given, dtype=losses.dtype)
 
 
-gradmod.register("fixed_weights_test", Fixed, overwrite=True)
-
-
 @pytest.mark.parametrize(
     "make, params, one",
     [
@@ -396,6 +393,7 @@ def test_a_loss_weighting_takes_one_backward_where_one_loss_alone_reaches_each_o
     reached by one loss alone (it gets ``w_i`` times its gradient, divided back), else two
     (the plain sum's for the rest): a stem below the trunk, a head two losses share, a zero
     weight. Against autograd of both sums, float64."""
+    gradmod.register("fixed_weights_test", Fixed)  # for this test only (conftest)
     torch.manual_seed(1)
     model = make().double()
     x, ys = _batch()
