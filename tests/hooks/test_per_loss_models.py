@@ -418,6 +418,32 @@ def test_a_loss_weighting_takes_one_backward_where_one_loss_alone_reaches_each_o
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-12, atol=1e-14, msg=n)
 
 
+@pytest.mark.parametrize("method", ["fixed", "mean", "random", "famo", "upgrad", "modules"])
+def test_micro_batches_accumulate_each_ones_gradient(method):
+    """Two backward calls before a step (gradient accumulation): ``.grad`` holds the sum of
+    what each call gives alone, a loss weighting's scaled and divided-back parameters too
+    (scaled as their gradient arrives, ``.grad`` being taken)."""
+    gradmod.register("fixed_weights_test", Fixed)  # for this test only (conftest)
+    rule = {"params": "trunk.*", "transforms": [method]}
+    if method == "fixed":
+        rule["transforms"] = [{"name": "fixed_weights_test", "weights": [0.5, 1.5, 3.0]}]
+    elif method == "modules":
+        rule = {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}
+    torch.manual_seed(1)
+    model = Heads(Wide()).double()
+    alone = copy.deepcopy(model)
+    hooks, hooks_alone = gradmod.attach(model, {"w": rule}), gradmod.attach(alone, {"w": rule})
+    expected = [torch.zeros_like(p) for p in alone.parameters()]
+    for seed in (0, 1):
+        x, ys = _batch(seed)
+        hooks.backward(_losses(model, x, ys))
+        alone.zero_grad(set_to_none=True)
+        hooks_alone.backward(_losses(alone, x, ys))
+        expected = [e + p.grad for e, p in zip(expected, alone.parameters())]
+    for (n, p), e in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-14, msg=n)
+
+
 def test_the_frontier_is_the_called_module_above_a_list_of_layers():
     """A TransformerEncoder's parameters all lie in its ``layers`` (a ModuleList, never called):
     the frontier is the encoder, whose outputs exist."""
