@@ -1,5 +1,5 @@
-"""Nash-MTL: weights from the bargaining solution over the task Gramian, solved with cvxpy
-(an optional dependency) warm-started from the previous step."""
+"""Nash-MTL: weights from the bargaining solution over the task Gramian, by a sequence of
+convex programs, each handed to ECOS (an optional dependency) as an exponential-cone program."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from torch import Tensor
 
 from gradmod.hooks.per_loss.methods import Method, _check, _needs
 
+SOLVED = {0, 10, -1}  # ECOS's exit flags with a solution: optimal, inaccurate, at the iteration limit
+
 
 class NashMTL(Method):
     """Nash-MTL: the bargaining solution ``G w = 1 / w`` by a sequence of convex programs
-    (cvxpy, ECOS); the update's norm capped at ``max_norm`` (0: no cap). ``heads``: the
+    (ECOS); the update's norm capped at ``max_norm`` (0: no cap). ``heads``: the
     parameters outside the rule get the gradient of the plain sum (``sum``, torchjd) or of
     ``sum_i alpha_i L_i`` with the uncapped weights (``weighted``, LibMTL and the authors)."""
 
@@ -27,45 +29,26 @@ class NashMTL(Method):
         self.max_norm = _check("nash_mtl", "max_norm", max_norm, 0.0)
         self.every = int(_check("nash_mtl", "update_weights_every", update_weights_every, 1))
         self.niter = int(_check("nash_mtl", "optim_niter", optim_niter, 1))
-        _needs("nash_mtl", ["cvxpy", "ecos"], 'pip install cvxpy ecos, or "torchjd[nash_mtl]"')
+        _needs("nash_mtl", ["ecos"], 'pip install ecos, or "torchjd[nash_mtl]"')
         self.step = 0
         self.alpha: np.ndarray | None = None  # the last weights (float32, as the reference keeps them)
-        self._problem = None
 
-    def _build(self, k: int) -> None:
-        """The convex step in parameters only cvxpy can cache (DPP): the linearisation's
-        coefficients ``(1 / prev + (1 / (G prev)) G) / norm`` computed on the host each solve."""
-        import cvxpy as cp
-
-        a = cp.Variable(k, nonneg=True)
-        G = cp.Parameter((k, k), value=np.eye(k))
-        slope = cp.Parameter(k, value=np.ones(k))
-        log_norm = cp.Parameter(value=0.0)
-        Ga = G @ a
-        cons = [-cp.log(a[i]) - cp.log(Ga[i]) <= log_norm for i in range(k)]  # log(a_i norm) + log(G a)_i >= 0
-        self._problem = (cp.Problem(cp.Minimize(cp.sum(Ga) + slope @ a), cons), a, G, slope, log_norm)
-
-    def _solve(self, gtg: np.ndarray, norm: np.ndarray) -> np.ndarray:
-        import cvxpy as cp
-
-        prob, a, G, slope, log_norm = self._problem
-        G.value, log_norm.value = gtg, float(np.log(norm[0]))
+    def _solve(self, gtg: np.ndarray, norm: float) -> np.ndarray:
+        """The authors' sequence: from the last weights, minimise ``sum(G a) + slope . a``
+        (``slope`` linearised at the last weights) subject to ``log a_i + log (G a)_i >=
+        -log norm``, until the weights solve ``G a = 1 / a`` or stop moving."""
         alpha = self.alpha
         for _ in range(self.niter):
             prev = np.asarray(alpha, dtype=np.float64)
-            slope.value = (1 / prev + (1 / (gtg @ prev)) @ gtg) / norm[0]
-            a.value = prev
-            try:
-                prob.solve(solver=cp.ECOS, warm_start=True, max_iters=100)
-            except (cp.SolverError, ValueError):
-                a.value = prev
+            slope = (1 / prev + (1 / (gtg @ prev)) @ gtg) / norm
+            a = _step(gtg, gtg.sum(0) + slope, float(np.log(norm)))
             if (
-                a.value is None
+                a is None  # no solution (infeasible, a failure): the last weights stay
                 or np.linalg.norm(gtg @ alpha - 1 / (alpha + 1e-10)) < 1e-3
-                or np.linalg.norm(a.value - prev) < 1e-6
+                or np.linalg.norm(a - prev) < 1e-6
             ):
                 break
-            alpha = a.value
+            alpha = a
         if alpha is not None:
             self.alpha = alpha
         return self.alpha
@@ -74,11 +57,9 @@ class NashMTL(Method):
         k = len(G)
         if self.alpha is None:
             self.alpha = np.ones(k, dtype=np.float32)
-        if self._problem is None:
-            self._build(k)
         if self.step % self.every == 0:
-            norm = np.array([float(torch.linalg.norm(G))])
-            alpha = self._solve((G / norm[0]).numpy(), norm)
+            norm = float(torch.linalg.norm(G))
+            alpha = self._solve((G / norm).numpy(), norm)
         else:
             alpha = self.alpha
         self.step += 1
@@ -100,4 +81,31 @@ class NashMTL(Method):
         self.step = int(state["step"])
         alpha = state["alpha"]
         self.alpha = None if alpha is None else np.array(alpha.numpy() if isinstance(alpha, Tensor) else alpha)
-        self._problem = None
+
+
+def _step(G: np.ndarray, c: np.ndarray, log_norm: float):
+    """``argmin c . a`` over ``log a_i + log (G a)_i >= -log_norm`` (and ``a >= 0``), by ECOS
+    over ``x = (a, t, s)``: ``t_i <= log a_i`` and ``s_i <= log (G a)_i`` as exponential
+    cones ``(t_i, a_i, 1)`` and ``(s_i, (G a)_i, 1)``, ``t_i + s_i >= -log_norm`` linear.
+    None where it finds no solution (the program has none, or the solver fails)."""
+    import ecos
+    from scipy import sparse
+
+    k = len(G)
+    eye, zero = np.eye(k), np.zeros((k, k))
+    # h - Gx in the cones: first the linear rows (-a <= 0, -t - s <= log_norm), then per
+    # cone three rows in ECOS's order (x, y, z) with exp(x / z) <= y / z.
+    lin = np.block([[-eye, zero, zero], [zero, -eye, -eye]])
+    cones = np.zeros((2 * k, 3, 3 * k))
+    cones[:k, 0, k : 2 * k] = -eye  # t_i
+    cones[:k, 1, :k] = -eye  # a_i
+    cones[k:, 0, 2 * k :] = -eye  # s_i
+    cones[k:, 1, :k] = -G  # (G a)_i
+    h = np.concatenate([np.zeros(k), np.full(k, log_norm), np.tile([0.0, 0.0, 1.0], 2 * k)])
+    Gm = sparse.csc_matrix(np.vstack([lin, cones.reshape(6 * k, 3 * k)]))
+    c3 = np.concatenate([c, np.zeros(2 * k)])
+    try:
+        sol = ecos.solve(c3, Gm, h, {"l": 2 * k, "q": [], "e": 2 * k}, verbose=False, max_iters=100)
+    except ValueError:  # data ECOS refuses
+        return None
+    return np.asarray(sol["x"][:k]) if sol["info"]["exitFlag"] in SOLVED else None
