@@ -695,3 +695,33 @@ def test_modules_rule_rows_follow_torchjd_or_libmtl(rows):
         gradmod.attach(Shared(2), {"r": {"params": "trunk.*", "transforms": ["upgrad"], "rows": "batch"}})
     with pytest.raises(ValueError, match=r"hooks\.r\.rows: 'sum'; allowed: examples, batch"):
         gradmod.attach(Shared(2), {"r": {**rule, "rows": "sum"}})
+
+
+@pytest.mark.parametrize("case", ["opposite", "zero", "repeated", "tiny", "nearly_opposite"])
+def test_nash_mtl_on_degenerate_task_gradients_equals_torchjd(case):
+    """Where a convex step has no solution (a task without gradient, two exactly opposite)
+    the last weights stay, as torchjd's; where it has one, the same one (1e-8)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(30, generator=g, dtype=torch.float64) for _ in range(2))
+    J = {
+        "opposite": torch.stack([a, -a]),
+        "zero": torch.stack([a, torch.zeros_like(a), b]),
+        "repeated": torch.stack([a, a, b]),
+        "tiny": torch.stack([1e-8 * a, b]),
+        "nearly_opposite": torch.stack([a, -a + 1e-3 * b]),
+    }[case]
+    method, ref = M.build("nash_mtl", {}), tja.NashMTL(n_tasks=len(J))
+    for _ in range(3):
+        torch.testing.assert_close(method.weights(J @ J.T, None) @ J, ref(J), rtol=0, atol=1e-8)
+
+
+def test_nash_mtl_without_ecos_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ecos" else real(name, *a))
+    with pytest.raises(
+        ValueError, match=r"per_loss method 'nash_mtl' needs ecos, not installed \(pip install ecos"
+    ) as e:
+        M.build("nash_mtl", {})
+    assert "\n" not in str(e.value)

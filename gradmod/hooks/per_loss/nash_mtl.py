@@ -91,6 +91,8 @@ def _step(G: np.ndarray, c: np.ndarray, log_norm: float):
     import ecos
     from scipy import sparse
 
+    if not np.isfinite(c).all():  # a task with no gradient, or one exactly against another
+        return None
     k = len(G)
     eye, zero = np.eye(k), np.zeros((k, k))
     # h - Gx in the cones: first the linear rows (-a <= 0, -t - s <= log_norm), then per
