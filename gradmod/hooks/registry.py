@@ -268,4 +268,11 @@ def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTrans
     missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in args]
     if missing:
         raise ValueError(f"transform {name!r} needs argument(s) {', '.join(missing)}")
-    return BuiltTransform(name, args, make(**args), at)
+    fn = make(**args)
+    if e.kind == "elementwise" and at is None and not callable(fn):
+        kinds = [f"; a {b.__name__} is kind {k!r}" for k, b in FACTORY_BASES.items() if isinstance(fn, b)]
+        raise ValueError(
+            f"transform {name!r}: its factory built a {type(fn).__name__}, where an elementwise transform's "
+            f"builds a function grad -> Tensor | None{''.join(kinds)} (gradmod.register(..., kind=...))"
+        )
+    return BuiltTransform(name, args, fn, at)

@@ -198,6 +198,23 @@ def test_a_class_of_a_base_registers_as_its_kind_and_another_kind_is_refused_in_
     assert "wrong_kind_test" not in registry.names()
 
 
+def test_a_function_factory_that_builds_no_function_is_refused_at_attach_in_one_line():
+    """Registered without a kind (elementwise), a factory function building a Method would
+    fail at the first backward ("object is not callable"): refused when the rule is attached."""
+    import gradmod
+
+    class Half(gradmod.Method):
+        def weights(self, G, gen):
+            return torch.full((G.shape[0],), 0.5, dtype=G.dtype)
+
+    gradmod.register("half_by_function_test", lambda: Half())
+    with pytest.raises(
+        ValueError, match=r"'half_by_function_test': its factory built a Half, .* a Method is kind 'per_loss'"
+    ) as e:
+        attach(nn.Linear(3, 1), {"r": {"params": "*", "transforms": ["half_by_function_test"]}})
+    assert "\n" not in str(e.value)
+
+
 def _at_stage():
     form = registry.entry("log").at_stage["per_sample"]
     registry.register_at_stage("log", "per_sample", form)  # the same form again: nothing changes

@@ -42,7 +42,7 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
         weighted_loss = (w.to(L.device, L.dtype) * L).sum()
         if r.params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
             # One weight for every task: the gradient of the plain sum, times it, in the
-            # one backward of the sum (a hook on each parameter scales what arrives there).
+            # one backward of the sum (the smaller side of the model scaled, below).
             if weights[0] != 1.0:
                 scaled += [(p, weights[0]) for p in r.params]
         elif r.params:
