@@ -38,10 +38,12 @@ class NashMTL(Method):
         (``slope`` linearised at the last weights) subject to ``log a_i + log (G a)_i >=
         -log norm``, until the weights solve ``G a = 1 / a`` or stop moving."""
         alpha = self.alpha
+        program = _program(gtg, float(np.log(norm)))  # the same constraints at every convex step
+        cost = gtg.sum(0)  # sum(G a)'s coefficients
         for _ in range(self.niter):
             prev = np.asarray(alpha, dtype=np.float64)
             slope = (1 / prev + (1 / (gtg @ prev)) @ gtg) / norm
-            a = _step(gtg, gtg.sum(0) + slope, float(np.log(norm)))
+            a = _step(program, cost + slope)
             if (
                 a is None  # no solution (infeasible, a failure): the last weights stay
                 or np.linalg.norm(gtg @ alpha - 1 / (alpha + 1e-10)) < 1e-3
@@ -83,20 +85,16 @@ class NashMTL(Method):
         self.alpha = None if alpha is None else np.array(alpha.numpy() if isinstance(alpha, Tensor) else alpha)
 
 
-def _step(G: np.ndarray, c: np.ndarray, log_norm: float):
-    """``argmin c . a`` over ``log a_i + log (G a)_i >= -log_norm`` (and ``a >= 0``), by ECOS
-    over ``x = (a, t, s)``: ``t_i <= log a_i`` and ``s_i <= log (G a)_i`` as exponential
-    cones ``(t_i, a_i, 1)`` and ``(s_i, (G a)_i, 1)``, ``t_i + s_i >= -log_norm`` linear.
-    None where it finds no solution (the program has none, or the solver fails)."""
-    import ecos
+def _program(G: np.ndarray, log_norm: float) -> tuple:
+    """ECOS's constraints ``h - Gm x`` in its cones for ``log a_i + log (G a)_i >= -log_norm``
+    (and ``a >= 0``) over ``x = (a, t, s)``: ``t_i <= log a_i`` and ``s_i <= log (G a)_i`` as
+    exponential cones ``(t_i, a_i, 1)`` and ``(s_i, (G a)_i, 1)``, ``t_i + s_i >= -log_norm``
+    linear. First the linear rows (``-a <= 0``, ``-t - s <= log_norm``), then per cone three
+    rows in ECOS's order (x, y, z) with ``exp(x / z) <= y / z``."""
     from scipy import sparse
 
-    if not np.isfinite(c).all():  # a task with no gradient, or one exactly against another
-        return None
     k = len(G)
     eye, zero = np.eye(k), np.zeros((k, k))
-    # h - Gx in the cones: first the linear rows (-a <= 0, -t - s <= log_norm), then per
-    # cone three rows in ECOS's order (x, y, z) with exp(x / z) <= y / z.
     lin = np.block([[-eye, zero, zero], [zero, -eye, -eye]])
     cones = np.zeros((2 * k, 3, 3 * k))
     cones[:k, 0, k : 2 * k] = -eye  # t_i
@@ -104,10 +102,20 @@ def _step(G: np.ndarray, c: np.ndarray, log_norm: float):
     cones[k:, 0, 2 * k :] = -eye  # s_i
     cones[k:, 1, :k] = -G  # (G a)_i
     h = np.concatenate([np.zeros(k), np.full(k, log_norm), np.tile([0.0, 0.0, 1.0], 2 * k)])
-    Gm = sparse.csc_matrix(np.vstack([lin, cones.reshape(6 * k, 3 * k)]))
-    c3 = np.concatenate([c, np.zeros(2 * k)])
+    return sparse.csc_matrix(np.vstack([lin, cones.reshape(6 * k, 3 * k)])), h, {"l": 2 * k, "q": [], "e": 2 * k}
+
+
+def _step(program: tuple, c: np.ndarray) -> np.ndarray | None:
+    """``argmin c . a`` subject to ``program`` (``_program``), by ECOS. None where it finds no
+    solution (the program has none, or the solver fails)."""
+    import ecos
+
+    if not np.isfinite(c).all():  # a task with no gradient, or one exactly against another
+        return None
+    Gm, h, dims = program
+    k = len(c)
     try:
-        sol = ecos.solve(c3, Gm, h, {"l": 2 * k, "q": [], "e": 2 * k}, verbose=False, max_iters=100)
+        sol = ecos.solve(np.concatenate([c, np.zeros(2 * k)]), Gm, h, dims, verbose=False, max_iters=100)
     except ValueError:  # data ECOS refuses
         return None
     return np.asarray(sol["x"][:k]) if sol["info"]["exitFlag"] in SOLVED else None
