@@ -93,11 +93,18 @@ def _check(name: str, factory: Any, kind: str | None, foreach: Any, observer: bo
         raise TypeError(f"{where}: factory must be callable, got {type(factory).__name__}")
     if foreach is not None and not callable(foreach):
         raise TypeError(f"{where}: foreach must be callable or None, got {type(foreach).__name__}")
-    if kind is not None and kind not in KINDS:
+    if kind is not None:
+        _check_kind(name, kind, foreach, observer)
+
+
+def _check_kind(name: str, kind: str, foreach: Any, observer: bool) -> None:
+    """What ``kind`` allows: checked as given, and again as implied by a class factory."""
+    where = f"register({name!r})"
+    if kind not in KINDS:
         raise ValueError(f"{where}: kind={kind!r}; allowed: {', '.join(KINDS)}")
-    if foreach is not None and kind not in (None, "elementwise"):
+    if foreach is not None and kind != "elementwise":
         raise ValueError(f"{where}: a {kind} transform has no foreach form (elementwise only)")
-    if observer and kind not in (None, "elementwise"):
+    if observer and kind != "elementwise":
         raise ValueError(f"{where}: observer=True is for elementwise transforms only")
 
 
@@ -129,7 +136,7 @@ def register(
         if name in entries() and not overwrite:
             raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
         k = _kind_of(name, f, kind)  # after entries(): the catalog's import sets the bases and checks
-        _check(name, f, k, foreach, observer)
+        _check_kind(name, k, foreach, observer)
         if k in FACTORY_CHECKS:
             FACTORY_CHECKS[k](name, f)
         _ENTRIES[name] = Entry(name, f, k, foreach, observer)
