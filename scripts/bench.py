@@ -148,7 +148,7 @@ RATIOS = [
 # per_loss: a Gramian method <= 0.6x torchjd's step, and <= 3x a plain step on the MLP with 10
 # heads, <= 2.5x on the transformer trunk; a loss weighting <= 1.05x plain; modules <= 1.3x plain.
 GRAMIAN_OVER_PLAIN = {"mlp10": 3.0, "trans5": 2.5}
-WEIGHTINGS = ("sum", "mean", "random", "famo")
+WEIGHTINGS = ("sum", "mean", "random", *per_loss.SCALARIZATIONS)
 for _m in per_loss.MODELS:
     RATIOS += [
         (

@@ -7,8 +7,12 @@ several losses, SGD step) by each contender, at batch 64 on one thread:
     torchjd_<m>      torchjd 0.18: mtl_backward(losses, features) + jac_to_grad(trunk, <m>)
     gradmod_<m>      attach(model, {<m> on "trunk.*"}) and hooks.backward(losses)
     gradmod_modules  <m> = upgrad on the trunk's output (``modules: trunk``)
-    gradmod_famo     famo on the trunk, as ``+hooks=famo`` (a loss weighting: no task gradients;
-                     the same batch's forward after the step, from which it learns, is left out)
+    gradmod_<w>      a loss weighting (famo, uw, dwa, geometric_mean: no task gradients) as its
+                     shipped file has it, on every parameter; famo's same-batch forward after the
+                     step, from which it learns, is left out
+
+Each method's rule selects the parameters its shipped file does (``+hooks=<m>``: the trunk,
+``*`` for the loss weightings).
 
 Models: ``mlp5``, a 784-512-512 trunk with 5 classification heads (Linear 512-10); ``mlp10``,
 the same trunk with 10 heads; ``trans5``, a 2-layer ``nn.TransformerEncoder`` (width 64, 4
@@ -60,6 +64,16 @@ METHODS = (
     "sum",
     "random",
 )
+SCALARIZATIONS = ("famo", "uw", "dwa", "geometric_mean")  # loss weightings torchjd has no aggregator for
+CONF = ROOT / "gradmod" / "conf" / "hooks"
+
+
+def shipped_params(method: str) -> str:
+    """The parameters ``+hooks=<method>`` selects (``mtl_sum`` is ``sum``'s file)."""
+    import yaml
+
+    rules = yaml.safe_load((CONF / f"{'mtl_sum' if method == 'sum' else method}.yaml").read_text())
+    return rules[method if method != "sum" else "mtl_sum"]["params"]
 
 
 class MultiMLP(nn.Module):
@@ -133,7 +147,7 @@ def names() -> list[str]:
             if has_torchjd():
                 out.append(f"{m}.torchjd_{method}")
             out.append(f"{m}.gradmod_{method}")
-        out += [f"{m}.gradmod_modules", f"{m}.gradmod_famo"]
+        out += [f"{m}.gradmod_modules", *(f"{m}.gradmod_{w}" for w in SCALARIZATIONS)]
     return out
 
 
@@ -200,10 +214,10 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
             jac_to_grad(trunk, agg)
     else:
         method = contender.removeprefix("gradmod_")
-        rule = {
-            "modules": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]},
-            "famo": {"params": "trunk.*", "transforms": ["famo"]},
-        }.get(method, {"params": "trunk.*", "transforms": [method]})
+        if method == "modules":
+            rule = {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}
+        else:
+            rule = {"params": shipped_params(method), "transforms": [method]}
         hooks = attach(model, {"mtl": rule})
 
         def step(x, ys):

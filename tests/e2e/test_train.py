@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CONF, FAST, run_train
+from helpers import CONF, FAST, per_loss_method, run_train
 
 from gradmod.app.cli import run
 from gradmod.hooks import attach, load_rules
@@ -24,10 +24,15 @@ def test_required_hook_configs_exist():
     assert {"clip", "zero", "min_zero", "log"} <= set(HOOK_FILES)
 
 
+def _rules(hooks: str) -> list[dict]:
+    return list(load_rules(CONF / "hooks" / f"{hooks}.yaml").values())
+
+
 def _per_loss(hooks: str) -> bool:
-    """A hook file of the per_loss stage: it combines the losses of multi_lenet's heads on its trunk."""
-    rules = load_rules(CONF / "hooks" / f"{hooks}.yaml").values()
-    return bool(rules) and all(rule.get("params") == "trunk.*" for rule in rules)
+    """A hook file of the per_loss stage: it combines the losses of multi_lenet's heads (on its
+    trunk, or, a loss weighting, on every parameter)."""
+    rules = _rules(hooks)
+    return bool(rules) and all(all(per_loss_method(t) for t in rule["transforms"]) for rule in rules)
 
 
 def _applies(hooks: str, model: str) -> bool:
@@ -49,11 +54,16 @@ PAIRS = [(h, m) for h in HOOK_FILES for m in MODEL_FILES if _applies(h, m)]
 
 
 @pytest.mark.parametrize("hooks", [h for h in HOOK_FILES if _per_loss(h)])
-def test_a_per_loss_file_on_a_one_head_model_is_one_clear_error(compose_cfg, hooks):
-    cfg = compose_cfg(f"+hooks={hooks}", "model=mnist_cnn")
-    net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=28, norm=cfg.model.norm)
-    with pytest.raises(ValueError, match=r"'trunk\.\*' matches no parameter .* names look like: conv1\.weight"):
-        attach(net, cfg.hooks, stage=cfg.trainer.hook_stage)
+def test_a_per_loss_file_on_a_one_head_model_is_one_clear_error(compose_cfg, hooks, tmp_path):
+    cfg = compose_cfg(f"+hooks={hooks}", "model=mnist_cnn", "data=mnist_sample", "trainer.device=cpu")
+    if all(rule["params"] == "trunk.*" for rule in _rules(hooks)):
+        net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=28, norm=cfg.model.norm)
+        with pytest.raises(ValueError, match=r"'trunk\.\*' matches no parameter .* names look like: conv1\.weight"):
+            attach(net, cfg.hooks, stage=cfg.trainer.hook_stage)
+    else:  # every parameter: the one scalar loss is refused before training
+        with pytest.raises(ValueError, match=rf"^hooks.{hooks} runs at stage per_loss, .* gives one scalar loss"):
+            run(cfg, tmp_path)
+        assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_sam_on_a_model_without_batchnorm_is_one_clear_error(compose_cfg):

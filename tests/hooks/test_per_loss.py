@@ -258,6 +258,7 @@ def _train_weighting(name, args, scalarizer, steps=100, epoch=10):
         ("dwa", {}, lambda: tjs.DWA()),
         ("famo", {}, lambda: tjs.FAMO(3)),
         ("famo", {"update_from": "next_batch"}, lambda: tjs.FAMO(3)),
+        ("famo", {"min_losses": [0.1, 0.3, 0.05]}, lambda: tjs.FAMO(3, min_losses=torch.tensor([0.1, 0.3, 0.05]))),
     ],
 )
 def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, make):
@@ -266,26 +267,38 @@ def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, 
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_weightings_adam_step_is_torchs_bit_for_bit(dtype):
-    """uw's and famo's Adam, stepped by torch's functional Adam on the optimizer's own state,
-    equals ``torch.optim.Adam.step`` exactly, and its state dict resumes a torch Adam."""
-    from gradmod.hooks.per_loss.weightings import adam_step
+def test_famo_min_losses_of_another_length_is_one_line():
+    model = Shared(3).double()
+    hooks = gradmod.attach(model, {"w": {"params": "*", "transforms": [{"name": "famo", "min_losses": [0.1, 0.2]}]}})
+    x, ys = _batch(3, False, seed=0)
+    with pytest.raises(ValueError, match=r"^per_loss method 'famo': min_losses has 2 values for 3 losses; give one"):
+        hooks.backward(_losses(model, x, ys))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.001])
+def test_the_weightings_host_adam_equals_torchs_adam_and_resumes_it(weight_decay):
+    """uw's and famo's Adam on host floats equals ``torch.optim.Adam`` in float64 to rounding,
+    and each resumes from the other's state dict (a checkpoint either way)."""
+    from gradmod.hooks.per_loss.weightings import HostAdam
 
     g = torch.Generator().manual_seed(0)
-    ours = torch.zeros(4, dtype=dtype, requires_grad=True)
-    theirs = ours.detach().clone().requires_grad_(True)
-    opt_a = torch.optim.Adam([ours], lr=0.025, weight_decay=0.001)
-    opt_b = torch.optim.Adam([theirs], lr=0.025, weight_decay=0.001)
-    for step in range(50):
-        grad = torch.randn(4, generator=g, dtype=dtype)
-        adam_step(opt_a, grad)
+    start = [0.3, -0.2, 0.0, 1.5]
+    ours = HostAdam(start, lr=0.025, weight_decay=weight_decay)
+    theirs = torch.tensor(start, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([theirs], lr=0.025, weight_decay=weight_decay)
+    for step in range(60):
+        grad = torch.randn(4, generator=g, dtype=torch.float64)
+        ours.step(grad.tolist())
         theirs.grad = grad
-        opt_b.step()
-        assert torch.equal(ours, theirs), step
-        if step == 20:  # resumed from our state dict
-            opt_b = torch.optim.Adam([theirs], lr=0.025, weight_decay=0.001)
-            opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # a checkpoint, not shared tensors
+        opt.step()
+        torch.testing.assert_close(torch.tensor(ours.values, dtype=torch.float64), theirs.detach(), rtol=1e-12, atol=1e-14)
+        if step == 20:  # torch's Adam resumed from our checkpoint
+            opt = torch.optim.Adam([theirs], lr=0.025, weight_decay=weight_decay)
+            opt.load_state_dict(copy.deepcopy(ours.state_dict()))
+        if step == 40:  # ours resumed from torch's
+            ours = HostAdam(theirs.tolist(), lr=0.025, weight_decay=weight_decay)
+            ours.load_state_dict(copy.deepcopy(opt.state_dict()))
 
 
 class OneLinearHeads(nn.Module):

@@ -29,16 +29,16 @@ class TaskRecord:
         self.has_gram = False
         self.has_weights = False
         self._sum: Tensor | None = None  # [norms k, cosines k(k-1)/2, conflict 1, weights k]
-        self._pending: list[tuple[np.ndarray | None, np.ndarray | None]] = []  # calls not folded in yet
+        self._pending: list[tuple[np.ndarray | None, np.ndarray | list[float] | None]] = []  # calls not folded in yet
 
-    def add(self, names: list[str], G: Tensor | None, w: Tensor | None) -> None:
+    def add(self, names: list[str], G: Tensor | None, w: Tensor | list[float] | None) -> None:
         """One call's Gramian and weights, kept on the host (copies of a few values); the
         statistics of a window's calls are formed together when it is read: numpy's per-op
         cost, paid per call, would be a loss weighting's largest host cost per step."""
         if names != self.names:  # other tasks: a fresh window
             self.names, self.calls, self._sum, self._pending = list(names), 0, None, []
         self.has_gram, self.has_weights = G is not None, w is not None
-        self._pending.append((_host(G), _host(w)))
+        self._pending.append((_host(G), w if isinstance(w, list) else _host(w)))
         self.calls += 1
 
     def _fold(self) -> None:

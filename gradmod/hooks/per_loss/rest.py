@@ -35,11 +35,12 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     for r in weighted:
         if finite:
             w = r.method.loss_weights(host, stage.generator)
-            r.record.add(names, None, w)
+            weights = w.tolist()
+            r.record.add(names, None, weights)
         else:  # as _weights: nan weights, the method's state left as it was
             w = torch.full_like(host, math.nan)
-        weights = w.tolist()
-        weighted_loss = (w.to(L.device, L.dtype) * L).sum()
+            weights = w.tolist()
+        weighted_loss = L @ w.to(L.device, L.dtype)
         if r.params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
             # One weight for every task: the gradient of the plain sum, times it, in the
             # one backward of the sum (the smaller side of the model scaled, below).

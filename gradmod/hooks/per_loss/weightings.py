@@ -9,41 +9,59 @@ import math
 
 import torch
 from torch import Tensor
-from torch.optim.adam import adam
 
 from gradmod.hooks.per_loss.methods import Method, _check
 
 
-def adam_step(opt: torch.optim.Adam, grad: Tensor) -> None:
-    """``opt.step()`` of its one tensor with gradient ``grad``, by torch's functional Adam on the
-    optimizer's own state (its ``state_dict`` unchanged): the Optimizer's step machinery costs
-    about 70 us of host time a call more, a loss weighting's largest cost per step."""
-    group = opt.param_groups[0]
-    (p,) = group["params"]
-    state = opt.state[p]
-    if not state:  # as torch.optim.Adam's first step
-        default = torch.get_default_dtype()
-        state["step"] = torch.tensor(0.0, dtype=torch.float64 if default == torch.float64 else torch.float32)
-        state["exp_avg"] = torch.zeros_like(p)
-        state["exp_avg_sq"] = torch.zeros_like(p)
-    beta1, beta2 = group["betas"]
-    with torch.no_grad():
-        adam(
-            [p],
-            [grad],
-            [state["exp_avg"]],
-            [state["exp_avg_sq"]],
-            [],
-            [state["step"]],
-            foreach=False,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
+class HostAdam:
+    """Adam (Kingma and Ba 2015, with torch's L2 ``weight_decay``) on a loss weighting's k numbers
+    (log-variances, logits), kept as host floats (float64): torch's optimizer costs 30 to 70 us
+    of host time a step on them, a loss weighting's largest cost. Its ``state_dict`` has
+    ``torch.optim.Adam``'s layout, so either one's checkpoint resumes the other."""
+
+    BETAS = (0.9, 0.999)
+    EPS = 1e-8
+
+    def __init__(self, values: list[float], lr: float, weight_decay: float = 0.0):
+        self.values, self.lr, self.weight_decay = [float(v) for v in values], lr, weight_decay
+        self.steps = 0
+        self.exp_avg = [0.0] * len(values)
+        self.exp_avg_sq = [0.0] * len(values)
+
+    def step(self, grad: list[float]) -> None:
+        b1, b2 = self.BETAS
+        self.steps += 1
+        c1, c2 = 1.0 - b1**self.steps, 1.0 - b2**self.steps
+        for i, g in enumerate(grad):
+            g += self.weight_decay * self.values[i]
+            self.exp_avg[i] = b1 * self.exp_avg[i] + (1.0 - b1) * g
+            self.exp_avg_sq[i] = b2 * self.exp_avg_sq[i] + (1.0 - b2) * g * g
+            self.values[i] -= self.lr * (self.exp_avg[i] / c1) / (math.sqrt(self.exp_avg_sq[i] / c2) + self.EPS)
+
+    def state_dict(self) -> dict:
+        f64 = torch.float64
+        state = (
+            {}
+            if self.steps == 0
+            else {
+                0: {
+                    "step": torch.tensor(float(self.steps), dtype=f64),
+                    "exp_avg": torch.tensor(self.exp_avg, dtype=f64),
+                    "exp_avg_sq": torch.tensor(self.exp_avg_sq, dtype=f64),
+                }
+            }
         )
+        group = {"lr": self.lr, "betas": self.BETAS, "eps": self.EPS, "weight_decay": self.weight_decay}
+        return {"state": state, "param_groups": [{**group, "amsgrad": False, "maximize": False, "params": [0]}]}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = state["state"].get(0)
+        if mine is None:
+            self.steps, self.exp_avg, self.exp_avg_sq = 0, [0.0] * len(self.values), [0.0] * len(self.values)
+            return
+        self.steps = int(float(mine["step"]))
+        self.exp_avg = [float(v) for v in mine["exp_avg"].tolist()]
+        self.exp_avg_sq = [float(v) for v in mine["exp_avg_sq"].tolist()]
 
 
 class LossWeighting(Method):
@@ -59,10 +77,12 @@ class GeometricMean(LossWeighting):
     name = "geometric_mean"
 
     def loss_weights(self, losses, gen):
-        if (losses < 0).any():
+        values = losses.tolist()  # k host floats: Python's math costs less than a torch op each
+        if min(values) < 0:
             raise ValueError("per_loss method 'geometric_mean': a loss is negative; it needs losses >= 0")
-        gm = torch.exp(torch.log(losses).mean())
-        return gm / (len(losses) * losses)
+        k = len(values)
+        gm = math.exp(math.fsum(math.log(v) if v > 0 else -math.inf for v in values) / k)
+        return losses.new_tensor([gm / (k * v) if v > 0 else math.nan for v in values])  # 0/0 for a zero loss
 
 
 class UW(LossWeighting):
@@ -76,34 +96,27 @@ class UW(LossWeighting):
     def __init__(self, lr: float = 0.001, init: float = 0.0):
         self.lr = _check("uw", "lr", lr, 0.0)
         self.init = _check("uw", "init", init, -math.inf)
-        self.log_var: Tensor | None = None
-        self._opt: torch.optim.Adam | None = None
+        self._adam: HostAdam | None = None  # its values: the log-variances
 
-    def _setup(self, k: int, dtype) -> None:
-        if self.log_var is None:
-            self.log_var = torch.full((k,), self.init, dtype=dtype, requires_grad=True)
-        if self._opt is None:
-            self._opt = torch.optim.Adam([self.log_var], lr=self.lr)
+    @property
+    def log_var(self) -> Tensor | None:
+        return None if self._adam is None else torch.tensor(self._adam.values, dtype=torch.float64)
 
     def loss_weights(self, losses, gen):
-        self._setup(len(losses), losses.dtype)
-        s = self.log_var.detach()
-        w = 0.5 * torch.exp(-s)
-        adam_step(self._opt, (0.5 - w * losses).to(self.log_var.dtype))  # d/ds of the scalarised loss
-        return w
+        if self._adam is None:
+            self._adam = HostAdam([self.init] * len(losses), self.lr)
+        w = [0.5 * math.exp(-s) for s in self._adam.values]
+        self._adam.step([0.5 - wi * v for wi, v in zip(w, losses.tolist())])  # d/ds of the scalarised loss
+        return losses.new_tensor(w)
 
     def state_dict(self):
-        return {
-            "log_var": None if self.log_var is None else self.log_var.detach().clone(),
-            "adam": None if self._opt is None else self._opt.state_dict(),
-        }
+        return {"log_var": self.log_var, "adam": None if self._adam is None else self._adam.state_dict()}
 
     def load_state_dict(self, state):
         if state["log_var"] is None:
             return
-        self.log_var = state["log_var"].clone().requires_grad_(True)
-        self._opt = torch.optim.Adam([self.log_var], lr=self.lr)
-        self._opt.load_state_dict(state["adam"])
+        self._adam = HostAdam(state["log_var"].tolist(), self.lr)
+        self._adam.load_state_dict(state["adam"])
 
 
 class FAMO(LossWeighting):
@@ -133,57 +146,80 @@ class FAMO(LossWeighting):
         if update_from not in self.UPDATES:
             raise ValueError(f"per_loss method 'famo': update_from={update_from!r}; allowed: {', '.join(self.UPDATES)}")
         self.update_from = update_from
-        self.logits: Tensor | None = None
-        self.prev: Tensor | None = None
-        self._opt: torch.optim.Adam | None = None
+        self._adam: HostAdam | None = None  # its values: the logits
+        self.prev: list[float] | None = None  # the step's losses, until the losses after it come
+
+    @property
+    def logits(self) -> Tensor | None:
+        return None if self._adam is None else torch.tensor(self._adam.values, dtype=torch.float64)
 
     @property
     def wants_after_step(self) -> bool:
         return self.update_from == "same_batch"
 
-    def _shifted(self, losses: Tensor) -> Tensor:
-        low = 0.0 if self.min_losses is None else losses.new_tensor(self.min_losses)
-        return losses - low + self.EPS
+    def _log_shifted(self, losses: list[float]) -> list[float]:
+        """``log(L_i - b_i + eps)``, nan below the bound (as torch's log)."""
+        low = self.min_losses or [0.0] * len(losses)
+        return [_log(v - b + self.EPS) for v, b in zip(losses, low)]
 
-    def update(self, losses: Tensor) -> None:
+    def update(self, losses: list[float]) -> None:
         """One Adam step of the logits from the previous losses to these."""
-        delta = (torch.log(self._shifted(self.prev)) - torch.log(self._shifted(losses))).to(self.logits.dtype)
-        z = torch.softmax(self.logits.detach(), 0)
-        grad = z * (delta - (delta * z).sum())  # delta through the softmax's Jacobian
-        if self._opt is None:
-            self._opt = torch.optim.Adam([self.logits], lr=self.lr, weight_decay=self.weight_decay)
-        adam_step(self._opt, grad)
+        assert self._adam is not None and self.prev is not None
+        delta = [a - b for a, b in zip(self._log_shifted(self.prev), self._log_shifted(losses))]
+        z = _softmax(self._adam.values)
+        mean = math.fsum(d * zi for d, zi in zip(delta, z))
+        self._adam.step([zi * (d - mean) for zi, d in zip(z, delta)])  # delta through the softmax's Jacobian
 
     def after_step(self, losses: Tensor) -> None:
         """``same_batch``: the step's batch's losses after the optimizer step (on the host)."""
-        if self.update_from == "same_batch" and self.prev is not None and bool(torch.isfinite(losses).all()):
-            self.update(losses)
+        values = losses.tolist()
+        if self.update_from == "same_batch" and self.prev is not None and all(map(math.isfinite, values)):
+            self.update(values)
             self.prev = None
 
     def loss_weights(self, losses, gen):
-        if self.logits is None:
-            self.logits = torch.zeros(len(losses), dtype=torch.float32, requires_grad=True)
+        values = losses.tolist()  # k host floats, as geometric_mean
+        low = self.min_losses or [0.0] * len(values)
+        if len(low) != len(values):
+            raise ValueError(
+                f"per_loss method 'famo': min_losses has {len(low)} values for {len(values)} losses; give one per loss"
+            )
+        if self._adam is None:
+            self._adam = HostAdam([0.0] * len(values), self.lr, self.weight_decay)
         if self.update_from == "next_batch" and self.prev is not None:
-            self.update(losses)
-        self.prev = losses.clone()
-        z = torch.softmax(self.logits.detach(), 0).to(losses.dtype)
-        shifted = self._shifted(losses)
-        return z / (z / shifted).sum() / shifted
+            self.update(values)
+        self.prev = values
+        z = _softmax(self._adam.values)
+        shifted = [v - b + self.EPS for v, b in zip(values, low)]
+        total = math.fsum(zi / si for zi, si in zip(z, shifted))
+        return losses.new_tensor([zi / total / si for zi, si in zip(z, shifted)])
 
     def state_dict(self):
+        started = self._adam is not None and self._adam.steps > 0
         return {
-            "logits": None if self.logits is None else self.logits.detach().clone(),
-            "prev": None if self.prev is None else self.prev.clone(),
-            "adam": None if self._opt is None else self._opt.state_dict(),
+            "logits": self.logits,
+            "prev": None if self.prev is None else torch.tensor(self.prev, dtype=torch.float64),
+            "adam": self._adam.state_dict() if started else None,
         }
 
     def load_state_dict(self, state):
-        self.prev = None if state["prev"] is None else state["prev"].clone()
-        self.logits = None if state["logits"] is None else state["logits"].clone().requires_grad_(True)
-        self._opt = None
-        if state["adam"] is not None:
-            self._opt = torch.optim.Adam([self.logits], lr=self.lr, weight_decay=self.weight_decay)
-            self._opt.load_state_dict(state["adam"])
+        self.prev = None if state["prev"] is None else [float(v) for v in state["prev"].tolist()]
+        self._adam = None
+        if state["logits"] is not None:
+            self._adam = HostAdam(state["logits"].tolist(), self.lr, self.weight_decay)
+            if state["adam"] is not None:
+                self._adam.load_state_dict(state["adam"])
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
+
+
+def _softmax(values: list[float]) -> list[float]:
+    top = max(values)
+    e = [math.exp(v - top) for v in values]
+    total = math.fsum(e)
+    return [v / total for v in e]
 
 
 class DWA(LossWeighting):
