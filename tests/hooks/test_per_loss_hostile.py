@@ -259,11 +259,15 @@ def test_per_loss_rules_are_refused_when_lightning_sets_up(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_compiled_model_gets_the_eager_models_gradients():
-    """torch.compile's backward kernels do not run batched: the stage takes k passes instead."""
+@pytest.mark.parametrize(
+    "rule", [_rule("upgrad"), {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}}]
+)
+def test_a_compiled_model_gets_the_eager_models_gradients(rule):
+    """torch.compile's backward kernels do not run batched: the stage takes k passes instead
+    (a modules rule: the one backward, or each loss's pass where compiling hid the heads)."""
     model, ref = Shared(2), Shared(2)
-    hooks = gradmod.attach(model, _rule("upgrad"))
-    ref_hooks = gradmod.attach(ref, _rule("upgrad"), replace=False)
+    hooks = gradmod.attach(model, rule)
+    ref_hooks = gradmod.attach(ref, rule, replace=False)
     net = torch.compile(model)
     x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
     for _ in range(2):
@@ -273,7 +277,7 @@ def test_a_compiled_model_gets_the_eager_models_gradients():
         ref_hooks.backward({n: F.cross_entropy(o, y) for n, o in ref(x).items()})
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    assert hooks.per_loss.batched is False
+    assert hooks.per_loss.batched is ("rep" in rule)  # a modules rule: no batched backward to turn off
 
 
 def test_a_malformed_method_is_refused_when_registered_or_attached():

@@ -418,6 +418,67 @@ def test_a_loss_weighting_takes_one_backward_where_one_loss_alone_reaches_each_o
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-12, atol=1e-14, msg=n)
 
 
+def _modules_reference(model, x, ys, name: str, rows: str) -> dict[str, torch.Tensor]:
+    """The task gradients of the trunk's output (each loss's own pass), aggregated by torchjd
+    (rows ``batch``: LibMTL's rep_grad, the weights of the batch-summed gradients' Gramian),
+    pushed down the trunk; the heads the gradient of the sum."""
+    seen = []
+    handle = model.trunk.register_forward_hook(lambda m, args, out: seen.append(out))
+    losses = list(_losses(model, x, ys).values())
+    handle.remove()
+    (z,) = seen
+    Jz = torch.stack([torch.autograd.grad(loss, z, retain_graph=True)[0] for loss in losses])
+    torch.manual_seed(5)
+    if rows == "batch":
+        S = Jz.sum(1).flatten(1)
+        w = REFERENCE[name]().gramian_weighting(S @ S.T)
+        agg = torch.tensordot(w, Jz, 1)
+    else:
+        agg = REFERENCE[name]()(Jz.flatten(1)).view_as(z)
+    heads = list(model.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    z.backward(agg)
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "make, one",
+    [
+        (lambda: Heads(Wide()), True),
+        (lambda: Heads(Encoder()), True),
+        (lambda: Heads(Recurrent()), True),
+        (lambda: Heads(bert()), True),
+        (lambda: Heads(gpt2()), True),
+        (PooledOutside, False),
+        (SharedHead, False),
+    ],
+    ids=["wide", "encoder", "lstm", "hf_bert", "hf_gpt2", "pooled_outside", "shared_head"],
+)
+@pytest.mark.parametrize("name, rows", [("upgrad", "examples"), ("mgda", "examples"), ("upgrad", "batch")])
+def test_a_modules_rule_takes_one_backward_where_each_loss_has_a_head_of_its_own(make, one, name, rows):
+    """The trunk's output's k task gradients are caught where each head hands them on, in
+    the one backward of the sum (each loss's log-softmax backward runs once), where one loss
+    alone reaches each node that takes the output in; else each loss's own pass to it (a
+    pooling every head shares, a head two losses read). Against the hand-written reference
+    with torchjd's aggregators, float64."""
+    torch.manual_seed(1)
+    model = make().double()
+    x, ys = _batch()
+    expected = _modules_reference(copy.deepcopy(model), x, ys, name, rows)
+    rule = {"modules": "trunk", "stage": "per_loss", "transforms": [name], "rows": rows}
+    hooks = gradmod.attach(model, {"rep": rule})
+    with OpCounter() as ops:
+        hooks.backward(_losses(model, x, ys))
+    passes = ops.by_op["aten._log_softmax_backward_data.default"]
+    assert passes == 3 if one else passes > 3
+    scale = max(g.abs().max() for g in expected.values())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-10 * float(scale), msg=n)
+    assert hooks.read_stats()[f"rep/{name}"]["calls"] == 1
+
+
 @pytest.mark.parametrize("method", ["fixed", "mean", "random", "famo", "upgrad", "modules"])
 def test_micro_batches_accumulate_each_ones_gradient(method):
     """Two backward calls before a step (gradient accumulation): ``.grad`` holds the sum of

@@ -1,9 +1,14 @@
-"""Which loss reaches each tensor in the autograd graph, for a loss weighting's one backward.
+"""Which loss reaches each node of the autograd graph: where one loss alone does, one
+backward of a sum of the losses tells the losses' gradients apart.
 
 A loss weighting's parameters (``trunk.*``) take the gradient of ``sum_i w_i L_i`` and the
 others (the heads) that of the plain sum: two backward passes, or one of the weighted sum
-where every other tensor is reached by one loss alone. Such a tensor then holds ``w_i`` times
-its gradient in the plain sum, and dividing by ``w_i`` gives it back.
+where every other tensor is reached by one loss alone (``loss_owners``). Such a tensor then
+holds ``w_i`` times its gradient in the plain sum, and dividing by ``w_i`` gives it back.
+
+A ``modules:`` rule needs its output's k task gradients: where each loss reaches the output
+through nodes of its own (``head_edges``), those nodes hand it loss i's gradient in the
+backward of the sum.
 """
 
 from __future__ import annotations
@@ -19,8 +24,39 @@ def loss_owners(losses: list[Tensor]) -> dict[int, int] | None:
     """``{id(tensor): i}`` for each leaf tensor the losses reach: the index of the one loss
     that reaches it, or SHARED. None where the graph does not show every tensor it reaches
     (a reentrant checkpoint)."""
-    owner: dict[Node, int] = {}  # the one loss that reaches the node, or SHARED
-    leaves: dict[int, int] = {}
+    owner = _owners(losses)
+    if owner is None:
+        return None
+    return {
+        id(leaf): i
+        for node, i in owner.items()
+        if not node.next_functions and (leaf := getattr(node, "variable", None)) is not None  # a gradient accumulator
+    }
+
+
+def head_edges(losses: list[Tensor], out: Tensor) -> list[list[tuple[Node, list[int]]]] | None:
+    """Per loss, the nodes that take ``out`` in and the positions of ``out`` among their
+    inputs, where one loss alone reaches each such node (its head): what those nodes hand
+    ``out`` in the backward of the sum is then that loss's gradient of ``out``. None where two
+    losses meet above ``out`` on the way to it, or the graph hides nodes."""
+    target = out.grad_fn
+    owner = None if target is None else _owners(losses, stop=target)
+    if owner is None:
+        return None
+    edges: list[list[tuple[Node, list[int]]]] = [[] for _ in losses]
+    for node, i in owner.items():
+        at = [j for j, (nxt, nr) in enumerate(node.next_functions) if nxt is target and nr == out.output_nr]
+        if at:
+            if i == SHARED:
+                return None
+            edges[i].append((node, at))
+    return edges
+
+
+def _owners(losses: list[Tensor], stop: Node | None = None) -> dict[Node, int] | None:
+    """The one loss that reaches each node (or SHARED), not walking below ``stop``; None where
+    the graph does not show every node (a reentrant checkpoint's segment)."""
+    owner: dict[Node, int] = {}
     for i, loss in enumerate(losses):
         todo = [(loss.grad_fn, i)] if loss.grad_fn is not None else []
         while todo:
@@ -31,10 +67,8 @@ def loss_owners(losses: list[Tensor]) -> dict[int, int] | None:
                 continue  # each node changes at most twice: unseen, one loss's, shared
             owner[node] = now
             nexts = node.next_functions
-            if nexts:
+            if nexts and node is not stop:
                 if type(node).__name__ in HIDING:
                     return None  # its backward reaches tensors the graph does not show
                 todo += [(nxt, now) for nxt, _ in nexts if nxt is not None]
-            elif (leaf := getattr(node, "variable", None)) is not None:  # a gradient accumulator
-                leaves[id(leaf)] = now
-    return leaves
+    return owner

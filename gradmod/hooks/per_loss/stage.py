@@ -22,7 +22,8 @@ backward fills per task.
 Every other parameter gets the gradient of the sum of the losses in one more backward
 (``rest``). A ``modules:`` rule aggregates the task gradients of the module's output (the
 representation) and hands the aggregate to the rest of the backward through a tensor
-hook on that output: k cheap passes through the heads, one through the trunk.
+hook on that output: the k gradients caught from the heads in that one backward where each
+loss has a head of its own (``_one_pass``), else k cheap passes through the heads first.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from gradmod.hooks.per_loss import gramian
 from gradmod.hooks.per_loss.frontier import frontier_module
 from gradmod.hooks.per_loss.in_projection import split_in_projections
 from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
+from gradmod.hooks.per_loss.owners import head_edges
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.per_loss.rest import rest_backward
 from gradmod.hooks.per_loss.task_grads import assign_layers, batch_pays, refuse_sparse, task_grads
@@ -262,6 +264,8 @@ class PerLossStage(Stage):
                     f"hooks.{r.name}: no module of this modules rule ran in a training forward (gradients "
                     "on) before this backward, so there is no output whose task gradients to combine"
                 )
+        if self._one_pass(names, listed):
+            return
         k = len(names)
         grad_rules = [r for r in self.rules if r.method.kind != "losses"]
         inputs, slots = self._inputs(grad_rules, k)
@@ -270,6 +274,46 @@ class PerLossStage(Stage):
         for r in grad_rules:
             self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
         rest_backward(self, names, listed, replace, grad_rules)
+
+    def _one_pass(self, names: list[str], listed: list[Tensor]) -> bool:
+        """A lone ``modules:`` rule whose one output each loss reaches through a head of its
+        own (``owners.head_edges``): each head's gradient of the output is caught as the head
+        hands it on in the one backward of the sum, and the rule's aggregate replaces their
+        sum there. No pass through the heads per task; the same gradients."""
+        if len(self.rules) != 1 or self.reduce is not None:
+            return False  # under reduce, the Gramian's all-reduce would run inside the backward
+        r = self.rules[0]
+        outs = [t for m in r.modules for t in self.outputs[id(m)]]
+        if len(outs) != 1 or r.method.kind == "losses" or getattr(r.method, "heads", "sum") == "weighted":
+            return False  # (nash_mtl's weighted heads need the weights before the backward)
+        out = outs[0]
+        edges = head_edges(listed, out)
+        if edges is None:
+            return False
+        caught: list[Tensor | None] = [None] * len(listed)
+
+        def catch(i: int, at: list[int]):
+            def hook(grad_inputs, grad_outputs):
+                for j in at:
+                    if grad_inputs[j] is not None:
+                        caught[i] = grad_inputs[j] if caught[i] is None else caught[i] + grad_inputs[j]
+
+            return hook
+
+        def combine(total: Tensor) -> Tensor | None:
+            D = torch.stack([torch.zeros_like(total) if g is None else g for g in caught])
+            replace: dict[int, Tensor] = {}
+            self._apply(r, names, [((r, "output", out), D)], replace, len(listed))
+            return replace[id(out)][1].to(total.dtype) if id(out) in replace else None
+
+        handles = [node.register_hook(catch(i, at)) for i, mine in enumerate(edges) for node, at in mine]
+        handles.append(out.register_hook(combine))
+        try:
+            rest_backward(self, names, listed, {}, [r])
+        finally:
+            for h in handles:
+                h.remove()
+        return True
 
     def _inputs(self, rules: list[LossRule], k: int) -> tuple[list, list]:
         """What the batched backward differentiates to, and (rule, what, object) per entry."""
