@@ -40,23 +40,27 @@ def head_edges(losses: list[Tensor], out: Tensor) -> list[list[tuple[Node, list[
     ``out`` in the backward of the sum is then that loss's gradient of ``out``. None where two
     losses meet above ``out`` on the way to it, or the graph hides nodes."""
     target = out.grad_fn
-    owner = None if target is None else _owners(losses, stop=target)
+    into: dict[Node, list[int]] = {}
+    owner = None if target is None else _owners(losses, stop=(target, out.output_nr), into=into)
     if owner is None:
         return None
     edges: list[list[tuple[Node, list[int]]]] = [[] for _ in losses]
-    for node, i in owner.items():
-        at = [j for j, (nxt, nr) in enumerate(node.next_functions) if nxt is target and nr == out.output_nr]
-        if at:
-            if i == SHARED:
-                return None
-            edges[i].append((node, at))
+    for node, at in into.items():
+        if owner[node] == SHARED:
+            return None
+        edges[owner[node]].append((node, at))
     return edges
 
 
-def _owners(losses: list[Tensor], stop: Node | None = None) -> dict[Node, int] | None:
-    """The one loss that reaches each node (or SHARED), not walking below ``stop``; None where
-    the graph does not show every node (a reentrant checkpoint's segment)."""
+def _owners(
+    losses: list[Tensor], stop: tuple[Node, int] | None = None, into: dict[Node, list[int]] | None = None
+) -> dict[Node, int] | None:
+    """The one loss that reaches each node (or SHARED), not walking below ``stop`` (a node and
+    one of its outputs), whose takers ``into`` gets (node -> the positions of ``stop`` among
+    its inputs); None where the graph does not show every node (a reentrant checkpoint's
+    segment)."""
     owner: dict[Node, int] = {}
+    below = None if stop is None else stop[0]
     for i, loss in enumerate(losses):
         todo = [(loss.grad_fn, i)] if loss.grad_fn is not None else []
         while todo:
@@ -67,8 +71,10 @@ def _owners(losses: list[Tensor], stop: Node | None = None) -> dict[Node, int] |
                 continue  # each node changes at most twice: unseen, one loss's, shared
             owner[node] = now
             nexts = node.next_functions
-            if nexts and node is not stop:
+            if nexts and node is not below:
                 if type(node).__name__ in HIDING:
                     return None  # its backward reaches tensors the graph does not show
                 todo += [(nxt, now) for nxt, _ in nexts if nxt is not None]
+                if into is not None and was is None and (at := [j for j, e in enumerate(nexts) if e == stop]):
+                    into[node] = at
     return owner
