@@ -292,7 +292,9 @@ def test_the_weightings_host_adam_equals_torchs_adam_and_resumes_it(weight_decay
         ours.step(grad.tolist())
         theirs.grad = grad
         opt.step()
-        torch.testing.assert_close(torch.tensor(ours.values, dtype=torch.float64), theirs.detach(), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(
+            torch.tensor(ours.values, dtype=torch.float64), theirs.detach(), rtol=1e-12, atol=1e-14
+        )
         if step == 20:  # torch's Adam resumed from our checkpoint
             opt = torch.optim.Adam([theirs], lr=0.025, weight_decay=weight_decay)
             opt.load_state_dict(copy.deepcopy(ours.state_dict()))

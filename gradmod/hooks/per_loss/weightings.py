@@ -159,7 +159,7 @@ class FAMO(LossWeighting):
 
     def _log_shifted(self, losses: list[float]) -> list[float]:
         """``log(L_i - b_i + eps)``, nan below the bound (as torch's log)."""
-        low = self.min_losses or [0.0] * len(losses)
+        low = [0.0] * len(losses) if self.min_losses is None else self.min_losses
         return [_log(v - b + self.EPS) for v, b in zip(losses, low)]
 
     def update(self, losses: list[float]) -> None:
@@ -179,7 +179,7 @@ class FAMO(LossWeighting):
 
     def loss_weights(self, losses, gen):
         values = losses.tolist()  # k host floats, as geometric_mean
-        low = self.min_losses or [0.0] * len(values)
+        low = [0.0] * len(values) if self.min_losses is None else self.min_losses
         if len(low) != len(values):
             raise ValueError(
                 f"per_loss method 'famo': min_losses has {len(low)} values for {len(values)} losses; give one per loss"
