@@ -334,7 +334,8 @@ def test_loss_weightings_take_one_ordinary_backward(name):
 
     plain = matmuls(None)
     assert plain == {"aten.mm.default": 9, "aten._log_softmax_backward_data.default": 3}
-    assert matmuls({"params": "trunk.*", "transforms": [name]}) == plain
+    for params in ("trunk.*", "*"):  # a part of the model, the shipped weighting files' every parameter
+        assert matmuls({"params": params, "transforms": [name]}) == plain, params
 
 
 def test_statistics_are_the_task_gradients_norms_cosines_and_conflicts():
