@@ -479,6 +479,30 @@ def test_a_modules_rule_takes_one_backward_where_each_loss_has_a_head_of_its_own
     assert hooks.read_stats()[f"rep/{name}"]["calls"] == 1
 
 
+@pytest.mark.parametrize("name", ["upgrad", "graddrop", "mean"])
+def test_a_modules_rule_under_bf16_autocast_hands_its_output_a_bf16_gradient(name, monkeypatch):
+    """Under CPU autocast the trunk's output is bfloat16 and the Gramian runs in float32: the
+    aggregate goes back to bfloat16 for the output's hook (a hook may not change the type).
+    The one backward and each loss's pass agree, and both near the float32 step."""
+
+    def grads(dtype):
+        torch.manual_seed(1)
+        model = Heads(Wide())
+        hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
+        hooks.per_loss.generator.manual_seed(2)
+        x, ys = _batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+            out = model(x)
+        hooks.backward({n: F.cross_entropy(out[n].float(), ys[n]) for n in out})
+        return [p.grad for p in model.parameters()]
+
+    one = grads(torch.bfloat16)
+    monkeypatch.setattr(per_loss_stage, "head_edges", lambda losses, out: None)  # each loss's own pass
+    for a, b, c in zip(one, grads(torch.bfloat16), grads(torch.float32)):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=0.05, atol=0.05 * float(c.abs().max()))
+
+
 @pytest.mark.parametrize("method", ["fixed", "mean", "random", "famo", "upgrad", "modules"])
 def test_micro_batches_accumulate_each_ones_gradient(method):
     """Two backward calls before a step (gradient accumulation): ``.grad`` holds the sum of

@@ -114,8 +114,8 @@ def update(e: tuple, w: Tensor, replace: dict) -> None:
         agg = torch.tensordot(w.to(g.dtype), g, 1)
         if what == "param":
             add_grad(obj, agg)
-        else:
-            replace[id(obj)] = (obj, agg)
+        else:  # in the output's own dtype (a half one's Gramian ran in float32), as its hook must give
+            replace[id(obj)] = (obj, agg.to(obj.dtype))
 
 
 def add_grad(p: Tensor, g: Tensor) -> None:

@@ -304,7 +304,7 @@ class PerLossStage(Stage):
             D = torch.stack([torch.zeros_like(total) if g is None else g for g in caught])
             replace: dict[int, Tensor] = {}
             self._apply(r, names, [((r, "output", out), D)], replace, len(listed))
-            return replace[id(out)][1].to(total.dtype) if id(out) in replace else None
+            return replace[id(out)][1] if id(out) in replace else None
 
         handles = [node.register_hook(catch(i, at)) for i, mine in enumerate(edges) for node, at in mine]
         handles.append(out.register_hook(combine))
@@ -424,7 +424,7 @@ class PerLossStage(Stage):
             if what == "param":
                 gramian.add_grad(obj, piece)
             else:
-                replace[id(obj)] = (obj, piece)
+                replace[id(obj)] = (obj, piece.to(obj.dtype))
 
     def _position(self, target: tuple[str, Any]) -> int:
         """Parameters in model order (the order of the Jacobian's columns)."""
