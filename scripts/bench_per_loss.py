@@ -5,7 +5,7 @@ several losses, SGD step) by each contender, at batch 64 on one thread:
     task_backwards   each loss's own backward (k passes): the task gradients an exact method
                      needs, formed the ordinary way and combined by nothing
     torchjd_<m>      torchjd 0.18: mtl_backward(losses, features) + jac_to_grad(trunk, <m>)
-    gradmod_<m>      attach(model, {<m> on "trunk.*"}) and hooks.backward(losses)
+    gradmod_<m>      attach(model, {<m> on what +hooks=<m> selects}) and hooks.backward(losses)
     gradmod_modules  <m> = upgrad on the trunk's output (``modules: trunk``)
     gradmod_<w>      a loss weighting (famo, uw, dwa, geometric_mean: no task gradients) as its
                      shipped file has it, on every parameter; famo's same-batch forward after the
@@ -72,8 +72,8 @@ def shipped_params(method: str) -> str:
     """The parameters ``+hooks=<method>`` selects (``mtl_sum`` is ``sum``'s file)."""
     import yaml
 
-    rules = yaml.safe_load((CONF / f"{'mtl_sum' if method == 'sum' else method}.yaml").read_text())
-    return rules[method if method != "sum" else "mtl_sum"]["params"]
+    name = "mtl_sum" if method == "sum" else method
+    return yaml.safe_load((CONF / f"{name}.yaml").read_text())[name]["params"]
 
 
 class MultiMLP(nn.Module):
