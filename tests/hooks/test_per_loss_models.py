@@ -141,6 +141,18 @@ class BothWays(nn.Module):
         return torch.tanh(F.linear(self.lin2(h), self.lin.weight)).mean(1)
 
 
+class Tempered(nn.Module):
+    """A learned temperature: a 0-d parameter (as CLIP's ``logit_scale``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(V, D), nn.Linear(D, D)
+        self.temperature = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(self.emb(x).mean(1))) * self.temperature
+
+
 class HF(nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -222,6 +234,68 @@ def _compare(make, name: str, heads: bool = True) -> gradmod.hooks.HookSet:
         assert p.grad is not None, f"{n} got no gradient"
         torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=tol, msg=n)
     return hooks
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_a_0d_parameter_equals_torchjd(name):
+    """A 0-d parameter's k task gradients are k numbers: one column of the Jacobian."""
+    hooks = _compare(Tempered, name)
+    assert hooks.per_loss.model.trunk.temperature.grad.dim() == 0
+
+
+class Penalty(nn.Module):
+    """A module whose output is a loss itself (a 0-d tensor)."""
+
+    def forward(self, z):
+        return z.pow(2).mean()
+
+
+class Penalised(Heads):
+    def __init__(self):
+        super().__init__(Wide(), k=2)
+        self.penalty = Penalty()
+
+    def forward(self, x):
+        out = super().forward(x)
+        return {**out, "t2": self.penalty(self.trunk(x))}
+
+
+@pytest.mark.parametrize("rows", ["examples", "batch"])
+def test_a_modules_rule_on_a_0d_output_equals_the_reference(rows, monkeypatch):
+    """The module's output is one loss (a 0-d tensor): its k task gradients are k numbers (the
+    loss's own is 1, the others' 0), aggregated by torchjd and pushed down; the other
+    parameters get the gradient of the sum. Both routes: the one backward refuses it (no node
+    hands the output its gradient), each loss's pass takes it."""
+    torch.manual_seed(1)
+    model = Penalised().double()
+    x, ys = _batch()
+
+    def losses(m):
+        out = m(x)
+        return {**{n: F.cross_entropy(out[n], ys[n]) for n in ("t0", "t1")}, "t2": out["t2"]}
+
+    ref = copy.deepcopy(model)
+    L = losses(ref)
+    pen = L["t2"]
+    Jz = torch.stack(
+        [
+            torch.autograd.grad(loss, pen, retain_graph=True, allow_unused=True)[0]
+            if loss is pen
+            else torch.zeros((), dtype=pen.dtype)
+            for loss in L.values()
+        ]
+    )
+    agg = REFERENCE["upgrad"]()(Jz[:, None])[0]  # batch rows of a 0-d output: the same one column
+    others = [p for p in ref.parameters()]
+    plain = torch.autograd.grad(L["t0"] + L["t1"], others, retain_graph=True, allow_unused=True)
+    through = torch.autograd.grad(pen, others, grad_outputs=agg, allow_unused=True)
+    expected = [a if b is None else b if a is None else a + b for a, b in zip(plain, through)]
+    hooks = gradmod.attach(
+        model, {"rep": {"modules": "penalty", "stage": "per_loss", "transforms": ["upgrad"], "rows": rows}}
+    )
+    hooks.backward(losses(model))
+    for (n, p), e in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-10, atol=1e-12, msg=n)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))

@@ -81,7 +81,7 @@ def gram(e: tuple) -> Tensor:
             s = B.sum(1)
             G = G + s @ s.T
         return G
-    f = e[2].flatten(1)
+    f = task_rows(e[2])
     return f @ f.T
 
 
@@ -96,7 +96,13 @@ def pieces(e: tuple) -> list[tuple[str, Tensor, Tensor]]:
         if "bias" in layer.names:
             out.append(("param", m.bias, B.sum(1)))
         return out
-    return [(e[0], e[1], e[2].flatten(1))]
+    return [(e[0], e[1], task_rows(e[2]))]
+
+
+def task_rows(g: Tensor) -> Tensor:
+    """``[k, *shape]`` as ``[k, numel]``: one row per task (a 0-d tensor's, a scalar
+    parameter's such as a learned temperature, is one number)."""
+    return g.reshape(g.shape[0], -1)
 
 
 def update(e: tuple, w: Tensor, replace: dict) -> None:

@@ -40,8 +40,10 @@ def head_edges(losses: list[Tensor], out: Tensor) -> list[list[tuple[Node, list[
     ``out`` in the backward of the sum is then that loss's gradient of ``out``. None where two
     losses meet above ``out`` on the way to it, or the graph hides nodes."""
     target = out.grad_fn
+    if target is None or any(loss.grad_fn is target for loss in losses):
+        return None  # a loss that is the output itself hands it its gradient through no node
     into: dict[Node, list[int]] = {}
-    owner = None if target is None else _owners(losses, stop=(target, out.output_nr), into=into)
+    owner = _owners(losses, stop=(target, out.output_nr), into=into)
     if owner is None:
         return None
     edges: list[list[tuple[Node, list[int]]]] = [[] for _ in losses]

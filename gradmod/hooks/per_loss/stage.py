@@ -357,7 +357,7 @@ class PerLossStage(Stage):
             self._jacobian_rule(r, names, entries, replace)
             return
         if r.rows == "batch":  # LibMTL's rep_grad: each task's output gradient summed over the batch (dim 0)
-            S = torch.cat([e[2].sum(1).flatten(1) for e in entries], 1)
+            S = torch.cat([gramian.task_rows(e[2].sum(1) if e[2].dim() > 1 else e[2]) for e in entries], 1)
             if self.reduce is not None:  # the global batch's sums: the mean of the ranks' (each loss a mean)
                 S = S.detach().clone()
                 self.reduce([S])
