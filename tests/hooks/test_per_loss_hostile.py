@@ -50,6 +50,31 @@ def _rule(name: str) -> dict:
     return {"mtl": {"params": params, "transforms": [name]}}
 
 
+@pytest.mark.filterwarnings("error")  # no solver's warning leaks out
+@pytest.mark.parametrize("name", ["upgrad", "pcgrad", "mgda", "graddrop", "nash_mtl", "modules", "random"])
+def test_a_constant_loss_is_a_task_without_gradient(name):
+    """A task with no labels in the batch often returns a constant 0 (no graph): its task
+    gradient is zero, as for a loss of the graph that does not depend on the parameters
+    (it raised "element 0 of tensors does not require grad")."""
+    if not per_loss_method(name if name != "modules" else "upgrad"):
+        pytest.skip(f"{name} is not registered in this build")
+    rule = (
+        {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]} if name == "modules" else _rule(name)["mtl"]
+    )
+    grads = []
+    for constant in (True, False):
+        model = Shared(3).double()
+        hooks = gradmod.attach(model, {"mtl": rule})
+        hooks.per_loss.generator.manual_seed(0)
+        losses = _losses(model)
+        losses["t2"] = torch.zeros((), dtype=torch.float64) if constant else 0.0 * losses["t2"]
+        hooks.backward(losses)
+        grads.append([p.grad for p in model.trunk.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+        assert a.abs().sum() > 0 or name == "mgda"  # mgda: the tasks' hull holds 0, its min-norm point
+
+
 @pytest.mark.parametrize("name", ["upgrad", "dualproj", "imtl_g", "nash_mtl", "cagrad", "mgda", "famo", "uw"])
 def test_a_nan_in_one_task_gives_a_nan_update_and_leaves_the_state_alone(name):
     if not per_loss_method(name):

@@ -42,7 +42,8 @@ class NashMTL(Method):
         cost = gtg.sum(0)  # sum(G a)'s coefficients
         for _ in range(self.niter):
             prev = np.asarray(alpha, dtype=np.float64)
-            slope = (1 / prev + (1 / (gtg @ prev)) @ gtg) / norm
+            with np.errstate(divide="ignore", invalid="ignore"):  # a task without gradient: _step refuses the cost
+                slope = (1 / prev + (1 / (gtg @ prev)) @ gtg) / norm
             a = _step(program, cost + slope)
             if (
                 a is None  # no solution (infeasible, a failure): the last weights stay

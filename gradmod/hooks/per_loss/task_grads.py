@@ -97,7 +97,12 @@ def task_grads(
 def passes(losses: list[Tensor], inputs: list) -> list[Tensor | None]:
     """``[k, *input]`` per input from k plain passes (None: no loss reaches it; zeros for the
     losses that do not where another does)."""
-    rows = [torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True) for loss in losses]
+    rows = [  # a loss without a graph (a task without labels in the batch, as a constant 0): no gradient
+        torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
+        if loss.requires_grad
+        else (None,) * len(inputs)
+        for loss in losses
+    ]
     out: list[Tensor | None] = []
     for j in range(len(inputs)):
         found = [r[j] for r in rows]
