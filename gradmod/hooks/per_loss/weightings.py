@@ -157,10 +157,14 @@ class FAMO(LossWeighting):
     def wants_after_step(self) -> bool:
         return self.update_from == "same_batch"
 
+    def _shifted(self, losses: list[float]) -> list[float]:
+        """``L_i - b_i + eps``: each loss above its lower bound (``min_losses``, else 0)."""
+        low = [0.0] * len(losses) if self.min_losses is None else self.min_losses
+        return [v - b + self.EPS for v, b in zip(losses, low)]
+
     def _log_shifted(self, losses: list[float]) -> list[float]:
         """``log(L_i - b_i + eps)``, nan below the bound (as torch's log)."""
-        low = [0.0] * len(losses) if self.min_losses is None else self.min_losses
-        return [_log(v - b + self.EPS) for v, b in zip(losses, low)]
+        return [_log(v) for v in self._shifted(losses)]
 
     def update(self, losses: list[float]) -> None:
         """One Adam step of the logits from the previous losses to these."""
@@ -179,10 +183,10 @@ class FAMO(LossWeighting):
 
     def loss_weights(self, losses, gen):
         values = losses.tolist()  # k host floats, as geometric_mean
-        low = [0.0] * len(values) if self.min_losses is None else self.min_losses
-        if len(low) != len(values):
+        if self.min_losses is not None and len(self.min_losses) != len(values):
             raise ValueError(
-                f"per_loss method 'famo': min_losses has {len(low)} values for {len(values)} losses; give one per loss"
+                f"per_loss method 'famo': min_losses has {len(self.min_losses)} values for {len(values)} losses; "
+                "give one per loss"
             )
         if self._adam is None:
             self._adam = HostAdam([0.0] * len(values), self.lr, self.weight_decay)
@@ -190,7 +194,7 @@ class FAMO(LossWeighting):
             self.update(values)
         self.prev = values
         z = _softmax(self._adam.values)
-        shifted = [v - b + self.EPS for v, b in zip(values, low)]
+        shifted = self._shifted(values)
         total = math.fsum(zi / si for zi, si in zip(z, shifted))
         return losses.new_tensor([zi / total / si for zi, si in zip(z, shifted)])
 
