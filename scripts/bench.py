@@ -148,7 +148,7 @@ RATIOS = [
 # per_loss: a Gramian method <= 0.6x torchjd's step, and <= 3x a plain step on the MLP with 10
 # heads, <= 2.5x on the transformer trunk; a loss weighting <= 1.05x plain; modules <= 1.3x plain.
 GRAMIAN_OVER_PLAIN = {"mlp10": 3.0, "trans5": 2.5}
-WEIGHTINGS = ("sum", "mean", "random", *per_loss.SCALARIZATIONS)
+WEIGHTINGS = per_loss.WEIGHTINGS
 for _m in per_loss.MODELS:
     RATIOS += [
         (
@@ -169,11 +169,11 @@ for _m in per_loss.MODELS:
             lambda r: r <= 1.3,
         )
     ]
-    RATIOS += [
+    RATIOS += [  # against the plain step on the weighting's own model instance
         (
             f"per_loss_{_m}_{x}_over_plain",
             f"per_loss.{_m}.gradmod_{x}",
-            f"per_loss.{_m}.plain",
+            f"per_loss.{_m}.plain_{x}",
             "<= 1.05",
             lambda r: r <= 1.05,
         )

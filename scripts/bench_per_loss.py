@@ -2,6 +2,7 @@
 several losses, SGD step) by each contender, at batch 64 on one thread:
 
     plain            the sum of the losses, one backward
+    plain_<w>        the same, on gradmod_<w>'s own model instance (below)
     task_backwards   each loss's own backward (k passes): the task gradients an exact method
                      needs, formed the ordinary way and combined by nothing
     torchjd_<m>      torchjd 0.18: mtl_backward(losses, features) + jac_to_grad(trunk, <m>)
@@ -13,6 +14,11 @@ several losses, SGD step) by each contender, at batch 64 on one thread:
 
 Each method's rule selects the parameters its shipped file does (``+hooks=<m>``: the trunk,
 ``*`` for the loss weightings).
+
+A loss weighting adds a few host operations to one ordinary backward, well under the 1-4%
+by which two instances of the same model differ here (where their parameters lie in
+memory). Each is therefore timed against ``plain_<w>``: the plain step on its own model,
+optimizer and batches, its hooks attached but bypassed (``sum(losses).backward()``).
 
 Models: ``mlp5``, a 784-512-512 trunk with 5 classification heads (Linear 512-10); ``mlp10``,
 the same trunk with 10 heads; ``trans5``, a 2-layer ``nn.TransformerEncoder`` (width 64, 4
@@ -65,6 +71,7 @@ METHODS = (
     "random",
 )
 SCALARIZATIONS = ("famo", "uw", "dwa", "geometric_mean")  # loss weightings torchjd has no aggregator for
+WEIGHTINGS = ("sum", "mean", "random", *SCALARIZATIONS)  # one ordinary backward: timed against plain_<w>
 CONF = ROOT / "gradmod" / "conf" / "hooks"
 
 
@@ -146,8 +153,11 @@ def names() -> list[str]:
         for method in METHODS:
             if has_torchjd():
                 out.append(f"{m}.torchjd_{method}")
+            if method in WEIGHTINGS:  # next to each other: the rotation keeps them adjacent
+                out.append(f"{m}.plain_{method}")
             out.append(f"{m}.gradmod_{method}")
-        out += [f"{m}.gradmod_modules", *(f"{m}.gradmod_{w}" for w in SCALARIZATIONS)]
+        out.append(f"{m}.gradmod_modules")
+        out += [n for w in SCALARIZATIONS for n in (f"{m}.plain_{w}", f"{m}.gradmod_{w}")]
     return out
 
 
@@ -170,13 +180,18 @@ def _torchjd_aggregator(method: str, k: int):
     }[method]()
 
 
-def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
-    """Build the contender (untimed) and return its timed run of ``steps`` optimizer steps."""
-    model_name, contender = name.split(".")
+_SHARED: dict[tuple, tuple] = {}  # (model, weighting, steps) -> the instance plain_<w> and gradmod_<w> share
+
+
+def _instance(model_name: str, weighting: str | None, steps: int) -> tuple:
+    """(model, its batches, its optimizer, the hooks of ``weighting`` on it, or None): one
+    instance for both ``plain_<w>`` and ``gradmod_<w>``."""
+    key = (model_name, weighting, steps)
+    if weighting is not None and key in _SHARED:
+        return _SHARED[key]
     build, shape = MODELS[model_name]
     torch.manual_seed(0)
     model = build()
-    k = len(model.heads)
     gen = torch.Generator().manual_seed(1)
     data = [
         (
@@ -186,12 +201,31 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
         for _ in range(steps)
     ]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if weighting is None:
+        return model, data, opt, None
+    _SHARED[key] = (model, data, opt, attach(model, {"mtl": _rule(weighting)}))
+    return _SHARED[key]
+
+
+def _rule(method: str) -> dict:
+    if method == "modules":
+        return {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}
+    return {"params": shipped_params(method), "transforms": [method]}
+
+
+def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
+    """Build the contender (untimed) and return its timed run of ``steps`` optimizer steps."""
+    model_name, contender = name.split(".")
+    kind, _, method = contender.partition("_")
+    paired = kind in ("plain", "gradmod") and method in WEIGHTINGS
+    model, data, opt, hooks = _instance(model_name, method if paired else None, steps)
+    k = len(model.heads)
 
     def losses(x, ys):
         z, out = model(x)
         return z, {n: F.cross_entropy(out[n], ys[n]) for n in out}
 
-    if contender == "plain":
+    if kind == "plain":  # plain_<w>: on gradmod_<w>'s instance, its hooks bypassed
 
         def step(x, ys):
             _, L = losses(x, ys)
@@ -213,12 +247,7 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
             mtl_backward(list(L.values()), features=z)
             jac_to_grad(trunk, agg)
     else:
-        method = contender.removeprefix("gradmod_")
-        if method == "modules":
-            rule = {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}
-        else:
-            rule = {"params": shipped_params(method), "transforms": [method]}
-        hooks = attach(model, {"mtl": rule})
+        hooks = hooks or attach(model, {"mtl": _rule(method)})
 
         def step(x, ys):
             hooks.backward(losses(x, ys)[1])

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
 
@@ -77,6 +78,10 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         if m in bench.GRAMIAN_OVER_PLAIN:
             targets |= {f"per_loss_{m}_{x}_over_plain" for x in gramian}
     assert targets <= set(report["ratios"])
+    for m in bench.per_loss.MODELS:  # a loss weighting against the plain step on its own model instance
+        assert {report["ratios"][f"per_loss_{m}_{x}_over_plain"]["denominator"] for x in bench.WEIGHTINGS} == {
+            f"per_loss.{m}.plain_{x}" for x in bench.WEIGHTINGS
+        }
     for name, r in report["ratios"].items():
         assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
         num, den = report["results"][r["numerator"]], report["results"][r["denominator"]]
@@ -136,3 +141,15 @@ def test_per_sample_contenders_alternate_with_their_ratio_to_the_first():
     assert out["mlp"]["plain"][1] == 1.0
     ms, ratio = out["mlp"]["gradmod"]
     assert ms > 0 and math.isclose(ratio, ms / out["mlp"]["plain"][0])
+
+
+def test_a_weighting_and_its_plain_step_share_one_model_instance():
+    per_loss = _bench().per_loss
+    plain, weighted = (per_loss.setup(f"mlp5.{c}_famo", steps=1) for c in ("plain", "gradmod"))
+    model = per_loss._SHARED[("mlp5", "famo", 1)][0]
+    before = [p.detach().clone() for p in model.parameters()]
+    plain()
+    after_plain = [p.detach().clone() for p in model.parameters()]
+    weighted()
+    assert all(not torch.equal(a, b) for a, b in zip(before, after_plain))  # the plain step moved this model
+    assert any(not torch.equal(a, p) for a, p in zip(after_plain, model.parameters()))  # so did famo's
