@@ -80,10 +80,11 @@ def test_a_user_file_with_a_shipped_name_is_refused_unless_it_is_a_copy(tmp_path
     config_files.check(["--config-dir", str(tmp_path), "+hooks=zero"], shipped=CONF)  # not selected
 
 
-def test_version_is_gradmods():
+@pytest.mark.parametrize("entry", [[str(ROOT / "train.py")], ["-m", "gradmod"]], ids=["train.py", "python -m gradmod"])
+def test_version_is_gradmods(entry):
     from gradmod import __version__
 
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--version"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, *entry, "--version"], capture_output=True, text=True, cwd=ROOT.parent)
     assert proc.returncode == 0 and proc.stdout.startswith(f"gradmod {__version__} ")
     assert "Hydra" not in proc.stdout
 
