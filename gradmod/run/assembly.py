@@ -109,6 +109,11 @@ def build_trainer(run: Run) -> Parts:
         loader_workers=run.loader_workers,
         sampling=dp.sampling(cfg),
     )
+    if t.precision == "fp16" and torch.device(dist.device).type == "cpu":
+        log.warning(
+            "trainer.precision=fp16 on cpu: torch's float16 kernels on a CPU are slow (a small CNN's "
+            "step takes about 10x fp32's); bf16 or fp32 train faster there"
+        )
     trainer = Trainer(
         model,
         optimizer,

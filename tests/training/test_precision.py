@@ -84,7 +84,7 @@ def test_fp16_overflow_is_skipped_by_the_scaler_even_under_raise():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_run_on_cpu(compose_cfg, tmp_path, precision):
+def test_mixed_precision_run_on_cpu(compose_cfg, tmp_path, precision, caplog):
     cfg = compose_cfg(
         "data=fake",
         "data.image_size=28",
@@ -103,3 +103,5 @@ def test_mixed_precision_run_on_cpu(compose_cfg, tmp_path, precision):
     assert summary["precision"] == precision and summary["steps"] == 4
     assert torch.isfinite(torch.tensor(summary["train_loss"]))
     assert summary["skipped_steps"] == 0
+    slow = [r.message for r in caplog.records if "float16 kernels on a CPU are slow" in r.message]
+    assert len(slow) == (precision == "fp16")  # fp16 on a CPU is named as slow, once; bf16 is not
