@@ -5,8 +5,11 @@
     python scripts/bench.py --device cuda --full --epochs 10   # full MNIST size (60,000 images) on a GPU
 
 Everything runs in one process. Each repeat runs every contender once, in an order that
-rotates from repeat to repeat (so slow drifts of the machine hit all of them alike); the
-table shows medians, and each ratio divides two medians measured in this same process.
+rotates from repeat to repeat and runs backwards every other repeat (so slow drifts of the
+machine hit all of them alike, and no contender always runs right after another); the table
+shows medians, and each ratio divides two medians measured in this same process, but for
+the few ratios of two contenders on one model instance (``PAIRED``): the median of the
+repeats' own ratios.
 Every contender starts from the same initial weights and a fresh Adam (lr 1e-3, the
 article's), and trains on the same images in batches of 100.
 
@@ -149,6 +152,9 @@ RATIOS = [
 # heads, <= 2.5x on the transformer trunk; a loss weighting <= 1.05x plain; modules <= 1.3x plain.
 GRAMIAN_OVER_PLAIN = {"mlp10": 3.0, "trans5": 2.5}
 WEIGHTINGS = per_loss.WEIGHTINGS
+# Ratios of two contenders on one model instance, run next to each other in every repeat: a
+# few percent apart, so the median of the repeats' own ratios (the machine's drifts cancel).
+PAIRED: set[str] = set()
 for _m in per_loss.MODELS:
     RATIOS += [
         (
@@ -169,6 +175,7 @@ for _m in per_loss.MODELS:
             lambda r: r <= 1.3,
         )
     ]
+    PAIRED |= {f"per_loss_{_m}_{x}_over_plain" for x in WEIGHTINGS}
     RATIOS += [  # against the plain step on the weighting's own model instance
         (
             f"per_loss_{_m}_{x}_over_plain",
@@ -486,7 +493,10 @@ def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dic
     cpu: dict[str, list[float]] = {name: [] for name in names}  # the process's CPU time: steadier on a shared machine
     for r in range(-warmup, repeats):
         shift = r % len(names)
-        for name in names[shift:] + names[:shift]:  # rotate the order each repeat
+        order = names[shift:] + names[:shift]  # rotate the order each repeat
+        if r % 2:  # and run it backwards every other one: each runs before its neighbour as often as after
+            order.reverse()
+        for name in order:
             gc.collect()
             sync(bench.device)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -594,7 +604,10 @@ def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:
             continue
         key = clock(results[num])
         value = results[num][key] / results[den][key]
-        entry = {"value": value, "numerator": num, "denominator": den, "clock": key}
+        if name in PAIRED:  # the median of the repeats' own ratios: the drifts they share cancel
+            series = {"median_cpu_s": "cpu_seconds", "median_s": "seconds"}[key]
+            value = statistics.median(a / b for a, b in zip(results[num][series], results[den][series]))
+        entry = {"value": value, "numerator": num, "denominator": den, "clock": key, "paired": name in PAIRED}
         if target is not None:
             entry.update(target=target, met=bool(test(value)))
         out[name] = entry

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,10 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     for name, r in report["ratios"].items():
         assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
         num, den = report["results"][r["numerator"]], report["results"][r["denominator"]]
-        assert r["value"] == pytest.approx(num[r["clock"]] / den[r["clock"]])
+        series = {"median_cpu_s": "cpu_seconds", "median_s": "seconds"}[r["clock"]]
+        paired = statistics.median(a / b for a, b in zip(num[series], den[series]))
+        assert r["value"] == pytest.approx(paired if r["paired"] else num[r["clock"]] / den[r["clock"]])
+        assert r["paired"] == (name in bench.PAIRED)
         assert ("target" in r) == (name in targets) and (name not in targets or isinstance(r["met"], bool))
     m = report["machine"]
     assert m["cores"] >= 1 and m["torch"] and m["device"] == "cpu" and len(m["load_average_before"]) == 3
