@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import statistics
 from pathlib import Path
 
 import pytest
@@ -87,7 +86,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
         num, den = report["results"][r["numerator"]], report["results"][r["denominator"]]
         series = {"median_cpu_s": "cpu_seconds", "median_s": "seconds"}[r["clock"]]
-        paired = statistics.median(a / b for a, b in zip(num[series], den[series]))
+        paired = bench.paired_ratio(num[series], den[series])
         assert r["value"] == pytest.approx(paired if r["paired"] else num[r["clock"]] / den[r["clock"]])
         assert r["paired"] == (name in bench.PAIRED)
         assert ("target" in r) == (name in targets) and (name not in targets or isinstance(r["met"], bool))
@@ -157,3 +156,10 @@ def test_a_weighting_and_its_plain_step_share_one_model_instance():
     weighted()
     assert all(not torch.equal(a, b) for a, b in zip(before, after_plain))  # the plain step moved this model
     assert any(not torch.equal(a, p) for a, p in zip(after_plain, model.parameters()))  # so did famo's
+
+
+def test_a_paired_ratio_cancels_the_order_of_the_two_runs():
+    bench = _bench()
+    # forwards the numerator runs second (0.9 of the other), backwards first (1.1): 0.99 together
+    assert bench.paired_ratio([0.9, 1.1, 0.9, 1.1, 0.9], [1.0] * 5) == pytest.approx((0.9 * 1.1) ** 0.5)
+    assert bench.paired_ratio([2.0], [4.0]) == 0.5  # one repeat (--quick)
