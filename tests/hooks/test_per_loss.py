@@ -741,3 +741,25 @@ def test_nash_mtl_without_ecos_is_refused_in_one_line(monkeypatch):
     ) as e:
         M.build("nash_mtl", {})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["sum", "mean", "random", "famo"])
+def test_only_a_weighting_that_reads_the_losses_reduces_them(method):
+    """Under data parallelism a weighting whose weights depend on the loss values (famo)
+    averages them across the ranks each step (and reads them to the host); sum, mean and
+    random leave them unread, one collective (and one GPU sync) a step fewer, and give the
+    same gradients as without a reduce."""
+    torch.manual_seed(0)
+    model, x, ys = Shared(3).double(), *_batch(3, False)
+    twin = copy.deepcopy(model)
+    reduced = []
+    hooks = gradmod.attach(model, {"r": {"params": "*", "transforms": [method]}})
+    hooks.per_loss.reduce = lambda tensors: reduced.append(len(tensors))  # one rank: the mean is itself
+    hooks.per_loss.generator.manual_seed(2)
+    hooks.backward(_losses(model, x, ys))
+    plain = gradmod.attach(twin, {"r": {"params": "*", "transforms": [method]}})
+    plain.per_loss.generator.manual_seed(2)
+    plain.backward(_losses(twin, x, ys))
+    assert reduced == ([1] if method == "famo" else [])
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

@@ -93,11 +93,15 @@ def _needs(name: str, modules: list[str], extra: str) -> None:
 
 class Method:
     """Base: stateless unless ``state_dict`` says otherwise. ``per_task_state``: the method
-    keeps a state per task (by position), so every backward must bring the same tasks."""
+    keeps a state per task (by position), so every backward must bring the same tasks.
+    ``reads_losses``: a loss weighting (kind ``losses``) whose weights depend on the loss
+    values, which the stage then reads to the host each step (one sync on a GPU); one whose
+    weights do not (sum, mean, random) gets the losses unread, for their number and dtype."""
 
     kind = "gramian"
     name = "method"
     per_task_state = False
+    reads_losses = True
 
     def weights(self, G: Tensor, gen: torch.Generator) -> Tensor:
         raise NotImplementedError
@@ -117,6 +121,7 @@ class Mean(Method):
     weighting (one ordinary backward); ``weights`` gives the same from a Gramian."""
 
     kind = "losses"
+    reads_losses = False
     name = "mean"
 
     def weights(self, G, gen):
@@ -130,6 +135,7 @@ class Sum(Method):
     """``1`` per task: the plain sum (``+hooks=mtl_sum``), one ordinary backward."""
 
     kind = "losses"
+    reads_losses = False
     name = "sum"
 
     def weights(self, G, gen):
@@ -143,6 +149,7 @@ class Random(Method):
     """Positive random weights: a softmax of standard normal draws (RLW); a loss weighting."""
 
     kind = "losses"
+    reads_losses = False
     name = "random"
 
     def weights(self, G, gen):

@@ -25,7 +25,8 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     weighted = [r for r in stage.rules if r.method.kind == "losses"]
     groups: list[tuple[Tensor, list[nn.Parameter]]] = []
     scaled: list[tuple[nn.Parameter, float]] = []
-    if weighted:  # the weights from the losses on the host (the global batch's under reduce)
+    host, finite = L.detach(), True  # unread where no weighting reads the values (sum, mean, random)
+    if any(r.method.reads_losses for r in weighted):  # the losses on the host (the global batch's under reduce)
         values = L.detach()
         if stage.reduce is not None:
             values = values.clone()
