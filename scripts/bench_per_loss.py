@@ -15,10 +15,11 @@ several losses, SGD step) by each contender, at batch 64 on one thread:
 Each method's rule selects the parameters its shipped file does (``+hooks=<m>``: the trunk,
 ``*`` for the loss weightings).
 
-A loss weighting adds a few host operations to one ordinary backward, well under the 1-4%
-by which two instances of the same model differ here (where their parameters lie in
-memory). Each is therefore timed against ``plain_<w>``: the plain step on its own model,
-optimizer and batches, its hooks attached but bypassed (``sum(losses).backward()``).
+A loss weighting adds a few host operations to one ordinary backward: a few percent of a
+step at most, about what two instances of one model differ by here (where their parameters
+lie in memory). Each is therefore timed against ``plain_<w>``: the plain step on its own
+model, optimizer and batches, its hooks attached but bypassed (``sum(losses).backward()``),
+next to it in every repeat (bench.py's ``paired_ratio`` takes both orders alike).
 
 Models: ``mlp5``, a 784-512-512 trunk with 5 classification heads (Linear 512-10); ``mlp10``,
 the same trunk with 10 heads; ``trans5``, a 2-layer ``nn.TransformerEncoder`` (width 64, 4
