@@ -153,6 +153,41 @@ class Tempered(nn.Module):
         return torch.tanh(self.lin(self.emb(x).mean(1))) * self.temperature
 
 
+class Parametrized(nn.Module):
+    """Weights computed from their parameters at each forward (torch's parametrizations):
+    weight norm, an orthogonal map, spectral norm (whose power iteration updates its buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+
+        self.emb = nn.Embedding(V, D)
+        self.a, self.b, self.c = (
+            weight_norm(nn.Linear(D, D)),
+            orthogonal(nn.Linear(D, D)),
+            spectral_norm(nn.Linear(D, D)),
+        )
+
+    def forward(self, x):
+        z = self.emb(x).mean(1)
+        for layer in (self.a, self.b, self.c):
+            z = torch.tanh(layer(z))
+        return z
+
+
+class Siamese(nn.Module):
+    """One encoder run on two halves of each example (a weight used by two calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.enc = nn.Embedding(V, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        half = x.shape[1] // 2
+        left, right = (torch.tanh(self.enc(self.emb(p).mean(1))) for p in (x[:, :half], x[:, half:]))
+        return left * right
+
+
 class HF(nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -643,7 +678,9 @@ def test_the_heads_run_once_per_task_in_the_batched_backward(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "make", [Recurrent, Tied, BothWays, Wide, EndsInLinear], ids=["lstm", "tied", "both_ways", "wide", "ends_in_linear"]
+    "make",
+    [Recurrent, Tied, BothWays, Wide, EndsInLinear, Parametrized, Siamese],
+    ids=["lstm", "tied", "both_ways", "wide", "ends_in_linear", "parametrized", "siamese"],
 )
 @pytest.mark.parametrize("name", ["upgrad", "pcgrad", "cagrad"])
 def test_rnn_tied_and_functional_weights_equal_torchjd(make, name):
