@@ -601,7 +601,7 @@ def clock(result: dict) -> str:
 def paired_ratio(num: list[float], den: list[float]) -> float:
     """Two contenders on one model instance: the repeats' own ratios (the drifts they share
     cancel), the median of those run forwards times that of those run backwards, square-rooted
-    (whichever runs second finds the instance in the caches: 10-15% on the MLPs here)."""
+    (whichever runs second finds the instance in the caches: about 10% on the MLPs here)."""
     r = [a / b for a, b in zip(num, den)]
     forwards, backwards = r[0::2], r[1::2]  # measure() runs every other repeat backwards
     return math.sqrt(statistics.median(forwards) * statistics.median(backwards)) if backwards else r[0]
