@@ -1,5 +1,6 @@
 """``python -m gradmod ...``: the console script ``gradmod``, also where an installed package has
-no train.py beside it (``torchrun --nproc_per_node=2 -m gradmod trainer.strategy=ddp``)."""
+no train.py beside it (``torchrun --nproc_per_node=2 -m gradmod trainer.strategy=ddp``); a
+checkout's train.py runs this module's ``main``."""
 
 import signal
 
