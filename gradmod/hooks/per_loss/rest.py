@@ -27,7 +27,7 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     scaled: list[tuple[nn.Parameter, float]] = []
     host, finite = L.detach(), True  # unread where no weighting reads the values (sum, mean, random)
     if any(r.method.reads_losses for r in weighted):  # the losses on the host (the global batch's under reduce)
-        values = L.detach()
+        values = host
         if stage.reduce is not None:
             values = values.clone()
             stage.reduce([values])
