@@ -270,7 +270,7 @@ class PerLossStage(Stage):
         grad_rules = [r for r in self.rules if r.method.kind != "losses"]
         inputs, slots = self._inputs(grad_rules, k)
         grads = self._task_grads(listed, inputs, slots) if inputs else []
-        replace: dict[int, Tensor] = {}  # id(module rule output) -> aggregated gradient
+        replace: dict[int, tuple[Tensor, Tensor]] = {}  # id(module rule output) -> (it, its aggregated gradient)
         for r in grad_rules:
             self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
         rest_backward(self, names, listed, replace, grad_rules)
@@ -302,7 +302,7 @@ class PerLossStage(Stage):
 
         def combine(total: Tensor) -> Tensor | None:
             D = torch.stack([torch.zeros_like(total) if g is None else g for g in caught])
-            replace: dict[int, Tensor] = {}
+            replace: dict[int, tuple[Tensor, Tensor]] = {}
             self._apply(r, names, [((r, "output", out), D)], replace, len(listed))
             return replace[id(out)][1] if id(out) in replace else None
 
