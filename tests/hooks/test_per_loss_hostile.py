@@ -189,7 +189,7 @@ def test_a_modules_rule_with_a_loss_weighting_weights_the_output_gradient(name):
         hooks.backward(_losses(model, step))
         losses = _losses(ref, step)
         L = torch.stack(list(losses.values()))
-        w = method.loss_weights(L.detach().clone(), torch.Generator())
+        w = torch.as_tensor(method.loss_weights(L.detach().clone(), torch.Generator()), dtype=L.dtype)
         trunk, heads = list(ref.trunk.parameters()), list(ref.heads.parameters())
         for p, g in zip(trunk, torch.autograd.grad((w * L).sum(), trunk, retain_graph=True)):
             p.grad = g

@@ -466,6 +466,40 @@ class Fixed(gradmod.Method):
         return torch.tensor(self.given, dtype=losses.dtype)
 
 
+class FixedList(Fixed):
+    """The same weights as host floats (a loss weighting may give a list)."""
+
+    def loss_weights(self, losses, gen):
+        return list(self.given)
+
+
+@pytest.mark.parametrize("params", ["trunk.*", "*"])
+def test_a_loss_weighting_may_give_host_floats_and_must_give_one_per_loss(params):
+    """A list of weights gives the tensor's bits; a count other than the losses' is refused in one line."""
+    grads = []
+    for cls in (Fixed, FixedList):
+        gradmod.register("fixed_weights_test", cls, overwrite=True)  # for this test only (conftest)
+        torch.manual_seed(1)
+        model = Heads(Wide()).double()
+        x, ys = _batch()
+        hooks = gradmod.attach(
+            model, {"w": {"params": params, "transforms": [{"name": "fixed_weights_test", "weights": [0.5, 3.0, 2.0]}]}}
+        )
+        hooks.backward(_losses(model, x, ys))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    hooks.remove()
+    hooks = gradmod.attach(
+        model, {"w": {"params": params, "transforms": [{"name": "fixed_weights_test", "weights": [0.5, 2.0]}]}}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks\.w: per_loss method 'fixed_weights_test' gave 2 loss weights for 3 losses; give one per loss$",
+    ):
+        hooks.backward(_losses(model, x, ys))
+
+
 @pytest.mark.parametrize(
     "make, params, one",
     [

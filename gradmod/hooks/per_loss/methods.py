@@ -128,7 +128,7 @@ class Mean(Method):
         return torch.full((len(G),), 1.0 / len(G), dtype=G.dtype)
 
     def loss_weights(self, losses, gen):
-        return torch.full((len(losses),), 1.0 / len(losses), dtype=losses.dtype)
+        return [1.0 / len(losses)] * len(losses)
 
 
 class Sum(Method):
@@ -142,7 +142,7 @@ class Sum(Method):
         return torch.ones(len(G), dtype=G.dtype)
 
     def loss_weights(self, losses, gen):
-        return torch.ones(len(losses), dtype=losses.dtype)
+        return [1.0] * len(losses)
 
 
 class Random(Method):

@@ -23,7 +23,7 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     L = torch.stack(listed)
     covered = {id(p) for r in grad_rules for p in r.params}
     weighted = [r for r in stage.rules if r.method.kind == "losses"]
-    groups: list[tuple[Tensor, list[nn.Parameter]]] = []
+    groups: list[tuple[tuple, list[nn.Parameter]]] = []  # (a root: (tensor, weights or None), its parameters)
     scaled: list[tuple[nn.Parameter, float]] = []
     host, finite = L.detach(), True  # unread where no weighting reads the values (sum, mean, random)
     if any(r.method.reads_losses for r in weighted):  # the losses on the host (the global batch's under reduce)
@@ -34,25 +34,20 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
         host = stage.unscaled(values.cpu(), 1)
         finite = all(map(math.isfinite, host.tolist()))  # Python floats: a torch op each costs more
     for r in weighted:
-        if finite:
-            w = r.method.loss_weights(host, stage.generator)
-            weights = w.tolist()
-            r.record.add(names, None, weights)
-        else:  # as _weights: nan weights, the method's state left as it was
-            w = torch.full_like(host, math.nan)
-            weights = w.tolist()
-        weighted_loss = L @ w.to(L.device, L.dtype)
+        weights = _weights(r, names, host, stage.generator) if finite else [math.nan] * len(listed)
+        weighted_root = (L, weights)  # sum_i w_i L_i: the backward of L with w as its gradient, no dot
         if r.params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
             # One weight for every task: the gradient of the plain sum, times it, in the
             # one backward of the sum (the smaller side of the model scaled, below).
             if weights[0] != 1.0:
                 scaled += [(p, weights[0]) for p in r.params]
         elif r.params:
-            groups.append((weighted_loss, r.params))
+            groups.append((weighted_root, r.params))
             covered.update(id(p) for p in r.params)
         outs = [t for m in r.modules for t in stage.outputs[id(m)]]
         if outs:  # a modules rule: the weighted sum's gradient enters the module through its outputs
-            got = torch.autograd.grad(weighted_loss, outs, retain_graph=True, materialize_grads=True)
+            root, start = _tensors(weighted_root)
+            got = torch.autograd.grad(root, outs, start, retain_graph=True, materialize_grads=True)
             replace.update({id(t): (t, g) for t, g in zip(outs, got)})
     rest = [p for p in stage.trainable if id(p) not in covered]
     rest_loss = None  # the plain sum's (or what a method asks), unless the weighted sum serves
@@ -61,16 +56,16 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
         mine = {id(p) for p, _ in scaled}
         others = [p for p in rest if id(p) not in mine]
         if sum(p.numel() for p in others) < sum(p.numel() for p, _ in scaled):
-            rest_loss, scaled = weighted_loss, [(p, 1.0 / scaled[0][1]) for p in others]
+            rest_loss, scaled = weighted_root, [(p, 1.0 / scaled[0][1]) for p in others]
     if rest:
         groups.append((_rest_loss(L, grad_rules) if rest_loss is None else rest_loss, rest))
     handles = [t.register_hook(lambda _g, agg=agg: agg) for t, agg in replace.values()]
-    if len(weighted) == 1 and len(groups) == 2 and groups[0][0] is weighted_loss and not grad_rules and not replace:
+    if len(weighted) == 1 and len(groups) == 2 and groups[0][0] is weighted_root and not grad_rules and not replace:
         # One weighting on part of the model: the weighted sum's one backward, each other
         # parameter (one loss's alone: a head) divided back by its loss's weight.
         back = _divided_back(listed, groups[1][1], weights)
         if back is not None:
-            groups = [(weighted_loss, groups[0][1] + groups[1][1])]
+            groups = [(weighted_root, groups[0][1] + groups[1][1])]
             scaled += back
     # Scaled after the backward in one call where .grad starts empty, else as it arrives
     # (.grad holds earlier micro-batches, or a post-accumulate hook reads it: an optimizer
@@ -80,10 +75,10 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     handles += [p.register_hook(lambda g, c=c: g * c) for (p, c), ok in zip(scaled, late) if not ok]
     try:
         if len(groups) == 1 and len(groups[0][1]) == len(stage.trainable):
-            groups[0][0].backward()  # everything from one loss: no restriction needed
+            torch.autograd.backward(*_tensors(groups[0][0]))  # everything from one root: no restriction needed
         else:
-            for i, (loss, params) in enumerate(groups):
-                loss.backward(inputs=params, retain_graph=i < len(groups) - 1)
+            for i, (root, params) in enumerate(groups):
+                torch.autograd.backward(*_tensors(root), inputs=params, retain_graph=i < len(groups) - 1)
     finally:
         for h in handles:
             h.remove()
@@ -110,10 +105,30 @@ def _divided_back(losses: list[Tensor], others: list[nn.Parameter], weights: lis
     return out
 
 
-def _rest_loss(L: Tensor, grad_rules: list) -> Tensor:
+def _rest_loss(L: Tensor, grad_rules: list) -> tuple:
     """The plain sum, or the weighted one a method asks for the parameters outside it
-    (``nash_mtl`` with ``heads: weighted``)."""
+    (``nash_mtl`` with ``heads: weighted``), as a root."""
     asked = [w for r in grad_rules if (w := getattr(r.method, "rest_weights", lambda: None)()) is not None]
     if not asked:
-        return L.sum()
-    return (asked[0].to(L.device, L.dtype) * L).sum()
+        return L.sum(), None
+    return L, asked[0].tolist()
+
+
+def _weights(r: Any, names: list[str], host: Tensor, gen: torch.Generator) -> list[float]:
+    """A loss weighting's k weights as host floats (it may give a tensor or a sequence),
+    recorded."""
+    got = r.method.loss_weights(host, gen)
+    weights = got.tolist() if isinstance(got, Tensor) else [float(v) for v in got]
+    if len(weights) != len(names):
+        raise ValueError(
+            f"hooks.{r.name}: per_loss method {r.method_name!r} gave {len(weights)} loss weights for "
+            f"{len(names)} losses; give one per loss"
+        )
+    r.record.add(names, None, weights)
+    return weights
+
+
+def _tensors(root: tuple) -> tuple[Tensor, Tensor | None]:
+    """A root's tensor and the gradient its backward starts from (None: a scalar's 1)."""
+    t, weights = root
+    return t, None if weights is None else torch.tensor(weights, dtype=t.dtype, device=t.device)

@@ -67,7 +67,8 @@ class HostAdam:
 class LossWeighting(Method):
     kind = "losses"
 
-    def loss_weights(self, losses: Tensor, gen: torch.Generator) -> Tensor:
+    def loss_weights(self, losses: Tensor, gen: torch.Generator) -> Tensor | list[float]:
+        """The k weights (a tensor, or host floats: a torch op costs more than k floats)."""
         raise NotImplementedError
 
 
@@ -82,7 +83,7 @@ class GeometricMean(LossWeighting):
             raise ValueError("per_loss method 'geometric_mean': a loss is negative; it needs losses >= 0")
         k = len(values)
         gm = math.exp(math.fsum(math.log(v) if v > 0 else -math.inf for v in values) / k)
-        return losses.new_tensor([gm / (k * v) if v > 0 else math.nan for v in values])  # 0/0 for a zero loss
+        return [gm / (k * v) if v > 0 else math.nan for v in values]  # 0/0 for a zero loss
 
 
 class UW(LossWeighting):
@@ -107,7 +108,7 @@ class UW(LossWeighting):
             self._adam = HostAdam([self.init] * len(losses), self.lr)
         w = [0.5 * math.exp(-s) for s in self._adam.values]
         self._adam.step([0.5 - wi * v for wi, v in zip(w, losses.tolist())])  # d/ds of the scalarised loss
-        return losses.new_tensor(w)
+        return w
 
     def state_dict(self):
         return {"log_var": self.log_var, "adam": None if self._adam is None else self._adam.state_dict()}
@@ -196,7 +197,7 @@ class FAMO(LossWeighting):
         z = _softmax(self._adam.values)
         shifted = self._shifted(values)
         total = math.fsum(zi / si for zi, si in zip(z, shifted))
-        return losses.new_tensor([zi / total / si for zi, si in zip(z, shifted)])
+        return [zi / total / si for zi, si in zip(z, shifted)]
 
     def state_dict(self):
         started = self._adam is not None and self._adam.steps > 0
