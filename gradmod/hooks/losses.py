@@ -17,7 +17,8 @@ def total(losses: Tensor | Mapping[str, Tensor]) -> Tensor:
 
 def named(losses: Any) -> dict[str, Tensor]:
     """The losses by name (a sequence's by position); one line for what is not allowed."""
-    by_name = dict(losses) if isinstance(losses, Mapping) else {str(i): x for i, x in enumerate(losses)}
+    pairs = losses.items() if isinstance(losses, Mapping) else enumerate(losses)
+    by_name = {str(k): x for k, x in pairs}
     if not by_name or not all(isinstance(x, Tensor) and x.dim() == 0 for x in by_name.values()):
         raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of scalar losses")
-    return {str(k): v for k, v in by_name.items()}
+    return by_name

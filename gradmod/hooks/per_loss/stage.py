@@ -246,7 +246,7 @@ class PerLossStage(Stage):
         another set of tasks is refused by a method that keeps a state per task."""
         if self.tasks is None:
             self.tasks = names
-        if set(names) == set(self.tasks):
+        if names == self.tasks or set(names) == set(self.tasks):
             return self.tasks
         for r in self.rules:
             if r.method.per_task_state:
@@ -268,11 +268,12 @@ class PerLossStage(Stage):
             return
         k = len(names)
         grad_rules = [r for r in self.rules if r.method.kind != "losses"]
-        inputs, slots = self._inputs(grad_rules, k)
-        grads = self._task_grads(listed, inputs, slots) if inputs else []
         replace: dict[int, tuple[Tensor, Tensor]] = {}  # id(module rule output) -> (it, its aggregated gradient)
-        for r in grad_rules:
-            self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
+        if grad_rules:  # (loss weightings alone take no task gradient)
+            inputs, slots = self._inputs(grad_rules, k)
+            grads = self._task_grads(listed, inputs, slots) if inputs else []
+            for r in grad_rules:
+                self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
         rest_backward(self, names, listed, replace, grad_rules)
 
     def _one_pass(self, names: list[str], listed: list[Tensor]) -> bool:
@@ -283,9 +284,11 @@ class PerLossStage(Stage):
         if len(self.rules) != 1 or self.reduce is not None:
             return False  # under reduce, the Gramian's all-reduce would run inside the backward
         r = self.rules[0]
-        outs = [t for m in r.modules for t in self.outputs[id(m)]]
-        if len(outs) != 1 or r.method.kind == "losses" or getattr(r.method, "heads", "sum") == "weighted":
+        if not r.modules or r.method.kind == "losses" or getattr(r.method, "heads", "sum") == "weighted":
             return False  # (nash_mtl's weighted heads need the weights before the backward)
+        outs = [t for m in r.modules for t in self.outputs[id(m)]]
+        if len(outs) != 1:
+            return False
         out = outs[0]
         edges = head_edges(listed, out)
         if edges is None:
