@@ -34,6 +34,7 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
         host = stage.unscaled(values.cpu(), 1)
         finite = all(map(math.isfinite, host.tolist()))  # Python floats: a torch op each costs more
     for r in weighted:
+        # A non-finite loss: nan weights, without asking the method (its state stays as it was).
         weights = _weights(r, names, host, stage.generator) if finite else [math.nan] * len(listed)
         weighted_root = (L, weights)  # sum_i w_i L_i: the backward of L with w as its gradient, no dot
         if r.params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
