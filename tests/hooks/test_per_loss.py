@@ -742,7 +742,9 @@ def test_nash_mtl_without_ecos_is_refused_in_one_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("method", ["sum", "mean", "random", "famo"])
+@pytest.mark.parametrize(
+    "method", ["sum", "mean", "random", "famo", {"name": "fixed", "weights": [0.5, 1.0, 2.0]}], ids=str
+)
 def test_only_a_weighting_that_reads_the_losses_reduces_them(method):
     """Under data parallelism a weighting whose weights depend on the loss values (famo)
     averages them across the ranks each step (and reads them to the host); sum, mean and
@@ -762,3 +764,56 @@ def test_only_a_weighting_that_reads_the_losses_reduces_them(method):
     assert reduced == ([1] if method == "famo" else [])
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("params", ["trunk.*", "*"])
+@pytest.mark.parametrize("given", ["by_name", "listed"])
+def test_fixed_weights_equal_torchjds_constant_aggregator(params, given):
+    """``fixed`` on the trunk: torchjd's ``Constant`` of the trunk's Jacobian, the heads the
+    plain sum's gradient; on every parameter: autograd of ``sum_i w_i L_i``. By name, the
+    weights follow the tasks whatever order the mapping has; float64."""
+    k, w = 3, [0.5, -1.5, 2.0]
+    torch.manual_seed(0)
+    model = Shared(k).double()
+    x, ys = _batch(k, False)
+    weights = {f"t{i}": w[i] for i in reversed(range(k))} if given == "by_name" else w
+    if params == "trunk.*":
+        expected = _reference_grads(copy.deepcopy(model), x, ys, tja.Constant(torch.tensor(w, dtype=torch.float64)), 0)
+    else:
+        ref = copy.deepcopy(model)
+        L = _losses(ref, x, ys)
+        sum(wi * L[f"t{i}"] for i, wi in enumerate(w)).backward()
+        expected = {n: p.grad for n, p in ref.named_parameters()}
+    hooks = gradmod.attach(model, {"f": {"params": params, "transforms": [{"name": "fixed", "weights": weights}]}})
+    hooks.backward(_losses(model, x, ys))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-13, atol=1e-15, msg=n)
+    assert hooks.read_stats()["f/fixed"] == {**{f"weight/t{i}": w[i] for i in range(k)}, "calls": 1}
+
+
+@pytest.mark.parametrize(
+    "weights, when, words",
+    [
+        (
+            {"t0": 1.0, "t1": 2.0},
+            "backward",
+            "weights name t0, t1, the losses are t0, t1, t2; give one weight per loss",
+        ),
+        ({"t0": 1, "t1": 2, "t2": 3, "t3": 4}, "backward", "weights name t0, t1, t2, t3, the losses are t0, t1, t2"),
+        ([1.0, 2.0], "backward", "2 weights for 3 losses; give one per loss"),
+        ([], "attach", "weights is empty; give one weight per task"),
+        ("t0", "attach", "weights='t0'; give a mapping of task name to weight, or a list in the losses' order"),
+        ([1.0, float("inf"), 2.0], "attach", "weights\\[1\\]=inf must be a finite number"),
+        ({"t0": 1.0, "t1": "x", "t2": 1.0}, "attach", "weights\\[t1\\]='x' must be a number"),
+    ],
+)
+def test_fixed_weights_that_do_not_fit_are_one_line(weights, when, words):
+    torch.manual_seed(0)
+    model = Shared(3).double()
+    x, ys = _batch(3, False)
+    rule = {"f": {"params": "*", "transforms": [{"name": "fixed", "weights": weights}]}}
+    with pytest.raises(ValueError, match=words) as e:
+        hooks = gradmod.attach(model, rule)
+        assert when == "backward", "refused only at the backward"
+        hooks.backward(_losses(model, x, ys))
+    assert str(e.value).startswith("hooks.f") and "\n" not in str(e.value)

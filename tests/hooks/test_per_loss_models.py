@@ -536,11 +536,10 @@ def test_a_loss_weighting_takes_one_backward_where_one_loss_alone_reaches_each_o
     reached by one loss alone (it gets ``w_i`` times its gradient, divided back), else two
     (the plain sum's for the rest): a stem below the trunk, a head two losses share, a zero
     weight. Against autograd of both sums, float64."""
-    gradmod.register("fixed_weights_test", Fixed)  # for this test only (conftest)
     torch.manual_seed(1)
     model = make().double()
     x, ys = _batch()
-    method = {"name": "fixed_weights_test", "weights": [0.5, 0.0, 2.0]} if name == "zero_weight" else name
+    method = {"name": "fixed", "weights": [0.5, 0.0, 2.0]} if name == "zero_weight" else name
     hooks = gradmod.attach(model, {"w": {"params": params, "transforms": [method]}})
     with OpCounter() as ops:
         hooks.backward(_losses(model, x, ys))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.per_loss import solvers
-from gradmod.hooks.validators import in_range
+from gradmod.hooks.validators import in_range, number
 
 KINDS = ("gramian", "jacobian", "losses")
 
@@ -106,6 +106,10 @@ class Method:
     def weights(self, G: Tensor, gen: torch.Generator) -> Tensor:
         raise NotImplementedError
 
+    def set_tasks(self, names: list[str]) -> None:
+        """The losses' names, in the order of the weights asked next; called before the first
+        backward and whenever they change (a method that weights tasks by name reads them)."""
+
     def end_epoch(self) -> None:
         """Called by ``HookSet.end_epoch()``; only epoch-based methods (dwa) act on it."""
 
@@ -143,6 +147,56 @@ class Sum(Method):
 
     def loss_weights(self, losses, gen):
         return [1.0] * len(losses)
+
+
+class Fixed(Method):
+    """Given weights: ``weights`` maps each task's name to its weight, or lists them in the
+    losses' order; a loss weighting (one ordinary backward of ``sum_i w_i L_i``)."""
+
+    kind = "losses"
+    reads_losses = False
+    name = "fixed"
+
+    def __init__(self, weights: Mapping[str, float] | Sequence[float]):
+        what = "per_loss method 'fixed': weights"
+        if isinstance(weights, Mapping):
+            items = [(str(n), v) for n, v in weights.items()]
+        elif isinstance(weights, Sequence) and not isinstance(weights, str):
+            items = [(str(i), v) for i, v in enumerate(weights)]
+        else:
+            raise ValueError(f"{what}={weights!r}; give a mapping of task name to weight, or a list in the losses' order")
+        if not items:
+            raise ValueError(f"{what} is empty; give one weight per task")
+        checked = {n: number("fixed", f"weights[{n}]", v) for n, v in items}
+        self.by_name: dict[str, float] | None = checked if isinstance(weights, Mapping) else None
+        self.listed = list(checked.values())
+        self._names: list[str] | None = None
+
+    def set_tasks(self, names: list[str]) -> None:
+        if self.by_name is None:
+            self._count(len(names))
+        else:
+            missing = [n for n in names if n not in self.by_name]
+            unknown = [n for n in self.by_name if n not in names] if self._names is None else []
+            if missing or unknown:
+                raise ValueError(
+                    f"per_loss method 'fixed': weights name {', '.join(self.by_name)}, the losses are "
+                    f"{', '.join(names)}; give one weight per loss, by its name"
+                )
+        self._names = list(names)
+
+    def loss_weights(self, losses, gen):
+        if self.by_name is not None and self._names is not None:
+            return [self.by_name[n] for n in self._names]
+        self._count(len(losses))
+        return self.listed
+
+    def _count(self, k: int) -> None:
+        if len(self.listed) != k:
+            raise ValueError(
+                f"per_loss method 'fixed': {len(self.listed)} weights for {k} losses; give one per loss "
+                "(in the losses' order), or a mapping of task name to weight"
+            )
 
 
 class Random(Method):

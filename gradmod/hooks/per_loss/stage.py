@@ -104,6 +104,7 @@ class PerLossStage(Stage):
         self._handles = []
         self._traced = self._tracing = False
         self.tasks: list[str] | None = None  # the losses' names at the first backward, in order
+        self._told: list[str] | None = None  # the names the methods last got (Method.set_tasks)
         if self._owner:
             self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
             self._handles += split_in_projections(model, set(self._owner))
@@ -247,14 +248,22 @@ class PerLossStage(Stage):
         if self.tasks is None:
             self.tasks = names
         if names == self.tasks or set(names) == set(self.tasks):
-            return self.tasks
-        for r in self.rules:
-            if r.method.per_task_state:
-                raise ValueError(
-                    f"hooks.{r.name}: per_loss method {r.method_name!r} keeps a state per task and got the "
-                    f"losses {', '.join(names)} after {', '.join(self.tasks)}; every backward must bring "
-                    "the same named losses (a stateless method, such as upgrad or mean, takes any)"
-                )
+            names = self.tasks
+        else:
+            for r in self.rules:
+                if r.method.per_task_state:
+                    raise ValueError(
+                        f"hooks.{r.name}: per_loss method {r.method_name!r} keeps a state per task and got the "
+                        f"losses {', '.join(names)} after {', '.join(self.tasks)}; every backward must bring "
+                        "the same named losses (a stateless method, such as upgrad or mean, takes any)"
+                    )
+        if names != self._told:  # the methods learn the names whenever they change
+            self._told = names
+            for r in self.rules:
+                try:
+                    r.method.set_tasks(names)
+                except ValueError as e:
+                    raise ValueError(f"hooks.{r.name}: {e}") from None
         return names
 
     def _backward(self, names: list[str], listed: list[Tensor]) -> None:
