@@ -164,7 +164,9 @@ class Fixed(Method):
         elif isinstance(weights, Sequence) and not isinstance(weights, str):
             items = [(str(i), v) for i, v in enumerate(weights)]
         else:
-            raise ValueError(f"{what}={weights!r}; give a mapping of task name to weight, or a list in the losses' order")
+            raise ValueError(
+                f"{what}={weights!r}; give a mapping of task name to weight, or a list in the losses' order"
+            )
         if not items:
             raise ValueError(f"{what} is empty; give one weight per task")
         checked = {n: number("fixed", f"weights[{n}]", v) for n, v in items}
