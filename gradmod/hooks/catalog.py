@@ -43,20 +43,8 @@ add_stage_form("log", "per_sample", per_sample_log)
 
 # Per loss: the methods that turn k task gradients (or k losses) into one update.
 PER_LOSS = (
-    *(
-        M.Mean,
-        M.Sum,
-        M.Fixed,
-        M.Random,
-        M.PCGrad,
-        M.MGDA,
-        M.IMTLG,
-        M.AlignedMTL,
-        M.UPGrad,
-        M.DualProj,
-        M.CAGrad,
-        M.GradVac,
-    ),
+    *(M.Mean, M.Sum, M.Fixed, M.Random),  # weights that need no task gradient: run as loss weightings
+    *(M.PCGrad, M.MGDA, M.IMTLG, M.AlignedMTL, M.UPGrad, M.DualProj, M.CAGrad, M.GradVac),
     *(NashMTL, M.GradDrop),
     *(W.GeometricMean, W.UW, W.FAMO, W.DWA),  # loss weightings: from the loss values alone
 )
