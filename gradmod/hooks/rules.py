@@ -191,7 +191,7 @@ def _rule_targets(
 
 
 def _rows(rule: str, spec: Mapping[str, Any], kind: str, stage: str) -> str | None:
-    """``rows``: how a per_loss ``modules:`` rule with a Gramian method forms its Gramian."""
+    """``rows``: how a per_loss ``modules:`` rule forms its Gramian (graddrop: its sign purity)."""
     rows = spec.get("rows")
     if rows is None:
         return None

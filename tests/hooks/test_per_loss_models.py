@@ -621,6 +621,66 @@ def test_a_modules_rule_takes_one_backward_where_each_loss_has_a_head_of_its_own
     assert hooks.read_stats()[f"rep/{name}"]["calls"] == 1
 
 
+def _graddrop_batch_reference(model, x, ys, seed: int, leak: float) -> dict[str, torch.Tensor]:
+    """GradDrop as its authors and LibMTL apply it to a representation ``z`` [B, F]: each
+    task's gradient of ``z`` times ``sign(z)``, summed over the batch, gives each feature's
+    sign purity ``P``; one uniform draw per feature keeps, for every example, the tasks whose
+    summed sign it picks (a ``leak`` of the rest); the heads the gradient of the sum."""
+    seen = []
+    handle = model.trunk.register_forward_hook(lambda m, args, out: seen.append(out))
+    losses = list(_losses(model, x, ys).values())
+    handle.remove()
+    (z,) = seen
+    Jz = torch.stack([torch.autograd.grad(loss, z, retain_graph=True)[0] for loss in losses])  # [k, B, F]
+    S = (Jz * z.detach().sign()).sum(1)
+    P = 0.5 * (1 + S.sum(0) / (S.abs().sum(0) + 1e-7))
+    U = torch.rand(P.shape, generator=torch.Generator().manual_seed(seed), dtype=z.dtype)
+    keep = ((P > U) & (S > 0)) | ((P < U) & (S < 0))  # [k, F]
+    agg = (Jz * (leak + (1 - leak) * keep.unsqueeze(1).to(z.dtype))).sum(0)
+    heads = list(model.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    z.backward(agg)
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: Heads(Wide()), lambda: Heads(Encoder()), lambda: Heads(Recurrent()), PooledOutside]
+)
+@pytest.mark.parametrize("leak", [None, 0.25])
+def test_graddrop_with_batch_rows_is_the_authors_form_on_a_representation(make, leak):
+    """``rows: batch`` on a modules rule: GradDrop's purity per feature from the batch sums of
+    the signed task gradients (the paper, LibMTL), not per coordinate of each example; against
+    the hand-written reference, float64, one backward of the sum or each loss's pass."""
+    torch.manual_seed(1)
+    model = make().double()
+    x, ys = _batch()
+    expected = _graddrop_batch_reference(copy.deepcopy(model), x, ys, seed=3, leak=leak or 0.0)
+    method = "graddrop" if leak is None else {"name": "graddrop", "leak": [leak] * 3}
+    got = {}
+    for rows in ("batch", "examples"):
+        twin = copy.deepcopy(model)
+        hooks = gradmod.attach(
+            twin, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [method], "rows": rows}}
+        )
+        hooks.per_loss.generator.manual_seed(3)
+        hooks.backward(_losses(twin, x, ys))
+        got[rows] = dict(twin.named_parameters())
+    for n in expected:
+        torch.testing.assert_close(got["batch"][n].grad, expected[n], rtol=1e-12, atol=1e-14, msg=n)
+    assert any(not torch.allclose(got["examples"][n].grad, expected[n]) for n in expected if n.startswith("trunk"))
+
+
+def test_rows_are_for_a_gramian_method_or_graddrop():
+    with pytest.raises(
+        ValueError, match=r"^hooks\.rep\.rows: only a Gramian method or graddrop has rows; 'famo' is 'losses'$"
+    ):
+        gradmod.attach(
+            Heads(Wide()), {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": ["famo"], "rows": "batch"}}
+        )
+
+
 @pytest.mark.parametrize("name", ["upgrad", "graddrop", "mean"])
 def test_a_modules_rule_under_bf16_autocast_hands_its_output_a_bf16_gradient(name, monkeypatch):
     """Under CPU autocast the trunk's output is bfloat16 and the Gramian runs in float32: the
@@ -650,10 +710,9 @@ def test_micro_batches_accumulate_each_ones_gradient(method):
     """Two backward calls before a step (gradient accumulation): ``.grad`` holds the sum of
     what each call gives alone, a loss weighting's scaled and divided-back parameters too
     (scaled as their gradient arrives, ``.grad`` being taken)."""
-    gradmod.register("fixed_weights_test", Fixed)  # for this test only (conftest)
     rule = {"params": "trunk.*", "transforms": [method]}
     if method == "fixed":
-        rule["transforms"] = [{"name": "fixed_weights_test", "weights": [0.5, 1.5, 3.0]}]
+        rule["transforms"] = [{"name": "fixed", "weights": [0.5, 1.5, 3.0]}]
     elif method == "modules":
         rule = {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}
     torch.manual_seed(1)

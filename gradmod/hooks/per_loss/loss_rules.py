@@ -59,9 +59,10 @@ def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict
         step = t.steps[0]
         if t.rule not in rules:
             check_method(step.name, step.fn)  # a factory of one's own may build anything
-            if t.rows is not None and step.fn.kind != "gramian":
+            if t.rows is not None and step.fn.kind != "gramian" and not hasattr(step.fn, "aggregate_batch"):
                 raise ValueError(
-                    f"hooks.{t.rule}.rows: only a Gramian method has rows; {step.name!r} is {step.fn.kind!r}"
+                    f"hooks.{t.rule}.rows: only a Gramian method or graddrop has rows; {step.name!r} is "
+                    f"{step.fn.kind!r}"
                 )
         r = rules.setdefault(t.rule, LossRule(t.rule, step.name, step.fn, rows=t.rows or "examples"))
         if t.kind == "param":

@@ -397,7 +397,8 @@ class GradVac(Method):
 
 class GradDrop(Method):
     """Gradient sign dropout: per coordinate, keep the positive or the negative parts of the
-    task gradients, chosen at random by their sign purity. Needs the task gradients."""
+    task gradients, chosen at random by their sign purity. Needs the task gradients. On a
+    ``modules:`` rule with ``rows: batch``, the authors' and LibMTL's form (``aggregate_batch``)."""
 
     kind = "jacobian"
     name = "graddrop"
@@ -407,13 +408,25 @@ class GradDrop(Method):
 
     def aggregate(self, J: Tensor, U: Tensor) -> Tensor:
         """``J``: [k, D] task gradients; ``U``: [D] uniform draws."""
-        leak = J.new_zeros(len(J)) if self.leak is None else J.new_tensor(self.leak)
+        return self._drop(J, J, U, eps=0.0)
+
+    def aggregate_batch(self, D: Tensor, signs: Tensor, U: Tensor) -> Tensor:
+        """``D``: [k, B, F] the task gradients of a representation, ``signs``: [B, F] its
+        signs, ``U``: [F] uniform draws. Each feature's purity from the tasks' gradients
+        times the activation's sign, summed over the batch, and one choice per feature for
+        every example (as the paper and LibMTL, whose 1e-7 guards the division)."""
+        return self._drop(D, (D * signs).sum(1).unsqueeze(1), U, eps=1e-7)
+
+    def _drop(self, J: Tensor, S: Tensor, U: Tensor, eps: float) -> Tensor:
+        """Keep each task's part of ``J`` whose sign in ``S`` (its signed gradients, or their
+        batch sums) the draw picks."""
         if self.leak is not None and len(self.leak) != len(J):
             raise ValueError(f"per_loss method 'graddrop': leak has {len(self.leak)} values for {len(J)} losses")
-        P = 0.5 * (1.0 + J.sum(0) / J.abs().sum(0))
+        leak = J.new_zeros(len(J)) if self.leak is None else J.new_tensor(self.leak)
+        P = 0.5 * (1.0 + S.sum(0) / (S.abs().sum(0) + eps))
         out = torch.zeros_like(J[0])
         for i in range(len(J)):
-            keep = (P > U) * (J[i] > 0) + (P < U) * (J[i] < 0)
+            keep = (P > U) * (S[i] > 0) + (P < U) * (S[i] < 0)
             out += (leak[i] + (1 - leak[i]) * keep) * J[i]
         return out
 

@@ -422,8 +422,11 @@ class PerLossStage(Stage):
             self.reduce([J])
         Gh = self.unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
         if r.method.kind == "jacobian":
-            U = torch.rand(J.shape[1], generator=self.generator, dtype=J.dtype).to(J.device)
-            out = r.method.aggregate(J, U)
+            if r.rows == "batch":  # graddrop's form on a representation: per feature, over the batch
+                out = torch.cat([self._per_feature(r, obj, g) for _, obj, g in pieces])
+            else:
+                U = torch.rand(J.shape[1], generator=self.generator, dtype=J.dtype).to(J.device)
+                out = r.method.aggregate(J, U)
             if torch.isfinite(Gh).all():
                 r.record.add(names, Gh, None)
         else:
@@ -437,6 +440,13 @@ class PerLossStage(Stage):
                 gramian.add_grad(obj, piece)
             else:
                 replace[id(obj)] = (obj, piece.to(obj.dtype))
+
+    def _per_feature(self, r: LossRule, out: Tensor, g: Tensor) -> Tensor:
+        """``aggregate_batch`` of a module output's ``[k, numel]`` task gradients: the batch
+        its first dimension, one draw per feature."""
+        D = g.view(len(g), out.shape[0] if out.dim() else 1, -1)
+        U = torch.rand(D.shape[2], generator=self.generator, dtype=D.dtype).to(D.device)
+        return r.method.aggregate_batch(D, out.detach().sign().reshape(D.shape[1:]), U).flatten()
 
     def _position(self, target: tuple[str, Any]) -> int:
         """Parameters in model order (the order of the Jacobian's columns)."""
