@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping
 
 from gradmod.hooks import stages
 from gradmod.hooks.rule_spec import parse_spec
+from gradmod.hooks.schedules import with_values
 
 KINDS = ("elementwise", "group", "per_sample", "per_loss", "sharpness")
 
@@ -256,8 +257,17 @@ class BuiltTransform:
     def __str__(self) -> str:
         if not self.args:
             return self.name
-        shown = {**self.args, **self.schedules}
-        return f"{self.name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
+        shown = with_values(self.args, self.schedules)
+        return f"{self.name}({', '.join(f'{k}={_shown(v)}' for k, v in shown.items())})"
+
+
+def _shown(value: Any) -> str:
+    """An argument as a plan shows it: containers in YAML's flow style, schedules by ``str``."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    return str(value)
 
 
 def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTransform:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 UNITS = {"ba": "optimizer steps", "ep": "epochs", "dur": "fractions of the run"}
 KINDS = ("constant", "linear", "cosine", "exp", "step", "dann")
@@ -104,6 +104,44 @@ def _number(value: Any, where: str) -> float:
 def is_schedule(value: Any) -> bool:
     """A config value that is a schedule (a mapping with a ``schedule`` key)."""
     return isinstance(value, Mapping) and "schedule" in value
+
+
+def scheduled_paths(args: Mapping[str, Any]) -> dict[str, Any]:
+    """Each schedule among a transform's arguments by its path: ``arg``, or ``arg.key`` for
+    an entry of a mapping or list argument (``weights: {aux: {schedule: ...}}``)."""
+    out = {}
+    for k, v in args.items():
+        if is_schedule(v):
+            out[str(k)] = v
+        elif isinstance(v, Mapping) or (isinstance(v, Sequence) and not isinstance(v, str)):
+            inner = v.items() if isinstance(v, Mapping) else enumerate(v)
+            out.update({f"{k}.{j}": x for j, x in inner if is_schedule(x)})
+    return out
+
+
+def value_at(args: Mapping[str, Any], path: str) -> Any:
+    """The value at ``path`` (``scheduled_paths``); None where there is none."""
+    k, _, j = path.partition(".")
+    v = args.get(k)
+    if not j or v is None:
+        return v
+    if isinstance(v, Mapping):
+        return next((x for key, x in v.items() if str(key) == j), None)
+    return v[int(j)]
+
+
+def with_values(args: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with each of ``values`` at its path (``scheduled_paths``), containers copied."""
+    out = dict(args)
+    for path, value in values.items():
+        k, _, j = path.partition(".")
+        if not j:
+            out[k] = value
+        elif isinstance(out[k], Mapping):
+            out[k] = {key: value if str(key) == j else x for key, x in out[k].items()}
+        else:
+            out[k] = [value if i == int(j) else x for i, x in enumerate(out[k])]
+    return out
 
 
 @dataclass(frozen=True)

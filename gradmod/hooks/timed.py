@@ -17,7 +17,17 @@ import math
 from typing import Any, Iterable, Mapping
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.schedules import Active, Clock, Length, Schedule, is_schedule, parse_active, parse_schedule
+from gradmod.hooks.schedules import (
+    Active,
+    Clock,
+    Length,
+    Schedule,
+    parse_active,
+    parse_schedule,
+    scheduled_paths,
+    value_at,
+    with_values,
+)
 
 _PLAIN = (int, float, bool, str, type(None))
 
@@ -25,16 +35,18 @@ _PLAIN = (int, float, bool, str, type(None))
 def split_schedules(
     spec: str | Mapping[str, Any], where: str, length: Length
 ) -> tuple[str | Mapping[str, Any], dict[str, Schedule]]:
-    """The transform spec with each scheduled argument at its first value, and the
-    schedules by argument (``where``: ``hooks.RULE.transforms.I``); one line if bad."""
+    """The transform spec with each scheduled argument (or entry of a mapping or list
+    argument) at its first value, and the schedules by path (``arg``, ``arg.key``;
+    ``where``: ``hooks.RULE.transforms.I``); one line if bad."""
     if isinstance(spec, str) or not isinstance(spec, Mapping):
         return spec, {}
-    schedules = {str(k): parse_schedule(v, f"{where}.{k}") for k, v in spec.items() if k != "name" and is_schedule(v)}
+    args = {k: v for k, v in spec.items() if k != "name"}
+    schedules = {path: parse_schedule(v, f"{where}.{path}") for path, v in scheduled_paths(args).items()}
     if not schedules:
         return spec, {}
     for k, s in schedules.items():
         s.check(length, f"{where}.{k}")
-    first = {**spec, **{k: s.value(0, length) for k, s in schedules.items()}}
+    first = with_values(spec, {k: s.value(0, length) for k, s in schedules.items()})
     return first, schedules
 
 
@@ -48,7 +60,7 @@ def check_range(spec: Mapping[str, Any], schedules: Mapping[str, Schedule], leng
         elif length.total_steps is not None:
             ends[k] = s.value(length.total_steps, length)
     if ends:
-        R.build({**spec, **ends}, stage)
+        R.build(with_values(spec, ends), stage)
 
 
 def rule_window(rule: str, spec: Mapping[str, Any], length: Length) -> Active | None:
@@ -66,7 +78,7 @@ def retune(step: R.BuiltTransform, values: Mapping[str, float]) -> None:
     (tensors, counters, records) stays where it is."""
     e = R.entry(step.name)
     make = e.factory if step.at is None else e.at_stage[step.at]
-    args = {**step.args, **values}
+    args = with_values(step.args, values)
     fresh = make(**args)
     if step.kind == "elementwise" and step.at is None:
         object.__setattr__(step, "fn", fresh)
@@ -74,7 +86,7 @@ def retune(step: R.BuiltTransform, values: Mapping[str, float]) -> None:
     else:
         before = vars(make(**step.args))
         for name, value in vars(fresh).items():
-            if isinstance(value, _PLAIN) and before.get(name) != value:
+            if _plain(value) and before.get(name) != value:
                 setattr(step.fn, name, value)
     object.__setattr__(step, "args", args)
 
@@ -114,7 +126,7 @@ class Timed:
         length = self.clock.length
         for _, step in self.scheduled:
             new = {k: s.value(t, length) for k, s in step.schedules.items()}
-            if any(not _same(step.args.get(k), v) for k, v in new.items()):
+            if any(not _same(value_at(step.args, k), v) for k, v in new.items()):
                 retune(step, new)
         for step in self.clocked:
             step.fn.at_step(t)
@@ -140,6 +152,16 @@ class Timed:
         }
         out.update({f"{rule}/active": {"value": float(w.contains(t, length))} for rule, w in self.windows.items()})
         return out
+
+
+def _plain(value: Any) -> bool:
+    """A number, string or None, or a list or dict of them (``fixed``'s weights): an
+    attribute an argument sets, not a state."""
+    if isinstance(value, (list, tuple)):
+        return all(map(_plain, value))
+    if isinstance(value, dict):
+        return all(map(_plain, value.values()))
+    return isinstance(value, _PLAIN)
 
 
 def _same(a: Any, b: float) -> bool:

@@ -367,3 +367,66 @@ def test_a_window_on_a_stage_that_cannot_skip_a_step_is_refused():
     rules = {"m": {"params": "0.*", "transforms": ["pcgrad"], "active": {"until": 3}}}
     with pytest.raises(ValueError, match=r"^hooks.m.active: a window is for rules at stage hook or fused; a per_loss"):
         attach(model(), rules)
+
+
+@pytest.mark.parametrize("given", ["by_name", "listed"])
+def test_a_task_weight_follows_its_schedule_and_resumes(given):
+    """``fixed`` with an auxiliary task's weight ramped (an entry of a mapping or list
+    argument may be a schedule): each step's gradient is autograd's of ``L_main + w(t) L_aux``
+    with the dann ramp's ``w(t)``, logged, and a run resumed at step 3 ends bitwise equal."""
+    ramp = {"schedule": "dann", "start": 0.0, "end": 1.0}
+    weights = {"main": 1.0, "aux": ramp} if given == "by_name" else [1.0, ramp]
+    rules = {"w": {"params": "*", "transforms": [{"name": "fixed", "weights": weights}]}}
+
+    def losses(m, t):
+        x, y = batch(t)
+        out = m(x)
+        return {"main": F.cross_entropy(out, y), "aux": out.pow(2).mean()}
+
+    def run(m, hooks, opt, steps, check=False):
+        for t in steps:
+            opt.zero_grad(set_to_none=True)
+            if check:
+                ref = copy.deepcopy(m)
+                L = losses(ref, t)
+                (L["main"] + dann_lambda(t, 6) * L["aux"]).backward()
+            hooks.backward(losses(m, t))
+            if check:
+                for p, q in zip(m.parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+            hooks.after_backward()
+            if check:  # the step's weights, and the schedule's value for the step just completed
+                stats = hooks.read_stats()
+                assert stats["w/fixed"]["weight/aux"] == pytest.approx(dann_lambda(t, 6))
+                assert (
+                    stats[f"w/fixed.weights.{'aux' if given == 'by_name' else 1}"]["value"]
+                    == stats["w/fixed"]["weight/aux"]
+                )
+            opt.step()
+
+    whole = model()
+    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+    run(whole, attach(whole, rules, total_steps=6), opt, range(6), check=True)
+    first = model()
+    opt1 = torch.optim.SGD(first.parameters(), lr=0.1)
+    hooks1 = attach(first, rules, total_steps=6)
+    run(first, hooks1, opt1, range(3))
+    saved = copy.deepcopy((first.state_dict(), opt1.state_dict(), hooks1.state_dict()))
+    second = model(seed=9)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.1)
+    hooks2 = attach(second, rules, total_steps=6)
+    second.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    hooks2.load_state_dict(saved[2])
+    run(second, hooks2, opt2, range(3, 6))
+    for p, q in zip(whole.parameters(), second.parameters()):
+        assert torch.equal(p, q)
+    assert str(hooks2.targets[0].steps[0]).startswith("fixed(weights=")
+    assert "dann(start=0, end=1" in str(hooks2.targets[0].steps[0])
+
+
+def test_a_bad_schedule_inside_a_mapping_argument_names_its_path():
+    rules = {"w": {"params": "*", "transforms": [{"name": "fixed", "weights": {"a": 1.0, "b": {"schedule": "ramp"}}}]}}
+    with pytest.raises(ValueError, match=r"^hooks\.w\.transforms\.0\.weights\.b\.schedule='ramp'") as e:
+        attach(model(), rules)
+    assert "\n" not in str(e.value)
