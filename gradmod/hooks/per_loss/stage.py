@@ -244,7 +244,8 @@ class PerLossStage(Stage):
 
     def _tasks(self, names: list[str]) -> list[str]:
         """The tasks in the order of the first backward (a method's state is by position);
-        another set of tasks is refused by a method that keeps a state per task."""
+        another set of tasks is refused by a method that keeps a state per task. The methods
+        are told the names whenever they change (``Method.set_tasks``)."""
         if self.tasks is None:
             self.tasks = names
         if names == self.tasks or set(names) == set(self.tasks):
