@@ -560,16 +560,31 @@ def test_a_loss_weighting_takes_one_backward_where_one_loss_alone_reaches_each_o
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-12, atol=1e-14, msg=n)
 
 
-def _modules_reference(model, x, ys, name: str, rows: str) -> dict[str, torch.Tensor]:
-    """The task gradients of the trunk's output (each loss's own pass), aggregated by torchjd
-    (rows ``batch``: LibMTL's rep_grad, the weights of the batch-summed gradients' Gramian),
-    pushed down the trunk; the heads the gradient of the sum."""
+def _output_task_grads(model, x, ys) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """The trunk's output ``z``, the losses, and each loss's gradient of ``z`` (its own pass)."""
     seen = []
     handle = model.trunk.register_forward_hook(lambda m, args, out: seen.append(out))
     losses = list(_losses(model, x, ys).values())
     handle.remove()
     (z,) = seen
-    Jz = torch.stack([torch.autograd.grad(loss, z, retain_graph=True)[0] for loss in losses])
+    return z, losses, torch.stack([torch.autograd.grad(loss, z, retain_graph=True)[0] for loss in losses])
+
+
+def _pushed_down(model, z, losses, agg) -> dict[str, torch.Tensor]:
+    """``agg`` down the trunk from ``z``; the heads the gradient of the sum."""
+    heads = list(model.heads.parameters())
+    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
+    z.backward(agg)
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _modules_reference(model, x, ys, name: str, rows: str) -> dict[str, torch.Tensor]:
+    """The task gradients of the trunk's output, aggregated by torchjd (rows ``batch``:
+    LibMTL's rep_grad, the weights of the batch-summed gradients' Gramian), pushed down the
+    trunk; the heads the gradient of the sum."""
+    z, losses, Jz = _output_task_grads(model, x, ys)
     torch.manual_seed(5)
     if rows == "batch":
         S = Jz.sum(1).flatten(1)
@@ -577,12 +592,7 @@ def _modules_reference(model, x, ys, name: str, rows: str) -> dict[str, torch.Te
         agg = torch.tensordot(w, Jz, 1)
     else:
         agg = REFERENCE[name]()(Jz.flatten(1)).view_as(z)
-    heads = list(model.heads.parameters())
-    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
-    z.backward(agg)
-    for p, g in zip(heads, head_grads):
-        p.grad = g
-    return {n: p.grad for n, p in model.named_parameters()}
+    return _pushed_down(model, z, losses, agg)
 
 
 @pytest.mark.parametrize(
@@ -626,23 +636,12 @@ def _graddrop_batch_reference(model, x, ys, seed: int, leak: float) -> dict[str,
     task's gradient of ``z`` times ``sign(z)``, summed over the batch, gives each feature's
     sign purity ``P``; one uniform draw per feature keeps, for every example, the tasks whose
     summed sign it picks (a ``leak`` of the rest); the heads the gradient of the sum."""
-    seen = []
-    handle = model.trunk.register_forward_hook(lambda m, args, out: seen.append(out))
-    losses = list(_losses(model, x, ys).values())
-    handle.remove()
-    (z,) = seen
-    Jz = torch.stack([torch.autograd.grad(loss, z, retain_graph=True)[0] for loss in losses])  # [k, B, F]
+    z, losses, Jz = _output_task_grads(model, x, ys)  # [k, B, F]
     S = (Jz * z.detach().sign()).sum(1)
     P = 0.5 * (1 + S.sum(0) / (S.abs().sum(0) + 1e-7))
     U = torch.rand(P.shape, generator=torch.Generator().manual_seed(seed), dtype=z.dtype)
     keep = ((P > U) & (S > 0)) | ((P < U) & (S < 0))  # [k, F]
-    agg = (Jz * (leak + (1 - leak) * keep.unsqueeze(1).to(z.dtype))).sum(0)
-    heads = list(model.heads.parameters())
-    head_grads = torch.autograd.grad(sum(losses), heads, retain_graph=True)
-    z.backward(agg)
-    for p, g in zip(heads, head_grads):
-        p.grad = g
-    return {n: p.grad for n, p in model.named_parameters()}
+    return _pushed_down(model, z, losses, (Jz * (leak + (1 - leak) * keep.unsqueeze(1).to(z.dtype))).sum(0))
 
 
 @pytest.mark.parametrize(
