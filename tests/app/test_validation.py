@@ -157,11 +157,13 @@ def test_table_has_enough_cases():
     assert len(CASES) >= 25
 
 
-def test_every_bad_input_is_one_line(tmp_path):
-    """All cases through train.py's __main__, in one process."""
+@pytest.mark.parametrize("half", [0, 1])
+def test_every_bad_input_is_one_line(tmp_path, half):
+    """Every other case through train.py's __main__, in one process (two halves: two workers)."""
+    cases = CASES[half::2]
     lines = "".join(
         json.dumps([f"hydra.run.dir={tmp_path / str(i)}", f"data_dir={tmp_path / 'data'}", *BASE, *ov]) + "\n"
-        for i, (ov, _) in enumerate(CASES)
+        for i, (ov, _) in enumerate(cases)
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("HYDRA_FULL_ERROR", None)
@@ -175,8 +177,8 @@ def test_every_bad_input_is_one_line(tmp_path):
         timeout=900,
     )
     results = [json.loads(ln) for ln in proc.stdout.splitlines()]
-    assert len(results) == len(CASES), proc.stderr
-    for (_, words), res in zip(CASES, results):
+    assert len(results) == len(cases), proc.stderr
+    for (_, words), res in zip(cases, results):
         check(res["code"], res["stderr"], words)
     # nothing was trained: no run folder got a metrics file
     assert not list(tmp_path.glob("*/metrics.jsonl"))

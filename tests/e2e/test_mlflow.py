@@ -70,7 +70,7 @@ def _run_of(out, client):
 def test_a_run_and_its_continuation_are_one_mlflow_run(tmp_path, server):
     client = MlflowClient(server)
     first = _train(tmp_path, server, *RESUMABLE, "trainer.epochs=1")
-    assert first.status == "ok"
+    assert first.status == "ok", first.summary.get("error")
     run_id = _run_of(tmp_path, client).info.run_id
     second = _train(tmp_path, server, *RESUMABLE, "trainer.epochs=2", "trainer.resume=auto")
     assert second.status == "ok"
