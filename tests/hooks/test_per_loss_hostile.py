@@ -16,7 +16,9 @@ from helpers import per_loss_method
 from torch import nn
 
 import gradmod
+from gradmod.hooks.per_loss import stage as per_loss_stage
 from gradmod.integrations.support import attach_for
+from gradmod.testing.opcount import OpCounter
 
 OBJ = "tests.support.task_objects"
 CPU = ["trainer.device=cpu", "trainer.progress=false", "trainer.threads=1"]
@@ -176,17 +178,25 @@ def test_a_stateless_method_takes_a_changed_task_set():
 @pytest.mark.parametrize("name", ["famo", "dwa", "geometric_mean", "uw"])
 def test_a_modules_rule_with_a_loss_weighting_weights_the_output_gradient(name):
     """The weighted sum's gradient enters the trunk through its output; the heads get the
-    plain sum's. Reference: the weights from a params rule on the same losses, by hand."""
+    plain sum's. Reference: the weights from a params rule on the same losses, by hand.
+    Each head hands the output its loss's gradient in the one backward of the sum (each
+    loss's log-softmax backward runs once); where they cannot be told apart (``head_edges``
+    finds none), the weighted sum's own pass to the output, the same gradients."""
     if not per_loss_method(name):
         pytest.skip(f"{name} is not registered in this build")
     model = Shared().double()
     ref = copy.deepcopy(model)
     hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
     method = gradmod.hooks.per_loss.methods.build(name, {})
-    for step in range(2):
+    for step in range(4):
         model.zero_grad()
         ref.zero_grad()
-        hooks.backward(_losses(model, step))
+        with pytest.MonkeyPatch.context() as mp:
+            if step >= 2:
+                mp.setattr(per_loss_stage, "head_edges", lambda losses, out: None)
+            with OpCounter() as ops:
+                hooks.backward(_losses(model, step))
+        assert ops.by_op["aten._log_softmax_backward_data.default"] == (3 if step < 2 else 6)
         losses = _losses(ref, step)
         L = torch.stack(list(losses.values()))
         w = torch.as_tensor(method.loss_weights(L.detach().clone(), torch.Generator()), dtype=L.dtype)

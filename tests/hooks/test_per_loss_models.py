@@ -684,7 +684,9 @@ def test_rows_are_for_a_gramian_method_or_graddrop():
 def test_a_modules_rule_under_bf16_autocast_hands_its_output_a_bf16_gradient(name, monkeypatch):
     """Under CPU autocast the trunk's output is bfloat16 and the Gramian runs in float32: the
     aggregate goes back to bfloat16 for the output's hook (a hook may not change the type).
-    The one backward and each loss's pass agree, and both near the float32 step."""
+    The one backward and each loss's pass agree (a loss weighting's to bfloat16's rounding:
+    its sum of the caught gradients and autograd's of the weighted ones round apart), and
+    both near the float32 step."""
 
     def grads(dtype):
         torch.manual_seed(1)
@@ -700,7 +702,10 @@ def test_a_modules_rule_under_bf16_autocast_hands_its_output_a_bf16_gradient(nam
     one = grads(torch.bfloat16)
     monkeypatch.setattr(per_loss_stage, "head_edges", lambda losses, out: None)  # each loss's own pass
     for a, b, c in zip(one, grads(torch.bfloat16), grads(torch.float32)):
-        assert torch.equal(a, b)
+        if name == "mean":
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7 * float(b.abs().max()))
+        else:
+            assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=0.05, atol=0.05 * float(c.abs().max()))
 
 

@@ -25,16 +25,8 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     weighted = [r for r in stage.rules if r.method.kind == "losses"]
     groups: list[tuple[tuple, list[nn.Parameter]]] = []  # (a root: (tensor, weights or None), its parameters)
     scaled: list[tuple[nn.Parameter, float]] = []
-    host, finite = L.detach(), True  # unread where no weighting reads the values (sum, mean, random)
-    if any(r.method.reads_losses for r in weighted):  # the losses on the host (the global batch's under reduce)
-        values = host
-        if stage.reduce is not None:
-            values = values.clone()
-            stage.reduce([values])
-        host = stage.unscaled(values.cpu(), 1)
-        finite = all(map(math.isfinite, host.tolist()))  # Python floats: a torch op each costs more
+    host, finite = _host(stage, L, weighted)
     for r in weighted:
-        # A non-finite loss: nan weights, without asking the method (its state stays as it was).
         weights = _weights(r, names, host, stage.generator) if finite else [math.nan] * len(listed)
         weighted_root = (L, weights)  # sum_i w_i L_i: the backward of L with w as its gradient, no dot
         if r.params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
@@ -86,6 +78,27 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     after = [(p.grad, c) for p, c in after if p.grad is not None]
     if after:
         torch._foreach_mul_(*map(list, zip(*after)))
+
+
+def loss_weights(stage: Any, r: Any, names: list[str], listed: list[Tensor]) -> list[float]:
+    """A loss weighting's k weights for this step's losses, recorded."""
+    host, finite = _host(stage, torch.stack([t.detach() for t in listed]), [r])
+    return _weights(r, names, host, stage.generator) if finite else [math.nan] * len(listed)
+
+
+def _host(stage: Any, L: Tensor, weighted: list) -> tuple[Tensor, bool]:
+    """The losses as the weightings read them, and whether all are finite. On the host, and
+    the global batch's under ``reduce``, where one reads the values; else unread (``sum``,
+    ``mean``, ``random``). A non-finite loss gives nan weights without asking the method
+    (its state stays as it was)."""
+    if not any(r.method.reads_losses for r in weighted):
+        return L.detach(), True
+    values = L.detach()
+    if stage.reduce is not None:
+        values = values.clone()
+        stage.reduce([values])
+    host = stage.unscaled(values.cpu(), 1)
+    return host, all(map(math.isfinite, host.tolist()))  # Python floats: a torch op each costs more
 
 
 def _divided_back(losses: list[Tensor], others: list[nn.Parameter], weights: list[float]) -> list | None:

@@ -23,7 +23,8 @@ Every other parameter gets the gradient of the sum of the losses in one more bac
 (``rest``). A ``modules:`` rule aggregates the task gradients of the module's output (the
 representation) and hands the aggregate to the rest of the backward through a tensor
 hook on that output: the k gradients caught from the heads in that one backward where each
-loss has a head of its own (``_one_pass``), else k cheap passes through the heads first.
+loss has a head of its own (``_one_pass``), else k cheap passes through the heads first. A
+loss weighting on a ``modules:`` rule weights the caught gradients in the same way.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from gradmod.hooks.per_loss.in_projection import split_in_projections
 from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
 from gradmod.hooks.per_loss.owners import head_edges
 from gradmod.hooks.per_loss.record import TaskRecord
-from gradmod.hooks.per_loss.rest import rest_backward
+from gradmod.hooks.per_loss.rest import loss_weights, rest_backward
 from gradmod.hooks.per_loss.task_grads import assign_layers, batch_pays, refuse_sparse, task_grads
 from gradmod.hooks.per_sample.tracing import param_uses
 from gradmod.hooks.stage import Core, Loop, Stage
@@ -289,12 +290,13 @@ class PerLossStage(Stage):
     def _one_pass(self, names: list[str], listed: list[Tensor]) -> bool:
         """A lone ``modules:`` rule whose one output each loss reaches through a head of its
         own (``owners.head_edges``): each head's gradient of the output is caught as the head
-        hands it on in the one backward of the sum, and the rule's aggregate replaces their
-        sum there. No pass through the heads per task; the same gradients."""
+        hands it on in the one backward of the sum, and the rule's aggregate (a loss
+        weighting's: ``sum_i w_i g_i``) replaces their sum there. No pass through the heads
+        per task or for the weighted sum; the same gradients."""
         if len(self.rules) != 1 or self.reduce is not None:
             return False  # under reduce, the Gramian's all-reduce would run inside the backward
         r = self.rules[0]
-        if not r.modules or r.method.kind == "losses" or getattr(r.method, "heads", "sum") == "weighted":
+        if not r.modules or getattr(r.method, "heads", "sum") == "weighted":
             return False  # (nash_mtl's weighted heads need the weights before the backward)
         outs = [t for m in r.modules for t in self.outputs[id(m)]]
         if len(outs) != 1:
@@ -303,6 +305,7 @@ class PerLossStage(Stage):
         edges = head_edges(listed, out)
         if edges is None:
             return False
+        weights = loss_weights(self, r, names, listed) if r.method.kind == "losses" else None
         caught: list[Tensor | None] = [None] * len(listed)
 
         def catch(i: int, at: list[int]):
@@ -314,6 +317,12 @@ class PerLossStage(Stage):
             return hook
 
         def combine(total: Tensor) -> Tensor | None:
+            if weights is not None:
+                acc = None
+                for w, g in zip(weights, caught):
+                    if g is not None:
+                        acc = g * w if acc is None else acc.add_(g, alpha=w)
+                return acc
             D = torch.stack([torch.zeros_like(total) if g is None else g for g in caught])
             replace: dict[int, tuple[Tensor, Tensor]] = {}
             self._apply(r, names, [((r, "output", out), D)], replace, len(listed))
@@ -322,7 +331,10 @@ class PerLossStage(Stage):
         handles = [node.register_hook(catch(i, at)) for i, mine in enumerate(edges) for node, at in mine]
         handles.append(out.register_hook(combine))
         try:
-            rest_backward(self, names, listed, {}, [r])
+            if weights is None:
+                rest_backward(self, names, listed, {}, [r])
+            else:  # every parameter but through the output: the plain sum's gradient
+                torch.autograd.backward(torch.stack(listed).sum())
         finally:
             for h in handles:
                 h.remove()
