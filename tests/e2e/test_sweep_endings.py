@@ -33,6 +33,7 @@ def rows(sweep_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # several processes, each a run
 def test_killed_job_is_named_and_a_rerun_reports_refused_not_stale_results(tmp_path):
     first = run_train(tmp_path, *TINY, *DIES, "+model.die=true,false", multirun=True, check=False)
     assert first.returncode == 1, first.stderr

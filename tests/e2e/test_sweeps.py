@@ -66,6 +66,7 @@ def test_multirun_basic_launcher_survives_a_failing_job(tmp_path):
     check_failing_sweep(tmp_path, proc)
 
 
+@pytest.mark.slow  # several processes, each a run
 def test_multirun_joblib_launcher_survives_a_failing_job(tmp_path):
     proc = run_train(
         tmp_path,

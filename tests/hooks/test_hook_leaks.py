@@ -76,6 +76,7 @@ def test_a_failing_run_removes_its_hooks(compose_cfg, tmp_path, monkeypatch):
     assert _hook_count(seen[0]) == 0
 
 
+@pytest.mark.slow  # several processes, each a run
 def test_multirun_in_one_process_starts_every_job_with_the_same_hook_count(tmp_path):
     probe = tmp_path / "probe.txt"
     proc = run_train(

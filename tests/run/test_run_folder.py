@@ -88,6 +88,7 @@ def test_auto_resume_ignores_another_runs_newer_checkpoint(tmp_path, compose_cfg
     assert summary["resumed_from"].endswith("step-000000006.pt")
 
 
+@pytest.mark.slow  # several processes, each a run
 def test_refused_runs_leave_a_finished_folder_intact(tmp_path):
     run_train(tmp_path, *TINY)
     before = _snapshot(tmp_path)
