@@ -27,7 +27,7 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     scaled: list[tuple[nn.Parameter, float]] = []
     host, finite = _host(stage, L, weighted)
     for r in weighted:
-        weights = _weights(r, names, host, stage.generator) if finite else [math.nan] * len(listed)
+        weights = _weights(r, names, host, finite, stage.generator)
         weighted_root = (L, weights)  # sum_i w_i L_i: the backward of L with w as its gradient, no dot
         if r.params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
             # One weight for every task: the gradient of the plain sum, times it, in the
@@ -80,17 +80,15 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
         torch._foreach_mul_(*map(list, zip(*after)))
 
 
-def loss_weights(stage: Any, r: Any, names: list[str], listed: list[Tensor]) -> list[float]:
-    """A loss weighting's k weights for this step's losses, recorded."""
-    host, finite = _host(stage, torch.stack([t.detach() for t in listed]), [r])
-    return _weights(r, names, host, stage.generator) if finite else [math.nan] * len(listed)
+def loss_weights(stage: Any, r: Any, names: list[str], L: Tensor) -> list[float]:
+    """A loss weighting's k weights for this step's losses ``L`` (stacked), recorded."""
+    return _weights(r, names, *_host(stage, L, [r]), stage.generator)
 
 
 def _host(stage: Any, L: Tensor, weighted: list) -> tuple[Tensor, bool]:
     """The losses as the weightings read them, and whether all are finite. On the host, and
     the global batch's under ``reduce``, where one reads the values; else unread (``sum``,
-    ``mean``, ``random``). A non-finite loss gives nan weights without asking the method
-    (its state stays as it was)."""
+    ``mean``, ``random``)."""
     if not any(r.method.reads_losses for r in weighted):
         return L.detach(), True
     values = L.detach()
@@ -128,9 +126,12 @@ def _rest_loss(L: Tensor, grad_rules: list) -> tuple:
     return L, asked[0].tolist()
 
 
-def _weights(r: Any, names: list[str], host: Tensor, gen: torch.Generator) -> list[float]:
+def _weights(r: Any, names: list[str], host: Tensor, finite: bool, gen: torch.Generator) -> list[float]:
     """A loss weighting's k weights as host floats (it may give a tensor or a sequence),
-    recorded."""
+    recorded. A non-finite loss gives nan weights without asking the method (its state
+    stays as it was)."""
+    if not finite:
+        return [math.nan] * len(names)
     got = r.method.loss_weights(host, gen)
     weights = got.tolist() if isinstance(got, Tensor) else [float(v) for v in got]
     if len(weights) != len(names):

@@ -305,7 +305,8 @@ class PerLossStage(Stage):
         edges = head_edges(listed, out)
         if edges is None:
             return False
-        weights = loss_weights(self, r, names, listed) if r.method.kind == "losses" else None
+        L = torch.stack(listed) if r.method.kind == "losses" else None  # a loss weighting's: weights, backward
+        weights = None if L is None else loss_weights(self, r, names, L)
         caught: list[Tensor | None] = [None] * len(listed)
 
         def catch(i: int, at: list[int]):
@@ -331,10 +332,10 @@ class PerLossStage(Stage):
         handles = [node.register_hook(catch(i, at)) for i, mine in enumerate(edges) for node, at in mine]
         handles.append(out.register_hook(combine))
         try:
-            if weights is None:
+            if L is None:
                 rest_backward(self, names, listed, {}, [r])
             else:  # every parameter but through the output: the plain sum's gradient
-                torch.autograd.backward(torch.stack(listed).sum())
+                torch.autograd.backward(L.sum())
         finally:
             for h in handles:
                 h.remove()
