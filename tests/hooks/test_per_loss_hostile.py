@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import torchjd.aggregation as tja  # the reference (a test dependency, torchjd[full])
 from helpers import per_loss_method
 from torch import nn
+from torchjd.autojac import backward as tj_backward
+from torchjd.autojac import jac_to_grad
 
 import gradmod
 from gradmod.hooks.per_loss import stage as per_loss_stage
@@ -425,3 +427,52 @@ def test_a_backward_that_cannot_run_batched_falls_back_to_k_passes():
     )
     got = torch.cat([p.grad.flatten() for p in model.trunk.parameters()])
     torch.testing.assert_close(got, tja.UPGrad()(rows), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["upgrad", "mgda", "famo", "fixed"])
+def test_parameters_frozen_or_unfrozen_after_attach_follow_requires_grad(name):
+    """Training freezes and unfreezes layers as it goes (a backbone frozen for some epochs):
+    each backward follows ``requires_grad`` as a plain one does. A frozen parameter gets no
+    gradient (the rule combines the tasks over its trainable tensors); one unfrozen after
+    attach is outside every rule and gets the gradient of the sum. (The parameters that
+    trained at attach were kept: a head unfrozen later got none, a frozen Linear got the
+    rule's update, a frozen parameter answered directly raised.) Reference: torchjd."""
+    method = {"name": "fixed", "weights": [1.0, 2.0, 0.5]} if name == "fixed" else name
+    params = "*" if name in ("famo", "fixed") else "trunk.*"
+    model = Shared().double()
+    model.heads.t1.requires_grad_(False)
+    hooks = gradmod.attach(model, {"mtl": {"params": params, "transforms": [method]}})
+    hooks.backward(_losses(model))
+    model.heads.t1.requires_grad_(True)
+    model.trunk[0].weight.requires_grad_(False)  # answered directly (its rows do not pay)
+    model.trunk[2].weight.requires_grad_(False)  # answered from its rows
+    model.zero_grad()
+    ref = Shared().double()  # (a deep copy would keep the hooks)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.requires_grad_(p.requires_grad)
+    hooks.per_loss.generator.manual_seed(0)
+    hooks.backward(_losses(model, 1))
+
+    losses = list(_losses(ref, 1).values())
+    frozen = [ref.trunk[0].weight, ref.trunk[2].weight]
+    late = list(ref.heads.t1.parameters())  # unfrozen after attach: outside the rule
+    trained = [p for p in ref.parameters() if p.requires_grad]
+    if name in ("upgrad", "mgda"):
+        ruled = [p for p in trained if any(p is q for q in ref.trunk.parameters())]
+    else:
+        ruled = [p for p in trained if all(p is not q for q in late)]
+    rest = [p for p in trained if all(p is not q for q in ruled)]
+    for p, g in zip(rest, torch.autograd.grad(sum(losses), rest, retain_graph=True)):
+        p.grad = g
+    if name in ("upgrad", "mgda"):
+        tj_backward(losses, inputs=ruled)
+        jac_to_grad(ruled, {"upgrad": tja.UPGrad, "mgda": tja.MGDA}[name]())
+    else:  # a loss weighting: the gradient of its weighted sum (famo's, logits at 0: 1 / (L_i sum_j 1 / L_j))
+        inverse = [1.0 / (float(loss.detach()) + 1e-8) for loss in losses]
+        w = [1.0, 2.0, 0.5] if name == "fixed" else [v / sum(inverse) for v in inverse]
+        sum(wi * loss for wi, loss in zip(w, losses)).backward(inputs=ruled)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if any(q is f for f in frozen):
+            assert p.grad is None, n
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-8, atol=1e-12, msg=n)

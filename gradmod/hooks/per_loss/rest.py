@@ -29,14 +29,15 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
     for r in weighted:
         weights = _weights(r, names, host, finite, stage.generator)
         weighted_root = (L, weights)  # sum_i w_i L_i: the backward of L with w as its gradient, no dot
-        if r.params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
+        params = [p for p in r.params if p.requires_grad]  # (frozen since attach: no gradient)
+        if params and all(v == weights[0] for v in weights) and math.isfinite(weights[0]):
             # One weight for every task: the gradient of the plain sum, times it, in the
             # one backward of the sum (the smaller side of the model scaled, below).
             if weights[0] != 1.0:
-                scaled += [(p, weights[0]) for p in r.params]
-        elif r.params:
-            groups.append((weighted_root, r.params))
-            covered.update(id(p) for p in r.params)
+                scaled += [(p, weights[0]) for p in params]
+        elif params:
+            groups.append((weighted_root, params))
+            covered.update(id(p) for p in params)
         outs = [t for m in r.modules for t in stage.outputs[id(m)]]
         if outs:  # a modules rule: the weighted sum's gradient enters the module through its outputs
             root, start = _tensors(weighted_root)

@@ -81,6 +81,8 @@ class PerLossStage(Stage):
         # One batched backward for the k losses; False: k backward passes (set by the first
         # batched pass a torch.compile'd backward refuses: its kernels do not run batched).
         self.batched = True
+        # The parameters that train, read again at each backward: training may freeze or
+        # unfreeze layers after attach, and each backward follows requires_grad as a plain one.
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._owner = {id(p): r for r in rules if r.method.kind != "losses" for p in r.params}
         self._convolutions = {
@@ -224,6 +226,7 @@ class PerLossStage(Stage):
             )
         names = self._tasks(list(losses))
         listed = [losses[n] for n in names]
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         try:
             self.inside = True
             self._backward(names, listed)
@@ -345,18 +348,20 @@ class PerLossStage(Stage):
         """What the batched backward differentiates to, and (rule, what, object) per entry."""
         inputs, slots = [], []
         for layer in self.layers:
-            if layer.rows_pay(k):
+            live = sorted(n for n in layer.names if getattr(layer.module, n).requires_grad)  # frozen: no gradient
+            if len(live) == len(layer.names) and layer.rows_pay(k):
                 for a, edge in layer.calls:
                     inputs.append(edge)
                     slots.append((layer.rule, "layer", (layer, a)))
             elif layer.calls:  # its k task gradients from the backward itself
-                for n in sorted(layer.names):
+                for n in live:
                     p = getattr(layer.module, n)
                     inputs.append(p)
                     slots.append((layer.rule, "param", p))
         for rule, p in self.direct.values():
-            inputs.append(p)
-            slots.append((rule, "param", p))
+            if p.requires_grad:
+                inputs.append(p)
+                slots.append((rule, "param", p))
         for r in rules:
             for m in r.modules:
                 for t in self.outputs[id(m)]:
