@@ -168,6 +168,34 @@ def test_the_same_tasks_in_another_order_keep_their_state():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("name", ["uw", "gradvac", "dwa"])
+def test_a_resumed_run_keeps_the_tasks_order_of_its_state(name):
+    """A method's state is by position in the first backward's order of the tasks: a resumed
+    run whose losses come in another order continues as the uninterrupted one (it took the
+    resumed run's first order, each task then read another's state)."""
+
+    def steps(model, hooks, at, reverse=False):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in at:
+            opt.zero_grad()
+            losses = _losses(model, step)
+            hooks.backward(dict(reversed(list(losses.items()))) if reverse else losses)
+            opt.step()
+            hooks.end_epoch()
+
+    straight, first, resumed = Shared().double(), Shared().double(), Shared().double()
+    steps(straight, gradmod.attach(straight, _rule(name)), range(4))
+    hooks = gradmod.attach(first, _rule(name))
+    steps(first, hooks, range(2))
+    state = copy.deepcopy(hooks.state_dict())
+    resumed.load_state_dict(first.state_dict())
+    hooks = gradmod.attach(resumed, _rule(name))
+    hooks.load_state_dict(state)
+    steps(resumed, hooks, range(2, 4), reverse=True)
+    for p, q in zip(resumed.parameters(), straight.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_a_stateless_method_takes_a_changed_task_set():
     model = Shared().double()
     hooks = gradmod.attach(model, _rule("upgrad"))

@@ -501,15 +501,18 @@ class PerLossStage(Stage):
             r.method.end_epoch()
 
     def state_dict(self) -> dict[str, Any]:
-        """The methods' state and the generator of their random choices."""
+        """The methods' state, the generator of their random choices and the tasks' order
+        (a method's state is by position in it)."""
         methods = {r.key: r.method.state_dict() for r in self.rules}
-        return {"per_loss": {"generator": self.generator.get_state(), "methods": methods}}
+        return {"per_loss": {"generator": self.generator.get_state(), "methods": methods, "tasks": self.tasks}}
 
     def load_state_dict(self, state: Mapping[str, Any], device: Any = None) -> None:
         if "per_loss" not in state:
             return
         state = state["per_loss"]
         self.generator.set_state(state["generator"])
+        if state.get("tasks") is not None:  # the resumed run's losses are put back in this order
+            self.tasks, self._told = list(state["tasks"]), None
         for r in self.rules:
             if r.key in state.get("methods", {}):
                 r.method.load_state_dict(state["methods"][r.key])
