@@ -920,3 +920,39 @@ def test_the_trace_leaves_batchnorm_statistics_and_the_random_state_alone():
         torch.testing.assert_close(out[n], expected[n], rtol=0, atol=0)
     torch.testing.assert_close(model.trunk[1].running_mean, ref.trunk[1].running_mean, rtol=0, atol=0)
     assert int(model.trunk[1].num_batches_tracked) == 1
+
+
+class Counting(nn.Module):
+    """A running count and mean set by assignment (new buffer tensors each forward), and the
+    input scaled in place, as a forward may do."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(D, dtype=torch.float64))
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        self.seen = self.seen + 1
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        x /= 2.0
+        return torch.tanh(self.lin(x))
+
+
+def test_the_trace_leaves_reassigned_buffers_and_the_inputs_alone():
+    """The first training forward's trace runs the model once more: buffers the forward sets
+    by assignment are put back (they kept the trace's update, counted twice), and inputs it
+    changes in place are the caller's again for the forward itself (the step's outputs were
+    those of an input scaled twice)."""
+    torch.manual_seed(4)
+    model = Heads(Counting()).double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(B, D, dtype=torch.float64)
+    gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": ["upgrad"]}})
+    mine, theirs = x.clone(), x.clone()
+    out, expected = model(mine), ref(theirs)
+    for n in out:
+        torch.testing.assert_close(out[n], expected[n], rtol=0, atol=0)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert float(model.trunk.seen) == 1.0
+    torch.testing.assert_close(model.trunk.mean, ref.trunk.mean, rtol=0, atol=0)

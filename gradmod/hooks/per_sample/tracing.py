@@ -319,9 +319,12 @@ def param_uses(
 ) -> dict[int, list[tuple[nn.Module, ...]]]:
     """id(param) -> the stack of running modules at each use of a ``watched`` parameter, from
     one forward of ``model(*args, **kwargs)``; the random state and the buffers (BatchNorm's
-    running statistics) are as they were before it."""
+    running statistics) are as they were before it, and the inputs untouched."""
     devices = [x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.is_cuda]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # Buffers by where they are held: a forward may set one anew (``self.n = self.n + 1``).
+    buffers = [(m, n, b, b.detach().clone()) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    # Copies of the inputs: a forward may change its input in place (``x /= 255``).
+    args, kwargs = pytree.tree_map(_copy_input, (args, kwargs), is_leaf=is_packed)
     with torch.random.fork_rng(devices=sorted({x.index or 0 for x in devices})):
         try:
             found = Trace(batch=0, dims={}, uses={})
@@ -329,9 +332,16 @@ def param_uses(
             uses = found.uses
         finally:
             with torch.no_grad():
-                for b, saved in buffers:
+                for m, n, b, saved in buffers:
+                    m._buffers[n] = b
                     b.copy_(saved)
     return uses
+
+
+def _copy_input(x: Any) -> Any:
+    if isinstance(x, PackedSequence):
+        return x._replace(data=x.data.clone())
+    return x.clone() if isinstance(x, Tensor) else x
 
 
 def detach_input(x: Any, dtype: torch.dtype | None = None) -> Any:
