@@ -282,6 +282,30 @@ def test_checkpoints_load_with_weights_only_and_resume_identically(name):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("method", ["upgrad", "mean", "modules"])
+@pytest.mark.parametrize("per_sample", ["per_sample_clip", "log"])
+def test_a_per_sample_rule_beside_a_per_loss_rule_is_one_line(method, per_sample):
+    """The per_sample stage follows one backward of one loss per step; the per_loss stage runs
+    its own passes (each head per task, a weighted sum whose heads are scaled back in .grad,
+    which the per_sample stage then overwrites). A per_sample rule on other parameters than
+    a per_loss rule's raised from inside the backward, or gave the heads a third of their
+    gradient under ``mean``: refused when attached."""
+    transform = {"name": "per_sample_clip", "max_norm": 1.0} if per_sample == "per_sample_clip" else "log"
+    rules = {
+        "mtl": (
+            {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}
+            if method == "modules"
+            else {"params": "trunk.*", "transforms": [method]}
+        ),
+        "dp": {"params": "heads.*", "stage": "per_sample", "transforms": [transform]},
+    }
+    with pytest.raises(
+        ValueError, match=r"^hooks\.dp: a per_sample rule does not combine with per_loss rule 'mtl'"
+    ) as e:
+        gradmod.attach(Shared().double(), rules)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("trainer", ["Lightning", "Transformers' Trainer"])
 def test_per_loss_rules_are_refused_at_set_up_under_lightning_and_transformers(trainer):
     with pytest.raises(ValueError, match=rf"^hooks\.mtl: per_loss rules combine .* and {trainer} calls backward") as e:

@@ -48,6 +48,16 @@ def check_targets(targets: list) -> None:
             f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
             "or per_sample, not both (a fused rule after it is fine)"
         )
+    # On other parameters too: the per_sample stage follows one backward of one loss, and the
+    # per_loss stage runs several passes (and scales the heads' .grad back after one).
+    sample = next((t for t in targets if t.stage == "per_sample"), None)
+    multi = next((t for t in targets if t.stage == "per_loss"), None)
+    if sample is not None and multi is not None:
+        raise ValueError(
+            f"hooks.{sample.rule}: a per_sample rule does not combine with per_loss rule "
+            f"{multi.rule!r} (its method runs the backward passes of several losses itself, "
+            "which the per_sample stage cannot follow); use one of them"
+        )
 
 
 def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> list[LossRule]:
