@@ -282,6 +282,31 @@ def test_checkpoints_load_with_weights_only_and_resume_identically(name):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("method", ["mean", "famo", "fixed"])
+def test_hook_stage_rules_on_the_heads_see_their_plain_gradient_beside_a_loss_weighting(method):
+    """A loss weighting on the trunk takes the weighted sum's one backward where it may, the
+    heads' gradients then divided back by their loss's weight after it; a hook-stage rule
+    on a head saw ``w_i`` times its gradient there (a clamp cut the wrong values, ``log``
+    read a third of the norm under ``mean``). Such heads get the plain sum's own backward."""
+    transform = {"name": "fixed", "weights": [0.5, 2.0, 4.0]} if method == "fixed" else method
+    model = Shared().double()
+    hooks = gradmod.attach(
+        model,
+        {
+            "mtl": {"params": "trunk.*", "transforms": [transform]},
+            "clip": {"params": "heads.t0.*", "transforms": [{"name": "clamp", "bound": 0.02}]},
+            "log": {"params": "heads.t1.weight", "transforms": ["log"]},
+        },
+    )
+    hooks.backward(_losses(model))
+    ref = Shared().double()
+    heads = list(ref.heads.parameters())
+    expected = torch.autograd.grad(sum(_losses(ref).values()), heads)
+    for (n, p), g in zip(model.heads.named_parameters(), expected):
+        torch.testing.assert_close(p.grad, g.clamp(-0.02, 0.02) if n.startswith("t0.") else g, msg=n)
+    assert hooks.read_stats()["heads.t1.weight"]["norm"] == pytest.approx(float(expected[2].norm()))  # t1.weight
+
+
 @pytest.mark.parametrize("method", ["upgrad", "mean", "modules"])
 @pytest.mark.parametrize("per_sample", ["per_sample_clip", "log"])
 def test_a_per_sample_rule_beside_a_per_loss_rule_is_one_line(method, per_sample):

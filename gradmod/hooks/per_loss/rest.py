@@ -49,7 +49,7 @@ def rest_backward(stage: Any, names: list[str], listed: list[Tensor], replace: d
         # One scale on most of the model: the weighted sum's backward, the few others scaled back.
         mine = {id(p) for p, _ in scaled}
         others = [p for p in rest if id(p) not in mine]
-        if sum(p.numel() for p in others) < sum(p.numel() for p, _ in scaled):
+        if sum(p.numel() for p in others) < sum(p.numel() for p, _ in scaled) and not any(map(_hooked, others)):
             rest_loss, scaled = weighted_root, [(p, 1.0 / scaled[0][1]) for p in others]
     if rest:
         groups.append((_rest_loss(L, grad_rules) if rest_loss is None else rest_loss, rest))
@@ -102,8 +102,8 @@ def _host(stage: Any, L: Tensor, weighted: list) -> tuple[Tensor, bool]:
 
 def _divided_back(losses: list[Tensor], others: list[nn.Parameter], weights: list[float]) -> list | None:
     """``(p, 1 / w_i)`` for each of ``others`` the losses reach, where one loss alone (``i``)
-    reaches each and its weight is neither zero nor far from one (``w_i g / w_i`` is then
-    ``g`` to the dtype's rounding); else None."""
+    reaches each, its weight is neither zero nor far from one (``w_i g / w_i`` is then
+    ``g`` to the dtype's rounding) and no hook reads its gradient in the backward; else None."""
     owners = loss_owners(losses)
     if owners is None:
         return None
@@ -112,10 +112,16 @@ def _divided_back(losses: list[Tensor], others: list[nn.Parameter], weights: lis
         i = owners.get(id(p))
         if i is None:
             continue  # no loss reaches it: no gradient either way
-        if i == SHARED or not 1e-6 <= abs(weights[i]) <= 1e6:
+        if i == SHARED or _hooked(p) or not 1e-6 <= abs(weights[i]) <= 1e6:
             return None
         out.append((p, 1.0 / weights[i]))
     return out
+
+
+def _hooked(p: nn.Parameter) -> bool:
+    """A tensor hook on ``p`` (a hook-stage rule): it would see ``w_i`` times the gradient it
+    must see, before the division back."""
+    return bool(p._backward_hooks)
 
 
 def _rest_loss(L: Tensor, grad_rules: list) -> tuple:
