@@ -956,3 +956,32 @@ def test_the_trace_leaves_reassigned_buffers_and_the_inputs_alone():
     torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     assert float(model.trunk.seen) == 1.0
     torch.testing.assert_close(model.trunk.mean, ref.trunk.mean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["upgrad", "imtl_g"])
+def test_a_loss_on_the_weights_themselves_equals_torchjd(name):
+    """One loss is a penalty on the trunk's weights (an L2 term): it uses them outside the
+    model's forward, where the first forward's trace cannot see it, so a Linear on the rows'
+    route takes that step's task gradients directly (its rows' Gram held only the part
+    through its output: the penalty's gradient was lost, and every weight with it)."""
+    torch.manual_seed(1)
+    model = Heads(Wide()).double()
+    x, ys = _batch()
+
+    def losses(m):
+        return {**_losses(m, x, ys), "l2": 0.01 * sum(p.pow(2).sum() for p in m.trunk.parameters())}
+
+    ref = copy.deepcopy(model)
+    tasks = list(losses(ref).values())
+    trunk, heads = list(ref.trunk.parameters()), list(ref.heads.parameters())
+    head_grads = torch.autograd.grad(sum(tasks), heads, retain_graph=True)
+    tj_backward(tasks, inputs=trunk)
+    jac_to_grad(trunk, REFERENCE[name]())
+    for p, g in zip(heads, head_grads):
+        p.grad = g
+    hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
+    hooks.backward(losses(model))
+    assert hooks.per_loss.layers  # the rows' route is taken on the steps without such a loss
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters())
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10 * scale, msg=n)

@@ -45,7 +45,7 @@ from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_
 from gradmod.hooks.per_loss.owners import head_edges
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.per_loss.rest import loss_weights, rest_backward
-from gradmod.hooks.per_loss.task_grads import assign_layers, batch_pays, refuse_sparse, task_grads
+from gradmod.hooks.per_loss.task_grads import assign_layers, batch_pays, refuse_sparse, task_grads, used_apart
 from gradmod.hooks.per_sample.tracing import param_uses
 from gradmod.hooks.stage import Core, Loop, Stage
 
@@ -104,12 +104,14 @@ class PerLossStage(Stage):
             id(p): (r, p) for r in rules if r.method.kind != "losses" for p in r.params
         }
         self.outputs: dict[int, list] = {}  # id(module) -> its outputs' tensors: a module rule's, the frontier's
+        self.model_outputs: list = []  # the model's outputs' nodes: the trace saw what lies below them
         self._handles = []
         self._traced = self._tracing = False
         self.tasks: list[str] | None = None  # the losses' names at the first backward, in order
         self._told: list[str] | None = None  # the names the methods last got (Method.set_tasks)
         if self._owner:
             self._handles.append(model.register_forward_pre_hook(self._first_forward, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._save_model_output))
             self._handles += split_in_projections(model, set(self._owner))
         # The outputs of the smallest module holding every gradient rule's tensors: the batched
         # backward starts there when every path runs through them (``frontier``).
@@ -167,6 +169,11 @@ class PerLossStage(Stage):
                 output.register_hook(self._guard(layer.rule))
 
         return hook
+
+    def _save_model_output(self, module, args, output):
+        outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+        if not self._tracing and self._active(outs):
+            self.model_outputs += [t.grad_fn for t in outs if t.grad_fn is not None]
 
     def _save_output(self, m: nn.Module):
         def hook(module, args, output):
@@ -244,6 +251,7 @@ class PerLossStage(Stage):
                 layer.calls = []
             for k in self.outputs:
                 self.outputs[k] = []
+            self.model_outputs = []
         return True
 
     def _tasks(self, names: list[str]) -> list[str]:
@@ -284,7 +292,7 @@ class PerLossStage(Stage):
         grad_rules = [r for r in self.rules if r.method.kind != "losses"]
         replace: dict[int, tuple[Tensor, Tensor]] = {}  # id(module rule output) -> (it, its aggregated gradient)
         if grad_rules:  # (loss weightings alone take no task gradient)
-            inputs, slots = self._inputs(grad_rules, k)
+            inputs, slots = self._inputs(grad_rules, listed)
             grads = self._task_grads(listed, inputs, slots) if inputs else []
             for r in grad_rules:
                 self._apply(r, names, [(s, g) for s, g in zip(slots, grads) if s[0] is r], replace, k)
@@ -344,12 +352,15 @@ class PerLossStage(Stage):
                 h.remove()
         return True
 
-    def _inputs(self, rules: list[LossRule], k: int) -> tuple[list, list]:
+    def _inputs(self, rules: list[LossRule], losses: list[Tensor]) -> tuple[list, list]:
         """What the batched backward differentiates to, and (rule, what, object) per entry."""
         inputs, slots = [], []
+        rows = [layer for layer in self.layers if layer.calls and layer.rows_pay(len(losses))]
+        # A weight the losses also use apart from its layer's outputs: its own task gradients.
+        by_rows = {id(layer) for layer in rows} - (used_apart(losses, rows, self.model_outputs) if rows else set())
         for layer in self.layers:
             live = sorted(n for n in layer.names if getattr(layer.module, n).requires_grad)  # frozen: no gradient
-            if len(live) == len(layer.names) and layer.rows_pay(k):
+            if len(live) == len(layer.names) and id(layer) in by_rows:
                 for a, edge in layer.calls:
                     inputs.append(edge)
                     slots.append((layer.rule, "layer", (layer, a)))

@@ -44,6 +44,28 @@ def assign_layers(model: nn.Module, owner: dict[int, Any], uses: dict[int, list]
     return layers
 
 
+def used_apart(losses: list[Tensor], layers: list[gramian.Layer], inside: list = ()) -> set[int]:
+    """The ``layers`` (ids) whose weight or bias the losses reach other than through the
+    layer's outputs of this step: a use outside the model's forward, which the trace cannot
+    see (a penalty on the weight in a loss). Their rows' Gram would miss that part. The walk
+    stops at the ``inside`` nodes (the model's outputs): below them the trace saw every use."""
+    stops = {edge.node for layer in layers for _, edge in layer.calls} | set(inside)
+    held = {id(getattr(layer.module, n)): id(layer) for layer in layers for n in layer.names}
+    found: set[int] = set()
+    seen, todo = set(), [loss.grad_fn for loss in losses if loss.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen or node in stops:
+            continue
+        seen.add(node)
+        nexts = node.next_functions
+        if nexts:
+            todo += [nxt for nxt, _ in nexts if nxt is not None]
+        elif (leaf := getattr(node, "variable", None)) is not None and id(leaf) in held:  # a gradient accumulator
+            found.add(held[id(leaf)])
+    return found
+
+
 def refuse_sparse(model: nn.Module, owner: dict[int, Any]) -> None:
     """A sparse embedding's gradient has no per-task Gramian here: one line names it."""
     for n, m in model.named_modules():
