@@ -30,14 +30,16 @@ def positive(transform: str, arg: str, value: Any, *, allow_zero: bool = True) -
 
 
 def in_range(what: str, arg: str, value: Any, low: float, *, strict: bool = False, high: float = math.inf) -> float:
-    """``value`` a number >= ``low`` (> with ``strict``) and <= ``high``; ``what`` names its
-    owner in the message (``per_loss method 'cagrad'``)."""
+    """``value`` a number >= ``low`` (> with ``strict``) and <= ``high`` (any finite number for
+    ``low=-inf``); ``what`` names its owner in the message (``per_loss method 'cagrad'``)."""
     ok = (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
         and (value > low if strict else value >= low)
         and value <= high
     )
+    if low == -math.inf and not (ok and math.isfinite(value)):  # no lower bound: any finite number
+        raise ValueError(f"{what}: {arg}={value!r} must be a finite number")
     if not ok:
         bound = f"> {low}" if strict else f">= {low}"
         raise ValueError(

@@ -159,10 +159,12 @@ def trainer(t: Any) -> None:
 
 def _resume(resume: str | None) -> None:
     if resume not in (None, "auto") and Path(resume).is_dir():
+        folder = Path(resume)
+        run = folder.parent if folder.name == "checkpoints" else folder  # a run's checkpoints folder itself
         raise ValueError(
             f"trainer.resume={resume!r} is a folder; give a checkpoint file in it "
-            f"({resume}/checkpoints/step-*.pt), or resume the run it holds with "
-            f"trainer.resume=auto hydra.run.dir={resume}"
+            f"({run / 'checkpoints'}/step-*.pt), or resume the run it holds with "
+            f"trainer.resume=auto hydra.run.dir={run}"
         )
     if resume not in (None, "auto") and not Path(resume).is_file():
         raise ValueError(f"trainer.resume={resume!r}: no such file; allowed: auto, null or a checkpoint file")

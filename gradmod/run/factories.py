@@ -29,7 +29,7 @@ from gradmod.hooks.per_sample import replace_batchnorm
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
 from gradmod.run.config import DataConfig, LossConfig, ModelConfig, SchedulerConfig
-from gradmod.training.tasks import Tasks
+from gradmod.training.tasks import IGNORE_INDEX, Tasks
 
 DATA_SHAPE = "must return (train, test), each a map-style dataset of (input, label) pairs or a pair of tensors"
 TOTAL_KEYS = ("T_max", "total_steps", "total_iters")  # null: the run's number of optimizer steps
@@ -215,8 +215,12 @@ def _checked(where: str, x: Tensor, y: Tensor) -> Tensor:
         )
     if y.dtype.is_floating_point:
         return y.float()
-    if y.dtype == torch.bool or int(y.min()) < 0:
-        raise ValueError(f"{where} has labels that are neither class indices (integers >= 0) nor float targets")
+    labelled = y[y != IGNORE_INDEX]  # -100: an example without this task's label (cross-entropy leaves it out)
+    if y.dtype == torch.bool or (labelled.numel() and int(labelled.min()) < 0):
+        raise ValueError(
+            f"{where} has labels that are neither class indices (integers >= 0, or {IGNORE_INDEX} for none) "
+            "nor float targets"
+        )
     return y.long()
 
 

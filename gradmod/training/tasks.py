@@ -73,7 +73,12 @@ class LossByTarget:
     def __call__(self, output: Tensor, target: Tensor) -> Tensor:
         if is_class_labels(target):
             weight = None if self.weight is None else self.weight.to(output.device, output.dtype)
-            return F.cross_entropy(output, target, weight=weight, **self.class_args)
+            loss = F.cross_entropy(output, target, weight=weight, **self.class_args)
+            if self.reduction != "mean":
+                return loss
+            # a batch with no labelled example of the task (every label ignore_index) averages
+            # over nothing: 0/0; the task then adds nothing (a loss of 0, zero gradients)
+            return torch.where(target.ne(self.class_args["ignore_index"]).any(), loss, 0.0)
         return F.mse_loss(output, _like(target, output), reduction=self.reduction)
 
     def __repr__(self) -> str:

@@ -267,12 +267,28 @@ def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, 
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6, msg=n)
 
 
-def test_famo_min_losses_of_another_length_is_one_line():
+@pytest.mark.parametrize(
+    "method, when, words",
+    [
+        ({"name": "famo", "min_losses": [0.1, 0.2]}, "backward", "hooks.w: .*'famo': min_losses has 2 values for 3 "),
+        ({"name": "graddrop", "leak": [0.1, 0.2]}, "backward", "hooks.w: .*'graddrop': leak has 2 values for 3 losses"),
+        ({"name": "famo", "min_losses": 0.1}, "attach", "min_losses=0.1 must be a list of numbers, one per loss"),
+        ({"name": "graddrop", "leak": 0.5}, "attach", "leak=0.5 must be a list of numbers, one per loss"),
+        ({"name": "famo", "min_losses": [0.1, "a", 0.0]}, "attach", "min_losses\\[1\\]='a' must be a finite number"),
+        ({"name": "graddrop", "leak": [0.1, 2, 0.0]}, "attach", "leak\\[1\\]=2 must be a number >= 0.0 and <= 1.0"),
+        ({"name": "uw", "init": float("inf")}, "attach", "init=inf must be a finite number"),
+    ],
+)
+def test_a_per_task_argument_that_does_not_fit_is_one_line(method, when, words):
+    """A scalar where a list of one number per loss belongs raised a TypeError (a traceback
+    from the command line); a list of another length was refused without the rule's name."""
     model = Shared(3).double()
-    hooks = gradmod.attach(model, {"w": {"params": "*", "transforms": [{"name": "famo", "min_losses": [0.1, 0.2]}]}})
     x, ys = _batch(3, False, seed=0)
-    with pytest.raises(ValueError, match=r"^per_loss method 'famo': min_losses has 2 values for 3 losses; give one"):
+    with pytest.raises(ValueError, match=words) as e:
+        hooks = gradmod.attach(model, {"w": {"params": "*", "transforms": [method]}})
+        assert when == "backward", "refused only at the backward"
         hooks.backward(_losses(model, x, ys))
+    assert "\n" not in str(e.value)
     assert all(p.grad is None for p in model.parameters())
 
 

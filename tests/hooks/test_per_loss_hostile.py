@@ -374,11 +374,16 @@ def test_per_loss_rules_are_refused_when_lightning_sets_up(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "rule", [_rule("upgrad"), {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}}]
+    "rule",
+    [_rule("upgrad")]
+    + [{"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [m]}} for m in ("upgrad", "geometric_mean")],
+    ids=["params", "modules", "modules_weighting"],
 )
 def test_a_compiled_model_gets_the_eager_models_gradients(rule):
     """torch.compile's backward kernels do not run batched: the stage takes k passes instead
-    (a modules rule: the one backward, or each loss's pass where compiling hid the heads)."""
+    (a modules rule: the one backward, its output ending a compiled graph; compiled with the
+    heads, it was no input of theirs: a TypeError, or a loss weighting that did nothing)."""
+    torch._dynamo.reset()  # each case compiles afresh, whatever ran before
     model, ref = Shared(2), Shared(2)
     hooks = gradmod.attach(model, rule)
     ref_hooks = gradmod.attach(ref, rule, replace=False)

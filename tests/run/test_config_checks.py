@@ -84,3 +84,15 @@ def test_a_rule_of_the_wrong_shape_is_refused(rule, words):
 def test_rules_of_the_right_shape_pass():
     for transforms in ("zero", {"name": "clamp", "bound": 1}, ["zero", {"name": "scale", "factor": 2}], None):
         Config(model=ModelConfig("mnist_cnn"), hooks={"r": {"params": "*", "transforms": transforms}})
+
+
+@pytest.mark.parametrize("given", ["outputs/x", "outputs/x/", "outputs/x/checkpoints", "outputs/x/checkpoints/"])
+def test_a_run_folder_or_its_checkpoints_given_as_the_resume_names_the_run_folder(tmp_path, monkeypatch, given):
+    """The checkpoints folder itself was taken for the run folder (``.../checkpoints//checkpoints``)."""
+    (tmp_path / "outputs" / "x" / "checkpoints").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        checks._resume(given)
+    assert str(e.value).endswith(
+        "(outputs/x/checkpoints/step-*.pt), or resume the run it holds with trainer.resume=auto hydra.run.dir=outputs/x"
+    )

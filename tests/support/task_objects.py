@@ -30,6 +30,14 @@ def two_targets(n_train: int = 120, n_test: int = 40):
     return part(n_train), part(n_test)
 
 
+def two_targets_few_labelled(n_train: int = 120, n_test: int = 40, labelled: int = 4):
+    """``two_targets`` with the ``cls`` label of all but ``labelled`` training examples -100
+    (none): batches of 20 then hold at least two without any ``cls`` label."""
+    (x, y), test = two_targets(n_train, n_test)
+    y["cls"][labelled:] = -100
+    return (x, y), test
+
+
 class TwoHeads(nn.Module):
     """A shared Linear trunk with heads ``cls`` (2 logits) and ``reg`` (one number), as a tuple."""
 

@@ -190,6 +190,41 @@ def test_a_loss_of_ones_own_names_its_losses_and_metrics_go_per_task(compose_cfg
     assert summary["test_accuracy"] is None  # one task has no accuracy: no mean of accuracies
 
 
+def test_a_batch_without_a_tasks_labels_adds_nothing_for_that_task():
+    from gradmod.training.tasks import LossByTarget
+
+    out = torch.randn(6, 3, requires_grad=True)
+    some = torch.tensor([2, -100, 0, -100, 1, 1])
+    torch.testing.assert_close(LossByTarget()(out, some), F.cross_entropy(out, some))
+    none = torch.full((6,), -100)
+    loss = LossByTarget()(out, none)  # cross-entropy's mean over no example is nan
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(out.grad, torch.zeros(6, 3))
+
+
+@pytest.mark.skipif(not per_loss_method("upgrad"), reason="a build without the per_loss stage")
+def test_a_task_without_labels_in_some_batches_trains_to_the_end(compose_cfg, tmp_path):
+    from tests.support.task_objects import TwoHeads, two_targets_few_labelled
+
+    cfg = compose_cfg(
+        *CPU,
+        f"data._target_={OBJ}.two_targets_few_labelled",
+        "data.batch_size=20",
+        "trainer.epochs=2",
+        f"model._target_={OBJ}.TwoHeads",
+        '+hooks.mtl={params: "trunk.*", transforms: [upgrad]}',
+    )  # 4 of 120 examples labelled for cls: some batches have none (they were refused, then a nan loss)
+    summary = run(cfg, tmp_path)
+    assert summary["status"] == "ok"
+    model = TwoHeads()
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    _, (x, y) = two_targets_few_labelled()
+    with torch.no_grad():
+        logits, _ = model(x)
+    assert summary["tasks"]["cls"]["test_loss"] == pytest.approx(F.cross_entropy(logits, y["cls"]).item(), rel=1e-5)
+
+
 def test_a_loss_that_does_not_fit_the_targets_is_refused_before_training(compose_cfg, tmp_path):
     common = [
         *CPU,

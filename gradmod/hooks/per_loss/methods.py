@@ -85,6 +85,21 @@ def _check(name: str, arg: str, value: Any, low: float, *, strict: bool = False,
     return in_range(f"per_loss method {name!r}", arg, value, low, strict=strict, high=high)
 
 
+def _per_task(name: str, arg: str, values: Any, low: float, *, high: float = math.inf) -> list[float]:
+    """A method's argument of one number per loss (a list in the losses' order), each checked."""
+    if isinstance(values, (str, Mapping)) or not isinstance(values, Sequence):
+        raise ValueError(
+            f"per_loss method {name!r}: {arg}={values!r} must be a list of numbers, one per loss (in the losses' order)"
+        )
+    return [_check(name, f"{arg}[{i}]", v, low, high=high) for i, v in enumerate(values)]
+
+
+def _one_per_task(name: str, arg: str, values: list[float] | None, k: int) -> None:
+    """Checked in ``set_tasks``, so that the stage names the rule in the message."""
+    if values is not None and len(values) != k:
+        raise ValueError(f"per_loss method {name!r}: {arg} has {len(values)} values for {k} losses; give one per loss")
+
+
 def _needs(name: str, modules: list[str], extra: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
@@ -404,7 +419,10 @@ class GradDrop(Method):
     name = "graddrop"
 
     def __init__(self, leak: list[float] | None = None):
-        self.leak = None if leak is None else [_check("graddrop", "leak", v, 0.0, high=1.0) for v in leak]
+        self.leak = None if leak is None else _per_task("graddrop", "leak", leak, 0.0, high=1.0)
+
+    def set_tasks(self, names: list[str]) -> None:
+        _one_per_task("graddrop", "leak", self.leak, len(names))
 
     def aggregate(self, J: Tensor, U: Tensor) -> Tensor:
         """``J``: [k, D] task gradients; ``U``: [D] uniform draws."""
@@ -420,8 +438,6 @@ class GradDrop(Method):
     def _drop(self, J: Tensor, S: Tensor, U: Tensor, eps: float) -> Tensor:
         """Keep each task's part of ``J`` whose sign in ``S`` (its signed gradients, or their
         batch sums) the draw picks."""
-        if self.leak is not None and len(self.leak) != len(J):
-            raise ValueError(f"per_loss method 'graddrop': leak has {len(self.leak)} values for {len(J)} losses")
         leak = J.new_zeros(len(J)) if self.leak is None else J.new_tensor(self.leak)
         P = 0.5 * (1.0 + S.sum(0) / (S.abs().sum(0) + eps))
         out = torch.zeros_like(J[0])

@@ -177,6 +177,11 @@ class PerLossStage(Stage):
 
     def _save_output(self, m: nn.Module):
         def hook(module, args, output):
+            if torch.compiler.is_compiling():
+                # Compiled with what follows, the output would be one more output of a node
+                # that also makes the losses' heads: the losses never reach it, so its task
+                # gradients could not be caught (a loss weighting then did nothing). It ends a graph.
+                torch._dynamo.graph_break()
             outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]  # an LSTM's (h, c) too
             if not self._tracing and self._active(outs):
                 self.outputs[id(m)].extend(t for t in outs if t.requires_grad)

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods import Method, _check
+from gradmod.hooks.per_loss.methods import Method, _check, _one_per_task, _per_task
 
 
 class HostAdam:
@@ -143,7 +143,7 @@ class FAMO(LossWeighting):
     ):
         self.lr = _check("famo", "lr", lr, 0.0)
         self.weight_decay = _check("famo", "weight_decay", weight_decay, 0.0)
-        self.min_losses = None if min_losses is None else [float(v) for v in min_losses]
+        self.min_losses = None if min_losses is None else _per_task("famo", "min_losses", min_losses, -math.inf)
         if update_from not in self.UPDATES:
             raise ValueError(f"per_loss method 'famo': update_from={update_from!r}; allowed: {', '.join(self.UPDATES)}")
         self.update_from = update_from
@@ -182,13 +182,11 @@ class FAMO(LossWeighting):
             self.update(values)
             self.prev = None
 
+    def set_tasks(self, names: list[str]) -> None:
+        _one_per_task("famo", "min_losses", self.min_losses, len(names))
+
     def loss_weights(self, losses, gen):
         values = losses.tolist()  # k host floats, as geometric_mean
-        if self.min_losses is not None and len(self.min_losses) != len(values):
-            raise ValueError(
-                f"per_loss method 'famo': min_losses has {len(self.min_losses)} values for {len(values)} losses; "
-                "give one per loss"
-            )
         if self._adam is None:
             self._adam = HostAdam([0.0] * len(values), self.lr, self.weight_decay)
         if self.update_from == "next_batch" and self.prev is not None:
