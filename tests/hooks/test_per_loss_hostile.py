@@ -331,6 +331,43 @@ def test_a_per_sample_rule_beside_a_per_loss_rule_is_one_line(method, per_sample
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("mtl", ["params", "modules"])
+def test_a_hook_stage_modules_rule_beside_a_gradient_method_is_one_line(mtl):
+    """A gradient method's backward runs one pass per task and then the rest: a hook-stage
+    rule on a module's output fired in each (``log`` counted 6 calls a step at k = 3 and
+    averaged the tasks' gradients). Refused when attached."""
+    rules = {
+        "mtl": {"params": "trunk.*", "transforms": ["upgrad"]}
+        if mtl == "params"
+        else {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]},
+        "watch": {"modules": "trunk.2", "transforms": ["log"]},
+    }
+    with pytest.raises(
+        ValueError, match=r"^hooks\.watch: a hook-stage modules rule \('trunk\.2:output'\) .* rule 'mtl'"
+    ) as e:
+        gradmod.attach(Shared().double(), rules)
+    assert "\n" not in str(e.value)
+
+
+def test_a_hook_stage_modules_rule_beside_a_loss_weighting_sees_the_weighted_sums_gradient_once():
+    """``mean`` on the trunk, each head its own loss's: one backward, so the output's hook
+    fires once and sees the gradient of the weighted sum, as in a plain backward of it."""
+    model = Shared().double()
+    hooks = gradmod.attach(
+        model,
+        {"mtl": {"params": "trunk.*", "transforms": ["mean"]}, "watch": {"modules": "trunk", "transforms": ["log"]}},
+    )
+    hooks.backward(_losses(model))
+    ref = Shared().double()
+    g = torch.Generator().manual_seed(0)  # the draws _losses makes
+    z = ref.trunk(torch.randn(5, 6, generator=g, dtype=torch.float64))
+    z.retain_grad()
+    sum(F.cross_entropy(h(z), torch.randint(0, 3, (5,), generator=g)) for h in ref.heads.values()).div(3).backward()
+    stats = hooks.read_stats()["trunk:output"]
+    assert stats["calls"] == 1
+    assert stats["norm"] == pytest.approx(float(z.grad.norm()))
+
+
 @pytest.mark.parametrize("trainer", ["Lightning", "Transformers' Trainer"])
 def test_per_loss_rules_are_refused_at_set_up_under_lightning_and_transformers(trainer):
     with pytest.raises(ValueError, match=rf"^hooks\.mtl: per_loss rules combine .* and {trainer} calls backward") as e:

@@ -48,6 +48,19 @@ def check_targets(targets: list) -> None:
             f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
             "or per_sample, not both (a fused rule after it is fine)"
         )
+    # A module's output hook fires in every pass of a gradient method's backward (one per task,
+    # then the rest): it would see each task's gradient in turn, never one gradient.
+    passes = next(  # (a malformed method, without a kind, is refused with the rules)
+        (t for t in targets if t.stage == "per_loss" and getattr(t.steps[0].fn, "kind", "losses") != "losses"), None
+    )
+    watched = next((t for t in targets if t.stage == "hook" and t.kind == "module"), None)
+    if passes is not None and watched is not None:
+        raise ValueError(
+            f"hooks.{watched.rule}: a hook-stage modules rule ({watched.key!r}) does not combine with "
+            f"per_loss rule {passes.rule!r}, whose method {passes.steps[0].name!r} runs one backward per "
+            "task, so the output's hook would see each task's gradient in turn; use a params rule (a "
+            "fused one sees the combined gradient)"
+        )
     # On other parameters too: the per_sample stage follows one backward of one loss, and the
     # per_loss stage runs several passes (and scales the heads' .grad back after one).
     sample = next((t for t in targets if t.stage == "per_sample"), None)
