@@ -819,8 +819,8 @@ def test_fixed_weights_equal_torchjds_constant_aggregator(params, given):
         ([1.0, 2.0], "backward", "2 weights for 3 losses; give one per loss"),
         ([], "attach", "weights is empty; give one weight per task"),
         ("t0", "attach", "weights='t0'; give a mapping of task name to weight, or a list in the losses' order"),
-        ([1.0, float("inf"), 2.0], "attach", "weights\\[1\\]=inf must be a finite number"),
-        ({"t0": 1.0, "t1": "x", "t2": 1.0}, "attach", "weights\\[t1\\]='x' must be a number"),
+        ([1.0, float("inf"), 2.0], "attach", "per_loss method 'fixed': weights\\[1\\]=inf must be a finite number"),
+        ({"t0": 1.0, "t1": "x", "t2": 1.0}, "attach", "per_loss method 'fixed': weights\\[t1\\]='x' must be a finite"),
     ],
 )
 def test_fixed_weights_that_do_not_fit_are_one_line(weights, when, words):

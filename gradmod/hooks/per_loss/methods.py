@@ -28,7 +28,7 @@ from torch import Tensor
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.per_loss import solvers
-from gradmod.hooks.validators import in_range, number
+from gradmod.hooks.validators import in_range
 
 KINDS = ("gramian", "jacobian", "losses")
 
@@ -184,7 +184,7 @@ class Fixed(Method):
             )
         if not items:
             raise ValueError(f"{what} is empty; give one weight per task")
-        checked = {n: number("fixed", f"weights[{n}]", v) for n, v in items}
+        checked = {n: _check("fixed", f"weights[{n}]", v, -math.inf) for n, v in items}
         self.by_name: dict[str, float] | None = checked if isinstance(weights, Mapping) else None
         self.listed = list(checked.values())
         self._names: list[str] | None = None
