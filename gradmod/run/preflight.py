@@ -180,7 +180,11 @@ def _check_loss(loss: Any, key: str) -> None:
             _check_loss(part, f"{key} (its loss {name!r})")
         return
     if not isinstance(loss, Tensor) or loss.ndim != 0:
-        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else _kind(loss)
+        got = (  # (the check runs on two examples: a per-example loss shows 2 there)
+            f"a tensor of shape {tuple(loss.shape)} on a check batch of 2 examples"
+            if isinstance(loss, Tensor)
+            else _kind(loss)
+        )
         raise ValueError(
             f"{key}: the loss returned {got}; it must return one scalar tensor "
             "(reduce it, e.g. .mean()), or a mapping of named scalar losses"

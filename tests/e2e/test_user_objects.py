@@ -45,7 +45,7 @@ CASES = [
     ([TINY, "+data.test_shape=[1,9,9]"], ["train inputs are 1x8x8 but test inputs are 1x9x9"], 2, "failed"),
     (
         [TINY, f"loss._target_={OBJ}.vector_loss", "+loss._partial_=true"],
-        [f"loss._target_={OBJ}.vector_loss", "shape (2,)", "one scalar tensor"],
+        [f"loss._target_={OBJ}.vector_loss", "shape (2,) on a check batch of 2 examples", "one scalar tensor"],
         2,
         "failed",
     ),
