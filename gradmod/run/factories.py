@@ -215,7 +215,7 @@ def _checked(where: str, x: Tensor, y: Tensor) -> Tensor:
         )
     if y.dtype.is_floating_point:
         return y.float()
-    labelled = y[y != IGNORE_INDEX]  # -100: an example without this task's label (cross-entropy leaves it out)
+    labelled = y[y != IGNORE_INDEX]  # -100: an unlabelled example, which cross-entropy leaves out
     if y.dtype == torch.bool or (labelled.numel() and int(labelled.min()) < 0):
         raise ValueError(
             f"{where} has labels that are neither class indices (integers >= 0, or {IGNORE_INDEX} for none) "

@@ -76,8 +76,8 @@ class LossByTarget:
             loss = F.cross_entropy(output, target, weight=weight, **self.class_args)
             if self.reduction != "mean":
                 return loss
-            # a batch with no labelled example of the task (every label ignore_index) averages
-            # over nothing: 0/0; the task then adds nothing (a loss of 0, zero gradients)
+            # a batch whose every label is ignore_index averages over nothing (0/0): it
+            # adds nothing instead (a loss of 0, zero gradients)
             return torch.where(target.ne(self.class_args["ignore_index"]).any(), loss, 0.0)
         return F.mse_loss(output, _like(target, output), reduction=self.reduction)
 
