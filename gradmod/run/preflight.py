@@ -67,7 +67,7 @@ def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss
                 _check_classes(data, task, o, t, model_key)
             tasks.check(out, y, loss_key)  # a loss that does not fit a task's targets
             losses = _losses(tasks, out, y, loss_key)
-            _check_loss(losses, loss_key)
+            _check_loss(losses, loss_key, len(x))
             tasks.metrics(out, y)  # a metric that does not apply to the labels fails here
             return not isinstance(losses, Tensor), tasks.describe(out, y)
         finally:
@@ -172,16 +172,16 @@ def _shape_of(x: Any) -> str:
     return _kind(x)
 
 
-def _check_loss(loss: Any, key: str) -> None:
+def _check_loss(loss: Any, key: str, n: int) -> None:
     if isinstance(loss, dict):
         if not loss:
             raise ValueError(f"{key}: the loss returned an empty mapping; it must name one or more scalar losses")
         for name, part in loss.items():
-            _check_loss(part, f"{key} (its loss {name!r})")
+            _check_loss(part, f"{key} (its loss {name!r})", n)
         return
     if not isinstance(loss, Tensor) or loss.ndim != 0:
-        got = (  # (the check runs on two examples: a per-example loss shows 2 there)
-            f"a tensor of shape {tuple(loss.shape)} on a check batch of 2 examples"
+        got = (  # (a per-example loss shows the check batch's size, not the run's)
+            f"a tensor of shape {tuple(loss.shape)} on a check batch of {n} examples"
             if isinstance(loss, Tensor)
             else _kind(loss)
         )
