@@ -128,6 +128,12 @@ class HookSet:
         or changes over training (its clock advances there)."""
         return bool(self.timed) or any(s.needs_after_backward for s in self.stages)
 
+    @property
+    def changes_trainability(self) -> bool:
+        """Some rule switches ``requires_grad`` during training (``freeze``): build DDP with
+        ``find_unused_parameters=True``."""
+        return any(s.changes_trainability for s in self.stages)
+
     def backward(
         self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor], closure: Callable[[], Any] | None = None
     ) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
+from gradmod.hooks.fused.trainability import switched_off
 from gradmod.hooks.globs import select
 from gradmod.hooks.rule_spec import transform_list
 from gradmod.hooks.schedules import Active, Length
@@ -58,7 +59,7 @@ def build_targets(
     ``length``: what turns schedules' and windows' epochs and fractions into steps."""
     if not isinstance(rules, Mapping) and rules is not None:
         raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
-    params = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [n for n, p in model.named_parameters() if p.requires_grad or switched_off(p)]
     modules = [n for n, _ in model.named_modules() if n]
     targets: list[Target] = []
     for rule, spec in (rules or {}).items():

@@ -156,6 +156,12 @@ class Stage(abc.ABC):
     def set_up(self, loop: Loop) -> None:  # noqa: B027  (most stages need no loop facts)
         """What the loop knows (ranks, batch size, the all-reduce)."""
 
+    @property
+    def changes_trainability(self) -> bool:
+        """This stage switches ``requires_grad`` during training (``freeze``): under DDP the
+        wrapper must find the parameters a backward does not reach."""
+        return False
+
     def forward_passes(self) -> int:
         """Forward passes each micro-batch of the optimizer step in progress takes: 1, or 2
         for a stage that runs a second one through ``HookSet.backward``'s closure, at moved

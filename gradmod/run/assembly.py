@@ -48,7 +48,7 @@ class Parts:
 def build_trainer(run: Run) -> Parts:
     """The Trainer with the callbacks a checkpoint restores."""
     cfg, t, dist, model = run.cfg, run.cfg.trainer, run.dist, run.model
-    wrapped = dist.wrap(model)
+    wrapped = dist.wrap(model, find_unused=run.hooks.changes_trainability)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
     many = dist.world_size > 1

@@ -114,18 +114,20 @@ class Dist:
             peers.note()  # a rank that dies later is named, not the connection it broke
         return self
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, find_unused: bool = False) -> nn.Module:
         """``model`` in DDP, or sharded in place by FSDP2 (single: ``model`` itself).
 
-        DDP: attach hooks before, so that DDP sees gradients the hooks transformed.
-        FSDP2: attach after (``fully_shard`` replaces the parameters); wrapping twice is
-        wrapping once."""
+        DDP: attach hooks before, so that DDP sees gradients the hooks transformed;
+        ``find_unused``: some backward reaches only part of the parameters (a ``freeze``
+        rule switches ``requires_grad``). FSDP2: attach after (``fully_shard`` replaces the
+        parameters); wrapping twice is wrapping once."""
         if self.strategy == "single":
             return model
         self.start()
         if self.strategy == "fsdp":
             return model if is_fsdp(model) else shard(model, self.mesh(model))
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids, find_unused_parameters=find_unused)
 
     def mesh(self, model: nn.Module):
         """FSDP2's device mesh: None for plain FSDP (the world, one dimension); else

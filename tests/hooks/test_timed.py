@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -300,35 +301,56 @@ def test_bad_schedules_and_windows_are_refused_at_attach(rules, kwargs, words):
         assert w in str(e.value)
 
 
+def _freeze_window_run(m: nn.Module, wrap, rank: int, world: int) -> list[torch.Tensor]:
+    """Attach (the window open from step 0), then wrap: the trainer's order under DDP."""
+    rules = {"f": {"params": "*", "exclude": "4.*", "transforms": ["freeze"], "active": {"until": 3}}}
+    hooks = attach(m, rules)
+    net = wrap(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1)
+    for t in range(6):
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(t)
+        F.cross_entropy(net(x[rank::world]), y[rank::world]).backward()
+        hooks.after_backward()
+        opt.step()
+    hooks.remove()
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in m.parameters()]
+
+
 def _ddp_freeze_worker(rank: int, world: int, port: int, out: str) -> None:
     import os
 
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        ddp = partial(nn.parallel.DistributedDataParallel, find_unused_parameters=True)
+        torch.save(_freeze_window_run(model(), ddp, rank, world), os.path.join(out, f"ddp{rank}.pt"))
+        try:  # a plain DDP's reducer waits for every gradient
+            _freeze_window_run(model(), nn.parallel.DistributedDataParallel, rank, world)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        torch.save(refused, os.path.join(out, f"refused{rank}.pt"))
         m = model()
-        rules = {"f": {"params": "*", "exclude": "4.*", "transforms": ["freeze"], "active": {"until": 3}}}
-        hooks = attach(m, rules)
-        ddp = nn.parallel.DistributedDataParallel(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1)
-        for t in range(6):
-            opt.zero_grad(set_to_none=True)
-            x, y = batch(t)
-            F.cross_entropy(ddp(x[rank::world]), y[rank::world]).backward()
-            hooks.after_backward()
-            opt.step()
-        torch.save([p.detach() for p in m.parameters()], os.path.join(out, f"rank{rank}.pt"))
+        for layer in m:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(m)
+        torch.save(_freeze_window_run(m, lambda m: m, rank, world), os.path.join(out, f"fsdp{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_a_freeze_window_under_ddp_is_the_grad_none_loop(tmp_path):
+def test_a_freeze_window_under_ddp_and_fsdp2_is_the_grad_none_loop(tmp_path):
     """Two ranks, each half the batch: the same weights as one process that averages the
-    halves' gradients and sets .grad = None for the frozen ones (no requires_grad toggled)."""
+    halves' gradients and sets .grad = None for the frozen ones. The frozen tensors have
+    requires_grad off during the window: DDP built with find_unused_parameters=True follows
+    it, one built without is refused in one line before the first step; FSDP2 follows it."""
     from helpers import free_port, spawn_ranks
 
     spawn_ranks(_ddp_freeze_worker, 2, free_port(), str(tmp_path))
@@ -341,8 +363,11 @@ def test_a_freeze_window_under_ddp_is_the_grad_none_loop(tmp_path):
             p.grad = None if t < 3 and not n.startswith("4.") else (gs[0] + gs[1]) / 2
         opt.step()
     for r in range(2):
-        for got, want in zip(torch.load(tmp_path / f"rank{r}.pt"), ref.parameters()):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        for kind in ("ddp", "fsdp"):
+            for got, want in zip(torch.load(tmp_path / f"{kind}{r}.pt"), ref.parameters()):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=kind)
+        refused = torch.load(tmp_path / f"refused{r}.pt")
+        assert "find_unused_parameters=True" in refused and "\n" not in refused
 
 
 def test_a_per_loss_methods_argument_follows_its_schedule_and_keeps_its_state():

@@ -231,10 +231,11 @@ def _by_shape(params: list[Tensor], grads: list[Tensor]) -> list[tuple[list[Tens
 
 
 class Freeze(GroupTransform):
-    """``.grad = None`` for every parameter of the rule, for this optimizer step: no
+    """The rule's parameters take no part in the backward while it acts: ``requires_grad``
+    is off from the next forward (``gradmod.hooks.fused.trainability``), and a gradient that
+    reaches one anyway (``zero_grad(set_to_none=False)``) is dropped here, ``.grad = None``: no
     momentum, weight decay or Adam step moves them (``zero`` would leave weight decay and
-    the moments at work). Nothing toggles ``requires_grad``, so DDP's and FSDP's gradient
-    reduction is unchanged; with ``active`` it is a freeze window."""
+    the moments at work). With ``active`` it is a freeze window."""
 
     name = "freeze"
 

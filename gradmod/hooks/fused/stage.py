@@ -24,6 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
+from gradmod.hooks.fused.group import Freeze
+from gradmod.hooks.fused.trainability import TrainabilitySwitch
 from gradmod.hooks.rules import group_steps, observer_key
 from gradmod.hooks.stage import Core, Stage
 from gradmod.hooks.stats import observe_batch
@@ -116,6 +118,15 @@ class FusedStage(Stage):
         self._core = core  # its ``inactive``: the rules outside their window now
         self._steps = fused_transforms(self.targets, dict(model.named_parameters()))
         self._groups = [(key, s.fn) for key, _, s in group_steps(self.targets)]
+        frozen: dict[str, list[nn.Parameter]] = {}  # freeze rules: requires_grad off while they act
+        for step in self._steps:
+            if isinstance(step.steps[0].fn, Freeze):
+                frozen.setdefault(step.rule, []).extend(step.params)
+        self._switch = TrainabilitySwitch(model, frozen, core) if frozen else None
+
+    @property
+    def changes_trainability(self) -> bool:
+        return self._switch is not None
 
     def finish(self) -> bool:
         return run_fused(self._steps, self._core.inactive)
@@ -138,3 +149,5 @@ class FusedStage(Stage):
 
     def remove(self) -> None:
         self._steps.clear()
+        if self._switch is not None:
+            self._switch.remove()
