@@ -60,6 +60,7 @@ def build_targets(
     if not isinstance(rules, Mapping) and rules is not None:
         raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
     params = [n for n, p in model.named_parameters() if p.requires_grad or switched_off(p)]
+    every = [n for n, _ in model.named_parameters()]  # frozen ones too: a per_sample rule covers them
     modules = [n for n, _ in model.named_modules() if n]
     targets: list[Target] = []
     for rule, spec in (rules or {}).items():
@@ -73,7 +74,7 @@ def build_targets(
             )
         if ("params" in spec) == ("modules" in spec):
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
-        targets.extend(_rule_targets(rule, spec, params, modules, stage, length or Length()))
+        targets.extend(_rule_targets(rule, spec, (params, every), modules, stage, length or Length()))
     _check_observer_keys(targets)
     return targets
 
@@ -159,8 +160,15 @@ def _shared(step: R.BuiltTransform) -> bool:
 
 
 def _rule_targets(
-    rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str], default_stage: str, length: Length
+    rule: str,
+    spec: Mapping[str, Any],
+    named: tuple[list[str], list[str]],
+    modules: list[str],
+    default_stage: str,
+    length: Length,
 ) -> list[Target]:
+    """``named``: the trainable parameters' names, and every parameter's."""
+    params, every = named
     kind = "param" if "params" in spec else "module"
     transforms = transform_list(spec.get("transforms"))
     if not transforms:
@@ -172,6 +180,8 @@ def _rule_targets(
         params if kind == "param" else modules,
         "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
     )
+    if stage == "per_sample" and kind == "param":
+        names += _frozen_too(rule, spec, params, every)
     window = rule_window(rule, spec, length)
     if window is not None and stage not in ("hook", "fused"):
         raise ValueError(
@@ -189,6 +199,19 @@ def _rule_targets(
         rows = _rows(rule, spec, kind, stage)
         targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage), rows, window))
     return targets
+
+
+def _frozen_too(rule: str, spec: Mapping[str, Any], params: list[str], every: list[str]) -> list[str]:
+    """The parameters frozen at attach that a per_sample rule's globs match, after its own:
+    the stage follows them too, so that one unfrozen later is clipped (and noised) with the rule."""
+    if len(every) == len(params):
+        return []
+    trainable = set(params)
+    try:
+        wide = select(rule, spec, every, "parameter")
+    except ValueError:  # its exclude removes every frozen one it names
+        return []
+    return [n for n in wide if n not in trainable]
 
 
 def _rows(rule: str, spec: Mapping[str, Any], kind: str, stage: str) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
@@ -42,6 +43,8 @@ class TrainabilitySwitch:
         self._handle = model.register_forward_pre_hook(self._before_forward, prepend=True)
 
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
+        if torch._C._are_functorch_transforms_active():  # a replay (torch.func), not a training forward
+            return
         ddp = DistributedDataParallel._get_active_ddp_module()
         if ddp is not None and ddp is not self._ddp_checked:
             self._check_ddp(ddp)

@@ -96,9 +96,10 @@ class Probed:
 
     def ghost(self, layer, inputs, b, norms2: dict[str, Tensor]) -> None:
         """A call answered without per-example tensors; ``norms2``: its per-example squared norms."""
-        probes = {n: self.probes[id(p)] for n, p in layer.names.items()}
-        dots = ghost_probe(layer.form, layer.module, inputs, b, probes, set(layer.names))
-        for n, p in layer.names.items():
+        probes = {n: self.probes[id(layer.names[n])] for n in norms2}  # the layer's parameters that train
+        dots = ghost_probe(layer.form, layer.module, inputs, b, probes, set(norms2))
+        for n in norms2:
+            p = layer.names[n]
             if dots is None or n not in dots:
                 self.unchecked.add(id(p))
             else:

@@ -38,6 +38,7 @@ from gradmod.hooks.per_sample.tracing import (
     is_packed,
     param_or_none,
 )
+from gradmod.hooks.per_sample.trainable import Trainable, all_trainable
 from gradmod.hooks.stage import Core, Loop, Stage
 
 __all__ = ["PerSampleStage", "per_sample_rules"]
@@ -84,6 +85,7 @@ class PerSampleStage(Stage):
         self._rule_of = {id(p): r for r in rules for p in r.params}
         self._clipped = {id(p) for r in rules if r.clip is not None for p in r.params}
         self._names = {id(p): n for n, p in model.named_parameters() if id(p) in self._rule_of}
+        self._trainable = Trainable(model, rules)  # requires_grad, read at each training forward
         self._sums: dict[int, Tensor] = {}  # id(param) -> clipped sum of this step
         self._calls: list[Call] = []
         self._got: dict[int, Tensor | None] = {}  # parameters autograd gave a gradient in this backward
@@ -97,6 +99,9 @@ class PerSampleStage(Stage):
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._tracing and followed_forward() and self._trainable.changed():
+            self._trainable.refuse_outside()  # frozen or unfrozen: nothing trains outside the noisy rule
+            self._plain, self._verify = None, True  # and the next backward checks against autograd's whole
         if self.layers is not None:
             if self._broadcast and followed_forward():  # the size one-row calls are expanded to
                 self._batch = batch_size(module, args, kwargs, self.batch_dim) or 0
@@ -118,7 +123,8 @@ class PerSampleStage(Stage):
         self.layers = layers
         self._batch_dependent = {id(p) for x in self.layers if batch_dependent(x.module) for p in x.names.values()}
         self._detached = detachable(self.layers) & self._clipped
-        detach = lambda: set() if self._verify or not self._following() else self._detached  # noqa: E731
+        live = self._trainable  # (its live set is replaced when training freezes or unfreezes)
+        detach = lambda: set() if self._verify or not self._following() else self._detached & live.live  # noqa: E731
         for x in self.layers:  # attention records its calls inside its forward; the others may run detached
             self._handles.append(x.module.register_forward_hook(self._forward_hook(x), with_kwargs=True))
             done = lambda a, o, x=x: self._follow(x, a, o)  # noqa: E731
@@ -128,18 +134,20 @@ class PerSampleStage(Stage):
                 self._handles += detach_during(x.module, x.names, detach)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
-        self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
+        with all_trainable(params.values()):  # frozen ones too, for when they train
+            self._handles += [p.register_hook(self._arrived(p)) for p in params.values()]
 
     def _layers(self, module: nn.Module, args: tuple, kwargs: dict):
         """The trace, the parameters it covers, the layers answering for them."""
-        found, handles = position_bias.traced(module, args, kwargs, set(self._rule_of), self.batch_dim)
+        with all_trainable(p for r in self.rules for p in r.params):  # the uses of frozen ones too
+            found, handles = position_bias.traced(module, args, kwargs, set(self._rule_of), self.batch_dim)
         self._handles += handles
         if found is None:
             raise ValueError(
                 f"per_sample: {type(module).__name__}'s forward got no tensor with a batch dimension "
                 f"(dim {batch_dim(module, self.batch_dim)}); the stage needs the batch in the model's inputs"
             )
-        params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of and p.requires_grad}
+        params = {n: p for n, p in self.model.named_parameters() if id(p) in self._rule_of}
         layers = assign(self.model, found, params)
         refusals.refuse_packed(self.model, found, layers)
         rows = [(layer.module, layer.rows) for layer in layers if layer.broadcast]
@@ -221,10 +229,10 @@ class PerSampleStage(Stage):
 
     def _end_backward(self) -> None:
         """Clip this backward's per-example gradients into the step's sums."""
-        calls = [c for c in self._calls if any(g is not None for g in c.grads)]
+        calls = [c for c in self._calls if any(g is not None for g in c.grads) and self._trainable.names(c.layer)]
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
         got, self._got = self._got, {}
-        covered = {id(p) for c in calls for p in c.layer.names.values()}
+        covered = {id(p) for c in calls for p in self._trainable.names(c.layer).values()}
         check_covered(self._names, covered, got, self.layers is not None)
         refuse_arrivals(got, set() if self._verify else self._detached, self._names)
         if not calls:
@@ -266,21 +274,23 @@ class PerSampleStage(Stage):
         """Add each call's squared per-example norms to its rules' ``norms2``. Returns the calls answered
         without per-example tensors (with their output gradients), and the others' summed per parameter."""
         seen = Counter(id(c.layer) for c in calls)
-        ghost, summed, pairs = [], PerExample(), tied.shared(calls)  # pairs: shared weights' cross terms
+        ghost, summed = [], PerExample()
+        pairs = tied.shared(calls) & self._trainable.live  # shared weights' cross terms
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
-            b, form, names = c.output_grads(), c.layer.form, set(c.layer.names)
+            live = self._trainable.names(c.layer)  # frozen ones take no part
+            b, form, names = c.output_grads(), c.layer.form, set(live)
             full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
-            full_ = full_ and not any(id(p) in pairs for p in c.layer.names.values())
+            full_ = full_ and not any(id(p) in pairs for p in live.values())
             c.layer.materialised = full_
             if full_:
-                summed.add(form, c.layer.module, c.inputs, b, c.layer.names)
+                summed.add(form, c.layer.module, c.inputs, b, live)
             else:
                 by_name = form.norms2(c.layer.module, c.inputs, b, names)
                 for n, v in by_name.items():
                     norms2[self._rule_of[id(c.layer.names[n])].name] += v.to(norms2_dtype)
                 ghost.append((c, b))
-                if not (self._verify or {id(p) for p in c.layer.names.values()} <= self._detached):  # (else refused)
+                if not (self._verify or {id(p) for p in live.values()} <= self._detached):  # (else refused)
                     self._probed.ghost(c.layer, c.inputs, b, by_name)
         for i in pairs:
             norms2[self._rule_of[i].name] += tied.cross_norms2(i, ghost, norms2_dtype)
@@ -309,7 +319,7 @@ class PerSampleStage(Stage):
         out: dict[nn.Parameter, Tensor] = {}
         for c, b in ghost:
             by_rule: dict[str, set[str]] = {}
-            for n, p in c.layer.names.items():
+            for n, p in self._trainable.names(c.layer).items():
                 by_rule.setdefault(self._rule_of[id(p)].name, set()).add(n)
             for rule, names in by_rule.items():
                 if rule in weights:
@@ -331,7 +341,7 @@ class PerSampleStage(Stage):
         if self.layers is None and not self._empty:
             refusals.refuse_untraced(self.rules, self._names)
         if not self.examples and self.expected_batch_size is None:
-            for p in [p for r in self.rules if r.clip and self._empty for p in r.params]:
+            for p in [p for r in self.rules if r.clip and self._empty for p in r.params if p.requires_grad]:
                 p.grad = torch.zeros_like(p)  # zero examples, no expected size to divide noise by
             self._empty = False
             return  # nothing seen; under Poisson sampling an empty step still gets its noise
@@ -340,14 +350,15 @@ class PerSampleStage(Stage):
         for r in self.rules:
             if r.clip is None:
                 continue
-            sums = [self._sums.pop(id(p)) if id(p) in self._sums else torch.zeros_like(p) for p in r.params]
+            params = [p for p in r.params if p.requires_grad]  # a frozen one keeps .grad = None
+            sums = [self._sums.pop(id(p)) if id(p) in self._sums else torch.zeros_like(p) for p in params]
             std = r.clip.noise_multiplier * r.clip.max_norm
             if std > 0 and self.draws_noise:
                 for s in sums:
                     s.add_(torch.randn(s.shape, generator=self.generator, device=s.device, dtype=s.dtype), alpha=std)
             if self.reduce is not None:
                 self.reduce(sums)
-            for p, s in zip(r.params, sums):
+            for p, s in zip(params, sums):
                 p.grad = s.div_(n)
         self._sums.clear()
         self.examples = 0
