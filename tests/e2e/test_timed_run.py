@@ -50,3 +50,18 @@ def test_shipped_configs_compose_and_sweeps_reach_inside_a_schedule():
     cfg = compose_config("+hooks=[grl,freeze_warmup]", "hooks.grl.transforms.0.factor.end=-0.5")
     assert cfg.hooks.grl.transforms[0].factor.end == -0.5 and cfg.hooks.grl.transforms[0].factor.schedule == "dann"
     assert cfg.hooks.freeze_warmup.active.until == "1ep"
+
+
+def test_gradual_unfreeze_trains_one_depth_more_each_epoch(tmp_path):
+    """``+hooks=gradual_unfreeze`` on the MNIST CNN: l1 alone in epoch 0, conv2 from epoch 1,
+    conv1 from epoch 2; a frozen layer's weights are bitwise those of the epoch before."""
+    run(
+        compose_config(*TINY_FAKE, "+hooks=gradual_unfreeze", "trainer.epochs=3", "trainer.checkpoint_keep=10"),
+        tmp_path,
+    )
+    ends = [
+        checkpoint_file.load(p)["model"] for p in sorted((tmp_path / "checkpoints").glob("step-*.pt"))
+    ]  # each epoch's end (6 steps)
+    assert len(ends) == 3
+    moved = [{k.split(".")[0] for k in ends[0] if not torch.equal(a[k], b[k])} for a, b in zip(ends, ends[1:])]
+    assert moved == [{"conv2", "l1"}, {"conv1", "conv2", "l1"}]  # epochs 1 and 2
