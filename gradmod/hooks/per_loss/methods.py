@@ -58,14 +58,20 @@ class Method(metaclass=abc.ABCMeta):  # noqa: B024  (its three bases hold the ab
     name = "method"
     per_task_state = False
     reads_losses = True
-    wants_after_step = False
-    weighs_rest = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         base = BASES.get(cls.kind)
         if base is not None and not issubclass(cls, tuple(BASES.values())):
             base.register(cls)  # ``kind`` names the base of a class on Method itself
+
+    @property
+    def wants_after_step(self) -> bool:
+        return False
+
+    @property
+    def weighs_rest(self) -> bool:
+        return False
 
     def set_tasks(self, names: list[str]) -> None:  # noqa: B027  (most methods read no names)
         """The losses' names, in the order of the weights asked next; called before the first

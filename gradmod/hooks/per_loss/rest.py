@@ -8,7 +8,7 @@ sum's backward serves all, those parameters divided back by their loss's weight)
 rules' aggregates handed on through their outputs' hooks.
 
 In their place (``one_pass``): a lone ``modules:`` rule whose one output each loss reaches
-through a head of its own (``owners.head_edges``): each head's gradient of the output is
+through a head of its own (``reach.head_edges``): each head's gradient of the output is
 caught as the head hands it on in the one backward of the sum, and the rule's aggregate (a
 loss weighting's: ``sum_i w_i g_i``) replaces their sum there. No pass through the heads
 per task or for the weighted sum; the same gradients.
@@ -28,7 +28,7 @@ from gradmod.hooks.per_loss.combine import combine
 from gradmod.hooks.per_loss.entries import OutputEntry, Replace
 from gradmod.hooks.per_loss.loss_rules import LossRule
 from gradmod.hooks.per_loss.methods import LossWeighting
-from gradmod.hooks.per_loss.owners import SHARED, loss_owners
+from gradmod.hooks.per_loss.reach import SHARED, loss_owners
 
 Root = tuple[Tensor, list[float] | None]  # a tensor and the weights its backward starts from (None: a scalar's 1)
 

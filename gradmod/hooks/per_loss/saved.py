@@ -7,12 +7,13 @@ attention's ``out_proj`` (used inside ``F.multi_head_attention_forward``), not a
 used through ``F.linear``, not a weight tied to another module. Such a layer's calls are
 saved (``entries.Layer``); every other parameter of a gradient rule is answered directly.
 Saved besides: the outputs of each ``modules:`` rule's modules and of the frontier (the
-smallest module holding every gradient rule's tensors: ``frontier``), and the nodes of the
+smallest module holding every gradient rule's tensors: ``frontier_module``), and the nodes of the
 model's outputs (below them the trace saw every use).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +24,10 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from gradmod.hooks.per_loss.entries import Layer
-from gradmod.hooks.per_loss.frontier import frontier_module
 from gradmod.hooks.per_loss.loss_rules import LossRule
 from gradmod.hooks.per_sample.tracing import param_uses
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)  # held, never called
 
 
 class Saved:
@@ -164,6 +166,17 @@ def assign_layers(model: nn.Module, owner: dict[int, Any], uses: dict[int, list]
 def held_by(grad_rules: list[LossRule]) -> dict[int, LossRule]:
     """id(param) -> the gradient rule that holds it."""
     return {id(p): r for r in grad_rules for p in r.params}
+
+
+def frontier_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module | None:
+    """The deepest module below the model whose subtree holds every one of ``params`` and
+    which is called (a ModuleList's layers: the module holding the list)."""
+    wanted = {id(p) for p in params}
+    owners = [name.split(".")[:-1] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in wanted]
+    common = os.path.commonprefix(owners) if owners else []
+    while common and isinstance(model.get_submodule(".".join(common)), CONTAINERS):
+        common = common[:-1]
+    return model.get_submodule(".".join(common)) if common else None
 
 
 def refuse_sparse(model: nn.Module, grad_rules: list[LossRule]) -> None:

@@ -40,7 +40,7 @@ from gradmod.hooks.per_loss.entries import Layer, Replace
 from gradmod.hooks.per_loss.in_projection import split_in_projections
 from gradmod.hooks.per_loss.loss_rules import check_targets, per_loss_rules
 from gradmod.hooks.per_loss.methods import LossWeighting
-from gradmod.hooks.per_loss.owners import head_edges
+from gradmod.hooks.per_loss.reach import head_edges
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.per_loss.rest import one_pass, rest_backward
 from gradmod.hooks.per_loss.saved import Saved, refuse_sparse

@@ -2,9 +2,19 @@
 (``gather``), then one batched backward where it pays (``batch_pays``), else k passes.
 
 A Linear the first forward's trace assigned (``saved``) is answered from its calls' output
-gradients, a weight the losses also use apart from the layer's outputs (``used_apart``) and
-every other tensor of a rule from its own k gradients; a ``modules:`` rule's outputs from
+gradients, a weight the losses also use apart from the layer's outputs (``reach.used_apart``)
+and every other tensor of a rule from its own k gradients; a ``modules:`` rule's outputs from
 theirs.
+
+A batched backward of k losses carries k rows through every op, so each task's head also
+runs for the k - 1 rows that are zero there: k heads cost k^2 head passes and their k
+gradients of the representation are added in full. Where every path from the losses to the
+rules' tensors runs through the outputs of one module (the frontier: the smallest module
+holding all the rules' parameters, ``trunk`` for ``trunk.*``), each loss goes to those
+outputs alone (its own head), and the k gradients found there go down together
+(``task_grads_through``). Any other path (a tied weight used by a head, a loss on a
+parameter, another output of the op that made the representation) and the step takes the
+ordinary batched backward instead (``reach.reached``): always the same gradients.
 """
 
 from __future__ import annotations
@@ -14,9 +24,9 @@ import warnings
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.entries import Entry, Layer, LinearEntry, OutputEntry, ParamEntry
-from gradmod.hooks.per_loss.frontier import reached
+from gradmod.hooks.per_loss.entries import Entry, LinearEntry, OutputEntry, ParamEntry
 from gradmod.hooks.per_loss.loss_rules import LossRule
+from gradmod.hooks.per_loss.reach import reached, used_apart
 from gradmod.hooks.per_loss.saved import Saved
 
 
@@ -47,28 +57,6 @@ def gather(losses: list[Tensor], saved: Saved, rules: list[LossRule]) -> tuple[l
             own.append(OutputEntry(r, t, len(inputs)))
             inputs += own[-1].inputs
     return inputs, linear + own
-
-
-def used_apart(losses: list[Tensor], layers: list[Layer], inside: list = ()) -> set[int]:
-    """The ``layers`` (ids) whose weight or bias the losses reach other than through the
-    layer's outputs of this step: a use outside the model's forward, which the trace cannot
-    see (a penalty on the weight in a loss). Their rows' Gram would miss that part. The walk
-    stops at the ``inside`` nodes (the model's outputs): below them the trace saw every use."""
-    stops = {edge.node for layer in layers for _, edge in layer.calls} | set(inside)
-    held = {id(getattr(layer.module, n)): id(layer) for layer in layers for n in layer.names}
-    found: set[int] = set()
-    seen, todo = set(), [loss.grad_fn for loss in losses if loss.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node in seen or node in stops:
-            continue
-        seen.add(node)
-        nexts = node.next_functions
-        if nexts:
-            todo += [nxt for nxt, _ in nexts if nxt is not None]
-        elif (leaf := getattr(node, "variable", None)) is not None and id(leaf) in held:  # a gradient accumulator
-            found.add(held[id(leaf)])
-    return found
 
 
 def batch_pays(entries: list[Entry], convolutions: set[int]) -> bool:
