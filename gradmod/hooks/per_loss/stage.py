@@ -175,13 +175,16 @@ class PerLossStage(Stage):
         replace: Replace = {}  # id(module rule output) -> (it, its aggregated gradient)
         inputs, entries = gather(call.losses, self.saved, self.grad_rules) if self.grad_rules else ([], [])
         if inputs:  # (loss weightings alone take no task gradient)
+            # 1. The task gradients: one batched backward where it pays, else k passes.
             batch = self.batched and batch_pays(entries, self._convolutions)
             grads, ran_batched = task_grads(call.losses, inputs, batched=batch, frontier=self.saved.frontier_outputs())
             if batch:  # a backward that cannot run batched (torch.compile's kernels) turns it off for good
                 self.batched = ran_batched
+            # 2. Apply: each rule's update from its entries' task gradients.
             taken = [e for e in entries if e.take(grads)]
             for r in self.grad_rules:
                 replace.update(combine(call, r, [e for e in taken if e.rule is r]))
+        # 3. The rest: every other parameter's gradient of the (weighted) sum, in one backward.
         rest_backward(call, self.weightings, self.grad_rules, replace)
 
     def _named(self, losses: Tensor | Mapping[str, Tensor]) -> list[str]:
