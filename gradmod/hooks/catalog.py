@@ -12,8 +12,10 @@ import torch
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import AGC, Freeze, GlobalNormClip, GroupTransform
 from gradmod.hooks.fused.norm_history import AutoClip, ZClip
+from gradmod.hooks.per_loss import gramian_weightings as G
 from gradmod.hooks.per_loss import methods as M
 from gradmod.hooks.per_loss import weightings as W
+from gradmod.hooks.per_loss.graddrop import GradDrop
 from gradmod.hooks.per_loss.nash_mtl import NashMTL
 from gradmod.hooks.per_sample.stats import PerSampleClip, per_sample_log
 from gradmod.hooks.registry import FACTORY_BASES, add_stage_form, register
@@ -43,9 +45,9 @@ add_stage_form("log", "per_sample", per_sample_log)
 
 # Per loss: the methods that turn k task gradients (or k losses) into one update.
 PER_LOSS = (
-    *(M.Mean, M.Sum, M.Fixed, M.Random),  # weights that need no task gradient: run as loss weightings
-    *(M.PCGrad, M.MGDA, M.IMTLG, M.AlignedMTL, M.UPGrad, M.DualProj, M.CAGrad, M.GradVac),
-    *(NashMTL, M.GradDrop),
+    *(W.Mean, W.Sum, W.Fixed, W.Random),  # weights that need no task gradient: run as loss weightings
+    *(G.PCGrad, G.MGDA, G.IMTLG, G.AlignedMTL, G.UPGrad, G.DualProj, G.CAGrad, G.GradVac),
+    *(NashMTL, GradDrop),
     *(W.GeometricMean, W.UW, W.FAMO, W.DWA),  # loss weightings: from the loss values alone
 )
 for _method in PER_LOSS:

@@ -737,7 +737,7 @@ def test_micro_batches_accumulate_each_ones_gradient(method):
 def test_the_frontier_is_the_called_module_above_a_list_of_layers():
     """A TransformerEncoder's parameters all lie in its ``layers`` (a ModuleList, never called):
     the frontier is the encoder, whose outputs exist."""
-    from gradmod.hooks.per_loss.frontier import frontier_module
+    from gradmod.hooks.per_loss.saved import frontier_module
 
     layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)
     model = Heads(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))

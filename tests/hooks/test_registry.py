@@ -11,7 +11,7 @@ from torch import nn
 from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import GroupTransform
-from gradmod.hooks.per_loss.methods import Mean
+from gradmod.hooks.per_loss.weightings import Mean
 from gradmod.hooks.rules import build_targets
 
 

@@ -1,8 +1,13 @@
 """The per_loss stage: several losses, one update per rule (PCGrad, MGDA, CAGrad, UPGrad, ...).
 
-``stage`` runs it: the task Gramian per layer (``gramian``) and one weighted update;
-``loss_rules`` groups and checks its rules; ``methods``, ``nash_mtl`` and ``weightings``
-hold the methods (``gradmod.register(name, factory, kind="per_loss")`` adds one of one's own).
+``stage`` runs it as its phases: the task gradients of each rule's entries (``task_grads``,
+``entries``), each rule's update from them (``combine``), the rest's backward (``rest``),
+each handed the call's frozen ``backward.Backward``; ``saved`` holds what the forward left,
+``reach`` the walks of the autograd graph from the losses. ``loss_rules`` groups and checks
+its rules; ``methods`` holds the three base classes (``GramianWeighting``, ``Aggregator``,
+``LossWeighting``), ``gramian_weightings``, ``nash_mtl``, ``graddrop`` and ``weightings``
+the shipped methods (``gradmod.register(name, factory, kind="per_loss")`` adds one of
+one's own).
 """
 
 from gradmod.hooks.per_loss.loss_rules import LossRule

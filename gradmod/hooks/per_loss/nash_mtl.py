@@ -7,12 +7,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods import Method, _check, _needs
+from gradmod.hooks.per_loss.methods import GramianWeighting, _check, _needs
 
 SOLVED = {0, 10, -1}  # ECOS's exit flags with a solution: optimal, inaccurate, at the iteration limit
 
 
-class NashMTL(Method):
+class NashMTL(GramianWeighting):
     """Nash-MTL: the bargaining solution ``G w = 1 / w`` by a sequence of convex programs
     (ECOS); the update's norm capped at ``max_norm`` (0: no cap). ``heads``: the
     parameters outside the rule get the gradient of the plain sum (``sum``, torchjd) or of
@@ -72,6 +72,10 @@ class NashMTL(Method):
             if n > self.max_norm:
                 w = w / n * self.max_norm
         return w
+
+    @property
+    def weighs_rest(self) -> bool:
+        return self.heads == "weighted"
 
     def rest_weights(self) -> Tensor | None:
         """``heads: weighted``: the weights of the losses for the parameters outside the rule."""

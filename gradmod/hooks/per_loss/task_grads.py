@@ -1,92 +1,78 @@
-"""Which of a per_loss rule's parameters may be answered from a layer's (input, output gradient)
-pairs, from the trace of the model's first training forward (``per_sample.tracing.param_uses``),
-and the k task gradients of the rest (``task_grads``).
+"""The k task gradients of the gradient rules' entries: what the backward differentiates to
+(``gather``), then one batched backward where it pays (``batch_pays``), else k passes.
 
-A Linear with torch's own forward may be answered so only when every use of its weight
-and bias ran inside its own forward and no other module holds them: not attention's
-``out_proj`` (used inside ``F.multi_head_attention_forward``), not a weight also used through
-``F.linear``, not a weight tied to another module. Every other parameter gets its k task
-gradients directly from the batched backward.
+A Linear the first forward's trace assigned (``saved``) is answered from its calls' output
+gradients, a weight the losses also use apart from the layer's outputs (``reach.used_apart``)
+and every other tensor of a rule from its own k gradients; a ``modules:`` rule's outputs from
+theirs.
+
+A batched backward of k losses carries k rows through every op, so each task's head also
+runs for the k - 1 rows that are zero there: k heads cost k^2 head passes and their k
+gradients of the representation are added in full. Where every path from the losses to the
+rules' tensors runs through the outputs of one module (the frontier: the smallest module
+holding all the rules' parameters, ``trunk`` for ``trunk.*``), each loss goes to those
+outputs alone (its own head), and the k gradients found there go down together
+(``task_grads_through``). Any other path (a tied weight used by a head, a loss on a
+parameter, another output of the op that made the representation) and the step takes the
+ordinary batched backward instead (``reach.reached``): always the same gradients.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from gradmod.hooks.per_loss import gramian
-from gradmod.hooks.per_loss.frontier import reached
-
-
-def factored_forward(m: nn.Module) -> bool:
-    """A Linear with torch's own forward (a subclass's forward may do anything)."""
-    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+from gradmod.hooks.per_loss.entries import Entry, LinearEntry, OutputEntry, ParamEntry
+from gradmod.hooks.per_loss.loss_rules import LossRule
+from gradmod.hooks.per_loss.reach import reached, used_apart
+from gradmod.hooks.per_loss.saved import Saved
 
 
-def assign_layers(model: nn.Module, owner: dict[int, Any], uses: dict[int, list]) -> list[gramian.Layer]:
-    """The layers answered from their calls; ``owner``: id(param) -> its gradient rule."""
-    holders: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            holders[id(p)] = holders.get(id(p), 0) + 1
-    layers = []
-    for m in model.modules():
-        mine = {n: p for n, p in m.named_parameters(recurse=False) if id(p) in owner}
-        if not mine or not factored_forward(m):
-            continue
-        rules = {id(owner[id(p)]) for p in mine.values()}
-        inside = all(uses.get(id(p)) and all(s and s[-1] is m for s in uses[id(p)]) for p in mine.values())
-        if len(rules) == 1 and inside and all(holders[id(p)] == 1 for p in mine.values()):
-            layers.append(gramian.Layer(m, owner[id(next(iter(mine.values())))], set(mine)))
-    return layers
+def gather(losses: list[Tensor], saved: Saved, rules: list[LossRule]) -> tuple[list, list[Entry]]:
+    """What the backward differentiates to, and each gradient rule's entries, in the order of
+    their inputs (a Linear answered from its rows before its rule's other tensors)."""
+    inputs: list = []
+    linear: list[Entry] = []
+    own: list[Entry] = []
+    rows = [layer for layer in saved.layers if layer.calls and layer.rows_pay(len(losses))]
+    # A weight the losses also use apart from its layer's outputs: its own task gradients.
+    by_rows = {id(layer) for layer in rows} - (used_apart(losses, rows, saved.model_outputs) if rows else set())
+    for layer in saved.layers:
+        live = sorted(n for n in layer.names if getattr(layer.module, n).requires_grad)  # frozen: no gradient
+        if len(live) == len(layer.names) and id(layer) in by_rows:
+            linear.append(LinearEntry(layer, len(inputs)))
+            inputs += linear[-1].inputs
+        elif layer.calls:  # its k task gradients from the backward itself
+            for n in live:
+                own.append(ParamEntry(layer.rule, getattr(layer.module, n), len(inputs)))
+                inputs += own[-1].inputs
+    for rule, p in saved.direct.values():
+        if p.requires_grad:
+            own.append(ParamEntry(rule, p, len(inputs)))
+            inputs += own[-1].inputs
+    for r in rules:
+        for t in (t for m in r.modules for t in saved.outputs[id(m)]):
+            own.append(OutputEntry(r, t, len(inputs)))
+            inputs += own[-1].inputs
+    return inputs, linear + own
 
 
-def used_apart(losses: list[Tensor], layers: list[gramian.Layer], inside: list = ()) -> set[int]:
-    """The ``layers`` (ids) whose weight or bias the losses reach other than through the
-    layer's outputs of this step: a use outside the model's forward, which the trace cannot
-    see (a penalty on the weight in a loss). Their rows' Gram would miss that part. The walk
-    stops at the ``inside`` nodes (the model's outputs): below them the trace saw every use."""
-    stops = {edge.node for layer in layers for _, edge in layer.calls} | set(inside)
-    held = {id(getattr(layer.module, n)): id(layer) for layer in layers for n in layer.names}
-    found: set[int] = set()
-    seen, todo = set(), [loss.grad_fn for loss in losses if loss.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node in seen or node in stops:
-            continue
-        seen.add(node)
-        nexts = node.next_functions
-        if nexts:
-            todo += [nxt for nxt, _ in nexts if nxt is not None]
-        elif (leaf := getattr(node, "variable", None)) is not None and id(leaf) in held:  # a gradient accumulator
-            found.add(held[id(leaf)])
-    return found
-
-
-def refuse_sparse(model: nn.Module, owner: dict[int, Any]) -> None:
-    """A sparse embedding's gradient has no per-task Gramian here: one line names it."""
-    for n, m in model.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and id(m.weight) in owner:
-            raise ValueError(
-                f"hooks.{owner[id(m.weight)].name}: {n + '.weight'!r} has sparse gradients (sparse=True), "
-                "which have no per-task Gramian; use sparse=False or leave it out of the rule"
-            )
-
-
-def batch_pays(slots: list, convolutions: set[int]) -> bool:
+def batch_pays(entries: list[Entry], convolutions: set[int]) -> bool:
     """Whether one batched backward beats k ordinary passes: where the Linears on the rows'
     route (whose k output gradients it gives in one matmul per layer) hold at least as many
     of the rules' parameters as the tensors that need their own k gradients, and none of
     these is a convolution's (``convolutions``: ids). Those tensors (a convolution, a Linear
     on many rows, attention's projections) take vmap's copies and its per-op loops (pooling,
     attention, norms) in a batched backward, and a plain backward's kernels in k passes."""
-    rows = {id(obj[0]): obj[0] for _, what, obj in slots if what == "layer"}
-    on_rows = sum(getattr(layer.module, n).numel() for layer in rows.values() for n in layer.names)
-    own = [obj for _, what, obj in slots if what == "param"]
-    return bool(rows) and on_rows >= sum(p.numel() for p in own) and not any(id(p) in convolutions for p in own)
+    on_rows = [p for e in entries for p in e.on_rows]
+    own = [p for e in entries for p in e.own]
+    return (
+        bool(on_rows)
+        and sum(p.numel() for p in on_rows) >= sum(p.numel() for p in own)
+        and not any(id(p) in convolutions for p in own)
+    )
 
 
 def task_grads(

@@ -1,16 +1,109 @@
 """The per_loss loss weightings: weights from the loss values alone (detached, float64, host).
 
-The update is the gradient of ``sum_i w_i L_i``; no task gradient is formed.
+The update is the gradient of ``sum_i w_i L_i``; no task gradient is formed. ``mean``,
+``sum``, ``fixed`` and ``random`` need no loss value either (``reads_losses = False``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods import Method, _check, _one_per_task, _per_task
+from gradmod.hooks.per_loss.methods import LossWeighting, _check, _one_per_task, _per_task
+
+
+class Mean(LossWeighting):
+    """``1/k`` per task. Weights that need no task gradient: the stage runs it as a loss
+    weighting (one ordinary backward); ``weights`` gives the same from a Gramian."""
+
+    reads_losses = False
+    name = "mean"
+
+    def weights(self, G, gen):
+        return torch.full((len(G),), 1.0 / len(G), dtype=G.dtype)
+
+    def loss_weights(self, losses, gen):
+        return [1.0 / len(losses)] * len(losses)
+
+
+class Sum(LossWeighting):
+    """``1`` per task: the plain sum (``+hooks=mtl_sum``), one ordinary backward."""
+
+    reads_losses = False
+    name = "sum"
+
+    def weights(self, G, gen):
+        return torch.ones(len(G), dtype=G.dtype)
+
+    def loss_weights(self, losses, gen):
+        return [1.0] * len(losses)
+
+
+class Fixed(LossWeighting):
+    """Given weights: ``weights`` maps each task's name to its weight, or lists them in the
+    losses' order; a loss weighting (one ordinary backward of ``sum_i w_i L_i``)."""
+
+    reads_losses = False
+    name = "fixed"
+
+    def __init__(self, weights: Mapping[str, float] | Sequence[float]):
+        what = "per_loss method 'fixed': weights"
+        if isinstance(weights, Mapping):
+            items = [(str(n), v) for n, v in weights.items()]
+        elif isinstance(weights, Sequence) and not isinstance(weights, str):
+            items = [(str(i), v) for i, v in enumerate(weights)]
+        else:
+            raise ValueError(
+                f"{what}={weights!r}; give a mapping of task name to weight, or a list in the losses' order"
+            )
+        if not items:
+            raise ValueError(f"{what} is empty; give one weight per task")
+        checked = {n: _check("fixed", f"weights[{n}]", v, -math.inf) for n, v in items}
+        self.by_name: dict[str, float] | None = checked if isinstance(weights, Mapping) else None
+        self.listed = list(checked.values())
+        self._names: list[str] | None = None
+
+    def set_tasks(self, names: list[str]) -> None:
+        if self.by_name is None:
+            self._count(len(names))
+        else:
+            missing = [n for n in names if n not in self.by_name]
+            unknown = [n for n in self.by_name if n not in names] if self._names is None else []
+            if missing or unknown:
+                raise ValueError(
+                    f"per_loss method 'fixed': weights name {', '.join(self.by_name)}, the losses are "
+                    f"{', '.join(names)}; give one weight per loss, by its name"
+                )
+        self._names = list(names)
+
+    def loss_weights(self, losses, gen):
+        if self.by_name is not None and self._names is not None:
+            return [self.by_name[n] for n in self._names]
+        self._count(len(losses))
+        return self.listed
+
+    def _count(self, k: int) -> None:
+        if len(self.listed) != k:
+            raise ValueError(
+                f"per_loss method 'fixed': {len(self.listed)} weights for {k} losses; give one per loss "
+                "(in the losses' order), or a mapping of task name to weight"
+            )
+
+
+class Random(LossWeighting):
+    """Positive random weights: a softmax of standard normal draws (RLW); a loss weighting."""
+
+    reads_losses = False
+    name = "random"
+
+    def weights(self, G, gen):
+        return torch.softmax(torch.randn(len(G), generator=gen, dtype=G.dtype), 0)
+
+    def loss_weights(self, losses, gen):
+        return torch.softmax(torch.randn(len(losses), generator=gen, dtype=losses.dtype), 0)
 
 
 class HostAdam:
@@ -62,14 +155,6 @@ class HostAdam:
         self.steps = int(float(mine["step"]))
         self.exp_avg = [float(v) for v in mine["exp_avg"].tolist()]
         self.exp_avg_sq = [float(v) for v in mine["exp_avg_sq"].tolist()]
-
-
-class LossWeighting(Method):
-    kind = "losses"
-
-    def loss_weights(self, losses: Tensor, gen: torch.Generator) -> Tensor | list[float]:
-        """The k weights (a tensor, or host floats: a torch op costs more than k floats)."""
-        raise NotImplementedError
 
 
 class GeometricMean(LossWeighting):
