@@ -35,8 +35,6 @@ from gradmod.hooks import rules as selection
 from gradmod.hooks import stages
 from gradmod.hooks.after_backward_due import AfterBackwardDue
 from gradmod.hooks.losses import named, total
-from gradmod.hooks.per_sample.stage import PerSampleStage  # set_per_sample, deprecated
-from gradmod.hooks.registry import warn_moved
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
 from gradmod.hooks.schedules import Length
 from gradmod.hooks.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
@@ -101,26 +99,6 @@ class HookSet:
     def stage(self, name: str) -> Stage | None:
         """The stage called ``name`` when some rule runs at it, else None."""
         return next((s for s in self.stages if s.name == name), None)
-
-    def __getattr__(self, name: str) -> Any:
-        """Each stage by its name too (``hooks.per_loss.generator``); None where no rule runs at it."""
-        if name in stages.names():
-            return self.stage(name)
-        raise AttributeError(f"'HookSet' object has no attribute {name!r}")
-
-    def set_per_sample(
-        self,
-        *,
-        expected_batch_size: float | None = None,
-        reduce: Callable[[list[Tensor]], None] | None = None,
-        draws_noise: bool = True,
-    ) -> None:
-        """Deprecated: ``set_up(Loop(...))`` (``gradmod.hooks.stage.Loop``)."""
-        warn_moved("HookSet.set_per_sample", "HookSet.set_up(gradmod.hooks.stage.Loop(...))")
-        private: Any = self.stage(PerSampleStage.name)
-        if private is None:
-            raise ValueError("set_per_sample: no rule runs at stage per_sample")
-        private.expected_batch_size, private.reduce, private.draws_noise = expected_batch_size, reduce, draws_noise
 
     @property
     def needs_after_backward(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,12 +31,6 @@ from gradmod.hooks.per_loss import solvers
 from gradmod.hooks.validators import in_range
 
 KINDS = ("gramian", "jacobian", "losses")
-
-
-def register(name: str, factory: Callable[..., Method] | None = None, *, overwrite: bool = False):
-    """Deprecated: ``gradmod.register(name, factory, kind="per_loss")``."""
-    R.warn_moved("gradmod.hooks.per_loss.register")
-    return R.register(name, factory, kind="per_loss", overwrite=overwrite)
 
 
 NEEDS = {"gramian": "weights", "jacobian": "aggregate", "losses": "loss_weights"}  # kind -> what it defines
@@ -60,11 +54,6 @@ def check_method(name: str, made: Any) -> None:
     bases = ("Method", "LossWeighting")  # the base classes' stubs, which only raise
     if impl is None or getattr(impl, "__qualname__", "").split(".")[0] in bases:
         raise TypeError(f"{what}: a method of kind {cls.kind!r} defines {need}, and {cls.__name__} does not")
-
-
-def _check_factory(name: str, factory: Any) -> None:
-    if isinstance(factory, type):
-        check_method(name, factory)
 
 
 def names() -> list[str]:
@@ -445,6 +434,3 @@ class GradDrop(Method):
             keep = (P > U) * (S[i] > 0) + (P < U) * (S[i] < 0)
             out += (leak[i] + (1 - leak[i]) * keep) * J[i]
         return out
-
-
-R.FACTORY_CHECKS["per_loss"] = _check_factory  # a per_loss factory of one's own is checked when registered
