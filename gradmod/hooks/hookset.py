@@ -102,8 +102,9 @@ class HookSet:
 
     @property
     def needs_after_backward(self) -> bool:
-        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample),
-        or changes over training (its clock advances there)."""
+        """Some rule runs at a stage that ``after_backward()`` finishes (per_sample,
+        sharpness, fused: ``Stage.needs_after_backward``), or changes over training (its
+        clock advances there)."""
         return bool(self.timed) or any(s.needs_after_backward for s in self.stages)
 
     def backward(

@@ -277,7 +277,12 @@ def _shown(value: Any) -> str:
 def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTransform:
     """Build a transform from its config entry (in its form at ``stage`` if it has one
     there); bad names or arguments are a ValueError."""
-    name, args = parse_spec(spec)
+    return build_parsed(*parse_spec(spec), stage)
+
+
+def build_parsed(name: str, args: Mapping[str, Any], stage: str | None = None) -> BuiltTransform:
+    """``build`` of an entry already read (``parse_spec``): transform ``name`` with ``args``."""
+    args = dict(args)
     e = entry(name)
     at = stage if stage in e.forms else None
     make = e.factory if at is None else e.at_stage[at]
