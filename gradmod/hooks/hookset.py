@@ -257,14 +257,20 @@ class HookSet:
     @property
     def replaced(self) -> set[str]:
         """Parameters whose chain replaced the gradient since the last take."""
-        return self._core.ledger.replaced
+        return {name for stage in self.stages for name in stage.replaced()}
 
     def take_raw_parts(self) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[str]]:
         """What the hooks kept since the last call, and a fresh start: (tensor name, raw
         gradient to count) for chains that replaced a parameter's gradient, (module
         output, count) already counted, and the parameters whose raw gradient is not in
         their ``.grad``. ``NonFiniteGuard`` counts the tensors together with the rest."""
-        return self._core.ledger.take()
+        raw: list[tuple[str, Tensor]] = []
+        counted: list[tuple[str, Tensor]] = []
+        replaced: set[str] = set()
+        for stage in self.stages:
+            r, c, n = stage.take_raw_parts()
+            raw, counted, replaced = raw + r, counted + c, replaced | n
+        return raw, counted, replaced
 
     def __len__(self) -> int:
         """The tensors this set transforms (0 once removed): any rule makes it true."""
@@ -276,8 +282,6 @@ class HookSet:
         for stage in self.stages:
             stage.remove()
         self._keys = set()
-        self._core.ledger.take()
-        self._core.backward_end.clear()
         for obj in self._owned:  # free the tensors for another attach call
             if _OWNERS.get(obj) is self:
                 del _OWNERS[obj]
