@@ -35,7 +35,8 @@ HYDRA_FLOORS = {"app"}  # the one floor (besides ./train.py) that imports hydra 
 
 def _imports(path: Path) -> set[str]:
     """Every module a file imports: ``from pkg import mod`` names both ``pkg`` and ``pkg.mod``
-    (the graph below keeps the names that are modules)."""
+    (the graph below keeps the names that are modules); ``importlib.import_module("pkg.mod")``
+    with a constant name is an import too."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -43,7 +44,18 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{a.name}" for a in node.names)
+        elif _imported_by_name(node):
+            names.add(node.args[0].value)
     return names
+
+
+def _imported_by_name(node: ast.AST) -> bool:
+    """``importlib.import_module("...")`` or ``import_module("...")`` with a constant string."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    return name == "import_module" and isinstance(node.args[0].value, str)
 
 
 @pytest.mark.parametrize("floor", sorted(MAY_IMPORT))
@@ -68,21 +80,19 @@ def test_beside_modules_import_no_floor_above_them():
         assert not any(i.startswith(floors) for i in imported), name
 
 
-def test_no_module_imports_itself_back():
-    """No circle: following gradmod imports (module level and inside functions) never returns to the start."""
+def _circles(root: Path, package: Path) -> list[str]:
+    """The modules of ``package`` on an import circle: following its imports (module level,
+    inside functions, and by constant name) returns to the start."""
     graph = {}
-    for path in PKG.rglob("*.py"):
-        mod = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        graph[mod] = {i for i in _imports(path) if i.startswith("gradmod.") and i != mod}
+    for path in package.rglob("*.py"):
+        mod = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        graph[mod] = {i for i in _imports(path) if i.startswith(f"{package.name}.") and i != mod}
     known = set(graph)
-
-    def resolve(name):  # "from gradmod.hooks import transforms": the module gradmod.hooks.transforms is the edge
-        return name if name in known else None
 
     def reach(start):
         seen, todo = set(), [start]
-        while todo:
-            for nxt in filter(None, map(resolve, graph.get(todo.pop(), ()))):
+        while todo:  # "from pkg.hooks import transforms": the module pkg.hooks.transforms is the edge
+            for nxt in (n for n in graph.get(todo.pop(), ()) if n in known):
                 if nxt == start:
                     return True
                 if nxt not in seen and not (start.startswith(nxt + ".") or nxt.startswith(start + ".")):
@@ -90,7 +100,7 @@ def test_no_module_imports_itself_back():
                     todo.append(nxt)
         return False
 
-    circles = sorted(
+    return sorted(
         m
         for m in graph
         if "." in m
@@ -98,7 +108,27 @@ def test_no_module_imports_itself_back():
         and reach(m)
         and graph[m] - {p for p in known if m.startswith(p + ".")}
     )
+
+
+def test_no_module_imports_itself_back():
+    """No circle: following gradmod imports never returns to the start."""
+    circles = _circles(ROOT, PKG)
     assert not circles, f"modules on an import circle: {circles}"
+
+
+def test_a_circle_through_an_import_by_name_is_seen(tmp_path):
+    """A table loaded by ``importlib.import_module`` that imports its loader back is a circle."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "registry.py").write_text(
+        "import importlib\n\ndef entries():\n    return importlib.import_module('pkg.catalog').TABLE\n"
+    )
+    (pkg / "catalog.py").write_text("from pkg.registry import entries\n\nTABLE = {}\n")
+    (pkg / "plain.py").write_text("import importlib\n\nNAME = 'pkg.catalog'\nimportlib.import_module(NAME)\n")
+    assert _circles(tmp_path, pkg) == ["pkg.catalog", "pkg.registry"]
+    (pkg / "catalog.py").write_text("TABLE = {'clamp': 'pkg.plain:clamp'}\n")  # a plain table: no circle
+    assert _circles(tmp_path, pkg) == []
 
 
 def test_names_are_not_repeated_across_floors():

@@ -18,10 +18,8 @@ _HOMES = {
     "GradStats": "gradmod.hooks.stats",
     "Stage": "gradmod.hooks.stage",
 }
-# Names that moved: served one more release, with a DeprecationWarning (gradmod.register).
-_MOVED = {"register": ("gradmod.hooks.registry", "register_old_door")}
 _MODULES = ("registry", "stages", "transforms")
-__all__ = sorted([*_HOMES, *_MODULES, *_MOVED])
+__all__ = sorted([*_HOMES, *_MODULES])
 
 
 def __getattr__(name: str) -> Any:
@@ -29,9 +27,6 @@ def __getattr__(name: str) -> Any:
         value = importlib.import_module(f"gradmod.hooks.{name}")
     elif name in _HOMES:
         value = getattr(importlib.import_module(_HOMES[name]), name)
-    elif name in _MOVED:
-        module, attr = _MOVED[name]
-        value = getattr(importlib.import_module(module), attr)
     else:
         raise AttributeError(f"module 'gradmod.hooks' has no attribute {name!r}")
     globals()[name] = value  # later lookups skip this function

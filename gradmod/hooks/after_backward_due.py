@@ -1,7 +1,7 @@
 """A missing ``hooks.after_backward()``, caught in one line.
 
 Rules at a stage that ``after_backward()`` finishes (``Stage.needs_after_backward``:
-fused, per_sample, per_loss) leave work due after each backward that reaches them. While
+per_sample, sharpness, fused) leave work due after each backward that reaches them. While
 it is due, ``optimizer.step()`` of any ``torch.optim.Optimizer`` holding one of their
 parameters, or a forward of the hooked model once the parameters changed (a step taken
 without an optimizer), means the loop forgot the call: refused, naming it. A forward with

@@ -1,65 +1,75 @@
-"""The shipped transforms, registered in one place (in the order ``accepted_at`` lists them).
+"""The shipped transforms, as a table (in the order ``accepted_at`` lists them).
 
-The modules that define them register nothing when imported; the registry loads this
-module on its first read (``registry.entries``), so every shipped name is there whoever
-asks first, and a user's ``gradmod.register`` meets them (a clash is refused, not lost).
+Each row is ``(name, kind, "module:factory", forms)``, ``forms`` holding what else the entry
+has: ``foreach`` (an element-wise transform's in-place form over a list of ``.grad``),
+``observer``, ``at_stage`` (stage -> its form there). The table imports nothing: the
+registry reads it on its first read (``registry.entries``) and imports a factory's module
+when its entry is first used, so every shipped name is there whoever asks first, a user's
+``gradmod.register`` meets them (a clash is refused, not lost), and no module is loaded
+for a transform no rule names.
 """
 
-from __future__ import annotations
+_T = "gradmod.hooks.transforms"
+_METHODS = "gradmod.hooks.per_loss.methods"
+_WEIGHTINGS = "gradmod.hooks.per_loss.weightings"
+_GRAMIAN = "gradmod.hooks.per_loss.gramian_weightings"
+_GROUP = "gradmod.hooks.fused.group"
+_HISTORY = "gradmod.hooks.fused.norm_history"
+_PER_SAMPLE = "gradmod.hooks.per_sample.stats"
+_SHARPNESS = "gradmod.hooks.sharpness.perturb"
 
-import torch
+# kind -> the base class whose subclasses are of that kind: one's own subclass needs no ``kind=``.
+KIND_BASES = {"group": f"{_GROUP}:GroupTransform", "per_loss": f"{_METHODS}:Method"}
+# kind -> the check a class factory of that kind passes when registered.
+KIND_CHECKS = {"per_loss": f"{_METHODS}:check_method"}
 
-from gradmod.hooks import transforms as T
-from gradmod.hooks.fused.group import AGC, Freeze, GlobalNormClip, GroupTransform
-from gradmod.hooks.fused.norm_history import AutoClip, ZClip
-from gradmod.hooks.per_loss import gramian_weightings as G
-from gradmod.hooks.per_loss import methods as M
-from gradmod.hooks.per_loss import weightings as W
-from gradmod.hooks.per_loss.graddrop import GradDrop
-from gradmod.hooks.per_loss.nash_mtl import NashMTL
-from gradmod.hooks.per_sample.stats import PerSampleClip, per_sample_log
-from gradmod.hooks.registry import FACTORY_BASES, add_stage_form, register
-from gradmod.hooks.sharpness.perturb import Asam, Sam
-from gradmod.hooks.stats import log
-from gradmod.hooks.validators import number
-
-# The kinds whose factories are classes of a base: one's own subclass needs no ``kind=``.
-FACTORY_BASES.update(group=GroupTransform, per_loss=M.Method)
-
-# Element-wise: grad -> Tensor | None, with an in-place form over a list of .grad where one pays.
-register("clamp", T.clamp, foreach=T.clamp_foreach)
-register("zero", T.zero, foreach=lambda: torch._foreach_zero_)
-register("min_zero", T.min_zero, foreach=lambda: lambda grads: torch._foreach_clamp_min_(grads, 0.0))
-register(
-    "scale", T.scale, foreach=lambda factor: lambda grads: torch._foreach_mul_(grads, number("scale", "factor", factor))
+SHIPPED = (
+    # Element-wise: grad -> Tensor | None, with an in-place form over a list of .grad where one pays.
+    ("clamp", "elementwise", f"{_T}:clamp", {"foreach": f"{_T}:clamp_foreach"}),
+    ("zero", "elementwise", f"{_T}:zero", {"foreach": f"{_T}:zero_foreach"}),
+    ("min_zero", "elementwise", f"{_T}:min_zero", {"foreach": f"{_T}:min_zero_foreach"}),
+    ("scale", "elementwise", f"{_T}:scale", {"foreach": f"{_T}:scale_foreach"}),
+    ("sign", "elementwise", f"{_T}:sign", {"foreach": f"{_T}:sign_foreach"}),
+    ("centralize", "elementwise", f"{_T}:centralize", {}),
+    ("norm_clip", "elementwise", f"{_T}:norm_clip", {}),
+    ("noise", "elementwise", f"{_T}:noise", {}),
+    # ``log`` keeps statistics; at the per_sample stage, per-example ones.
+    (
+        "log",
+        "elementwise",
+        "gradmod.hooks.stats:log",
+        {"observer": True, "at_stage": {"per_sample": f"{_PER_SAMPLE}:per_sample_log"}},
+    ),
+    # Per example (the per_sample stage).
+    ("per_sample_clip", "per_sample", f"{_PER_SAMPLE}:PerSampleClip", {}),
+    # Per loss: the methods that turn k task gradients (or k losses) into one update. Weights
+    # that need no task gradient run as loss weightings (mean, sum, fixed, random).
+    ("mean", "per_loss", f"{_WEIGHTINGS}:Mean", {}),
+    ("sum", "per_loss", f"{_WEIGHTINGS}:Sum", {}),
+    ("fixed", "per_loss", f"{_WEIGHTINGS}:Fixed", {}),
+    ("random", "per_loss", f"{_WEIGHTINGS}:Random", {}),
+    ("pcgrad", "per_loss", f"{_GRAMIAN}:PCGrad", {}),
+    ("mgda", "per_loss", f"{_GRAMIAN}:MGDA", {}),
+    ("imtl_g", "per_loss", f"{_GRAMIAN}:IMTLG", {}),
+    ("aligned_mtl", "per_loss", f"{_GRAMIAN}:AlignedMTL", {}),
+    ("upgrad", "per_loss", f"{_GRAMIAN}:UPGrad", {}),
+    ("dualproj", "per_loss", f"{_GRAMIAN}:DualProj", {}),
+    ("cagrad", "per_loss", f"{_GRAMIAN}:CAGrad", {}),
+    ("gradvac", "per_loss", f"{_GRAMIAN}:GradVac", {}),
+    ("nash_mtl", "per_loss", "gradmod.hooks.per_loss.nash_mtl:NashMTL", {}),
+    ("graddrop", "per_loss", "gradmod.hooks.per_loss.graddrop:GradDrop", {}),
+    # Loss weightings: from the loss values alone.
+    ("geometric_mean", "per_loss", f"{_WEIGHTINGS}:GeometricMean", {}),
+    ("uw", "per_loss", f"{_WEIGHTINGS}:UW", {}),
+    ("famo", "per_loss", f"{_WEIGHTINGS}:FAMO", {}),
+    ("dwa", "per_loss", f"{_WEIGHTINGS}:DWA", {}),
+    # Group: all of a rule's accumulated .grad at once (the fused stage).
+    ("global_norm_clip", "group", f"{_GROUP}:GlobalNormClip", {}),
+    ("agc", "group", f"{_GROUP}:AGC", {}),
+    ("zclip", "group", f"{_HISTORY}:ZClip", {}),
+    ("autoclip", "group", f"{_HISTORY}:AutoClip", {}),
+    ("freeze", "group", f"{_GROUP}:Freeze", {}),
+    # Sharpness: how a rule's parameters move before the second forward and backward.
+    ("sam", "sharpness", f"{_SHARPNESS}:Sam", {}),
+    ("asam", "sharpness", f"{_SHARPNESS}:Asam", {}),
 )
-register("sign", T.sign, foreach=lambda: torch._foreach_sign_)
-register("centralize", T.centralize)
-register("norm_clip", T.norm_clip)
-register("noise", T.noise)
-register("log", log, observer=True)
-
-# Per example (the per_sample stage); ``log`` there keeps per-example statistics.
-register("per_sample_clip", PerSampleClip, kind="per_sample")
-add_stage_form("log", "per_sample", per_sample_log)
-
-# Per loss: the methods that turn k task gradients (or k losses) into one update.
-PER_LOSS = (
-    *(W.Mean, W.Sum, W.Fixed, W.Random),  # weights that need no task gradient: run as loss weightings
-    *(G.PCGrad, G.MGDA, G.IMTLG, G.AlignedMTL, G.UPGrad, G.DualProj, G.CAGrad, G.GradVac),
-    *(NashMTL, GradDrop),
-    *(W.GeometricMean, W.UW, W.FAMO, W.DWA),  # loss weightings: from the loss values alone
-)
-for _method in PER_LOSS:
-    register(_method.name, _method, kind="per_loss")
-
-# Group: all of a rule's accumulated .grad at once (the fused stage).
-register("global_norm_clip", GlobalNormClip, kind="group")
-register("agc", AGC, kind="group")
-register("zclip", ZClip, kind="group")
-register("autoclip", AutoClip, kind="group")
-register("freeze", Freeze, kind="group")
-
-# Sharpness: how a rule's parameters move before the second forward and backward.
-register("sam", Sam, kind="sharpness")
-register("asam", Asam, kind="sharpness")

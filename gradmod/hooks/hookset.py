@@ -35,8 +35,6 @@ from gradmod.hooks import rules as selection
 from gradmod.hooks import stages
 from gradmod.hooks.after_backward_due import AfterBackwardDue
 from gradmod.hooks.losses import named, total
-from gradmod.hooks.per_sample.stage import PerSampleStage  # set_per_sample, deprecated
-from gradmod.hooks.registry import warn_moved
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
 from gradmod.hooks.schedules import Length
 from gradmod.hooks.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
@@ -102,30 +100,11 @@ class HookSet:
         """The stage called ``name`` when some rule runs at it, else None."""
         return next((s for s in self.stages if s.name == name), None)
 
-    def __getattr__(self, name: str) -> Any:
-        """Each stage by its name too (``hooks.per_loss.generator``); None where no rule runs at it."""
-        if name in stages.names():
-            return self.stage(name)
-        raise AttributeError(f"'HookSet' object has no attribute {name!r}")
-
-    def set_per_sample(
-        self,
-        *,
-        expected_batch_size: float | None = None,
-        reduce: Callable[[list[Tensor]], None] | None = None,
-        draws_noise: bool = True,
-    ) -> None:
-        """Deprecated: ``set_up(Loop(...))`` (``gradmod.hooks.stage.Loop``)."""
-        warn_moved("HookSet.set_per_sample", "HookSet.set_up(gradmod.hooks.stage.Loop(...))")
-        private: Any = self.stage(PerSampleStage.name)
-        if private is None:
-            raise ValueError("set_per_sample: no rule runs at stage per_sample")
-        private.expected_batch_size, private.reduce, private.draws_noise = expected_batch_size, reduce, draws_noise
-
     @property
     def needs_after_backward(self) -> bool:
-        """Some rule runs at a stage that ``after_backward()`` finishes (fused, per_sample),
-        or changes over training (its clock advances there)."""
+        """Some rule runs at a stage that ``after_backward()`` finishes (per_sample,
+        sharpness, fused: ``Stage.needs_after_backward``), or changes over training (its
+        clock advances there)."""
         return bool(self.timed) or any(s.needs_after_backward for s in self.stages)
 
     @property
@@ -284,14 +263,20 @@ class HookSet:
     @property
     def replaced(self) -> set[str]:
         """Parameters whose chain replaced the gradient since the last take."""
-        return self._core.ledger.replaced
+        return {name for stage in self.stages for name in stage.replaced()}
 
     def take_raw_parts(self) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[str]]:
         """What the hooks kept since the last call, and a fresh start: (tensor name, raw
         gradient to count) for chains that replaced a parameter's gradient, (module
         output, count) already counted, and the parameters whose raw gradient is not in
         their ``.grad``. ``NonFiniteGuard`` counts the tensors together with the rest."""
-        return self._core.ledger.take()
+        raw: list[tuple[str, Tensor]] = []
+        counted: list[tuple[str, Tensor]] = []
+        replaced: set[str] = set()
+        for stage in self.stages:
+            r, c, n = stage.take_raw_parts()
+            raw, counted, replaced = raw + r, counted + c, replaced | n
+        return raw, counted, replaced
 
     def __len__(self) -> int:
         """The tensors this set transforms (0 once removed): any rule makes it true."""
@@ -303,8 +288,6 @@ class HookSet:
         for stage in self.stages:
             stage.remove()
         self._keys = set()
-        self._core.ledger.take()
-        self._core.backward_end.clear()
         for obj in self._owned:  # free the tensors for another attach call
             if _OWNERS.get(obj) is self:
                 del _OWNERS[obj]

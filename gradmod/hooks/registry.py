@@ -9,7 +9,7 @@ builds and so at which stage it may run (``gradmod.hooks.stages``):
   optional ``foreach`` factory builds an in-place form over a list of ``.grad`` tensors,
   used by the fused stage (without one it calls the function per tensor).
 * ``group``: one object per rule acting on all its gradients together, a subclass of
-  ``gradmod.hooks.group.GroupTransform`` (``apply_(params, grads)`` in place); implies
+  ``gradmod.GroupTransform`` (``apply_(params, grads)`` in place); implies
   stage ``fused``.
 * ``per_sample``: read by the per_sample stage on each example's gradient (as
   ``per_sample_clip``); implies stage ``per_sample``.
@@ -20,20 +20,20 @@ builds and so at which stage it may run (``gradmod.hooks.stages``):
 An entry may also have a form at another stage (``add_stage_form``): ``log`` is
 element-wise, and at the per_sample stage keeps per-example statistics instead.
 
-The shipped transforms are registered by ``gradmod.hooks.catalog``, which the first read of
-the table loads (``entries``); one's own go through ``gradmod.register``.
+The shipped transforms are the rows of ``gradmod.hooks.catalog``, which the first read of the
+table takes in (``entries``), each factory imported when its entry is first used; one's own go
+through ``gradmod.register``.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import warnings
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping
 
-from gradmod.hooks import stages
+from gradmod.hooks import catalog, stages
 from gradmod.hooks.rule_spec import parse_spec
 from gradmod.hooks.schedules import with_values
 
@@ -42,17 +42,40 @@ KINDS = ("elementwise", "group", "per_sample", "per_loss", "sharpness")
 # How a transform of one's own gets a name (train.py imports the modules named in plugins).
 OWN_TRANSFORMS = "a transform of your own is registered with gradmod.register, in a module given as plugins=[my_pkg.x]"
 
+Made = Callable[..., Any]
+
+
+def _resolve(where: Made | str) -> Made:
+    """A factory, or where one lives (``"module:attribute"``, the catalog's form): the factory."""
+    if not isinstance(where, str):
+        return where
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
 
 @dataclass(frozen=True)
 class Entry:
-    """A registered transform: what builds it and what kind it is."""
+    """A registered transform: what builds it and what kind it is. A shipped entry names its
+    factories by where they live; each is imported when first asked for."""
 
     name: str
-    factory: Callable[..., Any]
+    make: Made | str
     kind: str = "elementwise"
-    foreach: Callable[..., Any] | None = None  # elementwise: in-place form over a list of gradients
+    make_foreach: Made | str | None = None  # elementwise: in-place form over a list of gradients
     observer: bool = False  # keeps statistics and returns None (``log``: a GradStats accumulator)
-    at_stage: Mapping[str, Callable[..., Any]] = field(default_factory=dict)  # stage -> factory there
+    forms: Mapping[str, Made | str] = field(default_factory=dict)  # stage -> factory there
+
+    @cached_property
+    def factory(self) -> Made:
+        return _resolve(self.make)
+
+    @cached_property
+    def foreach(self) -> Made | None:
+        return None if self.make_foreach is None else _resolve(self.make_foreach)
+
+    @cached_property
+    def at_stage(self) -> Mapping[str, Made]:
+        return {stage: _resolve(form) for stage, form in self.forms.items()}
 
     @property
     def stage(self) -> str | None:
@@ -62,28 +85,24 @@ class Entry:
 
 
 _ENTRIES: dict[str, Entry] = {}
-_catalog_loaded = False
+_shipped_read = False
 
 
 def entries() -> dict[str, Entry]:
-    """The table, the shipped transforms in it: the first read loads ``gradmod.hooks.catalog``
-    (by name: the catalog imports this module to register, so this one cannot import it)."""
-    global _catalog_loaded
-    if not _catalog_loaded:
-        _catalog_loaded = True
-        try:
-            importlib.import_module("gradmod.hooks.catalog")
-        except BaseException:
-            _catalog_loaded = False
-            raise
+    """The table, the shipped transforms in it (``gradmod.hooks.catalog``, read on the first call)."""
+    global _shipped_read
+    if not _shipped_read:
+        _shipped_read = True
+        for name, kind, make, forms in catalog.SHIPPED:
+            _ENTRIES[name] = Entry(
+                name, make, kind, forms.get("foreach"), forms.get("observer", False), forms.get("at_stage", {})
+            )
     return _ENTRIES
 
 
-# kind -> check(name, factory) of the factories of that kind, set by the module that defines
-# the kind's base class (a per_loss factory must build a per_loss Method): refused at register.
-FACTORY_CHECKS: dict[str, Callable[[str, Any], None]] = {}
-# kind -> the base class whose subclasses are of that kind, set by the catalog.
-FACTORY_BASES: dict[str, type] = {}
+def kind_bases() -> dict[str, type]:
+    """kind -> the base class whose subclasses are of that kind (``catalog.KIND_BASES``)."""
+    return {kind: _resolve(where) for kind, where in catalog.KIND_BASES.items()}
 
 
 def _check(name: str, factory: Any, kind: str | None, foreach: Any, observer: bool) -> None:
@@ -136,10 +155,10 @@ def register(
             raise TypeError(f"register({name!r}): factory must be callable, got {type(f).__name__}")
         if name in entries() and not overwrite:
             raise ValueError(f"transform {name!r} is already registered; pass overwrite=True to replace it")
-        k = _kind_of(name, f, kind)  # after entries(): the catalog's import sets the bases and checks
+        k = _kind_of(name, f, kind)
         _check_kind(name, k, foreach, observer)
-        if k in FACTORY_CHECKS:
-            FACTORY_CHECKS[k](name, f)
+        if isinstance(f, type) and k in catalog.KIND_CHECKS:  # a per_loss class defines what its kind needs
+            _resolve(catalog.KIND_CHECKS[k])(name, f)
         _ENTRIES[name] = Entry(name, f, k, foreach, observer)
         return f
 
@@ -147,9 +166,11 @@ def register(
 
 
 def _kind_of(name: str, factory: Any, kind: str | None) -> str:
-    """The kind a class factory's base class implies (``FACTORY_BASES``), which a given
+    """The kind a class factory's base class implies (``kind_bases``), which a given
     ``kind`` must match; elementwise for a function left without one."""
-    implied = [(k, b) for k, b in FACTORY_BASES.items() if isinstance(factory, type) and issubclass(factory, b)]
+    if not isinstance(factory, type):
+        return kind or "elementwise"
+    implied = [(k, b) for k, b in kind_bases().items() if issubclass(factory, b)]
     if not implied:
         return kind or "elementwise"
     k, base = implied[0]
@@ -165,30 +186,13 @@ def add_stage_form(name: str, stage: str, factory: Callable[..., Any]) -> None:
     """The form the registered transform ``name`` takes at ``stage`` (a stage its kind does
     not run at), e.g. ``log`` at the per_sample stage."""
     if name not in entries():
-        raise ValueError(f"register_at_stage: transform {name!r} is not registered; register it first")
+        raise ValueError(f"add_stage_form: transform {name!r} is not registered; register it first")
     if stage not in stages.names(available_only=False):
-        raise ValueError(f"register_at_stage({name!r}): stage {stage!r}; allowed: {', '.join(stages.names())}")
+        raise ValueError(f"add_stage_form({name!r}): stage {stage!r}; allowed: {', '.join(stages.names())}")
     if not callable(factory):
-        raise TypeError(f"register_at_stage({name!r}): factory must be callable, got {type(factory).__name__}")
+        raise TypeError(f"add_stage_form({name!r}): factory must be callable, got {type(factory).__name__}")
     e = _ENTRIES[name]
-    _ENTRIES[name] = replace(e, at_stage={**e.at_stage, stage: factory})
-
-
-def warn_moved(old: str, new: str = "gradmod.register(name, factory, kind=...)") -> None:
-    """One release of grace for a door that moved: a DeprecationWarning naming the new one."""
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning, 3)
-
-
-def register_old_door(*args: Any, **kwargs: Any):
-    """Deprecated ``gradmod.hooks.register``: ``gradmod.register``."""
-    warn_moved("gradmod.hooks.register")
-    return register(*args, **kwargs)
-
-
-def register_at_stage(name: str, stage: str, factory: Callable[..., Any]) -> None:
-    """Deprecated: ``add_stage_form``."""
-    warn_moved("gradmod.hooks.registry.register_at_stage", "add_stage_form")
-    add_stage_form(name, stage, factory)
+    _ENTRIES[name] = replace(e, forms={**e.forms, stage: factory})
 
 
 def unregister(name: str) -> None:
@@ -216,7 +220,7 @@ def factory(name: str) -> Callable[..., Any]:
 def runs_at(name: str, stage: str) -> bool:
     """Whether transform ``name`` may be in a rule at ``stage`` (its kind, or a form there)."""
     e = entry(name)
-    return e.kind in stages.get(stage).accepts or stage in e.at_stage
+    return e.kind in stages.get(stage).accepts or stage in e.forms
 
 
 def accepted_at(stage: str) -> list[str]:
@@ -273,9 +277,14 @@ def _shown(value: Any) -> str:
 def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTransform:
     """Build a transform from its config entry (in its form at ``stage`` if it has one
     there); bad names or arguments are a ValueError."""
-    name, args = parse_spec(spec)
+    return build_parsed(*parse_spec(spec), stage)
+
+
+def build_parsed(name: str, args: Mapping[str, Any], stage: str | None = None) -> BuiltTransform:
+    """``build`` of an entry already read (``parse_spec``): transform ``name`` with ``args``."""
+    args = dict(args)
     e = entry(name)
-    at = stage if stage in e.at_stage else None
+    at = stage if stage in e.forms else None
     make = e.factory if at is None else e.at_stage[at]
     params = inspect.signature(make).parameters
     unknown = [k for k in args if k not in params]
@@ -287,7 +296,7 @@ def build(spec: str | Mapping[str, Any], stage: str | None = None) -> BuiltTrans
         raise ValueError(f"transform {name!r} needs argument(s) {', '.join(missing)}")
     fn = make(**args)
     if e.kind == "elementwise" and at is None and not callable(fn):
-        kinds = [f"; a {b.__name__} is kind {k!r}" for k, b in FACTORY_BASES.items() if isinstance(fn, b)]
+        kinds = [f"; a {b.__name__} is kind {k!r}" for k, b in kind_bases().items() if isinstance(fn, b)]
         raise ValueError(
             f"transform {name!r}: its factory built a {type(fn).__name__}, where an elementwise transform's "
             f"builds a function grad -> Tensor | None{''.join(kinds)} (gradmod.register(..., kind=...))"

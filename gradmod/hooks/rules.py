@@ -20,7 +20,7 @@ from gradmod.hooks import registry as R
 from gradmod.hooks import stages
 from gradmod.hooks.fused.trainability import switched_off
 from gradmod.hooks.globs import select
-from gradmod.hooks.rule_spec import transform_list
+from gradmod.hooks.rule_spec import parse_spec, transform_list
 from gradmod.hooks.schedules import Active, Length
 from gradmod.hooks.timed import check_range, rule_window, split_schedules
 
@@ -87,7 +87,7 @@ def _kind(name: str) -> str | None:
         return None
 
 
-def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list, default: str) -> str:
+def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, names: list[str], default: str) -> str:
     """The rule's stage: the one a transform's kind implies (a group transform runs fused,
     where all the rule's gradients are there at once), else its own, else the default
     (``modules`` rules: the hook stage)."""
@@ -95,10 +95,6 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, transforms: list,
     rule_stage = asked or default
     if rule_stage not in STAGE_NAMES:
         raise ValueError(f"hooks.{rule}.stage: {rule_stage!r} is not a stage; allowed: {', '.join(NAMED)}")
-    try:
-        names = [R.parse_spec(t)[0] for t in transforms]
-    except ValueError as e:
-        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
     forced = sorted(
         ((stages.implied_by(k), n) for n in names if (k := _kind(n)) and stages.implied_by(k)),
         key=lambda sn: stages.order(sn[0].name),
@@ -173,7 +169,11 @@ def _rule_targets(
     transforms = transform_list(spec.get("transforms"))
     if not transforms:
         raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(R.names())}")
-    stage = _rule_stage(rule, spec, kind, transforms, default_stage)
+    try:  # each transform read once: (name, arguments)
+        parsed = [parse_spec(t) for t in transforms]
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+    stage = _rule_stage(rule, spec, kind, [n for n, _ in parsed], default_stage)
     names = select(
         rule,
         spec,
@@ -187,12 +187,14 @@ def _rule_targets(
         raise ValueError(
             f"hooks.{rule}.active: a window is for rules at stage hook or fused; a {stage} rule acts every step"
         )
-    timed = [split_schedules(t, f"hooks.{rule}.transforms.{i}", length) for i, t in enumerate(transforms)]
+    timed = [(n, *split_schedules(a, f"hooks.{rule}.transforms.{i}", length)) for i, (n, a) in enumerate(parsed)]
     shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
     targets = []
     for name in names:
         try:  # per tensor: observers and stateful transforms keep their own state
-            steps = [shared.get(i) or _build(first, sched, stage, length) for i, (first, sched) in enumerate(timed)]
+            steps = [
+                shared.get(i) or _build(n, first, sched, stage, length) for i, (n, first, sched) in enumerate(timed)
+            ]
         except ValueError as e:
             raise ValueError(f"hooks.{rule}.transforms: {e}") from None
         shared.update((i, st) for i, st in enumerate(steps) if _shared(st))
@@ -226,14 +228,16 @@ def _rows(rule: str, spec: Mapping[str, Any], kind: str, stage: str) -> str | No
     return rows
 
 
-def _build(spec: Any, schedules: dict[str, Any], stage: str, length: Length) -> R.BuiltTransform:
+def _build(
+    name: str, args: Mapping[str, Any], schedules: dict[str, Any], stage: str, length: Length
+) -> R.BuiltTransform:
     """One step, with its schedules (its arguments at their first value)."""
-    step = R.build(spec, stage)
+    step = R.build_parsed(name, args, stage)
     if not schedules:
         return step
     if step.observer:
         raise ValueError(f"{step.name!r} observes: its arguments cannot be scheduled")
-    check_range(spec, schedules, length, stage)
+    check_range(name, args, schedules, length, stage)
     return replace(step, fn=step.fn, schedules=schedules)
 
 
@@ -247,7 +251,7 @@ def _label_observers(steps: list[R.BuiltTransform], stage: str) -> list[R.BuiltT
     for i, label in ((0, "pre"), (len(out) - 1, "post")):
         step = out[i]
         if step.observer and step.fn.label is None:
-            out[i] = R.build({"name": step.name, **step.args, "label": label}, stage)
+            out[i] = R.build_parsed(step.name, {**step.args, "label": label}, stage)
     if out[0].observer and out[-1].observer:
         first, last = out[0].fn, out[-1].fn
         last.pre = first

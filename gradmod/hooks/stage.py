@@ -2,36 +2,36 @@
 
 A stage is one moment of a gradient's life where a rule's transforms act (the table of
 facts: ``gradmod.hooks.stages``). Each lives in its own folder (``hooks/hook/``,
-``hooks/per_loss/``, ``hooks/per_sample/``, ``hooks/fused/``) and reads, in its
-``stage.py``, as its phases:
+``hooks/per_loss/``, ``hooks/per_sample/``, ``hooks/sharpness/``, ``hooks/fused/``) and
+reads, in its ``stage.py``, as its phases:
 
 1. ``check(model, targets)``: refuse in one line what it cannot do, before anything is attached;
 2. ``__init__(model, targets, core)``: attach (hooks on tensors or modules);
 3. ``backward(losses, closure)``: run the backward itself, or leave it to ``HookSet``
    (``forward_passes``: whether the closure's second forward runs this step);
 4. ``finish()``: in ``HookSet.after_backward``, in stage order, before ``optimizer.step()``;
-5. ``records()``, ``state_dict()``, ``load_state_dict()``, ``end_epoch()``, ``remove()``.
+5. ``records()``, ``take_raw_parts()`` (for the non-finite count), ``state_dict()``,
+   ``load_state_dict()``, ``end_epoch()``, ``remove()``.
 
 Under DDP, a loop asks each stage whether DDP's own all-reduce may run during its backward
 (``ddp_may_reduce``), which gradients it then averages over the ranks itself before
 ``after_backward`` (``manual_mean``), whether it divides the step's gradient itself
 (``divides_step``), and hands it the facts only the loop knows (``set_up(Loop)``).
 
-``Core`` is what the stages of one ``HookSet`` share: the raw-gradient ledger, the work
-left for the end of backward, the loss scale of the backward in progress, the optimizer-step clock.
+``Core`` is what the stages of one ``HookSet`` share: the optimizer-step clock, the rules'
+windows, the loss scale of the backward in progress, how the loss treats the examples. What
+one stage keeps (the hook stage's raw-gradient ledger, say) lives in its own room.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
 
 from torch import Tensor, nn
 
 from gradmod.hooks import stages
-from gradmod.hooks.hook.backward_end import BackwardEnd
-from gradmod.hooks.ledger import RawLedger
 from gradmod.hooks.sharded import refuse_sharded
 
 # Sums tensors over the ranks in place, then divides by the number given (1.0: the sum).
@@ -42,10 +42,7 @@ AllReduceSum = Callable[[list[Tensor], float], None]
 class Core:
     """What the stages of one ``HookSet`` share.
 
-    ``ledger``: raw gradients the chains replaced, for the non-finite count;
-    ``backward_end``: what the hook-stage chains leave for the end of backward (deferred
-    chains on ``.grad``, ``log`` observations computed together); ``grad_scale``: GradScaler's
-    scale of the backward in progress (fp16), or None; ``loss_reduction``: how the loss
+    ``grad_scale``: GradScaler's scale of the backward in progress (fp16), or None; ``loss_reduction``: how the loss
     combines the examples (``mean`` or ``sum``); ``step``: optimizer steps finished, one
     more at each ``HookSet.after_backward()`` (the clock a schedule reads); ``windows``: the
     rules with an ``active`` window, ``inactive``: those outside it now (they do nothing);
@@ -53,8 +50,6 @@ class Core:
     1 for a model with ``batch_first = False``)."""
 
     loss_reduction: str = "mean"
-    ledger: RawLedger = field(default_factory=RawLedger)
-    backward_end: BackwardEnd = field(default_factory=BackwardEnd)
     grad_scale: Tensor | None = None
     step: int = 0
     windows: frozenset[str] = frozenset()
@@ -167,6 +162,17 @@ class Stage(abc.ABC):
         for a stage that runs a second one through ``HookSet.backward``'s closure, at moved
         parameters (sharpness). Under DDP only the last may all-reduce."""
         return 1
+
+    def replaced(self) -> set[str]:
+        """Parameters whose raw gradient a transform replaced since the last take (it is
+        not in their ``.grad``: the non-finite count reads it from ``take_raw_parts``)."""
+        return set()
+
+    def take_raw_parts(self) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], set[str]]:
+        """What this stage kept for the non-finite count since the last call, and a fresh
+        start: (parameter, raw gradient to count), (module output, count already taken),
+        the parameters whose raw gradient is not in their ``.grad``."""
+        return [], [], set()
 
     def manual_mean(self) -> list[nn.Parameter]:
         """Under DDP with ``ddp_may_reduce`` False: the parameters whose ``.grad`` the loop

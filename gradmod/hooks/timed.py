@@ -33,24 +33,22 @@ _PLAIN = (int, float, bool, str, type(None))
 
 
 def split_schedules(
-    spec: str | Mapping[str, Any], where: str, length: Length
-) -> tuple[str | Mapping[str, Any], dict[str, Schedule]]:
-    """The transform spec with each scheduled argument (or entry of a mapping or list
+    args: Mapping[str, Any], where: str, length: Length
+) -> tuple[Mapping[str, Any], dict[str, Schedule]]:
+    """A transform's arguments with each scheduled one (or entry of a mapping or list
     argument) at its first value, and the schedules by path (``arg``, ``arg.key``;
     ``where``: ``hooks.RULE.transforms.I``); one line if bad."""
-    if isinstance(spec, str) or not isinstance(spec, Mapping):
-        return spec, {}
-    args = {k: v for k, v in spec.items() if k != "name"}
     schedules = {path: parse_schedule(v, f"{where}.{path}") for path, v in scheduled_paths(args).items()}
     if not schedules:
-        return spec, {}
+        return args, {}
     for k, s in schedules.items():
         s.check(length, f"{where}.{k}")
-    first = with_values(spec, {k: s.value(0, length) for k, s in schedules.items()})
-    return first, schedules
+    return with_values(args, {k: s.value(0, length) for k, s in schedules.items()}), schedules
 
 
-def check_range(spec: Mapping[str, Any], schedules: Mapping[str, Schedule], length: Length, stage: str) -> None:
+def check_range(
+    name: str, args: Mapping[str, Any], schedules: Mapping[str, Schedule], length: Length, stage: str
+) -> None:
     """Build the transform with its values at the end of the run too (and each schedule's
     far end), so that a value its factory refuses (a max_norm ramped to 0) fails at attach."""
     ends: dict[str, float] = {}
@@ -60,7 +58,7 @@ def check_range(spec: Mapping[str, Any], schedules: Mapping[str, Schedule], leng
         elif length.total_steps is not None:
             ends[k] = s.value(length.total_steps, length)
     if ends:
-        R.build(with_values(spec, ends), stage)
+        R.build_parsed(name, with_values(args, ends), stage)
 
 
 def rule_window(rule: str, spec: Mapping[str, Any], length: Length) -> Active | None:

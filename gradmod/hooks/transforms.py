@@ -18,32 +18,17 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from gradmod.hooks import mesh, registry
+from gradmod.hooks import mesh
 from gradmod.hooks.devices import loops_foreach
 from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
 from gradmod.hooks.sharded import is_sharded
 from gradmod.hooks.stat_rows import BIG
 from gradmod.hooks.validators import number, positive
 
-__all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec", "register"]
+__all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec"]
 
 Transform = Callable[[Tensor], "Tensor | None"]
 Foreach = Callable[[list[Tensor]], None]
-
-
-def register(
-    name: str,
-    factory: Callable[..., Transform] | None = None,
-    *,
-    foreach: Callable[..., Foreach] | None = None,
-    group: bool = False,
-    overwrite: bool = False,
-):
-    """Deprecated: ``gradmod.register(name, factory, kind=..., foreach=...)``."""
-    registry.warn_moved("gradmod.hooks.transforms.register")
-    return registry.register(
-        name, factory, kind="group" if group else "elementwise", foreach=foreach, overwrite=overwrite
-    )
 
 
 # --- value transforms ------------------------------------------------------------------
@@ -96,9 +81,17 @@ def zero() -> Transform:
     return torch.zeros_like
 
 
+def zero_foreach() -> Foreach:
+    return torch._foreach_zero_
+
+
 def min_zero() -> Transform:
     """Drop negative elements: clamp(min=0)."""
     return lambda grad: grad.clamp(min=0)
+
+
+def min_zero_foreach() -> Foreach:
+    return lambda grads: torch._foreach_clamp_min_(grads, 0.0)
 
 
 def scale(factor: float) -> Transform:
@@ -107,9 +100,18 @@ def scale(factor: float) -> Transform:
     return lambda grad: grad * f
 
 
+def scale_foreach(factor: float) -> Foreach:
+    f = number("scale", "factor", factor)
+    return lambda grads: torch._foreach_mul_(grads, f)
+
+
 def sign() -> Transform:
     """Keep only the sign of each element (-1, 0, 1)."""
     return torch.sign
+
+
+def sign_foreach() -> Foreach:
+    return torch._foreach_sign_
 
 
 def centralize() -> Transform:

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from gradmod.reporting.observe import GradCamProbe
-from gradmod.run import dp
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.factories import (
     build_optimizer,
@@ -71,7 +70,7 @@ def build_trainer(run: Run) -> Parts:
         run=run.claim.run_id,
         started=run.started,
     )
-    steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, dp.sampling(cfg))
+    steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, run.sampling)
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
     callbacks = [NonFiniteCallback(guard), diverged, schedule]
@@ -82,7 +81,7 @@ def build_trainer(run: Run) -> Parts:
                 cfg.privacy.delta,
                 run.privacy.noise_multiplier,
                 run.privacy.sample_rate,
-                sampling=dp.sampling(cfg),
+                sampling=run.sampling,
                 target_epsilon=cfg.privacy.target_epsilon,
                 clip=run.hooks.stage("per_sample").noisy,
                 noise_at=run.privacy.noise_at if run.privacy.sigmas is not None else None,
@@ -107,7 +106,7 @@ def build_trainer(run: Run) -> Parts:
         log_every=t.log_every,
         progress=t.progress and sys.stderr.isatty(),
         loader_workers=run.loader_workers,
-        sampling=dp.sampling(cfg),
+        sampling=run.sampling,
     )
     if t.precision == "fp16" and torch.device(dist.device).type == "cpu":
         log.warning(

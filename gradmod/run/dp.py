@@ -83,32 +83,39 @@ def _first(sigma: float | Schedule) -> float:
     return sigma.start if isinstance(sigma, Schedule) else sigma
 
 
-def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
-    """The rules at the per_sample stage: set so, or implied by per_sample_clip."""
-    named = {name for name, spec in (rules or {}).items() if (spec or {}).get("stage") == "per_sample"}
-    return sorted(named | {name for name, _ in _clips(rules)})
+@dataclass(frozen=True)
+class Plan:
+    """DP-SGD's reading of the rules, made once per set-up (``plan``) and handed on."""
+
+    clips: tuple[tuple[str, dict[str, Any]], ...]  # (rule, per_sample_clip arguments), each checked
+    private: tuple[str, ...]  # the rules at the per_sample stage: set so, or implied by per_sample_clip
+    noisy: tuple[tuple[str, float | Schedule], ...]  # the rules whose clip adds noise, with that noise
+    target_epsilon: float | None
+    sampling: str  # data.sampling resolved: auto is poisson when a rule adds noise, else shuffle
+
+    @property
+    def adds_noise(self) -> bool:
+        return bool(self.noisy) or self.target_epsilon is not None
 
 
-def _noisy(rules: Mapping[str, Any]) -> list[tuple[str, float | Schedule]]:
-    sigmas = [(name, _sigma(name, args.get("noise_multiplier"))) for name, args in _clips(rules)]
-    return [(name, s) for name, s in sigmas if _first(s) > 0]
+def plan(cfg: Config) -> Plan:
+    """Which rules clip per example and which add noise, read from ``cfg.hooks`` once."""
+    clips = _clips(cfg.hooks)
+    named = {name for name, spec in (cfg.hooks or {}).items() if (spec or {}).get("stage") == "per_sample"}
+    sigmas = [(name, _sigma(name, args.get("noise_multiplier"))) for name, args in clips]
+    noisy = tuple((name, s) for name, s in sigmas if _first(s) > 0)
+    target = cfg.privacy.target_epsilon
+    sampling = cfg.data.sampling
+    if sampling == "auto":
+        sampling = "poisson" if noisy or target is not None else "shuffle"
+    return Plan(tuple(clips), tuple(sorted(named | {name for name, _ in clips})), noisy, target, sampling)
 
 
-def adds_noise(cfg: Config) -> bool:
-    return bool(_noisy(cfg.hooks)) or cfg.privacy.target_epsilon is not None
-
-
-def sampling(cfg: Config) -> str:
-    """``data.sampling`` resolved: ``auto`` is poisson when a rule adds noise, else shuffle."""
-    if cfg.data.sampling != "auto":
-        return cfg.data.sampling
-    return "poisson" if adds_noise(cfg) else "shuffle"
-
-
-def check(cfg: Config) -> None:
-    """The one-line refusals of DP-SGD's combinations, before the run claims its folder."""
-    t, private = cfg.trainer, per_sample_rule_names(cfg.hooks)
-    noisy, target = _noisy(cfg.hooks), cfg.privacy.target_epsilon
+def check(cfg: Config, dp: Plan | None = None) -> Plan:
+    """The one-line refusals of DP-SGD's combinations, before the run claims its folder;
+    the plan they read (``dp``, made here when not given)."""
+    dp = dp or plan(cfg)
+    t, private, target = cfg.trainer, dp.private, dp.target_epsilon
     if private and t.strategy not in PER_SAMPLE_STRATEGIES:
         raise ValueError(
             f"hooks.{private[0]}: the per_sample stage runs under trainer.strategy="
@@ -120,35 +127,83 @@ def check(cfg: Config) -> None:
             "GradScaler does not give; use trainer.precision=fp32 or bf16"
         )
     if target is not None:
-        clips = [name for name, _ in _clips(cfg.hooks)]
+        clips = [name for name, _ in dp.clips]
         if not (math.isfinite(target) and target > 0):
             raise ValueError(f"privacy.target_epsilon={target} must be a finite number > 0, or null")
         if len(clips) != 1:
             found = f"found {', '.join(clips)}" if clips else "found none; add +hooks=dp"
             raise ValueError(f"privacy.target_epsilon needs exactly one rule with {CLIP} to give its noise to; {found}")
-    if noisy or target is not None:
+    if dp.adds_noise:
         make_accountant(cfg.privacy.accountant)  # Opacus missing: one line saying what to install
-    if sampling(cfg) == "poisson" and t.strategy == "ddp" and not private:
+    if dp.sampling == "poisson" and t.strategy == "ddp" and not private:
         raise ValueError(
             "data.sampling=poisson under trainer.strategy=ddp needs a per_sample rule (e.g. +hooks=dp): "
             "DDP's own all-reduce cannot take the empty batches Poisson sampling draws; "
             "use data.sampling=shuffle"
         )
+    return dp
 
 
 def prepare(
-    cfg: Config, train_size: int, world_size: int, resumed: Mapping[str, Any] | None = None
+    cfg: Config,
+    train_size: int,
+    world_size: int,
+    resumed: Mapping[str, Any] | None = None,
+    dp: Plan | None = None,
 ) -> tuple[dict[str, Any], Privacy | None]:
     """The rules to attach (``privacy.target_epsilon``'s noise filled in) and what the
     accountant needs (None when no rule adds noise). ``resumed``: the checkpoint's privacy
     state; a run under the same target keeps the noise its start chose, so that the plan,
-    the log and the summary name the noise the steps get."""
-    if not adds_noise(cfg):
+    the log and the summary name the noise the steps get. ``dp``: ``check``'s plan."""
+    dp = dp or plan(cfg)
+    if not dp.adds_noise:
         return cfg.hooks, None
     t = cfg.trainer
     rate, _ = poisson_steps(train_size, cfg.data.batch_size, world_size, t.accumulate)
-    steps = steps_per_epoch(train_size, cfg.data.batch_size, world_size, t.accumulate, sampling(cfg)) * t.epochs
-    if sampling(cfg) == "shuffle":
+    steps = steps_per_epoch(train_size, cfg.data.batch_size, world_size, t.accumulate, dp.sampling) * t.epochs
+    _warn(cfg, dp, train_size)
+    rules = copy.deepcopy(cfg.hooks)
+    scheduled = next(((rule, s) for rule, s in dp.noisy if isinstance(s, Schedule)), None)
+    if scheduled is not None:
+        length = Length(steps // t.epochs, steps)
+        return rules, _scheduled(cfg, rules, scheduled, rate, steps, length)
+    if dp.target_epsilon is None:
+        ((rule, sigma),) = dp.noisy[:1]
+        assert isinstance(sigma, float)
+        return rules, Privacy(rule, sigma, rate, steps)
+    ((rule, args),) = dp.clips
+    kept = _kept_noise(dp.target_epsilon, resumed)
+    if kept is not None:
+        _set_noise(rules[rule], kept)
+        log.info(
+            "privacy.target_epsilon=%s: keeping the noise_multiplier %.4f chosen at the run's start "
+            "(not one for the %d steps now planned); epsilon may exceed the target",
+            dp.target_epsilon,
+            kept,
+            steps,
+        )
+        return rules, Privacy(rule, kept, rate, steps)
+    sigma = noise_for_epsilon(dp.target_epsilon, cfg.privacy.delta, rate, steps, cfg.privacy.accountant)
+    _set_noise(rules[rule], sigma)
+    replaced = (
+        f" (replacing hooks.{rule}'s noise_multiplier={args['noise_multiplier']})"
+        if args.get("noise_multiplier")
+        else ""
+    )
+    log.info(
+        "privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f%s",
+        dp.target_epsilon,
+        sigma,
+        steps,
+        rate,
+        replaced,
+    )
+    return rules, Privacy(rule, sigma, rate, steps)
+
+
+def _warn(cfg: Config, dp: Plan, train_size: int) -> None:
+    """What makes the reported epsilon weaker than it reads: shuffled batches, a large delta."""
+    if dp.sampling == "shuffle":
         log.warning(
             "data.sampling=shuffle with a noisy per_sample rule: the reported epsilon assumes Poisson "
             "sampling (data.sampling=poisson), which shuffled batches do not give"
@@ -161,43 +216,6 @@ def prepare(
             train_size,
             10 ** math.floor(math.log10(0.1 / train_size)),
         )
-    rules = copy.deepcopy(cfg.hooks)
-    scheduled = next((s for _, s in _noisy(rules) if isinstance(s, Schedule)), None)
-    if scheduled is not None:
-        length = Length(steps // t.epochs, steps)
-        return rules, _scheduled(cfg, rules, scheduled, rate, steps, length)
-    if cfg.privacy.target_epsilon is None:
-        ((rule, sigma),) = _noisy(rules)[:1]
-        assert isinstance(sigma, float)
-    else:
-        ((rule, args),) = _clips(rules)
-        kept = _kept_noise(cfg.privacy.target_epsilon, resumed)
-        if kept is not None:
-            _set_noise(rules[rule], kept)
-            log.info(
-                "privacy.target_epsilon=%s: keeping the noise_multiplier %.4f chosen at the run's start "
-                "(not one for the %d steps now planned); epsilon may exceed the target",
-                cfg.privacy.target_epsilon,
-                kept,
-                steps,
-            )
-            return rules, Privacy(rule, kept, rate, steps)
-        sigma = noise_for_epsilon(cfg.privacy.target_epsilon, cfg.privacy.delta, rate, steps, cfg.privacy.accountant)
-        _set_noise(rules[rule], sigma)
-        replaced = (
-            f" (replacing hooks.{rule}'s noise_multiplier={args['noise_multiplier']})"
-            if args.get("noise_multiplier")
-            else ""
-        )
-        log.info(
-            "privacy.target_epsilon=%s: noise_multiplier %.4f for %d steps at sample rate %.5f%s",
-            cfg.privacy.target_epsilon,
-            sigma,
-            steps,
-            rate,
-            replaced,
-        )
-    return rules, Privacy(rule, sigma, rate, steps)
 
 
 def _kept_noise(target: float, resumed: Mapping[str, Any] | None) -> float | None:
@@ -208,12 +226,12 @@ def _kept_noise(target: float, resumed: Mapping[str, Any] | None) -> float | Non
 
 
 def _scheduled(
-    cfg: Config, rules: dict[str, Any], schedule: Schedule, rate: float, steps: int, length: Length
+    cfg: Config, rules: dict[str, Any], scheduled: tuple[str, Schedule], rate: float, steps: int, length: Length
 ) -> Privacy:
     """A scheduled noise multiplier: every planned step's value, all > 0 (a step without
     noise voids the claim); with ``privacy.target_epsilon``, the schedule scaled so that
     the run's history spends at most the target."""
-    ((rule, _),) = _noisy(rules)[:1]
+    rule, schedule = scheduled
     where = f"hooks.{rule}.noise_multiplier"
     schedule.check(length, where)
     sigmas = [schedule.value(t, length) for t in range(steps)]

@@ -113,7 +113,7 @@ def _build(
 ) -> Run:
     """Everything the run needs before its Trainer, checked, with the folder claimed (no write yet)."""
     import_plugins(cfg.plugins)  # their gradmod.register(...) calls, before any rule is built
-    dp.check(cfg)
+    privacy_plan = dp.check(cfg)
     dist = place(cfg)
     undo.callback(dist.close)
     claim, diffs = _claim_shared(cfg, folder, dist)
@@ -122,9 +122,11 @@ def _build(
     if dist.strategy == "fsdp":
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
     resumed = claim.found[1].get("callbacks", {}).get(PrivacyCallback.key) if claim.found else None
-    rules, privacy = dp.prepare(cfg, len(data.train_y), dist.data_size, resumed)
+    rules, privacy = dp.prepare(cfg, len(data.train_y), dist.data_size, resumed, privacy_plan)
     t = cfg.trainer
-    per_epoch = steps_per_epoch(len(data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, dp.sampling(cfg))
+    per_epoch = steps_per_epoch(
+        len(data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, privacy_plan.sampling
+    )
     hooks = attach(
         model,
         rules,
@@ -148,6 +150,7 @@ def _build(
         t_start,
         loader_workers=loader_workers,
         privacy=privacy,
+        sampling=privacy_plan.sampling,
         diffs=diffs,
         on_owned=on_owned,
     )

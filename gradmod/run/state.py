@@ -35,5 +35,6 @@ class Run:
     started: float  # time.perf_counter() when this process began the run
     loader_workers: int | None = None  # DataLoader workers for host-memory data; None: on the device
     privacy: Privacy | None = None  # DP-SGD's accounting, when a rule adds noise
+    sampling: str = "shuffle"  # how batches are drawn: data.sampling resolved (gradmod.run.dp.Plan)
     diffs: dict[str, Any] = field(default_factory=dict)  # what the resume changes (gradmod.run.resume.compare)
     on_owned: Callable[[Path], None] | None = None  # the caller's first writes, once the run owns its folder

@@ -163,7 +163,7 @@ def test_one_step_grad_equals_torchjd(name, k):
     x, ys = _batch(k, False)
     expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](k), seed=11)
     hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
-    hooks.per_loss.generator.manual_seed(11)
+    hooks.stage("per_loss").generator.manual_seed(11)
     hooks.backward(_losses(model, x, ys))
     tol = 1e-4 if name in SOLVER else 1e-6
     for n, p in model.named_parameters():
@@ -177,7 +177,7 @@ def test_one_step_grad_equals_torchjd_with_convolutions(name):
     x, ys = _batch(3, True)
     expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](3), seed=5)
     hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
-    hooks.per_loss.generator.manual_seed(5)
+    hooks.stage("per_loss").generator.manual_seed(5)
     hooks.backward(_losses(model, x, ys))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-6, atol=1e-6, msg=n)
@@ -203,7 +203,7 @@ def test_modules_rule_aggregates_the_representation_gradient(name):
     for p, g in zip(heads, head_grads):
         p.grad = g
     hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
-    hooks.per_loss.generator.manual_seed(4)
+    hooks.stage("per_loss").generator.manual_seed(4)
     hooks.backward(_losses(model, x, ys))
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6, msg=n)
@@ -422,13 +422,13 @@ def test_resume_from_state_dict_is_bit_identical(name):
     straight = Shared(3).double()
     start = copy.deepcopy(straight)
     hooks = gradmod.attach(straight, rules)
-    hooks.per_loss.generator.manual_seed(9)
+    hooks.stage("per_loss").generator.manual_seed(9)
     opt = torch.optim.SGD(straight.parameters(), lr=0.1)
     run(straight, hooks, opt, range(6))
 
     first = copy.deepcopy(start)
     hooks = gradmod.attach(first, rules)
-    hooks.per_loss.generator.manual_seed(9)
+    hooks.stage("per_loss").generator.manual_seed(9)
     opt = torch.optim.SGD(first.parameters(), lr=0.1)
     run(first, hooks, opt, range(3))
     state, model_state = copy.deepcopy(hooks.state_dict()), copy.deepcopy(first.state_dict())
@@ -525,8 +525,8 @@ def _rank(rank, world, port, rules, out):
             t.div_(world)
 
     hooks = gradmod.attach(model, rules)
-    hooks.per_loss.reduce = mean_
-    hooks.per_loss.generator.manual_seed(2)
+    hooks.stage("per_loss").reduce = mean_
+    hooks.stage("per_loss").generator.manual_seed(2)
     hooks.backward(_losses(model, x[share], {n: y[share] for n, y in ys.items()}))
     # A params rule's update is already the global one; DDP averages every other gradient.
     own = rules["r"].get("params") == "trunk.*"
@@ -553,7 +553,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_joined_batch(rule, tmp_path):
     model = Shared(3).double()
     x, ys = _batch(3, False)
     hooks = gradmod.attach(model, rules)
-    hooks.per_loss.generator.manual_seed(2)
+    hooks.stage("per_loss").generator.manual_seed(2)
     hooks.backward(_losses(model, x, ys))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
@@ -588,7 +588,7 @@ def test_layers_called_twice_and_other_layers_equal_torchjd(name):
     ys = {f"t{i}": torch.randint(0, 3, (5,), generator=g) for i in range(3)}
     expected = _reference_grads(copy.deepcopy(model), x, ys, REFERENCE[name](3), seed=5)
     hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
-    hooks.per_loss.generator.manual_seed(5)
+    hooks.stage("per_loss").generator.manual_seed(5)
     hooks.backward(_losses(model, x, ys))
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-6, atol=1e-6, msg=n)
@@ -683,7 +683,7 @@ def test_nash_mtl_weights_the_heads_by_argument():
         weighted, {"mtl": {"params": "trunk.*", "transforms": [{"name": "nash_mtl", "heads": "weighted"}]}}
     )
     hooks.backward(_losses(weighted, x, ys))
-    alpha = torch.from_numpy(np.array(hooks.per_loss.rules[0].method.alpha)).double()
+    alpha = torch.from_numpy(np.array(hooks.stage("per_loss").rules[0].method.alpha)).double()
     ref = copy.deepcopy(plain)
     L = torch.stack(list(_losses(ref, x, ys).values()))
     heads = list(ref.heads.parameters())
@@ -771,11 +771,11 @@ def test_only_a_weighting_that_reads_the_losses_reduces_them(method):
     twin = copy.deepcopy(model)
     reduced = []
     hooks = gradmod.attach(model, {"r": {"params": "*", "transforms": [method]}})
-    hooks.per_loss.reduce = lambda tensors: reduced.append(len(tensors))  # one rank: the mean is itself
-    hooks.per_loss.generator.manual_seed(2)
+    hooks.stage("per_loss").reduce = lambda tensors: reduced.append(len(tensors))  # one rank: the mean is itself
+    hooks.stage("per_loss").generator.manual_seed(2)
     hooks.backward(_losses(model, x, ys))
     plain = gradmod.attach(twin, {"r": {"params": "*", "transforms": [method]}})
-    plain.per_loss.generator.manual_seed(2)
+    plain.stage("per_loss").generator.manual_seed(2)
     plain.backward(_losses(twin, x, ys))
     assert reduced == ([1] if method == "famo" else [])
     for p, q in zip(model.parameters(), twin.parameters()):

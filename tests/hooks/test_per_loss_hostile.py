@@ -69,7 +69,7 @@ def test_a_constant_loss_is_a_task_without_gradient(name):
     for constant in (True, False):
         model = Shared(3).double()
         hooks = gradmod.attach(model, {"mtl": rule})
-        hooks.per_loss.generator.manual_seed(0)
+        hooks.stage("per_loss").generator.manual_seed(0)
         losses = _losses(model)
         losses["t2"] = torch.zeros((), dtype=torch.float64) if constant else 0.0 * losses["t2"]
         hooks.backward(losses)
@@ -433,7 +433,7 @@ def test_a_compiled_model_gets_the_eager_models_gradients(rule):
         ref_hooks.backward({n: F.cross_entropy(o, y) for n, o in ref(x).items()})
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    assert hooks.per_loss.batched is ("rep" in rule)  # a modules rule: no batched backward to turn off
+    assert hooks.stage("per_loss").batched is ("rep" in rule)  # a modules rule: no batched backward to turn off
 
 
 def test_a_malformed_method_is_refused_when_registered_or_attached():
@@ -538,7 +538,7 @@ def test_a_backward_that_cannot_run_batched_falls_back_to_k_passes():
     for _ in range(2):  # the first backward traces; the second tries the batched one
         model.zero_grad()
         hooks.backward(_losses(model))
-    assert hooks.per_loss.batched is False
+    assert hooks.stage("per_loss").batched is False
     losses = list(_losses(ref).values())
     trunk = list(ref.trunk.parameters())
     rows = torch.stack(
@@ -569,7 +569,7 @@ def test_parameters_frozen_or_unfrozen_after_attach_follow_requires_grad(name):
     ref = Shared().double()  # (a deep copy would keep the hooks)
     for p, q in zip(model.parameters(), ref.parameters()):
         q.requires_grad_(p.requires_grad)
-    hooks.per_loss.generator.manual_seed(0)
+    hooks.stage("per_loss").generator.manual_seed(0)
     hooks.backward(_losses(model, 1))
 
     losses = list(_losses(ref, 1).values())

@@ -261,7 +261,7 @@ def _compare(make, name: str, heads: bool = True) -> gradmod.hooks.HookSet:
     x, ys = _batch()
     expected = _torchjd_grads(copy.deepcopy(model), x, ys, REFERENCE[name]())
     hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
-    hooks.per_loss.generator.manual_seed(5)
+    hooks.stage("per_loss").generator.manual_seed(5)
     hooks.backward(_losses(model, x, ys))
     scale = max(g.abs().max() for g in expected.values())
     tol = TOL.get(name, 1e-10) * float(scale)
@@ -275,7 +275,7 @@ def _compare(make, name: str, heads: bool = True) -> gradmod.hooks.HookSet:
 def test_a_0d_parameter_equals_torchjd(name):
     """A 0-d parameter's k task gradients are k numbers: one column of the Jacobian."""
     hooks = _compare(Tempered, name)
-    assert hooks.per_loss.model.trunk.temperature.grad.dim() == 0
+    assert hooks.stage("per_loss").model.trunk.temperature.grad.dim() == 0
 
 
 class Penalty(nn.Module):
@@ -336,10 +336,10 @@ def test_a_modules_rule_on_a_0d_output_equals_the_reference(rows, monkeypatch):
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_transformer_encoder_trunk_equals_torchjd(name):
     hooks = _compare(Encoder, name)
-    answered = {id(p) for layer in hooks.per_loss.layers for p in layer.module.parameters(recurse=False)}
-    attn = hooks.per_loss.model.trunk.enc.layers[0].self_attn
+    answered = {id(p) for layer in hooks.stage("per_loss").layers for p in layer.module.parameters(recurse=False)}
+    attn = hooks.stage("per_loss").model.trunk.enc.layers[0].self_attn
     assert id(attn.out_proj.weight) not in answered  # used inside F.multi_head_attention_forward
-    assert id(hooks.per_loss.model.trunk.enc.layers[0].linear1.weight) in answered  # a plain Linear call
+    assert id(hooks.stage("per_loss").model.trunk.enc.layers[0].linear1.weight) in answered  # a plain Linear call
 
 
 @pytest.mark.parametrize(
@@ -352,7 +352,7 @@ def test_attention_projects_query_key_and_value_apart_without_zero_buffers(make,
     equal to torchjd, and no zero-filled buffer in the stage's backward."""
 
     def zeros_in_second_backward(hooks) -> int:
-        model = hooks.per_loss.model
+        model = hooks.stage("per_loss").model
         x, ys = _batch(1)
         hooks.backward(_losses(model, x, ys))  # the first backward traced the forward
         with OpCounter() as ops:
@@ -380,7 +380,7 @@ def test_one_batched_backward_where_the_rows_route_holds_most_parameters_else_k_
     )
     hooks = _compare(make, "upgrad")  # equal to torchjd either way
     x, ys = _batch(1)
-    hooks.backward(_losses(hooks.per_loss.model, x, ys))
+    hooks.backward(_losses(hooks.stage("per_loss").model, x, ys))
     assert seen == [batched, batched]
 
 
@@ -415,7 +415,7 @@ def test_the_batched_backward_starts_at_the_trunks_output_only_where_every_path_
     real = task_grads_module.task_grads_through
     monkeypatch.setattr(task_grads_module, "task_grads_through", lambda *a: calls.append(1) or real(*a))
     hooks = _compare(lambda: Around(way), "upgrad", heads=False)
-    assert hooks.per_loss.batched and bool(calls) is through
+    assert hooks.stage("per_loss").batched and bool(calls) is through
 
 
 class Stemmed(Heads):
@@ -663,7 +663,7 @@ def test_graddrop_with_batch_rows_is_the_authors_form_on_a_representation(make, 
         hooks = gradmod.attach(
             twin, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [method], "rows": rows}}
         )
-        hooks.per_loss.generator.manual_seed(3)
+        hooks.stage("per_loss").generator.manual_seed(3)
         hooks.backward(_losses(twin, x, ys))
         got[rows] = dict(twin.named_parameters())
     for n in expected:
@@ -692,7 +692,7 @@ def test_a_modules_rule_under_bf16_autocast_hands_its_output_a_bf16_gradient(nam
         torch.manual_seed(1)
         model = Heads(Wide())
         hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
-        hooks.per_loss.generator.manual_seed(2)
+        hooks.stage("per_loss").generator.manual_seed(2)
         x, ys = _batch()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
             out = model(x)
@@ -802,7 +802,7 @@ def test_a_linear_used_both_ways_moves_under_pcgrad_in_the_trainer_loop():
         hooks.backward(_losses(model, x, ys))
         opt.step()
     assert not torch.equal(model.trunk.lin.weight, before)
-    assert all(layer.module is not model.trunk.lin for layer in hooks.per_loss.layers)
+    assert all(layer.module is not model.trunk.lin for layer in hooks.stage("per_loss").layers)
 
 
 def test_lstm_modules_rule_aggregates_every_output_including_the_state():
@@ -981,7 +981,7 @@ def test_a_loss_on_the_weights_themselves_equals_torchjd(name):
         p.grad = g
     hooks = gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [name]}})
     hooks.backward(losses(model))
-    assert hooks.per_loss.layers  # the rows' route is taken on the steps without such a loss
+    assert hooks.stage("per_loss").layers  # the rows' route is taken on the steps without such a loss
     scale = max(float(p.grad.abs().max()) for p in ref.parameters())
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10 * scale, msg=n)

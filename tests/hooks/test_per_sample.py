@@ -213,7 +213,7 @@ def test_noise_std_is_sigma_times_max_norm_over_batch_once_per_step():
     model = nn.Linear(100, 100)
     x, y = torch.randn(8, 100), torch.randn(8, 100)
     hooks = attach(model, dp_rule(0.5, noise=2.0))
-    hooks.per_sample.generator = torch.Generator().manual_seed(1)
+    hooks.stage("per_sample").generator = torch.Generator().manual_seed(1)
     for part in (slice(0, 3), slice(3, 8)):  # accumulation: the noise is drawn once, in after_backward
         F.mse_loss(model(x[part]), y[part]).backward()
     hooks.after_backward()
@@ -366,12 +366,12 @@ def test_remove_leaves_the_model_as_it_was_and_nothing_per_example_stays():
     hooks = attach(model, dp_rule(0.5, extra=["log"]))
     assert [n for n, _ in model.named_parameters()] == names
     loss_fn(model(x), y).mean().backward()
-    assert hooks.per_sample._calls == []  # the backward's inputs and output gradients are gone
+    assert hooks.stage("per_sample")._calls == []  # the backward's inputs and output gradients are gone
     hooks.after_backward()
-    assert hooks.per_sample._sums == {}
+    assert hooks.stage("per_sample")._sums == {}
     with torch.no_grad():
         model(x)  # evaluation keeps nothing
-    assert hooks.per_sample._calls == []
+    assert hooks.stage("per_sample")._calls == []
     hooks.remove()
     assert all(not m._forward_hooks for m in model.modules())
     model.zero_grad()

@@ -113,7 +113,7 @@ def test_projections_equal_per_example_autograd_in_float64(case, ghost, monkeypa
     x = torch.randn(B, T, E, dtype=torch.float64)
     want, w, max_norm = per_example_reference(model, x)
     hooks = clipped(model, x, w, max_norm, steps=2)  # the second through the probe check
-    paths = hooks.per_sample.paths()
+    paths = hooks.stage("per_sample").paths()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
         if name.startswith("attn."):
@@ -134,7 +134,7 @@ def test_no_replay_of_the_module_and_bias_kv_keeps_the_general_path(monkeypatch)
     model = Attend(add_bias_kv=True).double()
     want, w, max_norm = per_example_reference(model, x)
     hooks = clipped(model, x, w, max_norm)
-    assert calls and hooks.per_sample.paths()["attn.in_proj_weight"] == "general: torch.func over attn"
+    assert calls and hooks.stage("per_sample").paths()["attn.in_proj_weight"] == "general: torch.func over attn"
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
 

@@ -227,7 +227,7 @@ def test_a_one_row_call_is_expanded_to_the_batch_where_the_outputs_stay_the_same
     )
     hooks = attach(model, _rule())
     model(torch.randint(0, 9, (4, 5)))
-    paths = {type(layer.form).__name__: layer.broadcast for layer in hooks.per_sample.layers if "pos.weight" in [
+    paths = {type(layer.form).__name__: layer.broadcast for layer in hooks.stage("per_sample").layers if "pos.weight" in [
         n for n, p in model.named_parameters() if any(p is q for q in layer.names.values())]}  # fmt: skip
     # expanded: the embedding's closed form; squeezed by shape: the whole model on the general path
     assert paths == ({"FuncForm": False} if squeeze else {"EmbeddingForm": True})
@@ -255,10 +255,10 @@ def test_the_stage_names_each_parameters_path():
     torch.manual_seed(0)
     model = Paths()
     hooks = attach(model, _rule())
-    assert hooks.per_sample.paths() == {}  # before the first training forward
+    assert hooks.stage("per_sample").paths() == {}  # before the first training forward
     F.cross_entropy(model(torch.randn(3, 5, 4)), torch.randint(0, 3, (3,))).backward()
     hooks.after_backward()
-    paths = hooks.per_sample.paths()
+    paths = hooks.stage("per_sample").paths()
     assert paths["seq.weight"] == paths["seq.bias"] == "closed form"
     assert paths["head.weight"] == "Gram"
     assert {paths[n] for n in paths if n.startswith("rnn.")} == {"replay"}
@@ -308,7 +308,7 @@ def test_an_empty_batch_after_set_up_gives_zeros_and_under_poisson_the_noise_alo
     hooks = attach(model, noisy)
     hooks.set_up(Loop(poisson=True, step_examples=4))
     gen = torch.Generator().manual_seed(3)
-    hooks.per_sample.generator = gen
+    hooks.stage("per_sample").generator = gen
     F.cross_entropy(model(torch.randn(0, 2, 5)), torch.zeros(0, dtype=torch.long), reduction="sum").backward()
     hooks.after_backward()
     want = torch.Generator().manual_seed(3)

@@ -61,7 +61,7 @@ def test_resnet18_groupnorm_plan_names_each_convolutions_path():
     hooks = attach(model, {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}})
     F.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.randint(0, 3, (2,))).backward()
     hooks.after_backward()
-    paths = hooks.per_sample.paths()
+    paths = hooks.stage("per_sample").paths()
     # 16x16 and 8x8 maps form per-example weights; 4x4 and smaller take Gram norms
     assert paths["conv1.weight"] == paths["layer1.0.conv1.weight"] == "closed form"
     assert paths["layer2.0.conv2.weight"] == paths["layer3.1.conv1.weight"] == paths["layer4.1.conv2.weight"] == "Gram"

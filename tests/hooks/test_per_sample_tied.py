@@ -40,5 +40,5 @@ def test_the_plan_names_them_gram():
     hooks = attach(model, {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}})
     model(torch.randint(0, VOCAB, (B, T))).sum().backward()
     hooks.after_backward()
-    assert hooks.per_sample.paths() == {"emb.weight": "Gram", "mix.weight": "Gram", "mix.bias": "Gram"}
+    assert hooks.stage("per_sample").paths() == {"emb.weight": "Gram", "mix.weight": "Gram", "mix.bias": "Gram"}
     hooks.remove()

@@ -425,7 +425,7 @@ def test_a_model_whose_output_merges_the_batch_is_refused_naming_the_parameter()
 
     hooks = attach(Flat(), dp_rule())
     with pytest.raises(ValueError, match=r"'fc.weight' \(used by fc\) has no module whose forward covers") as err:
-        hooks.per_sample.model(torch.randn(4, 5, 3))
+        hooks.stage("per_sample").model(torch.randn(4, 5, 3))
     assert "\n" not in str(err.value)
 
 
@@ -531,10 +531,10 @@ def test_functional_call_on_a_freshly_attached_model_neither_fails_nor_sets_the_
     params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
     x = torch.randn(4, 5)
     torch.func.functional_call(model, params, (x,)).sum().backward()  # no "fully_shard" error
-    assert hooks.per_sample.layers is None and all(p.grad is not None for p in params.values())
+    assert hooks.stage("per_sample").layers is None and all(p.grad is not None for p in params.values())
     ce(model(x), torch.zeros(4, dtype=torch.long)).mean().backward()  # the model's own first forward sets it up
     hooks.after_backward()
-    assert len(hooks.per_sample.layers) == 2
+    assert len(hooks.stage("per_sample").layers) == 2
 
 
 def test_replace_batchnorm_gives_groupnorm_over_the_same_channels():

@@ -11,7 +11,6 @@ from torch import nn
 from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import GroupTransform
-from gradmod.hooks.per_loss.weightings import Mean
 from gradmod.hooks.rules import build_targets
 
 
@@ -61,14 +60,6 @@ def test_register_refuses_a_bad_kind_in_one_line(kwargs, words):
     with pytest.raises(ValueError, match=words):
         registry.register("bad_kind", lambda: None, **kwargs)
     assert "bad_kind" not in registry.names()
-
-
-def test_transforms_register_is_the_registry_with_group_as_a_kind():
-    T.register("alias_group", lambda: None, group=True)
-    T.register("alias_plain", lambda: lambda g: g)
-    assert registry.entry("alias_group").kind == "group" and registry.entry("alias_plain").kind == "elementwise"
-    registry.unregister("alias_group")
-    assert "alias_group" not in T.names()
 
 
 class UnitNorm(GroupTransform):
@@ -215,37 +206,47 @@ def test_a_function_factory_that_builds_no_function_is_refused_at_attach_in_one_
     assert "\n" not in str(e.value)
 
 
-def _at_stage():
-    form = registry.entry("log").at_stage["per_sample"]
-    registry.register_at_stage("log", "per_sample", form)  # the same form again: nothing changes
-    return form
-
-
-@pytest.mark.parametrize(
-    "call, old, name",
-    [
-        (lambda: hooks_pkg().register("old_a", lambda: torch.neg), "gradmod.hooks.register", "old_a"),
-        (lambda: T.register("old_b", lambda: torch.neg), "gradmod.hooks.transforms.register", "old_b"),
-        (lambda: per_loss_pkg().register("old_c", Mean), "gradmod.hooks.per_loss.register", "old_c"),
-        (_at_stage, "register_at_stage is deprecated", None),
-    ],
-)
-def test_the_former_doors_still_register_with_a_deprecation_warning(call, old, name):
-    with pytest.warns(DeprecationWarning, match=old):
-        call()
-    if name is not None:
-        assert name in registry.names()
-    else:
-        assert "per_sample" in registry.entry("log").at_stage
-
-
-def hooks_pkg():
+def test_one_door_registers():
+    """``gradmod.register`` is the one door: the former ones are gone, not forwarded."""
     import gradmod.hooks
-
-    return gradmod.hooks
-
-
-def per_loss_pkg():
     import gradmod.hooks.per_loss
 
-    return gradmod.hooks.per_loss
+    for module, name in [
+        (gradmod.hooks, "register"),
+        (T, "register"),
+        (gradmod.hooks.per_loss, "register"),
+        (registry, "register_at_stage"),
+        (registry, "register_old_door"),
+        (registry, "warn_moved"),
+    ]:
+        assert not hasattr(module, name), f"{module.__name__}.{name}"
+    assert "register" not in gradmod.hooks.__all__
+
+
+def test_a_stage_is_reached_by_its_name_only():
+    """``hooks.stage("per_sample")`` reaches a stage; HookSet has no attribute per stage."""
+    hooks = attach(
+        nn.Linear(3, 1), {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0}]}}
+    )
+    assert hooks.stage("per_sample") is hooks.stages[0] and hooks.stage("fused") is None
+    assert not any(hasattr(hooks, name) for name in stages.names()) and not hasattr(hooks, "set_per_sample")
+    hooks.remove()
+
+
+def test_the_catalog_imports_nothing_and_each_row_resolves_to_its_kind():
+    """The shipped table is plain strings; each ``module:factory`` it names builds its kind."""
+    import ast
+    import inspect
+
+    from gradmod.hooks import catalog
+
+    tree = ast.parse(inspect.getsource(catalog))
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    bases = registry.kind_bases()
+    for name, kind, _, forms in catalog.SHIPPED:
+        entry = registry.entry(name)
+        assert entry.kind == kind and callable(entry.factory), name
+        if kind in bases:
+            assert issubclass(entry.factory, bases[kind]), name
+        assert (entry.foreach is not None) == ("foreach" in forms), name
+        assert set(entry.at_stage) == set(forms.get("at_stage", {})), name

@@ -246,7 +246,7 @@ def test_state_dict_carries_the_step_count():
     assert len(calls) == 1 and hooks.state_dict()["sharpness"] == {"step": 3}
     again = H.attach(_mlp(), _rule(rho=0.05, every=2))
     again.load_state_dict(hooks.state_dict())
-    assert again.sharpness.step == 3 and again.sharpness.due()
+    assert again.stage("sharpness").step == 3 and again.stage("sharpness").due()
 
 
 @pytest.mark.parametrize(

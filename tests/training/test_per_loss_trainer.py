@@ -207,4 +207,4 @@ def test_the_trainer_updates_famo_from_the_same_batch_after_the_step():
             famo.update(losses())
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=n)
-    assert not torch.equal(hooks.per_loss.rules[0].method.logits, torch.zeros(2))  # it learned
+    assert not torch.equal(hooks.stage("per_loss").rules[0].method.logits, torch.zeros(2))  # it learned

@@ -9,7 +9,7 @@ backward, once per optimizer step, each rule's steps in config order.
    group transform may answer "skip the optimizer step".
 
 A step of a rule is applied to all the rule's gradients at once: a group transform
-(``gradmod.hooks.group``) gets them all; a transform with a foreach form makes one
+(``gradmod.hooks.fused.group``) gets them all; a transform with a foreach form makes one
 grouped call; ``log`` computes the rows of all the rule's tensors together; any other
 runs per tensor, each tensor with its own instance (observers and stateful transforms
 keep one state per tensor, as in the hook stage).

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.hook.backward_end import in_distributed
+from gradmod.hooks.hook.backward_end import BackwardEnd, in_distributed
+from gradmod.hooks.hook.ledger import RawLedger
 from gradmod.hooks.stat_rows import BIG
 
 
@@ -45,12 +46,20 @@ def _slots(steps: list[tuple[str, R.BuiltTransform]]) -> list[tuple[str, int]]:
     return out
 
 
-def chain_hook(steps: list[tuple[str, R.BuiltTransform]], core: Any, key: str, param: nn.Parameter | None):
+def chain_hook(
+    steps: list[tuple[str, R.BuiltTransform]],
+    core: Any,
+    key: str,
+    param: nn.Parameter | None,
+    ledger: RawLedger,
+    end: BackwardEnd,
+):
     """One tensor's hook: the steps of every rule on it, in order. ``log`` steps are
-    handed to ``core.backward_end`` (a ``BackwardEnd``, the ``gradmod.hooks.stage.Core`` shared by the stages: computed per rule and position for all
-    tensors together at the end of backward). The raw gradient goes to ``core.ledger`` (a
-    ``RawLedger``) for the non-finite count, before a transform such as clamp can turn inf
-    into a number. Under fp16 (``core.grad_scale``, set by ``HookSet.set_grad_scale``) the steps
+    handed to ``end`` (the stage's ``BackwardEnd``: computed per rule and position for all
+    tensors together at the end of backward). The raw gradient goes to ``ledger`` (the
+    stage's ``RawLedger``) for the non-finite count, before a transform such as clamp can
+    turn inf into a number. ``core``: the clock and the loss scale the stages share
+    (``gradmod.hooks.stage.Core``). Under fp16 (``core.grad_scale``, set by ``HookSet.set_grad_scale``) the steps
     see the unscaled gradient, as in fp32, and the result is scaled back for GradScaler;
     scales are powers of two, so this is exact."""
     first = True
@@ -68,10 +77,10 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], core: Any, key: str, p
         off = core.inactive if windowed else ()
         if observes_only:  # nothing changes the gradient: no result to build
             if param is None:
-                core.ledger.note(key, grad, grad, False)
+                ledger.note(key, grad, grad, False)
             live = [(obs, g, slot) for rule, _, obs, slot in plan if rule not in off]
             if live:
-                _observe(core, live, grad, param)
+                _observe(end, live, grad, param)
             return None
         seen: list[tuple[Any, Tensor, tuple[str, int]]] = []  # (GradStats, its gradient, slot)
         changed = False
@@ -86,19 +95,18 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], core: Any, key: str, p
                 g, changed = out, True
         first = False
         result = grad if not changed else g if scale is None else (g * scale).to(grad.dtype)
-        core.ledger.note(key, grad, result, param is not None)
+        ledger.note(key, grad, result, param is not None)
         if seen:
-            _observe(core, seen, result, param)
+            _observe(end, seen, result, param)
         return result
 
     # The common cases in as few Python steps as can be (a hook runs per tensor per
     # backward, a few µs each): else the general hook above, which never defers.
-    logs = core.backward_end
     if defer is not None:
 
         def deferring_hook(grad: Tensor) -> Tensor | None:
             if core.grad_scale is None and defer(param):
-                logs.defer(group, steps, param, key, core.ledger)
+                end.defer(group, steps, param, key, ledger)
                 return None
             return hook(grad)
 
@@ -109,7 +117,7 @@ def chain_hook(steps: list[tuple[str, R.BuiltTransform]], core: Any, key: str, p
 
         def observing_hook(grad: Tensor) -> Tensor | None:
             if core.grad_scale is None and not any(obs.histogram for obs in observers):
-                logs.add_small(slots, grad, param)
+                end.add_small(slots, grad, param)
                 return None
             return hook(grad)
 
@@ -163,11 +171,11 @@ def _backward_may_defer(acc: Any) -> bool:
     return _TASK[1]
 
 
-def _observe(core: Any, seen: list, result: Tensor, param: nn.Parameter | None) -> None:
+def _observe(end: BackwardEnd, seen: list, result: Tensor, param: nn.Parameter | None) -> None:
     for obs, g, _ in seen:
         if obs.histogram:  # the step before a log point: bin at once (the rows still batch)
             obs.observe_histogram(g)
-    core.backward_end.add(seen, result, param)
+    end.add(seen, result, param)
 
 
 def output_hook(chain, rules: list[str], module: str):

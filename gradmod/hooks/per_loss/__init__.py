@@ -11,7 +11,7 @@ one's own).
 """
 
 from gradmod.hooks.per_loss.loss_rules import LossRule
-from gradmod.hooks.per_loss.methods import is_method, names, register
+from gradmod.hooks.per_loss.methods import is_method, names
 from gradmod.hooks.per_loss.stage import PerLossStage
 
-__all__ = ["LossRule", "PerLossStage", "is_method", "names", "register"]
+__all__ = ["LossRule", "PerLossStage", "is_method", "names"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import importlib.util
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,13 +30,6 @@ from torch import Tensor
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.validators import in_range
-
-
-def register(name: str, factory: Callable[..., Method] | None = None, *, overwrite: bool = False):
-    """Deprecated: ``gradmod.register(name, factory, kind="per_loss")``."""
-    R.warn_moved("gradmod.hooks.per_loss.register")
-    return R.register(name, factory, kind="per_loss", overwrite=overwrite)
-
 
 BASES: dict[str, type[Method]] = {}  # kind -> its base class, filled below the three bases
 
@@ -151,11 +144,6 @@ def check_method(name: str, made: Any) -> None:
         raise TypeError(f"{what}: a method of kind {cls.kind!r} defines {need}, and {cls.__name__} does not")
 
 
-def _check_factory(name: str, factory: Any) -> None:
-    if isinstance(factory, type):
-        check_method(name, factory)
-
-
 def names() -> list[str]:
     return R.names("per_loss")
 
@@ -193,6 +181,3 @@ def _needs(name: str, modules: list[str], extra: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"per_loss method {name!r} needs {', '.join(missing)}, not installed ({extra})")
-
-
-R.FACTORY_CHECKS["per_loss"] = _check_factory  # a per_loss factory of one's own is checked when registered
