@@ -12,6 +12,7 @@ import torch
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import AGC, Freeze, GlobalNormClip, GroupTransform
 from gradmod.hooks.fused.norm_history import AutoClip, ZClip
+from gradmod.hooks.fused.orthogonalize import Orthogonalize
 from gradmod.hooks.per_loss import methods as M
 from gradmod.hooks.per_loss import weightings as W
 from gradmod.hooks.per_loss.nash_mtl import NashMTL
@@ -57,6 +58,7 @@ register("agc", AGC, kind="group")
 register("zclip", ZClip, kind="group")
 register("autoclip", AutoClip, kind="group")
 register("freeze", Freeze, kind="group")
+register("orthogonalize", Orthogonalize, kind="group")
 
 # Sharpness: how a rule's parameters move before the second forward and backward.
 register("sam", Sam, kind="sharpness")
