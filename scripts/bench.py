@@ -40,6 +40,8 @@ Sections:
   sharpness  one SGD step with SAM (two forward and backward passes) and with SAM every 4th step against a
          plain step, on the MNIST CNN (batch 100) and a ResNet-18 (batch 32, 32x32); SAM's extra peak
          memory over one copy of the parameters (see scripts/bench_sharpness.py)
+  orthogonalize  Muon's update: orthogonalize + SGD against torch.optim.Muon on the same gradients,
+         on the matrices of three MLP widths (see scripts/bench_orthogonalize.py)
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample section beside it
 
+import bench_orthogonalize as orthogonalize  # noqa: E402
 import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 import bench_scale as scale  # noqa: E402
@@ -83,7 +86,7 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "scale")
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "orthogonalize", "scale")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # scale takes long: asked for by name
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
@@ -241,6 +244,17 @@ for _m in sharpness.MODELS:  # two passes are the floor of a SAM step: <= 2.05x 
         (f"sharpness_{_m}_sam_over_two_passes", f"sharpness.{_m}.sam", f"sharpness.{_m}.two_passes", None, None),
         (f"sharpness_{_m}_two_passes_over_plain", f"sharpness.{_m}.two_passes", f"sharpness.{_m}.plain", None, None),
     ]
+for _m in orthogonalize.MODELS:  # the same update as torch's Muon: <= 1.05x its step
+    PAIRED.add(f"orthogonalize_{_m}_over_muon")
+    RATIOS.append(
+        (
+            f"orthogonalize_{_m}_over_muon",
+            f"orthogonalize.{_m}.orthogonalize",
+            f"orthogonalize.{_m}.muon",
+            "<= 1.05",
+            lambda r: r <= 1.05,
+        )
+    )
 UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
 UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
@@ -479,6 +493,13 @@ class Bench:
                 steps,
                 f"{name.split('.')[0]}_step",  # the models' batches differ
             )
+        steps = 1 if self.args.quick else orthogonalize.STEPS
+        for name in orthogonalize.names():
+            table[f"orthogonalize.{name}"] = (
+                lambda name=name: orthogonalize.setup(name, steps, str(self.device)),
+                steps,
+                "update",
+            )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -591,11 +612,12 @@ def ops_table(ops: dict[str, dict]) -> str:
 
 def clock(result: dict) -> str:
     """The median a ratio divides: the per_loss section's single-threaded steps, and the
-    sharpness section's on the CPU, compare CPU time (on a shared machine wall time mostly
-    measures the neighbours); the rest wall time."""
+    sharpness and orthogonalize sections' on the CPU, compare CPU time (on a shared machine
+    wall time mostly measures the neighbours); the rest wall time."""
     if result["section"] == "per_loss" and result["unit"] == "mtl_step":
         return "median_cpu_s"
-    return "median_cpu_s" if result["section"] == "sharpness" and result.get("device") == "cpu" else "median_s"
+    on_cpu = result.get("device") == "cpu"
+    return "median_cpu_s" if result["section"] in ("sharpness", "orthogonalize") and on_cpu else "median_s"
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float:
