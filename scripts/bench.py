@@ -43,6 +43,8 @@ Sections:
   freeze  one AdamW step of torchvision's ResNet-18 (batch 16, 32x32) with all but fc frozen by a freeze
          rule against the same tensors frozen by hand (requires_grad=False), and with nothing frozen
          (see scripts/bench_freeze.py)
+  orthogonalize  Muon's update: orthogonalize + SGD against torch.optim.Muon on the same gradients,
+         on the matrices of three MLP widths (see scripts/bench_orthogonalize.py)
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample section beside it
 
 import bench_freeze as freeze  # noqa: E402
+import bench_orthogonalize as orthogonalize  # noqa: E402
 import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 import bench_scale as scale  # noqa: E402
@@ -87,7 +90,7 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "scale")
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "orthogonalize", "scale")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # scale takes long: asked for by name
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
@@ -255,6 +258,17 @@ RATIOS += [  # a freeze rule's step is the hand-frozen one's: the frozen backwar
     ),
     ("freeze_resnet18_all_over_by_hand", "freeze.resnet18.all", "freeze.resnet18.plain", None, None),
 ]
+for _m in orthogonalize.MODELS:  # the same update as torch's Muon: <= 1.05x its step
+    PAIRED.add(f"orthogonalize_{_m}_over_muon")
+    RATIOS.append(
+        (
+            f"orthogonalize_{_m}_over_muon",
+            f"orthogonalize.{_m}.orthogonalize",
+            f"orthogonalize.{_m}.muon",
+            "<= 1.05",
+            lambda r: r <= 1.05,
+        )
+    )
 UNIT_IMAGES = {"step": BATCH, "freeze_step": freeze.BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
 UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
@@ -500,6 +514,13 @@ class Bench:
                 steps,
                 "freeze_step",
             )
+        steps = 1 if self.args.quick else orthogonalize.STEPS
+        for name in orthogonalize.names():
+            table[f"orthogonalize.{name}"] = (
+                lambda name=name: orthogonalize.setup(name, steps, str(self.device)),
+                steps,
+                "update",
+            )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -612,12 +633,12 @@ def ops_table(ops: dict[str, dict]) -> str:
 
 def clock(result: dict) -> str:
     """The median a ratio divides: the per_loss section's single-threaded steps, and the
-    sharpness and freeze sections' on the CPU, compare CPU time (on a shared machine wall time mostly
-    measures the neighbours); the rest wall time."""
+    sharpness, freeze and orthogonalize sections' on the CPU, compare CPU time (on a shared machine
+    wall time mostly measures the neighbours); the rest wall time."""
     if result["section"] == "per_loss" and result["unit"] == "mtl_step":
         return "median_cpu_s"
-    cpu_time = result["section"] in ("sharpness", "freeze") and result.get("device") == "cpu"
-    return "median_cpu_s" if cpu_time else "median_s"
+    on_cpu = result.get("device") == "cpu"
+    return "median_cpu_s" if result["section"] in ("sharpness", "freeze", "orthogonalize") and on_cpu else "median_s"
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float:

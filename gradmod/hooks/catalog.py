@@ -69,6 +69,7 @@ SHIPPED = (
     ("zclip", "group", f"{_HISTORY}:ZClip", {}),
     ("autoclip", "group", f"{_HISTORY}:AutoClip", {}),
     ("freeze", "group", f"{_GROUP}:Freeze", {}),
+    ("orthogonalize", "group", "gradmod.hooks.fused.orthogonalize:Orthogonalize", {}),
     # Sharpness: how a rule's parameters move before the second forward and backward.
     ("sam", "sharpness", f"{_SHARPNESS}:Sam", {}),
     ("asam", "sharpness", f"{_SHARPNESS}:Asam", {}),

@@ -45,6 +45,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         | {f"per_sample.{n}" for n in bench.per_sample.names(hf=False)}
         | {f"per_loss.{n}" for n in bench.per_loss.names()}
         | {f"sharpness.{n}" for n in bench.sharpness.names()}
+        | {f"orthogonalize.{n}" for n in bench.orthogonalize.names()}
     )
     assert set(report["results"]) == expected
     for name, r in report["results"].items():
@@ -54,7 +55,15 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert (
             r["items"]
-            == {"epoch": 200, "eval": 50, "step": 2, "per_sample": 1, "per_loss": 1, "sharpness": 1}[r["section"]]
+            == {
+                "epoch": 200,
+                "eval": 50,
+                "step": 2,
+                "per_sample": 1,
+                "per_loss": 1,
+                "sharpness": 1,
+                "orthogonalize": 1,
+            }[r["section"]]
         )
     targets = {
         "epoch_speedup_vs_article",
@@ -70,6 +79,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         targets |= {"per_sample_mha_over_opacus"}
     for m in bench.sharpness.MODELS:
         targets |= {f"sharpness_{m}_sam_over_plain", f"sharpness_{m}_every4_over_plain"}
+    targets |= {f"orthogonalize_{m}_over_muon" for m in bench.orthogonalize.MODELS}
     gramian = [x for x in bench.per_loss.METHODS if x not in bench.WEIGHTINGS]
     for m in bench.per_loss.MODELS:
         targets |= {f"per_loss_{m}_modules_over_plain"} | {f"per_loss_{m}_{x}_over_plain" for x in bench.WEIGHTINGS}

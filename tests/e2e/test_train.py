@@ -47,6 +47,8 @@ def _applies(hooks: str, model: str) -> bool:
         return model == "dann"
     if hooks == "min_zero" and model == "tiny_gpt":  # a transformer: no conv layers
         return False
+    if hooks == "orthogonalize":  # "*.weight": the norm layers' weights are vectors, refused
+        return model not in ("resnet18", "resnet50", "tiny_gpt")
     return not (hooks == "agc" and model == "multi_lenet")
 
 

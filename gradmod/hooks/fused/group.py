@@ -113,6 +113,10 @@ class GroupTransform:
     def __init__(self):
         self.record = NormRecord()
 
+    def bind(self, rule: str, named: Mapping[str, Tensor]) -> None:
+        """The rule's tensors by name, at attach, before anything is hooked: refuse in one
+        line those this transform cannot act on (``orthogonalize``: vectors)."""
+
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> Tensor | None:
         raise NotImplementedError
 

@@ -113,6 +113,16 @@ class FusedStage(Stage):
     name = "fused"
     on_sharded = None  # it transforms the reduced, sharded .grad
 
+    @classmethod
+    def check(cls, model: nn.Module, targets: list) -> None:
+        """Each group transform sees its rule's tensors (``GroupTransform.bind``) and may refuse some."""
+        params = dict(model.named_parameters())
+        mine = [t for t in targets if t.stage == cls.name]
+        for _, rule, step in group_steps(mine):
+            bind = getattr(step.fn, "bind", None)  # one's own group class may predate it
+            if bind is not None:
+                bind(rule, {t.name: params[t.name] for t in mine if t.rule == rule})
+
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.targets = [t for t in targets if t.stage == self.name]
         self._core = core  # its ``inactive``: the rules outside their window now
