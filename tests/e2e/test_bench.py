@@ -45,6 +45,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         | {f"per_sample.{n}" for n in bench.per_sample.names(hf=False)}
         | {f"per_loss.{n}" for n in bench.per_loss.names()}
         | {f"sharpness.{n}" for n in bench.sharpness.names()}
+        | {f"freeze.{n}" for n in bench.freeze.names()}
         | {f"orthogonalize.{n}" for n in bench.orthogonalize.names()}
     )
     assert set(report["results"]) == expected
@@ -62,6 +63,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
                 "per_sample": 1,
                 "per_loss": 1,
                 "sharpness": 1,
+                "freeze": 1,
                 "orthogonalize": 1,
             }[r["section"]]
         )
@@ -80,6 +82,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     for m in bench.sharpness.MODELS:
         targets |= {f"sharpness_{m}_sam_over_plain", f"sharpness_{m}_every4_over_plain"}
     targets |= {f"orthogonalize_{m}_over_muon" for m in bench.orthogonalize.MODELS}
+    targets.add("freeze_resnet18_rule_over_by_hand")
     gramian = [x for x in bench.per_loss.METHODS if x not in bench.WEIGHTINGS]
     for m in bench.per_loss.MODELS:
         targets |= {f"per_loss_{m}_modules_over_plain"} | {f"per_loss_{m}_{x}_over_plain" for x in bench.WEIGHTINGS}
