@@ -2,8 +2,8 @@
 
 A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
 or ``{"modules": glob(s), ...}``; a key set to null is unset. Names are verified, not
-trusted: a pattern that matches nothing is an error listing close names (``@last_layer``,
-besides globs, names the parameters of the last module holding any). A rule's stage
+trusted: a pattern that matches nothing is an error listing close names (besides globs, the
+selectors of ``gradmod.hooks.globs``: ``@last_layer``, ``@norms``, ``@matrices``, ...). A rule's stage
 is its own, else the default, unless a transform's kind implies one
 (``gradmod.hooks.stages``); the transforms must all run at that stage.
 """
@@ -18,7 +18,7 @@ from torch import nn
 
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
-from gradmod.hooks.globs import select
+from gradmod.hooks.globs import ParamKind, param_kinds, select
 from gradmod.hooks.rule_spec import transform_list
 from gradmod.hooks.schedules import Active, Length
 from gradmod.hooks.timed import check_range, rule_window, split_schedules
@@ -60,6 +60,7 @@ def build_targets(
         raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
     params = [n for n, p in model.named_parameters() if p.requires_grad]
     modules = [n for n, _ in model.named_modules() if n]
+    kinds = param_kinds(model)  # what the selectors (@norms, @matrices, ...) read
     targets: list[Target] = []
     for rule, spec in (rules or {}).items():
         if not isinstance(spec, Mapping):
@@ -72,7 +73,7 @@ def build_targets(
             )
         if ("params" in spec) == ("modules" in spec):
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
-        targets.extend(_rule_targets(rule, spec, params, modules, stage, length or Length()))
+        targets.extend(_rule_targets(rule, spec, params, modules, stage, length or Length(), kinds))
     _check_observer_keys(targets)
     return targets
 
@@ -158,7 +159,13 @@ def _shared(step: R.BuiltTransform) -> bool:
 
 
 def _rule_targets(
-    rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str], default_stage: str, length: Length
+    rule: str,
+    spec: Mapping[str, Any],
+    params: list[str],
+    modules: list[str],
+    default_stage: str,
+    length: Length,
+    kinds: Mapping[str, ParamKind] | None = None,
 ) -> list[Target]:
     kind = "param" if "params" in spec else "module"
     transforms = transform_list(spec.get("transforms"))
@@ -170,6 +177,7 @@ def _rule_targets(
         spec,
         params if kind == "param" else modules,
         "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
+        kinds,
     )
     window = rule_window(rule, spec, length)
     if window is not None and stage not in ("hook", "fused"):
