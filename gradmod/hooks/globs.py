@@ -52,7 +52,7 @@ def _module_kind(module: nn.Module) -> str:
     return "other"
 
 
-def _patterns(rule: str, key: str, value: Any, prefix: str = "hooks") -> list[str]:
+def _patterns(where: str, value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if (
@@ -61,7 +61,7 @@ def _patterns(rule: str, key: str, value: Any, prefix: str = "hooks") -> list[st
         or not value
         or not all(isinstance(v, str) and v for v in value)
     ):
-        raise ValueError(f"{prefix}.{rule}.{key}: {shown(value)} must be a glob or a non-empty list of globs")
+        raise ValueError(f"{where}: {shown(value)} must be a glob or a non-empty list of globs")
     return list(value)
 
 
@@ -114,6 +114,20 @@ def _matches(
     return [n for n in names if n in kinds and kinds[n].ndim >= 2 and kinds[n].module != "embedding" and n not in head]
 
 
+def matching(
+    where: str, value: Any, names: list[str], what: str, kinds: Mapping[str, ParamKind] | None = None
+) -> set[str]:
+    """The names a glob or list of globs (``value``, at config key ``where``) matches; a
+    pattern matching nothing is an error naming ``where``."""
+    chosen: set[str] = set()
+    for pattern in _patterns(where, value):
+        hits = _matches(where, pattern, names, what, kinds)
+        if not hits:
+            raise _no_match(where, pattern, names, what)
+        chosen.update(hits)
+    return chosen
+
+
 def select(
     rule: str,
     spec: Mapping[str, Any],
@@ -126,18 +140,9 @@ def select(
     ``kinds``: ``param_kinds(model)``, for the selectors but ``@last_layer``; ``prefix``:
     where the rule lives, for messages (``hooks``, ``optimizer.groups``)."""
     key = "params" if "params" in spec else "modules"
-    chosen: set[str] = set()
-    for pattern in _patterns(rule, key, spec[key], prefix):
-        hits = _matches(f"{prefix}.{rule}.{key}", pattern, names, what, kinds)
-        if not hits:
-            raise _no_match(f"{prefix}.{rule}.{key}", pattern, names, what)
-        chosen.update(hits)
+    chosen = matching(f"{prefix}.{rule}.{key}", spec[key], names, what, kinds)
     if spec.get("exclude") is not None:
-        for pattern in _patterns(rule, "exclude", spec["exclude"], prefix):
-            hits = _matches(f"{prefix}.{rule}.exclude", pattern, names, what, kinds)
-            if not hits:
-                raise _no_match(f"{prefix}.{rule}.exclude", pattern, names, what)
-            chosen.difference_update(hits)
+        chosen -= matching(f"{prefix}.{rule}.exclude", spec["exclude"], names, what, kinds)
     if not chosen:
         raise ValueError(f"{prefix}.{rule}: exclude removes every {what} the rule selected")
     return [n for n in names if n in chosen]
