@@ -93,25 +93,22 @@ class CombinedOptimizer(Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``state_dict()``'s form, split back into each optimizer's own ``load_state_dict``."""
+        """``state_dict()``'s form (or DCP's, keyed by parameter names), split back into each
+        optimizer's own ``load_state_dict``, which pairs keys with parameters by position."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(
                 f"the loaded optimizer state has {len(groups)} parameter groups; this optimizer has "
                 f"{len(self.param_groups)} ({', '.join(type(o).__name__ for o in self.optimizers)})"
             )
-        first = offset = 0
+        first = 0
         for o in self.optimizers:
             mine = groups[first : first + len(o.param_groups)]
-            held = {i for g in mine for i in g["params"]}
+            held = {k for g in mine for k in g["params"]}
             o.load_state_dict(
-                {
-                    "state": {k - offset: v for k, v in state_dict["state"].items() if k in held},
-                    "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in mine],
-                }
+                {"state": {k: v for k, v in state_dict["state"].items() if k in held}, "param_groups": mine}
             )
             first += len(o.param_groups)
-            offset += sum(len(g["params"]) for g in o.param_groups)
 
     def __repr__(self) -> str:
         return f"CombinedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
