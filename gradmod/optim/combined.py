@@ -45,13 +45,13 @@ class CombinedOptimizer(Optimizer):
         self._warned_capturable_if_run_uncaptured = True
         self._patch_step_function()
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # read from the optimizers
         """Every optimizer's groups, in order: the same dicts (a scheduler's ``lr`` lands there)."""
         return [g for o in self.optimizers for g in o.param_groups]
 
-    @property  # type: ignore[override]
-    def state(self) -> MutableMapping[Tensor, Any]:
+    @property
+    def state(self) -> MutableMapping[Tensor, Any]:  # type: ignore[override]  # a view of the optimizers' own
         """Parameter -> its state, in the optimizer that holds it."""
         return _State(self.optimizers)
 

@@ -47,7 +47,7 @@ def test_one_object_steps_as_the_optimizers_by_hand():
     calls = []
     for i in range(4):
 
-        def closure():
+        def closure(i=i):
             calls.append(i)
             loss = loss_of(ours, i)
             loss.backward()
@@ -178,3 +178,20 @@ def test_a_parameter_in_two_optimizers_is_refused():
     model = make()
     with pytest.raises(ValueError, match="optimizer 1 \\(SGD\\) holds a parameter another holds"):
         CombinedOptimizer([torch.optim.AdamW(model.parameters()), torch.optim.SGD(model[2].parameters(), lr=0.1)])
+
+
+def test_one_step_costs_its_optimizers_steps_and_a_profiler_label():
+    """The combined step dispatches its optimizers' ops and two more: the enter and exit of
+    torch's record_function label every optimizer step carries."""
+    from gradmod.testing.opcount import OpCounter
+
+    model = make()
+    combined = CombinedOptimizer(pair(model))
+    loss_of(model, 0).backward()
+    combined.step()  # the state exists: the counted steps are alike
+    counts = []
+    for step in (combined.step, *(o.step for o in combined.optimizers)):
+        with OpCounter() as ops:
+            step()
+        counts.append(ops.count)
+    assert counts[0] == sum(counts[1:]) + 2

@@ -66,7 +66,9 @@ def test_muon_on_the_cnn_equals_torchs_muon_on_the_kernels_as_matrices():
     model = MnistCNN(1, 10)
     ref = MnistCNN(1, 10)
     leaves = {
-        n: nn.Parameter(p.detach().reshape(len(p), -1).clone() if n.startswith("conv") and p.ndim == 4 else p.detach().clone())
+        n: nn.Parameter(
+            p.detach().reshape(len(p), -1).clone() if n.startswith("conv") and p.ndim == 4 else p.detach().clone()
+        )
         for n, p in model.named_parameters()
     }
     kernels = ["conv1.weight", "conv2.weight"]

@@ -175,8 +175,14 @@ def test_a_bad_entry_is_one_line(groups, line):
 
 
 def test_no_decay_on_an_optimizer_without_weight_decay_is_one_line():
-    spec = {**ADAMW, "no_decay": ["*.bias"], "groups": [{"params": "l1.*", "optimizer": {"_target_": "torch.optim.Rprop"}}]}
-    with pytest.raises(ValueError, match=r"^optimizer.no_decay: optimizer.groups.0.optimizer._target_ \(Rprop\) has no"):
+    spec = {
+        **ADAMW,
+        "no_decay": ["*.bias"],
+        "groups": [{"params": "l1.*", "optimizer": {"_target_": "torch.optim.Rprop"}}],
+    }
+    with pytest.raises(
+        ValueError, match=r"^optimizer.no_decay: optimizer.groups.0.optimizer._target_ \(Rprop\) has no"
+    ):
         gradmod.optimizer(MnistCNN(1, 10), spec)
 
 

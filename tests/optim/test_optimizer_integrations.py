@@ -134,7 +134,9 @@ def test_hf_trainer_trains_and_resumes_with_several_optimizers_as_one(tmp_path):
         "_target_": "torch.optim.AdamW",
         "lr": 1e-2,
         "foreach": False,
-        "groups": [{"params": "@last_layer", "optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-2, "foreach": False}}],
+        "groups": [
+            {"params": "@last_layer", "optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-2, "foreach": False}}
+        ],
     }
     ours = hf_trainer(tmp_path / "a", lambda m: gradmod.optimizer(m, split))
     assert isinstance(ours.optimizer, gradmod.CombinedOptimizer)

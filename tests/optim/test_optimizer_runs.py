@@ -7,6 +7,7 @@ import torch
 from helpers import TINY_FAKE, compose_config
 
 from gradmod.app.cli import run
+from gradmod.app.config_store import validate
 from gradmod.run import checkpoint_file as ckpt
 
 MUON_RUN = [
@@ -38,3 +39,18 @@ def test_a_resume_with_a_new_base_lr_keeps_muons(tmp_path, caplog):
     run(compose_config(*over, "trainer.epochs=2", "optimizer.lr=0.001", f"trainer.resume={last}"), tmp_path)
     groups = ckpt.load(ckpt.latest(tmp_path / "checkpoints")[0])["trainer"]["optimizer"]["param_groups"]
     assert [g["lr"] for g in groups] == [0.001, 0.02]
+
+
+def test_experiment_muon_sweeps_both_optimizers_on_both_workloads():
+    from helpers import CONF
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / "muon.yaml").hydra.sweeper.params)
+    assert params == {"workload": "char_gpt,mnist_cnn", "optimizer": "muon,adamw", "seed": "0,1,2"}
+    for workload, model, data in (("char_gpt", "tiny_gpt", "char_text"), ("mnist_cnn", "mnist_cnn", "mnist_sample")):
+        for optimizer in ("muon", "adamw"):
+            built = validate(compose_config("experiment=muon", f"workload={workload}", f"optimizer={optimizer}"))
+            assert (built.model.name, built.data.name) == (model, data)
+            assert built.optimizer._target_ == "torch.optim.AdamW" and bool(built.optimizer.groups) == (
+                optimizer == "muon"
+            )
