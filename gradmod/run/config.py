@@ -148,6 +148,38 @@ class SGDConfig(OptimizerConfig):
 
 
 @dataclass
+class AdamWConfig(AdamConfig):
+    """``optimizer=adamw``: torch's AdamW with its defaults (decoupled weight decay 0.01)."""
+
+    _target_: str = "torch.optim.AdamW"
+    weight_decay: float = 0.01
+
+
+@dataclass
+class MuonConfig(AdamWConfig):
+    """``optimizer=muon``: Muon on ``@matrices``, AdamW on the rest, as Muon's reference recipe
+    (docs/guide/optimizers.md)."""
+
+    lr: float = 0.0003
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    groups: List[Any] = field(
+        default_factory=lambda: [
+            {
+                "params": "@matrices",
+                "optimizer": {
+                    "_target_": "gradmod.optim.Muon",
+                    "lr": 0.02,
+                    "momentum": 0.95,
+                    "nesterov": True,
+                    "ns_steps": 5,
+                    "weight_decay": 0.01,
+                },
+            }
+        ]
+    )
+
+
+@dataclass
 class TrainerConfig:
     epochs: int = 10  # the article's 10 epochs
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
