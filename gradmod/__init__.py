@@ -30,6 +30,8 @@ _HOMES = {
     "Method": "gradmod.hooks.per_loss.methods",
     "Form": "gradmod.hooks.per_sample.form",
     "register_form": "gradmod.hooks.per_sample.layers",
+    "optimizer": "gradmod.optim",
+    "CombinedOptimizer": "gradmod.optim",
     "apply_init": "gradmod.weight_init",
     "Accountant": "gradmod.training.accounting",
     "PoissonSampler": "gradmod.training.accounting",

@@ -24,11 +24,13 @@ BESIDE = {
 }
 MAY_IMPORT = {
     "hooks": {"gradmod.hooks"},
+    "optim": {"gradmod.optim", "gradmod.hooks.globs"},
     "reporting": {"gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "training": {"gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "integrations": {"gradmod.integrations", "gradmod.hooks", "gradmod.training"} | BESIDE,
-    "run": {"gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
-    "app": {"gradmod.app", "gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
+    "run": {"gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks", "gradmod.optim"} | BESIDE,
+    "app": {"gradmod.app", "gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks", "gradmod.optim"}
+    | BESIDE,
 }
 HYDRA_FLOORS = {"app"}  # the one floor (besides ./train.py) that imports hydra and omegaconf
 

@@ -25,11 +25,13 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from gradmod.run.config import (
     AdamConfig,
+    AdamWConfig,
     CharTextDataConfig,
     Config,
     DataConfig,
     FakeDataConfig,
     MLflowLoggerConfig,
+    MuonConfig,
     RuleConfig,
     SGDConfig,
     TensorBoardLoggerConfig,
@@ -45,6 +47,8 @@ def register() -> None:
     cs.store(group="schema/data", name="char_text", node=CharTextDataConfig)
     cs.store(group="schema/optimizer", name="adam", node=AdamConfig)
     cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
+    cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
+    cs.store(group="schema/optimizer", name="muon", node=MuonConfig)
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)
     cs.store(group="schema/logger", name="mlflow", node=MLflowLoggerConfig)
     cs.store(group="schema", name="rule", node=RuleConfig)  # a hook file's rules: defaults [/schema/rule@NAME]

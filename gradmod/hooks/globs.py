@@ -1,17 +1,58 @@
 """Which names a rule's patterns select: globs over ``named_parameters()`` or
-``named_modules()`` names, ``@last_layer`` (the parameters of the module that holds the last
-of them), and for a pattern that matches nothing, an error listing close names."""
+``named_modules()`` names, selectors (``@last_layer``, ``@embeddings``, ``@norms``,
+``@biases``, ``@matrices``: parameters by the place they hold in the model), and for a pattern
+that matches nothing, an error listing close names. Hook rules and optimizer groups resolve
+their globs here, so a selector means one thing in both."""
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
-from typing import Any, Iterable, Mapping
+import re
+from typing import Any, Iterable, Mapping, NamedTuple
+
+from torch import nn
 
 LAST_LAYER = "@last_layer"  # in params or exclude: the last module's parameters (see _matches)
+SELECTORS = {
+    LAST_LAYER: "the parameters of the module that holds the last parameter (a classifier, a head)",
+    "@embeddings": "the parameters of embedding modules (nn.Embedding, nn.EmbeddingBag)",
+    "@norms": "the parameters of normalisation modules (BatchNorm, LayerNorm, GroupNorm, RMSNorm, ...)",
+    "@biases": "every parameter named bias",
+    "@matrices": "weights of 2 or more dimensions outside the embeddings and the last layer",
+}
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
+NORM_NAME = re.compile(r"Norm(\dd)?$")  # a library's own norm class: LlamaRMSNorm, T5LayerNorm, LayerNorm2d
 
 
-def _patterns(rule: str, key: str, value: Any) -> list[str]:
+class ParamKind(NamedTuple):
+    """What a selector needs to know of one parameter, read once from the model."""
+
+    module: str  # the type of the module that holds it: "embedding" | "norm" | "other"
+    ndim: int
+
+
+def param_kinds(model: nn.Module) -> dict[str, ParamKind]:
+    """Parameter name -> its ``ParamKind``, for every name ``model.named_parameters()`` may give
+    (a tied parameter under each of its names)."""
+    kinds = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        kind = _module_kind(module)
+        for name, p in module.named_parameters(recurse=False):
+            kinds[f"{prefix}.{name}" if prefix else name] = ParamKind(kind, p.ndim)
+    return kinds
+
+
+def _module_kind(module: nn.Module) -> str:
+    if isinstance(module, EMBEDDINGS):
+        return "embedding"
+    if isinstance(module, NORMS) or NORM_NAME.search(type(module).__name__):
+        return "norm"
+    return "other"
+
+
+def _patterns(where: str, value: Any) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if (
@@ -20,7 +61,7 @@ def _patterns(rule: str, key: str, value: Any) -> list[str]:
         or not value
         or not all(isinstance(v, str) and v for v in value)
     ):
-        raise ValueError(f"hooks.{rule}.{key}: {shown(value)} must be a glob or a non-empty list of globs")
+        raise ValueError(f"{where}: {shown(value)} must be a glob or a non-empty list of globs")
     return list(value)
 
 
@@ -36,39 +77,72 @@ def name_hint(pattern: str, names: list[str]) -> str:
     return f"close names: {', '.join(close)}" if close else f"names look like: {', '.join(names[:5])}"
 
 
-def _no_match(rule: str, key: str, pattern: str, names: list[str], what: str) -> ValueError:
-    return ValueError(f"hooks.{rule}.{key}: {shown(pattern)} matches no {what}; {name_hint(pattern, names)}")
+def _no_match(where: str, pattern: str, names: list[str], what: str) -> ValueError:
+    hint = "the model has none of them" if pattern in SELECTORS else name_hint(pattern, names)
+    return ValueError(f"{where}: {shown(pattern)} matches no {what}; {hint}")
 
 
-def _matches(rule: str, key: str, pattern: str, names: list[str], what: str) -> list[str]:
-    """The names ``pattern`` matches: a glob, or ``LAST_LAYER``: the parameters of the module
-    that holds the last of them in ``model.named_parameters()`` order (a classifier, on the
-    models that register it last: torchvision's and timm's)."""
-    if pattern != LAST_LAYER:
-        return fnmatch.filter(names, pattern)
-    if not what.startswith("parameter"):
-        raise ValueError(
-            f"hooks.{rule}.{key}: {LAST_LAYER} selects parameters; a modules rule names its modules by their globs"
-        )
+def last_layer(names: list[str]) -> list[str]:
+    """The parameters of the module that holds the last of ``names`` (in
+    ``model.named_parameters()`` order: a classifier, on the models that register it last:
+    torchvision's and timm's)."""
     owner = names[-1].rpartition(".")[0] if names else None
     return [n for n in names if n.rpartition(".")[0] == owner]
 
 
-def select(rule: str, spec: Mapping[str, Any], names: list[str], what: str) -> list[str]:
-    """The names a rule selects, in model order; a pattern matching nothing is an error."""
-    key = "params" if "params" in spec else "modules"
+def _matches(
+    where: str, pattern: str, names: list[str], what: str, kinds: Mapping[str, ParamKind] | None = None
+) -> list[str]:
+    """The names ``pattern`` matches: a glob, or a selector (``SELECTORS``), which needs
+    ``kinds`` (``param_kinds(model)``) but for ``@last_layer``."""
+    if not pattern.startswith("@"):
+        return fnmatch.filter(names, pattern)
+    if pattern not in SELECTORS:
+        raise ValueError(f"{where}: {pattern!r} is not a selector; allowed: {', '.join(SELECTORS)}")
+    if not what.startswith("parameter"):
+        raise ValueError(f"{where}: {pattern} selects parameters; a modules rule names its modules by their globs")
+    if pattern == LAST_LAYER:
+        return last_layer(names)
+    if kinds is None:
+        raise ValueError(f"{where}: {pattern} needs the model's module types; pass kinds=param_kinds(model)")
+    if pattern == "@biases":
+        return [n for n in names if n.rpartition(".")[2] == "bias"]
+    module = {"@embeddings": "embedding", "@norms": "norm"}.get(pattern)
+    if module is not None:
+        return [n for n in names if n in kinds and kinds[n].module == module]
+    head = set(last_layer(names))  # @matrices
+    return [n for n in names if n in kinds and kinds[n].ndim >= 2 and kinds[n].module != "embedding" and n not in head]
+
+
+def matching(
+    where: str, value: Any, names: list[str], what: str, kinds: Mapping[str, ParamKind] | None = None
+) -> set[str]:
+    """The names a glob or list of globs (``value``, at config key ``where``) matches; a
+    pattern matching nothing is an error naming ``where``."""
     chosen: set[str] = set()
-    for pattern in _patterns(rule, key, spec[key]):
-        hits = _matches(rule, key, pattern, names, what)
+    for pattern in _patterns(where, value):
+        hits = _matches(where, pattern, names, what, kinds)
         if not hits:
-            raise _no_match(rule, key, pattern, names, what)
+            raise _no_match(where, pattern, names, what)
         chosen.update(hits)
+    return chosen
+
+
+def select(
+    rule: str,
+    spec: Mapping[str, Any],
+    names: list[str],
+    what: str,
+    kinds: Mapping[str, ParamKind] | None = None,
+    prefix: str = "hooks",
+) -> list[str]:
+    """The names a rule selects, in model order; a pattern matching nothing is an error.
+    ``kinds``: ``param_kinds(model)``, for the selectors but ``@last_layer``; ``prefix``:
+    where the rule lives, for messages (``hooks``, ``optimizer.groups``)."""
+    key = "params" if "params" in spec else "modules"
+    chosen = matching(f"{prefix}.{rule}.{key}", spec[key], names, what, kinds)
     if spec.get("exclude") is not None:
-        for pattern in _patterns(rule, "exclude", spec["exclude"]):
-            hits = _matches(rule, "exclude", pattern, names, what)
-            if not hits:
-                raise _no_match(rule, "exclude", pattern, names, what)
-            chosen.difference_update(hits)
+        chosen -= matching(f"{prefix}.{rule}.exclude", spec["exclude"], names, what, kinds)
     if not chosen:
-        raise ValueError(f"hooks.{rule}: exclude removes every {what} the rule selected")
+        raise ValueError(f"{prefix}.{rule}: exclude removes every {what} the rule selected")
     return [n for n in names if n in chosen]

@@ -2,8 +2,8 @@
 
 A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
 or ``{"modules": glob(s), ...}``; a key set to null is unset. Names are verified, not
-trusted: a pattern that matches nothing is an error listing close names (``@last_layer``,
-besides globs, names the parameters of the last module holding any). A rule's stage
+trusted: a pattern that matches nothing is an error listing close names (besides globs, the
+selectors of ``gradmod.hooks.globs``: ``@last_layer``, ``@norms``, ``@matrices``, ...). A rule's stage
 is its own, else the default, unless a transform's kind implies one
 (``gradmod.hooks.stages``); the transforms must all run at that stage.
 """
@@ -19,7 +19,7 @@ from torch import nn
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
 from gradmod.hooks.fused.trainability import switched_off
-from gradmod.hooks.globs import select
+from gradmod.hooks.globs import ParamKind, param_kinds, select
 from gradmod.hooks.rule_spec import parse_spec, transform_list
 from gradmod.hooks.schedules import Active, Length
 from gradmod.hooks.timed import check_range, rule_window, split_schedules
@@ -62,6 +62,7 @@ def build_targets(
     params = [n for n, p in model.named_parameters() if p.requires_grad or switched_off(p)]
     every = [n for n, _ in model.named_parameters()]  # frozen ones too: a per_sample rule covers them
     modules = [n for n, _ in model.named_modules() if n]
+    kinds = param_kinds(model)  # what the selectors (@norms, @matrices, ...) read
     targets: list[Target] = []
     for rule, spec in (rules or {}).items():
         if not isinstance(spec, Mapping):
@@ -74,7 +75,7 @@ def build_targets(
             )
         if ("params" in spec) == ("modules" in spec):
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
-        targets.extend(_rule_targets(rule, spec, (params, every), modules, stage, length or Length()))
+        targets.extend(_rule_targets(rule, spec, (params, every), modules, stage, length or Length(), kinds))
     _check_observer_keys(targets)
     return targets
 
@@ -162,6 +163,7 @@ def _rule_targets(
     modules: list[str],
     default_stage: str,
     length: Length,
+    kinds: Mapping[str, ParamKind] | None = None,
 ) -> list[Target]:
     """``named``: the trainable parameters' names, and every parameter's."""
     params, every = named
@@ -179,9 +181,10 @@ def _rule_targets(
         spec,
         params if kind == "param" else modules,
         "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
+        kinds,
     )
     if stage == "per_sample" and kind == "param":
-        names += _frozen_too(rule, spec, params, every)
+        names += _frozen_too(rule, spec, params, every, kinds)
     window = rule_window(rule, spec, length)
     if window is not None and stage not in ("hook", "fused"):
         raise ValueError(
@@ -203,14 +206,16 @@ def _rule_targets(
     return targets
 
 
-def _frozen_too(rule: str, spec: Mapping[str, Any], params: list[str], every: list[str]) -> list[str]:
+def _frozen_too(
+    rule: str, spec: Mapping[str, Any], params: list[str], every: list[str], kinds: Mapping[str, ParamKind] | None
+) -> list[str]:
     """The parameters frozen at attach that a per_sample rule's globs match, after its own:
     the stage follows them too, so that one unfrozen later is clipped (and noised) with the rule."""
     if len(every) == len(params):
         return []
     trainable = set(params)
     try:
-        wide = select(rule, spec, every, "parameter")
+        wide = select(rule, spec, every, "parameter", kinds)
     except ValueError:  # its exclude removes every frozen one it names
         return []
     return [n for n in wide if n not in trainable]

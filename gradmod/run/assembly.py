@@ -13,12 +13,11 @@ from torch import Tensor
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.factories import (
-    build_optimizer,
     build_scheduler,
     build_tasks,
     describe_groups,
     model_factory,
-    param_groups,
+    model_optimizer,
 )
 from gradmod.run.state import Run
 from gradmod.training.callbacks import NonFiniteCallback
@@ -54,10 +53,9 @@ def build_trainer(run: Run) -> Parts:
     guard = NonFiniteGuard(
         model, run.hooks, t.nonfinite, world_sum=_world_sum if many else None, sharded=many and dist.strategy == "fsdp"
     )
-    groups = param_groups(model.named_parameters(), cfg.optimizer.no_decay)
-    if cfg.optimizer.no_decay:
-        log.info("%s", describe_groups(model, groups, cfg.optimizer.weight_decay))
-    optimizer = build_optimizer(cfg.optimizer, groups, dist.device)
+    optimizer = model_optimizer(cfg.optimizer, model, dist.device)
+    if cfg.optimizer.no_decay or cfg.optimizer.groups:
+        log.info("%s", describe_groups(model, optimizer, bool(cfg.optimizer.groups)))
     saver = Checkpointer(
         run.folder.out / "checkpoints",
         every_epochs=t.checkpoint_every,

@@ -112,6 +112,8 @@ class OptimizerConfig:
     lr: float = 0.001
     weight_decay: float = 0.0
     no_decay: List[str] = field(default_factory=list)  # globs over parameter names: weight_decay 0 for these
+    # entries {params, exclude, lr_scale, optimizer: {_target_, ...}, ARG: value}: groups by glob (gradmod.optim)
+    groups: List[Any] = field(default_factory=list)
     fused: Optional[bool] = None  # None: fused on CUDA where torch has it (build.default_fused), else torch's default
     foreach: Optional[bool] = None  # None: torch's default
     args: Dict[str, Any] = field(default_factory=dict)  # a user optimizer's other arguments (+optimizer.KEY=...)
@@ -143,6 +145,38 @@ class SGDConfig(OptimizerConfig):
     def __post_init__(self):
         super().__post_init__()
         finite("optimizer.momentum", self.momentum)
+
+
+@dataclass
+class AdamWConfig(AdamConfig):
+    """``optimizer=adamw``: torch's AdamW with its defaults (decoupled weight decay 0.01)."""
+
+    _target_: str = "torch.optim.AdamW"
+    weight_decay: float = 0.01
+
+
+@dataclass
+class MuonConfig(AdamWConfig):
+    """``optimizer=muon``: Muon on ``@matrices``, AdamW on the rest, as Muon's reference recipe
+    (docs/guide/optimizers.md)."""
+
+    lr: float = 0.0003
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    groups: List[Any] = field(
+        default_factory=lambda: [
+            {
+                "params": "@matrices",
+                "optimizer": {
+                    "_target_": "gradmod.optim.Muon",
+                    "lr": 0.02,
+                    "momentum": 0.95,
+                    "nesterov": True,
+                    "ns_steps": 5,
+                    "weight_decay": 0.01,
+                },
+            }
+        ]
+    )
 
 
 @dataclass

@@ -13,7 +13,6 @@ targets for regression) or a mapping of them by task; a loss target returns
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import importlib
 import inspect
@@ -24,10 +23,13 @@ from torch import Tensor, nn
 from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
-from gradmod.hooks.globs import name_hint, shown
+from gradmod.hooks.globs import param_kinds
 from gradmod.hooks.per_sample import replace_batchnorm
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
+from gradmod.optim import CombinedOptimizer
+from gradmod.optim.param_groups import plan
+from gradmod.optim.spec import build
 from gradmod.run.config import DataConfig, LossConfig, ModelConfig, SchedulerConfig
 from gradmod.training.tasks import IGNORE_INDEX, Tasks
 
@@ -80,47 +82,54 @@ def default_fused(cls: type, device: torch.device) -> bool | None:
     return None
 
 
-def param_groups(named: Iterable[tuple[str, nn.Parameter]], no_decay: list[str]) -> list[dict[str, Any]]:
-    """Two groups: parameters matching a ``no_decay`` glob get ``weight_decay=0`` (that group
-    is marked ``no_decay: True``, so a resume's new ``weight_decay`` leaves it at 0). A glob
-    matching nothing is an error, as in hook rules."""
-    named = [(n, p) for n, p in named if p.requires_grad]
-    names = [n for n, _ in named]
-    exempt: set[str] = set()
-    for pattern in no_decay:
-        hits = fnmatch.filter(names, pattern)
-        if not hits:
-            raise ValueError(f"optimizer.no_decay: {shown(pattern)} matches no parameter; {name_hint(pattern, names)}")
-        exempt.update(hits)
-    groups = [
-        {"params": [p for n, p in named if n not in exempt]},
-        {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0, "no_decay": True},
-    ]
-    return [g for g in groups if g["params"]]
-
-
-def describe_groups(model: nn.Module, groups: list[dict[str, Any]], weight_decay: float) -> str:
-    """The optimizer's parameter groups by name, as ``optimizer.no_decay`` made them."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    parts = []
-    for g in groups:
-        listed = [names[id(p)] for p in g["params"]]
-        shown = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
-        parts.append(f"weight_decay={g.get('weight_decay', weight_decay):g}: {shown}")
-    return "optimizer groups (optimizer.no_decay): " + "; ".join(parts)
-
-
-def build_optimizer(cfg: Any, params: Iterable[Any], device: torch.device | str = "cpu") -> torch.optim.Optimizer:
-    """``optimizer._target_`` called with the parameters (or ``param_groups``) and the node's
-    other keys; ``fused``/``foreach`` only when set (or chosen by ``default_fused``)."""
-    cls = locate(cfg._target_, "optimizer._target_")
-    kwargs = {k: v for k, v in arguments(cfg).items() if k not in ("no_decay", "args", "fused", "foreach")}
+def optimizer_arguments(cfg: Any, cls: type, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The base optimizer's keyword arguments from the ``optimizer`` node: its keys but
+    ``no_decay``/``groups``/``args`` (whose entries join them), ``fused``/``foreach`` only when
+    set (or chosen by ``default_fused``)."""
+    kwargs = {k: v for k, v in arguments(cfg).items() if k not in ("no_decay", "groups", "args", "fused", "foreach")}
     kwargs.update(cfg.args)
     fused = cfg.fused if cfg.fused is not None or cfg.foreach else default_fused(cls, device)
     for key, value in (("fused", fused), ("foreach", cfg.foreach)):
         if value is not None:
             kwargs[key] = value
-    return cls(params, **kwargs)
+    return kwargs
+
+
+def build_optimizer(cfg: Any, params: Iterable[Any], device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+    """``optimizer._target_`` called with ``params`` (or parameter groups) and the node's other keys."""
+    cls = locate(cfg._target_, "optimizer._target_")
+    return cls(params, **optimizer_arguments(cfg, cls, device))
+
+
+def model_optimizer(cfg: Any, model: nn.Module, device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+    """The run's optimizer over every parameter of ``model`` (one frozen now and unfrozen later
+    trains), in the groups ``optimizer.groups`` and ``optimizer.no_decay`` make
+    (``gradmod.optim``): one torch optimizer, or several as one."""
+    cls = locate(cfg._target_, "optimizer._target_")
+    parts = plan(
+        model.named_parameters(),
+        param_kinds(model),
+        cls,
+        {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer_arguments(cfg, cls, device).items()},
+        no_decay=list(cfg.no_decay),
+        entries=list(cfg.groups),
+    )
+    return build(parts)
+
+
+def describe_groups(model: nn.Module, optimizer: torch.optim.Optimizer, entries: bool) -> str:
+    """The optimizer's parameter groups by name, as ``optimizer.no_decay`` (and
+    ``optimizer.groups``: each group's optimizer and learning rate too) made them."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
+    parts = []
+    for o in held:
+        for g in o.param_groups:
+            listed = [names[id(p)] for p in g["params"]]
+            shown = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
+            what = f"{type(o).__name__} lr={g['lr']:g} " if entries else ""
+            parts.append(f"{what}weight_decay={g.get('weight_decay', 0.0):g}: {shown}")
+    return f"optimizer groups (optimizer.{'groups' if entries else 'no_decay'}): " + "; ".join(parts)
 
 
 def model_factory(cfg: ModelConfig, data: Data) -> Callable[[], nn.Module]:

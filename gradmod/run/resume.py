@@ -8,7 +8,8 @@ plan spans the run, ``trainer.epochs`` too). May change (applied, each differenc
 everything else, e.g. ``trainer.epochs`` without a scheduler (never below the epochs the
 checkpoint has begun), ``trainer.log_every``, checkpoint keys, ``logger``, and the
 optimizer's hyperparameters, which are written into the restored optimizer's parameter
-groups (``weight_decay`` not into the ``no_decay`` group, which stays at 0).
+groups (``weight_decay`` not into the ``no_decay`` group, which stays at 0; not into what an
+``optimizer.groups`` entry set itself; ``lr`` times a group's ``lr_scale``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MUST_MATCH = (
     "init",
     "optimizer._target_",
     "optimizer.no_decay",
+    "optimizer.groups",
     "loss",
     "scheduler",
     "trainer.accumulate",
@@ -99,14 +101,17 @@ def check_epochs(path: Any, state: dict[str, Any], epochs: int) -> None:
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, diffs: dict[str, tuple[Any, Any]]) -> None:
     """Write changed optimizer hyperparameters (``optimizer.lr``, ...) into the param groups,
-    over the values the checkpoint's optimizer state restored; ``weight_decay`` stays 0 in
-    the ``no_decay`` group (marked by ``gradmod.run.factories.param_groups``)."""
+    over the values the checkpoint's optimizer state restored, as the groups' markers
+    (``gradmod.optim.param_groups``) say: ``weight_decay`` stays 0 in a ``no_decay`` group, an
+    argument its ``optimizer.groups`` entry set (every one, for an entry's own optimizer) stays,
+    and ``lr`` is multiplied by the group's ``lr_scale``."""
     for key, (_, value) in diffs.items():
         name = key.partition(".")[2]
         if not key.startswith("optimizer.") or name in NOT_ARGUMENTS:
             continue
         for group in optimizer.param_groups:
-            if name == "weight_decay" and group.get("no_decay"):
+            if (name == "weight_decay" and group.get("no_decay")) or name in group.get("entry_args", ()):
                 continue
             if name in group:
-                group[name] = tuple(value) if isinstance(group[name], tuple) else value
+                new = value * group["lr_scale"] if name == "lr" and "lr_scale" in group else value
+                group[name] = tuple(new) if isinstance(group[name], tuple) else new

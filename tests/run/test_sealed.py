@@ -20,7 +20,7 @@ from gradmod.app.cli import run
 from gradmod.app.config_store import validate
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run import endings
-from gradmod.run.factories import build_optimizer, param_groups
+from gradmod.run.factories import model_optimizer
 from gradmod.run.folder import RunFolder
 from gradmod.run.resume import apply_optimizer, compare
 
@@ -195,7 +195,7 @@ def test_start_over_removes_the_earlier_tensorboard_events(tmp_path):
 def test_changing_weight_decay_on_resume_leaves_the_no_decay_group_at_zero():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     cfg = validate(compose_config("optimizer.weight_decay=0.1", "optimizer.no_decay=['*.bias']")).optimizer
-    optimizer = build_optimizer(cfg, param_groups(model.named_parameters(), cfg.no_decay))
+    optimizer = model_optimizer(cfg, model)
     optimizer.load_state_dict(optimizer.state_dict())  # as a checkpoint restores it
     apply_optimizer(optimizer, {"optimizer.weight_decay": (0.1, 0.2), "optimizer.lr": (1e-3, 5e-4)})
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.2, 0.0]

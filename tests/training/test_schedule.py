@@ -11,7 +11,7 @@ from torch import nn
 from gradmod.app.cli import run
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.config import AdamConfig, SGDConfig
-from gradmod.run.factories import build_optimizer, build_scheduler, default_fused, param_groups
+from gradmod.run.factories import build_optimizer, build_scheduler, default_fused, model_optimizer
 
 TINY = [
     "data=fake",
@@ -76,8 +76,7 @@ def test_scheduled_run_resumes_bit_identical(compose_cfg, tmp_path):
 
 def test_no_decay_groups_and_their_errors():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    groups = param_groups(model.named_parameters(), ["*.bias", "1.*"])
-    opt = build_optimizer(AdamConfig(weight_decay=0.1), groups)
+    opt = model_optimizer(AdamConfig(weight_decay=0.1, no_decay=["*.bias", "1.*"]), model)
     decayed, exempt = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
     assert [p is q for p, q in zip(decayed["params"], [model[0].weight, model[2].weight])] == [True, True]
@@ -88,7 +87,7 @@ def test_no_decay_groups_and_their_errors():
         id(model[2].bias),
     }
     with pytest.raises(ValueError, match=r"optimizer.no_decay: '\*bn\*' matches no parameter; .*1.bias"):
-        param_groups(model.named_parameters(), ["*bn*"])
+        model_optimizer(AdamConfig(no_decay=["*bn*"]), model)
 
 
 def test_no_decay_from_the_config_reaches_the_run(compose_cfg, tmp_path):
