@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import ROOT, free_port, run_train
 from torch import nn
+from torch.nn import functional as F
 
 from gradmod.models import TinyGPT, build_model
 from gradmod.training.distributed import Dist, tp_plan
@@ -87,6 +88,33 @@ def test_tiny_gpt_is_causal():
     assert out.shape == (2, 20, 12)
     torch.testing.assert_close(out[..., :7], changed[..., :7])
     assert not torch.allclose(out[..., 7:], changed[..., 7:])
+
+
+def _by_hand(model: TinyGPT, x: torch.Tensor) -> torch.Tensor:
+    """tiny_gpt's forward from its parts, as it was before its head and root owned their
+    outputs: the head's product viewed back to N x T x classes, transposed (a view)."""
+    h = model.embed(x) + model.position(torch.arange(x.shape[1]))
+    for block in model.blocks:
+        h = block(h)
+    return F.linear(model.norm(h), model.head.weight, model.head.bias).transpose(1, 2)
+
+
+def test_tiny_gpt_returns_no_view_and_the_same_bits_as_its_view():
+    torch.manual_seed(0)
+    model = TinyGPT(num_classes=20)
+    x, y = torch.randint(0, 20, (3, 12)), torch.randint(0, 20, (3, 12))
+    seen: list[torch.Tensor] = []
+    model.head.register_forward_hook(lambda m, args, out: seen.append(out))
+    out, want = model(x), _by_hand(model, x)
+    assert want._is_view() and not out._is_view() and not seen[0]._is_view()
+    assert out.stride() == want.stride() and torch.equal(out, want)
+    grads = []
+    for logits in (out, want):
+        model.zero_grad()
+        F.cross_entropy(logits, y).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
 
 
 TINY_GPT = [
