@@ -334,7 +334,8 @@ def evaluate(
     for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers, parts=parts):
         empty = len(yb) == 0 and stand_in is not None
         if empty:
-            xb, yb = next(batches(*stand_in, 1, device=device, loader_workers=loader_workers))
+            x_in, y_in = stand_in
+            xb, yb = next(batches(x_in, y_in, 1, device=device, loader_workers=loader_workers))
         out = model(xb)
         for k, v in evaluation_sums(tasks, out, yb).items():
             v = torch.zeros_like(v) if empty else v
