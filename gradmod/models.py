@@ -160,6 +160,11 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
+def _own_storage(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    """A forward hook: the module's output as a tensor of its own (the same values and strides)."""
+    return output.clone()
+
+
 class TinyGPT(nn.Module):
     """A small causal transformer on characters: token and position embeddings, ``depth``
     pre-norm blocks, a final LayerNorm and a Linear to the characters. Input N x T ids,
@@ -173,6 +178,9 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(width, width // heads) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, num_classes)
+        # A Linear on N x T x W returns a view of its 2-D product, and a view returned by an
+        # FSDP2 unit loses the unit's backward hook to any in-place op on it: own the storage.
+        self.head.register_forward_hook(_own_storage)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[1] > self.max_len:
@@ -180,7 +188,7 @@ class TinyGPT(nn.Module):
         h = self.embed(x) + self.position(torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             h = block(h)
-        return self.head(self.norm(h)).transpose(1, 2)
+        return self.head(self.norm(h)).transpose(1, 2).clone()  # the same strides, not a view (as above)
 
     def tp_plan(self) -> dict[str, Any]:
         """``parallelize_module``'s plan (Megatron's): q, k, v and the MLP's first layer cut

@@ -15,7 +15,8 @@ job killed by a signal ends only itself; a job that raises does not end the swee
 folder gets a ``summary.json`` with ``status: failed`` and the error (where the folder is
 its own), its log the traceback, and the sweep goes on. Each job records its ending in the
 sweep folder (``sweep_jobs``), and the sweep report (``gradmod.app.sweep_callback.SweepReport``)
-exits non-zero at the end when any job did not end ok. Ctrl-C or SIGTERM ends the sweep
+exits non-zero at the end when any job did not end ok (also where the sweeper stops by
+raising, as Optuna does when no trial completed: ``report_cut_short``). Ctrl-C or SIGTERM ends the sweep
 (the job in progress ends ``interrupted``) with the report of what ran, naming the jobs
 that did not; ``hydra.run.dir=''`` is refused (a run needs a folder of its own).
 """
@@ -44,9 +45,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from gradmod.app import config_files, interrupted_at_start
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
-from gradmod.app.isolated import preload, run_forked
+from gradmod.app.isolated import preload, run_isolated
 from gradmod.app.job_files import JobFiles
-from gradmod.app.sweep_callback import stop_asked, stop_sweep
+from gradmod.app.sweep_callback import report_cut_short, stop_asked, stop_sweep
 from gradmod.install import BrokenInstall, gradmod_version
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
@@ -84,11 +85,13 @@ def main(conf: str | Path = CONF) -> None:
     try:
         hydra.main(version_base="1.3", config_path=str(Path(conf).resolve()), config_name="config")(job)()
     except Exception as e:  # job ends its own errors (it exits); these are Hydra's and OmegaConf's
+        jobs = report_cut_short()  # a sweep the sweeper ended by raising: what ran, reported
         code = _config_status(e)
         if _USER_FULL_ERROR or code is None or e is _RAISED[0]:
             raise
-        print(f"error: {describe(e)}", file=sys.stderr)
-        sys.exit(code)
+        stopped = "" if jobs is None else f"the sweeper stopped ({describe(e)})" + (f" after {jobs}" if jobs else "")
+        print(f"error: {stopped or describe(e)}", file=sys.stderr)
+        sys.exit(code if jobs is None else 1)
     finally:
         if not _USER_FULL_ERROR:
             os.environ.pop("HYDRA_FULL_ERROR", None)
@@ -141,7 +144,7 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     before = _run_marks(out_dir)
     _training(lambda: preload(TRAINING))  # imported once here, inherited by every job's child
     record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
-    code, summary = run_forked(lambda: _in_child(cfg, out_dir))
+    code, summary = run_isolated(_in_child, (cfg, out_dir, HydraConfig.instance().cfg))
     status, error = _ending(code, summary, before, _run_marks(out_dir))
     sweep_jobs.finish(sweep_dir, record, status, summary, error)
     if status != "ok":
@@ -151,9 +154,16 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     return {**(summary or {"test_accuracy": None, "test_loss": None}), "status": status, "error": error}
 
 
-def _in_child(cfg: DictConfig, out_dir: str) -> tuple[int, dict[str, Any] | None]:
+def _in_child(cfg: DictConfig, out_dir: str, hydra_cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
+    """The job in its child process. A fresh interpreter (``isolated``) first takes on the
+    launcher's Hydra state and job logging, which a forked child inherits."""
     from gradmod.training.interrupt import Interrupted
 
+    if not HydraConfig.initialized():
+        from hydra.core.utils import configure_log
+
+        HydraConfig.instance().set_config(hydra_cfg)
+        configure_log(hydra_cfg.hydra.job_logging, hydra_cfg.hydra.verbose)
     ending = _train(cfg, out_dir, multirun=True)
     if isinstance(ending.error, Interrupted):
         _say(ending.error)

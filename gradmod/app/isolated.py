@@ -2,17 +2,20 @@
 
 A job killed by a signal (the OOM killer's SIGKILL) must end only itself. Under Hydra's
 joblib launcher the jobs run in a loky pool, which breaks as a whole when one of its worker
-processes dies: the healthy jobs are lost and no report is written. So the launcher's
-process (a loky worker, the basic launcher's own process, a submitit task) forks a child
-that does the training and waits for it; the launcher never sees the child die.
+processes dies: the healthy jobs are lost and no report is written; under the Optuna
+sweeper the trials run in the sweeper's own process, which holds the study. So the
+launcher's process (a loky worker, the basic launcher's own process, the sweeper's, a
+submitit task) starts a child that does the training and waits for it; the launcher never
+sees the child die.
 
-``fork`` rather than a fresh interpreter: the child inherits the composed config and the
-logging Hydra set up for the job (``train.log``), and does not import torch again. A fork
-is only safe while the process has no native threads (OpenMP's pool, CUDA's): the
-launcher's process does no torch work of its own, so under ``python train.py -m`` it has
-none. Where it has some (a sweep launched from a process that already trained, as
-an in-process launcher inside a test run does), the job runs in the process itself,
-without the isolation, rather than risk a child that deadlocks in its first parallel op.
+``fork`` where it is safe: the child inherits the composed config and the logging Hydra set
+up for the job (``train.log``), and does not import torch again. A fork is only safe while
+the process has no native threads (OpenMP's pool, CUDA's): the launcher's process does no
+torch work of its own, so under ``python train.py -m`` it has none. Where it has some (the
+Optuna sweeper imports libraries that start thread pools; a sweep launched from a process
+that already trained), the child is a fresh interpreter instead (``spawn``), handed the
+job's function and arguments by pickle, which imports torch again (seconds) but cannot
+deadlock.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import importlib
 import json
 import logging
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -31,28 +36,59 @@ from typing import Any, Callable
 ChildResult = tuple[int, "dict[str, Any] | None"]  # (exit status or -signal, what the child returned)
 
 
-def run_forked(fn: Callable[[], ChildResult]) -> ChildResult:
-    """Run ``fn`` in a forked child; returns its (exit code, summary), or (-signal, None)
-    when a signal ended the child before it could answer. Where a fork is not safe
-    (``fork_is_safe``), ``fn`` runs here."""
-    if not fork_is_safe():
-        return fn()
+def run_isolated(target: Callable[..., ChildResult], args: tuple) -> ChildResult:
+    """Run ``target(*args)`` in a child process; returns its (exit code, summary), or
+    (-signal, None) when a signal ended the child before it could answer. A forked child
+    where that is safe (``fork_is_safe``), else a fresh interpreter: ``target`` must be a
+    module-level function and ``args`` picklable."""
     read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: answer through the pipe, then leave without the parent's atexit work
-        os.close(read_end)
-        _child(fn, write_end)
+    if fork_is_safe():
+        pid = os.fork()
+        if pid == 0:  # the child: answer through the pipe, then leave without the parent's atexit work
+            os.close(read_end)
+            _child(lambda: target(*args), write_end)
+        child = None
+    else:
+        child = _spawn(target, args, write_end)
+        pid = child.pid
     os.close(write_end)
     with _forward_signals(pid):
         with os.fdopen(read_end, "rb") as f:
             answer = f.read()
-        _, status = _wait(pid)
-    code = os.waitstatus_to_exitcode(status)
+        code = child.wait() if child is not None else os.waitstatus_to_exitcode(_wait(pid)[1])
     try:
         sent_code, summary = json.loads(answer) if answer else (code, None)
     except ValueError:
         sent_code, summary = code, None
     return (code if code < 0 else sent_code), summary
+
+
+# A fresh interpreter's first line: the parent's import path (a test's or a script's own
+# additions), then the job from the pickle that follows on stdin.
+_BOOT = (
+    "import json, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); sys.path[:] = json.loads(sys.stdin.buffer.readline()); "
+    "from gradmod.app.isolated import _spawned; _spawned()"
+)
+
+
+def _spawn(target: Callable[..., ChildResult], args: tuple, write_end: int) -> subprocess.Popen:
+    """A fresh Python running ``target(*args)``, its answer to ``write_end``; the console,
+    the environment and the working folder are the parent's."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BOOT, str(write_end)], stdin=subprocess.PIPE, pass_fds=(write_end,)
+    )
+    assert child.stdin is not None
+    with child.stdin:
+        child.stdin.write(json.dumps(sys.path).encode() + b"\n")
+        child.stdin.write(pickle.dumps((sys.argv, target, args)))
+    return child
+
+
+def _spawned() -> None:
+    """The fresh interpreter's side of ``_spawn``."""
+    write_end = int(sys.argv[1])
+    sys.argv, target, args = pickle.load(sys.stdin.buffer)
+    _child(lambda: target(*args), write_end)
 
 
 def _native_threads() -> set[int] | None:

@@ -33,20 +33,30 @@ class SweepReport(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = config.hydra.sweep.dir
+        logger = config.get("logger") or {}
+        if logger.get("name") == "mlflow":  # a store the sweep cannot log into: one line, nothing written
+            from gradmod.reporting.mlflow_store import check_store
+
+            try:
+                check_store(logger.get("tracking_uri"), logger.get("experiment", "gradmod"))
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
         sweep_jobs.clear(sweep_dir)
+        _OPEN[:] = [sweep_dir]
         jobs = planned_jobs(config)
         if jobs is not None:
             sweep_jobs.plan(sweep_dir, jobs)
 
         _ASKED.clear()
         self._handlers = {s: signal.signal(s, _note) for s in SIGNALS}
-        logger = config.get("logger") or {}
         if logger.get("name") == "mlflow":  # the sweep's parent run; each job a child of it
             from gradmod.reporting import mlflow_tracking
 
             mlflow_tracking.start_sweep(logger.get("tracking_uri"), logger.get("experiment", "gradmod"), sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        _OPEN.clear()
         for s, handler in self._handlers.items():
             signal.signal(s, handler)
         if stop_asked():  # after the last job: the report says all ran
@@ -61,17 +71,44 @@ class SweepReport(Callback):
             print(f"error: {e}; the report ranks by report.metric=auto instead", file=sys.stderr)
             paths, rows = write_report(config.hydra.sweep.dir, ended=True)
         _end_parent(paths, [r["status"] for r in rows])
-        bad = [r for r in rows if r["status"] != "ok"]
         log.info("sweep report: %s, %s, %s", *paths.values())
+        bad = _not_ok(paths, rows)
         if bad:
-            print(
-                f"error: {len(bad)} of {len(rows)} jobs did not end ok: "
-                + "; ".join(f"job {r['job']} {r['status']}: {r['error']}" for r in bad[:3])
-                + ("; ..." if len(bad) > 3 else "")
-                + f" (see {paths['md']})",
-                file=sys.stderr,
-            )
+            print(f"error: {bad}", file=sys.stderr)
             raise SystemExit(1)
+
+
+def _not_ok(paths: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The line naming the jobs that did not end ok ("" when every job did)."""
+    bad = [r for r in rows if r["status"] != "ok"]
+    if not bad:
+        return ""
+    return (
+        f"{len(bad)} of {len(rows)} jobs did not end ok: "
+        + "; ".join(f"job {r['job']} {r['status']}: {r['error']}" for r in bad[:3])
+        + ("; ..." if len(bad) > 3 else "")
+        + f" (see {paths['md']})"
+    )
+
+
+_OPEN: list[str] = []  # the folder of the multirun that started and has not ended
+
+
+def report_cut_short() -> str | None:
+    """After the sweeper ended the multirun by raising (Optuna's "No trials are completed
+    yet" when every trial failed or was killed), Hydra does not end it: the report of the
+    jobs that ran is written here. Returns the line naming the jobs that did not end ok
+    ("" if all did), or None where no multirun was cut short or no job had started."""
+    if not _OPEN:
+        return None
+    sweep_dir = _OPEN.pop()
+    try:
+        paths, rows = write_report(sweep_dir, ended=True)
+    except ValueError:  # no job had started
+        return None
+    _end_parent(paths, [r["status"] for r in rows] + ["failed"])
+    log.info("sweep report: %s, %s, %s", *paths.values())
+    return _not_ok(paths, rows)
 
 
 _ASKED: list[int] = []  # the signal that asked the sweep to stop, noted by the handler

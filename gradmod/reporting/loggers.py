@@ -192,9 +192,28 @@ def make_logger(
 ) -> Logger:
     """The logger a ``logger`` config names (``None``: ``csv``); ``config`` (the run's
     resolved config) and ``run`` (its id) go to ``mlflow``, as its params and its resume key."""
+    name, cfg = _options(cfg)
+    if name == "mlflow":
+        from gradmod.reporting.mlflow_tracking import MLflowLogger
+
+        return MLflowLogger(Path(out), config=config, run=run, **cfg)
+    return CSVLogger(Path(out)) if name == "csv" else TensorBoardLogger(Path(out), **cfg)
+
+
+def check_logger(cfg: Mapping[str, Any] | None) -> None:
+    """Before the run starts: one line for what ``make_logger`` would refuse, and for an MLflow
+    store the run could not log into (``gradmod.reporting.mlflow_store``)."""
+    name, options = _options(cfg)
+    if name == "mlflow":
+        from gradmod.reporting.mlflow_store import check_store
+
+        check_store(options.get("tracking_uri"), options.get("experiment", "gradmod"))
+
+
+def _options(cfg: Mapping[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The logger's name and its options, checked."""
     cfg = dict(cfg or {"name": "csv"})
     name = cfg.pop("name", "csv")
-    out = Path(out)
     if name == "csv":
         allowed: tuple[str, ...] = ()
     elif name == "tensorboard":
@@ -209,8 +228,4 @@ def make_logger(
             f"logger={name} got unknown key(s) {', '.join(map(str, unknown))}; "
             f"allowed: {', '.join(('name',) + allowed)}"
         )
-    if name == "mlflow":
-        from gradmod.reporting.mlflow_tracking import MLflowLogger
-
-        return MLflowLogger(out, config=config, run=run, **cfg)
-    return CSVLogger(out) if name == "csv" else TensorBoardLogger(out, **cfg)
+    return name, cfg

@@ -26,7 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradmod.hooks.hookset import attach
 from gradmod.reporting import json_text
-from gradmod.reporting.loggers import make_logger
+from gradmod.reporting.loggers import check_logger, make_logger
 from gradmod.reporting.plan import summarize_plan
 from gradmod.run import atomic, dp, endings, preflight
 from gradmod.run import checkpoint_file as ckpt
@@ -114,6 +114,7 @@ def _build(
     """Everything the run needs before its Trainer, checked, with the folder claimed (no write yet)."""
     import_plugins(cfg.plugins)  # their gradmod.register(...) calls, before any rule is built
     privacy_plan = dp.check(cfg)
+    check_logger(dataclasses.asdict(cfg.logger))  # a tracker that cannot take the run: one line, before anything
     dist = place(cfg)
     undo.callback(dist.close)
     claim, diffs = _claim_shared(cfg, folder, dist)

@@ -318,9 +318,13 @@ def evaluate(
     device: torch.device | None = None,
     loader_workers: int | None = None,
     parts: int | None = None,
+    stand_in: tuple[Tensor, Tensor | Labels] | None = None,
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Batched evaluation: (the means of ``evaluation_sums`` over the examples, read from the
-    device once; each task's metric name). ``parts``: exactly that many batches (FSDP2)."""
+    device once; each task's metric name). ``parts``: exactly that many batches (FSDP2).
+    ``stand_in``: an (x, y) example of the whole test set that an empty batch (a rank's share
+    smaller than its parts) runs instead, counting nothing, so that every rank runs as many
+    forward passes and returns the same keys."""
     from gradmod.training.loader import batches
 
     model.eval()
@@ -328,8 +332,13 @@ def evaluate(
     sums: dict[str, Tensor] = {}
     names: dict[str, str] = {}
     for xb, yb in batches(x, y, batch_size, device=device, loader_workers=loader_workers, parts=parts):
+        empty = len(yb) == 0 and stand_in is not None
+        if empty:
+            x_in, y_in = stand_in
+            xb, yb = next(batches(x_in, y_in, 1, device=device, loader_workers=loader_workers))
         out = model(xb)
         for k, v in evaluation_sums(tasks, out, yb).items():
+            v = torch.zeros_like(v) if empty else v
             sums[k] = sums[k] + v if k in sums else v
         if not names:
             names = {task: tasks.metric_name(task, t) for task, (_, t) in by_task_or_single(out, yb).items()}

@@ -282,6 +282,7 @@ class Trainer:
             device=self.device,
             loader_workers=self.settings.loader_workers,
             parts=parts,
+            stand_in=(data.test_x[:1], data.test_y[:1]),  # a rank with an empty share still runs its forwards
         )
         combined = self.dist.mean(list(means.values()), weight=len(test_y))
         return results(dict(zip(means, combined)), names)

@@ -163,3 +163,82 @@ def test_wheel_ships_the_configs_and_composes_with_a_users_folder(tmp_path):
         f"hydra.run.dir={user / 'run_searchpath'}",
     )
     assert (user / "run_searchpath" / "summary.json").is_file()
+
+
+def _readme_cpu_command() -> list[str]:
+    """The README's command for the CPU wheels, as arguments."""
+    found = re.search(r"`(python scripts/install_cpu_torch\.py)`", (ROOT / "README.md").read_text())
+    assert found, "README.md names no CPU install command"
+    return shlex.split(found.group(1))[1:]
+
+
+def _pair(python: Path, env: dict) -> subprocess.CompletedProcess:
+    from gradmod.install import CHECK
+
+    return subprocess.run([str(python), "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+
+
+def _torch_dists(venv: Path) -> list[str]:
+    """The torch and torchvision distributions installed in the venv itself."""
+    return sorted(p.name for p in venv.glob("lib/python*/site-packages/torch*.dist-info"))
+
+
+@pytest.mark.slow  # a fresh venv with its own pip; where the CPU index answers, a CPU torch download
+def test_the_readmes_cpu_command_in_a_fresh_venv_leaves_a_working_cpu_pair_or_nothing(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [str(python), *_readme_cpu_command()], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+    )
+    if proc.returncode == 0:  # the CPU index answered: its pair, checked
+        check = _pair(python, env)
+        assert check.returncode == 0 and "cuda None" in check.stdout, check.stdout + check.stderr
+        assert "+cpu" in check.stdout
+    else:  # no CPU pair to be had (on this machine: a CPU torch and PyPI's torchvision, refused): nothing installed
+        assert proc.returncode == 1 and _torch_dists(venv) == [], proc.stdout + proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "nothing changed" in errors[0] and "pip install -e ." in errors[0]
+
+
+@pytest.mark.slow
+def test_the_cpu_command_changes_nothing_where_the_pair_works(tmp_path):
+    venv = _venv(tmp_path)  # sees this environment's working pair
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), *_readme_cpu_command()], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "nothing changed", proc.stdout + proc.stderr
+    assert _torch_dists(venv) == []
+
+
+@pytest.mark.slow  # installs a torch wheel into a venv
+def test_a_broken_pair_is_repaired_by_the_printed_command_or_left_as_it_was(tmp_path):
+    """The pair seen broken: a CPU torch beside PyPI's torchvision of its release. gradmod's
+    line names ``python -m gradmod.install``; run, it leaves a working pair or the one it found."""
+    venv = _venv(tmp_path)
+    python = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    mixed = ["torch==2.13.0+cpu", "torchvision==0.28.0"]
+    setup = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", *mixed], env=env, capture_output=True, text=True
+    )
+    if setup.returncode != 0:
+        pytest.skip(f"{' and '.join(mixed)} are not on this machine's indexes: {setup.stderr.strip()[-200:]}")
+    assert _pair(python, env).returncode != 0  # broken, as seen
+    before = _torch_dists(venv)
+    from gradmod.install import REPAIR
+
+    proc = subprocess.run(
+        [str(python), *shlex.split(REPAIR)[1:]],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if proc.returncode == 0:
+        assert _pair(python, env).returncode == 0, proc.stdout + proc.stderr
+    else:
+        assert _torch_dists(venv) == before, proc.stdout + proc.stderr

@@ -1,17 +1,20 @@
-"""torch and torchvision that do not work together are one line with the command that fixes
-them, and the CPU install script checks the pair it leaves and falls back until one works."""
+"""torch and torchvision that do not work together are one line with the command that repairs
+them; the repair (and the CPU install script) changes nothing where the pair works, takes a
+step only where pip's plan is one release and one build, and undoes a step whose pair fails."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, TINY_FAKE
 
-from gradmod.install import fix_command, installed, matching_torchvision
+import gradmod.install as pair_install
+from gradmod.install import REPAIR, installed, matching_torchvision, one_build
 
 
 def test_the_torchvision_of_a_torch_release():
@@ -20,10 +23,9 @@ def test_the_torchvision_of_a_torch_release():
     assert matching_torchvision("1.13.1") is None
     here = matching_torchvision(installed("torch"))  # this environment's pair works (the suite runs)
     assert here.partition("+")[0] == installed("torchvision").partition("+")[0]
-    assert fix_command("2.13.0+cpu") == (
-        "pip install --force-reinstall --no-deps torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cpu"
-    )
-    assert fix_command("2.13.0") == "pip install --force-reinstall --no-deps torchvision==0.28.0"
+    assert one_build(("2.13.0+cpu", "0.28.0+cpu")) and one_build(("2.14.1", "0.29.1"))
+    assert not one_build(("2.13.0+cpu", "0.28.0"))  # the pair a CPU torch and PyPI's torchvision make
+    assert not one_build(("2.14.1", "0.28.0")) and not one_build((None, "0.29.1"))
 
 
 @pytest.mark.slow  # a process of its own that imports torch
@@ -41,30 +43,87 @@ def test_a_torchvision_built_for_another_torch_is_one_line(tmp_path):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     line = proc.stderr.strip()
     assert line.startswith(f"error: torch {installed('torch')} and torchvision {installed('torchvision')} do not")
-    assert "torchvision::nms does not exist" in line and line.endswith(fix_command(installed("torch")))
+    assert "torchvision::nms does not exist" in line and line.endswith(REPAIR)
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("install_cpu_torch", ROOT / "scripts" / "install_cpu_torch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+class FakePip:
+    """An environment of one torch and one torchvision, and a pip over it: ``plans`` maps a
+    step's package arguments to the pair pip would install; a pair works when ``works`` says."""
+
+    def __init__(self, found, plans, works):
+        self.state = dict(zip(("torch", "torchvision"), found))
+        self.plans, self.works, self.installs = plans, works, []
+
+    def installed(self, name):
+        return "23.2.1" if name == "pip" else self.state.get(name)
+
+    def __call__(self, cmd):
+        if cmd[1] == "-c":  # the check
+            return 0 if (self.state["torch"], self.state["torchvision"]) in self.works else 1
+        args = cmd[3:]
+        if "--dry-run" in args:
+            planned = self.plans.get(self._key(args))
+            if planned is None:
+                return 1  # an index that cannot be reached: pip finds nothing
+            items = [{"metadata": {"name": n, "version": v}} for n, v in zip(("torch", "torchvision"), planned)]
+            Path(args[args.index("--report") + 1]).write_text(json.dumps({"install": items}))
+            return 0
+        self.installs.append(" ".join(args))
+        if args[0] == "uninstall":
+            self.state[args[-1]] = None
+        elif "--force-reinstall" in args:  # putting back: name==version
+            name, version = args[-1].split("==")
+            self.state[name] = version
+        else:
+            self.state.update(zip(("torch", "torchvision"), self.plans[self._key(args)]))
+        return 0
+
+    @staticmethod
+    def _key(args):
+        return " ".join(a for a in args if a in ("torch", "torchvision") or a.startswith("torchvision=="))
 
 
-def test_the_script_checks_the_pair_and_falls_back_until_it_works(capsys):
-    script, ran = _script(), []
+def _repair(monkeypatch, pip, cpu=True):
+    monkeypatch.setattr(pair_install, "installed", pip.installed)
+    return pair_install.repair(cpu=cpu, run=pip)
 
-    def run(cmd):  # the first pair fails the check, the fixed one passes
-        ran.append(cmd)
-        checks = [c for c in ran if c[1] == "-c"]
-        return 1 if cmd[1] == "-c" and len(checks) == 1 else 0
 
-    assert script.main(run) == 0
-    installs = [" ".join(c[2:]) for c in ran if c[1] == "-m"]
-    assert installs == [script.FIRST, fix_command(installed("torch"))]
-    assert all("torchvision.ops.nms" in c[2] for c in ran if c[1] == "-c")
+def test_a_working_pair_is_left_as_it_is(monkeypatch, capsys):
+    pip = FakePip(("2.14.1", "0.29.1"), {"torch torchvision": ("2.14.1+cpu", "0.29.1+cpu")}, {("2.14.1", "0.29.1")})
+    assert _repair(monkeypatch, pip) == 0
+    assert pip.installs == [] and "nothing changed" in capsys.readouterr().out
 
-    ran.clear()
-    assert script.main(lambda cmd: ran.append(cmd) or 1) == 1  # nothing works: said, exit 1
-    assert len([c for c in ran if c[1] == "-m"]) == 3
-    assert "error: no working torch/torchvision pair" in capsys.readouterr().err
+
+def test_a_step_that_would_mix_builds_is_not_taken(monkeypatch, capsys):
+    """The machine this was seen on: its CPU index out of reach, a CPU torch in pip's
+    find-links and PyPI's (CUDA) torchvision; the broken pair is repaired by a release pair
+    of one build from pip's own indexes, and no mixed pair is ever installed."""
+    plans = {"torch torchvision": ("2.13.0+cpu", "0.28.0")}  # the CPU step: the CPU torch, PyPI's torchvision
+    pip = FakePip(("2.13.0+cpu", "0.28.0"), plans, {("2.14.1", "0.29.1")})
+    assert _repair(monkeypatch, pip) == 1  # the CPU step mixes; the own torchvision is not to be had
+    assert pip.installs == [] and pip.state == {"torch": "2.13.0+cpu", "torchvision": "0.28.0"}
+    err = capsys.readouterr()
+    assert "- the CPU wheels: not to be had here (pip would take torch 2.13.0+cpu, torchvision 0.28.0)" in err.out
+    assert err.err.startswith("error: no working torch/torchvision pair could be made here; nothing changed")
+
+    pip = FakePip(("2.13.0+cpu", "0.28.0"), {"torch torchvision": ("2.14.1", "0.29.1")}, {("2.14.1", "0.29.1")})
+    assert _repair(monkeypatch, pip, cpu=False) == 0  # pip's own indexes hold a release pair of one build
+    assert pip.installs == ["install --upgrade torch torchvision"]
+    assert pip.state == {"torch": "2.14.1", "torchvision": "0.29.1"}
+
+
+def test_the_torchvision_built_for_the_torch_is_pinned_to_its_build(monkeypatch):
+    want = f"install --no-deps torchvision==0.28.0+cpu --index-url {pair_install.WHEELS}/cpu --retries 1 --timeout 10"
+    pip = FakePip(("2.13.0+cpu", "0.28.0"), {"torchvision==0.28.0+cpu": ("2.13.0+cpu", "0.28.0+cpu")}, set())
+    pip.works = {("2.13.0+cpu", "0.28.0+cpu")}
+    assert _repair(monkeypatch, pip, cpu=False) == 0
+    assert pip.installs == [want]
+
+
+def test_a_step_whose_pair_fails_the_check_is_undone(monkeypatch, capsys):
+    pip = FakePip((None, None), {"torch torchvision": ("2.14.1+cpu", "0.29.1+cpu")}, set())  # nothing works here
+    assert _repair(monkeypatch, pip) == 1
+    assert pip.installs[0].startswith("install --upgrade torch torchvision --index-url")
+    assert pip.installs[1:] == ["uninstall -y torch", "uninstall -y torchvision"]  # as found: none
+    assert pip.state == {"torch": None, "torchvision": None}
+    assert "pip install -e . installs PyPI's pair" in capsys.readouterr().err

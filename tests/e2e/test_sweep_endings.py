@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_train
+from omegaconf import OmegaConf
 
 from gradmod.reporting import sweep_report as sweep
 
@@ -69,6 +70,47 @@ def test_sigkilled_job_under_joblib_leaves_its_siblings_and_the_report(tmp_path)
     assert [r["status"] for r in rows(tmp_path)] == ["killed", "ok", "ok"]
     for job in ("1", "2"):
         assert json.loads((tmp_path / job / "summary.json").read_text())["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_sigkilled_optuna_trial_ends_only_itself(tmp_path):
+    """The Optuna sweeper holds its study in its own process, which has thread pools of its
+    own (numpy's), so a trial cannot be forked from it: it runs in a fresh interpreter."""
+    marker = tmp_path / "first-trial-dies"
+    dies_once = ["model._target_=tests.support.sweep_models.dies_once", f"+model.marker={marker}"]
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        sweep, *TINY, *dies_once, "experiment=clip_optuna", "hydra.sweeper.n_trials=3", multirun=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert [r["status"] for r in rows(sweep)] == ["killed", "ok", "ok"]  # the study went on
+    assert "3 jobs: 2 ok, 1 killed." in (sweep / "sweep.md").read_text()
+    best = OmegaConf.load(sweep / "optimization_results.yaml").best_value
+    assert best == max(float(r["test_accuracy"]) for r in rows(sweep)[1:])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "job 0 killed: killed by SIGKILL" in errors[0]
+
+
+@pytest.mark.slow
+def test_an_optuna_study_whose_every_trial_is_killed_still_writes_its_report(tmp_path):
+    proc = run_train(
+        tmp_path,
+        *TINY,
+        *DIES,
+        "+model.die=true",
+        "experiment=clip_optuna",
+        "hydra.sweeper.n_trials=2",
+        multirun=True,
+        check=False,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert [r["status"] for r in rows(tmp_path)] == ["killed", "killed"]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: the sweeper stopped (No trials are completed yet.) after 2 of 2 jobs did not end ok: job 0 killed: "
+        "killed by SIGKILL (the OOM killer sends SIGKILL); job 1 killed: killed by SIGKILL (the OOM killer sends "
+        f"SIGKILL) (see {tmp_path / 'sweep.md'})"
+    ]
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from gradmod.hooks import attach
 from gradmod.hooks.fused.group import AGC
+from gradmod.models import TinyGPT
 from gradmod.reporting import run_summary
 from gradmod.training.distributed import Dist
 from gradmod.training.trainer import bare_epoch
@@ -164,6 +166,27 @@ def _accumulate(rank: int) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
+def gpt_and_text() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(4)
+    model = TinyGPT(num_classes=11, width=16, depth=2, heads=4, max_len=8)
+    g = torch.Generator().manual_seed(5)
+    return model, torch.randint(0, 11, (4, 8), generator=g), torch.randint(0, 11, (4, 8), generator=g)
+
+
+def _tiny_gpt(dist: Dist, rank: int) -> dict:
+    """tiny_gpt sharded by the trainer's policy: the warnings its forward and backward raise, its
+    logits and its full gradients for this rank's half of the batch."""
+    model, x, y = gpt_and_text()
+    dist.wrap(model)
+    rows = slice(2 * rank, 2 * rank + 2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        logits = model(x[rows])
+        torch.nn.functional.cross_entropy(logits, y[rows]).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"warnings": [str(w.message) for w in seen], "logits": logits.detach(), "grads": grads}
+
+
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
@@ -180,6 +203,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         results["units"] = _units(dist)
         results["accumulate"] = _accumulate(rank)
         results["zclip"] = zclip_steps(sharded_model(), slice(4 * rank, 4 * rank + 4))
+        results["tiny_gpt"] = _tiny_gpt(dist, rank)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.close()
@@ -272,6 +296,19 @@ def test_zclip_clips_the_same_spike_with_plain_state(fsdp):
         torch.testing.assert_close(got_state["mean"], state["mean"], rtol=1e-5, atol=1e-7)
         for name, g in grads.items():
             torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_tiny_gpt_returns_no_view_from_a_unit_and_matches_one_process(fsdp):
+    """FSDP2 warns when a unit returns a view (an in-place op on it would skip the unit's
+    backward hook): tiny_gpt's head and root return tensors of their own."""
+    model, x, y = gpt_and_text()
+    logits = model(x)
+    torch.nn.functional.cross_entropy(logits, y).backward()  # the mean over both halves
+    for rank, got in enumerate(fsdp):
+        assert [w for w in got["tiny_gpt"]["warnings"] if "view" in w] == []
+        torch.testing.assert_close(got["tiny_gpt"]["logits"], logits[2 * rank : 2 * rank + 2].detach())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got["tiny_gpt"]["grads"][name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_hook_stage_on_sharded_parameters_is_refused_at_attach(fsdp):

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, free_port, run_train
+from helpers import ROOT, free_port, run_train, spawn_ranks
 from torch import nn
+from torch.nn import functional as F
 
+from gradmod.data import Data
 from gradmod.models import TinyGPT, build_model
 from gradmod.training.distributed import Dist, tp_plan
+from gradmod.training.trainer import Trainer, TrainerSettings, evaluate
 
 
 @pytest.fixture
@@ -87,6 +90,74 @@ def test_tiny_gpt_is_causal():
     assert out.shape == (2, 20, 12)
     torch.testing.assert_close(out[..., :7], changed[..., :7])
     assert not torch.allclose(out[..., 7:], changed[..., 7:])
+
+
+def _by_hand(model: TinyGPT, x: torch.Tensor) -> torch.Tensor:
+    """tiny_gpt's forward from its parts, as it was before its head and root owned their
+    outputs: the head's product viewed back to N x T x classes, transposed (a view)."""
+    h = model.embed(x) + model.position(torch.arange(x.shape[1]))
+    for block in model.blocks:
+        h = block(h)
+    return F.linear(model.norm(h), model.head.weight, model.head.bias).transpose(1, 2)
+
+
+def test_tiny_gpt_returns_no_view_and_the_same_bits_as_its_view():
+    torch.manual_seed(0)
+    model = TinyGPT(num_classes=20)
+    x, y = torch.randint(0, 20, (3, 12)), torch.randint(0, 20, (3, 12))
+    seen: list[torch.Tensor] = []
+    model.head.register_forward_hook(lambda m, args, out: seen.append(out))
+    out, want = model(x), _by_hand(model, x)
+    assert want._is_view() and not out._is_view() and not seen[0]._is_view()
+    assert out.stride() == want.stride() and torch.equal(out, want)
+    grads = []
+    for logits in (out, want):
+        model.zero_grad()
+        F.cross_entropy(logits, y).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+
+
+def gpt_and_texts() -> tuple[TinyGPT, dict[int, Data]]:
+    """A small tiny_gpt and test sets of 1 and 3 windows: fewer than, and not a multiple of,
+    the two data-parallel groups of four ranks with tp=2."""
+    torch.manual_seed(6)
+    model = TinyGPT(num_classes=11, width=16, depth=1, heads=4, max_len=8)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randint(0, 11, (3, 8), generator=g), torch.randint(0, 11, (3, 8), generator=g)
+    return model, {n: Data("text", x, y, x[:n], y[:n], num_classes=11) for n in (1, 3)}
+
+
+def _evaluate_under_tp(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    dist = Dist.from_env("fsdp", torch.device("cpu"), tp=2).start()
+    try:
+        model, texts = gpt_and_texts()
+        dist.wrap(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = Trainer(model, optimizer, TrainerSettings(eval_batch_size=1), dist=dist)
+        torch.save({n: trainer.test(data) for n, data in texts.items()}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.close()
+
+
+@pytest.mark.slow  # four gloo processes
+def test_tensor_parallel_evaluation_of_a_test_set_smaller_than_the_data_groups(tmp_path):
+    """Rank pairs (0, 1) and (2, 3) share their data; with one test window the second pair gets
+    none, with three and one window a batch it gets one batch of one and one empty: an empty
+    batch runs its forward passes (every rank gathers alike) and counts nothing."""
+    spawn_ranks(_evaluate_under_tp, free_port(), str(tmp_path), nprocs=4)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    model, texts = gpt_and_texts()
+    for n, data in texts.items():
+        loss, accuracy = evaluate(model, data.test_x, data.test_y)
+        for rank in got:
+            assert rank[n]["test_loss"] == pytest.approx(loss, rel=1e-5), n
+            assert rank[n]["test_accuracy"] == pytest.approx(accuracy, abs=1e-9), n
 
 
 TINY_GPT = [
