@@ -141,7 +141,7 @@ def test_a_schedule_left_without_its_length_gets_the_runs():
 def test_help_page_keeps_whole_sentences_in_columns_and_names_the_keys():
     hooks = "\n".join(help_page.hook_lines(ROOT / "gradmod" / "conf"))
     for f in (ROOT / "gradmod" / "conf" / "hooks").glob("*.yaml"):
-        m = re.search(rf"^  {f.stem} +(.*(?:\n {{17}}\S.*)*)", hooks, re.M)
+        m = re.search(rf"^  {f.stem}\s+(.*(?:\n {{17}}\S.*)*)", hooks, re.M)
         text = " ".join(m.group(1).split())
         assert text == help_page._first_comment(f) and text.endswith((".", ")")), f.stem
     section = help_page.transform_lines()
