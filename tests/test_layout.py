@@ -207,3 +207,28 @@ def test_every_stage_of_the_table_is_a_stage_class_in_its_own_folder():
         assert issubclass(cls, Stage) and cls.name == facts.name
         assert cls.__module__ == f"gradmod.hooks.{facts.name}.stage"
         assert (cls.accepts, cls.implied_by, cls.sees) == (facts.accepts, facts.implied_by, facts.sees)
+
+
+def test_no_stage_room_names_another():
+    """What a stage combines with are facts in its row of the stage table, checked in one
+    place: a room names only its own stage (in code; messages and docstrings aside)."""
+    from gradmod.hooks import stages
+
+    bad = []
+    for name in stages.names(available_only=False):
+        for path in sorted((PKG / "hooks" / name).glob("*.py")):
+            tree = ast.parse(path.read_text())
+            messages = {id(c) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for c in ast.walk(n)}
+            others = {
+                n.value
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Constant)
+                and n.value in stages.names()
+                and n.value != name
+                and id(n) not in messages
+            }
+            rooms = {i.split(".")[2] for i in _imports(path) if i.startswith("gradmod.hooks.") and i.count(".") >= 3}
+            others |= (rooms & set(stages.names())) - {name}
+            if others:
+                bad.append(f"hooks/{name}/{path.name} names {sorted(others)}")
+    assert not bad, "; ".join(bad)

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradmod.hooks import combine, stages
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
-from gradmod.hooks import stages
 from gradmod.hooks.after_backward_due import AfterBackwardDue
 from gradmod.hooks.losses import named, total
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
@@ -352,6 +352,7 @@ def attach(
     for name in stages.names():
         if name in at:
             stages.stage_class(name).check(model, targets)
+    combine.check(targets)  # what the stages combine with, from their facts
     params = dict(model.named_parameters())
     refuse_optimizer_in_backward(targets, params)
     refuse_pipeline_stage(model)

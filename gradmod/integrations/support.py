@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from gradmod.hooks import registry as R
+from gradmod.hooks import stages
 from gradmod.hooks.hookset import HookSet, attach
 from gradmod.hooks.rules import build_targets
 from gradmod.hooks.schedules import Length
@@ -79,7 +80,7 @@ def attach_for(
             hooks.remove()
             raise ValueError(f"hooks.{rule}: " + why.format(trainer=trainer))
     skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]
-    hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]
+    hooked = [t.rule for t in hooks.targets if stages.get(t.stage).sees_each_pass or t.kind == "module"]
     if skipping or (scaled and hooked):
         hooks.remove()
     if skipping:

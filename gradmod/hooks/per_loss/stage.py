@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_loss import gramian
+from gradmod.hooks import stages
+from gradmod.hooks.per_loss import gramian, loss_rules
 from gradmod.hooks.per_loss.frontier import frontier_module
 from gradmod.hooks.per_loss.in_projection import split_in_projections
 from gradmod.hooks.per_loss.loss_rules import LossRule, check_targets, per_loss_rules
@@ -46,8 +47,8 @@ from gradmod.hooks.per_loss.owners import head_edges
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.per_loss.rest import loss_weights, rest_backward
 from gradmod.hooks.per_loss.task_grads import assign_layers, batch_pays, refuse_sparse, task_grads, used_apart
-from gradmod.hooks.per_sample.tracing import param_uses
 from gradmod.hooks.stage import Core, Loop, Stage
+from gradmod.hooks.tracing import param_uses
 
 
 class PerLossStage(Stage):
@@ -204,6 +205,22 @@ class PerLossStage(Stage):
     def check(cls, model: nn.Module, targets: list) -> None:
         super().check(model, targets)
         check_targets(targets)
+
+    @classmethod
+    def check_rule(cls, rule: str, kind: str, names: list[str], spec: Mapping[str, Any]) -> None:
+        loss_rules.check_rule(rule, kind, names, spec, dict(stages.get(cls.name).rule_keys)["rows"])
+
+    @classmethod
+    def several_passes(cls, targets: list) -> tuple[Any, str] | None:
+        return loss_rules.several_passes(targets)
+
+    in_backward_instead = ", a loss weighting or a modules: rule"
+
+    @classmethod
+    def after_backward(cls, target: Any) -> bool:
+        """A loss weighting scales its parameters' gradient as it arrives; a method of the
+        task gradients writes ``.grad`` after the backward."""
+        return not all(getattr(s.fn, "kind", None) == "losses" for s in target.steps)
 
     @property
     def grad_scale(self) -> Tensor | None:

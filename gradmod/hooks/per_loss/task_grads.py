@@ -1,5 +1,5 @@
 """Which of a per_loss rule's parameters may be answered from a layer's (input, output gradient)
-pairs, from the trace of the model's first training forward (``per_sample.tracing.param_uses``),
+pairs, from the trace of the model's first training forward (``gradmod.hooks.tracing.param_uses``),
 and the k task gradients of the rest (``task_grads``).
 
 A Linear with torch's own forward may be answered so only when every use of its weight

@@ -11,7 +11,7 @@ backward."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
+from gradmod.hooks import registry as R
 from gradmod.hooks.per_sample import position_bias, refusals, tied
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums, refuse_arrivals
 from gradmod.hooks.per_sample.aliases import detach_during, detachable
@@ -26,9 +27,10 @@ from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
 from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
-from gradmod.hooks.per_sample.sample_rules import check_options, check_targets, per_sample_rules
+from gradmod.hooks.per_sample.sample_rules import check_options, check_rule, check_targets, per_sample_rules
 from gradmod.hooks.per_sample.stats import PerSampleClip
-from gradmod.hooks.per_sample.tracing import (
+from gradmod.hooks.stage import Core, Loop, Stage
+from gradmod.hooks.tracing import (
     batch_dim,
     batch_size,
     broadcasts_alike,
@@ -38,7 +40,6 @@ from gradmod.hooks.per_sample.tracing import (
     is_packed,
     param_or_none,
 )
-from gradmod.hooks.stage import Core, Loop, Stage
 
 __all__ = ["PerSampleStage", "per_sample_rules"]
 
@@ -68,6 +69,10 @@ class PerSampleStage(Stage):
     def check(cls, model: nn.Module, targets: list) -> None:
         super().check(model, targets)
         check_targets(model, targets)
+
+    @classmethod
+    def check_rule(cls, rule: str, kind: str, names: list[str], spec: Mapping[str, Any]) -> None:
+        check_rule(rule, names, R.accepted_at(cls.name))
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         loss_reduction, batch_dim = core.loss_reduction, core.batch_dim
