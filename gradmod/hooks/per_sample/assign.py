@@ -227,7 +227,8 @@ def path_of(layer: Layer, where: str) -> str:
     form`` (per-example weights from the call's input and output gradient), ``Gram`` (norms
     without them: Gram matrices or ``|a_i||b_i|``, the clipped sum as one matmul), ``replay``
     (an RNN's recurrence replayed once), ``general`` (torch.func over ``where``: the slow path)."""
-    from gradmod.hooks.per_sample.layers import FuncForm, RNNForm
+    from gradmod.hooks.per_sample.layers import RNNForm
+    from gradmod.hooks.per_sample.replay import FuncForm
 
     if isinstance(layer.form, FuncForm):
         path = f"general: torch.func over {where}"
