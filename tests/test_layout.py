@@ -256,3 +256,14 @@ def test_modules_and_functions_are_short():
                 if node.end_lineno - start + 1 > FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.name}: {node.end_lineno - start + 1} lines")
     assert not long, "; ".join(long)
+
+
+def test_the_hook_tests_mirror_the_stage_rooms():
+    """Each stage's room has its tests in a folder of the same name under tests/hooks/, and
+    no test of a room's own name lies outside it."""
+    from gradmod.hooks import stages
+
+    tests = ROOT / "tests" / "hooks"
+    for name in stages.names():
+        assert list((tests / name).glob("test_*.py")), f"tests/hooks/{name}/ holds no tests"
+        assert not list(tests.glob(f"test_{name}*.py")), f"tests/hooks/test_{name}*.py belong in tests/hooks/{name}/"
