@@ -267,3 +267,16 @@ def test_the_hook_tests_mirror_the_stage_rooms():
     for name in stages.names():
         assert list((tests / name).glob("test_*.py")), f"tests/hooks/{name}/ holds no tests"
         assert not list(tests.glob(f"test_{name}*.py")), f"tests/hooks/test_{name}*.py belong in tests/hooks/{name}/"
+
+
+def test_the_librarys_face():
+    """``gradmod.__all__``: attach, HookSet, the rule loader, the one register door and the
+    bases an extension subclasses; each resolves, and a name of another module does not."""
+    import gradmod
+
+    face = ["Form", "GroupTransform", "HookSet", "Method", "attach", "load_rules", "register", "register_form"]
+    assert gradmod.__all__ == face
+    assert all(getattr(gradmod, name) is not None for name in face)
+    assert gradmod.register is gradmod.hooks.registry.register
+    with pytest.raises(AttributeError):
+        gradmod.grad_cam  # noqa: B018  (the article tools are gradmod.capture's)
