@@ -69,7 +69,7 @@ def attach_for(
     ``zclip(on_spike="skip")`` (a callback cannot skip one optimizer step, and zeroing the
     gradients is not a skip under momentum or weight decay), and hook-stage rules when
     ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled), per_sample
-    rules (see ``docs/privacy.md``), per_loss rules (the loop's backward takes one loss) and
+    rules (see ``docs/guide/privacy.md``), per_loss rules (the loop's backward takes one loss) and
     sharpness rules (the loop's own backward cannot take a second pass)."""
     _refuse_shared(trainer, model, rules, stage, *shared, Length(steps_per_epoch, total_steps))
     hooks = attach(model, rules, stage=stage, replace=False, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
