@@ -1,13 +1,18 @@
 """gradmod: gradient manipulation through PyTorch hooks.
 
-The hook core (``gradmod.hooks``: transforms, rules, statistics) imports torch only, so
-``gradmod.attach`` works in any training loop; the Hydra runner lives in ``gradmod.app``.
-The names below load on first use, so that the command line checks a config before torch loads.
-
-Extending gradmod goes through this one door: ``register(name, factory, kind=...)`` for a
-transform of any kind (``elementwise``, ``group``, ``per_sample``, ``per_loss``), the base
-classes ``GroupTransform`` (a group transform) and ``Method`` (a per_loss method), and
+The library's face (``__all__``): ``attach`` rules to a model and get the ``HookSet`` that
+holds every handle, ``load_rules`` reads them from a hook config file, ``optimizer(model,
+spec)`` builds the optimizer by glob (groups, several optimizers as one), and extending gradmod
+goes through one door: ``register(name, factory, kind=...)`` for a transform of any kind
+(``elementwise``, ``group``, ``per_sample``, ``per_loss``, ``sharpness``), the base classes
+``GroupTransform`` (a group transform) and ``Method`` (a per_loss method), and
 ``register_form(layer_type, form)`` with ``Form`` for a layer's per-example gradients.
+
+The rest is reached through its module: the hook core ``gradmod.hooks`` (imports torch
+only, so ``attach`` works in any training loop), the article tools ``gradmod.capture``, the
+optimizer room ``gradmod.optim``, the Hydra runner ``gradmod.app``. ``PoissonSampler``, ``Accountant`` and ``epsilon``
+(``gradmod.training.accounting``), the pieces of DP-SGD in one's own loop, answer here too.
+The names load on first use, so that the command line checks a config before torch loads.
 """
 
 from __future__ import annotations
@@ -15,29 +20,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_HOMES = {
-    "FeatureExtractor": "gradmod.capture",
-    "Recorder": "gradmod.capture",
-    "grad_cam": "gradmod.capture",
-    "list_hooks": "gradmod.capture",
-    "summary": "gradmod.capture",
-    "trace_shapes": "gradmod.capture",
+_FACE = {
     "HookSet": "gradmod.hooks",
     "attach": "gradmod.hooks",
-    "transforms": "gradmod.hooks",
+    "load_rules": "gradmod.hooks",
     "register": "gradmod.hooks.registry",
     "GroupTransform": "gradmod.hooks.fused.group",
     "Method": "gradmod.hooks.per_loss.methods",
     "Form": "gradmod.hooks.per_sample.form",
     "register_form": "gradmod.hooks.per_sample.layers",
     "optimizer": "gradmod.optim",
-    "CombinedOptimizer": "gradmod.optim",
-    "apply_init": "gradmod.weight_init",
-    "Accountant": "gradmod.training.accounting",
-    "PoissonSampler": "gradmod.training.accounting",
-    "epsilon": "gradmod.training.accounting",
 }
-__all__ = sorted(_HOMES)
+# Named by the privacy guide and by the one line that refuses DP-SGD under another trainer.
+_OWN_LOOP = {name: "gradmod.training.accounting" for name in ("Accountant", "PoissonSampler", "epsilon")}
+_HOMES = {**_FACE, **_OWN_LOOP}
+__all__ = sorted(_FACE)
 __version__ = "0.3.0.dev0"  # the one version source (pyproject reads it)
 
 

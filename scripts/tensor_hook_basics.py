@@ -4,7 +4,7 @@
 
 prints a.grad = 0.4 and b.grad = 0.2 everywhere, as in the article. Then a tensor hook
 with the documented contract, ``hook(grad) -> Tensor | None`` returning a new tensor
-(never changing ``grad`` in place), and `gradmod.list_hooks` showing it registered and,
+(never changing ``grad`` in place), and `gradmod.capture.list_hooks` showing it registered and,
 after ``handle.remove()``, gone.
 
 Where the article is wrong: it says hooks only run during backward. Tensor hooks do, but

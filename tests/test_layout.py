@@ -209,3 +209,72 @@ def test_every_stage_of_the_table_is_a_stage_class_in_its_own_folder():
         assert issubclass(cls, Stage) and cls.name == facts.name
         assert cls.__module__ == f"gradmod.hooks.{facts.name}.stage"
         assert (cls.accepts, cls.implied_by, cls.sees) == (facts.accepts, facts.implied_by, facts.sees)
+
+
+def test_no_stage_room_names_another():
+    """What a stage combines with are facts in its row of the stage table, checked in one
+    place: a room names only its own stage (in code; messages and docstrings aside)."""
+    from gradmod.hooks import stages
+
+    bad = []
+    for name in stages.names(available_only=False):
+        for path in sorted((PKG / "hooks" / name).glob("*.py")):
+            tree = ast.parse(path.read_text())
+            messages = {id(c) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for c in ast.walk(n)}
+            others = {
+                n.value
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Constant)
+                and n.value in stages.names()
+                and n.value != name
+                and id(n) not in messages
+            }
+            rooms = {i.split(".")[2] for i in _imports(path) if i.startswith("gradmod.hooks.") and i.count(".") >= 3}
+            others |= (rooms & set(stages.names())) - {name}
+            if others:
+                bad.append(f"hooks/{name}/{path.name} names {sorted(others)}")
+    assert not bad, "; ".join(bad)
+
+
+MODULE_LINES, FUNCTION_LINES = 400, 50
+
+
+def test_modules_and_functions_are_short():
+    """A module reads in one sitting (at most 400 lines), a function on one screen (at most 50,
+    its decorators and docstring included)."""
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > MODULE_LINES:
+            long.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - start + 1 > FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name}: {node.end_lineno - start + 1} lines")
+    assert not long, "; ".join(long)
+
+
+def test_the_hook_tests_mirror_the_stage_rooms():
+    """Each stage's room has its tests in a folder of the same name under tests/hooks/, and
+    no test of a room's own name lies outside it."""
+    from gradmod.hooks import stages
+
+    tests = ROOT / "tests" / "hooks"
+    for name in stages.names():
+        assert list((tests / name).glob("test_*.py")), f"tests/hooks/{name}/ holds no tests"
+        assert not list(tests.glob(f"test_{name}*.py")), f"tests/hooks/test_{name}*.py belong in tests/hooks/{name}/"
+
+
+def test_the_librarys_face():
+    """``gradmod.__all__``: attach, HookSet, the rule loader, the optimizer by glob, the one
+    register door and the bases an extension subclasses; each resolves, and a name of another module does not."""
+    import gradmod
+
+    face = ["Form", "GroupTransform", "HookSet", "Method", "attach", "load_rules", "optimizer", "register"]
+    face.append("register_form")
+    assert gradmod.__all__ == face
+    assert all(getattr(gradmod, name) is not None for name in face)
+    assert gradmod.register is gradmod.hooks.registry.register
+    with pytest.raises(AttributeError):
+        gradmod.grad_cam  # noqa: B018  (the article tools are gradmod.capture's)

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradmod.hooks import compatible, stages
 from gradmod.hooks import registry as R
 from gradmod.hooks import rules as selection
-from gradmod.hooks import stages
 from gradmod.hooks.after_backward_due import AfterBackwardDue
 from gradmod.hooks.losses import named, total
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
@@ -339,25 +339,14 @@ def attach(
     optimizer steps, for schedules and windows given in ``dur`` or ``ep`` (refused in one
     line without them).
     """
-    for name, n in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"attach: {name}={n!r} must be an int >= 1 (optimizer steps), or None")
+    _check_options(stage, loss_reduction, batch_dim, total_steps, steps_per_epoch)
     length = Length(steps_per_epoch=steps_per_epoch, total_steps=total_steps)
-    if stage not in DEFAULT_STAGES:
-        hint = ""
-        if stage in stages.names():  # a stage of its own: a rule sets it, or a transform's kind implies it
-            implied = [n for kind in (stages.get(stage).implied_by,) if kind for n in R.names(kind)]
-            hint = f"; {stage} is set per rule" + (f" (or implied by {', '.join(implied[:3])})" if implied else "")
-        raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
-    if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
-        raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
     targets = build_targets(model, rules, stage, length)  # validate everything before touching the model
     at = {t.stage for t in targets}
     for name in stages.names():
         if name in at:
             stages.stage_class(name).check(model, targets)
+    compatible.check(targets)  # what the stages combine with, from their facts
     params = dict(model.named_parameters())
     refuse_optimizer_in_backward(targets, params)
     refuse_pipeline_stage(model)
@@ -369,6 +358,25 @@ def attach(
     hooks = HookSet(model, targets, loss_reduction, batch_dim, length)
     _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
+
+
+def _check_options(
+    stage: str, loss_reduction: str, batch_dim: int | None, total_steps: int | None, steps_per_epoch: int | None
+) -> None:
+    """``attach``'s own arguments, each refused in one line."""
+    for name, n in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"attach: {name}={n!r} must be an int >= 1 (optimizer steps), or None")
+    if stage not in DEFAULT_STAGES:
+        hint = ""
+        if stage in stages.names():  # a stage of its own: a rule sets it, or a transform's kind implies it
+            implied = [n for kind in (stages.get(stage).implied_by,) if kind for n in R.names(kind)]
+            hint = f"; {stage} is set per rule" + (f" (or implied by {', '.join(implied[:3])})" if implied else "")
+        raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
+    if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
+        raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
 
 
 def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[HookSet]) -> None:

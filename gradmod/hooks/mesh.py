@@ -163,7 +163,26 @@ def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
     ``all_gather`` per dimension combines them. ``paired``: the first ``paired`` tensors
     are ``pre`` observations, the next ``paired`` their ``post`` partners."""
     tensors = [settled(t) for t in tensors]
-    pieces = [local(t).detach().float().reshape(-1) for t in tensors]
+    sums = _combined(tensors, _piece_sums([local(t).detach().float().reshape(-1) for t in tensors], paired))
+    count = torch.tensor([float(t.numel()) for t in tensors], device=sums.device)
+    rows = torch.stack(
+        [
+            sums[:, 0].sqrt(),
+            sums[:, 1],
+            sums[:, 2],
+            sums[:, 3] / count,
+            sums[:, 4] / count,
+            sums[:, 5],
+            sums[:, 6] / count,
+        ],
+        1,
+    )
+    return list(rows.unbind(0))
+
+
+def _piece_sums(pieces: list[Tensor], paired: int) -> Tensor:
+    """This rank's pieces reduced, one row each: (sum of squares, min, max, sum, negatives,
+    non-finite, changed from its ``pre`` partner)."""
     inf = torch.full((1,), math.inf, device=pieces[0].device)  # the extremes of an empty piece
     mine = []
     for i, g in enumerate(pieces):
@@ -184,11 +203,15 @@ def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
                 ]
             )
         )
+    return torch.stack(mine)
+
+
+def _combined(tensors: list[Tensor], sums: Tensor) -> Tensor:
+    """Each rank's rows combined over the mesh dimensions its tensor is cut on."""
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         dims = shard_dims(t)
         groups.setdefault((t.device_mesh, dims) if dims else (None, ()), []).append(i)
-    sums = torch.stack(mine)
     for (mesh, dims), ix in groups.items():
         block = sums[ix]
         for d in dims:
@@ -200,17 +223,4 @@ def sharded_rows(tensors: list[Tensor], paired: int) -> list[Tensor]:
                 [parts[..., :1].sum(0), parts[..., 1:2].amin(0), parts[..., 2:3].amax(0), parts[..., 3:].sum(0)], -1
             )
         sums[ix] = block
-    count = torch.tensor([float(t.numel()) for t in tensors], device=sums.device)
-    rows = torch.stack(
-        [
-            sums[:, 0].sqrt(),
-            sums[:, 1],
-            sums[:, 2],
-            sums[:, 3] / count,
-            sums[:, 4] / count,
-            sums[:, 5],
-            sums[:, 6] / count,
-        ],
-        1,
-    )
-    return list(rows.unbind(0))
+    return sums

@@ -28,7 +28,6 @@ STAGE_NAMES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
 NAMED = DEFAULT_STAGES + tuple(s for s in STAGE_NAMES if s not in DEFAULT_STAGES)  # as messages list them
 RULE_KEYS = ("params", "modules", "exclude", "transforms", "stage", "rows", "active")
-ROWS = ("examples", "batch")  # a per_loss modules rule's Gramian: per-example rows, or batch-summed (LibMTL)
 
 
 @dataclass
@@ -40,7 +39,7 @@ class Target:
     name: str
     stage: str
     steps: list[R.BuiltTransform]
-    rows: str | None = None  # a per_loss modules rule's ``rows`` (ROWS); None: examples
+    rows: str | None = None  # a per_loss modules rule's ``rows``; None: examples
     active: Active | None = None  # the rule's window; None: every step
 
     @property
@@ -105,8 +104,8 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, names: list[str],
         _check_forced(rule, asked, kind, stage, by)
     elif kind == "param":
         stage = stages.get(rule_stage)
-    elif asked in (None, "hook"):
-        return "hook"  # modules rules run as hooks, whatever the default
+    elif asked in (None, stages.DEFAULT):
+        return stages.DEFAULT  # modules rules run as hooks, whatever the default
     else:
         stage = stages.get(asked)
     if kind == "module" and not stage.modules:
@@ -137,18 +136,14 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
             f"hooks.{rule}.transforms: {other[0]!r} cannot run at stage {stage!r}; allowed there: "
             f"{', '.join(R.accepted_at(stage))} (put the others in a rule of their own)"
         )
-    if stage == "per_sample" and len(set(names)) < len(names):
-        raise ValueError(f"hooks.{rule}.transforms: give {', '.join(R.accepted_at(stage))} at most once each")
-    if stage == "per_loss" and len(names) != 1:
-        raise ValueError(
-            f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
-            f"gradients into one update), got {', '.join(names)}; put the others in rules of their own"
-        )
-    if stage == "sharpness" and len(names) != 1:
-        raise ValueError(
-            f"hooks.{rule}.transforms: a sharpness rule holds exactly one of {', '.join(R.accepted_at(stage))} "
-            f"(how its parameters move), got {', '.join(names)}; put the others in rules of their own"
-        )
+
+
+def _check_rule(rule: str, spec: Mapping[str, Any], kind: str, stage: str, names: list[str]) -> None:
+    """The rule's shape at its stage: no key another stage's rules hold, and the stage's own check."""
+    for key, refusal in (kw for s in stages.STAGES if s.name != stage for kw in s.rule_keys):
+        if key in spec:
+            raise ValueError(f"hooks.{rule}.{key}: {refusal}")
+    stages.stage_class(stage).check_rule(rule, kind, names, spec)
 
 
 def _shared(step: R.BuiltTransform) -> bool:
@@ -176,6 +171,7 @@ def _rule_targets(
     except ValueError as e:
         raise ValueError(f"hooks.{rule}.transforms: {e}") from None
     stage = _rule_stage(rule, spec, kind, [n for n, _ in parsed], default_stage)
+    _check_rule(rule, spec, kind, stage, [n for n, _ in parsed])
     names = select(
         rule,
         spec,
@@ -186,9 +182,10 @@ def _rule_targets(
     if stage == "per_sample" and kind == "param":
         names += _frozen_too(rule, spec, params, every, kinds)
     window = rule_window(rule, spec, length)
-    if window is not None and stage not in ("hook", "fused"):
+    if window is not None and not stages.get(stage).windows:
+        windowed = " or ".join(s.name for s in stages.STAGES if s.windows)
         raise ValueError(
-            f"hooks.{rule}.active: a window is for rules at stage hook or fused; a {stage} rule acts every step"
+            f"hooks.{rule}.active: a window is for rules at stage {windowed}; a {stage} rule acts every step"
         )
     timed = [(n, *split_schedules(a, f"hooks.{rule}.transforms.{i}", length)) for i, (n, a) in enumerate(parsed)]
     shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
@@ -201,8 +198,7 @@ def _rule_targets(
         except ValueError as e:
             raise ValueError(f"hooks.{rule}.transforms: {e}") from None
         shared.update((i, st) for i, st in enumerate(steps) if _shared(st))
-        rows = _rows(rule, spec, kind, stage)
-        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage), rows, window))
+        targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage), spec.get("rows"), window))
     return targets
 
 
@@ -219,18 +215,6 @@ def _frozen_too(
     except ValueError:  # its exclude removes every frozen one it names
         return []
     return [n for n in wide if n not in trainable]
-
-
-def _rows(rule: str, spec: Mapping[str, Any], kind: str, stage: str) -> str | None:
-    """``rows``: how a per_loss ``modules:`` rule forms its Gramian (graddrop: its sign purity)."""
-    rows = spec.get("rows")
-    if rows is None:
-        return None
-    if rows not in ROWS:
-        raise ValueError(f"hooks.{rule}.rows: {rows!r}; allowed: {', '.join(ROWS)}")
-    if kind != "module" or stage != "per_loss":
-        raise ValueError(f"hooks.{rule}.rows: only a per_loss rule on modules (its output's task gradients) has rows")
-    return rows
 
 
 def _build(
@@ -261,7 +245,7 @@ def _label_observers(steps: list[R.BuiltTransform], stage: str) -> list[R.BuiltT
         first, last = out[0].fn, out[-1].fn
         last.pre = first
         # The fused stage transforms .grad in place, so pre must keep a copy.
-        first.keep = "clone" if stage == "fused" else "ref"
+        first.keep = "clone" if stages.get(stage).in_place else "ref"
     return out
 
 

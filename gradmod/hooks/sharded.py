@@ -17,6 +17,8 @@ import sys
 import torch
 from torch import Tensor
 
+from gradmod.hooks import stages
+
 
 def is_sharded(t: Tensor) -> bool:
     # Without torch.distributed.tensor imported (FSDP2 imports it) nothing is a DTensor;
@@ -73,8 +75,8 @@ def refuse_optimizer_in_backward(targets, params: dict[str, Tensor], late: bool 
     autograd's accumulation)."""
     known: dict[int, bool] = {}  # one hook is often shared by every parameter
     for t in targets:
-        weighting = t.stage == "per_loss" and all(getattr(s.fn, "kind", None) == "losses" for s in t.steps)
-        if t.kind != "param" or t.stage == "hook" or weighting:
+        cls = stages.stage_class(t.stage)
+        if t.kind != "param" or not cls.after_backward(t):
             continue
         hooks = getattr(params[t.name], "_post_accumulate_grad_hooks", None) or {}
         for h in hooks.values():
@@ -85,9 +87,8 @@ def refuse_optimizer_in_backward(targets, params: dict[str, Tensor], late: bool 
             raise ValueError(
                 f"hooks.{t.rule}: {t.name!r} has a post-accumulate-grad hook that steps an optimizer "
                 f"inside backward (found {when}), so stage {t.stage!r} would run after the step and do nothing; "
-                "use stage: hook rules (element-wise, before the step)"
-                + (", a loss weighting or a modules: rule" if t.stage == "per_loss" else "")
-                + ", or step the optimizer after backward"
+                f"use stage: {stages.DEFAULT} rules (element-wise, before the step){cls.in_backward_instead}, "
+                "or step the optimizer after backward"
             )
 
 

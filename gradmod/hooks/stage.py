@@ -5,7 +5,10 @@ facts: ``gradmod.hooks.stages``). Each lives in its own folder (``hooks/hook/``,
 ``hooks/per_loss/``, ``hooks/per_sample/``, ``hooks/sharpness/``, ``hooks/fused/``) and
 reads, in its ``stage.py``, as its phases:
 
-1. ``check(model, targets)``: refuse in one line what it cannot do, before anything is attached;
+1. ``check_rule(rule, kind, names, spec)``: a rule's own shape at this stage (how many
+   transforms, keys of its own), as the rule is read; ``check(model, targets)``: refuse in
+   one line what it cannot do, before anything is attached. What it combines with are facts
+   in its row of the table, which ``gradmod.hooks.compatible`` checks once for all stages;
 2. ``__init__(model, targets, core)``: attach (hooks on tensors or modules);
 3. ``backward(losses, closure)``: run the backward itself, or leave it to ``HookSet``
    (``forward_passes``: whether the closure's second forward runs this step);
@@ -88,6 +91,7 @@ class Stage(abc.ABC):
     modules: ClassVar[bool]
     sees: ClassVar[str]
     needs_after_backward: ClassVar[bool]
+    sees_each_pass: ClassVar[bool]
     # Under DDP: False when this stage's backward must run under no_sync (it reduces itself).
     ddp_may_reduce: ClassVar[bool] = True
     # True: the stage divides the step's gradient itself, so a loop does not divide each
@@ -104,6 +108,28 @@ class Stage(abc.ABC):
             row = stages.get(cls.name)
             cls.accepts, cls.implied_by, cls.default = row.accepts, row.implied_by, row.default
             cls.modules, cls.sees, cls.needs_after_backward = row.modules, row.sees, row.needs_after_backward
+            cls.sees_each_pass = row.sees_each_pass
+
+    @classmethod
+    def check_rule(cls, rule: str, kind: str, names: list[str], spec: Mapping[str, Any]) -> None:
+        """Refuse in one line a rule this stage cannot run as written (``kind``: ``param`` or
+        ``module``; ``names``: its transforms; ``spec``: the rule as given)."""
+        return None  # most stages run any rule their transforms' kinds allow
+
+    # Under an optimizer stepped inside backward: what of this stage still works, for messages.
+    in_backward_instead: ClassVar[str] = ""
+
+    @classmethod
+    def after_backward(cls, target: Any) -> bool:
+        """Whether this stage writes ``target``'s gradient after autograd accumulated it (an
+        optimizer stepped inside backward would step before it), not as it arrives."""
+        return not cls.sees_each_pass
+
+    @classmethod
+    def several_passes(cls, targets: list) -> tuple[Any, str] | None:
+        """This stage's first rule whose backward runs one pass per task, and how (for
+        messages), or None: a hook on a module's output would see each pass."""
+        return None
 
     @classmethod
     def check(cls, model: nn.Module, targets: list) -> None:

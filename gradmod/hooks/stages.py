@@ -19,6 +19,13 @@ there whatever the rule's ``stage:`` says (``implied_by``): a group transform ru
 (all the rule's gradients at once), a per_sample transform per_sample, a per_loss one
 per_loss. The kinds are the registry's (``gradmod.hooks.registry.KINDS``).
 
+Each row also says what the stage combines with, as facts that ``gradmod.hooks.compatible``
+reads once in ``attach`` (no stage checks another by name): whether it runs the step's
+backward itself (``runs_backward``), counts each example's gradient (``counts_examples``),
+replaces its parameters' gradient (``replaces_grad``), acts in every backward pass
+(``sees_each_pass``) or on the accumulated ``.grad`` in place (``in_place``), and whether its
+rules may have a window (``windows``).
+
 Each row names the class that runs the stage (``home``, a ``gradmod.hooks.stage.Stage``
 in the stage's own folder), loaded on first use: this table stays torch-free for the
 command line. A new stage is a row here and a folder.
@@ -44,6 +51,15 @@ class StageFacts:
     available: bool = True  # False: the name and order are reserved, the stage is not built yet
     sees: str = ""  # what its transforms act on, for messages
     home: str = ""  # "module:Class" of the Stage that runs it
+    # What it combines with (each a phrase for messages where it holds, "" where not):
+    runs_backward: str = ""  # it runs the step's backward itself: how
+    counts_examples: str = ""  # it counts each example's gradient once per step: why that matters
+    replaces_grad: str = ""  # it writes its parameters' gradient itself: the gradient it replaces
+    sees_each_pass: bool = False  # its hooks act in every backward pass that reaches a tensor
+    in_place: bool = False  # it transforms the accumulated .grad in place, after backward
+    windows: bool = False  # a rule here may have an ``active`` window (the others act every step)
+    # rule keys of its own -> the one line for a rule at another stage that gives one
+    rule_keys: tuple[tuple[str, str], ...] = ()
 
 
 STAGES: tuple[StageFacts, ...] = (
@@ -56,6 +72,8 @@ STAGES: tuple[StageFacts, ...] = (
         needs_after_backward=False,
         sees="each backward's local gradient",
         home="gradmod.hooks.hook.stage:HookStage",
+        sees_each_pass=True,
+        windows=True,
     ),
     StageFacts(
         "per_loss",
@@ -66,6 +84,9 @@ STAGES: tuple[StageFacts, ...] = (
         needs_after_backward=False,
         sees="each loss's gradient",
         home="gradmod.hooks.per_loss.stage:PerLossStage",
+        runs_backward="its method runs the backward passes of several losses itself",
+        replaces_grad="the gradient that its method's update replaces",
+        rule_keys=(("rows", "only a per_loss rule on modules (its output's task gradients) has rows"),),
     ),
     StageFacts(
         "per_sample",
@@ -76,6 +97,8 @@ STAGES: tuple[StageFacts, ...] = (
         needs_after_backward=True,
         sees="each example's gradient",
         home="gradmod.hooks.per_sample.stage:PerSampleStage",
+        counts_examples="the privacy accounting counts one gradient per example per step",
+        replaces_grad="the batch gradient that the per_sample stage replaces",
     ),
     StageFacts(
         "sharpness",
@@ -86,6 +109,7 @@ STAGES: tuple[StageFacts, ...] = (
         needs_after_backward=True,
         sees="the gradient at the rule's parameters moved by a second forward and backward",
         home="gradmod.hooks.sharpness.stage:SharpnessStage",
+        runs_backward="it runs a second forward and backward itself",
     ),
     StageFacts(
         "fused",
@@ -96,6 +120,8 @@ STAGES: tuple[StageFacts, ...] = (
         needs_after_backward=True,
         sees="all the rule's accumulated .grad after backward",
         home="gradmod.hooks.fused.stage:FusedStage",
+        in_place=True,
+        windows=True,
     ),
 )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from gradmod.hooks import HookSet, load_rules
+from gradmod.hooks import HookSet, load_rules, stages
 from gradmod.integrations.support import attach_for, flat_stats, refuse_per_sample, sources
 
 try:
@@ -38,7 +38,7 @@ class GradmodCallback(Callback):
     def __init__(
         self,
         rules: Mapping[str, Any] | str | Path | list,
-        stage: str = "hook",
+        stage: str = stages.DEFAULT,
         log_every: int | None = None,
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,

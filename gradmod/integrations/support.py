@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from gradmod.hooks import registry as R
+from gradmod.hooks import stages
 from gradmod.hooks.hookset import HookSet, attach
 from gradmod.hooks.rules import build_targets
 from gradmod.hooks.schedules import Length
@@ -68,7 +69,7 @@ def attach_for(
     ``zclip(on_spike="skip")`` (a callback cannot skip one optimizer step, and zeroing the
     gradients is not a skip under momentum or weight decay), and hook-stage rules when
     ``scaled`` (fp16 with a GradScaler: backward's gradients are scaled), per_sample
-    rules (see ``docs/privacy.md``), per_loss rules (the loop's backward takes one loss) and
+    rules (see ``docs/guide/privacy.md``), per_loss rules (the loop's backward takes one loss) and
     sharpness rules (the loop's own backward cannot take a second pass)."""
     _refuse_shared(trainer, model, rules, stage, *shared, Length(steps_per_epoch, total_steps))
     hooks = attach(model, rules, stage=stage, replace=False, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
@@ -79,7 +80,7 @@ def attach_for(
             hooks.remove()
             raise ValueError(f"hooks.{rule}: " + why.format(trainer=trainer))
     skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]
-    hooked = [t.rule for t in hooks.targets if t.stage == "hook" or t.kind == "module"]
+    hooked = [t.rule for t in hooks.targets if stages.get(t.stage).sees_each_pass or t.kind == "module"]
     if skipping or (scaled and hooked):
         hooks.remove()
     if skipping:

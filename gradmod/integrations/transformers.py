@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from gradmod.hooks import HookSet, load_rules
+from gradmod.hooks import HookSet, load_rules, stages
 from gradmod.integrations.support import attach_for, flat_stats, refuse_per_sample, sources, stats_line
 
 try:
@@ -54,7 +54,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
     def __init__(
         self,
         rules: Mapping[str, Any] | str | Path | list,
-        stage: str = "hook",
+        stage: str = stages.DEFAULT,
         log_every: int | None = None,
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
@@ -78,7 +78,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
         hooks = attach_for(
             "Transformers' Trainer", model, self.rules, self.stage, args.fp16, (self.sources, peers), total, per_epoch
         )
-        if hooks.stage("fused") is not None and args.max_grad_norm and args.max_grad_norm > 0:
+        if any(stages.get(s.name).in_place for s in hooks.stages) and args.max_grad_norm and args.max_grad_norm > 0:
             warnings.warn(
                 f"max_grad_norm={args.max_grad_norm}: HF clips the gradients before gradmod's fused "
                 "rules see them; set max_grad_norm=0 to leave clipping to the rules",
@@ -138,7 +138,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
 def add_to(
     trainer,
     rules: Mapping[str, Any] | str | Path | list,
-    stage: str = "hook",
+    stage: str = stages.DEFAULT,
     log_every: int | None = None,
     total_steps: int | None = None,
     steps_per_epoch: int | None = None,

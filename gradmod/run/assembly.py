@@ -56,47 +56,14 @@ def build_trainer(run: Run) -> Parts:
     optimizer = model_optimizer(cfg.optimizer, model, dist.device)
     if cfg.optimizer.no_decay or cfg.optimizer.groups:
         log.info("%s", describe_groups(model, optimizer, bool(cfg.optimizer.groups)))
-    saver = Checkpointer(
-        run.folder.out / "checkpoints",
-        every_epochs=t.checkpoint_every,
-        every_steps=t.checkpoint_every_steps,
-        keep=t.checkpoint_keep,
-        epochs=t.epochs,
-        config=dataclasses.asdict(cfg),
-        plan=run.plan,
-        writes=dist.is_main,
-        run=run.claim.run_id,
-        started=run.started,
-    )
+    saver = _saver(run)
     steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, run.sampling)
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
     callbacks = [NonFiniteCallback(guard), diverged, schedule]
-    if run.privacy is not None:
-        callbacks.append(
-            PrivacyCallback(
-                cfg.privacy.accountant,
-                cfg.privacy.delta,
-                run.privacy.noise_multiplier,
-                run.privacy.sample_rate,
-                sampling=run.sampling,
-                target_epsilon=cfg.privacy.target_epsilon,
-                clip=run.hooks.stage("per_sample").noisy,
-                noise_at=run.privacy.noise_at if run.privacy.sigmas is not None else None,
-            )
-        )
+    callbacks += [_privacy(run)] if run.privacy is not None else []
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
-    probe = (
-        GradCamProbe(
-            model_factory(cfg.model, run.data),
-            run.data,
-            cfg.capture.gradcam_layer,
-            cfg.capture.gradcam_images,
-            dist.device,
-        )
-        if cfg.capture.gradcam
-        else None
-    )
+    probe = _probe(run) if cfg.capture.gradcam else None
     settings = TrainerSettings(
         batch_size=cfg.data.batch_size,
         accumulate=t.accumulate,
@@ -125,6 +92,49 @@ def build_trainer(run: Run) -> Parts:
         generator=torch.Generator().manual_seed(cfg.seed),
     )
     return Parts(trainer, saver, guard, probe)
+
+
+def _saver(run: Run) -> Checkpointer:
+    t = run.cfg.trainer
+    return Checkpointer(
+        run.folder.out / "checkpoints",
+        every_epochs=t.checkpoint_every,
+        every_steps=t.checkpoint_every_steps,
+        keep=t.checkpoint_keep,
+        epochs=t.epochs,
+        config=dataclasses.asdict(run.cfg),
+        plan=run.plan,
+        writes=run.dist.is_main,
+        run=run.claim.run_id,
+        started=run.started,
+    )
+
+
+def _privacy(run: Run) -> PrivacyCallback:
+    """The accountant of the rule that adds noise (``run.privacy``: what it needs)."""
+    cfg, privacy = run.cfg, run.privacy
+    assert privacy is not None
+    return PrivacyCallback(
+        cfg.privacy.accountant,
+        cfg.privacy.delta,
+        privacy.noise_multiplier,
+        privacy.sample_rate,
+        sampling=run.sampling,
+        target_epsilon=cfg.privacy.target_epsilon,
+        clip=run.hooks.stage("per_sample").noisy,
+        noise_at=privacy.noise_at if privacy.sigmas is not None else None,
+    )
+
+
+def _probe(run: Run) -> GradCamProbe:
+    cfg = run.cfg
+    return GradCamProbe(
+        model_factory(cfg.model, run.data),
+        run.data,
+        cfg.capture.gradcam_layer,
+        cfg.capture.gradcam_images,
+        run.dist.device,
+    )
 
 
 def _world_sum(t: Tensor) -> Tensor:

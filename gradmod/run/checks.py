@@ -135,10 +135,10 @@ def trainer(t: Any) -> None:
             f"trainer.threads={t.threads} is more than this machine's {cores} CPUs; "
             f"allowed: 0 (torch's default) to {cores}"
         )
-    if t.hook_stage == "per_sample":
+    if t.hook_stage in stages.names() and t.hook_stage not in HOOK_STAGES:
         raise ValueError(
-            "trainer.hook_stage=per_sample is not allowed: per_sample is a rule's own stage "
-            "(per_sample_clip implies it); allowed: hook, fused"
+            f"trainer.hook_stage={t.hook_stage} is not allowed: {t.hook_stage} is a rule's own stage "
+            f"(a {stages.get(t.hook_stage).implied_by} transform implies it); allowed: {', '.join(HOOK_STAGES)}"
         )
     for key, allowed in (
         ("hook_stage", HOOK_STAGES),

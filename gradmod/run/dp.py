@@ -171,6 +171,15 @@ def prepare(
         ((rule, sigma),) = dp.noisy[:1]
         assert isinstance(sigma, float)
         return rules, Privacy(rule, sigma, rate, steps)
+    return rules, _for_target(cfg, dp, rules, rate, steps, resumed)
+
+
+def _for_target(
+    cfg: Config, dp: Plan, rules: dict[str, Any], rate: float, steps: int, resumed: Mapping[str, Any] | None
+) -> Privacy:
+    """``privacy.target_epsilon``'s noise, set in the one per_sample_clip rule of ``rules``
+    (a resumed run's, or one for the planned steps)."""
+    assert dp.target_epsilon is not None
     ((rule, args),) = dp.clips
     kept = _kept_noise(dp.target_epsilon, resumed)
     if kept is not None:
@@ -182,7 +191,7 @@ def prepare(
             kept,
             steps,
         )
-        return rules, Privacy(rule, kept, rate, steps)
+        return Privacy(rule, kept, rate, steps)
     sigma = noise_for_epsilon(dp.target_epsilon, cfg.privacy.delta, rate, steps, cfg.privacy.accountant)
     _set_noise(rules[rule], sigma)
     replaced = (
@@ -198,7 +207,7 @@ def prepare(
         rate,
         replaced,
     )
-    return rules, Privacy(rule, sigma, rate, steps)
+    return Privacy(rule, sigma, rate, steps)
 
 
 def _warn(cfg: Config, dp: Plan, train_size: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from gradmod.hooks.hookset import attach
+from gradmod.hooks.hookset import HookSet, attach
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import check_logger, make_logger
 from gradmod.reporting.plan import summarize_plan
@@ -124,18 +124,7 @@ def _build(
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
     resumed = claim.found[1].get("callbacks", {}).get(PrivacyCallback.key) if claim.found else None
     rules, privacy = dp.prepare(cfg, len(data.train_y), dist.data_size, resumed, privacy_plan)
-    t = cfg.trainer
-    per_epoch = steps_per_epoch(
-        len(data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, privacy_plan.sampling
-    )
-    hooks = attach(
-        model,
-        rules,
-        stage=t.hook_stage,  # before DDP: names without "module."
-        loss_reduction=cfg.loss.args.get("reduction", "mean"),
-        total_steps=per_epoch * t.epochs,  # what schedules' and windows' ep and dur mean
-        steps_per_epoch=per_epoch,
-    )
+    hooks = _attach(cfg, model, rules, len(data.train_y), dist.data_size, privacy_plan.sampling)
     undo.callback(hooks.remove)
     preflight.check_per_loss(hooks.targets, named_losses, dist.strategy, f"loss._target_={cfg.loss._target_}")
     return Run(
@@ -154,6 +143,21 @@ def _build(
         sampling=privacy_plan.sampling,
         diffs=diffs,
         on_owned=on_owned,
+    )
+
+
+def _attach(cfg: Config, model: Any, rules: Any, train_size: int, data_size: int, sampling: str) -> HookSet:
+    """The rules on the model, before DDP wraps it (names without ``module.``), with the run's
+    length in optimizer steps (what schedules' and windows' ``ep`` and ``dur`` mean)."""
+    t = cfg.trainer
+    per_epoch = steps_per_epoch(train_size, cfg.data.batch_size, data_size, t.accumulate, sampling)
+    return attach(
+        model,
+        rules,
+        stage=t.hook_stage,
+        loss_reduction=cfg.loss.args.get("reduction", "mean"),
+        total_steps=per_epoch * t.epochs,
+        steps_per_epoch=per_epoch,
     )
 
 

@@ -33,6 +33,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from gradmod.hooks import stages
 from gradmod.hooks.mesh import first_replica, local
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ class NonFiniteGuard:
         self.hooks = hooks
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Parameters whose .grad the fused stage transforms in place: counted before it.
-        self.fused = {t.name for t in hooks.targets if t.stage == "fused"} if hooks is not None else set()
+        # The parameters whose accumulated .grad a stage transforms in place after backward.
+        self.fused = {t.name for t in hooks.targets if stages.get(t.stage).in_place} if hooks is not None else set()
         self.skipped = 0  # optimizer steps not taken
         self.bad_steps = 0  # steps with a non-finite raw (or final) gradient
         self.nonfinite = 0  # non-finite raw gradient entries, summed over steps

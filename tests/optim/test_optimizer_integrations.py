@@ -139,7 +139,7 @@ def test_hf_trainer_trains_and_resumes_with_several_optimizers_as_one(tmp_path):
         ],
     }
     ours = hf_trainer(tmp_path / "a", lambda m: gradmod.optimizer(m, split))
-    assert isinstance(ours.optimizer, gradmod.CombinedOptimizer)
+    assert isinstance(ours.optimizer, gradmod.optim.CombinedOptimizer)
     ours.train()
     one = hf_trainer(tmp_path / "b", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False))
     one.train()

@@ -62,13 +62,45 @@ def chain_hook(
     (``gradmod.hooks.stage.Core``). Under fp16 (``core.grad_scale``, set by ``HookSet.set_grad_scale``) the steps
     see the unscaled gradient, as in fp32, and the result is scaled back for GradScaler;
     scales are powers of two, so this is exact."""
-    first = True
     plan = [(rule, step, step.fn if step.observer else None, slot) for (rule, step), slot in zip(steps, _slots(steps))]
     observes_only = all(obs is not None for _, _, obs, _ in plan)
     # Rules with an ``active`` window: the general hook, which skips them outside it (a set lookup per step).
     windowed = any(rule in core.windows for rule, _ in steps)
     defer = None if windowed else _deferrable(steps, param)
-    group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
+    hook = _general_hook(plan, core, key, param, ledger, end, windowed)
+    # The common cases in as few Python steps as can be (a hook runs per tensor per
+    # backward, a few µs each): else the general hook, which never defers.
+    if defer is not None:
+        group = tuple((rule, s.name) for rule, s in steps)  # a rule's steps are the same for all its tensors
+
+        def deferring_hook(grad: Tensor) -> Tensor | None:
+            if core.grad_scale is None and defer(param):
+                end.defer(group, steps, param, key, ledger)
+                return None
+            return hook(grad)
+
+        return deferring_hook
+    if observes_only and param is not None and param.numel() < BIG and not windowed:
+        slots = [(obs, slot) for _, _, obs, slot in plan]
+        observers = [obs for obs, _ in slots]
+
+        def observing_hook(grad: Tensor) -> Tensor | None:
+            if core.grad_scale is None and not any(obs.histogram for obs in observers):
+                end.add_small(slots, grad, param)
+                return None
+            return hook(grad)
+
+        return observing_hook
+    return hook
+
+
+def _general_hook(
+    plan: list, core: Any, key: str, param: nn.Parameter | None, ledger: RawLedger, end: BackwardEnd, windowed: bool
+):
+    """The hook for any chain: ``plan`` is (rule, step, its observer or None, slot) per step;
+    a rule outside its window (``windowed``) is skipped."""
+    first = True
+    observes_only = all(obs is not None for _, _, obs, _ in plan)
 
     def hook(grad: Tensor) -> Tensor | None:
         nonlocal first
@@ -100,28 +132,6 @@ def chain_hook(
             _observe(end, seen, result, param)
         return result
 
-    # The common cases in as few Python steps as can be (a hook runs per tensor per
-    # backward, a few µs each): else the general hook above, which never defers.
-    if defer is not None:
-
-        def deferring_hook(grad: Tensor) -> Tensor | None:
-            if core.grad_scale is None and defer(param):
-                end.defer(group, steps, param, key, ledger)
-                return None
-            return hook(grad)
-
-        return deferring_hook
-    if observes_only and param is not None and param.numel() < BIG and not windowed:
-        slots = [(obs, slot) for _, _, obs, slot in plan]
-        observers = [obs for obs, _ in slots]
-
-        def observing_hook(grad: Tensor) -> Tensor | None:
-            if core.grad_scale is None and not any(obs.histogram for obs in observers):
-                end.add_small(slots, grad, param)
-                return None
-            return hook(grad)
-
-        return observing_hook
     return hook
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -27,9 +28,25 @@ class LossRule:
         return f"{self.name}/{self.method_name}"
 
 
+ROWS = ("examples", "batch")  # a modules rule's Gramian: per-example rows, or batch-summed (LibMTL)
+
+
+def check_rule(rule: str, kind: str, names: list[str], spec: Mapping[str, Any], rows_elsewhere: str) -> None:
+    """One method per rule; ``rows`` (``rows_elsewhere``: its refusal on a params rule) on a modules rule."""
+    if len(names) != 1:
+        raise ValueError(
+            f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
+            f"gradients into one update), got {', '.join(names)}; put the others in rules of their own"
+        )
+    rows = spec.get("rows")
+    if rows is not None and rows not in ROWS:
+        raise ValueError(f"hooks.{rule}.rows: {rows!r}; allowed: {', '.join(ROWS)}")
+    if rows is not None and kind != "module":
+        raise ValueError(f"hooks.{rule}.rows: {rows_elsewhere}")
+
+
 def check_targets(targets: list) -> None:
-    """Each parameter gets one method's update, after no hook- or per_sample-stage rule
-    (``targets``: every rule's)."""
+    """Each parameter gets one method's update (``targets``: every rule's)."""
     loss: dict[str, str] = {}
     for t in targets:
         if t.stage == "per_loss" and t.kind == "param":
@@ -39,38 +56,16 @@ def check_targets(targets: list) -> None:
                     "each parameter gets one method's update: select it in one"
                 )
             loss[t.name] = t.rule
-    clash = next(
-        (t for t in targets if t.kind == "param" and t.name in loss and t.stage in ("hook", "per_sample")), None
-    )
-    if clash is not None:
-        raise ValueError(
-            f"hooks.{clash.rule}: {clash.name!r} is in per_loss rule {loss[clash.name]!r}, whose update "
-            f"replaces the gradient a {clash.stage}-stage rule would act on; a parameter is per_loss "
-            "or per_sample, not both (a fused rule after it is fine)"
-        )
-    # A module's output hook fires in every pass of a gradient method's backward (one per task,
-    # then the rest): it would see each task's gradient in turn, never one gradient.
-    passes = next(  # (a malformed method, without a kind, is refused with the rules)
+
+
+def several_passes(targets: list) -> tuple[Any, str] | None:
+    """The first per_loss rule whose method runs one backward per task (a gradient method; a
+    loss weighting runs one backward), and how, for messages."""
+    # (a malformed method, without a kind, is refused with the rules)
+    t = next(
         (t for t in targets if t.stage == "per_loss" and getattr(t.steps[0].fn, "kind", "losses") != "losses"), None
     )
-    watched = next((t for t in targets if t.stage == "hook" and t.kind == "module"), None)
-    if passes is not None and watched is not None:
-        raise ValueError(
-            f"hooks.{watched.rule}: a hook-stage modules rule ({watched.key!r}) does not combine with "
-            f"per_loss rule {passes.rule!r}, whose method {passes.steps[0].name!r} runs one backward per "
-            "task, so the output's hook would see each task's gradient in turn; use a params rule (a "
-            "fused one sees the combined gradient)"
-        )
-    # On other parameters too: the per_sample stage follows one backward of one loss, and the
-    # per_loss stage runs several passes (and scales the heads' .grad back after one).
-    sample = next((t for t in targets if t.stage == "per_sample"), None)
-    multi = next((t for t in targets if t.stage == "per_loss"), None)
-    if sample is not None and multi is not None:
-        raise ValueError(
-            f"hooks.{sample.rule}: a per_sample rule does not combine with per_loss rule "
-            f"{multi.rule!r} (its method runs the backward passes of several losses itself, "
-            "which the per_sample stage cannot follow); use one of them"
-        )
+    return None if t is None else (t, f"whose method {t.steps[0].name!r} runs one backward per task")
 
 
 def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict[str, nn.Module]) -> list[LossRule]:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradmod.hooks import stages
+from gradmod.hooks.per_loss import loss_rules
 from gradmod.hooks.per_loss.backward import Backward
 from gradmod.hooks.per_loss.combine import combine
 from gradmod.hooks.per_loss.entries import Layer, Replace
@@ -112,6 +114,22 @@ class PerLossStage(Stage):
     def check(cls, model: nn.Module, targets: list) -> None:
         super().check(model, targets)
         check_targets(targets)
+
+    @classmethod
+    def check_rule(cls, rule: str, kind: str, names: list[str], spec: Mapping[str, Any]) -> None:
+        loss_rules.check_rule(rule, kind, names, spec, dict(stages.get(cls.name).rule_keys)["rows"])
+
+    @classmethod
+    def several_passes(cls, targets: list) -> tuple[Any, str] | None:
+        return loss_rules.several_passes(targets)
+
+    in_backward_instead = ", a loss weighting or a modules: rule"
+
+    @classmethod
+    def after_backward(cls, target: Any) -> bool:
+        """A loss weighting scales its parameters' gradient as it arrives; a method of the
+        task gradients writes ``.grad`` after the backward."""
+        return not all(isinstance(s.fn, LossWeighting) for s in target.steps)
 
     @property
     def grad_scale(self) -> Tensor | None:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
-from gradmod.hooks.per_sample.tracing import PACKED, UNKNOWN, Trace
+from gradmod.hooks.tracing import PACKED, UNKNOWN, Trace
 
 
 @dataclass
@@ -227,7 +227,8 @@ def path_of(layer: Layer, where: str) -> str:
     form`` (per-example weights from the call's input and output gradient), ``Gram`` (norms
     without them: Gram matrices or ``|a_i||b_i|``, the clipped sum as one matmul), ``replay``
     (an RNN's recurrence replayed once), ``general`` (torch.func over ``where``: the slow path)."""
-    from gradmod.hooks.per_sample.layers import FuncForm, RNNForm
+    from gradmod.hooks.per_sample.layers import RNNForm
+    from gradmod.hooks.per_sample.replay import FuncForm
 
     if isinstance(layer.form, FuncForm):
         path = f"general: torch.func over {where}"

@@ -9,8 +9,8 @@ from __future__ import annotations
 from torch import nn
 
 from gradmod.hooks.per_sample.assign import Layer
-from gradmod.hooks.per_sample.layers import FuncForm
-from gradmod.hooks.per_sample.tracing import Trace
+from gradmod.hooks.per_sample.replay import FuncForm
+from gradmod.hooks.tracing import Trace
 
 
 def _path(model: nn.Module, m: nn.Module) -> str:

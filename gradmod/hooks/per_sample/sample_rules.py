@@ -35,6 +35,12 @@ def check_model(model: nn.Module) -> None:
         )
 
 
+def check_rule(rule: str, names: list[str], accepted: list[str]) -> None:
+    """Each transform once: an example's gradient is clipped once, its statistics kept once."""
+    if len(set(names)) < len(names):
+        raise ValueError(f"hooks.{rule}.transforms: give {', '.join(accepted)} at most once each")
+
+
 def check_targets(model: nn.Module, targets: list) -> None:
     """Refuse what would make the per_sample stage wrong, each in one line (``targets``:
     every rule's)."""
@@ -44,13 +50,6 @@ def check_targets(model: nn.Module, targets: list) -> None:
         return
     check_model(model)
     covered = {t.name: t.rule for t in private}
-    clash = next((t for t in targets if t.stage == "hook" and t.kind == "param" and t.name in covered), None)
-    if clash is not None:
-        raise ValueError(
-            f"hooks.{clash.rule}: a hook-stage rule on {clash.name!r}, which per_sample rule "
-            f"{covered[clash.name]!r} selects, would act on the batch gradient that the per_sample "
-            "stage replaces; use stage fused (after it) or leave the parameter out"
-        )
     noisy = sorted({t.rule for t in private for s in t.steps if s.kind == "per_sample" and s.fn.noise_multiplier > 0})
     if len(noisy) > 1:
         raise ValueError(

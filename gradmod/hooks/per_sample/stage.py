@@ -11,7 +11,7 @@ backward."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
+from gradmod.hooks import registry as R
 from gradmod.hooks.per_sample import position_bias, refusals, tied
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums, refuse_arrivals
 from gradmod.hooks.per_sample.aliases import detach_during, detachable
@@ -26,9 +27,11 @@ from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
 from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
-from gradmod.hooks.per_sample.sample_rules import check_options, check_targets, per_sample_rules
+from gradmod.hooks.per_sample.sample_rules import check_options, check_rule, check_targets, per_sample_rules
 from gradmod.hooks.per_sample.stats import PerSampleClip
-from gradmod.hooks.per_sample.tracing import (
+from gradmod.hooks.per_sample.trainable import Trainable, all_trainable
+from gradmod.hooks.stage import Core, Loop, Stage
+from gradmod.hooks.tracing import (
     batch_dim,
     batch_size,
     broadcasts_alike,
@@ -38,8 +41,6 @@ from gradmod.hooks.per_sample.tracing import (
     is_packed,
     param_or_none,
 )
-from gradmod.hooks.per_sample.trainable import Trainable, all_trainable
-from gradmod.hooks.stage import Core, Loop, Stage
 
 __all__ = ["PerSampleStage", "per_sample_rules"]
 
@@ -70,12 +71,15 @@ class PerSampleStage(Stage):
         super().check(model, targets)
         check_targets(model, targets)
 
+    @classmethod
+    def check_rule(cls, rule: str, kind: str, names: list[str], spec: Mapping[str, Any]) -> None:
+        check_rule(rule, names, R.accepted_at(cls.name))
+
     def __init__(self, model: nn.Module, targets: list, core: Core):
         loss_reduction, batch_dim = core.loss_reduction, core.batch_dim
         check_options(loss_reduction, batch_dim)
         rules = per_sample_rules(targets, dict(model.named_parameters()))
         self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
-        self._empty = False  # a forward of zero examples ran this step: its gradients are zeros
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
         self.reduce: Callable[[list[Tensor]], None] | None = None
@@ -93,7 +97,7 @@ class PerSampleStage(Stage):
         self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
         self._probed = Probed()  # every later one along a random direction per parameter
-        self._queued = self._tracing = self._broadcast = False
+        self._queued = self._tracing = self._broadcast = self._empty = False  # _empty: a zero-example forward ran
         self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]

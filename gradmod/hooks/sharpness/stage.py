@@ -1,7 +1,8 @@
 """The sharpness stage: the gradient at ``w + e`` instead of at ``w``, in two passes.
 
-1. ``check``: a parameter in one sharpness rule at most; no per_sample or per_loss rule
-   beside it (each runs its own backward); FSDP2-sharded parameters refused.
+1. ``check_rule``: one transform per rule; ``check``: a parameter in one sharpness rule at
+   most; FSDP2-sharded parameters refused. It runs the backward itself (its row of
+   ``gradmod.hooks.stages``), so ``attach`` refuses a rule of a stage that cannot follow it.
 2. attach: the rules' parameters, and a guard on each rule's first parameter that refuses
    a backward reaching it outside ``HookSet.backward`` (it would silently be plain).
 3. backward (``HookSet.backward(loss, closure=fn)``, ``fn()`` recomputing the loss at the
@@ -35,6 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gradmod.hooks import registry as R
 from gradmod.hooks.losses import named, total
 from gradmod.hooks.sharpness.batchnorm import running_stats_frozen
 from gradmod.hooks.sharpness.perturb import Perturbation
@@ -77,8 +79,17 @@ class SharpnessStage(Stage):
     on_sharded = "sharpness rules do not run on FSDP-sharded parameters yet; use trainer.strategy=ddp or one process"
 
     @classmethod
+    def check_rule(cls, rule: str, kind: str, names: list[str], spec: Mapping[str, Any]) -> None:
+        """One transform: how the rule's parameters move."""
+        if len(names) != 1:
+            raise ValueError(
+                f"hooks.{rule}.transforms: a sharpness rule holds exactly one of {', '.join(R.accepted_at(cls.name))} "
+                f"(how its parameters move), got {', '.join(names)}; put the others in rules of their own"
+            )
+
+    @classmethod
     def check(cls, model: nn.Module, targets: list) -> None:
-        """A parameter moves once per step; the stages that run their own backward do not compose."""
+        """A parameter moves once per step."""
         super().check(model, targets)
         sharp: dict[str, str] = {}
         for t in targets:
@@ -89,17 +100,6 @@ class SharpnessStage(Stage):
                         "each parameter moves once: select it in one"
                     )
                 sharp[t.name] = t.rule
-        other = next((t for t in targets if t.stage in ("per_sample", "per_loss")), None)
-        if other is not None:
-            why = (
-                "the privacy accounting counts one gradient per example per step"
-                if other.stage == "per_sample"
-                else "its method runs the backward passes of several losses itself"
-            )
-            raise ValueError(
-                f"hooks.{other.rule}: a {other.stage} rule does not combine with sharpness rule "
-                f"{next(iter(sharp.values()))!r} ({why}); use one of them"
-            )
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.model = model

@@ -14,7 +14,7 @@ from torch import nn
 from gradmod.hooks.hookset import attach
 from gradmod.hooks.per_sample import layers as forms
 from gradmod.hooks.per_sample.probes import ghost_probe, probe_dot, probe_for
-from tests.hooks.test_per_sample_zoo import CASES, labels
+from tests.hooks.per_sample.test_per_sample_zoo import CASES, labels
 
 
 def _rule() -> dict:
@@ -179,7 +179,7 @@ class SeqFirst(nn.Module):
 
 
 def test_a_batch_that_is_not_dim_0_is_refused_unless_declared():
-    from tests.hooks.test_per_sample_zoo import loop_reference
+    from tests.hooks.per_sample.test_per_sample_zoo import loop_reference
 
     torch.manual_seed(0)
     model, x, y = SeqFirst().double(), torch.randn(6, 4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
@@ -215,7 +215,7 @@ class Positions(nn.Module):
 
 @pytest.mark.parametrize("squeeze", [False, True])
 def test_a_one_row_call_is_expanded_to_the_batch_where_the_outputs_stay_the_same(squeeze):
-    from tests.hooks.test_per_sample_zoo import check
+    from tests.hooks.per_sample.test_per_sample_zoo import check
 
     torch.manual_seed(0)
     model = Positions(squeeze)

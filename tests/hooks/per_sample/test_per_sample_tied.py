@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from gradmod.hooks.hookset import attach
-from tests.hooks.test_per_sample_detached import B, check_steps
+from tests.hooks.per_sample.test_per_sample_detached import B, check_steps
 
 VOCAB, D, T = 50, 16, 3
 

@@ -89,7 +89,7 @@ def test_after_the_first_backward_autograd_no_longer_forms_the_convolution_weigh
     """From the second backward the layers run on detached weights (the stage sums their clipped
     gradients itself): autograd hands their parameters a gradient once; the per-example
     gradients stay the loop's."""
-    from tests.hooks.test_per_sample_zoo import loop_reference
+    from tests.hooks.per_sample.test_per_sample_zoo import loop_reference
 
     torch.manual_seed(0)
     model = TwoConvs(shared).double()

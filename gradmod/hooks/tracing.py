@@ -1,4 +1,5 @@
-"""What the per_sample stage learns from the model's first training forward, before it runs.
+"""What a stage learns from the model's first training forward, before it runs: which module
+calls use each parameter (the per_sample stage, and the per_loss stage's ``param_uses``).
 
 Two extra forwards of the same inputs (the random state restored after them): one with the
 batch as given, recording for every parameter of a per_sample rule the modules whose
