@@ -79,10 +79,6 @@ def _sigma(rule: str, value: Any) -> float | Schedule:
     return float(value or 0)
 
 
-def _first(sigma: float | Schedule) -> float:
-    return sigma.start if isinstance(sigma, Schedule) else sigma
-
-
 def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
     """The rules at the per_sample stage: set so, or implied by per_sample_clip."""
     named = {name for name, spec in (rules or {}).items() if (spec or {}).get("stage") == "per_sample"}
@@ -90,8 +86,10 @@ def per_sample_rule_names(rules: Mapping[str, Any]) -> list[str]:
 
 
 def _noisy(rules: Mapping[str, Any]) -> list[tuple[str, float | Schedule]]:
+    """The rules that add noise: a noise_multiplier > 0, or any schedule of one (a schedule
+    that starts at 0 still adds noise later; ``_scheduled`` refuses its noiseless steps)."""
     sigmas = [(name, _sigma(name, args.get("noise_multiplier"))) for name, args in _clips(rules)]
-    return [(name, s) for name, s in sigmas if _first(s) > 0]
+    return [(name, s) for name, s in sigmas if isinstance(s, Schedule) or s > 0]
 
 
 def adds_noise(cfg: Config) -> bool:
@@ -221,7 +219,7 @@ def _scheduled(
         t = next(t for t, s in enumerate(sigmas) if s <= 0)
         raise ValueError(
             f"{where}: the schedule reaches {sigmas[t]:g} at step {t}; every step needs noise > 0 "
-            "for a privacy claim (end the schedule above 0)"
+            f"for a privacy claim ({'start' if t == 0 else 'end'} the schedule above 0)"
         )
     distinct = len(set(sigmas))
     if distinct > MAX_DISTINCT_SIGMAS:
