@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import FAST, ROOT, run_train
+from helpers import FAST, ROOT, run_folders, run_train
 from hydra.errors import HydraException
 
 from gradmod import data as data_module
@@ -288,7 +288,10 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
         "  optimizer: adam, sgd\n" in page
         and "  model: char_lm, dann, mnist_cnn, multi_lenet, resnet18, resnet50, tiny_gpt\n" in page
     )
-    assert page.count("\n  gradmod ") >= 3 and "outputs/DATE/TIME/" in page  # the examples, as the console script
+    assert page.count("\n  gradmod ") >= 3  # the examples, as the console script
+    run_dir, sweep_dir = run_folders()
+    assert f"{run_dir}/ (a sweep: {sweep_dir}/N/" in page  # the folders the config makes, to the microsecond
+    assert "labels by task" in page and "docs/guide/tasks.md" in page
 
 
 def test_help_lists_a_newly_registered_transform():
