@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from gradmod.hooks import registry as R
-from gradmod.hooks import stages
+from gradmod.hooks import shared_params, stages
 from gradmod.hooks.globs import select
 from gradmod.hooks.rule_spec import transform_list
 from gradmod.hooks.schedules import Active, Length
@@ -72,7 +72,9 @@ def build_targets(
             )
         if ("params" in spec) == ("modules" in spec):
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
-        targets.extend(_rule_targets(rule, spec, params, modules, stage, length or Length()))
+        targets.extend(
+            _rule_targets(rule, spec, params, modules, stage, length or Length(), shared_params.found(model))
+        )
     _check_observer_keys(targets)
     return targets
 
@@ -158,7 +160,13 @@ def _shared(step: R.BuiltTransform) -> bool:
 
 
 def _rule_targets(
-    rule: str, spec: Mapping[str, Any], params: list[str], modules: list[str], default_stage: str, length: Length
+    rule: str,
+    spec: Mapping[str, Any],
+    params: list[str],
+    modules: list[str],
+    default_stage: str,
+    length: Length,
+    shared: list[str] | None = None,
 ) -> list[Target]:
     kind = "param" if "params" in spec else "module"
     transforms = transform_list(spec.get("transforms"))
@@ -170,6 +178,7 @@ def _rule_targets(
         spec,
         params if kind == "param" else modules,
         "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
+        shared,
     )
     window = rule_window(rule, spec, length)
     if window is not None and stage not in ("hook", "fused"):
