@@ -780,8 +780,11 @@ def test_attach_refuses_a_noise_schedule_that_starts_at_zero():
     model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
     ramp = {"schedule": "linear", "start": 0.0, "end": 1.0, "until": 10}
     rule = {"params": "0.*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0, "noise_multiplier": ramp}]}
-    with pytest.raises(ValueError, match=r"^hooks.dp: per_sample_clip's noise_multiplier=linear\(start=0, end=1, "
-                       r"until=10ba\) is 0 at the first step, .* \(start the schedule above 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.dp: per_sample_clip's noise_multiplier=linear\(start=0, end=1, "
+        r"until=10ba\) is 0 at the first step, .* \(start the schedule above 0",
+    ):
         attach(model, {"dp": rule})
     ramp["start"] = 0.5  # noisy from the first step: then every trained parameter must be in the rule
     with pytest.raises(ValueError, match=r"^hooks.dp: with noise every trained parameter must be in that rule"):
