@@ -166,7 +166,7 @@ def _rule_targets(
     modules: list[str],
     default_stage: str,
     length: Length,
-    shared: list[str] | None = None,
+    every_task: list[str] | None = None,
 ) -> list[Target]:
     kind = "param" if "params" in spec else "module"
     transforms = transform_list(spec.get("transforms"))
@@ -178,7 +178,7 @@ def _rule_targets(
         spec,
         params if kind == "param" else modules,
         "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
-        shared,
+        every_task,  # what @shared stands for
     )
     window = rule_window(rule, spec, length)
     if window is not None and stage not in ("hook", "fused"):
