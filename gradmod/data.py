@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -145,23 +146,33 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 FALLBACK_NOTE = ".gradmod_mnist_fallback"  # in data_dir: the full warning was shown once already
 
 
+def _short_reason(reason: str) -> str:
+    """torchvision's download error (``Tried URL, got: <urlopen error [Errno -2] Name or service
+    not known>`` per mirror) as its distinct causes: ``Name or service not known``."""
+    got = re.findall(r"got:\s*(.+?)\s*(?=Tried |$)", reason)
+    causes = dict.fromkeys(re.sub(r"^<urlopen error (\[Errno [-\d]+\] )?|>$", "", g).strip() for g in got)
+    text = "; ".join(c for c in causes if c) or reason
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _warn_fallback(data_dir: Path, reason: str) -> None:
-    """The fallback's full warning the first time for a data folder, one short line after that
-    (every run and sweep job would repeat the download's long error)."""
+    """One short line: the download's cause the first time for a data folder (its whole error,
+    with the mirrors' URLs, kept in ``FALLBACK_NOTE`` there), the bare fallback after that
+    (every run and sweep job would repeat it)."""
     note = data_dir / FALLBACK_NOTE
     if note.is_file():
         log.warning("MNIST unavailable: using the bundled 5,000-digit sample (data=mnist_sample)")
         return
     log.warning(
-        "MNIST unavailable (%s): using the bundled sample of 5,000 real MNIST digits "
-        "(data=mnist_sample); set data.fallback=false to make this an error",
-        reason,
+        "MNIST unavailable (%s): using the bundled 5,000-digit sample (data=mnist_sample); "
+        "data.fallback=false makes this an error",
+        _short_reason(reason),
     )
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         note.write_text(f"{reason}\n")
     except OSError:
-        pass  # a read-only data folder: the full warning each time
+        pass  # a read-only data folder: the first line each time
 
 
 CANVAS = 36  # MultiMNIST's image side

@@ -149,6 +149,13 @@ RATIOS = [
     ),
     ("per_sample_gpt2_over_plain", "per_sample.gpt2.gradmod", "per_sample.gpt2.plain", "<= 1.8", lambda r: r <= 1.8),
     ("per_sample_gpt2_ids_over_plain", "per_sample.gpt2_ids.gradmod", "per_sample.gpt2_ids.plain", None, None),
+    (
+        "per_sample_gpt2_stock_over_plain",  # as returned: dropout 0.1, the key/value cache in its output
+        "per_sample.gpt2_stock.gradmod",
+        "per_sample.gpt2_stock.plain",
+        "<= 1.8",
+        lambda r: r <= 1.8,
+    ),
     ("per_sample_bert_over_plain", "per_sample.bert.gradmod", "per_sample.bert.plain", "<= 1.8", lambda r: r <= 1.8),
     ("per_sample_llama_over_plain", "per_sample.llama.gradmod", "per_sample.llama.plain", "<= 1.8", lambda r: r <= 1.8),
     ("per_sample_qwen2_over_plain", "per_sample.qwen2.gradmod", "per_sample.qwen2.plain", "<= 1.8", lambda r: r <= 1.8),

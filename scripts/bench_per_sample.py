@@ -140,6 +140,19 @@ def hf(kind: str, position_ids: bool = False) -> Callable[[], nn.Module]:
     return lambda: HFClassifier(kind, position_ids)
 
 
+def gpt2_stock() -> nn.Module:
+    """GPT-2 as Hugging Face returns it, at the sizes above: its default dropout (0.1) and its
+    output a ModelOutput holding the key/value cache (``logits_of`` reads the classifier)."""
+    import transformers as T
+
+    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=4, n_positions=64))
+
+
+def logits_of(out) -> torch.Tensor:
+    """A model's output as the classifier's logits: HFClassifier's reading of a ModelOutput."""
+    return out if isinstance(out, torch.Tensor) else out.logits.mean(1)[:, :10]
+
+
 # Opacus 1.6 runs neither resnet18 (its in-place ReLU after a full backward hook is an autograd
 # error) nor the HF models as built; the transformer's nn.MultiheadAttention runs as its
 # DPMultiheadAttention (ModuleValidator.fix).
@@ -152,12 +165,13 @@ MODELS = {
     "transformer": (SmallTransformer, None, 32),
     "gpt2": (hf("gpt2"), None, 32),  # HF's default position ids: one row for the whole batch
     "gpt2_ids": (hf("gpt2", position_ids=True), None, 32),
+    "gpt2_stock": (gpt2_stock, None, 32),  # as returned: dropout 0.1, the key/value cache in its output
     "bert": (hf("bert"), None, 32),
     "llama": (hf("llama"), None, 32),
     "qwen2": (hf("qwen2"), None, 32),
     "t5": (hf("t5"), None, 32),
 }
-HF_MODELS = ("gpt2", "gpt2_ids", "bert", "llama", "qwen2", "t5")
+HF_MODELS = ("gpt2", "gpt2_ids", "gpt2_stock", "bert", "llama", "qwen2", "t5")
 CONTENDERS = ("plain", "opacus", "opacus_ghost", "gradmod")
 
 
@@ -220,7 +234,7 @@ def _plain(model, data):
     def run():
         for x, y in data:
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(logits_of(model(x)), y).backward()
             opt.step()
 
     return run
@@ -233,7 +247,7 @@ def _gradmod(model, data):
     def run():
         for x, y in data:
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(logits_of(model(x)), y).backward()
             hooks.after_backward()
             opt.step()
 

@@ -3,7 +3,7 @@
 import re
 
 import torch
-from helpers import ROOT
+from helpers import ROOT, run_folders
 from torch import nn
 
 from gradmod.hooks import attach, registry
@@ -35,3 +35,23 @@ def _plugin_group_transform_runs_fused():
         total = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
         assert abs(total.item() - 1.0) < 1e-5
         assert hooks.read_stats()["u/unit_norm"]["calls"] == 1
+
+
+def test_the_docs_name_the_run_folders_the_config_makes():
+    """Hydra's folders carry the time to the microsecond (two runs in one second get a folder
+    each); the README, usage.md and sweeps.md write them as the config makes them."""
+    run_dir, sweep_dir = run_folders()
+    assert (run_dir, sweep_dir) == ("outputs/YYYY-MM-DD/HH-MM-SS.ffffff", "multirun/YYYY-MM-DD/HH-MM-SS.ffffff")
+    docs = {name: (ROOT / name).read_text() for name in ("README.md", "docs/guide/usage.md", "docs/guide/sweeps.md")}
+    assert f"`{run_dir}/`" in docs["README.md"] and f"`{run_dir}/`" in docs["docs/guide/usage.md"]
+    assert f"`{sweep_dir}/N/`" in docs["docs/guide/usage.md"] and f"`{sweep_dir}/N/`" in docs["docs/guide/sweeps.md"]
+    for name, text in docs.items():
+        assert "DATE/TIME" not in text, name
+
+
+def test_the_readme_points_to_the_labels_by_task_contract():
+    readme = (ROOT / "README.md").read_text()
+    assert "labels by task" in readme and "[docs/guide/tasks.md](docs/guide/tasks.md)" in readme
+    assert re.search(
+        r"`pytest -n auto` \(the last full run of the default suite took \d+ to \d+ minutes on 2 cores\)", readme
+    )

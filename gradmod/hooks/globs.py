@@ -1,6 +1,7 @@
 """Which names a rule's patterns select: globs over ``named_parameters()`` or
 ``named_modules()`` names, selectors (``@last_layer``, ``@embeddings``, ``@norms``,
-``@biases``, ``@matrices``: parameters by the place they hold in the model), and for a pattern
+``@biases``, ``@matrices``: parameters by the place they hold in the model; ``@shared``: those
+every task's loss reaches, ``gradmod.hooks.shared_params``), and for a pattern
 that matches nothing, an error listing close names. Hook rules and optimizer groups resolve
 their globs here, so a selector means one thing in both."""
 
@@ -13,6 +14,9 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 from torch import nn
 
+from gradmod.hooks import shared_params
+from gradmod.hooks.shared_params import SHARED
+
 LAST_LAYER = "@last_layer"  # in params or exclude: the last module's parameters (see _matches)
 SELECTORS = {
     LAST_LAYER: "the parameters of the module that holds the last parameter (a classifier, a head)",
@@ -20,6 +24,7 @@ SELECTORS = {
     "@norms": "the parameters of normalisation modules (BatchNorm, LayerNorm, GroupNorm, RMSNorm, ...)",
     "@biases": "every parameter named bias",
     "@matrices": "weights of 2 or more dimensions outside the embeddings and the last layer",
+    SHARED: "the parameters every task's loss reaches (a multi-task model's trunk)",
 }
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
@@ -91,10 +96,16 @@ def last_layer(names: list[str]) -> list[str]:
 
 
 def _matches(
-    where: str, pattern: str, names: list[str], what: str, kinds: Mapping[str, ParamKind] | None = None
+    where: str,
+    pattern: str,
+    names: list[str],
+    what: str,
+    kinds: Mapping[str, ParamKind] | None = None,
+    shared: list[str] | None = None,
 ) -> list[str]:
     """The names ``pattern`` matches: a glob, or a selector (``SELECTORS``), which needs
-    ``kinds`` (``param_kinds(model)``) but for ``@last_layer``."""
+    ``kinds`` (``param_kinds(model)``) but for ``@last_layer`` and ``@shared`` (``shared``:
+    what ``shared_params.find`` found, None where it has not run)."""
     if not pattern.startswith("@"):
         return fnmatch.filter(names, pattern)
     if pattern not in SELECTORS:
@@ -103,6 +114,8 @@ def _matches(
         raise ValueError(f"{where}: {pattern} selects parameters; a modules rule names its modules by their globs")
     if pattern == LAST_LAYER:
         return last_layer(names)
+    if pattern == SHARED:
+        return shared_params.matches(where, shared, names)
     if kinds is None:
         raise ValueError(f"{where}: {pattern} needs the model's module types; pass kinds=param_kinds(model)")
     if pattern == "@biases":
@@ -115,13 +128,22 @@ def _matches(
 
 
 def matching(
-    where: str, value: Any, names: list[str], what: str, kinds: Mapping[str, ParamKind] | None = None
+    where: str,
+    value: Any,
+    names: list[str],
+    what: str,
+    kinds: Mapping[str, ParamKind] | None = None,
+    shared: list[str] | None = None,
 ) -> set[str]:
     """The names a glob or list of globs (``value``, at config key ``where``) matches; a
     pattern matching nothing is an error naming ``where``."""
     chosen: set[str] = set()
     for pattern in _patterns(where, value):
-        hits = _matches(where, pattern, names, what, kinds)
+        hits = _matches(where, pattern, names, what, kinds, shared)
+        if not hits and pattern == SHARED:
+            raise ValueError(
+                f"{where}: {SHARED} matches no {what}: no trainable parameter is reached by every task's loss"
+            )
         if not hits:
             raise _no_match(where, pattern, names, what)
         chosen.update(hits)
@@ -135,14 +157,16 @@ def select(
     what: str,
     kinds: Mapping[str, ParamKind] | None = None,
     prefix: str = "hooks",
+    shared: list[str] | None = None,
 ) -> list[str]:
     """The names a rule selects, in model order; a pattern matching nothing is an error.
     ``kinds``: ``param_kinds(model)``, for the selectors but ``@last_layer``; ``prefix``:
-    where the rule lives, for messages (``hooks``, ``optimizer.groups``)."""
+    where the rule lives, for messages (``hooks``, ``optimizer.groups``); ``shared``: what
+    ``@shared`` stands for."""
     key = "params" if "params" in spec else "modules"
-    chosen = matching(f"{prefix}.{rule}.{key}", spec[key], names, what, kinds)
+    chosen = matching(f"{prefix}.{rule}.{key}", spec[key], names, what, kinds, shared)
     if spec.get("exclude") is not None:
-        chosen -= matching(f"{prefix}.{rule}.exclude", spec["exclude"], names, what, kinds)
+        chosen -= matching(f"{prefix}.{rule}.exclude", spec["exclude"], names, what, kinds, shared)
     if not chosen:
         raise ValueError(f"{prefix}.{rule}: exclude removes every {what} the rule selected")
     return [n for n in names if n in chosen]

@@ -295,10 +295,28 @@ def build_parsed(name: str, args: Mapping[str, Any], stage: str | None = None) -
     if missing:
         raise ValueError(f"transform {name!r} needs argument(s) {', '.join(missing)}")
     fn = make(**args)
-    if e.kind == "elementwise" and at is None and not callable(fn):
+    if at is None:
+        _check_product(name, e.kind, fn)
+    return BuiltTransform(name, args, fn, at)
+
+
+def _check_product(name: str, kind: str, fn: Any) -> None:
+    """What a factory function of one's own built, checked as its kind needs: a config's
+    one-line error at attach, not a traceback at the first backward."""
+    if kind == "elementwise" and not callable(fn):
         kinds = [f"; a {b.__name__} is kind {k!r}" for k, b in kind_bases().items() if isinstance(fn, b)]
         raise ValueError(
             f"transform {name!r}: its factory built a {type(fn).__name__}, where an elementwise transform's "
             f"builds a function grad -> Tensor | None{''.join(kinds)} (gradmod.register(..., kind=...))"
         )
-    return BuiltTransform(name, args, fn, at)
+    if kind in catalog.KIND_CHECKS:
+        try:
+            _resolve(catalog.KIND_CHECKS[kind])(name, type(fn))  # the checks a class factory of that kind passes
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+    base = kind_bases().get(kind)
+    if base is not None and not isinstance(fn, base):
+        raise ValueError(
+            f"transform {name!r}: its factory built a {type(fn).__name__}, where a {kind} transform's "
+            f"builds a {base.__name__} (subclass gradmod.{base.__name__})"
+        )

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from gradmod.hooks import registry as R
-from gradmod.hooks import stages
+from gradmod.hooks import shared_params, stages
 from gradmod.hooks.fused.trainability import switched_off
 from gradmod.hooks.globs import ParamKind, param_kinds, select
 from gradmod.hooks.rule_spec import parse_spec, transform_list
@@ -62,6 +62,7 @@ def build_targets(
     every = [n for n, _ in model.named_parameters()]  # frozen ones too: a per_sample rule covers them
     modules = [n for n, _ in model.named_modules() if n]
     kinds = param_kinds(model)  # what the selectors (@norms, @matrices, ...) read
+    found = shared_params.found(model)  # what @shared stands for
     targets: list[Target] = []
     for rule, spec in (rules or {}).items():
         if not isinstance(spec, Mapping):
@@ -74,7 +75,7 @@ def build_targets(
             )
         if ("params" in spec) == ("modules" in spec):
             raise ValueError(f"hooks.{rule}: give exactly one of 'params' or 'modules'")
-        targets.extend(_rule_targets(rule, spec, (params, every), modules, stage, length or Length(), kinds))
+        targets.extend(_rule_targets(rule, spec, (params, every), modules, stage, length or Length(), kinds, found))
     _check_observer_keys(targets)
     return targets
 
@@ -159,6 +160,7 @@ def _rule_targets(
     default_stage: str,
     length: Length,
     kinds: Mapping[str, ParamKind] | None = None,
+    every_task: list[str] | None = None,
 ) -> list[Target]:
     """``named``: the trainable parameters' names, and every parameter's."""
     params, every = named
@@ -178,6 +180,7 @@ def _rule_targets(
         params if kind == "param" else modules,
         "parameter (see model.named_parameters())" if kind == "param" else "module (see model.named_modules())",
         kinds,
+        shared=every_task,  # what @shared stands for
     )
     if stage == "per_sample" and kind == "param":
         names += _frozen_too(rule, spec, params, every, kinds)

@@ -183,6 +183,32 @@ class Schedule:
             lo, hi = self.begin.steps(length), self._until(length)
             if hi <= lo:
                 raise ValueError(f"{where}: until ({hi:g} steps) must be after from ({lo:g} steps)")
+        bad = [t for t in self._extremes(length) if not self._finite(t, length)]
+        if bad:
+            lo, hi = -1, bad[0]  # the first step out of range: the kinds only grow past it
+            while hi - lo > 1:
+                lo, hi = (lo, (lo + hi) // 2) if not self._finite((lo + hi) // 2, length) else ((lo + hi) // 2, hi)
+            try:
+                self.value(hi, length)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+
+    def _finite(self, t: int, length: Length) -> bool:
+        try:
+            return math.isfinite(self._value(t, length))
+        except OverflowError:
+            return False
+
+    def _extremes(self, length: Length) -> list[int]:
+        """The steps at which the value is largest in size: each kind is monotone between
+        them (the clock reaches ``total_steps`` after the last step)."""
+        last = length.total_steps
+        if self.kind == "step":
+            reached = [m.steps(length) for m in self.milestones]
+            return [math.ceil(max(reached)) if last is None else min(last, math.ceil(max(reached)))] if reached else []
+        if self.kind in ("linear", "cosine", "dann"):
+            return [0, math.ceil(self._until(length))]
+        return [0] if last is None else [0, last]
 
     def _until(self, length: Length) -> float:
         if self.until is None:
@@ -190,7 +216,17 @@ class Schedule:
         return self.until.steps(length)
 
     def value(self, t: int, length: Length) -> float:
-        """The value for the optimizer step that follows ``t`` completed steps."""
+        """The value for the optimizer step that follows ``t`` completed steps; a ValueError
+        where it is not a finite float (``exp`` grown past 1.8e308)."""
+        try:
+            value = self._value(t, length)
+        except OverflowError:  # a power too large (exp, step): its sign is the start's
+            value = math.copysign(math.inf, self.start)
+        if not math.isfinite(value):
+            raise ValueError(f"{self} is {value:g} at step {t}, beyond a float's range; keep it finite over the run")
+        return value
+
+    def _value(self, t: int, length: Length) -> float:
         if self.kind == "constant":
             return self.start
         if self.kind == "step":

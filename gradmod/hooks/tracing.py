@@ -24,9 +24,9 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from gradmod.hooks.per_sample.output_leaves import PLAIN, alike, kept
+
 UNKNOWN = "?"
-# Inputs a replay can pass again as they were (anything else may hold state a call changes).
-PLAIN = (Tensor, PackedSequence, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 PACKED = "packed"  # a PackedSequence where a tensor's shape would be
 # Operations that draw random numbers whatever their arguments (dropout-like ones are checked apart).
 RANDOM = {
@@ -165,7 +165,7 @@ def _record(model: nn.Module, args, kwargs, watched: set[int] | None, trace: Tra
             with torch.enable_grad(), _Uses(watched, stack, uses, random):
                 output = model(*args, **kwargs)
             if trace is not None:
-                trace.output = pytree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, output)
+                trace.output = pytree.tree_map(kept, output)
     finally:
         for h in handles:
             h.remove()
@@ -309,10 +309,8 @@ def same_output(model: nn.Module, args: tuple, kwargs: dict, trace: Trace) -> bo
             output = model(*args, **kwargs)
     except Exception:  # a consumer that needs the one row (its shape): not alike
         return False
-    mine, theirs = pytree.tree_leaves(output), pytree.tree_leaves(trace.output)
-    return len(mine) == len(theirs) and all(
-        torch.equal(a, b) if isinstance(a, Tensor) and isinstance(b, Tensor) else a == b for a, b in zip(mine, theirs)
-    )
+    mine, theirs = [kept(x) for x in pytree.tree_leaves(output)], pytree.tree_leaves(trace.output)
+    return len(mine) == len(theirs) and all(alike(a, b) for a, b in zip(mine, theirs))
 
 
 def param_uses(

@@ -1,8 +1,10 @@
 """Checkpoints: written atomically, the newest k kept, broken ones skipped on resume.
 
-A checkpoint is one file ``<run>/checkpoints/step-000000150.pt``: a header line with the
-SHA-256 of the rest, then a ``torch.save`` payload (``load`` reads it; ``torch.load``
-does not, because of the header). The payload holds the model, optimizer and GradScaler
+A checkpoint is one file ``<run>/checkpoints/step-000000150.pt``: ``torch.save``'s zip
+archive, whose comment (the file's last bytes) holds the SHA-256 of the archive as written
+and the run's id. ``torch.load(path)`` reads it as any such file (tensors and plain values
+only, so ``weights_only=True`` is enough); ``load`` also verifies the checksum. Files of the
+first format (a header line before the archive) are still read. The archive holds the model, optimizer and GradScaler
 states, the position in the data order (the epoch in progress, the batches done in it and
 the batch-order generator's state at that epoch's start), the RNG states (python, numpy,
 torch, CUDA), the run's history and counters, the config and the hook plan.
@@ -12,7 +14,7 @@ name), so a crash leaves either the old set of checkpoints or the new one, never
 half-written ``step-*.pt``; a write that fails (disk full, no permission) raises an
 ``OSError`` naming the checkpoint and leaves the earlier checkpoints untouched.
 
-The header also names the run that wrote the file (`` run=<id>``): pruning and
+The comment also names the run that wrote the file (`` run=<id>``): pruning and
 ``resume=auto`` look only at the files of one run, ordered by the step in their name.
 """
 
@@ -34,8 +36,12 @@ from gradmod.run import atomic
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"gradmod-checkpoint v1 sha256="
+MAGIC = b"gradmod-checkpoint v2 sha256="  # the zip archive's comment, at the file's end
+HEADER = b"gradmod-checkpoint v1 sha256="  # the first format's header line (read, no longer written)
 RUN_FIELD = b" run="
+_EOCD = b"PK\x05\x06"  # the zip archive's end record: 22 bytes, then its comment
+_EOCD_SIZE = 22
+_TAIL = 1024  # the file's last bytes, which hold the comment
 _STEP = re.compile(r"step-(\d+)\.pt")
 
 
@@ -48,25 +54,49 @@ def step_of(path: Path) -> int:
     return int(_STEP.fullmatch(Path(path).name).group(1))
 
 
-def run_of(path: Path) -> str | None:
-    """The run id in a checkpoint's header; None for files without one (or unreadable)."""
+def _seal(data: bytes) -> tuple[bytes, bytes] | None:
+    """(the archive's comment, the archive as ``torch.save`` wrote it) of a checkpoint's bytes
+    (or of its last bytes, for the comment alone); None where no checkpoint comment ends it."""
+    at = data.rfind(MAGIC, max(0, len(data) - _TAIL))
+    end = at - _EOCD_SIZE
+    if end < 0 or data[end : end + 4] != _EOCD or int.from_bytes(data[at - 2 : at], "little") != len(data) - at:
+        return None
+    return data[at:], data[: at - 2] + b"\0\0"
+
+
+def _signed(archive: bytes, run: str | None) -> bytes:
+    """``torch.save``'s archive with the checksum and the run as its comment."""
+    if archive[-_EOCD_SIZE : -_EOCD_SIZE + 4] != _EOCD or archive[-2:] != b"\0\0":
+        raise AssertionError("torch.save wrote no zip archive without a comment")
+    comment = MAGIC + hashlib.sha256(archive).hexdigest().encode() + (RUN_FIELD + run.encode() if run else b"")
+    return archive[:-2] + len(comment).to_bytes(2, "little") + comment
+
+
+def _ends(path: Path) -> tuple[bytes, bytes]:
+    """A file's first line (up to 256 bytes) and its last bytes; empty if unreadable."""
     try:
         with open(path, "rb") as f:
             head = f.readline(256)
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL))
+            return head, f.read()
     except OSError:
-        return None
-    _, sep, run = head.rstrip(b"\n").partition(RUN_FIELD)
+        return b"", b""
+
+
+def run_of(path: Path) -> str | None:
+    """The run id a checkpoint names; None for files without one (or unreadable)."""
+    head, tail = _ends(path)
+    seal = _seal(tail)
+    text = seal[0] if seal else head.rstrip(b"\n") if head.startswith(HEADER) else b""
+    _, sep, run = text.partition(RUN_FIELD)
     return run.decode(errors="replace") if sep else None
 
 
 def written_by_gradmod(path: Path) -> bool:
-    """Whether ``path`` starts with a gradmod checkpoint's header (a file of the same name
-    written by anyone else does not)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except OSError:
-        return False
+    """Whether ``path`` carries a gradmod checkpoint's comment (or the first format's header):
+    a file of the same name written by anyone else does not."""
+    head, tail = _ends(path)
+    return head.startswith(HEADER) or _seal(tail) is not None
 
 
 def checkpoints(folder: Path, run: str | None = None) -> list[Path]:
@@ -87,10 +117,8 @@ def save(folder: Path, state: dict[str, Any], keep: int, run: str | None = None)
         raise OSError(e.errno, e.strerror, str(folder)) from None
     buf = io.BytesIO()
     torch.save(state, buf)
-    payload = buf.getvalue()
     path = folder / f"step-{int(state['step']):09d}.pt"
-    head = MAGIC + hashlib.sha256(payload).hexdigest().encode() + (RUN_FIELD + run.encode() if run else b"")
-    atomic.write_bytes(path, head + b"\n" + payload)
+    atomic.write_bytes(path, _signed(buf.getvalue(), run))
     for old in checkpoints(folder, run)[:-keep]:
         old.unlink(missing_ok=True)
     for stale in folder.glob(".step-*.tmp"):  # left by a run killed mid-write
@@ -106,10 +134,14 @@ def load(path: str | Path) -> dict[str, Any]:
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"checkpoint {path}: cannot read ({e.strerror})") from None
-    head, sep, payload = data.partition(b"\n")
-    if not head.startswith(MAGIC) or not sep:
-        raise CheckpointError(f"checkpoint {path}: not a gradmod checkpoint (no header)")
-    if hashlib.sha256(payload).hexdigest().encode() != head[len(MAGIC) :].partition(RUN_FIELD)[0]:
+    if data.startswith(HEADER):  # the first format: a header line, then the archive
+        comment, _, payload = data.partition(b"\n")
+        prefix = HEADER
+    elif (seal := _seal(data)) is not None:
+        (comment, payload), prefix = seal, MAGIC
+    else:
+        raise CheckpointError(f"checkpoint {path}: truncated or corrupt, or not a gradmod checkpoint (no checksum)")
+    if hashlib.sha256(payload).hexdigest().encode() != comment[len(prefix) :].partition(RUN_FIELD)[0]:
         raise CheckpointError(f"checkpoint {path}: truncated or corrupt (checksum mismatch)")
     try:
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
@@ -132,12 +164,18 @@ def _reason(error: Exception) -> str:
 
 def latest(folder: Path, run: str | None = None) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint (of ``run``, when given) in ``folder`` that verifies; broken
-    ones are skipped with a warning."""
-    for path in reversed(checkpoints(folder, run)):
+    ones (another run's aside) are skipped with a warning."""
+    for path in reversed(checkpoints(folder)):
+        owner = run_of(path)  # None: unreadable (a truncated file's comment is gone) or no run
+        if run is not None and owner not in (run, None):
+            continue  # another run's
         try:
-            return path, load(path)
+            state = load(path)
         except CheckpointError as e:
             log.warning("skipping %s", e)
+            continue
+        if run is None or owner == run:
+            return path, state
     return None
 
 

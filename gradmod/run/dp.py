@@ -79,10 +79,6 @@ def _sigma(rule: str, value: Any) -> float | Schedule:
     return float(value or 0)
 
 
-def _first(sigma: float | Schedule) -> float:
-    return sigma.start if isinstance(sigma, Schedule) else sigma
-
-
 @dataclass(frozen=True)
 class Plan:
     """DP-SGD's reading of the rules, made once per set-up (``plan``) and handed on."""
@@ -103,7 +99,9 @@ def plan(cfg: Config) -> Plan:
     clips = _clips(cfg.hooks)
     named = {name for name, spec in (cfg.hooks or {}).items() if (spec or {}).get("stage") == "per_sample"}
     sigmas = [(name, _sigma(name, args.get("noise_multiplier"))) for name, args in clips]
-    noisy = tuple((name, s) for name, s in sigmas if _first(s) > 0)
+    # A noise_multiplier > 0, or any schedule of one: one that starts at 0 still adds noise
+    # later, and ``_scheduled`` refuses its noiseless steps.
+    noisy = tuple((name, s) for name, s in sigmas if isinstance(s, Schedule) or s > 0)
     target = cfg.privacy.target_epsilon
     sampling = cfg.data.sampling
     if sampling == "auto":
@@ -248,7 +246,7 @@ def _scheduled(
         t = next(t for t, s in enumerate(sigmas) if s <= 0)
         raise ValueError(
             f"{where}: the schedule reaches {sigmas[t]:g} at step {t}; every step needs noise > 0 "
-            "for a privacy claim (end the schedule above 0)"
+            f"for a privacy claim ({'start' if t == 0 else 'end'} the schedule above 0)"
         )
     distinct = len(set(sigmas))
     if distinct > MAX_DISTINCT_SIGMAS:

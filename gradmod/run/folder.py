@@ -17,6 +17,7 @@ run is sealed").
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -122,6 +123,7 @@ class RunFolder:
         self.owned = False
         self.previous: dict[str, Any] | None = None  # the ending this run continues, once it owns the folder
         self._lock = None
+        self._holder_before: bytes | None = None  # lock.pid as the run found it
 
     def claim(self, *, resume: str | None, start_over: bool) -> Claim:
         """Lock the folder and decide what this run is; a ``ValueError`` where it may not run."""
@@ -213,6 +215,8 @@ class RunFolder:
         if self.owned:
             (self.meta / RESERVE).unlink(missing_ok=True)
         if self._lock is not None:
+            if not self.owned:  # refused: lock.pid as it was, written while the lock is still held
+                self._restore_holder()
             fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._lock.close()
             self._lock = None
@@ -240,7 +244,20 @@ class RunFolder:
                 "wait for it to end or choose another hydra.run.dir"
             ) from None
         self._lock = f
+        try:
+            self._holder_before = (self.meta / HOLDER).read_bytes()
+        except FileNotFoundError:
+            self._holder_before = None
         atomic.write_text(self.meta / HOLDER, f"{os.getpid()}\n")
+
+    def _restore_holder(self) -> None:
+        """A run that never owned the folder leaves lock.pid byte-identical (or absent, as found)."""
+        path = self.meta / HOLDER
+        with contextlib.suppress(OSError):  # a folder gone: nothing to leave as it was
+            if self._holder_before is None:
+                path.unlink(missing_ok=True)
+            elif path.read_bytes() != self._holder_before:
+                atomic.write_bytes(path, self._holder_before)
 
     def _read_run_record(self) -> tuple[str | None, str | None]:
         """(the folder's run id, None) or (None, what is wrong with its record: missing, unreadable)."""

@@ -11,7 +11,8 @@ a 6 TB allocation (a stray label of 10**9 sizes a shipped model's output layer).
   two training examples in eval mode (the random state put back) returns a tensor with a
   row per example (or a mapping or tuple of them, one per task's labels) whose classes
   cover every class label, the loss of it is a scalar tensor (or a mapping of named
-  scalars) that backpropagates into the model, and the metric applies to the labels.
+  scalars) that backpropagates into the model, and the metric applies to the labels; the
+  parameters every loss reaches are noted for ``@shared`` (``gradmod.hooks.shared_params``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
+from gradmod.hooks import shared_params
 from gradmod.labels import Labels
 from gradmod.training.tasks import SINGLE, Tasks, by_task, is_class_labels
 
@@ -68,6 +70,7 @@ def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss
             tasks.check(out, y, loss_key)  # a loss that does not fit a task's targets
             losses = _losses(tasks, out, y, loss_key)
             _check_loss(losses, loss_key, len(x))
+            shared_params.find(model, losses)  # what @shared in a rule stands for
             tasks.metrics(out, y)  # a metric that does not apply to the labels fails here
             return not isinstance(losses, Tensor), tasks.describe(out, y)
         finally:

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import FAST, ROOT, run_train
+from helpers import FAST, ROOT, run_folders, run_train
 from hydra.errors import HydraException
 
 from gradmod import data as data_module
@@ -222,18 +222,30 @@ def test_plots_tell_per_tensor_from_per_rule(monkeypatch, tmp_path):
     ]
 
 
-def test_the_offline_warning_is_long_once_then_one_short_line(monkeypatch, tmp_path, caplog):
+# torchvision's error when no mirror answers (its text, as torchvision 0.29 words it)
+OFFLINE = (
+    "Error downloading train-images-idx3-ubyte.gz:\n"
+    "Tried https://ossci-datasets.s3.amazonaws.com/mnist/, got:\n<urlopen error [Errno -2] Name or service not known>\n"
+    "Tried http://yann.lecun.com/exdb/mnist/, got:\n<urlopen error [Errno -2] Name or service not known>\n"
+)
+
+
+def test_the_offline_warning_is_one_short_line_its_cause_then_the_bare_fallback(monkeypatch, tmp_path, caplog):
     def offline(data_dir):
-        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nTried https://a/, got: no network\n" * 3)
+        raise RuntimeError(OFFLINE)
 
     monkeypatch.setattr(data_module, "_mnist", offline)
     with caplog.at_level(logging.WARNING, logger="gradmod.data"):
         first = data_module.load_data("mnist", data_dir=str(tmp_path / "data"))
         second = data_module.load_data("mnist", data_dir=str(tmp_path / "data"))
     assert first.name == second.name == "mnist_sample"
-    long, short = [r.getMessage() for r in caplog.records]
-    assert "no network" in long and "data.fallback=false" in long
-    assert short == "MNIST unavailable: using the bundled 5,000-digit sample (data=mnist_sample)"
+    assert [r.getMessage() for r in caplog.records] == [
+        "MNIST unavailable (Name or service not known): using the bundled 5,000-digit sample (data=mnist_sample); "
+        "data.fallback=false makes this an error",
+        "MNIST unavailable: using the bundled 5,000-digit sample (data=mnist_sample)",
+    ]
+    kept = (tmp_path / "data" / data_module.FALLBACK_NOTE).read_text()  # the whole error, URLs and all
+    assert "Tried https://ossci-datasets.s3.amazonaws.com/mnist/" in kept and "yann.lecun.com" in kept
 
 
 def test_readme_offers_the_light_install_and_the_build_check():
@@ -276,7 +288,10 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
         "  optimizer: adam, adamw, muon, sgd\n" in page
         and "  model: char_lm, dann, mnist_cnn, multi_lenet, resnet18, resnet50, tiny_gpt\n" in page
     )
-    assert page.count("\n  gradmod ") >= 3 and "outputs/DATE/TIME/" in page  # the examples, as the console script
+    assert page.count("\n  gradmod ") >= 3  # the examples, as the console script
+    run_dir, sweep_dir = run_folders()
+    assert f"{run_dir}/ (a sweep: {sweep_dir}/N/" in page  # the folders the config makes, to the microsecond
+    assert "labels by task" in page and "docs/guide/tasks.md" in page
 
 
 def test_help_lists_a_newly_registered_transform():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import GroupTransform
+from gradmod.hooks.per_loss.methods import Method
 from gradmod.hooks.rules import build_targets
 
 
@@ -204,6 +206,38 @@ def test_a_function_factory_that_builds_no_function_is_refused_at_attach_in_one_
     ) as e:
         attach(nn.Linear(3, 1), {"r": {"params": "*", "transforms": ["half_by_function_test"]}})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kind, made, message",
+    [
+        (
+            "per_loss",
+            lambda: lambda G, gen: None,
+            "per_loss method 'made_test': its factory builds a function, not a Method",
+        ),
+        ("per_loss", lambda: NoWeights(), "a method of kind 'gramian' defines weights, and NoWeights does not"),
+        (
+            "group",
+            lambda: torch.neg,
+            "transform 'made_test': its factory built a builtin_function_or_method, where a group",
+        ),
+    ],
+)
+def test_a_factory_function_that_builds_the_wrong_thing_for_its_kind_is_one_line_at_attach(kind, made, message):
+    """The CLI prints a ValueError as one line; a TypeError from a check of gradmod's own would
+    be a traceback, as if gradmod had a bug."""
+    registry.register("made_test", made, kind=kind, overwrite=True)
+    try:
+        with pytest.raises(ValueError, match=re.escape(message)) as e:
+            attach(nn.Linear(3, 1), {"r": {"params": "*", "transforms": ["made_test"]}})
+        assert "\n" not in str(e.value) and str(e.value).startswith("hooks.r.transforms: ")
+    finally:
+        registry.unregister("made_test")
+
+
+class NoWeights(Method):
+    """A per_loss method of kind gramian that forgot its ``weights``."""
 
 
 def test_one_door_registers():

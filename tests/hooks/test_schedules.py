@@ -134,6 +134,28 @@ def test_units_the_run_does_not_know_are_refused(spec, length, words):
         assert w in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "spec, length, words",
+    [
+        ({"schedule": "exp", "start": 1.0, "gamma": 1e308}, Length(total_steps=6), ["gamma=1e+308", "inf at step 2"]),
+        ({"schedule": "exp", "start": -2.0, "gamma": 1e200, "every": 3}, Length(total_steps=9), ["-inf at step 6"]),
+        ({"schedule": "step", "start": 1.0, "gamma": 1e300, "milestones": [2, 4]}, Length(), ["inf at step 4"]),
+        ({"schedule": "linear", "start": -1e308, "end": 1e308, "until": 4}, Length(), ["nan at step 0"]),
+    ],
+)
+def test_a_value_beyond_a_floats_range_is_one_line(spec, length, words):
+    """Not an OverflowError from deep inside the first step: refused where the run's length is known."""
+    with pytest.raises(ValueError) as e:
+        parse_schedule(spec, "hooks.r.transforms.0.x").check(length, "hooks.r.transforms.0.x")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("hooks.r.transforms.0.x: ") and "beyond a float's range" in msg
+    for w in words:
+        assert w in msg
+    ok = parse_schedule({"schedule": "exp", "start": 1.0, "gamma": 1e308}, "x")
+    ok.check(Length(total_steps=1), "x")  # 1e308 at the clock's last reading, step 1: finite
+    assert ok.value(1, Length()) == 1e308
+
+
 def test_constant_exp_and_step_in_steps_need_no_length():
     for spec in (
         {"schedule": "constant", "start": 1},

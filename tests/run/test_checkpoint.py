@@ -27,6 +27,45 @@ def test_save_load_and_keep_last(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_torch_load_reads_a_checkpoint_as_it_is(tmp_path):
+    """A checkpoint is torch.save's zip archive with its checksum and run in the archive's
+    comment: torch.load (weights_only, its default) reads it, and zipfile sees the comment."""
+    import hashlib
+    import io
+    import zipfile
+
+    state = {"step": 7, "w": torch.arange(5.0), "config": "lr: 0.1"}
+    path = ckpt.save(tmp_path, state, keep=1, run="r1")
+    plain = torch.load(path, weights_only=True)
+    assert plain.keys() == state.keys() and torch.equal(plain["w"], state["w"]) and plain["step"] == 7
+    comment = zipfile.ZipFile(path).comment
+    buf = io.BytesIO()
+    torch.save(state, buf)  # the same archive, as torch.save writes it
+    assert (
+        comment == b"gradmod-checkpoint v2 sha256=" + hashlib.sha256(buf.getvalue()).hexdigest().encode() + b" run=r1"
+    )
+    assert ckpt.run_of(path) == "r1" and ckpt.written_by_gradmod(path) and ckpt.load(path)["step"] == 7
+
+
+def test_a_checkpoint_of_the_first_format_is_still_read(tmp_path):
+    """A header line with the checksum, then the archive: what earlier versions wrote."""
+    import hashlib
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"step": 4, "w": torch.ones(2)}, buf)
+    payload = buf.getvalue()
+    path = tmp_path / "step-000000004.pt"
+    path.write_bytes(
+        b"gradmod-checkpoint v1 sha256=" + hashlib.sha256(payload).hexdigest().encode() + b" run=old\n" + payload
+    )
+    assert ckpt.run_of(path) == "old" and ckpt.written_by_gradmod(path)
+    assert ckpt.load(path)["step"] == 4 and ckpt.latest(tmp_path, "old")[0] == path
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ckpt.CheckpointError, match="checksum mismatch"):
+        ckpt.load(path)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "not_a_checkpoint"])
 def test_broken_newest_is_skipped_with_a_warning(tmp_path, caplog, damage):
     ckpt.save(tmp_path, {"step": 1, "w": torch.ones(100)}, keep=5)
@@ -37,7 +76,7 @@ def test_broken_newest_is_skipped_with_a_warning(tmp_path, caplog, damage):
         bad.write_bytes(data[: len(data) // 2])
     elif damage == "flip":  # one byte inside the tensor data: only the checksum notices
         b = bytearray(data)
-        b[-200] ^= 0x01
+        b[data.find((torch.ones(100) * 2).numpy().tobytes()) + 8] ^= 0x01
         bad.write_bytes(bytes(b))
     elif damage == "empty":
         bad.write_bytes(b"")

@@ -26,7 +26,8 @@ from gradmod.run.resume import apply_optimizer, compare
 
 
 def snapshot(out: Path) -> dict[str, bytes]:
-    """Every file of the folder but the lock (which names the last holder)."""
+    """Every file of the folder, lock.pid (the last holder's pid) too, but the lock itself
+    (never written, its contents empty)."""
     return {
         str(p.relative_to(out)): p.read_bytes()
         for p in sorted(out.rglob("*"))
@@ -109,6 +110,21 @@ def test_a_resume_that_does_not_fit_leaves_every_file_as_it_was(mine, change, ma
         run(compose_config(*KEEP, "trainer.resume=auto", *change), mine)
     assert "\n" not in str(e.value)
     assert snapshot(mine) == before
+
+
+@pytest.mark.parametrize("holder", ["4242\n", None])
+def test_a_refused_run_leaves_the_lock_holders_pid_as_it_found_it(mine, tmp_path, holder):
+    """lock.pid names the last holder (another process here); a run refused after taking the
+    lock puts it back byte for byte, or leaves none where there was none."""
+    pid = mine / ".gradmod" / "lock.pid"
+    if holder is None:
+        pid.unlink()
+    else:
+        pid.write_text(holder)
+    before = snapshot(mine)
+    with pytest.raises(ValueError, match="optimizer.no_decay"):
+        run(compose_config(*KEEP, "trainer.resume=auto", "optimizer.no_decay=[conv1.bias]"), mine)
+    assert snapshot(mine) == before and pid.exists() == (holder is not None)
 
 
 def test_a_schedule_cannot_change_under_a_resume(tmp_path):

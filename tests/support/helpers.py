@@ -4,6 +4,7 @@ composed as train.py sees it, train.py run as a user would, and small reference 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -93,6 +94,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_folders() -> tuple[str, str]:
+    """The run and sweep folders gradmod/conf/config.yaml makes, as the docs write them
+    (``outputs/YYYY-MM-DD/HH-MM-SS.ffffff``)."""
+    import yaml
+
+    hydra = yaml.safe_load((ROOT / "gradmod" / "conf" / "config.yaml").read_text())["hydra"]
+    codes = {"%Y": "YYYY", "%m": "MM", "%d": "DD", "%H": "HH", "%M": "MM", "%S": "SS", "%f": "ffffff"}
+
+    def shown(folder: str) -> str:
+        folder = re.sub(r"\$\{now:([^}]*)\}", r"\1", folder)
+        return re.sub(r"%[a-zA-Z]", lambda m: codes[m.group(0)], folder)
+
+    return shown(hydra["run"]["dir"]), shown(hydra["sweep"]["dir"])
 
 
 def per_loss_method(name: str) -> bool:

@@ -749,3 +749,45 @@ def test_a_noise_schedule_that_reaches_zero_is_refused():
     cfg = validate(compose_config(*TINY_FAKE, "+hooks=dp", smooth, "trainer.epochs=20"))
     with pytest.raises(ValueError, match=r"cosine schedule gives 120 distinct noise multipliers .* use exp or step"):
         dp.prepare(cfg, train_size=60, world_size=1)
+
+
+FROM_ZERO = [
+    "{schedule: dann, start: 0.0, end: 1.0}",
+    "{schedule: linear, start: 0.0, end: 1.0}",
+    "{schedule: cosine, start: 0.0, end: 1.0}",
+    "{schedule: step, start: 0.0, gamma: 2.0, milestones: [1ep]}",
+]
+
+
+@pytest.mark.parametrize("schedule", FROM_ZERO, ids=lambda s: s.split(",")[0].split()[-1])
+def test_a_noise_schedule_that_starts_at_zero_is_refused_before_training(tmp_path, schedule):
+    """Its first steps would get no noise: no privacy claim holds, so the run is refused, not
+    trained without an epsilon."""
+    from gradmod.app.cli import run
+
+    with pytest.raises(ValueError) as e:
+        run(compose_config(*TINY_FAKE, "+hooks=dp", f"hooks.dp.transforms.0.noise_multiplier={schedule}"), tmp_path)
+    assert str(e.value) == (
+        "hooks.dp.noise_multiplier: the schedule reaches 0 at step 0; every step needs noise > 0 "
+        "for a privacy claim (start the schedule above 0)"
+    )
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_attach_refuses_a_noise_schedule_that_starts_at_zero():
+    """In a loop of one's own too: the first steps would get no noise and later ones would,
+    and the rule would escape the check that the noise covers every trained parameter."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    ramp = {"schedule": "linear", "start": 0.0, "end": 1.0, "until": 10}
+    rule = {"params": "0.*", "transforms": [{"name": "per_sample_clip", "max_norm": 1.0, "noise_multiplier": ramp}]}
+    with pytest.raises(
+        ValueError,
+        match=r"^hooks.dp: per_sample_clip's noise_multiplier=linear\(start=0, end=1, "
+        r"until=10ba\) is 0 at the first step, .* \(start the schedule above 0",
+    ):
+        attach(model, {"dp": rule})
+    ramp["start"] = 0.5  # noisy from the first step: then every trained parameter must be in the rule
+    with pytest.raises(ValueError, match=r"^hooks.dp: with noise every trained parameter must be in that rule"):
+        attach(model, {"dp": rule})
+    rule["params"] = "*"
+    attach(model, {"dp": rule}).remove()

@@ -50,7 +50,7 @@ def check_targets(model: nn.Module, targets: list) -> None:
         return
     check_model(model)
     covered = {t.name: t.rule for t in private}
-    noisy = sorted({t.rule for t in private for s in t.steps if s.kind == "per_sample" and s.fn.noise_multiplier > 0})
+    noisy = sorted({t.rule for t in private for s in t.steps if _adds_noise(t.rule, s)})
     if len(noisy) > 1:
         raise ValueError(
             f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
@@ -75,6 +75,21 @@ def check_targets(model: nn.Module, targets: list) -> None:
             f"privacy claim is false; not covered: {shown} (select them in hooks.{noisy[0]} or set "
             "requires_grad=False)"
         )
+
+
+def _adds_noise(rule: str, step) -> bool:
+    """Whether a per_sample step adds noise at some step: a noise_multiplier > 0, or a
+    schedule of one, which must then have noise from the first step on."""
+    if step.kind != "per_sample" or not isinstance(step.fn, PerSampleClip):
+        return False
+    scheduled = step.schedules.get("noise_multiplier")
+    if scheduled is not None and step.fn.noise_multiplier <= 0:
+        raise ValueError(
+            f"hooks.{rule}: per_sample_clip's noise_multiplier={scheduled} is 0 at the first step, so the "
+            "first steps get no noise and later ones do; every step needs noise > 0 for a privacy claim "
+            "(start the schedule above 0, or give no noise_multiplier)"
+        )
+    return scheduled is not None or step.fn.noise_multiplier > 0
 
 
 @dataclass

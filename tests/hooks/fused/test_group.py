@@ -438,6 +438,54 @@ def test_global_norm_clip_step_costs_a_few_ops_and_no_host_sync():
     hooks.remove()
 
 
+def _agc_extra_ops(layers: list[tuple[int, int]], norm_type: float = 2.0) -> tuple[int, int]:
+    """(aten ops agc adds to an SGD step, tensors) on a stack of Linear(d_in, d_out) ``layers``."""
+    bare = nn.Sequential(*[nn.Linear(i, o) for i, o in layers])
+    clipped = copy.deepcopy(bare)
+    hooks = attach(clipped, rule({"name": "agc", "norm_type": norm_type}), stage="fused")
+    bare_opt = torch.optim.SGD(bare.parameters(), lr=0.1, foreach=True)
+    clip_opt = torch.optim.SGD(clipped.parameters(), lr=0.1, foreach=True)
+    x, y = torch.randn(4, layers[0][0]), torch.randint(0, layers[-1][1], (4,))
+
+    def step(model, opt, h=None):
+        with OpCounter() as count:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            if h is not None:
+                h.after_backward()
+            opt.step()
+        return count.count
+
+    step(bare, bare_opt), step(clipped, clip_opt, hooks)  # first steps build state
+    extra = step(clipped, clip_opt, hooks) - step(bare, bare_opt)
+    hooks.remove()
+    return extra, 2 * len(layers)
+
+
+def test_agcs_cost_is_the_one_docs_guide_clipping_md_states():
+    """Per distinct shape, not per tensor: the numbers are read from the page."""
+    import re
+
+    from helpers import ROOT
+
+    page = " ".join((ROOT / "docs" / "guide" / "clipping.md").read_text().split())
+    m = re.search(
+        r"(\d+) aten ops per shape plus (\d+) per step \((\d+) per shape plus (\d+) with `norm_type` other than 2\), "
+        r"and (\d+) more for each shape that holds several tensors .* \(10 or 102 tensors\) adds (\d+) ops either way",
+        page,
+    )
+    assert m, "docs/guide/clipping.md states agc's cost"
+    per_shape, per_step, per_shape_l1, per_step_l1, stacked, repeated = map(int, m.groups())
+    distinct = [(8 + i, 9 + i) for i in range(4)] + [(12, 3)]  # every tensor a shape of its own
+    for norm_type, shape_ops, step_ops in ((2.0, per_shape, per_step), (1.0, per_shape_l1, per_step_l1)):
+        ops, n = _agc_extra_ops(distinct, norm_type)
+        assert ops == step_ops + shape_ops * n, (norm_type, ops, n)
+    # 4 or 50 identical layers and a classifier: 4 shapes, two of them stacked
+    for k in (4, 50):
+        assert _agc_extra_ops([(8, 8)] * k + [(8, 3)]) == (repeated, 2 * k + 2)
+    assert repeated == per_step + 4 * per_shape + 2 * stacked
+
+
 # --- DDP: the fused stage sees the all-reduced (averaged) gradient -----------------------
 
 

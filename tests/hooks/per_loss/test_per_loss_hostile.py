@@ -461,7 +461,7 @@ def test_a_malformed_method_is_refused_when_registered_or_attached():
             registry.register("mine", cls, kind="per_loss")
         assert "\n" not in str(e.value)
     registry.register("made_by_a_function", lambda: {"weights": None}, kind="per_loss")
-    with pytest.raises(TypeError, match="per_loss method 'made_by_a_function': its factory builds a dict"):
+    with pytest.raises(ValueError, match="per_loss method 'made_by_a_function': its factory builds a dict"):
         gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": ["made_by_a_function"]}})
 
 

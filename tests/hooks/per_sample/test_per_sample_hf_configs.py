@@ -57,13 +57,17 @@ def _rule(max_norm: float) -> dict:
     return {"dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": max_norm}]}}
 
 
-def check_or_refusal(model: nn.Module, x: torch.Tensor, rtol: float = 1e-10) -> str | None:
-    """None where the stage's clipped mean equals the reference's to ``rtol``; else its one-line refusal."""
+def check_or_refusal(
+    model: nn.Module, x: torch.Tensor, rtol: float = 1e-10, read=lambda out: out, paths: dict | None = None
+) -> str | None:
+    """None where the stage's clipped mean equals the reference's to ``rtol``; else its one-line
+    refusal. ``read``: the tensor of the model's output to train; ``paths``: filled with each
+    parameter's path."""
     model = model.double().train()
     x = x.double() if x.is_floating_point() else x
     params = dict(model.named_parameters())
     torch.manual_seed(1)
-    out = model(x)
+    out = read(model(x))
     weights = torch.randn_like(out)
     per = [torch.autograd.grad((out[i] * weights[i]).sum(), list(params.values()), retain_graph=True, allow_unused=True)
            for i in range(len(x))]  # fmt: skip
@@ -75,7 +79,7 @@ def check_or_refusal(model: nn.Module, x: torch.Tensor, rtol: float = 1e-10) -> 
     hooks = attach(model, _rule(max_norm))
     torch.manual_seed(1)  # the same dropout masks as the reference's forward
     try:
-        ((model(x) * weights).sum() / len(x)).backward()
+        ((read(model(x)) * weights).sum() / len(x)).backward()
     except ValueError as e:
         hooks.remove()
         assert "\n" not in str(e)
@@ -85,6 +89,8 @@ def check_or_refusal(model: nn.Module, x: torch.Tensor, rtol: float = 1e-10) -> 
     for (name, p), w in zip(params.items(), want):
         err = float((p.grad - w).norm())
         assert err <= rtol * max(float(w.norm()), 1e-3 * scale), f"{name}: error {err:.2e}"
+    if paths is not None:
+        paths.update(hooks.stage("per_sample").paths())
     hooks.remove()
     return None
 
@@ -115,6 +121,20 @@ def test_stock_configs_with_their_dropout_are_right_or_refused_in_one_line(name)
         assert msg is None, msg
     else:
         assert msg is not None and all(word in msg for word in refused), msg
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_gpt2_as_hugging_face_returns_it_is_right_in_closed_form_with_its_dropout():
+    """Called as it comes (its output holds the key/value cache, new at every forward) and
+    with its default dropout (0.1): its position embedding, called on one row for the whole
+    batch, is followed with that row expanded (the cache compared by the tensors it holds),
+    so no module is replayed per example."""
+    torch.manual_seed(0)
+    model, paths = _gpt2(), {}
+    assert model.config.use_cache and model.config.resid_pdrop == 0.1
+    msg = check_or_refusal(model, torch.randint(0, VOCAB, (B, T)), read=lambda out: out.logits, paths=paths)
+    assert msg is None, msg
+    assert len(paths) == len(list(model.parameters())) and "general" not in set(paths.values()), paths
 
 
 def test_dropout_inside_a_transformer_encoder_layer_is_right():
