@@ -17,7 +17,12 @@ from gradmod.hooks.per_loss import weightings as W
 from gradmod.hooks.per_loss.nash_mtl import NashMTL
 from gradmod.hooks.per_sample.stats import PerSampleClip, per_sample_log
 from gradmod.hooks.registry import FACTORY_BASES, add_stage_form, register
+from gradmod.hooks.sharpness.centralize import centralize_ascent
+from gradmod.hooks.sharpness.friendly_sam import FriendlySam
+from gradmod.hooks.sharpness.gsam import Gsam
+from gradmod.hooks.sharpness.looksam import LookSam
 from gradmod.hooks.sharpness.perturb import Asam, Sam
+from gradmod.hooks.sharpness.wsam import Wsam
 from gradmod.hooks.stats import log
 from gradmod.hooks.validators import number
 
@@ -61,3 +66,8 @@ register("freeze", Freeze, kind="group")
 # Sharpness: how a rule's parameters move before the second forward and backward.
 register("sam", Sam, kind="sharpness")
 register("asam", Asam, kind="sharpness")
+register("gsam", Gsam, kind="sharpness")
+register("wsam", Wsam, kind="sharpness")
+register("looksam", LookSam, kind="sharpness")
+register("friendly_sam", FriendlySam, kind="sharpness")
+add_stage_form("centralize", "sharpness", centralize_ascent)  # before the ascent: SAM(use_gc=True)

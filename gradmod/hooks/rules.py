@@ -145,10 +145,14 @@ def _check_accepted(rule: str, stage: str, names: list[str]) -> None:
             f"hooks.{rule}.transforms: a per_loss rule holds exactly one method (what turns the task "
             f"gradients into one update), got {', '.join(names)}; put the others in rules of their own"
         )
-    if stage == "sharpness" and len(names) != 1:
+    moves = [n for n in names if _kind(n) == "sharpness"]
+    if stage == "sharpness" and (len(moves) != 1 or names[-1] != moves[0]):
+        shapes = [n for n in R.accepted_at(stage) if _kind(n) != "sharpness"]
         raise ValueError(
-            f"hooks.{rule}.transforms: a sharpness rule holds exactly one of {', '.join(R.accepted_at(stage))} "
-            f"(how its parameters move), got {', '.join(names)}; put the others in rules of their own"
+            f"hooks.{rule}.transforms: a sharpness rule holds exactly one of "
+            f"{', '.join(n for n in R.accepted_at(stage) if n not in shapes)} (how its parameters move), last, "
+            f"after what shapes its ascent ({', '.join(shapes)}); got {', '.join(names)}; put the others in rules "
+            "of their own"
         )
 
 
