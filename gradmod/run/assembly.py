@@ -59,6 +59,8 @@ def build_trainer(run: Run) -> Parts:
     if cfg.optimizer.no_decay:
         log.info("%s", describe_groups(model, groups, cfg.optimizer.weight_decay))
     optimizer = build_optimizer(cfg.optimizer, groups, dist.device)
+    if (sharp := run.hooks.stage("sharpness")) is not None:  # gsam's rho follows its lr, wsam moves after its step
+        sharp.set_optimizer(optimizer)
     saver = Checkpointer(
         run.folder.out / "checkpoints",
         every_epochs=t.checkpoint_every,

@@ -25,7 +25,8 @@ from gradmod.hooks.validators import in_range, positive
 
 
 class FriendlySam(Perturbation):
-    """SAM's move along ``g - sigma m``, ``m`` the momentum of the first passes' gradients."""
+    """Friendly SAM (Li et al. 2024; pytorch-optimizer's FriendlySAM): SAM's move along
+    ``g - sigma m``, ``m`` a momentum (decay ``lmbda``) of the first passes' gradients."""
 
     name = "friendly_sam"
     one_process = True

@@ -29,7 +29,9 @@ def dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
 
 
 class Gsam(Perturbation):
-    """SAM's move; the gradient at ``w + e`` less ``alpha`` times ``g``'s part orthogonal to it."""
+    """GSAM (Zhuang et al. 2022; pytorch-optimizer's GSAM): SAM's move, the gradient at ``w + e``
+    less ``alpha`` times ``g``'s part orthogonal to it, ``rho`` following the learning rate
+    between ``rho_min`` and ``rho``."""
 
     name = "gsam"
     combines = True

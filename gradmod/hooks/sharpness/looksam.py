@@ -34,7 +34,8 @@ def _norms(tensors: list[Tensor]) -> Tensor:
 
 
 class LookSam(Perturbation):
-    """SAM on one step in ``k``; in between, ``g`` plus ``alpha`` times the kept orthogonal part."""
+    """LookSAM (Liu et al. 2022; pytorch-optimizer's LookSAM): SAM's two passes on one step in
+    ``k``, in between ``g`` plus ``alpha`` times their part orthogonal to ``g``, one pass each."""
 
     name = "looksam"
     combines = True

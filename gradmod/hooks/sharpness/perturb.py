@@ -121,7 +121,8 @@ def global_norm(tensors: list[Tensor]) -> Tensor:
 
 
 class Sam(Perturbation):
-    """``e = rho g / (||g|| + 1e-12)`` over the rule's parameters."""
+    """SAM (Foret et al. 2021; pytorch-optimizer's SAM): ``e = rho g / (||g|| + 1e-12)`` over the
+    rule's parameters."""
 
     name = "sam"
 
@@ -132,7 +133,8 @@ class Sam(Perturbation):
 
 
 class Asam(Perturbation):
-    """``e = rho T^2 g / (||T g|| + 1e-12)`` with ``T = |w| + eta``, over the rule's parameters."""
+    """ASAM (Kwon et al. 2021; pytorch-optimizer's SAM(adaptive=True)): ``e = rho T^2 g / (||T g||
+    + 1e-12)`` with ``T = |w| + eta``, over the rule's parameters."""
 
     name = "asam"
 

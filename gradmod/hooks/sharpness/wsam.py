@@ -27,7 +27,8 @@ from gradmod.hooks.validators import positive
 
 
 class Wsam(Perturbation):
-    """SAM's move; ``g`` plus ``gamma / (1 - gamma)`` times the sharpness ``g_s - g``."""
+    """WSAM (Yue et al. 2023; pytorch-optimizer's WSAM): ``g`` plus ``gamma / (1 - gamma)`` times
+    the sharpness ``g_s - g``, after the optimizer's step where ``decouple``."""
 
     name = "wsam"
     combines = True
