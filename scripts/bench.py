@@ -40,6 +40,9 @@ Sections:
   sharpness  one SGD step with SAM (two forward and backward passes) and with SAM every 4th step against a
          plain step, on the MNIST CNN (batch 100) and a ResNet-18 (batch 32, 32x32); SAM's extra peak
          memory over one copy of the parameters (see scripts/bench_sharpness.py)
+  sam_peers  gsam, wsam, looksam (k=5), friendly_sam and centralize+sam against pytorch-optimizer's GSAM, WSAM,
+         LookSAM, FriendlySAM and SAM(use_gc=True), SGD steps on the same two models, and LookSAM against a
+         plain step (see scripts/bench_sam_peers.py); asked for by name
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its per_sample secti
 
 import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
+import bench_sam_peers as sam_peers  # noqa: E402
 import bench_scale as scale  # noqa: E402
 import bench_sharpness as sharpness  # noqa: E402
 
@@ -83,8 +87,8 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "scale")
-DEFAULT_SECTIONS = SECTIONS[:-1]  # scale takes long: asked for by name
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "scale", "sam_peers")
+DEFAULT_SECTIONS = SECTIONS[:-2]  # scale and sam_peers take long: asked for by name
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
 # median(numerator) / median(denominator). "cuda" targets apply only on a GPU.
@@ -241,6 +245,7 @@ for _m in sharpness.MODELS:  # two passes are the floor of a SAM step: <= 2.05x 
         (f"sharpness_{_m}_sam_over_two_passes", f"sharpness.{_m}.sam", f"sharpness.{_m}.two_passes", None, None),
         (f"sharpness_{_m}_two_passes_over_plain", f"sharpness.{_m}.two_passes", f"sharpness.{_m}.plain", None, None),
     ]
+RATIOS += sam_peers.ratios()  # each rule <= 1.05x the library's step; LookSAM at k=5 <= 1.3x a plain one
 UNIT_IMAGES = {"step": BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
 UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
@@ -479,6 +484,13 @@ class Bench:
                 steps,
                 f"{name.split('.')[0]}_step",  # the models' batches differ
             )
+        steps, batch = (1, 4) if self.args.quick else (sam_peers.STEPS, None)
+        for name in sam_peers.names():
+            table[f"sam_peers.{name}"] = (
+                lambda name=name: sam_peers.setup(name, steps, batch, self.device),
+                steps,
+                f"{name.split('.')[0]}_step",
+            )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -591,11 +603,12 @@ def ops_table(ops: dict[str, dict]) -> str:
 
 def clock(result: dict) -> str:
     """The median a ratio divides: the per_loss section's single-threaded steps, and the
-    sharpness section's on the CPU, compare CPU time (on a shared machine wall time mostly
+    sharpness and sam_peers sections' on the CPU, compare CPU time (on a shared machine wall time mostly
     measures the neighbours); the rest wall time."""
     if result["section"] == "per_loss" and result["unit"] == "mtl_step":
         return "median_cpu_s"
-    return "median_cpu_s" if result["section"] == "sharpness" and result.get("device") == "cpu" else "median_s"
+    cpu = result["section"] in ("sharpness", "sam_peers") and result.get("device") == "cpu"
+    return "median_cpu_s" if cpu else "median_s"
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float:
