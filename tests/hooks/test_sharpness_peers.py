@@ -264,3 +264,38 @@ def test_bad_arguments_are_one_line(transforms, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         H.attach(build("cnn"), _rule(*transforms))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        {"name": "gsam", "rho": 0.1, "alpha": 0.4},
+        {"name": "wsam", "rho": 0.1, "gamma": 0.8},
+        {"name": "looksam", "rho": 0.1, "k": 2, "alpha": 0.7},
+    ],
+)
+def test_each_micro_batch_takes_its_own_passes(transform):
+    """Two micro-batches of the same examples (each loss halved) are one micro-batch of them:
+    each combines its own g and g_s, which are halves, so the step's gradient is the same:
+    the first micro-batch's gradient is neither lost nor mixed into the second's g or g_s."""
+    x, y = data("cnn")
+
+    def train(micro: int):
+        model = build("cnn")
+        opt = torch.optim.SGD(model.parameters(), **SGD)
+        hooks = H.attach(model, _rule(transform))
+        hooks.stage("sharpness").set_optimizer(opt)
+        for _ in range(4):
+            opt.zero_grad()
+            for _ in range(micro):
+
+                def loss_fn():
+                    return F.cross_entropy(model(x), y) / micro
+
+                hooks.backward(loss_fn(), closure=loss_fn)
+            hooks.after_backward()
+            opt.step()
+        return model
+
+    one, two = train(1), train(2)
+    assert _gap(one, two) <= 1e-12, _gap(one, two)
