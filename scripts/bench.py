@@ -45,6 +45,9 @@ Sections:
          (see scripts/bench_freeze.py)
   orthogonalize  Muon's update: orthogonalize + SGD against torch.optim.Muon on the same gradients,
          on the matrices of three MLP widths (see scripts/bench_orthogonalize.py)
+  sam_peers  gsam, wsam, looksam (k=5), friendly_sam and centralize+sam against pytorch-optimizer's GSAM, WSAM,
+         LookSAM, FriendlySAM and SAM(use_gc=True), SGD steps on the same two models, and LookSAM against a
+         plain step (see scripts/bench_sam_peers.py); asked for by name
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ import bench_freeze as freeze  # noqa: E402
 import bench_orthogonalize as orthogonalize  # noqa: E402
 import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
+import bench_sam_peers as sam_peers  # noqa: E402
 import bench_scale as scale  # noqa: E402
 import bench_sharpness as sharpness  # noqa: E402
 
@@ -90,8 +94,11 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "orthogonalize", "scale")
-DEFAULT_SECTIONS = SECTIONS[:-1]  # scale takes long: asked for by name
+SECTIONS = (
+    *("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "orthogonalize"),
+    *("scale", "sam_peers"),
+)
+DEFAULT_SECTIONS = SECTIONS[:-2]  # scale and sam_peers take long: asked for by name
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
 # median(numerator) / median(denominator). "cuda" targets apply only on a GPU.
@@ -276,6 +283,7 @@ for _m in orthogonalize.MODELS:  # the same update as torch's Muon: <= 1.05x its
             lambda r: r <= 1.05,
         )
     )
+RATIOS += sam_peers.ratios()  # each rule <= 1.05x the library's step; LookSAM at k=5 <= 1.3x a plain one
 UNIT_IMAGES = {"step": BATCH, "freeze_step": freeze.BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
 UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
@@ -528,6 +536,13 @@ class Bench:
                 steps,
                 "update",
             )
+        steps, batch = (1, 4) if self.args.quick else (sam_peers.STEPS, None)
+        for name in sam_peers.names():
+            table[f"sam_peers.{name}"] = (
+                lambda name=name: sam_peers.setup(name, steps, batch, self.device),
+                steps,
+                f"{name.split('.')[0]}_step",
+            )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -640,12 +655,16 @@ def ops_table(ops: dict[str, dict]) -> str:
 
 def clock(result: dict) -> str:
     """The median a ratio divides: the per_loss section's single-threaded steps, and the
-    sharpness, freeze and orthogonalize sections' on the CPU, compare CPU time (on a shared machine
+    sharpness, sam_peers, freeze and orthogonalize sections' on the CPU, compare CPU time (on a shared machine
     wall time mostly measures the neighbours); the rest wall time."""
     if result["section"] == "per_loss" and result["unit"] == "mtl_step":
         return "median_cpu_s"
     on_cpu = result.get("device") == "cpu"
-    return "median_cpu_s" if result["section"] in ("sharpness", "freeze", "orthogonalize") and on_cpu else "median_s"
+    return (
+        "median_cpu_s"
+        if result["section"] in ("sharpness", "sam_peers", "freeze", "orthogonalize") and on_cpu
+        else "median_s"
+    )
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float:

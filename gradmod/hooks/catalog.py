@@ -16,7 +16,8 @@ _GRAMIAN = "gradmod.hooks.per_loss.gramian_weightings"
 _GROUP = "gradmod.hooks.fused.group"
 _HISTORY = "gradmod.hooks.fused.norm_history"
 _PER_SAMPLE = "gradmod.hooks.per_sample.stats"
-_SHARPNESS = "gradmod.hooks.sharpness.perturb"
+_SHARP = "gradmod.hooks.sharpness"
+_SHARPNESS = f"{_SHARP}.perturb"
 
 # kind -> the base class whose subclasses are of that kind: one's own subclass needs no ``kind=``.
 KIND_BASES = {"group": f"{_GROUP}:GroupTransform", "per_loss": f"{_METHODS}:Method"}
@@ -30,7 +31,13 @@ SHIPPED = (
     ("min_zero", "elementwise", f"{_T}:min_zero", {"foreach": f"{_T}:min_zero_foreach"}),
     ("scale", "elementwise", f"{_T}:scale", {"foreach": f"{_T}:scale_foreach"}),
     ("sign", "elementwise", f"{_T}:sign", {"foreach": f"{_T}:sign_foreach"}),
-    ("centralize", "elementwise", f"{_T}:centralize", {}),
+    # ``centralize`` before a sharpness rule's ascent: SAM(use_gc=True).
+    (
+        "centralize",
+        "elementwise",
+        f"{_T}:centralize",
+        {"at_stage": {"sharpness": f"{_SHARP}.centralize:centralize_ascent"}},
+    ),
     ("norm_clip", "elementwise", f"{_T}:norm_clip", {}),
     ("noise", "elementwise", f"{_T}:noise", {}),
     # ``log`` keeps statistics; at the per_sample stage, per-example ones.
@@ -73,4 +80,8 @@ SHIPPED = (
     # Sharpness: how a rule's parameters move before the second forward and backward.
     ("sam", "sharpness", f"{_SHARPNESS}:Sam", {}),
     ("asam", "sharpness", f"{_SHARPNESS}:Asam", {}),
+    ("gsam", "sharpness", f"{_SHARP}.gsam:Gsam", {}),
+    ("wsam", "sharpness", f"{_SHARP}.wsam:Wsam", {}),
+    ("looksam", "sharpness", f"{_SHARP}.looksam:LookSam", {}),
+    ("friendly_sam", "sharpness", f"{_SHARP}.friendly_sam:FriendlySam", {}),
 )

@@ -12,6 +12,7 @@ from sam_reference import mlp as _mlp
 
 import gradmod.hooks as H
 from gradmod.app.cli import run
+from gradmod.run import checkpoint_file as ckpt
 from gradmod.training.loader import batches
 from gradmod.training.precision import Precision
 from gradmod.training.trainer import bare_epoch
@@ -117,3 +118,33 @@ def test_resume_mid_epoch_is_exact_with_every_and_accumulation(tmp_path, compose
     summary = run(compose_cfg(*over, f"trainer.resume={first}"), tmp_path / "resumed")
     assert summary["resumed_from"] == str(first)
     same_params(torch.load(tmp_path / "resumed" / "model.pt"), torch.load(full / "model.pt"))
+
+
+@pytest.mark.parametrize("hooks", ["looksam", "friendly_sam"])
+def test_resume_of_a_stateful_sharpness_rule_is_exact(hooks, tmp_path, compose_cfg):
+    """LookSAM's orthogonal part and Friendly SAM's momentum are in the checkpoint: a run
+    resumed from step 3 (k=2: the next step reuses the part kept at step 2) ends bit for bit
+    as the run that did not stop."""
+    over = [
+        *TINY_FAKE,
+        f"+hooks={hooks}",
+        "trainer.epochs=1",
+        "trainer.checkpoint_every_steps=1",
+        "trainer.checkpoint_keep=10",
+        *(["hooks.looksam.transforms.0.k=2"] if hooks == "looksam" else []),
+    ]
+    full = tmp_path / "full"
+    run(compose_cfg(*over), full)
+    third = full / "checkpoints" / "step-000000003.pt"
+    kept = ckpt.load(third)
+    assert kept["hooks"]["sharpness"]["rules"][hooks]  # the state is there, by parameter name
+    run(compose_cfg(*over, f"trainer.resume={third}"), tmp_path / "resumed")
+    same_params(torch.load(tmp_path / "resumed" / "model.pt"), torch.load(full / "model.pt"))
+
+
+@pytest.mark.parametrize("hooks", ["gsam", "wsam"])
+def test_the_trainer_hands_the_optimizer_to_the_rules_that_read_it(hooks, tmp_path, compose_cfg):
+    """gsam's rho follows the cosine schedule's learning rate, wsam moves after the step:
+    both need the optimizer, which the trainer hands over (one's own loop without it is refused)."""
+    summary = run(compose_cfg(*TINY_FAKE, f"+hooks={hooks}", "scheduler=cosine", "trainer.epochs=1"), tmp_path)
+    assert summary["status"] == "ok"
