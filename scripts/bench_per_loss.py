@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # peak_memory, also wh
 
 import peak_memory  # noqa: E402  (beside this script)
 
-from gradmod.hooks import attach  # noqa: E402
+from gradmod.hooks import attach, shared_params  # noqa: E402
 
 # torchjd's batched backward loops over the tasks where torch has no batching rule (attention,
 # on the transformer) and warns at every step; the timings say what it costs.
@@ -204,8 +204,17 @@ def _instance(model_name: str, weighting: str | None, steps: int) -> tuple:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if weighting is None:
         return model, data, opt, None
+    _find_shared(model, data[0])
     _SHARED[key] = (model, data, opt, attach(model, {"mtl": _rule(weighting)}))
     return _SHARED[key]
+
+
+def _find_shared(model: nn.Module, batch: tuple) -> None:
+    """What ``@shared`` (the shipped files' selection) stands for on ``model``: as the trainer
+    does, from one forward of its tasks."""
+    x, ys = batch
+    _, out = model(x)
+    shared_params.find(model, {n: F.cross_entropy(out[n], ys[n]) for n in out})
 
 
 def _rule(method: str) -> dict:
@@ -248,6 +257,8 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
             mtl_backward(list(L.values()), features=z)
             jac_to_grad(trunk, agg)
     else:
+        if hooks is None:
+            _find_shared(model, data[0])
         hooks = hooks or attach(model, {"mtl": _rule(method)})
 
         def step(x, ys):

@@ -19,7 +19,7 @@ USAGE, TRANSFORMS, SWEEPS, TASKS, MULTITASK = (
     "docs/reference/transforms.md",
     "docs/guide/sweeps.md",
     "docs/guide/tasks.md",
-    "docs/multitask.md",
+    "docs/guide/multitask.md",
 )
 
 

@@ -193,6 +193,11 @@ class HookSet:
         for stage in self.stages:
             stage.set_up(loop)
 
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hand every stage the optimizer that steps the rules' parameters."""
+        for stage in self.stages:
+            stage.set_optimizer(optimizer)
+
     @property
     def grad_scale(self) -> Tensor | None:
         """GradScaler's scale of the backward in progress (fp16), or None."""

@@ -152,6 +152,17 @@ def _shared(step: R.BuiltTransform) -> bool:
     return step.kind != "elementwise" or step.at is not None
 
 
+def _parsed(rule: str, spec: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The rule's transforms, each read once: (name, arguments)."""
+    transforms = transform_list(spec.get("transforms"))
+    if not transforms:
+        raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(R.names())}")
+    try:
+        return [parse_spec(t) for t in transforms]
+    except ValueError as e:
+        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+
+
 def _rule_targets(
     rule: str,
     spec: Mapping[str, Any],
@@ -165,13 +176,7 @@ def _rule_targets(
     """``named``: the trainable parameters' names, and every parameter's."""
     params, every = named
     kind = "param" if "params" in spec else "module"
-    transforms = transform_list(spec.get("transforms"))
-    if not transforms:
-        raise ValueError(f"hooks.{rule}.transforms: give at least one of {', '.join(R.names())}")
-    try:  # each transform read once: (name, arguments)
-        parsed = [parse_spec(t) for t in transforms]
-    except ValueError as e:
-        raise ValueError(f"hooks.{rule}.transforms: {e}") from None
+    parsed = _parsed(rule, spec)
     stage = _rule_stage(rule, spec, kind, [n for n, _ in parsed], default_stage)
     _check_rule(rule, spec, kind, stage, [n for n, _ in parsed])
     names = select(

@@ -177,6 +177,9 @@ class Stage(abc.ABC):
     def set_up(self, loop: Loop) -> None:  # noqa: B027  (most stages need no loop facts)
         """What the loop knows (ranks, batch size, the all-reduce)."""
 
+    def set_optimizer(self, optimizer: Any) -> None:  # noqa: B027  (a stage that reads the learning rate acts)
+        """The optimizer that steps the rules' parameters (gsam reads its learning rate)."""
+
     @property
     def changes_trainability(self) -> bool:
         """This stage switches ``requires_grad`` during training (``freeze``): under DDP the

@@ -56,8 +56,7 @@ def build_trainer(run: Run) -> Parts:
     optimizer = model_optimizer(cfg.optimizer, model, dist.device)
     if cfg.optimizer.no_decay or cfg.optimizer.groups:
         log.info("%s", describe_groups(model, optimizer, bool(cfg.optimizer.groups)))
-    if (sharp := run.hooks.stage("sharpness")) is not None:  # gsam's rho follows its lr, wsam moves after its step
-        sharp.set_optimizer(optimizer)
+    run.hooks.set_optimizer(optimizer)  # gsam's rho follows its lr, wsam moves after its step
     saver = _saver(run)
     steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, run.sampling)
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))

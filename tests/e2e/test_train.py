@@ -9,7 +9,7 @@ import torch
 from helpers import CONF, FAST, per_loss_method, run_train
 
 from gradmod.app.cli import run
-from gradmod.hooks import attach, load_rules
+from gradmod.hooks import attach, load_rules, shared_params
 from gradmod.models import build_model
 
 HOOK_FILES = sorted(p.stem for p in (CONF / "hooks").glob("*.yaml"))
@@ -49,6 +49,8 @@ def _applies(hooks: str, model: str) -> bool:
         return False
     if hooks == "orthogonalize":  # "*.weight": the norm layers' weights are vectors, refused
         return model not in ("resnet18", "resnet50", "tiny_gpt")
+    if hooks == "gradual_unfreeze":  # the MNIST CNN's layers by name
+        return model == "mnist_cnn"
     return not (hooks == "agc" and model == "multi_lenet")
 
 
@@ -86,6 +88,9 @@ def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hoo
         image_size=36 if model == "multi_lenet" else 28,
         norm=cfg.model.norm,
     )
+    if _per_loss(hooks):  # what @shared stands for, found as the trainer finds it: one forward of the tasks
+        size = 36 if model == "multi_lenet" else 28
+        shared_params.find(net, {k: v.sum() for k, v in net(torch.randn(2, 1, size, size)).items()})
     # The run's length, as the trainer gives it: schedules and windows in ep/dur need it.
     with attach(net, cfg.hooks, stage=cfg.trainer.hook_stage, total_steps=100, steps_per_epoch=10) as hs:
         if hooks == "none":  # the baseline: no rules at all
@@ -165,7 +170,7 @@ def test_cli_run_prints_plan_and_falls_back_offline(tmp_path):
         tmp_path, "trainer.epochs=1", "trainer.progress=false", "+hooks=clip", "hooks.clip.transforms.0.max=0.1"
     )
     log = proc.stdout + proc.stderr
-    assert "WARNING" in log and "bundled sample" in log
+    assert "WARNING" in log and "bundled 5,000-digit sample" in log
     assert "clamp(min=-0.01, max=0.1)" in log
     assert re.search(r"epoch 1/1: train_loss \S+ test_loss \S+ test_accuracy \S+", proc.stdout)  # not a terminal
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -176,7 +176,7 @@ class SharpnessStage(Stage):
             if need is not None and self.optimizer is None:
                 raise ValueError(
                     f"hooks.{r.name}: {r.transform.name!r} with {need} needs the optimizer: call "
-                    "hooks.stage('sharpness').set_optimizer(optimizer) once before training (gradmod's trainer does)"
+                    "hooks.set_optimizer(optimizer) once before training (gradmod's trainer does)"
                 )
             if r.transform.stateful and self.core.grad_scale is not None:
                 raise ValueError(

@@ -101,7 +101,7 @@ def _ours(case: str, model_name: str, transforms=None):
     opt = torch.optim.SGD(model.parameters(), **SGD)
     sched = _cosine(opt) if scheduled else None
     hooks = H.attach(model, _rule(*(transforms or rules_)))
-    hooks.stage("sharpness").set_optimizer(opt)
+    hooks.set_optimizer(opt)
 
     def loss_fn():
         return F.cross_entropy(model(x), y)
@@ -284,7 +284,7 @@ def test_each_micro_batch_takes_its_own_passes(transform):
         model = build("cnn")
         opt = torch.optim.SGD(model.parameters(), **SGD)
         hooks = H.attach(model, _rule(transform))
-        hooks.stage("sharpness").set_optimizer(opt)
+        hooks.set_optimizer(opt)
         for _ in range(4):
             opt.zero_grad()
             for _ in range(micro):
