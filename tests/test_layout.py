@@ -236,6 +236,83 @@ def test_no_stage_room_names_another():
     assert not bad, "; ".join(bad)
 
 
+# Where code outside the stage rooms may spell a stage's name, and why: the same word with
+# another meaning, or the name as the user writes it.
+NAMES_A_STAGE = {
+    # the transform kinds (registry.KINDS), each named as the stage it implies
+    ("gradmod/hooks/registry.py", "per_loss"),
+    ("gradmod/hooks/registry.py", "per_sample"),
+    ("gradmod/hooks/registry.py", "sharpness"),
+    # torch optimizers' own fused= argument
+    ("gradmod/optim/spec.py", "fused"),
+    ("gradmod/run/factories.py", "fused"),
+    # the config's default trainer.hook_stage, as a user reads and overrides it
+    ("gradmod/run/config.py", "hook"),
+}
+
+
+def _stage_names(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """(line, stage) where ``path`` names a stage: a string constant equal to a stage name
+    (docstrings aside), or an import from a stage's room (``gradmod.hooks.<stage>``)."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and ast.get_docstring(n) is not None
+    }
+    found = {
+        (n.lineno, n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and n.value in names and id(n) not in docs
+    }
+    for n in ast.walk(tree):
+        modules = [a.name for a in n.names] if isinstance(n, ast.Import) else []
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            modules = [n.module, *(f"{n.module}.{a.name}" for a in n.names)]
+        rooms = {m.split(".")[2] for m in modules if m.startswith("gradmod.hooks.")}
+        found |= {(n.lineno, room) for room in rooms & names}
+    return sorted(found)
+
+
+def _outside_the_rooms(names: set[str]) -> list[Path]:
+    """The package's modules but the stage rooms, the stage table and the catalog."""
+    own = {PKG / "hooks" / "stages.py", PKG / "hooks" / "catalog.py"}
+    rooms = [PKG / "hooks" / name for name in names]
+    return [p for p in sorted(PKG.rglob("*.py")) if p not in own and not any(r in p.parents for r in rooms)]
+
+
+def test_outside_the_rooms_no_code_names_a_stage():
+    """Code outside the stage rooms asks the stage table's facts (which stage counts the
+    examples, runs the backward, combines several losses), never a stage by name: no string
+    constant equal to a stage name (docstrings aside), no import from a stage's room; the
+    catalog, ``hooks/stages.py`` and ``NAMES_A_STAGE`` aside."""
+    from gradmod.hooks import stages
+
+    names = set(stages.names(available_only=False))
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} names {name!r}"
+        for path in _outside_the_rooms(names)
+        for line, name in _stage_names(path, names)
+        if (str(path.relative_to(ROOT)), name) not in NAMES_A_STAGE
+    ]
+    assert not bad, "; ".join(bad)
+
+
+def test_a_stage_named_outside_the_rooms_is_seen(tmp_path):
+    """The scan sees a stage's name as a constant and as a room's import, not in a docstring."""
+    path = tmp_path / "x.py"
+    path.write_text(
+        '"""The per_sample stage."""\n\n'
+        "from gradmod.hooks.per_sample import replace_batchnorm\n"
+        "import gradmod.hooks.fused.trainability\n\n"
+        "def f(t):\n"
+        '    """fused"""\n'
+        '    return t.stage == "per_loss" or t.kind == "module"\n'
+    )
+    assert _stage_names(path, {"per_sample", "fused", "per_loss"}) == [(3, "per_sample"), (4, "fused"), (8, "per_loss")]
+
+
 MODULE_LINES, FUNCTION_LINES = 400, 50
 
 

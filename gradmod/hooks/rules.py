@@ -18,10 +18,10 @@ from torch import nn
 
 from gradmod.hooks import registry as R
 from gradmod.hooks import shared_params, stages
-from gradmod.hooks.fused.trainability import switched_off
 from gradmod.hooks.globs import ParamKind, param_kinds, select
 from gradmod.hooks.rule_spec import parse_spec, transform_list
 from gradmod.hooks.schedules import Active, Length
+from gradmod.hooks.switched import switched_off
 from gradmod.hooks.timed import check_range, rule_window, split_schedules
 
 STAGE_NAMES = stages.names()  # the stages a rule may name, in order
@@ -59,7 +59,7 @@ def build_targets(
     if not isinstance(rules, Mapping) and rules is not None:
         raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
     params = [n for n, p in model.named_parameters() if p.requires_grad or switched_off(p)]
-    every = [n for n, _ in model.named_parameters()]  # frozen ones too: a per_sample rule covers them
+    every = [n for n, _ in model.named_parameters()]  # frozen ones too: a follows_frozen stage's rule covers them
     modules = [n for n, _ in model.named_modules() if n]
     kinds = param_kinds(model)  # what the selectors (@norms, @matrices, ...) read
     found = shared_params.found(model)  # what @shared stands for
@@ -187,7 +187,7 @@ def _rule_targets(
         kinds,
         shared=every_task,  # what @shared stands for
     )
-    if stage == "per_sample" and kind == "param":
+    if stages.get(stage).follows_frozen and kind == "param":
         names += _frozen_too(rule, spec, params, every, kinds)
     window = rule_window(rule, spec, length)
     if window is not None and not stages.get(stage).windows:

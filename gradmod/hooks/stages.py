@@ -24,7 +24,12 @@ reads once in ``attach`` (no stage checks another by name): whether it runs the 
 backward itself (``runs_backward``), counts each example's gradient (``counts_examples``),
 replaces its parameters' gradient (``replaces_grad``), acts in every backward pass
 (``sees_each_pass``) or on the accumulated ``.grad`` in place (``in_place``), and whether its
-rules may have a window (``windows``).
+rules may have a window (``windows``). Code outside the rooms asks these facts too, never a
+stage's name: whether a param rule also holds the parameters frozen at attach
+(``follows_frozen``), whether ``HookSet.backward`` hands it several named losses
+(``several_losses``), why a training loop other than gradmod's cannot drive it
+(``foreign_loop``), whether the console's plan marks its rules (``plan_tag``), and which
+stage counts the examples (``counting_examples()``).
 
 Each row names the class that runs the stage (``home``, a ``gradmod.hooks.stage.Stage``
 in the stage's own folder), loaded on first use: this table stays torch-free for the
@@ -60,6 +65,10 @@ class StageFacts:
     windows: bool = False  # a rule here may have an ``active`` window (the others act every step)
     # rule keys of its own -> the one line for a rule at another stage that gives one
     rule_keys: tuple[tuple[str, str], ...] = ()
+    follows_frozen: bool = False  # a param rule also holds the frozen parameters its globs match
+    several_losses: bool = False  # HookSet.backward(losses) hands it several named losses
+    foreign_loop: str = ""  # why a loop not gradmod's ({trainer}) cannot drive it, for its one line
+    plan_tag: bool = False  # the console's plan marks its rules [name]
 
 
 STAGES: tuple[StageFacts, ...] = (
@@ -87,6 +96,12 @@ STAGES: tuple[StageFacts, ...] = (
         runs_backward="its method runs the backward passes of several losses itself",
         replaces_grad="the gradient that its method's update replaces",
         rule_keys=(("rows", "only a per_loss rule on modules (its output's task gradients) has rows"),),
+        several_losses=True,
+        foreign_loop=(
+            "per_loss rules combine the gradients of several named losses through hooks.backward(losses), "
+            "and {trainer} calls backward on one summed loss itself; train with gradmod's trainer (python "
+            "train.py +hooks=upgrad) or call hooks.backward(losses) in your own loop"
+        ),
     ),
     StageFacts(
         "per_sample",
@@ -99,6 +114,14 @@ STAGES: tuple[StageFacts, ...] = (
         home="gradmod.hooks.per_sample.stage:PerSampleStage",
         counts_examples="the privacy accounting counts one gradient per example per step",
         replaces_grad="the batch gradient that the per_sample stage replaces",
+        follows_frozen=True,
+        foreign_loop=(
+            "per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: its loop scales the "
+            "loss for accumulation and samples fixed-size batches, so neither the clipping nor an epsilon "
+            "would be true; train with gradmod's trainer (python train.py +hooks=dp) or attach the rules in "
+            "your own loop (gradmod.PoissonSampler, gradmod.Accountant)"
+        ),
+        plan_tag=True,
     ),
     StageFacts(
         "sharpness",
@@ -110,6 +133,12 @@ STAGES: tuple[StageFacts, ...] = (
         sees="the gradient at the rule's parameters moved by a second forward and backward",
         home="gradmod.hooks.sharpness.stage:SharpnessStage",
         runs_backward="it runs a second forward and backward itself",
+        foreign_loop=(
+            "sharpness rules (SAM) are refused under {trainer}: its loop runs the backward itself, and SAM "
+            "needs a second forward and backward at the moved weights; train with gradmod's trainer (gradmod "
+            "+hooks=sam), or attach the rules in your own loop (Lightning: manual optimisation) and call "
+            "hooks.backward(loss, closure=fn)"
+        ),
     ),
     StageFacts(
         "fused",
@@ -122,6 +151,7 @@ STAGES: tuple[StageFacts, ...] = (
         home="gradmod.hooks.fused.stage:FusedStage",
         in_place=True,
         windows=True,
+        plan_tag=True,
     ),
 )
 
@@ -152,6 +182,13 @@ def order(name: str) -> int:
 def implied_by(kind: str) -> StageFacts | None:
     """The stage a transform of ``kind`` forces on its rule, or None (element-wise: the rule's choice)."""
     return next((s for s in STAGES if s.implied_by == kind), None)
+
+
+def counting_examples() -> str:
+    """The stage that counts each example's gradient once per step: its rules clip per example
+    and add the noise that the privacy accounting reads."""
+    (name,) = (s.name for s in STAGES if s.counts_examples and s.available)
+    return name
 
 
 def stage_class(name: str) -> Any:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gradmod.hooks import HookSet, load_rules, stages
-from gradmod.integrations.support import attach_for, flat_stats, refuse_per_sample, sources
+from gradmod.integrations.support import attach_for, flat_stats, refuse_private, sources
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -45,7 +45,7 @@ class GradmodCallback(Callback):
     ):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
-        refuse_per_sample("Lightning", self.rules, stage)  # when the callback is made, not at fit()
+        refuse_private("Lightning", self.rules, stage)  # when the callback is made, not at fit()
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
         self._state: dict[str, Any] = {}  # rule state to restore at the next training start

@@ -13,31 +13,12 @@ from gradmod.hooks.hookset import HookSet, attach
 from gradmod.hooks.rules import build_targets
 from gradmod.hooks.schedules import Length
 
-# Stages a foreign loop cannot drive, and why: one line each, when the callback is made.
-OWN_LOOP_ONLY = {
-    "per_sample": (
-        "per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: its loop scales the "
-        "loss for accumulation and samples fixed-size batches, so neither the clipping nor an epsilon "
-        "would be true; train with gradmod's trainer (python train.py +hooks=dp) or attach the rules in "
-        "your own loop (gradmod.PoissonSampler, gradmod.Accountant)"
-    ),
-    "per_loss": (
-        "per_loss rules combine the gradients of several named losses through hooks.backward(losses), "
-        "and {trainer} calls backward on one summed loss itself; train with gradmod's trainer (python "
-        "train.py +hooks=upgrad) or call hooks.backward(losses) in your own loop"
-    ),
-    "sharpness": (
-        "sharpness rules (SAM) are refused under {trainer}: its loop runs the backward itself, and SAM "
-        "needs a second forward and backward at the moved weights; train with gradmod's trainer (gradmod "
-        "+hooks=sam), or attach the rules in your own loop (Lightning: manual optimisation) and call "
-        "hooks.backward(loss, closure=fn)"
-    ),
-}
 
-
-def refuse_per_sample(trainer: str, rules: Mapping[str, Any], stage: str) -> None:
-    """Per_sample rules, read from the rules alone (before any model): refused in one line
-    when the callback is made, not when training starts."""
+def refuse_private(trainer: str, rules: Mapping[str, Any], stage: str) -> None:
+    """Rules at the stage that counts the examples (per-example clipping, DP-SGD), read from
+    the rules alone (before any model): refused in one line when the callback is made, not
+    when training starts."""
+    private = stages.get(stages.counting_examples())
     for name, spec in rules.items():
         if not isinstance(spec, Mapping):
             continue  # attach names what is wrong with it
@@ -48,8 +29,8 @@ def refuse_per_sample(trainer: str, rules: Mapping[str, Any], stage: str) -> Non
                 kinds.add(R.entry(R.parse_spec(t)[0]).stage)
             except ValueError:
                 continue
-        if "per_sample" in kinds or spec.get("stage", stage) == "per_sample":
-            raise ValueError(f"hooks.{name}: " + OWN_LOOP_ONLY["per_sample"].format(trainer=trainer))
+        if private.name in kinds or spec.get("stage", stage) == private.name:
+            raise ValueError(f"hooks.{name}: " + private.foreign_loop.format(trainer=trainer))
 
 
 def attach_for(
@@ -73,12 +54,12 @@ def attach_for(
     sharpness rules (the loop's own backward cannot take a second pass)."""
     _refuse_shared(trainer, model, rules, stage, *shared, Length(steps_per_epoch, total_steps))
     hooks = attach(model, rules, stage=stage, replace=False, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
-    for name, why in OWN_LOOP_ONLY.items():
-        stage = hooks.stage(name)
+    for facts in (s for s in stages.STAGES if s.foreign_loop):  # a stage a foreign loop cannot drive
+        stage = hooks.stage(facts.name)
         if stage is not None:
             rule = stage.rules[0].name
             hooks.remove()
-            raise ValueError(f"hooks.{rule}: " + why.format(trainer=trainer))
+            raise ValueError(f"hooks.{rule}: " + facts.foreign_loop.format(trainer=trainer))
     skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]
     hooked = [t.rule for t in hooks.targets if stages.get(t.stage).sees_each_pass or t.kind == "module"]
     if skipping or (scaled and hooked):

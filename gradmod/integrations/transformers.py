@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gradmod.hooks import HookSet, load_rules, stages
-from gradmod.integrations.support import attach_for, flat_stats, refuse_per_sample, sources, stats_line
+from gradmod.integrations.support import attach_for, flat_stats, refuse_private, sources, stats_line
 
 try:
     from transformers import TrainerCallback
@@ -61,7 +61,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
     ):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
-        refuse_per_sample("Transformers' Trainer", self.rules, stage)  # at add_to, not at train()
+        refuse_private("Transformers' Trainer", self.rules, stage)  # at add_to, not at train()
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
         self.rule_state: dict[str, Any] = {}  # HF sets it from a checkpoint (JSON-ready form)

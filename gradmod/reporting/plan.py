@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from gradmod.hooks import stages
+
 LIST_UP_TO = 3  # a rule matching this many tensors or fewer names them
 
 
@@ -25,7 +27,7 @@ def summarize_plan(plan: list[dict[str, Any]], rules: Mapping[str, Any]) -> str:
 
 def _rule_line(name: str, rows: list[dict[str, Any]], rule: Mapping[str, Any]) -> str:
     first = rows[0]
-    stage = f" [{first['stage']}]" if first["stage"] in ("fused", "per_sample") else ""
+    stage = f" [{first['stage']}]" if stages.get(first["stage"]).plan_tag else ""
     transforms = " -> ".join(first["transforms"])
     if "active" in first:  # a window: when the rule acts, in optimizer steps completed
         transforms += f" (active steps {first['active']})"

@@ -10,6 +10,7 @@ import sys
 import torch
 from torch import Tensor
 
+from gradmod.hooks import stages
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.factories import (
@@ -122,7 +123,7 @@ def _privacy(run: Run) -> PrivacyCallback:
         privacy.sample_rate,
         sampling=run.sampling,
         target_epsilon=cfg.privacy.target_epsilon,
-        clip=run.hooks.stage("per_sample").noisy,
+        clip=run.hooks.stage(stages.counting_examples()).noisy,
         noise_at=privacy.noise_at if privacy.sigmas is not None else None,
     )
 

@@ -41,7 +41,7 @@ class ModelConfig:
     """A shipped model by ``name``, or ``_target_`` called with ``args`` (on the command line:
     the node's own extra keys, ``+model.width=64``) and nothing else. ``norm``: the
     normalisation, batch | group (``gradmod.models``; a ``_target_`` model's BatchNorm
-    layers are replaced by GroupNorm, ``gradmod.hooks.per_sample.replace_batchnorm``)."""
+    layers are replaced by GroupNorm, ``gradmod.hooks.groupnorm.replace_batchnorm``)."""
 
     name: str = MISSING
     norm: str = "batch"  # batch (BatchNorm2d) | group (GroupNorm(min(32, C), C): each example on its own, as +hooks=dp needs)

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from gradmod.hooks import stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.rule_spec import transform_list
 from gradmod.hooks.schedules import Length, Schedule, is_schedule, parse_schedule
@@ -97,7 +98,8 @@ class Plan:
 def plan(cfg: Config) -> Plan:
     """Which rules clip per example and which add noise, read from ``cfg.hooks`` once."""
     clips = _clips(cfg.hooks)
-    named = {name for name, spec in (cfg.hooks or {}).items() if (spec or {}).get("stage") == "per_sample"}
+    private = stages.counting_examples()
+    named = {name for name, spec in (cfg.hooks or {}).items() if (spec or {}).get("stage") == private}
     sigmas = [(name, _sigma(name, args.get("noise_multiplier"))) for name, args in clips]
     # A noise_multiplier > 0, or any schedule of one: one that starts at 0 still adds noise
     # later, and ``_scheduled`` refuses its noiseless steps.

@@ -39,7 +39,7 @@ class PerSamplePaths(Callback):
         log.info("%s", paths_line(paths))
         rows = [
             {**row, "path": paths[row["tensor"]]}
-            if row.get("stage") == "per_sample" and row.get("tensor") in paths
+            if row.get("stage") == self.stage.name and row.get("tensor") in paths
             else row
             for row in self.plan
         ]

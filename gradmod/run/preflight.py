@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
-from gradmod.hooks import shared_params
+from gradmod.hooks import shared_params, stages
 from gradmod.labels import Labels
 from gradmod.training.tasks import SINGLE, Tasks, by_task, is_class_labels
 
@@ -78,19 +78,21 @@ def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss
 
 
 def check_per_loss(targets: list[Any], named_losses: bool, strategy: str, loss_key: str) -> None:
-    """A per_loss rule needs several named losses, and runs on one process or under DDP."""
-    rules = list(dict.fromkeys(t.rule for t in targets if getattr(t, "stage", None) == "per_loss"))
-    if not rules:
+    """A rule at a stage that combines several named losses (per_loss) needs them, and runs
+    on one process or under DDP."""
+    combining = [t for t in targets if stages.get(t.stage).several_losses]
+    if not combining:
         return
+    rules, stage = list(dict.fromkeys(t.rule for t in combining)), combining[0].stage
     if not named_losses:
         raise ValueError(
-            f"hooks.{rules[0]} runs at stage per_loss, which combines several losses, and {loss_key} "
+            f"hooks.{rules[0]} runs at stage {stage}, which combines several losses, and {loss_key} "
             "gives one scalar loss; use a model with several outputs (e.g. model=multi_lenet "
             "data=multi_mnist) or a loss that returns a mapping of named losses"
         )
     if strategy == "fsdp":
         raise ValueError(
-            f"hooks.{rules[0]} runs at stage per_loss, which trainer.strategy=fsdp does not support "
+            f"hooks.{rules[0]} runs at stage {stage}, which trainer.strategy=fsdp does not support "
             "yet; use trainer.strategy=ddp or single"
         )
 

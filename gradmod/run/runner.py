@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from gradmod.hooks import stages
 from gradmod.hooks.hookset import HookSet, attach
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import check_logger, make_logger
@@ -250,7 +251,7 @@ def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: 
     stack.push(_closing(files.close))
     callbacks = [files, EpochLine(run.cfg.trainer.epochs)]  # the console's line after the record is complete
     callbacks += [GradCamCallback(parts.probe, logger, folder)] if parts.probe is not None else []
-    private = run.hooks.stage("per_sample")
+    private = run.hooks.stage(stages.counting_examples())
     callbacks += [PerSamplePaths(folder, run.plan, private)] if private is not None else []
     sync = SyncCheck(run.cfg.trainer.sync_check, run.dist.device)
     stack.callback(sync.allow)

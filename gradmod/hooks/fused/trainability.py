@@ -20,16 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.weak import WeakIdKeyDictionary
 
-# parameter -> the switch that turned its requires_grad off, while it is off: attaching again
-# during a window selects it as the trainable parameter it is.
-_SWITCHED_OFF = WeakIdKeyDictionary()
-
-
-def switched_off(p: nn.Parameter) -> bool:
-    """``p`` is frozen by a live ``freeze`` rule (its ``requires_grad`` comes back with it)."""
-    return p in _SWITCHED_OFF
+from gradmod.hooks.switched import SWITCHED_OFF
 
 
 class TrainabilitySwitch:
@@ -74,16 +66,16 @@ class TrainabilitySwitch:
             for p in ps:
                 if id(p) in keep and p.requires_grad:
                     p.requires_grad_(False)
-                    _SWITCHED_OFF[p] = self
-                elif id(p) not in keep and _SWITCHED_OFF.get(p) is self:
+                    SWITCHED_OFF[p] = self
+                elif id(p) not in keep and SWITCHED_OFF.get(p) is self:
                     p.requires_grad_(True)
-                    del _SWITCHED_OFF[p]
+                    del SWITCHED_OFF[p]
 
     def remove(self) -> None:
         self._handle.remove()
         for ps in self._rules.values():
             for p in ps:
-                if _SWITCHED_OFF.get(p) is self:
+                if SWITCHED_OFF.get(p) is self:
                     p.requires_grad_(True)
-                    del _SWITCHED_OFF[p]
+                    del SWITCHED_OFF[p]
         self._rules = {}

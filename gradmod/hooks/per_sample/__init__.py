@@ -6,8 +6,8 @@ holds ``per_sample_clip`` and the per-example ``log``; ``replace_batchnorm`` mak
 BatchNorm model usable.
 """
 
+from gradmod.hooks.groupnorm import replace_batchnorm
 from gradmod.hooks.per_sample.layers import Form, register_form
-from gradmod.hooks.per_sample.norms import replace_batchnorm
 from gradmod.hooks.per_sample.sample_rules import check_model, per_sample_rules
 from gradmod.hooks.per_sample.stage import PerSampleStage
 
