@@ -67,7 +67,7 @@ SHIPPED = (
     ("modo", "per_loss", f"{_SIMPLEX}:MoDo", {}),
     ("sdmgrad", "per_loss", f"{_SIMPLEX}:SDMGrad", {}),
     # Smoothing: another method's weights averaged across steps (a Gramian method's, excess_mtl's, a loss weighting's).
-    ("crmogm", "per_loss", f"{_SIMPLEX}:crmogm", {}),
+    ("crmogm", "per_loss", f"{_SIMPLEX}:CRMOGM", {}),
     # Aggregators: the update from the task gradients themselves.
     ("graddrop", "per_loss", "gradmod.hooks.per_loss.graddrop:GradDrop", {}),
     ("trimmed_mean", "per_loss", f"{_AGGREGATORS}:TrimmedMean", {}),

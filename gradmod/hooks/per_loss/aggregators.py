@@ -134,10 +134,11 @@ class TrimmedMean(Aggregator):
 
 class ExcessMTL(MatrixWeighting):
     """ExcessMTL (He et al. 2024, torchjd's ``ExcessMTL``): weights moved by an exponentiated
-    gradient step (``robust_step_size``) towards the tasks of largest excess risk, estimated
-    from each task gradient's squares over an AdaGrad-like sum of the squares so far
-    (per coordinate: its state is k times the rule's size), relative to the first step's
-    (or the mean of ``n_warmup_steps`` uniform-weight steps')."""
+    gradient step (``robust_step_size``) towards the tasks of largest excess risk.
+
+    The excess risk: each task gradient's squares over an AdaGrad-like root of the sum of
+    the squares so far (per coordinate: the state is k times the rule's size), relative to
+    the first step's (or the mean of ``n_warmup_steps`` steps' with uniform weights)."""
 
     name = "excess_mtl"
     per_task_state = True

@@ -58,11 +58,13 @@ class MoDo(GramianWeighting):
 
 
 class SDMGrad(GramianWeighting):
-    """SDMGrad (Xiao et al. 2023, torchjd's ``SDMGradWeighting``): the weights of the update
-    nearest the preferred direction (``pref_vector``, the mean by default; pulled towards it
-    by ``lambda_``) among the conflict-avoiding ones, by ``n_iter`` projected momentum-SGD
-    steps on the simplex each backward (``lr``, ``momentum``) on the Gramian divided by the
-    squared mean task-gradient norm; warm-started from the last weights."""
+    """SDMGrad (Xiao et al. 2023, torchjd's ``SDMGradWeighting``): an update that avoids
+    conflicts, pulled towards a preferred direction (``pref_vector``, the mean by default) by
+    ``lambda_``.
+
+    Its weights: ``n_iter`` projected momentum-SGD steps on the simplex each backward (``lr``,
+    ``momentum``) on the Gramian divided by the squared mean task-gradient norm, warm-started
+    from the last weights."""
 
     name = "sdmgrad"
     per_task_state = True
@@ -184,10 +186,24 @@ class _SmoothedLosses(_Smoothing, M.LossWeighting):
         return self.smooth(self.inner.loss_weights(losses, gen))
 
 
-def crmogm(weighting: str | Mapping[str, Any], alpha: float = 0.9, initial_weights: list[float] | None = None):
+class CRMOGM(M.Method):
     """CR-MOGM (Zhou et al. 2022, torchjd's ``CRMOGMWeighting``): another method's weights
     smoothed by a moving average across steps, ``alpha`` on the previous ones; ``weighting``
-    names that method (``upgrad``, or ``{name: fairgrad, alpha: 2}``), one that gives weights."""
+    names that method (``upgrad``, or ``{name: fairgrad, alpha: 2}``), one that gives weights.
+
+    What it builds is of its weighting's kind: a Gramian weighting, a matrix weighting or a
+    loss weighting that smooths the weighting's weights."""
+
+    kind = "its weighting's"  # no base of its own: each instance is one of the three smoothings
+
+    def __new__(
+        cls, weighting: str | Mapping[str, Any], alpha: float = 0.9, initial_weights: list[float] | None = None
+    ):  # type: ignore[misc]
+        return _smoothed(weighting, alpha, initial_weights)
+
+
+def _smoothed(weighting: str | Mapping[str, Any], alpha: float, initial_weights: list[float] | None) -> _Smoothing:
+    """The smoothing of the weighting's kind (``CRMOGM``), its arguments checked."""
     alpha = _check("crmogm", "alpha", alpha, 0.0, high=1.0)
     start = None if initial_weights is None else _per_task("crmogm", "initial_weights", initial_weights, -math.inf)
     if isinstance(weighting, str):
