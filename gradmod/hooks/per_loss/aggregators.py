@@ -176,12 +176,12 @@ class ExcessMTL(MatrixWeighting):
 
     def _start(self, J: Tensor) -> None:
         """Fresh state at the first step, and for task gradients of another size (as torchjd);
-        a resumed state moves to the gradients' device."""
+        a resumed state moves to the gradients' device and dtype."""
         if self.sq_sum is not None and self.sq_sum.shape == J.shape:
-            if self.sq_sum.device != J.device or self.sq_sum.dtype != J.dtype:
-                for key, value in self.state_dict().items():
-                    if isinstance(value, Tensor):
-                        setattr(self, _ATTRS[key], value.to(J.device, J.dtype))
+            for key in _TENSORS:
+                value = getattr(self, key)
+                if value is not None:
+                    setattr(self, key, value.to(J.device, J.dtype))
             return
         k = len(J)
         self.reset()
@@ -190,21 +190,15 @@ class ExcessMTL(MatrixWeighting):
         self.w = J.new_full((k,), 1.0 / k)
 
     def state_dict(self):
-        return {
-            "w": self.w,
-            "sq_sum": self.sq_sum,
-            "baseline": self.baseline,
-            "warmup_sum": self.warmup_sum,
-            "steps": self.steps,
-        }
+        return {**{key: getattr(self, key) for key in _TENSORS}, "steps": self.steps}
 
     def load_state_dict(self, state):
-        for key, attr in _ATTRS.items():
-            setattr(self, attr, state[key])
+        for key in _TENSORS:
+            setattr(self, key, state[key])
         self.steps = int(state["steps"])
 
 
-_ATTRS = {"w": "w", "sq_sum": "sq_sum", "baseline": "baseline", "warmup_sum": "warmup_sum"}
+_TENSORS = ("w", "sq_sum", "baseline", "warmup_sum")  # ExcessMTL's state besides its step count
 
 
 def _whole(method: str, arg: str, value, low: int) -> int:
