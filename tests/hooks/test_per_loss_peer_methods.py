@@ -48,7 +48,9 @@ def _on_gramian(weighting):
 # name, arguments, torchjd's aggregator, the fewest losses it takes
 GRAMIAN = [
     ("config", {}, lambda k: tja.ConFIG(), 2),
-    ("config", {"pref_vector": PER_TASK}, lambda k: tja.ConFIG(_f64(_per_task(k))), 2),
+    pytest.param(
+        "config", {"pref_vector": PER_TASK}, lambda k: tja.ConFIG(_f64(_per_task(k))), 2, marks=pytest.mark.slow
+    ),
     pytest.param("fairgrad", {"alpha": 1.0}, lambda k: tja.FairGrad(1.0), 2, marks=pytest.mark.slow),  # 2 minutes
     ("fairgrad", {"alpha": 2.0, "max_iters": 5}, lambda k: tja.FairGrad(2.0, 5), 2),
     ("fairgrad", {"alpha": 0.0}, lambda k: tja.FairGrad(0.0), 2),
@@ -72,11 +74,12 @@ GRAMIAN = [
         lambda k: tja.GramianWeightedAggregator(tja.CRMOGMWeighting(tja.UPGradWeighting())),
         2,
     ),
-    (
+    pytest.param(
         "crmogm",
         {"weighting": {"name": "mgda", "epsilon": 0.01}, "alpha": 0.5},
         lambda k: tja.GramianWeightedAggregator(tja.CRMOGMWeighting(tja.MGDAWeighting(epsilon=0.01), alpha=0.5)),
         2,
+        marks=pytest.mark.slow,
     ),
 ]
 AGGREGATORS = [

@@ -9,6 +9,8 @@ random orthonormal basis from the QR of a normal matrix, the singular values |N(
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -69,8 +71,10 @@ def non_weak(m: int, n: int, rank: int, g: torch.Generator) -> Tensor:
     return _with_left(torch.cat([u, _complement(u, g)], 1), n, rank, g)
 
 
+@functools.cache
 def fixtures(seed: int = 0) -> dict[str, list[Tensor]]:
-    """``typical`` (zero, normal and the three stationarity kinds) and ``scaled`` matrices."""
+    """``typical`` (zero, normal and the three stationarity kinds) and ``scaled`` matrices
+    (built once per process; read, never written)."""
     g = torch.Generator().manual_seed(seed)
     matrices = [normal(m, n, r, g) for m, n, r in NORMAL]
     zeros = [torch.zeros(m, n, dtype=torch.float64) for m, n in ZERO]
