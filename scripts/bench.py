@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fnmatch
 import gc
 import json
 import math
@@ -225,6 +226,10 @@ for _m in per_loss.MODELS:
         (f"per_loss_{_m}_torchjd_{x}_over_plain", f"per_loss.{_m}.torchjd_{x}", f"per_loss.{_m}.plain", None, None)
         for x in ("upgrad", "mgda", "pcgrad")
     ]
+    RATIOS += [  # torchjd's newer methods: measured, no target
+        (f"per_loss_{_m}_{x}_over_torchjd", f"per_loss.{_m}.gradmod_{x}", f"per_loss.{_m}.torchjd_{x}", None, None)
+        for x in per_loss.PEERS
+    ]
     # The k task gradients by k ordinary backward passes: what an exact method pays where it
     # must form them (a convolution, a Linear with more rows than features).
     RATIOS += [
@@ -322,6 +327,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", default="outputs/bench/bench.json", help="where to write the results")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run: 200/50 images, 1 repeat, no warm-up")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated patterns of the contenders to time (fnmatch: 'per_loss.*_pcd'); "
+        "their sections' peak memory is left out (default: every contender of the sections)",
+    )
     p.add_argument(
         "--scale-rounds", type=int, default=15, help="timed runs per contender in the scale section (default 15)"
     )
@@ -545,7 +556,12 @@ class Bench:
             )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
-        return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
+        only = [p for p in self.args.only.split(",") if p]
+        return {
+            k: v
+            for k, v in table.items()
+            if k.split(".")[0] in self.args.sections and (not only or any(fnmatch.fnmatch(k, p) for p in only))
+        }
 
 
 def measure(bench: Bench, repeats: int, warmup: int, log=print) -> dict[str, dict]:
@@ -794,14 +810,15 @@ def main(argv: list[str] | None = None) -> dict:
         ops = op_counts(bench) if "ops" in args.sections else {}
         timed = any(s not in ("ops", "scale") for s in args.sections)
         # Peak memory first (fresh processes, before this one grows): a failure shows early.
-        memory = peak_memory() if "per_sample" in args.sections and not args.quick and device.type == "cpu" else {}
-        if "per_loss" in args.sections and not args.quick and device.type == "cpu":
+        whole = not args.quick and not args.only  # a smoke run, or some contenders: no peak memory
+        memory = peak_memory() if "per_sample" in args.sections and whole and device.type == "cpu" else {}
+        if "per_loss" in args.sections and whole and device.type == "cpu":
             loss_memory = per_loss_memory()
             memory = {
                 "peak_bytes": {**memory.get("peak_bytes", {}), **loss_memory["peak_bytes"]},
                 "ratios": {**memory.get("ratios", {}), **loss_memory["ratios"]},
             }
-        if "sharpness" in args.sections and not args.quick:
+        if "sharpness" in args.sections and whole:
             sharp_memory = sharpness.memory(resident=device.type == "cpu", device=str(device))
             memory = {
                 "peak_bytes": {**memory.get("peak_bytes", {}), **sharp_memory["peak_bytes"]},

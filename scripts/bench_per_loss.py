@@ -8,9 +8,14 @@ several losses, SGD step) by each contender, at batch 64 on one thread:
     torchjd_<m>      torchjd 0.18: mtl_backward(losses, features) + jac_to_grad(trunk, <m>)
     gradmod_<m>      attach(model, {<m> on what +hooks=<m> selects}) and hooks.backward(losses)
     gradmod_modules  <m> = upgrad on the trunk's output (``modules: trunk``)
-    gradmod_<w>      a loss weighting (famo, uw, dwa, geometric_mean: no task gradients) as its
-                     shipped file has it, on every parameter; famo's same-batch forward after the
-                     step, from which it learns, is left out
+    gradmod_<w>      a loss weighting (famo, uw, dwa, geometric_mean, cosmos, imtll, pbi, stch: no
+                     task gradients) as its shipped file has it, on every parameter; famo's
+                     same-batch forward after the step, from which it learns, is left out
+
+torchjd 0.18's newer methods (``PEERS``: config, fairgrad, krum, trimmed_mean, excess_mtl,
+pcd, modo, sdmgrad, crmogm over upgrad) run as torchjd_<m> and gradmod_<m> with the arguments
+of their shipped files (krum and trimmed_mean where there are three tasks or more); modo and
+sdmgrad on the step's Gramian on both sides.
 
 Each method's rule selects the parameters its shipped file does (``+hooks=<m>``: the trunk,
 ``*`` for the loss weightings).
@@ -71,17 +76,31 @@ METHODS = (
     "sum",
     "random",
 )
-SCALARIZATIONS = ("famo", "uw", "dwa", "geometric_mean")  # loss weightings torchjd has no aggregator for
+# torchjd 0.18's newer methods: gradmod's against torchjd's step (ratios without a target)
+PEERS = ("config", "fairgrad", "krum", "trimmed_mean", "excess_mtl", "pcd", "modo", "sdmgrad", "crmogm")
+MIN_TASKS = {"krum": 3, "trimmed_mean": 3}  # as their shipped files have them (n_byzantine 0, trim_number 1)
+SCALARIZATIONS = (  # loss weightings torchjd has no aggregator for
+    "famo",
+    "uw",
+    "dwa",
+    "geometric_mean",
+    "cosmos",
+    "imtll",
+    "pbi",
+    "stch",
+)
 WEIGHTINGS = ("sum", "mean", "random", *SCALARIZATIONS)  # one ordinary backward: timed against plain_<w>
 CONF = ROOT / "gradmod" / "conf" / "hooks"
 
 
-def shipped_params(method: str) -> str:
-    """The parameters ``+hooks=<method>`` selects (``mtl_sum`` is ``sum``'s file)."""
+def shipped_rule(method: str) -> dict:
+    """The rule ``+hooks=<method>`` adds (``mtl_sum`` is ``sum``'s file): its parameters, and
+    its method with the file's arguments."""
     import yaml
 
     name = "mtl_sum" if method == "sum" else method
-    return yaml.safe_load((CONF / f"{name}.yaml").read_text())[name]["params"]
+    rule = yaml.safe_load((CONF / f"{name}.yaml").read_text())[name]
+    return {"params": rule["params"], "transforms": rule["transforms"]}
 
 
 class MultiMLP(nn.Module):
@@ -136,6 +155,7 @@ MODELS = {
     "trans5": (MultiTransformer, (16, 64)),
     "lenet": (MultiLeNet, (1, 36, 36)),
 }
+TASKS = {"mlp5": 5, "mlp10": 10, "trans5": 5, "lenet": 2}
 
 
 def has_torchjd() -> bool:
@@ -158,6 +178,12 @@ def names() -> list[str]:
                 out.append(f"{m}.plain_{method}")
             out.append(f"{m}.gradmod_{method}")
         out.append(f"{m}.gradmod_modules")
+        for method in PEERS:
+            if TASKS[m] < MIN_TASKS.get(method, 2):
+                continue
+            if has_torchjd():
+                out.append(f"{m}.torchjd_{method}")
+            out.append(f"{m}.gradmod_{method}")
         out += [n for w in SCALARIZATIONS for n in (f"{m}.plain_{w}", f"{m}.gradmod_{w}")]
     return out
 
@@ -178,6 +204,15 @@ def _torchjd_aggregator(method: str, k: int):
         "mean": A.Mean,
         "sum": A.Sum,
         "random": A.Random,
+        "config": A.ConFIG,
+        "fairgrad": lambda: A.FairGrad(alpha=1.0),
+        "krum": lambda: A.Krum(n_byzantine=0),
+        "trimmed_mean": lambda: A.TrimmedMean(trim_number=1),
+        "excess_mtl": A.ExcessMTL,
+        "pcd": A.PCD,
+        "modo": lambda: A.GramianWeightedAggregator(A.MoDoWeighting()),  # the Gramian, as gradmod's
+        "sdmgrad": lambda: A.GramianWeightedAggregator(A.SDMGradWeighting()),
+        "crmogm": lambda: A.GramianWeightedAggregator(A.CRMOGMWeighting(A.UPGradWeighting())),
     }[method]()
 
 
@@ -220,7 +255,7 @@ def _find_shared(model: nn.Module, batch: tuple) -> None:
 def _rule(method: str) -> dict:
     if method == "modules":
         return {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}
-    return {"params": shipped_params(method), "transforms": [method]}
+    return shipped_rule(method)
 
 
 def setup(name: str, steps: int = STEPS) -> Callable[[], None]:

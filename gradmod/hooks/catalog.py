@@ -13,6 +13,9 @@ _T = "gradmod.hooks.transforms"
 _METHODS = "gradmod.hooks.per_loss.methods"
 _WEIGHTINGS = "gradmod.hooks.per_loss.weightings"
 _GRAMIAN = "gradmod.hooks.per_loss.gramian_weightings"
+_AGGREGATORS = "gradmod.hooks.per_loss.aggregators"
+_SIMPLEX = "gradmod.hooks.per_loss.simplex_steps"
+_SCALARIZATIONS = "gradmod.hooks.per_loss.scalarizations"
 _GROUP = "gradmod.hooks.fused.group"
 _HISTORY = "gradmod.hooks.fused.norm_history"
 _PER_SAMPLE = "gradmod.hooks.per_sample.stats"
@@ -64,12 +67,28 @@ SHIPPED = (
     ("cagrad", "per_loss", f"{_GRAMIAN}:CAGrad", {}),
     ("gradvac", "per_loss", f"{_GRAMIAN}:GradVac", {}),
     ("nash_mtl", "per_loss", "gradmod.hooks.per_loss.nash_mtl:NashMTL", {}),
+    ("config", "per_loss", f"{_AGGREGATORS}:ConFIG", {}),
+    ("fairgrad", "per_loss", f"{_AGGREGATORS}:FairGrad", {}),
+    ("krum", "per_loss", f"{_AGGREGATORS}:Krum", {}),
+    ("pcd", "per_loss", "gradmod.hooks.per_loss.pcd:PCD", {}),
+    ("modo", "per_loss", f"{_SIMPLEX}:MoDo", {}),
+    ("sdmgrad", "per_loss", f"{_SIMPLEX}:SDMGrad", {}),
+    # Smoothing: another method's weights averaged across steps (a Gramian method's, excess_mtl's, a loss weighting's).
+    ("crmogm", "per_loss", f"{_SIMPLEX}:CRMOGM", {}),
+    # Aggregators: the update from the task gradients themselves.
     ("graddrop", "per_loss", "gradmod.hooks.per_loss.graddrop:GradDrop", {}),
+    ("trimmed_mean", "per_loss", f"{_AGGREGATORS}:TrimmedMean", {}),
+    ("excess_mtl", "per_loss", f"{_AGGREGATORS}:ExcessMTL", {}),
     # Loss weightings: from the loss values alone.
     ("geometric_mean", "per_loss", f"{_WEIGHTINGS}:GeometricMean", {}),
     ("uw", "per_loss", f"{_WEIGHTINGS}:UW", {}),
     ("famo", "per_loss", f"{_WEIGHTINGS}:FAMO", {}),
     ("dwa", "per_loss", f"{_WEIGHTINGS}:DWA", {}),
+    # Scalarizations: the gradient of a function of the losses, one ordinary backward.
+    ("cosmos", "per_loss", f"{_SCALARIZATIONS}:COSMOS", {}),
+    ("imtll", "per_loss", f"{_SCALARIZATIONS}:IMTLL", {}),
+    ("pbi", "per_loss", f"{_SCALARIZATIONS}:PBI", {}),
+    ("stch", "per_loss", f"{_SCALARIZATIONS}:STCH", {}),
     # Group: all of a rule's accumulated .grad at once (the fused stage).
     ("global_norm_clip", "group", f"{_GROUP}:GlobalNormClip", {}),
     ("agc", "group", f"{_GROUP}:AGC", {}),

@@ -111,13 +111,14 @@ def run_folders() -> tuple[str, str]:
     return shown(hydra["run"]["dir"]), shown(hydra["sweep"]["dir"])
 
 
-def per_loss_method(name: str) -> bool:
-    """Whether this build has the per_loss stage's method ``name`` (pcgrad, mgda, ...)."""
+def per_loss_method(name: str | dict) -> bool:
+    """Whether this build has the per_loss stage's method ``name`` (pcgrad, mgda, ..., or a
+    rule's entry with its arguments: ``{name: krum, n_byzantine: 0}``)."""
     try:
         from gradmod.hooks.per_loss.methods import is_method
     except ImportError:  # a build without the per_loss stage
         return False
-    return is_method(name)
+    return is_method(name if isinstance(name, str) else name.get("name"))
 
 
 def _rank_then_exit(rank: int, fn, args: tuple) -> None:

@@ -4,7 +4,8 @@ A Gramian weighting's: the Gramian ``G_ij = <g_i, g_j>`` summed over the rule's 
 entry's part from its own pieces: a Linear's from its rows), the method's weights from it on
 the host (float64), then each entry's share of ``sum_i w_i g_i``. An aggregator's, and under
 ``reduce`` a ``params`` rule's: the task gradients themselves as one ``[k, D]`` matrix
-(averaged over the ranks, then the global batch's Gramian), the update cut back into pieces.
+(averaged over the ranks, then the global batch's Gramian), the update cut back into pieces;
+a non-finite one gives a nan update without asking the aggregator, as a Gramian method's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor
 from gradmod.hooks.per_loss.backward import Backward
 from gradmod.hooks.per_loss.entries import Entry, OutputEntry, Replace
 from gradmod.hooks.per_loss.loss_rules import LossRule
-from gradmod.hooks.per_loss.methods import Aggregator, GramianWeighting
+from gradmod.hooks.per_loss.methods import Aggregator, GramianWeighting, MatrixWeighting
 
 
 def combine(call: Backward, rule: LossRule, entries: list[Entry]) -> Replace:
@@ -78,10 +79,15 @@ def _from_jacobian(call: Backward, rule: LossRule, entries: list[Entry], replace
         J = J.detach().clone()
         call.reduce([J])
     Gh = call.unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
-    if isinstance(rule.method, Aggregator):
+    if isinstance(rule.method, Aggregator) and not torch.isfinite(Gh).all():
+        out = torch.full_like(J[0], math.nan)  # as ``weights``: the aggregator (and its state) left alone
+    elif isinstance(rule.method, MatrixWeighting):
+        w = rule.method.matrix_weights(call.unscaled(J.detach(), 1))
+        rule.record.add(call.names, Gh, w.detach().to("cpu", torch.float64))
+        out = w.to(J.dtype) @ J
+    elif isinstance(rule.method, Aggregator):
         out = _aggregate(call, rule, J, [(t, g) for _, t, g in pieces])
-        if torch.isfinite(Gh).all():
-            rule.record.add(call.names, Gh, None)
+        rule.record.add(call.names, Gh, None)
     else:
         out = torch.tensordot(weights(call, rule, Gh).to(J.device, J.dtype), J, 1)
     at = 0

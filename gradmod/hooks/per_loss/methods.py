@@ -5,7 +5,9 @@ A method's base class says what it needs (as torchjd's ``Weighting`` and ``Aggre
 * ``GramianWeighting``: weights ``w`` (k) from the task gradients' Gramian ``G = J J^T``;
   the update is ``J^T w``. The stage never forms ``J`` for these (``gramian_weightings``,
   ``nash_mtl``).
-* ``Aggregator``: the update from the task gradients themselves (``graddrop``).
+* ``Aggregator``: the update from the task gradients themselves (``graddrop``,
+  ``trimmed_mean``); a ``MatrixWeighting`` is one whose update is ``J^T w``, its weights
+  from ``J`` (``excess_mtl``).
 * ``LossWeighting``: weights from the loss values alone; the update is the gradient of
   ``sum_i w_i L_i`` (``weightings``).
 
@@ -117,6 +119,19 @@ class LossWeighting(Method):
     @abc.abstractmethod
     def loss_weights(self, losses: Tensor, gen: torch.Generator) -> Tensor | list[float]:
         """The k weights (a tensor, or host floats: a torch op costs more than k floats)."""
+
+
+class MatrixWeighting(Aggregator):
+    """An aggregator whose update is ``w^T J``, its weights ``w`` (k) read from the task
+    gradients themselves, not only from their Gramian (excess_mtl's per-coordinate state);
+    the stage hands it ``J`` without GradScaler's factor and records its weights."""
+
+    @abc.abstractmethod
+    def matrix_weights(self, J: Tensor) -> Tensor:
+        """The k weights from the ``[k, D]`` task gradients (on their device)."""
+
+    def aggregate(self, J: Tensor, U: Tensor) -> Tensor:
+        return self.matrix_weights(J).to(J.dtype) @ J
 
 
 BASES.update((base.kind, base) for base in (GramianWeighting, Aggregator, LossWeighting))
