@@ -39,7 +39,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from gradmod.app import config_files, interrupted_at_start
@@ -144,7 +144,7 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     before = _run_marks(out_dir)
     _training(lambda: preload(TRAINING))  # imported once here, inherited by every job's child
     record = sweep_jobs.start(sweep_dir, hydra_cfg.job.num, out_dir, list(hydra_cfg.overrides.task))
-    code, summary = run_isolated(_in_child, (cfg, out_dir, HydraConfig.instance().cfg))
+    code, summary = run_isolated(_in_child, (cfg, out_dir, _plain_plugins(HydraConfig.instance().cfg)))
     status, error = _ending(code, summary, before, _run_marks(out_dir))
     sweep_jobs.finish(sweep_dir, record, status, summary, error)
     if status != "ok":
@@ -152,6 +152,16 @@ def _sweep_job(cfg: DictConfig, hydra_cfg: Any, out_dir: str) -> dict[str, Any]:
     if status == "interrupted" or stop_asked():  # Ctrl-C or SIGTERM ends the sweep, as a run, with its report
         stop_sweep(sweep_dir, stop_asked() or (code - 128 if code > 0 else -code))
     return {**(summary or {"test_accuracy": None, "test_loss": None}), "status": status, "error": error}
+
+
+def _plain_plugins(hydra_cfg: DictConfig) -> DictConfig:
+    """The Hydra state with its launcher and sweeper nodes as plain mappings: a plugin's
+    config class may not pickle by name into a fresh interpreter, and the job reads neither."""
+    plain = hydra_cfg.copy()
+    with read_write(plain.hydra), open_dict(plain.hydra):
+        for key in ("launcher", "sweeper"):
+            plain.hydra[key] = OmegaConf.create(OmegaConf.to_container(hydra_cfg.hydra[key], resolve=False))
+    return plain
 
 
 def _in_child(cfg: DictConfig, out_dir: str, hydra_cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:

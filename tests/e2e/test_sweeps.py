@@ -222,13 +222,20 @@ def test_optuna_example_composes():
     assert clamp == {"name": "clamp", "bound": 0.03}  # the rule's own key, one symmetric bound
 
 
-def test_slurm_preset_runs_the_local_task_function(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fork", [True, False])
+def test_slurm_preset_runs_the_local_task_function(tmp_path, monkeypatch, fork):
     """hydra/launcher=slurm composes, hands submitit the SLURM fields, and the job it would
     submit calls train.py's own task function. Only the submission is swapped: submitit's
-    DebugExecutor runs the job in this process instead of sbatch."""
+    DebugExecutor runs the job in this process instead of sbatch. The job's child is forked,
+    or (where a thread pool makes a fork unsafe) a fresh interpreter, which the launcher's
+    config must reach too."""
     import runpy
 
     import submitit
+
+    from gradmod.app import isolated
+
+    monkeypatch.setattr(isolated, "fork_is_safe", lambda: fork)
 
     seen = {}
 
