@@ -213,7 +213,8 @@ def test_the_cpu_command_changes_nothing_where_the_pair_works(tmp_path):
     assert _torch_dists(venv) == []
 
 
-@pytest.mark.slow  # installs a torch wheel into a venv
+@pytest.mark.slow
+@pytest.mark.install  # installs a torch wheel into a venv, then repairs it with a release of several GB
 def test_a_broken_pair_is_repaired_by_the_printed_command_or_left_as_it_was(tmp_path):
     """The pair seen broken: a CPU torch beside PyPI's torchvision of its release. gradmod's
     line names ``python -m gradmod.install``; run, it leaves a working pair or the one it found."""
