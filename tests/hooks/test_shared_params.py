@@ -90,7 +90,7 @@ def test_the_shipped_per_loss_files_select_multi_lenets_trunk():
     from gradmod.hooks.rules import load_rules
     from gradmod.models import MultiLeNet
 
-    assert len(SHIPPED) == 12 and "pcgrad" in SHIPPED
+    assert len(SHIPPED) == 21 and "pcgrad" in SHIPPED and "krum" in SHIPPED  # every gradient method
     model = MultiLeNet()
     shared_params.find(model, {t: out.sum() for t, out in model(torch.randn(2, 1, 36, 36)).items()})
     trunk = [n for n, _ in model.named_parameters() if n.startswith("trunk.")]
