@@ -15,6 +15,7 @@ from gradmod.hooks.fused.norm_history import AutoClip, ZClip
 from gradmod.hooks.per_loss import methods as M
 from gradmod.hooks.per_loss import weightings as W
 from gradmod.hooks.per_loss.nash_mtl import NashMTL
+from gradmod.hooks.per_sample.scores import Scores
 from gradmod.hooks.per_sample.stats import PerSampleClip, per_sample_log
 from gradmod.hooks.registry import FACTORY_BASES, add_stage_form, register
 from gradmod.hooks.sharpness.perturb import Asam, Sam
@@ -39,6 +40,7 @@ register("log", log, observer=True)
 
 # Per example (the per_sample stage); ``log`` there keeps per-example statistics.
 register("per_sample_clip", PerSampleClip, kind="per_sample")
+register("scores", Scores, kind="per_sample")  # GraNd and EL2N by dataset index
 add_stage_form("log", "per_sample", per_sample_log)
 
 # Per loss: the methods that turn k task gradients (or k losses) into one update.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from gradmod.hooks.per_sample.scores import Scores
 from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -51,7 +52,9 @@ def check_targets(model: nn.Module, targets: list) -> None:
             f"{covered[clash.name]!r} selects, would act on the batch gradient that the per_sample "
             "stage replaces; use stage fused (after it) or leave the parameter out"
         )
-    noisy = sorted({t.rule for t in private for s in t.steps if s.kind == "per_sample" and s.fn.noise_multiplier > 0})
+    noisy = sorted(
+        {t.rule for t in private for s in t.steps if isinstance(s.fn, PerSampleClip) and s.fn.noise_multiplier > 0}
+    )
     if len(noisy) > 1:
         raise ValueError(
             f"hooks: per_sample rules {', '.join(noisy)} both add noise; one rule may (one privacy "
@@ -84,6 +87,7 @@ class Rule:
     params: list[nn.Parameter]
     clip: PerSampleClip | None = None
     log: PerSampleLog | None = None
+    scores: Scores | None = None
 
 
 def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
@@ -96,6 +100,7 @@ def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rul
     return list(rules.values())
 
 
-def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
+def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None, Scores | None]:
     clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
-    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
+    log = next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
+    return clip, log, next((s.fn for s in steps if isinstance(s.fn, Scores)), None)

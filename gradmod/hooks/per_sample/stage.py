@@ -27,6 +27,7 @@ from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_options, check_targets, per_sample_rules
+from gradmod.hooks.per_sample.scores import KeepsScores, keeper, watch_outputs
 from gradmod.hooks.per_sample.stats import PerSampleClip
 from gradmod.hooks.per_sample.tracing import (
     batch_dim,
@@ -46,7 +47,7 @@ __all__ = ["PerSampleStage", "per_sample_rules"]
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
 
 
-class PerSampleStage(Stage):
+class PerSampleStage(KeepsScores, Stage):
     """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor
     under Poisson sampling (else the examples counted this step); ``generator``: the
     noise's; ``reduce``: called on the clipped sums (after this rank's noise) before the
@@ -97,6 +98,8 @@ class PerSampleStage(Stage):
         self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
+        self.scores = keeper(rules)  # GraNd and EL2N by dataset index (``see_batch``, ``take_scores``)
+        self._handles += watch_outputs(model, self.scores, self._following)
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._tracing and followed_forward() and self._trainable.changed():
@@ -312,6 +315,7 @@ class PerSampleStage(Stage):
             if r.log is not None:
                 sq = sum(means[p].to(norms[r.name].dtype).square().sum() for p in r.params if p in means)
                 r.log.add_norms(norms[r.name], norms[r.name].new_tensor(0.0) + sq)
+            r.scores.add(norms[r.name]) if r.scores is not None else None  # GraNd, by dataset index
 
     def _weighted(self, ghost, full, weights: dict[str, Tensor], probe: bool = False) -> dict[nn.Parameter, Tensor]:
         """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B]); ``probe``:
