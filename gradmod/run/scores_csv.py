@@ -3,9 +3,10 @@
 
 At each epoch's end the stage's rows are taken (one host read), gathered from every rank
 under DDP (each rank saw its share of the epoch), sorted by dataset index and appended.
-Resumed, the rows of the epochs the checkpoint finished are kept and later ones dropped
-(they are trained again); the rows of an epoch in progress travel in the checkpoint with
-the hooks' state.
+Resumed, the rows of the epochs the checkpoint finished are kept (from the run folder, or
+from the checkpoint's when the run resumes into a new one) and later ones dropped (they
+are trained again); the rows of an epoch in progress travel in the checkpoint with the
+hooks' state.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ class ScoresFile(Callback):
         self.path, self.stage = Path(out) / "scores.csv", stage
 
     def on_fit_start(self, trainer) -> None:
-        done = len(trainer.history)  # resumed: the epochs the checkpoint finished
-        kept = _rows_up_to(self.path, done) if trainer.resumed_from and self.path.exists() else ""
+        kept = ""
+        if trainer.resumed_from:  # the epochs the checkpoint finished, from this folder or the checkpoint's
+            source = self.path if self.path.exists() else Path(trainer.resumed_from).parent.parent / "scores.csv"
+            kept = _rows_up_to(source, len(trainer.history)) if source.exists() else ""
         atomic.write_text(self.path, HEADER + "\n" + kept)
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ class Scores:
         self._target: Tensor | None = None
         self._output: Tensor | None = None
         self._rows: list[Tensor] = []  # per backward [B, 4] float64: index, label, grand, el2n
+        self._ended: list[Tensor] = []  # rows of epochs ended (a checkpoint between epochs holds none)
 
     def __call__(self, grad: Tensor) -> None:
         raise TypeError(
@@ -81,14 +82,18 @@ class Scores:
         columns = (index.to(norms.device), target.to(norms.device), norms, el2n.to(norms.device))
         self._rows.append(torch.stack([c.to(dtype) for c in columns], 1))
 
+    def end_epoch(self) -> None:
+        """The rows so far belong to an ended epoch: no longer part of a checkpoint's state."""
+        self._ended, self._rows = self._ended + self._rows, []
+
     def take(self) -> Tensor:
         """The rows kept since the last take (``[N, 4]``: index, label, grand, el2n), and a fresh start."""
-        rows = torch.cat(self._rows) if self._rows else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
-        self._rows = []
-        return rows
+        rows = self._ended + self._rows
+        self._ended, self._rows = [], []
+        return torch.cat(rows) if rows else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
 
     def pending(self) -> Tensor | None:
-        """The rows kept so far, on the host (a checkpoint's), or None."""
+        """The rows of the epoch in progress, on the host (a checkpoint's), or None."""
         return torch.cat(self._rows).cpu() if self._rows else None
 
     def restore(self, rows: Tensor | None, device: Any = None) -> None:
@@ -148,6 +153,10 @@ class KeepsScores:
         rows = self.scores.take().cpu() if self.scores is not None else torch.zeros(0, len(COLUMNS))
         out = dict(zip(COLUMNS, rows.double().unbind(1)))
         return {k: v.long() if k in ("index", "label") else v for k, v in out.items()}
+
+    def end_epoch(self) -> None:
+        if self.scores is not None:
+            self.scores.end_epoch()
 
     def state_dict(self) -> dict[str, Any]:
         return {STATE_KEY: self.scores.pending()} if self.scores is not None else {}

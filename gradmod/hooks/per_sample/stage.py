@@ -59,12 +59,11 @@ class PerSampleStage(KeepsScores, Stage):
 
     Under DDP flat clipping knows its factors only after the whole backward: no DDP
     all-reduce (``ddp_may_reduce``), ``reduce`` sums the ranks' clipped sums after rank 0
-    alone added noise, the loop averages the rest (``manual_mean``); micro-batch losses
-    stay undivided (``divides_step``)."""
+    alone added noise, the loop averages the rest (``manual_mean``); where a rule clips,
+    micro-batch losses stay undivided (``divides_step``)."""
 
     name = "per_sample"
     ddp_may_reduce = False
-    divides_step = True
 
     @classmethod
     def check(cls, model: nn.Module, targets: list) -> None:
@@ -76,6 +75,7 @@ class PerSampleStage(KeepsScores, Stage):
         check_options(loss_reduction, batch_dim)
         rules = per_sample_rules(targets, dict(model.named_parameters()))
         self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
+        self.divides_step = any(r.clip is not None for r in rules)  # else autograd's mean stays, as in a plain loop
         self._empty = False  # a forward of zero examples ran this step: its gradients are zeros
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
