@@ -43,6 +43,8 @@ Sections:
   freeze  one AdamW step of torchvision's ResNet-18 (batch 16, 32x32) with all but fc frozen by a freeze
          rule against the same tensors frozen by hand (requires_grad=False), and with nothing frozen
          (see scripts/bench_freeze.py)
+  scores  one Adam step that keeps every example's GraNd and EL2N (the scores transform) against the plain
+         step, on the MNIST CNN (batch 100) and ResNet-18-GN (batch 32, 32x32) (see scripts/bench_scores.py)
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ import bench_freeze as freeze  # noqa: E402
 import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 import bench_scale as scale  # noqa: E402
+import bench_scores as scores  # noqa: E402
 import bench_sharpness as sharpness  # noqa: E402
 
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
@@ -87,7 +90,7 @@ CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "
 LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
-SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "scale")
+SECTIONS = ("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "scores", "scale")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # scale takes long: asked for by name
 
 # (name, numerator, denominator, target description, test on the value); a ratio is
@@ -255,8 +258,13 @@ RATIOS += [  # a freeze rule's step is the hand-frozen one's: the frozen backwar
     ),
     ("freeze_resnet18_all_over_by_hand", "freeze.resnet18.all", "freeze.resnet18.plain", None, None),
 ]
+RATIOS += [  # keeping each example's scores: no extra backward, <= 1.3x the plain step
+    (f"scores_{m}_over_plain", f"scores.{m}.scores", f"scores.{m}.plain", "<= 1.3", lambda r: r <= 1.3)
+    for m in scores.MODELS
+]
 UNIT_IMAGES = {"step": BATCH, "freeze_step": freeze.BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
 UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
+UNIT_IMAGES |= {f"scores_{m}_step": batch for m, (_, _, batch) in scores.MODELS.items()}
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
 
 
@@ -500,6 +508,13 @@ class Bench:
                 steps,
                 "freeze_step",
             )
+        steps = 1 if self.args.quick else scores.STEPS
+        for name in scores.names():
+            table[f"scores.{name}"] = (
+                lambda name=name: scores.setup(name, steps, str(self.device)),
+                steps,
+                f"scores_{name.split('.')[0]}_step",
+            )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         return {k: v for k, v in table.items() if k.split(".")[0] in self.args.sections}
@@ -612,11 +627,11 @@ def ops_table(ops: dict[str, dict]) -> str:
 
 def clock(result: dict) -> str:
     """The median a ratio divides: the per_loss section's single-threaded steps, and the
-    sharpness and freeze sections' on the CPU, compare CPU time (on a shared machine wall time mostly
+    sharpness, freeze and scores sections' on the CPU, compare CPU time (on a shared machine wall time mostly
     measures the neighbours); the rest wall time."""
     if result["section"] == "per_loss" and result["unit"] == "mtl_step":
         return "median_cpu_s"
-    cpu_time = result["section"] in ("sharpness", "freeze") and result.get("device") == "cpu"
+    cpu_time = result["section"] in ("sharpness", "freeze", "scores") and result.get("device") == "cpu"
     return "median_cpu_s" if cpu_time else "median_s"
 
 

@@ -192,7 +192,7 @@ def test_bad_input_is_one_line_each(tmp_path, capsys):
         (["missing"], "is not a folder; give the run folder a gradmod run wrote"),
         (["plain"], r"is not a gradmod run folder \(no .gradmod/run.json\)"),
         (["bare"], r"has no checkpoints \(checkpoints/step-\*.pt\).*trainer.checkpoint_keep=EPOCHS"),
-        (["other"], r"trained on mnist \(60000 examples\) but data_dir='data' gives fake \(24\); give --data-dir"),
+        (["other"], r"trained on mnist \(60000 examples\) but data_dir='data' gives fake \(16\); give --data-dir"),
         (["broken"], "truncated or corrupt"),
         (["good", "--top", "0"], "--top 0: both must be >= 1"),
         (["good", "--batch-size", "-1"], "--batch-size -1 and --top 24: both must be >= 1"),
