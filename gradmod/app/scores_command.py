@@ -24,7 +24,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("run", help="the run folder (its checkpoints/ are read)")
     p.add_argument("--data-dir", default=None, help="where the run's data lies now (default: the run's data_dir)")
-    p.add_argument("--batch-size", type=int, default=500, help="examples per backward (default 500)")
+    p.add_argument("--batch-size", type=int, default=100, help="examples per backward (default 100)")
     p.add_argument("--top", type=int, default=24, help="images in hardest.png (default 24)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     return p.parse_args(argv)

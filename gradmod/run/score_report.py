@@ -33,7 +33,7 @@ FILES = ("self_influence.csv", "hardest.png", "self_influence_hist.png", "self_i
 
 
 def score_run(
-    run: str | Path, *, data_dir: str | None = None, batch_size: int = 500, top: int = 24, device: str = "auto"
+    run: str | Path, *, data_dir: str | None = None, batch_size: int = 100, top: int = 24, device: str = "auto"
 ) -> dict[str, Any]:
     """Score ``run``'s training examples over its checkpoints; returns what was written and the
     per-class means."""

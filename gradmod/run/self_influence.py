@@ -105,7 +105,7 @@ def _summary(run: Path) -> dict[str, Any]:
 
 
 def squared_norms(
-    model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 500, device: torch.device | None = None
+    model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 100, device: torch.device | None = None
 ) -> Tensor:
     """Each training example's squared gradient norm of its cross-entropy loss over every
     parameter of ``model`` (eval mode), float64 on the host, in the order of ``y``."""
@@ -132,7 +132,7 @@ def self_influence(
     x: Tensor,
     y: Tensor,
     *,
-    batch_size: int = 500,
+    batch_size: int = 100,
     device: torch.device | None = None,
     progress: Callable[[Checkpoint], None] | None = None,
 ) -> Tensor:
@@ -148,7 +148,7 @@ def self_influence(
 
 
 @torch.no_grad()
-def predictions(model: nn.Module, x: Tensor, *, batch_size: int = 500, device: torch.device | None = None) -> Tensor:
+def predictions(model: nn.Module, x: Tensor, *, batch_size: int = 100, device: torch.device | None = None) -> Tensor:
     """The class ``model`` (eval mode) gives each of ``x``."""
     device = device or torch.device("cpu")
     model.to(device).eval()
