@@ -89,7 +89,9 @@ def run_data(config: dict[str, Any], run: Path, data_dir: str | None = None) -> 
             f"({len(data.train_y)}); give --data-dir where the run's data lies"
         )
     if not isinstance(data.train_y, Tensor) or data.train_y.dim() != 1 or data.train_y.is_floating_point():
-        raise ValueError(f"{run}: self-influence needs one class label per training example; {data.name} has other labels")
+        raise ValueError(
+            f"{run}: self-influence needs one class label per training example; {data.name} has other labels"
+        )
     return data
 
 

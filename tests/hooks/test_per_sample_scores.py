@@ -97,7 +97,11 @@ def test_scores_leave_the_gradient_as_autograd_gives_it():
 def test_scores_beside_clipping_keep_the_unclipped_norms():
     torch.manual_seed(0)
     model = MnistCNN().double()
-    rule = {"params": "*", "stage": "per_sample", "transforms": ["scores", {"name": "per_sample_clip", "max_norm": 0.1}]}
+    rule = {
+        "params": "*",
+        "stage": "per_sample",
+        "transforms": ["scores", {"name": "per_sample_clip", "max_norm": 0.1}],
+    }
     hooks = attach(model, {"dp": rule})
     x, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
     expected = _vmap_norms(model, x, y)
@@ -121,8 +125,16 @@ def test_a_backward_without_the_batch_indices_is_one_line():
 @pytest.mark.parametrize(
     "index,target,match",
     [
-        (torch.arange(3.0), torch.zeros(3, dtype=torch.long), r"index must be a 1-d integer tensor \(one per example\); got a 1-d torch.float32"),
-        (torch.arange(3), torch.zeros(3, 2, dtype=torch.long), r"target must be a 1-d integer tensor \(one per example\); got a 2-d"),
+        (
+            torch.arange(3.0),
+            torch.zeros(3, dtype=torch.long),
+            r"index must be a 1-d integer tensor \(one per example\); got a 1-d torch.float32",
+        ),
+        (
+            torch.arange(3),
+            torch.zeros(3, 2, dtype=torch.long),
+            r"target must be a 1-d integer tensor \(one per example\); got a 2-d",
+        ),
         (torch.arange(3), torch.zeros(2, dtype=torch.long), "got 3 indices and 2 labels"),
     ],
 )
