@@ -14,8 +14,16 @@ import sys
 USAGE = "gradmod scores RUN [--data-dir DIR] [--batch-size N] [--top K] [--device auto|cpu|cuda]"
 
 
+class _OneLine(argparse.ArgumentParser):
+    """argparse's error as the command's one line (its usage in it), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"error: gradmod scores: {message}; usage: {USAGE}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = _OneLine(
         prog="gradmod scores",
         usage=USAGE,
         description="TracIn self-influence of a run's training examples over its checkpoints "

@@ -110,8 +110,9 @@ class Trainer:
             batch_size=settings.batch_size,
             accumulate=settings.accumulate,
         )
-        stage = hooks.stage("per_sample") if hasattr(hooks, "stage") else None  # an object of your own may lack it
-        self.scores = stage if getattr(stage, "keeps_scores", False) else None  # told each batch's dataset indices
+        stages = getattr(hooks, "stages", None) or []  # an object of your own may have none
+        # the stage keeping per-example scores (``see_batch``): told each batch's dataset indices
+        self.scores = next((st for st in stages if getattr(st, "keeps_scores", False)), None)
         self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
         if getattr(hooks, "wants_step_losses", False):  # a HookSet's; an object of your own may lack it
             self.after_step = AfterStepLosses(hooks, self.net, self.tasks, self.amp)
