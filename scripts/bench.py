@@ -48,6 +48,8 @@ Sections:
   sam_peers  gsam, wsam, looksam (k=5), friendly_sam and centralize+sam against pytorch-optimizer's GSAM, WSAM,
          LookSAM, FriendlySAM and SAM(use_gc=True), SGD steps on the same two models, and LookSAM against a
          plain step (see scripts/bench_sam_peers.py); asked for by name
+  scores  one Adam step that keeps every example's GraNd and EL2N (the scores transform) against the plain
+         step, on the MNIST CNN (batch 100) and ResNet-18-GN (batch 32, 32x32) (see scripts/bench_scores.py)
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ import bench_per_loss as per_loss  # noqa: E402
 import bench_per_sample as per_sample  # noqa: E402  (scripts/ is on the path when run as a script)
 import bench_sam_peers as sam_peers  # noqa: E402
 import bench_scale as scale  # noqa: E402
+import bench_scores as scores  # noqa: E402
 import bench_sharpness as sharpness  # noqa: E402
 
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
@@ -96,7 +99,7 @@ LOG = {"log": {"params": "*", "transforms": ["log"]}}
 NORM = {"norm": {"params": "*", "transforms": [{"name": "global_norm_clip", "max_norm": 1.0}]}}
 CLIP_LOGGED = {"clip_logged": {"params": "*", "transforms": ["log", CLIP["clip"]["transforms"][0], "log"]}}
 SECTIONS = (
-    *("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "orthogonalize"),
+    *("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "orthogonalize", "scores"),
     *("scale", "sam_peers"),
 )
 DEFAULT_SECTIONS = SECTIONS[:-2]  # scale and sam_peers take long: asked for by name
@@ -289,8 +292,13 @@ for _m in orthogonalize.MODELS:  # the same update as torch's Muon: <= 1.05x its
         )
     )
 RATIOS += sam_peers.ratios()  # each rule <= 1.05x the library's step; LookSAM at k=5 <= 1.3x a plain one
+RATIOS += [  # keeping each example's scores: no extra backward, <= 1.3x the plain step
+    (f"scores_{m}_over_plain", f"scores.{m}.scores", f"scores.{m}.plain", "<= 1.3", lambda r: r <= 1.3)
+    for m in scores.MODELS
+]
 UNIT_IMAGES = {"step": BATCH, "freeze_step": freeze.BATCH, "dp_step": per_sample.BATCH, "mtl_step": per_loss.BATCH}
 UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
+UNIT_IMAGES |= {f"scores_{m}_step": batch for m, (_, _, batch) in scores.MODELS.items()}
 GPU_TARGET = ("epoch_speedup_vs_article", ">= 10 on a GPU (the article's 10 epochs, full MNIST)", lambda r: r >= 10)
 
 
@@ -554,6 +562,13 @@ class Bench:
                 steps,
                 f"{name.split('.')[0]}_step",
             )
+        steps = 1 if self.args.quick else scores.STEPS
+        for name in scores.names():
+            table[f"scores.{name}"] = (
+                lambda name=name: scores.setup(name, steps, str(self.device)),
+                steps,
+                f"scores_{name.split('.')[0]}_step",
+            )
         if self.args.compile:
             table["epoch.gradmod_compiled"] = (lambda: self.gradmod_epoch(epochs=e, compiled=True), n * e, "image")
         only = [p for p in self.args.only.split(",") if p]
@@ -671,14 +686,14 @@ def ops_table(ops: dict[str, dict]) -> str:
 
 def clock(result: dict) -> str:
     """The median a ratio divides: the per_loss section's single-threaded steps, and the
-    sharpness, sam_peers, freeze and orthogonalize sections' on the CPU, compare CPU time (on a shared machine
+    sharpness, sam_peers, freeze, orthogonalize and scores sections' on the CPU, compare CPU time (on a shared machine
     wall time mostly measures the neighbours); the rest wall time."""
     if result["section"] == "per_loss" and result["unit"] == "mtl_step":
         return "median_cpu_s"
     on_cpu = result.get("device") == "cpu"
     return (
         "median_cpu_s"
-        if result["section"] in ("sharpness", "sam_peers", "freeze", "orthogonalize") and on_cpu
+        if result["section"] in ("sharpness", "sam_peers", "freeze", "orthogonalize", "scores") and on_cpu
         else "median_s"
     )
 

@@ -1,4 +1,5 @@
-"""The command line: ``gradmod ...`` (or ``python train.py ...``) -> Hydra -> one training run per job.
+"""The command line: ``gradmod ...`` (or ``python train.py ...``) -> Hydra -> one training run per job;
+``gradmod scores RUN`` scores a finished run's training examples (``scores_command``).
 
 ``main()`` has Hydra compose the config from the shipped ``gradmod/conf/`` (a user's own
 folder joins it through ``--config-dir`` or ``hydra.searchpath``) and run ``job`` on it; ``job``
@@ -71,6 +72,10 @@ def main(conf: str | Path = CONF) -> None:
     """Compose the config in ``conf`` from the command line and run ``job``; end in one line.
     The console script ``gradmod`` and ``python train.py`` both call it with the default."""
     signal.signal(signal.SIGINT, interrupted_at_start)  # until the run or the sweep installs its own
+    if sys.argv[1:2] == ["scores"]:  # gradmod scores RUN: an analysis of a finished run, no Hydra
+        from gradmod.app.scores_command import main as scores
+
+        sys.exit(scores(sys.argv[2:]))
     if "--version" in sys.argv[1:]:  # gradmod's, not Hydra's (which would answer it)
         print(f"gradmod {gradmod_version()} (Python {sys.version.split()[0]})")
         sys.exit(0)

@@ -52,6 +52,7 @@ SHIPPED = (
     ),
     # Per example (the per_sample stage).
     ("per_sample_clip", "per_sample", f"{_PER_SAMPLE}:PerSampleClip", {}),
+    ("scores", "per_sample", "gradmod.hooks.per_sample.scores:Scores", {}),
     # Per loss: the methods that turn k task gradients (or k losses) into one update. Weights
     # that need no task gradient run as loss weightings (mean, sum, fixed, random).
     ("mean", "per_loss", f"{_WEIGHTINGS}:Mean", {}),

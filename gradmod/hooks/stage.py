@@ -95,8 +95,8 @@ class Stage(abc.ABC):
     # Under DDP: False when this stage's backward must run under no_sync (it reduces itself).
     ddp_may_reduce: ClassVar[bool] = True
     # True: the stage divides the step's gradient itself, so a loop does not divide each
-    # micro-batch's loss by their number.
-    divides_step: ClassVar[bool] = False
+    # micro-batch's loss by their number (a stage may decide per instance).
+    divides_step: bool = False
     # Its rules on FSDP2-sharded parameters: None runs them, else what to do instead.
     on_sharded: ClassVar[str | None] = (
         "it is not supported for FSDP2-sharded models; use stage: fused or trainer.strategy=ddp"

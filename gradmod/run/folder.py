@@ -51,6 +51,11 @@ OUTPUTS = (
     "tasks.png",
     "frac_clipped.png",
     "gradcam.png",
+    "scores.csv",  # a scores rule's; the rest: gradmod scores RUN's, of the run they came from
+    "self_influence.csv",
+    "hardest.png",
+    "self_influence_hist.png",
+    "self_influence_by_class.png",
 )
 ABANDONED = "abandoned-"  # checkpoints/abandoned-<n>/: a timeline left by a resume from an older step
 # What a run writes, moves or deletes in its folder (with what checkpoints/, tensorboard/, .gradmod/

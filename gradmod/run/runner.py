@@ -37,6 +37,7 @@ from gradmod.run.files import GradCamCallback, RunFiles
 from gradmod.run.folder import Claim, RunFolder
 from gradmod.run.per_sample_paths import PerSamplePaths
 from gradmod.run.resume import apply_optimizer, check_epochs, compare
+from gradmod.run.scores_csv import ScoresFile
 from gradmod.run.setup import build_model, import_plugins, items, load, place
 from gradmod.run.state import Run
 from gradmod.training.callbacks import EpochLine, SyncCheckCallback
@@ -253,6 +254,7 @@ def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: 
     callbacks += [GradCamCallback(parts.probe, logger, folder)] if parts.probe is not None else []
     private = run.hooks.stage(stages.counting_examples())
     callbacks += [PerSamplePaths(folder, run.plan, private)] if private is not None else []
+    callbacks += [ScoresFile(folder, private)] if getattr(private, "keeps_scores", False) else []
     sync = SyncCheck(run.cfg.trainer.sync_check, run.dist.device)
     stack.callback(sync.allow)
     run.stop.saver = parts.saver

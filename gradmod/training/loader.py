@@ -39,21 +39,23 @@ class _IndexedBatches(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
         idx = self.index[i]
-        return self.x[idx], self.y[idx]
+        return self.x[idx], self.y[idx], idx
 
 
 def host_batches(
-    x: Tensor, y: Tensor, index: Sequence[Tensor], device: torch.device, workers: int = 0
-) -> Iterator[tuple[Tensor, Tensor]]:
+    x: Tensor, y: Tensor, index: Sequence[Tensor], device: torch.device, workers: int = 0, indexed: bool = False
+) -> Iterator[tuple[Tensor, ...]]:
     """Batches of (float images, labels) on ``device`` from host tensors ``x``, ``y``: batch
-    ``i`` is ``index[i]`` (CPU index tensors; ``batches`` draws them)."""
+    ``i`` is ``index[i]`` (CPU index tensors; ``batches`` draws them). ``indexed``: each
+    batch's dataset indices come third."""
     cuda = device.type == "cuda"
     loader = DataLoader(_IndexedBatches(x, y, index), batch_size=None, num_workers=workers, pin_memory=cuda)
-    for xb, yb in loader:
+    for xb, yb, idx in loader:
         # From pinned memory the copies are asynchronous: the next batch is gathered meanwhile.
-        yield as_float(xb.to(device, non_blocking=cuda)), yb.to(device, non_blocking=cuda)
+        batch = as_float(xb.to(device, non_blocking=cuda)), yb.to(device, non_blocking=cuda)
+        yield (*batch, idx.to(device, non_blocking=cuda)) if indexed else batch
 
 
 def placement(setting: str, data: Data, device: torch.device) -> str:
@@ -81,13 +83,15 @@ def batches(
     device: torch.device | None = None,
     loader_workers: int | None = None,
     parts: int | None = None,
-) -> Iterator[tuple[Tensor, Tensor]]:
+    indexed: bool = False,
+) -> Iterator[tuple[Tensor, ...]]:
     """Batches of (float images, labels) indexed from tensors already on the device;
     shuffled by ``generator`` (a CPU generator) when one is given. ``part=(rank, world)``
     keeps this rank's share of the shuffled order; ``start`` skips that many batches of it
     (resuming mid-epoch). With ``loader_workers`` set, a DataLoader gathers the same
     batches from host memory and copies them to ``device``. ``parts`` (unshuffled only):
-    that many batches of near-equal size instead of ``batch_size`` each."""
+    that many batches of near-equal size instead of ``batch_size`` each. ``indexed``
+    (shuffled only): each batch's dataset indices come third (per-example scores)."""
     device = x.device if device is None else device
     if generator is None:
         cut = (lambda t: t.tensor_split(parts)) if parts else (lambda t: t.split(batch_size))
@@ -102,10 +106,10 @@ def batches(
     if world > 1:  # every rank draws the same permutation: rank r takes every world-th index,
         order = order[rank : len(order) - len(order) % world : world]  # all ranks the same count
     if loader_workers is not None:
-        yield from host_batches(x, y, order.split(batch_size)[start:], device, loader_workers)
+        yield from host_batches(x, y, order.split(batch_size)[start:], device, loader_workers, indexed)
         return
     for idx in order.to(y.device).split(batch_size)[start:]:
-        yield as_float(x[idx]), y[idx]
+        yield (as_float(x[idx]), y[idx], idx) if indexed else (as_float(x[idx]), y[idx])
 
 
 def batches_per_epoch(n: int, batch_size: int, world: int = 1) -> int:
@@ -132,12 +136,14 @@ def poisson_batches(
     start: int = 0,
     device: torch.device | None = None,
     loader_workers: int | None = None,
-) -> Iterator[tuple[Tensor, Tensor]]:
+    indexed: bool = False,
+) -> Iterator[tuple[Tensor, ...]]:
     """``steps`` Poisson batches: each example of (x, y) joins each with probability
     ``sample_rate`` (masks from ``generator``, on the host). Each batch comes as ``split``
     micro-batches (gradient accumulation: the step's one Poisson batch in near-equal parts,
     possibly empty); ``part=(rank, world)`` keeps this rank's share of every batch, drawn
-    from the whole dataset alike on every rank. ``start`` skips that many micro-batches."""
+    from the whole dataset alike on every rank. ``start`` skips that many micro-batches.
+    ``indexed``: each batch's dataset indices come third."""
     device = x.device if device is None else device
     rank, world = part
     index = []
@@ -146,11 +152,11 @@ def poisson_batches(
         index.extend(chosen[rank::world].tensor_split(split))
     index = index[start:]
     if loader_workers is not None:
-        yield from host_batches(x, y, index, device, loader_workers)
+        yield from host_batches(x, y, index, device, loader_workers, indexed)
         return
     for idx in index:
         idx = idx.to(y.device)
-        yield as_float(x[idx]), y[idx]
+        yield (as_float(x[idx]), y[idx], idx) if indexed else (as_float(x[idx]), y[idx])
 
 
 def poisson_steps(n: int, batch_size: int, world: int = 1, accumulate: int = 1) -> tuple[float, int]:

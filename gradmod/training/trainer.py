@@ -110,6 +110,9 @@ class Trainer:
             batch_size=settings.batch_size,
             accumulate=settings.accumulate,
         )
+        stages = getattr(hooks, "stages", None) or []  # an object of your own may have none
+        # the stage keeping per-example scores (``see_batch``): told each batch's dataset indices
+        self.scores = next((st for st in stages if getattr(st, "keeps_scores", False)), None)
         self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
         if getattr(hooks, "wants_step_losses", False):  # a HookSet's; an object of your own may lack it
             self.after_step = AfterStepLosses(hooks, self.net, self.tasks, self.amp)
@@ -165,7 +168,7 @@ class Trainer:
             self.generator.set_state(self.epoch_order)
         start = self.batch
         total, stream = self._stream(x, y, start)
-        for i, (xb, yb) in enumerate(
+        for i, (xb, yb, *index) in enumerate(
             tqdm(stream, total=total, initial=start, leave=False, desc="train", disable=not s.progress), start=start + 1
         ):
             if (i - 1) % s.accumulate == 0:
@@ -174,7 +177,7 @@ class Trainer:
                 self.step_loss = None
                 group = min(s.accumulate, total - i + 1)  # micro-batches in this step (fewer at the end)
             last = i % s.accumulate == 0 or i == total  # the micro-batch that ends an optimizer step
-            self._backward(xb, yb, group, sync=last)
+            self._backward(xb, yb, group, sync=last, index=index[0] if index else None)
             if last:
                 self.batch = i
                 self._optimizer_step()
@@ -187,18 +190,23 @@ class Trainer:
     def _stream(self, x: Tensor, y: Tensor, start: int):
         """(micro-batches in this rank's epoch, their stream from batch ``start`` on)."""
         part = (self.dist.data_rank, self.dist.data_size)  # a tensor-parallel group shares its batches
-        s = self.settings
+        s, indexed = self.settings, self.scores is not None
         if s.sampling == "poisson":
             rate, steps = poisson_steps(len(y), s.batch_size, self.dist.data_size, s.accumulate)
             return steps * s.accumulate, poisson_batches(
-                x, y, rate, steps, self.generator, s.accumulate, part, start, self.device, s.loader_workers
+                x, y, rate, steps, self.generator, s.accumulate, part, start, self.device, s.loader_workers, indexed
             )
         total = batches_per_epoch(len(y), s.batch_size, self.dist.data_size)
-        return total, batches(x, y, s.batch_size, self.generator, part, start, self.device, s.loader_workers)
+        stream = batches(
+            x, y, s.batch_size, self.generator, part, start, self.device, s.loader_workers, indexed=indexed
+        )
+        return total, stream
 
-    def _backward(self, xb: Tensor, yb: Any, group: int, sync: bool) -> None:
+    def _backward(self, xb: Tensor, yb: Any, group: int, sync: bool, index: Tensor | None = None) -> None:
         if len(yb) == 0:
             return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
+        if index is not None:  # per-example scores are kept by dataset index
+            self.scores.see_batch(index, yb)
         if self.stage_sync.divides_step:  # each example's own gradient: the stage divides the step's sum
             group = 1
         if not self.stage_sync.ddp_may_reduce:  # the stages reduce what they need after backward

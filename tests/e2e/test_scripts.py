@@ -165,12 +165,14 @@ def test_gradient_overlay_upsamples_like_the_articles_zoom():
 
 
 def test_mnist_gradcam_quick(capsys, tmp_path):
-    result = script("mnist_gradcam").main(["--epochs", "1", "--train-size", "500", "--out", str(tmp_path)])
+    argv = ["--epochs", "1", "--train-size", "500", "--out", str(tmp_path), "--data-dir", str(tmp_path)]
+    result = script("mnist_gradcam").main(argv)
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert re.fullmatch(r"Epoch: 1, Loss: \d\.\d{3}", lines[0])
-    assert lines[1].startswith("Validation Acc ")
-    assert lines[2:7] == [
+    assert lines[0] == "the bundled sample of MNIST: 500 train / 1000 test digits, 1 epochs"
+    assert re.fullmatch(r"Epoch: 1, Loss: \d\.\d{3}", lines[1])
+    assert lines[2].startswith("Validation Acc ")
+    assert lines[3:8] == [
         "img: torch.Size([1, 1, 28, 28])",
         "label: torch.Size([1])",
         "output: torch.Size([1, 10])",
@@ -199,6 +201,6 @@ def test_mnist_gradcam_quick(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_mnist_gradcam_default_run_learns(capsys, tmp_path):
-    result = script("mnist_gradcam").main(["--out", str(tmp_path)])
-    assert result["losses"][0] > result["losses"][-1]
+    result = script("mnist_gradcam").main(["--out", str(tmp_path), "--data-dir", str(tmp_path)])  # the sample
+    assert len(result["losses"]) == 3 and result["losses"][0] > result["losses"][-1]
     assert result["accuracy"] > 0.9

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from gradmod.hooks.per_sample.attention import AttentionForm
-from gradmod.hooks.per_sample.form import Form, broadcast_weights
+from gradmod.hooks.per_sample.conv_grads import per_example_weight
+from gradmod.hooks.per_sample.form import Form, broadcast_weights, rows_norm2
 from gradmod.hooks.per_sample.recurrent import RNNForm
 from gradmod.hooks.per_sample.replay import FuncForm
 
@@ -147,8 +148,7 @@ class ConvForm(Form):
         out = {}
         G = self._grads(m, b)
         if "weight" in names:
-            P = self._patches(m, a)
-            out["weight"] = torch.matmul(G, P.mT).reshape(b.shape[0], *m.weight.shape)
+            out["weight"] = per_example_weight(m, a, b)
         if "bias" in names:
             out["bias"] = G.sum(3).flatten(1)
         return out
@@ -161,7 +161,7 @@ class ConvForm(Form):
             if _gram_pays(P.shape[3], P.shape[2], G.shape[2]):
                 out["weight"] = (P.mT @ P * (G.mT @ G)).sum((1, 2, 3))
             else:
-                out["weight"] = torch.matmul(G, P.mT).square().sum((1, 2, 3))
+                out["weight"] = rows_norm2(per_example_weight(m, a, b))
         if "bias" in names:
             out["bias"] = G.sum(3).square().sum((1, 2))
         return out

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from gradmod.hooks.per_sample.scores import Scores
 from gradmod.hooks.per_sample.stats import PerSampleClip, PerSampleLog
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -98,6 +99,7 @@ class Rule:
     params: list[nn.Parameter]
     clip: PerSampleClip | None = None
     log: PerSampleLog | None = None
+    scores: Scores | None = None
 
 
 def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rule]:
@@ -110,6 +112,7 @@ def per_sample_rules(targets: list, params: dict[str, nn.Parameter]) -> list[Rul
     return list(rules.values())
 
 
-def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None]:
+def _steps(steps: list) -> tuple[PerSampleClip | None, PerSampleLog | None, Scores | None]:
     clip = next((s.fn for s in steps if isinstance(s.fn, PerSampleClip)), None)
-    return clip, next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
+    log = next((s.fn for s in steps if isinstance(s.fn, PerSampleLog)), None)
+    return clip, log, next((s.fn for s in steps if isinstance(s.fn, Scores)), None)

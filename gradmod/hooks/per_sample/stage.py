@@ -1,12 +1,11 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
-A forward hook on every module that holds a parameter of a per_sample rule keeps its input
-(detached) and hooks its outputs for their gradients (attention records its projections'). After
-each backward: per rule each example's norm over all the rule's parameters (flat clipping), the
-factors ``min(1, C / (|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer)
-into the step's sums, in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)``
-once and divides by the step's (expected) number of examples. Nothing per example outlives its
-backward."""
+A forward hook on every module that holds a parameter of a per_sample rule keeps its input (detached)
+and hooks its outputs for their gradients (attention records its projections'). After each backward:
+per rule each example's norm over all the rule's parameters (flat clipping), the factors
+``min(1, C / (|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer) into the step's
+sums, in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)`` once and divides by
+the step's (expected) number of examples. Nothing per example outlives its backward but ``scores``."""
 
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_options, check_rule, check_targets, per_sample_rules
+from gradmod.hooks.per_sample.scores import KeepsScores, keeper, watch_outputs
 from gradmod.hooks.per_sample.stats import PerSampleClip
 from gradmod.hooks.per_sample.trainable import Trainable, all_trainable
 from gradmod.hooks.stage import Core, Loop, Stage
@@ -47,24 +47,20 @@ __all__ = ["PerSampleStage", "per_sample_rules"]
 EPS = 1e-6  # Opacus' guard against a zero norm in the clip factor
 
 
-class PerSampleStage(Stage):
-    """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor
-    under Poisson sampling (else the examples counted this step); ``generator``: the
-    noise's; ``reduce``: called on the clipped sums (after this rank's noise) before the
-    division, e.g. an all-reduce; ``draws_noise``: False on ranks that add none
-    (``set_up`` sets the three from the loop's facts); ``batch_dim`` (``core``'s): the
-    batch dimension of the model's inputs (None: 0, or 1 for a model with ``batch_first =
-    False``). The layers are set up at the model's first training forward with a non-empty
-    batch, from its trace.
+class PerSampleStage(KeepsScores, Stage):
+    """The per_sample rules of one ``attach`` call. ``expected_batch_size``: the divisor under Poisson
+    sampling (else the examples counted this step); ``generator``: the noise's; ``reduce``: called on the
+    clipped sums (after this rank's noise) before the division, e.g. an all-reduce; ``draws_noise``: False
+    on ranks that add none (``set_up`` sets the three from the loop's facts); ``batch_dim`` (``core``'s):
+    the inputs' batch dimension (None: 0, or 1 for ``batch_first = False``). The layers are set up at the
+    model's first training forward with a non-empty batch, from its trace.
 
-    Under DDP flat clipping knows its factors only after the whole backward: no DDP
-    all-reduce (``ddp_may_reduce``), ``reduce`` sums the ranks' clipped sums after rank 0
-    alone added noise, the loop averages the rest (``manual_mean``); micro-batch losses
-    stay undivided (``divides_step``)."""
+    Under DDP flat clipping knows its factors only after the whole backward: no DDP all-reduce
+    (``ddp_may_reduce``), ``reduce`` sums the ranks' clipped sums after rank 0 alone added noise, the
+    loop averages the rest (``manual_mean``); where a rule clips, micro-batch losses stay undivided."""
 
     name = "per_sample"
     ddp_may_reduce = False
-    divides_step = True
 
     @classmethod
     def check(cls, model: nn.Module, targets: list) -> None:
@@ -80,6 +76,7 @@ class PerSampleStage(Stage):
         check_options(loss_reduction, batch_dim)
         rules = per_sample_rules(targets, dict(model.named_parameters()))
         self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
+        self.divides_step = any(r.clip is not None for r in rules)  # else autograd's mean stays, as in a plain loop
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
         self.reduce: Callable[[list[Tensor]], None] | None = None
@@ -100,7 +97,9 @@ class PerSampleStage(Stage):
         self._queued = self._tracing = self._broadcast = self._empty = False  # _empty: a zero-example forward ran
         self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
+        self.scores = keeper(rules)  # GraNd and EL2N by dataset index (``see_batch``, ``take_scores``)
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
+        self._handles += watch_outputs(model, self.scores, self._following)
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._tracing and followed_forward() and self._trainable.changed():
@@ -316,6 +315,7 @@ class PerSampleStage(Stage):
             if r.log is not None:
                 sq = sum(means[p].to(norms[r.name].dtype).square().sum() for p in r.params if p in means)
                 r.log.add_norms(norms[r.name], norms[r.name].new_tensor(0.0) + sq)
+            r.scores.add(norms[r.name]) if r.scores is not None else None  # GraNd, by dataset index
 
     def _weighted(self, ghost, full, weights: dict[str, Tensor], probe: bool = False) -> dict[nn.Parameter, Tensor]:
         """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B]); ``probe``:

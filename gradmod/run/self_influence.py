@@ -1,0 +1,158 @@
+"""TracIn self-influence of a finished run's training examples (Pruthi et al. 2020, "TracInCP").
+
+For each checkpoint c the run saved (``<run>/checkpoints``, read by ``checkpoint_file``), with
+the learning rate ``lr_c`` its optimizer held, example i scores ``sum_c lr_c |g_i(w_c)|^2``:
+``g_i`` the gradient of its own cross-entropy loss over every parameter of the model at the
+checkpoint's weights, the model in eval mode. The run's hook rules are not applied: the plain
+loss gradient, as Captum's ``TracInCP.self_influence`` takes it (the reference the tests
+compare with). The norms come from the per_sample stage (``scores``), a batch at a time, with
+no per-example gradient formed where a closed form exists.
+
+High self-influence marks examples the model had to bend to fit: mislabelled or ambiguous
+ones come first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradmod.data import Data, as_float
+from gradmod.hooks.hookset import attach
+from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, ModelConfig
+from gradmod.run.factories import build_data, model_factory
+
+SCORES = {"self_influence": {"params": "*", "stage": "per_sample", "transforms": ["scores"]}}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One saved state of the run: its step, its learning rate, its model weights."""
+
+    path: Path
+    step: int
+    lr: float
+    model: dict[str, Tensor]
+
+
+def run_checkpoints(run: Path) -> list[Path]:
+    """The run's checkpoints, oldest first; a ``ValueError`` naming what is missing."""
+    run = Path(run)
+    if not run.is_dir():
+        raise ValueError(f"{run} is not a folder; give the run folder a gradmod run wrote")
+    if not (run / ".gradmod" / "run.json").is_file():
+        raise ValueError(f"{run} is not a gradmod run folder (no .gradmod/run.json); give the folder a run wrote")
+    found = ckpt.checkpoints(run / "checkpoints")
+    if not found:
+        raise ValueError(
+            f"{run} has no checkpoints (checkpoints/step-*.pt); self-influence needs the run's checkpoints: "
+            "train with trainer.checkpoint_every=1 and trainer.checkpoint_keep=EPOCHS to keep one per epoch"
+        )
+    return found
+
+
+def read_checkpoint(path: Path) -> tuple[Checkpoint, dict[str, Any]]:
+    """The checkpoint's weights and learning rate, and the run's config it carries."""
+    try:
+        state = ckpt.load(path)
+    except ckpt.CheckpointError as e:
+        raise ValueError(str(e)) from None
+    groups = state["trainer"]["optimizer"]["param_groups"]
+    rates = {float(g["lr"]) for g in groups}
+    if len(rates) != 1:
+        raise ValueError(
+            f"checkpoint {path}: its optimizer's parameter groups have learning rates {sorted(rates)}; "
+            "TracIn takes one learning rate per checkpoint"
+        )
+    return Checkpoint(Path(path), int(state["step"]), rates.pop(), state["model"]), state["config"]
+
+
+def run_data(config: dict[str, Any], run: Path, data_dir: str | None = None) -> Data:
+    """The run's training data, rebuilt from its config (``data_dir``: where it lies now, else the
+    run's own); refused where it is not the dataset the run trained on (its ``summary.json``)."""
+    section = dict(config["data"])
+    cls = {"fake": FakeDataConfig, "char_text": CharTextDataConfig}.get(section.get("name"), DataConfig)
+    where = data_dir if data_dir is not None else config["data_dir"]
+    data = build_data(cls(**section), data_dir=where, seed=config["seed"])
+    summary = _summary(run)
+    trained = (summary.get("dataset"), summary.get("train_size"))
+    if trained[0] is not None and trained != (data.name, len(data.train_y)):
+        raise ValueError(
+            f"{run} trained on {trained[0]} ({trained[1]} examples) but data_dir={where!r} gives {data.name} "
+            f"({len(data.train_y)}); give --data-dir where the run's data lies"
+        )
+    if not isinstance(data.train_y, Tensor) or data.train_y.dim() != 1 or data.train_y.is_floating_point():
+        raise ValueError(
+            f"{run}: self-influence needs one class label per training example; {data.name} has other labels"
+        )
+    return data
+
+
+def run_model(config: dict[str, Any], data: Data) -> Callable[[], nn.Module]:
+    return model_factory(ModelConfig(**config["model"]), data)
+
+
+def _summary(run: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def squared_norms(
+    model: nn.Module, x: Tensor, y: Tensor, *, batch_size: int = 100, device: torch.device | None = None
+) -> Tensor:
+    """Each training example's squared gradient norm of its cross-entropy loss over every
+    parameter of ``model`` (eval mode), float64 on the host, in the order of ``y``."""
+    device = device or torch.device("cpu")
+    model.to(device).eval()
+    out = torch.zeros(len(y), dtype=torch.float64)
+    with attach(model, SCORES) as hooks:
+        stage: Any = hooks.stage("per_sample")
+        for start in range(0, len(y), batch_size):
+            index = torch.arange(start, min(start + batch_size, len(y)))
+            xb, yb = as_float(x[index].to(device)), y[index].to(device)
+            stage.see_batch(index.to(device), yb)
+            F.cross_entropy(model(xb), yb).backward()
+            hooks.after_backward()
+            model.zero_grad(set_to_none=True)
+        rows = stage.take_scores()
+    out[rows["index"]] = rows["grand"].square()
+    return out
+
+
+def self_influence(
+    build: Callable[[], nn.Module],
+    checkpoints: list[Checkpoint],
+    x: Tensor,
+    y: Tensor,
+    *,
+    batch_size: int = 100,
+    device: torch.device | None = None,
+    progress: Callable[[Checkpoint], None] | None = None,
+) -> Tensor:
+    """``sum_c lr_c |g_i(w_c)|^2`` over ``checkpoints``, for every example of (x, y)."""
+    total = torch.zeros(len(y), dtype=torch.float64)
+    for c in checkpoints:
+        if progress is not None:
+            progress(c)
+        model = build()
+        model.load_state_dict(c.model)
+        total += c.lr * squared_norms(model, x, y, batch_size=batch_size, device=device)
+    return total
+
+
+@torch.no_grad()
+def predictions(model: nn.Module, x: Tensor, *, batch_size: int = 100, device: torch.device | None = None) -> Tensor:
+    """The class ``model`` (eval mode) gives each of ``x``."""
+    device = device or torch.device("cpu")
+    model.to(device).eval()
+    parts = [model(as_float(x[i : i + batch_size].to(device))).argmax(1).cpu() for i in range(0, len(x), batch_size)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
