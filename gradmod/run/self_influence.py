@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
+from gradmod.hooks import stages
 from gradmod.hooks.hookset import attach
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, ModelConfig
 from gradmod.run.factories import build_data, model_factory
 
-SCORES = {"self_influence": {"params": "*", "stage": "per_sample", "transforms": ["scores"]}}
+SCORES = {"self_influence": {"params": "*", "transforms": ["scores"]}}  # its kind puts it where examples count
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def squared_norms(
     model.to(device).eval()
     out = torch.zeros(len(y), dtype=torch.float64)
     with attach(model, SCORES) as hooks:
-        stage: Any = hooks.stage("per_sample")
+        stage: Any = hooks.stage(stages.counting_examples())
         for start in range(0, len(y), batch_size):
             index = torch.arange(start, min(start + batch_size, len(y)))
             xb, yb = as_float(x[index].to(device)), y[index].to(device)

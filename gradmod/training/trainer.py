@@ -110,9 +110,8 @@ class Trainer:
             batch_size=settings.batch_size,
             accumulate=settings.accumulate,
         )
-        stages = getattr(hooks, "stages", None) or []  # an object of your own may have none
-        # the stage keeping per-example scores (``see_batch``): told each batch's dataset indices
-        self.scores = next((st for st in stages if getattr(st, "keeps_scores", False)), None)
+        # The stage keeping per-example scores (``see_batch``): told each batch's dataset indices.
+        self.scores = next((st for st in getattr(hooks, "stages", None) or [] if getattr(st, "keeps_scores", 0)), None)
         self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
         if getattr(hooks, "wants_step_losses", False):  # a HookSet's; an object of your own may lack it
             self.after_step = AfterStepLosses(hooks, self.net, self.tasks, self.amp)

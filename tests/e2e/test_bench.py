@@ -47,6 +47,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         | {f"sharpness.{n}" for n in bench.sharpness.names()}
         | {f"freeze.{n}" for n in bench.freeze.names()}
         | {f"orthogonalize.{n}" for n in bench.orthogonalize.names()}
+        | {f"scores.{n}" for n in bench.scores.names()}
     )
     assert set(report["results"]) == expected
     for name, r in report["results"].items():
@@ -65,6 +66,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
                 "sharpness": 1,
                 "freeze": 1,
                 "orthogonalize": 1,
+                "scores": 1,
             }[r["section"]]
         )
     targets = {
@@ -83,6 +85,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         targets |= {f"sharpness_{m}_sam_over_plain", f"sharpness_{m}_every4_over_plain"}
     targets |= {f"orthogonalize_{m}_over_muon" for m in bench.orthogonalize.MODELS}
     targets.add("freeze_resnet18_rule_over_by_hand")
+    targets |= {f"scores_{m}_over_plain" for m in bench.scores.MODELS}
     gramian = [x for x in bench.per_loss.METHODS if x not in bench.WEIGHTINGS]
     for m in bench.per_loss.MODELS:
         targets |= {f"per_loss_{m}_modules_over_plain"} | {f"per_loss_{m}_{x}_over_plain" for x in bench.WEIGHTINGS}

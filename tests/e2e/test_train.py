@@ -79,7 +79,7 @@ def test_sam_on_a_model_without_batchnorm_is_one_clear_error(compose_cfg):
 
 @pytest.mark.parametrize("hooks,model", PAIRS)
 def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hooks, model):
-    norm = ["model.norm=group"] if hooks == "dp" else []  # per-example gradients: no BatchNorm
+    norm = ["model.norm=group"] if hooks in ("dp", "scores") else []  # per-example gradients: no BatchNorm
     cfg = compose_cfg(f"+hooks={hooks}", f"model={model}", *norm)
     net = build_model(
         cfg.model.name,

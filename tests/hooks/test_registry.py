@@ -18,7 +18,7 @@ from gradmod.hooks.rules import build_targets
 
 def test_every_shipped_transform_says_its_kind():
     assert set(registry.names("group")) == {"global_norm_clip", "agc", "zclip", "freeze", "autoclip", "orthogonalize"}
-    assert registry.names("per_sample") == ["per_sample_clip"]
+    assert registry.names("per_sample") == ["per_sample_clip", "scores"]
     assert {"pcgrad", "mgda", "upgrad"} <= set(registry.names("per_loss"))
     assert {"clamp", "zero", "min_zero", "log", "scale", "sign", "norm_clip", "centralize", "noise"} <= set(
         registry.names("elementwise")
