@@ -92,7 +92,7 @@ def test_version_is_gradmods(entry):
 @pytest.mark.slow  # the help page loads torch for the transforms
 def test_help_lists_a_plugins_transforms(tmp_path):
     (tmp_path / "my_flip_plugin.py").write_text(
-        "from gradmod.hooks import register\n\n\n"
+        "from gradmod import register\n\n\n"
         "def flip(p: float = 1.0):\n"
         '    """Negate the gradient with probability p."""\n'
         "    return lambda g: -g\n\n\n"
