@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any, Callable, Mapping
 
 from gradmod.hooks import catalog, stages
@@ -100,6 +100,7 @@ def entries() -> dict[str, Entry]:
     return _ENTRIES
 
 
+@cache  # a constant table: resolved once, not at every build
 def kind_bases() -> dict[str, type]:
     """kind -> the base class whose subclasses are of that kind (``catalog.KIND_BASES``)."""
     return {kind: _resolve(where) for kind, where in catalog.KIND_BASES.items()}
@@ -296,20 +297,21 @@ def build_parsed(name: str, args: Mapping[str, Any], stage: str | None = None) -
         raise ValueError(f"transform {name!r} needs argument(s) {', '.join(missing)}")
     fn = make(**args)
     if at is None:
-        _check_product(name, e.kind, fn)
+        _check_product(name, e.kind, fn, checked=isinstance(make, type))
     return BuiltTransform(name, args, fn, at)
 
 
-def _check_product(name: str, kind: str, fn: Any) -> None:
+def _check_product(name: str, kind: str, fn: Any, checked: bool) -> None:
     """What a factory function of one's own built, checked as its kind needs: a config's
-    one-line error at attach, not a traceback at the first backward."""
+    one-line error at attach, not a traceback at the first backward. ``checked``: the factory
+    is a class, which ``register`` already put through its kind's check."""
     if kind == "elementwise" and not callable(fn):
         kinds = [f"; a {b.__name__} is kind {k!r}" for k, b in kind_bases().items() if isinstance(fn, b)]
         raise ValueError(
             f"transform {name!r}: its factory built a {type(fn).__name__}, where an elementwise transform's "
             f"builds a function grad -> Tensor | None{''.join(kinds)} (gradmod.register(..., kind=...))"
         )
-    if kind in catalog.KIND_CHECKS:
+    if kind in catalog.KIND_CHECKS and not checked:
         try:
             _resolve(catalog.KIND_CHECKS[kind])(name, type(fn))  # the checks a class factory of that kind passes
         except TypeError as err:
