@@ -41,6 +41,11 @@ class Data:
     test_x: Tensor
     test_y: Tensor | Labels
     num_classes: int = 10
+    train_index: Tensor | None = None  # each training example's index in the whole set (data.keep kept a share)
+
+    def dataset_index(self) -> Tensor:
+        """Each training example's index in the whole training set (``data.keep`` may keep a share)."""
+        return torch.arange(len(self.train_y)) if self.train_index is None else self.train_index
 
     @property
     def in_channels(self) -> int:

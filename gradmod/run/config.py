@@ -53,6 +53,36 @@ class ModelConfig:
         choice("model.norm", self.norm, NORMS)
 
 
+KEEP_WHICH = ("random", "hardest", "easiest")  # gradmod.run.keep
+KEEP_SCORES = ("grand", "el2n", "self_influence")  # scores.csv's columns, self_influence.csv's score
+
+
+@dataclass
+class KeepConfig:
+    """``data.keep``: train on a share of the training set, chosen at random or by a score file
+    (``gradmod.run.keep``; docs/guide/scores.md)."""
+
+    fraction: float = 1.0  # (0, 1]: the share of the training examples kept (1: all of them)
+    which: str = "random"  # random (seeded by seed) | hardest (the highest scores) | easiest (the lowest)
+    score: Optional[str] = None  # grand | el2n (from scores.csv) | self_influence (from self_influence.csv)
+    scores: Optional[str] = None  # the scoring run's folder, or the score file itself
+    epoch: Optional[int] = 1  # scores.csv: the epoch whose scores rank the examples | null: their mean over all epochs
+
+    def __post_init__(self):
+        if not (0 < self.fraction <= 1):
+            raise ValueError(f"data.keep.fraction={self.fraction} must be in (0, 1]: the share of examples kept")
+        choice("data.keep.which", self.which, KEEP_WHICH)
+        if self.score is not None:
+            choice("data.keep.score", self.score, KEEP_SCORES)
+        if self.which != "random" and (self.score is None or self.scores is None):
+            raise ValueError(
+                f"data.keep.which={self.which} needs data.keep.score ({' | '.join(KEEP_SCORES)}) and "
+                "data.keep.scores (the scoring run's folder or its score file); or data.keep.which=random"
+            )
+        if self.epoch is not None:
+            at_least("data.keep.epoch", self.epoch, 1)
+
+
 @dataclass
 class DataConfig:
     """A shipped dataset by ``name``, or ``_target_`` called with ``args`` returning
@@ -63,6 +93,7 @@ class DataConfig:
     fallback: bool = True  # offline: use the bundled 5,000-digit sample (with a warning)
     n_test: int = 1000  # test examples made from the bundled 5,000-digit sample's held-out digits (mnist_sample, multi_mnist, mnist falling back)
     sampling: str = "auto"  # shuffle | poisson (each example joins each step with q) | auto: poisson under DP noise
+    keep: KeepConfig = field(default_factory=KeepConfig)  # a share of the training set, by score or at random
     _target_: Optional[str] = None
     args: Dict[str, Any] = field(default_factory=dict)
 

@@ -31,6 +31,7 @@ from gradmod.optim import CombinedOptimizer
 from gradmod.optim.param_groups import plan
 from gradmod.optim.spec import build
 from gradmod.run.config import DataConfig, LossConfig, ModelConfig, SchedulerConfig
+from gradmod.run.keep import keep_share
 from gradmod.training.tasks import IGNORE_INDEX, Tasks
 
 DATA_SHAPE = "must return (train, test), each a map-style dataset of (input, label) pairs or a pair of tensors"
@@ -158,12 +159,17 @@ def _target_model(cfg: ModelConfig) -> nn.Module:
 
 
 def build_data(cfg: DataConfig, *, data_dir: str, seed: int) -> Data:
-    """The dataset on the CPU: by name (``gradmod.data.load_data``) or from ``data._target_``."""
+    """The dataset on the CPU: by name (``gradmod.data.load_data``) or from ``data._target_``, with
+    the share of its training set ``data.keep`` keeps (``gradmod.run.keep``)."""
+    return keep_share(_load_data(cfg, data_dir=data_dir, seed=seed), cfg.keep, seed)
+
+
+def _load_data(cfg: DataConfig, *, data_dir: str, seed: int) -> Data:
     if cfg._target_ is None:
         extra = {
             k: v
             for k, v in vars(cfg).items()
-            if k not in ("name", "batch_size", "fallback", "n_test", "sampling", "_target_", "args")
+            if k not in ("name", "batch_size", "fallback", "n_test", "sampling", "keep", "_target_", "args")
         }
         return load_data(cfg.name, data_dir=data_dir, seed=seed, fallback=cfg.fallback, n_test=cfg.n_test, **extra)
     made = call_target("data", cfg)

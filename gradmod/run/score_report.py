@@ -53,7 +53,8 @@ def score_run(
 
     scores = self_influence(build, checkpoints, x, y, batch_size=batch_size, device=where, progress=progress)
     order = torch.sort(scores, descending=True, stable=True).indices
-    lines = "".join(f"{i},{int(y[i])},{float(scores[i]):.10g}\n" for i in order.tolist())
+    index = data.dataset_index()  # a pruned run's examples by their index in the whole set
+    lines = "".join(f"{int(index[i])},{int(y[i])},{float(scores[i]):.10g}\n" for i in order.tolist())
     atomic.write_text(run / "self_influence.csv", "index,label,score\n" + lines)
     hardest = order[: min(top, len(order))]
     last = build()
@@ -67,7 +68,7 @@ def score_run(
         "run": str(run),
         "examples": len(y),
         "checkpoints": [c.path.name for c in checkpoints],
-        "top": [{"index": int(i), "label": int(y[i]), "prediction": p} for i, p in zip(hardest.tolist(), preds)],
+        "top": [{"index": int(index[i]), "label": int(y[i]), "prediction": p} for i, p in zip(hardest.tolist(), preds)],
         "mean_by_class": by_class,
         "files": [str(run / f) for f in FILES],
     }

@@ -27,7 +27,7 @@ from gradmod.data import Data, as_float
 from gradmod.hooks import stages
 from gradmod.hooks.hookset import attach
 from gradmod.run import checkpoint_file as ckpt
-from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, ModelConfig
+from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, KeepConfig, ModelConfig
 from gradmod.run.factories import build_data, model_factory
 
 SCORES = {"self_influence": {"params": "*", "transforms": ["scores"]}}  # its kind puts it where examples count
@@ -79,6 +79,7 @@ def run_data(config: dict[str, Any], run: Path, data_dir: str | None = None) -> 
     """The run's training data, rebuilt from its config (``data_dir``: where it lies now, else the
     run's own); refused where it is not the dataset the run trained on (its ``summary.json``)."""
     section = dict(config["data"])
+    section["keep"] = KeepConfig(**section.get("keep", {}))  # the share a pruned run trained on
     cls = {"fake": FakeDataConfig, "char_text": CharTextDataConfig}.get(section.get("name"), DataConfig)
     where = data_dir if data_dir is not None else config["data_dir"]
     data = build_data(cls(**section), data_dir=where, seed=config["seed"])

@@ -65,6 +65,8 @@ class Trainer:
     this epoch done), ``history`` (one record per finished epoch), ``last_stats``, ``settings``.
     """
 
+    dataset_index: Tensor | None = None  # fit's: positions in a kept share (data.keep) -> whole-set indices
+
     def __init__(
         self,
         model: nn.Module,
@@ -110,7 +112,7 @@ class Trainer:
             batch_size=settings.batch_size,
             accumulate=settings.accumulate,
         )
-        # The stage keeping per-example scores (``see_batch``): told each batch's dataset indices.
+        # The stage keeping per-example scores: told each batch's indices in the whole training set.
         self.scores = next((st for st in getattr(hooks, "stages", None) or [] if getattr(st, "keeps_scores", 0)), None)
         self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
         if getattr(hooks, "wants_step_losses", False):  # a HookSet's; an object of your own may lack it
@@ -125,6 +127,7 @@ class Trainer:
     def fit(self, data: Data, epochs: int) -> list[dict[str, Any]]:
         """Train until ``epochs`` epochs are done (from where a restored checkpoint left off)."""
         self.data = data
+        self.dataset_index = None if data.train_index is None else data.train_index.to(self.device)
         self._call("on_fit_start")
         first = self.epoch if self.epoch_order is not None else len(self.history) + 1  # resumed: go on
         for epoch in tqdm(range(first, epochs + 1), desc="epochs", disable=not self.settings.progress):
@@ -205,7 +208,7 @@ class Trainer:
         if len(yb) == 0:
             return  # an empty Poisson micro-batch: nothing to learn from (the step still runs)
         if index is not None:  # per-example scores are kept by dataset index
-            self.scores.see_batch(index, yb)
+            self.scores.see_batch(index if self.dataset_index is None else self.dataset_index[index], yb)
         if self.stage_sync.divides_step:  # each example's own gradient: the stage divides the step's sum
             group = 1
         if not self.stage_sync.ddp_may_reduce:  # the stages reduce what they need after backward
