@@ -27,6 +27,8 @@ from gradmod.run.config import KeepConfig
 
 log = logging.getLogger(__name__)
 
+ELSEWHERE = "scores of another dataset, or of another split of it (data=mnist_sample splits by seed)"
+
 HEADERS = {"scores.csv": "epoch,index,label,grand,el2n", "self_influence.csv": "index,label,score"}
 SOURCES = {  # score -> (the file holding it, its column there, what writes that file)
     "grand": ("scores.csv", "grand", "a run with +hooks=scores"),
@@ -102,7 +104,8 @@ def _by_example(path: Path, index: np.ndarray, label: np.ndarray, value: np.ndar
     n = len(labels)
     if index.min() < 0 or index.max() >= n or (index != np.round(index)).any():
         raise ValueError(
-            f"{path} holds indices {index.min():g} to {index.max():g} but the training set has {n} examples: scores of another dataset"
+            f"{path} holds indices {index.min():g} to {index.max():g} but the training set has {n} examples: "
+            f"{ELSEWHERE}"
         )
     at = torch.from_numpy(index.astype(np.int64))
     wrong = torch.from_numpy(label.astype(np.int64)) != labels[at]
@@ -110,7 +113,7 @@ def _by_example(path: Path, index: np.ndarray, label: np.ndarray, value: np.ndar
         i = int(wrong.nonzero()[0])
         raise ValueError(
             f"{path}: {int(wrong.sum())} of {len(at)} rows label their example otherwise than the training set "
-            f"(index {int(at[i])}: {int(label[i])} there, {int(labels[at[i]])} here): scores of another dataset"
+            f"(index {int(at[i])}: {int(label[i])} there, {int(labels[at[i]])} here): {ELSEWHERE}"
         )
     if not np.isfinite(value).all():
         raise ValueError(f"{path} holds scores that are not finite (index {int(index[~np.isfinite(value)][0])})")
