@@ -135,6 +135,11 @@ def check(cfg: Config, dp: Plan | None = None) -> Plan:
             raise ValueError(f"privacy.target_epsilon needs exactly one rule with {CLIP} to give its noise to; {found}")
     if dp.adds_noise:
         make_accountant(cfg.privacy.accountant)  # Opacus missing: one line saying what to install
+    if (dp.adds_noise or target is not None) and cfg.data.keep.which != "random":
+        raise ValueError(  # the examples kept depend on every example's data: no epsilon covers that choice
+            f"data.keep.which={cfg.data.keep.which} chooses the training examples by their scores, which the "
+            "noisy rule's epsilon does not account for; use data.keep.which=random under DP noise"
+        )
     if dp.sampling == "poisson" and t.strategy == "ddp" and not private:
         raise ValueError(
             "data.sampling=poisson under trainer.strategy=ddp needs a per_sample rule (e.g. +hooks=dp): "

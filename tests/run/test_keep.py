@@ -173,3 +173,15 @@ def test_a_pruned_run_scores_its_examples_under_their_whole_set_index(tmp_path):
     influence = _rows(tmp_path / "self_influence.csv")
     assert sorted(int(r["index"]) for r in influence) == expected
     assert all(int(r["label"]) == int(whole.train_y[int(r["index"])]) for r in influence)
+
+
+def test_a_score_chosen_share_is_refused_under_dp_noise(tmp_path):
+    pytest.importorskip("opacus", reason="the noisy rule's accountant: pip install 'gradmod[privacy]'")
+    from gradmod.app.config_store import validate
+    from gradmod.run import dp
+
+    (tmp_path / "scores.csv").write_text(HEADER)
+    chosen = [*TINY_FAKE, "+hooks=dp", "+prune=el2n", "data.keep.fraction=0.5", f"data.keep.scores={tmp_path}"]
+    with pytest.raises(ValueError, match=r"^data.keep.which=hardest chooses .* use data.keep.which=random under DP"):
+        dp.check(validate(compose_config(*chosen)))
+    dp.check(validate(compose_config(*TINY_FAKE, "+hooks=dp", "data.keep.fraction=0.5")))  # data-blind: allowed
