@@ -109,8 +109,18 @@ def key_list(node: str, indent: int = 14) -> str:
         words = [*(f.name for f in dataclasses.fields(schemas.RuleConfig))]
         words[-1] += f" ({' | '.join(stages.names())})"
     else:
-        words = [f.name for f in dataclasses.fields(KEY_NODES[node]) if not f.name.startswith("_") and f.name != "args"]
+        words = [
+            _word(f) for f in dataclasses.fields(KEY_NODES[node]) if not f.name.startswith("_") and f.name != "args"
+        ]
     return f"\n{' ' * indent}".join(textwrap.wrap(", ".join(words), WIDTH - indent, break_on_hyphens=False))
+
+
+def _word(f: dataclasses.Field) -> str:
+    """A key, or a node of keys with its own: ``keep.{fraction|which|...}``."""
+    inner = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+    if not dataclasses.is_dataclass(inner):
+        return f.name
+    return f"{f.name}.{{{'|'.join(g.name for g in dataclasses.fields(inner))}}}"
 
 
 def hook_lines(conf: Path) -> list[str]:
