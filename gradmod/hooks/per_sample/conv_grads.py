@@ -64,8 +64,8 @@ def patches(m: nn.Module, x: Tensor) -> Tensor:
 def patches_last(m: nn.Module, x: Tensor) -> Tensor:
     """``[B, groups, L, K * C_g]``: the patches with the channels innermost (taps, then channel)."""
     d, c_g = x.dim() - 2, x.shape[1] // m.groups
-    x = _windows(m, _padded(m, x).movedim(1, -1), 1)  # [B, *L, C, *K]
-    x = x.movedim(1 + d, -1)  # [B, *L, *K, C]: runs of C contiguous in the input laid out so
+    x = _windows(m, _padded(m, x).movedim(1, -1).contiguous(), 1)  # [B, *L, C, *K]
+    x = x.movedim(1 + d, -1)  # [B, *L, *K, C]: whole runs of C copied at once
     length = math.prod(x.shape[1 : 1 + d])
     x = x.reshape(len(x), length, -1, m.groups, c_g)
     return x.permute(0, 3, 1, 2, 4).reshape(len(x), m.groups, length, -1)
@@ -79,8 +79,8 @@ def per_example_weight(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
     """``[B, *m.weight.shape]``: example i's gradient of ``m.weight`` from its input ``a[i]``
     and output gradient ``b[i]``."""
     weight: Any = m.weight
-    if a.shape[1] // m.groups < FEW_CHANNELS:  # [B, g, O_g, L] @ [B, g, L, C_g K]
-        return (_grads(m, b) @ patches(m, a).mT).reshape(len(a), *weight.shape)
+    if a.shape[1] // m.groups < FEW_CHANNELS:  # ([B, g, C_g K, L] @ [B, g, L, O_g])^T: the faster order
+        return (patches(m, a) @ _grads(m, b).mT).mT.reshape(len(a), *weight.shape)
     bsz, padding = a.shape[0], m.padding
     if m.padding_mode != "zeros" or isinstance(padding, str):  # "same" may pad unevenly: pad, then none
         a, padding = _padded(m, a), [0] * (a.dim() - 2)
