@@ -105,10 +105,13 @@ class Probed:
             else:
                 self._add(p, dots[n], norms2[n].sqrt().sum())
 
-    def full(self, p: Tensor, rows2: Tensor) -> None:
-        """The squared norms ``rows2`` of per-example gradients of ``p`` the stage formed."""
+    def full(self, p: Tensor, rows2: Tensor, g: Tensor | None = None) -> None:
+        """The squared norms ``rows2`` of per-example gradients of ``p`` the stage formed; ``g``:
+        those gradients, where no clipped sum reads them (a rule that keeps or logs norms only)."""
         spread = rows2.sqrt().sum()
         self.spread[id(p)] = spread if id(p) not in self.spread else self.spread[id(p)] + spread
+        if g is not None:
+            self.summed(p, g)
 
     def summed(self, p: Tensor, g: Tensor) -> None:
         """Their sum over the examples (one pass, beside the clipped sum: not a second read)."""
