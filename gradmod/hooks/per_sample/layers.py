@@ -190,7 +190,10 @@ class LayerNormForm(Form):
 class GroupNormForm(Form):
     def per_example(self, m, a, b, names):
         xhat = F.group_norm(a, m.num_groups, eps=m.eps)
-        return _affine(b, xhat, tuple(range(2, b.dim())), names)  # channels are dim 1
+        out = _affine(b, xhat, tuple(range(2, b.dim())), names - {"weight"})  # channels are dim 1
+        if "weight" in names:  # sum_s b * xhat as one batched product: no [B, C, *S] temporary
+            out["weight"] = torch.einsum("bcs,bcs->bc", b.reshape(*b.shape[:2], -1), xhat.reshape(*b.shape[:2], -1))
+        return out
 
 
 class ScaleNormForm(Form):
