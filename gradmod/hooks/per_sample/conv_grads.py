@@ -4,7 +4,8 @@ Per-example weights: with many channels per group, torch's own weight-gradient k
 batch as the groups of one convolution (the input ``[B, C, *S]`` as ``[1, B C, *S]``, the
 output gradient as ``[1, B O, *S']``, ``B x groups`` groups; its weight gradient
 ``[B O, C / groups, *K]`` is every example's own); with few (an image's 1 or 3), where that
-kernel is slow, one batched matmul of the output gradient and the unfolded input.
+kernel is slow, one batched matmul of the output gradient and the unfolded input (while that
+stays small).
 
 Norms: example i's squared weight-gradient norm is ``sum_{t,s} (P_t . P_s)(G_t . G_s)`` over
 its output positions (its input patches P, output gradients G): Gram matrices of ``L^2 (d + p)``
@@ -27,6 +28,9 @@ from gradmod.hooks.per_sample.form import rows_norm2
 # Below this many input channels per group the grouped kernel is slower than the matmul of
 # the unfolded input (measured on a CPU: 1 and 3 channels slower, 32 and 64 faster).
 FEW_CHANNELS = 8
+# Elements of the unfolded input that matmul may form (K / stride^2 times the input: an
+# ImageNet batch's first convolution takes the grouped kernel, which unfolds nothing).
+PATCHES_MAX = 1 << 24
 
 
 def gram_pays(positions: int, d_in: int, d_out: int) -> bool:
@@ -79,7 +83,8 @@ def per_example_weight(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
     """``[B, *m.weight.shape]``: example i's gradient of ``m.weight`` from its input ``a[i]``
     and output gradient ``b[i]``."""
     weight: Any = m.weight
-    if a.shape[1] // m.groups < FEW_CHANNELS:  # ([B, g, C_g K, L] @ [B, g, L, O_g])^T: the faster order
+    unfolded = len(a) * math.prod(weight.shape[1:]) * m.groups * math.prod(b.shape[2:])
+    if a.shape[1] // m.groups < FEW_CHANNELS and unfolded <= PATCHES_MAX:  # ([B,g,C_g K,L] @ [B,g,L,O_g])^T
         return (patches(m, a) @ _grads(m, b).mT).mT.reshape(len(a), *weight.shape)
     bsz, padding = a.shape[0], m.padding
     if m.padding_mode != "zeros" or isinstance(padding, str):  # "same" may pad unevenly: pad, then none

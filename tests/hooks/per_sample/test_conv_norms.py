@@ -78,3 +78,18 @@ def test_norms_by_gram_matrices_only_where_they_cost_less(monkeypatch):
         calls.clear()
         conv_grads.weight_norms2(m, torch.randn(2, 64, size, size), torch.randn(2, 64, size, size))
         assert bool(calls) == gram, size
+
+
+def test_few_channels_unfold_their_input_only_while_it_stays_small(monkeypatch):
+    """An image's 1 or 3 channels: one matmul of the unfolded input, unless the patches would
+    exceed PATCHES_MAX elements (then the grouped kernel, which unfolds nothing)."""
+    calls = []
+    real = conv_grads.patches
+    monkeypatch.setattr(conv_grads, "patches", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(conv_grads, "PATCHES_MAX", 4 * 27 * 64)  # 4 examples, 3x3x3 taps, 8x8 positions
+    m = nn.Conv2d(3, 4, 3, padding=1)
+    for size, unfolds in ((8, True), (9, False)):
+        calls.clear()
+        a = torch.randn(4, 3, size, size)
+        got = conv_grads.per_example_weight(m, a, torch.randn(4, 4, size, size))
+        assert got.shape == (4, 4, 3, 3, 3) and bool(calls) == unfolds, size
