@@ -78,6 +78,7 @@ class Probed:
 
     def __init__(self) -> None:
         self.probes: dict[int, Probe] = {}
+        self.norms: dict[int, Tensor] = {}
         self.got: dict[int, Tensor] = {}  # id -> <g, R>
         self.ours: dict[int, Tensor] = {}  # id -> sum_i <g_i, R>
         self.spread: dict[int, Tensor] = {}  # id -> sum_i |g_i| (the rounding's scale)
@@ -86,6 +87,7 @@ class Probed:
 
     def set_up(self, params: list[Tensor]) -> None:
         self.probes = {id(p): probe_for(p, seed) for seed, p in enumerate(params)}
+        self.norms = {i: probe_norm(probe) for i, probe in self.probes.items()}  # |R|, read at every check
 
     def arrived(self, p: Tensor, g: Tensor) -> None:
         self.got[id(p)] = probe_dot(g, self.probes[id(p)])
@@ -105,10 +107,13 @@ class Probed:
             else:
                 self._add(p, dots[n], norms2[n].sqrt().sum())
 
-    def full(self, p: Tensor, rows2: Tensor) -> None:
-        """The squared norms ``rows2`` of per-example gradients of ``p`` the stage formed."""
+    def full(self, p: Tensor, rows2: Tensor, g: Tensor | None = None) -> None:
+        """The squared norms ``rows2`` of per-example gradients of ``p`` the stage formed; ``g``:
+        those gradients, where no clipped sum reads them (a rule that keeps or logs norms only)."""
         spread = rows2.sqrt().sum()
         self.spread[id(p)] = spread if id(p) not in self.spread else self.spread[id(p)] + spread
+        if g is not None:
+            self.summed(p, g)
 
     def summed(self, p: Tensor, g: Tensor) -> None:
         """Their sum over the examples (one pass, beside the clipped sum: not a second read)."""
@@ -126,7 +131,7 @@ class Probed:
         # rounding: relative to the examples' gradients (sum_i |g_i| >= |g| where nothing escaped),
         # or to the largest where this parameter's are ~0 exactly
         spreads = torch.stack([spread[i].to(theirs.dtype) for i in ids])
-        scale = torch.maximum(spreads, 1e-3 * spreads.max()) * torch.stack([probe_norm(self.probes[i]) for i in ids])
+        scale = torch.maximum(spreads, 1e-3 * spreads.max()) * torch.stack([self.norms[i] for i in ids])
         eps = max(torch.finfo(theirs.dtype).eps, grad_eps)
         flags = (mine - theirs).abs() > _tolerance(eps) * scale + 1e-30
         self.settle()

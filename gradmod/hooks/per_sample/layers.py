@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from gradmod.hooks.per_sample.attention import AttentionForm
-from gradmod.hooks.per_sample.conv_grads import per_example_weight
-from gradmod.hooks.per_sample.form import Form, broadcast_weights, rows_norm2
+from gradmod.hooks.per_sample.conv_grads import gram_pays, patches, per_example_weight, weight_norms2
+from gradmod.hooks.per_sample.form import Form, broadcast_weights
 from gradmod.hooks.per_sample.recurrent import RNNForm
 from gradmod.hooks.per_sample.replay import FuncForm
 
@@ -45,11 +45,6 @@ FEW_POSITIONS = 4
 def _seq(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """Input and output gradient as ``[B, T, features]`` (T = 1 for 2-D inputs)."""
     return a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0], -1, b.shape[-1])
-
-
-def _gram_pays(t: int, d_in: int, d_out: int) -> bool:
-    """Gram matrices (``T^2 (d_in + d_out)``) cost less than the per-example weight (``T d_in d_out``)."""
-    return t * (d_in + d_out) < d_in * d_out
 
 
 def _small(bsz: int, m: nn.Module) -> bool:
@@ -74,7 +69,7 @@ class LinearForm(Form):
         Gram matrices (on 2-D input |a_i||b_i| is cheaper); either way the clipped sum costs
         one matmul as large as the weight gradient autograd is spared (``aliases``)."""
         A, G = _seq(a, b)
-        return a.dim() > 2 and _small(len(a), m) and not _gram_pays(A.shape[1], A.shape[2], G.shape[2])
+        return a.dim() > 2 and _small(len(a), m) and not gram_pays(A.shape[1], A.shape[2], G.shape[2])
 
     def per_example(self, m, a, b, names):
         A, G = _seq(a, b)
@@ -91,7 +86,7 @@ class LinearForm(Form):
         if "weight" in names:
             if A.shape[1] == 1:  # |b_i a_i^T| = |a_i| |b_i|
                 out["weight"] = A.square().sum((1, 2)) * G.square().sum((1, 2))
-            elif _gram_pays(A.shape[1], A.shape[2], G.shape[2]):
+            elif gram_pays(A.shape[1], A.shape[2], G.shape[2]):
                 out["weight"] = (torch.bmm(A, A.mT) * torch.bmm(G, G.mT)).sum((1, 2))
             else:
                 out["weight"] = torch.bmm(G.mT, A).square().sum((1, 2))
@@ -114,24 +109,6 @@ class ConvForm(Form):
     gradient as ``[B, groups, O_g, L]``; the weight gradient of example i is their product."""
 
     detaches = True
-
-    @staticmethod
-    def _patches(m: nn.Module, x: Tensor) -> Tensor:
-        """``[B, groups, C_g * K, L]``: ``Tensor.unfold`` per spatial dimension (faster
-        than im2col on a CPU, and any dimension and padding mode)."""
-        bsz = x.shape[0]
-        d = x.dim() - 2
-        pad = m._reversed_padding_repeated_twice
-        if any(pad):
-            x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
-        for i in range(d):  # each spatial dim -> (windows, kernel taps), taps appended last
-            k, s, dil = m.kernel_size[i], m.stride[i], m.dilation[i]
-            x = x.unfold(2 + i, dil * (k - 1) + 1, s)
-            if dil > 1:
-                x = x[..., ::dil]
-        length = math.prod(x.shape[2 : 2 + d])
-        x = x.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d)).reshape(bsz, m.groups, -1, length)
-        return x
 
     @staticmethod
     def _grads(m: nn.Module, b: Tensor) -> Tensor:
@@ -157,11 +134,7 @@ class ConvForm(Form):
         out = {}
         G = self._grads(m, b)
         if "weight" in names:
-            P = self._patches(m, a)
-            if _gram_pays(P.shape[3], P.shape[2], G.shape[2]):
-                out["weight"] = (P.mT @ P * (G.mT @ G)).sum((1, 2, 3))
-            else:
-                out["weight"] = rows_norm2(per_example_weight(m, a, b))
+            out["weight"] = weight_norms2(m, a, b)
         if "bias" in names:
             out["bias"] = G.sum(3).square().sum((1, 2))
         return out
@@ -171,7 +144,7 @@ class ConvForm(Form):
         bw = b * broadcast_weights(w, b)
         if "weight" in names:
             if math.prod(b.shape[2:]) <= FEW_POSITIONS:  # patches as small as the input: one matmul
-                G, P = self._grads(m, bw), self._patches(m, a)
+                G, P = self._grads(m, bw), patches(m, a)
                 # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
                 out["weight"] = torch.einsum("bgol,bgkl->gok", G, P).reshape(m.weight.shape)
             else:  # torch's own weight-gradient kernel, on the weighted output gradient
@@ -217,7 +190,10 @@ class LayerNormForm(Form):
 class GroupNormForm(Form):
     def per_example(self, m, a, b, names):
         xhat = F.group_norm(a, m.num_groups, eps=m.eps)
-        return _affine(b, xhat, tuple(range(2, b.dim())), names)  # channels are dim 1
+        out = _affine(b, xhat, tuple(range(2, b.dim())), names - {"weight"})  # channels are dim 1
+        if "weight" in names:  # sum_s b * xhat as one batched product: no [B, C, *S] temporary
+            out["weight"] = torch.einsum("bcs,bcs->bc", b.reshape(*b.shape[:2], -1), xhat.reshape(*b.shape[:2], -1))
+        return out
 
 
 class ScaleNormForm(Form):

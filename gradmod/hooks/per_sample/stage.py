@@ -301,7 +301,7 @@ class PerSampleStage(KeepsScores, Stage):
             rows2 = rows_norm2(g, norms2_dtype)
             norms2[self._rule_of[id(p)].name] += rows2
             if not self._verify:
-                self._probed.full(p, rows2)
+                self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else g)  # (else summed when clipped)
         return ghost, summed.sums
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:

@@ -111,6 +111,29 @@ def test_scores_beside_clipping_keep_the_unclipped_norms():
     torch.testing.assert_close(hooks.stage("per_sample").take_scores()["grand"], expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("layer", ["conv2", "l1"], ids=["per_example_weights", "closed_form_norm"])
+def test_a_use_outside_the_followed_calls_from_a_later_step_is_refused(layer):
+    """After the first backward every one is checked along the probe directions, the layers whose
+    per-example weights are formed (the MNIST CNN's convolutions) too: GraNd is never silently short."""
+    torch.manual_seed(0)
+    model = MnistCNN()
+    hooks = attach(model, SCORES)
+    for step in range(3):
+        x, y = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
+        hooks.stage("per_sample").see_batch(torch.arange(6), y)
+        loss = F.cross_entropy(model(x), y)
+        if step == 2:  # the weight in the loss too, outside every module call
+            loss = loss + getattr(model, layer).weight.square().sum()
+        if step < 2:
+            loss.backward()
+            hooks.after_backward()
+            continue
+        with pytest.raises(ValueError, match=f"'{layer}.weight' got part of its gradient outside"):
+            loss.backward()
+            hooks.after_backward()
+    hooks.remove()
+
+
 def test_a_backward_without_the_batch_indices_is_one_line():
     model = MnistCNN()
     hooks = attach(model, SCORES)
