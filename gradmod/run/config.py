@@ -66,7 +66,7 @@ class KeepConfig:
     which: str = "random"  # random (seeded by seed) | hardest (the highest scores) | easiest (the lowest)
     score: Optional[str] = None  # grand | el2n (from scores.csv) | self_influence (from self_influence.csv)
     scores: Optional[str] = None  # the scoring run's folder, or the score file itself
-    epoch: Optional[int] = 1  # scores.csv: the epoch whose scores rank the examples | null: their mean over all epochs
+    epoch: Optional[int] = None  # scores.csv: the epoch whose scores rank the examples | null: the file's last
 
     def __post_init__(self):
         if not (0 < self.fraction <= 1):

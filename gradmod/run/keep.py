@@ -1,8 +1,8 @@
 """``data.keep``: train on a share of the training set, chosen at random or by a score.
 
 Scores rank the examples (Paul et al. 2021, "Deep Learning on a Data Diet"; Pruthi et al. 2020):
-GraNd and EL2N from a run with ``+hooks=scores`` (its ``scores.csv``, one epoch's rows or the
-mean over all of them), TracIn self-influence from ``gradmod scores RUN`` (``self_influence.csv``).
+GraNd and EL2N from a run with ``+hooks=scores`` (one epoch's rows of its ``scores.csv``, the
+last by default), TracIn self-influence from ``gradmod scores RUN`` (``self_influence.csv``).
 ``hardest`` keeps the highest scores, ``easiest`` the lowest, ``random`` a subset drawn with the
 run's seed. The kept examples stay in dataset order and remember their index in the whole set
 (``Data.train_index``), so a pruned run's own scores name the same examples.
@@ -90,8 +90,9 @@ def read_scores(cfg: KeepConfig, labels: object) -> Tensor:
     if len(table) == 0:
         raise ValueError(f"{path} holds no scores (its header alone)")
     columns = {c: table[:, i] for i, c in enumerate(header.split(","))}
-    if name == "scores.csv" and cfg.epoch is not None:
-        rows = columns["epoch"] == cfg.epoch
+    if name == "scores.csv":  # one epoch's rows: the weights move during an epoch, so epochs are not mixed
+        epoch = columns["epoch"].max() if cfg.epoch is None else cfg.epoch
+        rows = columns["epoch"] == epoch
         if not rows.any():
             epochs = sorted({int(e) for e in columns["epoch"]})
             raise ValueError(f"{path} has no rows of epoch {cfg.epoch} (data.keep.epoch); its epochs: {epochs}")
@@ -100,7 +101,8 @@ def read_scores(cfg: KeepConfig, labels: object) -> Tensor:
 
 
 def _by_example(path: Path, index: np.ndarray, label: np.ndarray, value: np.ndarray, labels: Tensor) -> Tensor:
-    """The mean of each example's rows, checked against the training set's labels."""
+    """The mean of each example's rows (Poisson sampling may draw one twice in an epoch), checked
+    against the training set's labels."""
     n = len(labels)
     if index.min() < 0 or index.max() >= n or (index != np.round(index)).any():
         raise ValueError(

@@ -69,9 +69,11 @@ def test_a_scores_csv_keeps_the_hardest_or_easiest_of_an_epoch(tmp_path, score, 
     order = np.argsort(-values if which == "hardest" else values, kind="stable")
     expected = sorted(order[:12].tolist())
     assert _kept(data, fraction=0.3, which=which, score=score, scores=str(tmp_path), epoch=2) == expected
-    mean = (table[1][0] + table[2][0]) / 2  # epoch null: each example's mean over the epochs
-    expected = sorted(np.argsort(-mean, kind="stable")[:12].tolist())
-    assert _kept(data, fraction=0.3, which="hardest", score="grand", scores=str(tmp_path), epoch=None) == expected
+    first = sorted(np.argsort(-table[1][0], kind="stable")[:12].tolist())
+    assert _kept(data, fraction=0.3, which="hardest", score="grand", scores=str(tmp_path), epoch=1) == first
+    last = sorted(np.argsort(-table[2][0], kind="stable")[:12].tolist())  # epoch null: the file's last
+    assert _kept(data, fraction=0.3, which="hardest", score="grand", scores=str(tmp_path)) == last
+    assert first != last
 
 
 def test_self_influence_csv_by_folder_or_file(tmp_path):
@@ -105,6 +107,9 @@ def test_bad_score_files_are_one_line_each(tmp_path):
     )
     assert "scores 3 of the 4 training examples" in _refusal(tmp_path, HEADER + rows.replace("1,3,3,1.0,0.3\n", ""))
     assert "no rows of epoch 3 (data.keep.epoch); its epochs: [1]" in _refusal(tmp_path, HEADER + rows, epoch=3)
+    twice = HEADER + rows + "1,2,2,1.0,9.0\n"  # an example drawn twice in an epoch (Poisson): its mean
+    (tmp_path / "scores.csv").write_text(twice)
+    assert _kept(_data(4), fraction=0.25, which="hardest", score="el2n", scores=str(tmp_path)) == [2]
     assert "holds no scores (its header alone)" in _refusal(tmp_path, HEADER)
     assert "is not scores.csv's table of numbers" in _refusal(tmp_path, HEADER + "1,0,0,x,1\n")
     assert "not finite" in _refusal(tmp_path, HEADER + rows.replace("0.2", "nan"))
