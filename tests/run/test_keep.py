@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, TINY_FAKE, compose_config
+from helpers import TINY_FAKE, compose_config, run_train
 
 from gradmod.data import Data
 from gradmod.run.config import FakeDataConfig, KeepConfig
@@ -137,17 +134,8 @@ def test_bad_keep_settings_are_one_line(keep, says):
 
 def test_the_command_line_refuses_a_score_file_of_another_dataset(tmp_path):
     (tmp_path / "scores.csv").write_text(HEADER + "1,0,3,1.0,0.5\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={out}", *TINY_FAKE, "+prune=el2n"]
-        + ["data.keep.fraction=0.5", f"data.keep.scores={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    keep = ["+prune=el2n", "data.keep.fraction=0.5", f"data.keep.scores={tmp_path}"]
+    proc = run_train(tmp_path / "run", *TINY_FAKE, *keep, check=False)
     assert proc.returncode == 2, proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "label their example otherwise than the training set" in errors[0], proc.stderr
