@@ -67,6 +67,7 @@ class KeepConfig:
     score: Optional[str] = None  # grand | el2n (from scores.csv) | self_influence (from self_influence.csv)
     scores: Optional[str] = None  # the scoring run's folder, or the score file itself
     epoch: Optional[int] = None  # scores.csv: the epoch whose scores rank the examples | null: the file's last
+    per_class: bool = False  # true: the share taken within each class (round(fraction x its count)), by the same order
 
     def __post_init__(self):
         if not (0 < self.fraction <= 1):

@@ -4,7 +4,7 @@ Scores rank the examples (Paul et al. 2021, "Deep Learning on a Data Diet"; Prut
 GraNd and EL2N from a run with ``+hooks=scores`` (one epoch's rows of its ``scores.csv``, the
 last by default), TracIn self-influence from ``gradmod scores RUN`` (``self_influence.csv``).
 ``hardest`` keeps the highest scores, ``easiest`` the lowest, ``random`` a subset drawn with the
-run's seed. The kept examples stay in dataset order and remember their index in the whole set
+run's seed; over the whole set, or within each class (``per_class``). The kept examples stay in dataset order and remember their index in the whole set
 (``Data.train_index``), so a pruned run's own scores name the same examples.
 
 A score file must be the training set's: every example scored once or more, each row's label
@@ -49,11 +49,25 @@ def keep_share(data: Data, cfg: KeepConfig, seed: int) -> Data:
         scores = read_scores(cfg, data.train_y)
         order = torch.sort(scores, descending=cfg.which == "hardest", stable=True).indices
         how = f"the {cfg.which} by {cfg.score} of {cfg.scores}"
-    count = max(1, round(cfg.fraction * n))
-    chosen = order[:count].sort().values  # dataset order: the batches' draw stays the seed's alone
-    log.info("data.keep: %d of %d training examples, %s", count, n, how)
+    kept = _per_class(order, data.train_y, cfg.fraction) if cfg.per_class else _first(order, cfg.fraction)
+    chosen = kept.sort().values  # dataset order: the batches' draw stays the seed's alone
+    how += ", per class" if cfg.per_class else ""
+    log.info("data.keep: %d of %d training examples, %s", len(chosen), n, how)
     index = chosen if data.train_index is None else data.train_index[chosen]
     return replace(data, train_x=data.train_x[chosen], train_y=data.train_y[chosen], train_index=index)
+
+
+def _first(order: Tensor, fraction: float) -> Tensor:
+    """The first ``fraction`` of ``order``, at least one."""
+    return order[: max(1, round(fraction * len(order)))]
+
+
+def _per_class(order: Tensor, labels: object, fraction: float) -> Tensor:
+    """The first ``fraction`` of each class's examples in ``order``."""
+    if not isinstance(labels, Tensor) or labels.dim() != 1 or labels.is_floating_point():
+        raise ValueError("data.keep.per_class=true needs one class label per training example")
+    ranked = labels[order]
+    return torch.cat([_first(order[ranked == c], fraction) for c in torch.unique(labels).tolist()])
 
 
 def score_file(cfg: KeepConfig) -> Path:

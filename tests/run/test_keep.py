@@ -73,6 +73,30 @@ def test_a_scores_csv_keeps_the_hardest_or_easiest_of_an_epoch(tmp_path, score, 
     assert first != last
 
 
+@pytest.mark.parametrize("which", ["random", "hardest"])
+def test_per_class_keeps_each_class_its_share_by_the_same_order(tmp_path, which):
+    sizes = [20, 12, 8, 16, 4]  # examples of classes 0..4
+    labels = torch.repeat_interleave(torch.arange(5), torch.tensor(sizes))[
+        torch.randperm(60, generator=torch.Generator().manual_seed(2))
+    ]
+    data = Data("toy", _data(60).train_x, labels, labels[:5], labels[:5])
+    table = _scores_csv(tmp_path, data, epochs=(1,))
+    scored = {"which": which, "score": "el2n", "scores": str(tmp_path)} if which == "hardest" else {"which": which}
+    kept = _kept(data, fraction=0.25, per_class=True, **scored)
+    counts = torch.bincount(data.train_y[kept], minlength=5).tolist()
+    assert counts == [5, 3, 2, 4, 1]  # a quarter of each class
+    if which == "hardest":
+        el2n = table[1][1]
+        for c in range(5):
+            members = np.flatnonzero(data.train_y.numpy() == c)
+            top = members[np.argsort(-el2n[members], kind="stable")][: counts[c]]
+            assert sorted(top.tolist()) == [i for i in kept if data.train_y[i] == c]
+    whole = _kept(data, fraction=0.25, **scored)
+    assert len(whole) == 15 and (
+        which == "random" or torch.bincount(data.train_y[whole], minlength=5).tolist() != counts
+    )
+
+
 def test_self_influence_csv_by_folder_or_file(tmp_path):
     data = _data()
     rng = np.random.default_rng(1)
