@@ -243,9 +243,8 @@ def _own(run: Run) -> Path:
 def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: Parts) -> None:
     """The callbacks that write files or watch the run, after the restored ones, in their
     declared order; what they open closes with ``stack``."""
-    logger = make_logger(
-        dataclasses.asdict(run.cfg.logger), folder, config=dataclasses.asdict(run.cfg), run=run.claim.run_id
-    )
+    chosen = dataclasses.asdict(run.cfg.logger) if run.dist.is_main else None  # the other ranks: csv, thrown away
+    logger = make_logger(chosen, folder, config=dataclasses.asdict(run.cfg), run=run.claim.run_id)
     stack.push(_closing(logger.close))
     logger.log_plan(run.plan, run.hooks.format_plan())
     files = RunFiles(folder, logger)

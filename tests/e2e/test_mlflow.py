@@ -135,3 +135,18 @@ def test_a_sweep_is_a_parent_run_with_its_jobs_as_children(tmp_path, server):
     assert sorted(r.data.params["seed"] for r in children) == ["1", "2"]
     assert all(r.info.status == "FINISHED" and r.data.tags["gradmod_status"] == "ok" for r in children)
     assert {"sweep.md", "sweep.csv"} <= {a.path for a in client.list_artifacts(parents[0].info.run_id)}
+
+
+def test_ranks_under_torchrun_log_one_run(tmp_path, server):
+    """2 gloo ranks with logger=mlflow: rank 0's run alone (the others' records are thrown away)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port())]
+    cmd += [str(ROOT / "train.py"), "trainer.strategy=ddp", f"hydra.run.dir={run_dir}", *TINY_FAKE]
+    cmd += ["trainer.epochs=1", "logger=mlflow", f"logger.tracking_uri={server}", "logger.experiment=ranks"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    client = MlflowClient(server)
+    runs = client.search_runs([client.get_experiment_by_name("ranks").experiment_id])
+    assert [r.info.run_id for r in runs] == [_run_of(run_dir, client).info.run_id]
+    assert runs[0].data.tags["gradmod_status"] == "ok"
