@@ -18,7 +18,7 @@ def test_the_prune_sweep_keeps_each_scores_hardest_and_reports(tmp_path):
     from gradmod.run.score_report import score_run
 
     scoring = tmp_path / "scoring"
-    run_train(scoring, *SAMPLE, "+hooks=scores", "trainer.epochs=1", "seed=0")  # the split is seeded
+    run_train(scoring, *SAMPLE, "+hooks=scores", "trainer.epochs=2", "seed=0")  # the split is seeded
     score_run(scoring, batch_size=200, top=4, device="cpu")
     sweep = tmp_path / "sweep"
     run_train(
@@ -40,8 +40,8 @@ def test_the_prune_sweep_keeps_each_scores_hardest_and_reports(tmp_path):
     assert sorted(jobs) == ["el2n", "grand", "random", "self_influence"]
     with open(scoring / "self_influence.csv") as f:  # highest first: the top 400 are the ones kept
         top = sorted(int(r["index"]) for r in list(csv.DictReader(f))[:400])
-    with open(scoring / "scores.csv") as f:
-        rows = list(csv.DictReader(f))
+    with open(scoring / "scores.csv") as f:  # the experiment ranks by epoch 2's GraNd and EL2N
+        rows = [r for r in csv.DictReader(f) if r["epoch"] == "2"]
     el2n = np.array([float(r["el2n"]) for r in rows])
     hardest_el2n = sorted(int(rows[i]["index"]) for i in np.argsort(-el2n, kind="stable")[:400])
     for arm, expected in (("self_influence", top), ("el2n", hardest_el2n)):
