@@ -75,7 +75,7 @@ def patches_last(m: nn.Module, x: Tensor) -> Tensor:
     return x.permute(0, 3, 1, 2, 4).reshape(len(x), m.groups, length, -1)
 
 
-def _grads(m: nn.Module, b: Tensor) -> Tensor:
+def output_grads(m: nn.Module, b: Tensor) -> Tensor:
     return b.reshape(b.shape[0], m.groups, b.shape[1] // m.groups, -1)  # [B, g, O_g, L]
 
 
@@ -85,7 +85,7 @@ def per_example_weight(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
     weight: Any = m.weight
     unfolded = len(a) * math.prod(weight.shape[1:]) * m.groups * math.prod(b.shape[2:])
     if a.shape[1] // m.groups < FEW_CHANNELS and unfolded <= PATCHES_MAX:  # ([B,g,C_g K,L] @ [B,g,L,O_g])^T
-        return (patches(m, a) @ _grads(m, b).mT).mT.reshape(len(a), *weight.shape)
+        return (patches(m, a) @ output_grads(m, b).mT).mT.reshape(len(a), *weight.shape)
     bsz, padding = a.shape[0], m.padding
     if m.padding_mode != "zeros" or isinstance(padding, str):  # "same" may pad unevenly: pad, then none
         a, padding = _padded(m, a), [0] * (a.dim() - 2)
@@ -115,5 +115,5 @@ def weight_norms2(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
 
 def gram_norms2(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
     """``[B]``: ``sum_{t,s} (P_t . P_s)(G_t . G_s)`` per example, summed over the groups."""
-    G, P = _grads(m, b), patches_last(m, a)
+    G, P = output_grads(m, b), patches_last(m, a)
     return ((P @ P.mT) * (G.mT @ G)).sum((1, 2, 3))

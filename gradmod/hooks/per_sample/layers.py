@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from gradmod.hooks.per_sample.attention import AttentionForm
-from gradmod.hooks.per_sample.conv_grads import gram_pays, patches, per_example_weight, weight_norms2
+from gradmod.hooks.per_sample.conv_grads import gram_pays, output_grads, patches, per_example_weight, weight_norms2
 from gradmod.hooks.per_sample.form import Form, broadcast_weights
 from gradmod.hooks.per_sample.recurrent import RNNForm
 from gradmod.hooks.per_sample.replay import FuncForm
@@ -110,10 +110,6 @@ class ConvForm(Form):
 
     detaches = True
 
-    @staticmethod
-    def _grads(m: nn.Module, b: Tensor) -> Tensor:
-        return b.reshape(b.shape[0], m.groups, b.shape[1] // m.groups, -1)  # [B, g, O_g, L]
-
     def materialises(self, m, a, b):
         """Where the per-example weights are small and the Gram matrices would not cost less:
         ``L^2 (C_g K + O_g)`` against ``L C_g K O_g`` plus three passes over ``[B, *param]`` (to
@@ -123,7 +119,7 @@ class ConvForm(Form):
 
     def per_example(self, m, a, b, names):
         out = {}
-        G = self._grads(m, b)
+        G = output_grads(m, b)
         if "weight" in names:
             out["weight"] = per_example_weight(m, a, b)
         if "bias" in names:
@@ -132,7 +128,7 @@ class ConvForm(Form):
 
     def norms2(self, m, a, b, names):
         out = {}
-        G = self._grads(m, b)
+        G = output_grads(m, b)
         if "weight" in names:
             out["weight"] = weight_norms2(m, a, b)
         if "bias" in names:
@@ -144,7 +140,7 @@ class ConvForm(Form):
         bw = b * broadcast_weights(w, b)
         if "weight" in names:
             if math.prod(b.shape[2:]) <= FEW_POSITIONS:  # patches as small as the input: one matmul
-                G, P = self._grads(m, bw), patches(m, a)
+                G, P = output_grads(m, bw), patches(m, a)
                 # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
                 out["weight"] = torch.einsum("bgol,bgkl->gok", G, P).reshape(m.weight.shape)
             else:  # torch's own weight-gradient kernel, on the weighted output gradient
