@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from bench_sharpness import MODELS, _model
+from bench_sharpness import MODELS, model_and_batches
 
 from gradmod.hooks import attach
 
@@ -63,17 +63,7 @@ def ratios() -> list[tuple]:
 def setup(name: str, steps: int = STEPS, batch: int | None = None, device: str = "cpu") -> Callable[[], None]:
     """Build the contender (untimed) and return its timed run of ``steps`` optimizer steps."""
     model_name, contender = name.split(".")
-    _, channels, size, default_batch = MODELS[model_name]
-    model = _model(model_name).to(device)
-    gen = torch.Generator().manual_seed(1)
-    n = batch or default_batch
-    data = [
-        (
-            torch.randn(n, channels, size, size, generator=gen).to(device),
-            torch.randint(0, 10, (n,), generator=gen).to(device),
-        )
-        for _ in range(steps)
-    ]
+    model, data = model_and_batches(model_name, steps, batch, device)
     if contender == "plain":
         step = _plain(model)
     elif contender.endswith("_gradmod"):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -61,9 +62,9 @@ def param_bytes(model_name: str) -> int:
     return sum(p.numel() * p.element_size() for p in _model(model_name).parameters())
 
 
-def setup(name: str, steps: int = STEPS, batch: int | None = None, device: str = "cpu") -> Callable[[], None]:
-    """Build the contender (untimed) and return its timed run of ``steps`` optimizer steps."""
-    model_name, contender = name.split(".")
+def model_and_batches(model_name: str, steps: int, batch: int | None, device: str) -> tuple[nn.Module, list]:
+    """The model on ``device`` and ``steps`` seeded batches of random images and labels for it
+    (the same for every contender, here and in scripts/bench_sam_peers.py)."""
     _, channels, size, default_batch = MODELS[model_name]
     model = _model(model_name).to(device)
     gen = torch.Generator().manual_seed(1)
@@ -75,6 +76,13 @@ def setup(name: str, steps: int = STEPS, batch: int | None = None, device: str =
         )
         for _ in range(steps)
     ]
+    return model, data
+
+
+def setup(name: str, steps: int = STEPS, batch: int | None = None, device: str = "cpu") -> Callable[[], None]:
+    """Build the contender (untimed) and return its timed run of ``steps`` optimizer steps."""
+    model_name, contender = name.split(".")
+    model, data = model_and_batches(model_name, steps, batch, device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if contender in ("plain", "two_passes"):
         passes = 2 if contender == "two_passes" else 1
