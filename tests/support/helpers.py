@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from torch import nn
@@ -137,3 +138,27 @@ def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_rank_then_exit, args=(fn, args), nprocs=nprocs, join=True)
+
+
+class SharedTrunk(nn.Module):
+    """A tanh trunk shared by ``k`` linear heads ``t0``, ``t1``, ...: a task's output each."""
+
+    def __init__(self, k: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(8, 3) for i in range(k)})
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return {n: h(z) for n, h in self.heads.items()}
+
+
+def trunk_losses(model, seed: int = 0, nan: str | None = None) -> dict[str, torch.Tensor]:
+    """Each head's cross-entropy on a seeded float64 batch of 5; ``nan``: that task's loss made nan."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    losses = {n: F.cross_entropy(o, torch.randint(0, 3, (5,), generator=g)) for n, o in model(x).items()}
+    if nan is not None:
+        losses[nan] = losses[nan] * float("nan")
+    return losses

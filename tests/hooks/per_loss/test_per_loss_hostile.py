@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchjd.aggregation as tja  # the reference (a test dependency, torchjd[full])
-from helpers import per_loss_method
+from helpers import SharedTrunk, per_loss_method, trunk_losses
 from torch import nn
 from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
@@ -25,28 +25,6 @@ from gradmod.testing.opcount import OpCounter
 OBJ = "tests.support.task_objects"
 CPU = ["trainer.device=cpu", "trainer.progress=false", "trainer.threads=1"]
 STATEFUL = ["famo", "dwa", "uw", "nash_mtl", "gradvac"]
-
-
-class Shared(nn.Module):
-    def __init__(self, k: int = 3):
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
-        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(8, 3) for i in range(k)})
-
-    def forward(self, x):
-        z = self.trunk(x)
-        return {n: h(z) for n, h in self.heads.items()}
-
-
-def _losses(model, seed: int = 0, nan: str | None = None) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(5, 6, generator=g, dtype=torch.float64)
-    out = model(x)
-    losses = {n: F.cross_entropy(o, torch.randint(0, 3, (5,), generator=g)) for n, o in out.items()}
-    if nan is not None:
-        losses[nan] = losses[nan] * float("nan")
-    return losses
 
 
 def _rule(name: str) -> dict:
@@ -67,10 +45,10 @@ def test_a_constant_loss_is_a_task_without_gradient(name):
     )
     grads = []
     for constant in (True, False):
-        model = Shared(3).double()
+        model = SharedTrunk(3).double()
         hooks = gradmod.attach(model, {"mtl": rule})
         hooks.stage("per_loss").generator.manual_seed(0)
-        losses = _losses(model)
+        losses = trunk_losses(model)
         losses["t2"] = torch.zeros((), dtype=torch.float64) if constant else 0.0 * losses["t2"]
         hooks.backward(losses)
         grads.append([p.grad for p in model.trunk.parameters()])
@@ -83,12 +61,12 @@ def test_a_constant_loss_is_a_task_without_gradient(name):
 def test_a_nan_in_one_task_gives_a_nan_update_and_leaves_the_state_alone(name):
     if not per_loss_method(name):
         pytest.skip(f"{name} is not registered in this build")
-    model = Shared().double()
+    model = SharedTrunk().double()
     hooks = gradmod.attach(model, _rule(name))
-    hooks.backward(_losses(model, 0))
+    hooks.backward(trunk_losses(model, 0))
     state = copy.deepcopy(hooks.state_dict())
     model.zero_grad()
-    hooks.backward(_losses(model, 1, nan="t1"))  # no solver error, no traceback
+    hooks.backward(trunk_losses(model, 1, nan="t1"))  # no solver error, no traceback
     assert torch.isnan(model.trunk[0].weight.grad).all()
     after = hooks.state_dict()["per_loss"]["methods"]
     for key, value in state["per_loss"]["methods"].items():
@@ -147,10 +125,10 @@ def test_the_task_plot_draws_what_was_logged_and_nothing_else(tmp_path):
 def test_a_changed_task_set_is_one_line_for_a_method_with_state_per_task(name):
     if not per_loss_method(name):
         pytest.skip(f"{name} is not registered in this build")
-    model = Shared().double()
+    model = SharedTrunk().double()
     hooks = gradmod.attach(model, _rule(name))
-    hooks.backward(_losses(model))
-    losses = _losses(model, 1)
+    hooks.backward(trunk_losses(model))
+    losses = trunk_losses(model, 1)
     with pytest.raises(ValueError, match=rf"hooks\.mtl: per_loss method '{name}' keeps a state per task") as e:
         hooks.backward({"t0": losses["t0"], "t2": losses["t2"], "t9": losses["t1"]})
     assert "\n" not in str(e.value)
@@ -158,10 +136,10 @@ def test_a_changed_task_set_is_one_line_for_a_method_with_state_per_task(name):
 
 def test_the_same_tasks_in_another_order_keep_their_state():
     """A method's state is by task: losses given in another order are put back in the first."""
-    ours, ref = Shared().double(), Shared().double()
+    ours, ref = SharedTrunk().double(), SharedTrunk().double()
     hooks, ref_hooks = gradmod.attach(ours, _rule("uw")), gradmod.attach(ref, _rule("uw"), replace=False)
     for step in range(3):
-        losses, ref_losses = _losses(ours, step), _losses(ref, step)
+        losses, ref_losses = trunk_losses(ours, step), trunk_losses(ref, step)
         hooks.backward(dict(reversed(list(losses.items()))))
         ref_hooks.backward(ref_losses)
     for p, q in zip(ours.parameters(), ref.parameters()):
@@ -178,12 +156,12 @@ def test_a_resumed_run_keeps_the_tasks_order_of_its_state(name):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in at:
             opt.zero_grad()
-            losses = _losses(model, step)
+            losses = trunk_losses(model, step)
             hooks.backward(dict(reversed(list(losses.items()))) if reverse else losses)
             opt.step()
             hooks.end_epoch()
 
-    straight, first, resumed = Shared().double(), Shared().double(), Shared().double()
+    straight, first, resumed = SharedTrunk().double(), SharedTrunk().double(), SharedTrunk().double()
     steps(straight, gradmod.attach(straight, _rule(name)), range(4))
     hooks = gradmod.attach(first, _rule(name))
     steps(first, hooks, range(2))
@@ -197,10 +175,10 @@ def test_a_resumed_run_keeps_the_tasks_order_of_its_state(name):
 
 
 def test_a_stateless_method_takes_a_changed_task_set():
-    model = Shared().double()
+    model = SharedTrunk().double()
     hooks = gradmod.attach(model, _rule("upgrad"))
-    hooks.backward(_losses(model))
-    losses = _losses(model, 1)
+    hooks.backward(trunk_losses(model))
+    losses = trunk_losses(model, 1)
     hooks.backward({"t0": losses["t0"], "t2": losses["t2"]})
     assert model.trunk[0].weight.grad is not None
 
@@ -214,7 +192,7 @@ def test_a_modules_rule_with_a_loss_weighting_weights_the_output_gradient(name):
     finds none), the weighted sum's own pass to the output, the same gradients."""
     if not per_loss_method(name):
         pytest.skip(f"{name} is not registered in this build")
-    model = Shared().double()
+    model = SharedTrunk().double()
     ref = copy.deepcopy(model)
     hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
     method = gradmod.hooks.per_loss.methods.build(name, {})
@@ -225,9 +203,9 @@ def test_a_modules_rule_with_a_loss_weighting_weights_the_output_gradient(name):
             if step >= 2:
                 mp.setattr(per_loss_stage, "head_edges", lambda losses, out: None)
             with OpCounter() as ops:
-                hooks.backward(_losses(model, step))
+                hooks.backward(trunk_losses(model, step))
         assert ops.by_op["aten._log_softmax_backward_data.default"] == (3 if step < 2 else 6)
-        losses = _losses(ref, step)
+        losses = trunk_losses(ref, step)
         L = torch.stack(list(losses.values()))
         w = torch.as_tensor(method.loss_weights(L.detach().clone(), torch.Generator()), dtype=L.dtype)
         trunk, heads = list(ref.trunk.parameters()), list(ref.heads.parameters())
@@ -240,7 +218,7 @@ def test_a_modules_rule_with_a_loss_weighting_weights_the_output_gradient(name):
 
 
 def test_a_modules_rule_whose_module_never_ran_is_one_line():
-    model = Shared().double()
+    model = SharedTrunk().double()
     hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": ["upgrad"]}})
     with torch.no_grad():
         model(torch.randn(2, 6, dtype=torch.float64))
@@ -258,11 +236,11 @@ def test_checkpoints_load_with_weights_only_and_resume_identically(name):
     def steps(model, hooks, opt, at):
         for step in at:
             opt.zero_grad()
-            hooks.backward(_losses(model, step))
+            hooks.backward(trunk_losses(model, step))
             opt.step()
             hooks.end_epoch()
 
-    straight, first = Shared().double(), Shared().double()
+    straight, first = SharedTrunk().double(), SharedTrunk().double()
     hooks = gradmod.attach(straight, _rule(name))
     steps(straight, hooks, torch.optim.SGD(straight.parameters(), lr=0.1), range(4))
     hooks = gradmod.attach(first, _rule(name))
@@ -273,7 +251,7 @@ def test_checkpoints_load_with_weights_only_and_resume_identically(name):
     hooks.remove()
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)  # as gradmod's checkpoint loader reads it
-    resumed = Shared().double()
+    resumed = SharedTrunk().double()
     resumed.load_state_dict(saved["model"])
     hooks = gradmod.attach(resumed, _rule(name))
     hooks.load_state_dict(saved["hooks"])
@@ -289,7 +267,7 @@ def test_hook_stage_rules_on_the_heads_see_their_plain_gradient_beside_a_loss_we
     on a head saw ``w_i`` times its gradient there (a clamp cut the wrong values, ``log``
     read a third of the norm under ``mean``). Such heads get the plain sum's own backward."""
     transform = {"name": "fixed", "weights": [0.5, 2.0, 4.0]} if method == "fixed" else method
-    model = Shared().double()
+    model = SharedTrunk().double()
     hooks = gradmod.attach(
         model,
         {
@@ -298,10 +276,10 @@ def test_hook_stage_rules_on_the_heads_see_their_plain_gradient_beside_a_loss_we
             "log": {"params": "heads.t1.weight", "transforms": ["log"]},
         },
     )
-    hooks.backward(_losses(model))
-    ref = Shared().double()
+    hooks.backward(trunk_losses(model))
+    ref = SharedTrunk().double()
     heads = list(ref.heads.parameters())
-    expected = torch.autograd.grad(sum(_losses(ref).values()), heads)
+    expected = torch.autograd.grad(sum(trunk_losses(ref).values()), heads)
     for (n, p), g in zip(model.heads.named_parameters(), expected):
         torch.testing.assert_close(p.grad, g.clamp(-0.02, 0.02) if n.startswith("t0.") else g, msg=n)
     assert hooks.read_stats()["heads.t1.weight"]["norm"] == pytest.approx(float(expected[2].norm()))  # t1.weight
@@ -327,7 +305,7 @@ def test_a_per_sample_rule_beside_a_per_loss_rule_is_one_line(method, per_sample
     with pytest.raises(
         ValueError, match=r"^hooks\.dp: a per_sample rule does not combine with per_loss rule 'mtl'"
     ) as e:
-        gradmod.attach(Shared().double(), rules)
+        gradmod.attach(SharedTrunk().double(), rules)
     assert "\n" not in str(e.value)
 
 
@@ -345,20 +323,20 @@ def test_a_hook_stage_modules_rule_beside_a_gradient_method_is_one_line(mtl):
     with pytest.raises(
         ValueError, match=r"^hooks\.watch: a hook-stage modules rule \('trunk\.2:output'\) .* rule 'mtl'"
     ) as e:
-        gradmod.attach(Shared().double(), rules)
+        gradmod.attach(SharedTrunk().double(), rules)
     assert "\n" not in str(e.value)
 
 
 def test_a_hook_stage_modules_rule_beside_a_loss_weighting_sees_the_weighted_sums_gradient_once():
     """``mean`` on the trunk, each head its own loss's: one backward, so the output's hook
     fires once and sees the gradient of the weighted sum, as in a plain backward of it."""
-    model = Shared().double()
+    model = SharedTrunk().double()
     hooks = gradmod.attach(
         model,
         {"mtl": {"params": "trunk.*", "transforms": ["mean"]}, "watch": {"modules": "trunk", "transforms": ["log"]}},
     )
-    hooks.backward(_losses(model))
-    ref = Shared().double()
+    hooks.backward(trunk_losses(model))
+    ref = SharedTrunk().double()
     g = torch.Generator().manual_seed(0)  # the draws _losses makes
     z = ref.trunk(torch.randn(5, 6, generator=g, dtype=torch.float64))
     z.retain_grad()
@@ -371,7 +349,7 @@ def test_a_hook_stage_modules_rule_beside_a_loss_weighting_sees_the_weighted_sum
 @pytest.mark.parametrize("trainer", ["Lightning", "Transformers' Trainer"])
 def test_per_loss_rules_are_refused_at_set_up_under_lightning_and_transformers(trainer):
     with pytest.raises(ValueError, match=rf"^hooks\.mtl: per_loss rules combine .* and {trainer} calls backward") as e:
-        attach_for(trainer, Shared(), _rule("upgrad"), "hook", scaled=False)
+        attach_for(trainer, SharedTrunk(), _rule("upgrad"), "hook", scaled=False)
     assert "\n" not in str(e.value)
 
 
@@ -385,7 +363,7 @@ def test_per_loss_rules_are_refused_when_lightning_sets_up(tmp_path):
     class Module(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = Shared()
+            self.net = SharedTrunk()
 
         def training_step(self, batch, i):
             x, y = batch
@@ -421,7 +399,7 @@ def test_a_compiled_model_gets_the_eager_models_gradients(rule):
     (a modules rule: the one backward, its output ending a compiled graph; compiled with the
     heads, it was no input of theirs: a TypeError, or a loss weighting that did nothing)."""
     torch._dynamo.reset()  # each case compiles afresh, whatever ran before
-    model, ref = Shared(2), Shared(2)
+    model, ref = SharedTrunk(2), SharedTrunk(2)
     hooks = gradmod.attach(model, rule)
     ref_hooks = gradmod.attach(ref, rule, replace=False)
     net = torch.compile(model)
@@ -462,7 +440,7 @@ def test_a_malformed_method_is_refused_when_registered_or_attached():
         assert "\n" not in str(e.value)
     registry.register("made_by_a_function", lambda: {"weights": None}, kind="per_loss")
     with pytest.raises(ValueError, match="per_loss method 'made_by_a_function': its factory builds a dict"):
-        gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": ["made_by_a_function"]}})
+        gradmod.attach(SharedTrunk(), {"r": {"params": "trunk.*", "transforms": ["made_by_a_function"]}})
 
 
 def test_the_own_method_page_runs_as_written():
@@ -480,11 +458,11 @@ def test_the_own_method_page_runs_as_written():
     (rules,) = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", page, re.S)]
     try:
         exec(compile(python[0], "own_method.md", "exec"), {})
-        model = Shared().double()
+        model = SharedTrunk().double()
         ref = copy.deepcopy(model)
         hooks = gradmod.attach(model, rules)
-        hooks.backward(_losses(model))
-        losses = list(_losses(ref).values())
+        hooks.backward(trunk_losses(model))
+        losses = list(trunk_losses(ref).values())
         trunk, heads = list(ref.trunk.parameters()), list(ref.heads.parameters())
         rows = [torch.cat([g.flatten() for g in torch.autograd.grad(L, trunk, retain_graph=True)]) for L in losses]
         update = sum(r / r.norm() for r in rows) / len(rows)
@@ -494,7 +472,7 @@ def test_the_own_method_page_runs_as_written():
             torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-14)
         assert "weight/t0" in hooks.read_stats()["unit_mean/unit_mean"]
         with pytest.raises(ValueError, match="per_loss method 'unit_mean': eps=0 must be > 0"):
-            gradmod.attach(Shared(), {"r": {"params": "trunk.*", "transforms": [{"name": "unit_mean", "eps": 0}]}})
+            gradmod.attach(SharedTrunk(), {"r": {"params": "trunk.*", "transforms": [{"name": "unit_mean", "eps": 0}]}})
     finally:
         registry.unregister("unit_mean")
 
@@ -531,15 +509,15 @@ def test_a_backward_that_cannot_run_batched_falls_back_to_k_passes():
             return torch.tanh(self.narrow(torch.tanh(self.wide(h))))
 
     torch.manual_seed(3)
-    model = Shared().double()
+    model = SharedTrunk().double()
     model.trunk = Trunk().double()
     ref = copy.deepcopy(model)
     hooks = gradmod.attach(model, _rule("upgrad"))
     for _ in range(2):  # the first backward traces; the second tries the batched one
         model.zero_grad()
-        hooks.backward(_losses(model))
+        hooks.backward(trunk_losses(model))
     assert hooks.stage("per_loss").batched is False
-    losses = list(_losses(ref).values())
+    losses = list(trunk_losses(ref).values())
     trunk = list(ref.trunk.parameters())
     rows = torch.stack(
         [torch.cat([g.flatten() for g in torch.autograd.grad(L, trunk, retain_graph=True)]) for L in losses]
@@ -558,21 +536,21 @@ def test_parameters_frozen_or_unfrozen_after_attach_follow_requires_grad(name):
     rule's update, a frozen parameter answered directly raised.) Reference: torchjd."""
     method = {"name": "fixed", "weights": [1.0, 2.0, 0.5]} if name == "fixed" else name
     params = "*" if name in ("famo", "fixed") else "trunk.*"
-    model = Shared().double()
+    model = SharedTrunk().double()
     model.heads.t1.requires_grad_(False)
     hooks = gradmod.attach(model, {"mtl": {"params": params, "transforms": [method]}})
-    hooks.backward(_losses(model))
+    hooks.backward(trunk_losses(model))
     model.heads.t1.requires_grad_(True)
     model.trunk[0].weight.requires_grad_(False)  # answered directly (its rows do not pay)
     model.trunk[2].weight.requires_grad_(False)  # answered from its rows
     model.zero_grad()
-    ref = Shared().double()  # (a deep copy would keep the hooks)
+    ref = SharedTrunk().double()  # (a deep copy would keep the hooks)
     for p, q in zip(model.parameters(), ref.parameters()):
         q.requires_grad_(p.requires_grad)
     hooks.stage("per_loss").generator.manual_seed(0)
-    hooks.backward(_losses(model, 1))
+    hooks.backward(trunk_losses(model, 1))
 
-    losses = list(_losses(ref, 1).values())
+    losses = list(trunk_losses(ref, 1).values())
     frozen = [ref.trunk[0].weight, ref.trunk[2].weight]
     late = list(ref.heads.t1.parameters())  # unfrozen after attach: outside the rule
     trained = [p for p in ref.parameters() if p.requires_grad]

@@ -11,11 +11,10 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torchjd.aggregation as tja  # the reference implementation (a test dependency, torchjd[full])
 import torchjd.scalarization as tjs
+from helpers import SharedTrunk, trunk_losses
 from peer_matrices import named
-from torch import nn
 from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
 
@@ -180,27 +179,6 @@ def test_pcd_active_set_meets_the_optimality_conditions():
             assert abs(w[1:] @ slack) < 1e-8
 
 
-class Shared(nn.Module):
-    def __init__(self, k: int = 3):
-        super().__init__()
-        torch.manual_seed(0)
-        self.trunk = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
-        self.heads = nn.ModuleDict({f"t{i}": nn.Linear(8, 3) for i in range(k)})
-
-    def forward(self, x):
-        z = self.trunk(x)
-        return {n: h(z) for n, h in self.heads.items()}
-
-
-def _losses(model, seed: int = 0, nan: str | None = None) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(5, 6, generator=g, dtype=torch.float64)
-    losses = {n: F.cross_entropy(o, torch.randint(0, 3, (5,), generator=g)) for n, o in model(x).items()}
-    if nan is not None:
-        losses[nan] = losses[nan] * float("nan")
-    return losses
-
-
 STEP = [
     (n, _args(a, 3), r)
     for n, a, r, rows in (getattr(case, "values", case) for case in GRAMIAN + AGGREGATORS)
@@ -215,15 +193,15 @@ SOLVER = {"fairgrad": 1e-6}
 def test_three_steps_of_the_stage_equal_torchjd(name, args, ref):
     """Three SGD steps on a shared trunk (the heads the plain sum's gradient): ``backward`` +
     ``jac_to_grad`` with torchjd's aggregator (one instance: its state carried), in float64."""
-    ours, theirs = Shared().double(), Shared().double()
+    ours, theirs = SharedTrunk().double(), SharedTrunk().double()
     hooks = gradmod.attach(ours, {"mtl": {"params": "trunk.*", "transforms": [{"name": name, **args}]}})
     agg = ref(3)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
     for step in range(3):
         for o in opts:
             o.zero_grad()
-        hooks.backward(_losses(ours, step))
-        losses = list(_losses(theirs, step).values())
+        hooks.backward(trunk_losses(ours, step))
+        losses = list(trunk_losses(theirs, step).values())
         heads = list(theirs.heads.parameters())
         for p, g in zip(heads, torch.autograd.grad(sum(losses), heads, retain_graph=True)):
             p.grad = g
@@ -239,7 +217,7 @@ def test_three_steps_of_the_stage_equal_torchjd(name, args, ref):
 def _train(spec: dict, scalarizer, steps: int = 100, draw=None):
     """``steps`` SGD steps with gradmod's loss weighting and with torchjd's scalarizer side by
     side; ``draw(gen)`` sets the scalarizer's preference from a generator seeded as the stage's."""
-    ours, theirs = Shared().double(), Shared().double()
+    ours, theirs = SharedTrunk().double(), SharedTrunk().double()
     hooks = gradmod.attach(ours, {"w": {"params": "*", "transforms": [spec]}})
     hooks.stage("per_loss").generator.manual_seed(7)
     gen = torch.Generator().manual_seed(7)
@@ -249,12 +227,12 @@ def _train(spec: dict, scalarizer, steps: int = 100, draw=None):
     )
     for step in range(steps):
         opt_a.zero_grad()
-        hooks.backward(_losses(ours, step))
+        hooks.backward(trunk_losses(ours, step))
         opt_a.step()
         opt_b.zero_grad()
         if draw is not None:
             draw(scalarizer, gen)
-        scalarizer(torch.stack(list(_losses(theirs, step).values()))).backward()
+        scalarizer(torch.stack(list(trunk_losses(theirs, step).values()))).backward()
         opt_b.step()
         if opt_s is not None:
             opt_s.step()
@@ -342,10 +320,10 @@ def test_checkpoints_load_with_weights_only_and_resume_bitwise(spec):
     def steps(model, hooks, opt, at):
         for step in at:
             opt.zero_grad()
-            hooks.backward(_losses(model, step))
+            hooks.backward(trunk_losses(model, step))
             opt.step()
 
-    straight, first = Shared().double(), Shared().double()
+    straight, first = SharedTrunk().double(), SharedTrunk().double()
     hooks = gradmod.attach(straight, _rule(spec))
     steps(straight, hooks, torch.optim.SGD(straight.parameters(), lr=0.1), range(4))
     hooks = gradmod.attach(first, _rule(spec))
@@ -355,7 +333,7 @@ def test_checkpoints_load_with_weights_only_and_resume_bitwise(spec):
     hooks.remove()
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    resumed = Shared().double()
+    resumed = SharedTrunk().double()
     resumed.load_state_dict(saved["model"])
     hooks = gradmod.attach(resumed, _rule(spec))
     hooks.load_state_dict(saved["hooks"])
@@ -384,14 +362,14 @@ NEW = [
 
 @pytest.mark.parametrize("spec", NEW, ids=str)
 def test_a_nan_in_one_task_gives_a_nan_update_and_leaves_the_state_alone(spec):
-    model = Shared().double()
+    model = SharedTrunk().double()
     hooks = gradmod.attach(
         model, _rule(spec) if spec["name"] not in ("pbi", "stch") else {"mtl": {"params": "*", "transforms": [spec]}}
     )
-    hooks.backward(_losses(model, 0))
+    hooks.backward(trunk_losses(model, 0))
     state = copy.deepcopy(hooks.state_dict())
     model.zero_grad()
-    hooks.backward(_losses(model, 1, nan="t1"))  # no solver error, no traceback
+    hooks.backward(trunk_losses(model, 1, nan="t1"))  # no solver error, no traceback
     assert torch.isnan(model.trunk[0].weight.grad).all()
     after = hooks.state_dict()["per_loss"]["methods"]
     for key, value in state["per_loss"]["methods"].items():
@@ -426,8 +404,8 @@ def test_a_nan_in_one_task_gives_a_nan_update_and_leaves_the_state_alone(spec):
     ],
 )
 def test_refusals_are_one_line(spec, words):
-    model = Shared().double()
+    model = SharedTrunk().double()
     with pytest.raises(ValueError, match=words) as e:
-        gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [spec]}}).backward(_losses(model))
+        gradmod.attach(model, {"mtl": {"params": "trunk.*", "transforms": [spec]}}).backward(trunk_losses(model))
     assert "\n" not in str(e.value)
     assert all(p.grad is None for p in model.parameters())
