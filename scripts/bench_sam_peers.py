@@ -129,13 +129,11 @@ def _peer(model, method: str) -> Callable:
             opt.update_rho_t()
 
         return gsam_step
-    if cls == "WSAM":
-        wsam = po.WSAM(model, model.parameters(), torch.optim.SGD, **kwargs, lr=LR, momentum=0.9)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(wsam.base_optimizer, T_max=10_000)
+    if cls == "WSAM":  # WSAM takes the model too
+        opt = po.WSAM(model, model.parameters(), torch.optim.SGD, **kwargs, lr=LR, momentum=0.9)
     else:
-        wsam = getattr(po, cls)(model.parameters(), torch.optim.SGD, **kwargs, lr=LR, momentum=0.9)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(wsam.base_optimizer, T_max=10_000)
-    opt = wsam
+        opt = getattr(po, cls)(model.parameters(), torch.optim.SGD, **kwargs, lr=LR, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt.base_optimizer, T_max=10_000)
 
     def step(x, y):
         def closure():

@@ -24,12 +24,12 @@ from torch import Tensor
 
 from gradmod.data import Data
 from gradmod.run.config import KeepConfig
+from gradmod.run.score_files import HEADERS, one_label_each
 
 log = logging.getLogger(__name__)
 
 ELSEWHERE = "scores of another dataset, or of another split of it (data=mnist_sample splits by seed)"
 
-HEADERS = {"scores.csv": "epoch,index,label,grand,el2n", "self_influence.csv": "index,label,score"}
 SOURCES = {  # score -> (the file holding it, its column there, what writes that file)
     "grand": ("scores.csv", "grand", "a run with +hooks=scores"),
     "el2n": ("scores.csv", "el2n", "a run with +hooks=scores"),
@@ -64,7 +64,7 @@ def _first(order: Tensor, fraction: float) -> Tensor:
 
 def _per_class(order: Tensor, labels: object, fraction: float) -> Tensor:
     """The first ``fraction`` of each class's examples in ``order``."""
-    if not isinstance(labels, Tensor) or labels.dim() != 1 or labels.is_floating_point():
+    if not one_label_each(labels):
         raise ValueError("data.keep.per_class=true needs one class label per training example")
     ranked = labels[order]
     return torch.cat([_first(order[ranked == c], fraction) for c in torch.unique(labels).tolist()])
@@ -85,7 +85,7 @@ def score_file(cfg: KeepConfig) -> Path:
 
 def read_scores(cfg: KeepConfig, labels: object) -> Tensor:
     """Each training example's score (float64, by its position in the training set)."""
-    if not isinstance(labels, Tensor) or labels.dim() != 1 or labels.is_floating_point():
+    if not one_label_each(labels):
         raise ValueError("data.keep by a score needs one class label per training example; use data.keep.which=random")
     path = score_file(cfg)
     name, column, _ = SOURCES[str(cfg.score)]

@@ -17,6 +17,7 @@ import torch
 
 from gradmod.reporting.score_plots import plot_hardest, plot_score_histogram, plot_scores_by_class
 from gradmod.run import atomic
+from gradmod.run.score_files import SELF_INFLUENCE_CSV
 from gradmod.run.self_influence import (
     predictions,
     read_checkpoint,
@@ -55,7 +56,7 @@ def score_run(
     order = torch.sort(scores, descending=True, stable=True).indices
     index = data.dataset_index()  # a pruned run's examples by their index in the whole set
     lines = "".join(f"{int(index[i])},{int(y[i])},{float(scores[i]):.10g}\n" for i in order.tolist())
-    atomic.write_text(run / "self_influence.csv", "index,label,score\n" + lines)
+    atomic.write_text(run / "self_influence.csv", SELF_INFLUENCE_CSV + "\n" + lines)
     hardest = order[: min(top, len(order))]
     last = build()
     last.load_state_dict(checkpoints[-1].model)

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from gradmod.reporting.loggers import names_file
 from gradmod.run import atomic
+from gradmod.run.score_files import SCORES_CSV
 from gradmod.training.callbacks import Callback
 
-HEADER = "epoch,index,label,grand,el2n"
+HEADER = SCORES_CSV
 
 
 def gathered(rows: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from gradmod.hooks.hookset import attach
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, KeepConfig, ModelConfig
 from gradmod.run.factories import build_data, model_factory
+from gradmod.run.score_files import one_label_each
 
 SCORES = {"self_influence": {"params": "*", "transforms": ["scores"]}}  # its kind puts it where examples count
 
@@ -90,7 +91,7 @@ def run_data(config: dict[str, Any], run: Path, data_dir: str | None = None) -> 
             f"{run} trained on {trained[0]} ({trained[1]} examples) but data_dir={where!r} gives {data.name} "
             f"({len(data.train_y)}); give --data-dir where the run's data lies"
         )
-    if not isinstance(data.train_y, Tensor) or data.train_y.dim() != 1 or data.train_y.is_floating_point():
+    if not one_label_each(data.train_y):
         raise ValueError(
             f"{run}: self-influence needs one class label per training example; {data.name} has other labels"
         )
