@@ -297,14 +297,14 @@ def build_parsed(name: str, args: Mapping[str, Any], stage: str | None = None) -
         raise ValueError(f"transform {name!r} needs argument(s) {', '.join(missing)}")
     fn = make(**args)
     if at is None:
-        _check_product(name, e.kind, fn, checked=isinstance(make, type))
+        _check_product(name, e.kind, fn, checked=isinstance(make, type) and isinstance(fn, make))
     return BuiltTransform(name, args, fn, at)
 
 
 def _check_product(name: str, kind: str, fn: Any, checked: bool) -> None:
     """What a factory function of one's own built, checked as its kind needs: a config's
     one-line error at attach, not a traceback at the first backward. ``checked``: the factory
-    is a class, which ``register`` already put through its kind's check."""
+    is a class, which ``register`` already put through its kind's check, and built one of its own."""
     if kind == "elementwise" and not callable(fn):
         kinds = [f"; a {b.__name__} is kind {k!r}" for k, b in kind_bases().items() if isinstance(fn, b)]
         raise ValueError(

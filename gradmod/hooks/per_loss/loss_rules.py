@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from gradmod.hooks.per_loss.methods import Method, check_method
+from gradmod.hooks.per_loss.methods import Method
 from gradmod.hooks.per_loss.record import TaskRecord
 
 
@@ -76,7 +76,6 @@ def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict
             continue
         step = t.steps[0]
         if t.rule not in rules:
-            check_method(step.name, step.fn)  # a factory of one's own may build anything
             if t.rows is not None and step.fn.kind != "gramian" and not hasattr(step.fn, "aggregate_batch"):
                 raise ValueError(
                     f"hooks.{t.rule}.rows: only a Gramian method or graddrop has rows; {step.name!r} is "

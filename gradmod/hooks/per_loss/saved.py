@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradmod.hooks.per_loss.entries import Layer
 from gradmod.hooks.per_loss.loss_rules import LossRule
-from gradmod.hooks.tracing import param_uses
+from gradmod.hooks.tracing import followed_forward, param_uses
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)  # held, never called
 
@@ -82,14 +82,13 @@ class Saved:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        for layer in self.layers:
-            layer.calls = []
+        self.clear()
 
     # ---- the hooks ----
 
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The first training forward is traced once, to assign the layers."""
-        if self._traced or self._tracing or not _active_forward():
+        if self._traced or self._tracing or not followed_forward():
             return
         self._tracing = True
         try:
@@ -190,9 +189,5 @@ def refuse_sparse(model: nn.Module, grad_rules: list[LossRule]) -> None:
             )
 
 
-def _active_forward() -> bool:
-    return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
-
-
 def _active(outs: list[Tensor]) -> bool:
-    return _active_forward() and any(t.requires_grad for t in outs)
+    return followed_forward() and any(t.requires_grad for t in outs)
