@@ -119,9 +119,7 @@ class FusedStage(Stage):
         params = dict(model.named_parameters())
         mine = [t for t in targets if t.stage == cls.name]
         for _, rule, step in group_steps(mine):
-            bind = getattr(step.fn, "bind", None)  # one's own group class may predate it
-            if bind is not None:
-                bind(rule, {t.name: params[t.name] for t in mine if t.rule == rule})
+            step.fn.bind(rule, {t.name: params[t.name] for t in mine if t.rule == rule})
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.targets = [t for t in targets if t.stage == self.name]

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradmod.hooks.sharpness.perturb import EPS, Ascent, Perturbation, global_norm
+from gradmod.hooks.sharpness.perturb import Ascent, Perturbation, sam_direction
 from gradmod.hooks.validators import in_range, positive
 
 
@@ -50,9 +50,7 @@ class FriendlySam(Perturbation):
             if self.sigma != 1.0:  # m = lmbda m + w g = (1 + w (sigma - 1)) m + w d
                 torch._foreach_mul_(ms, 1.0 + w * (self.sigma - 1.0))
             torch._foreach_add_(ms, gs, alpha=w)
-        scale = self.rho / (global_norm(grads) + EPS)
-        at.bend(grads)
-        return grads, scale
+        return sam_direction(self.rho, grads, at)
 
     def state_dict(self, names: Mapping[Tensor, str]) -> dict[str, Any]:
         return {"momentum": {names[p]: m for p, m in self._m.items() if p in names}}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradmod.hooks.sharpness.perturb import EPS, Ascent, Perturbation, global_norm
+from gradmod.hooks.sharpness.perturb import EPS, Ascent, Perturbation, global_norm, sam_direction
 from gradmod.hooks.validators import in_range, positive
 
 
@@ -69,9 +69,7 @@ class Gsam(Perturbation):
         return self.rho_min + (self.rho - self.rho_min) * (lr - self.lr_min) / (self.lr_max - self.lr_min)
 
     def direction(self, params: list[Tensor], grads: list[Tensor], at: Ascent) -> tuple[list[Tensor], Tensor]:
-        scale = self.rho_at(at.lr) / (global_norm(grads) + EPS)
-        at.bend(grads)
-        return grads, scale
+        return sam_direction(self.rho_at(at.lr), grads, at)
 
     def combine(self, params: list[Tensor], first: list[Tensor], second: list[Tensor], at: Ascent) -> list[Tensor]:
         """``g_s - alpha v = (1 + alpha cos ||g|| / (||g_s|| + eps)) g_s - alpha g``, in place on ``g_s``."""

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks.sharpness.gsam import dot
-from gradmod.hooks.sharpness.perturb import EPS, Ascent, Perturbation, global_norm
+from gradmod.hooks.sharpness.perturb import EPS, Ascent, Perturbation, sam_direction
 from gradmod.hooks.validators import in_range
 
 GV_EPS = 1e-8  # added to ||g_v||, as the reference does
@@ -55,9 +55,7 @@ class LookSam(Perturbation):
         return step % self.k == 0
 
     def direction(self, params: list[Tensor], grads: list[Tensor], at: Ascent) -> tuple[list[Tensor], Tensor]:
-        scale = self.rho / (global_norm(grads) + EPS)
-        at.bend(grads)
-        return grads, scale
+        return sam_direction(self.rho, grads, at)
 
     def combine(self, params: list[Tensor], first: list[Tensor], second: list[Tensor], at: Ascent) -> list[Tensor]:
         """Keep ``g_v`` per tensor (made in ``first``'s memory); the gradient is ``g_s``."""

@@ -120,6 +120,15 @@ def global_norm(tensors: list[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
 
 
+def sam_direction(rho: float | Tensor, grads: list[Tensor], at: Ascent) -> tuple[list[Tensor], Tensor]:
+    """SAM's ascent: ``grads`` (bent as ``at`` says, in place) and ``rho / (||g|| + 1e-12)``, the
+    norm taken before the bend; the move of sam and of the variants that change only its rho,
+    its combination or its gradient."""
+    scale = rho / (global_norm(grads) + EPS)
+    at.bend(grads)
+    return grads, scale
+
+
 class Sam(Perturbation):
     """SAM (Foret et al. 2021; pytorch-optimizer's SAM): ``e = rho g / (||g|| + 1e-12)`` over the
     rule's parameters."""
@@ -127,9 +136,7 @@ class Sam(Perturbation):
     name = "sam"
 
     def direction(self, params: list[Tensor], grads: list[Tensor], at: Ascent) -> tuple[list[Tensor], Tensor]:
-        scale = self.rho / (global_norm(grads) + EPS)
-        at.bend(grads)
-        return grads, scale
+        return sam_direction(self.rho, grads, at)
 
 
 class Asam(Perturbation):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks.sharpness.perturb import EPS, Ascent, Perturbation, global_norm
+from gradmod.hooks.sharpness.perturb import Ascent, Perturbation, sam_direction
 from gradmod.hooks.validators import positive
 
 
@@ -54,9 +54,7 @@ class Wsam(Perturbation):
     def direction(self, params: list[Tensor], grads: list[Tensor], at: Ascent) -> tuple[list[Tensor], Tensor]:
         if at.first:
             self._pending = {}  # a step the optimizer skipped leaves its sharpness behind
-        scale = self.rho / (global_norm(grads) + EPS)
-        at.bend(grads)
-        return grads, scale
+        return sam_direction(self.rho, grads, at)
 
     def combine(self, params: list[Tensor], first: list[Tensor], second: list[Tensor], at: Ascent) -> list[Tensor]:
         if not self.decouple:
