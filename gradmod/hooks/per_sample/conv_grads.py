@@ -86,24 +86,31 @@ def per_example_weight(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
     unfolded = len(a) * math.prod(weight.shape[1:]) * m.groups * math.prod(b.shape[2:])
     if a.shape[1] // m.groups < FEW_CHANNELS and unfolded <= PATCHES_MAX:  # ([B,g,C_g K,L] @ [B,g,L,O_g])^T
         return (patches(m, a) @ output_grads(m, b).mT).mT.reshape(len(a), *weight.shape)
-    bsz, padding = a.shape[0], m.padding
+    bsz = a.shape[0]
+    shape = (bsz * weight.shape[0], *weight.shape[1:])  # the kernel reads the weight's shape only
+    grads = weight_grad(
+        m,
+        a.reshape(1, -1, *a.shape[2:]),
+        b.reshape(1, -1, *b.shape[2:]),
+        weight=weight.new_empty(shape, dtype=b.dtype),
+        groups=bsz * m.groups,
+    )
+    return grads.reshape(bsz, *weight.shape)
+
+
+def weight_grad(m: nn.Module, a: Tensor, b: Tensor, weight: Tensor | None = None, groups: int | None = None) -> Tensor:
+    """The weight gradient of ``m``'s convolution of ``a`` given the output gradient ``b`` (summed
+    over the batch), by the kernel autograd uses; padding other than zeros applied first.
+    ``weight``, ``groups``: another convolution's (the batch as groups: each example's own)."""
+    padding: Any = m.padding
     if m.padding_mode != "zeros" or isinstance(padding, str):  # "same" may pad unevenly: pad, then none
         a, padding = _padded(m, a), [0] * (a.dim() - 2)
-    shape = (bsz * weight.shape[0], *weight.shape[1:])  # the kernel reads the weight's shape only
-    grads = torch.ops.aten.convolution_backward(
-        b.reshape(1, -1, *b.shape[2:]),
-        a.reshape(1, -1, *a.shape[2:]),
-        weight.new_empty(shape, dtype=b.dtype),
-        None,
-        m.stride,
-        padding,
-        m.dilation,
-        False,
-        [0] * (a.dim() - 2),
-        bsz * m.groups,
-        [False, True, False],
+    zeros = [0] * (a.dim() - 2)
+    weight = m.weight if weight is None else weight
+    groups = m.groups if groups is None else groups
+    return torch.ops.aten.convolution_backward(
+        b, a, weight, None, m.stride, padding, m.dilation, False, zeros, groups, [False, True, False]
     )[1]
-    return grads.reshape(bsz, *weight.shape)
 
 
 def weight_norms2(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:

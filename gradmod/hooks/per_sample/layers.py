@@ -17,7 +17,6 @@ the first forward found); a ``whole_call`` form gets every input and output grad
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,14 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from gradmod.hooks.per_sample.attention import AttentionForm
-from gradmod.hooks.per_sample.conv_grads import gram_pays, output_grads, patches, per_example_weight, weight_norms2
+from gradmod.hooks.per_sample.conv_grads import (
+    gram_pays,
+    output_grads,
+    patches,
+    per_example_weight,
+    weight_grad,
+    weight_norms2,
+)
 from gradmod.hooks.per_sample.form import Form, broadcast_weights
 from gradmod.hooks.per_sample.recurrent import RNNForm
 from gradmod.hooks.per_sample.replay import FuncForm
@@ -144,26 +150,10 @@ class ConvForm(Form):
                 # sum over examples and positions: [g, O_g, B*L] @ [g, B*L, C_g*K]
                 out["weight"] = torch.einsum("bgol,bgkl->gok", G, P).reshape(m.weight.shape)
             else:  # torch's own weight-gradient kernel, on the weighted output gradient
-                out["weight"] = _conv_weight_grad(m, a, bw)
+                out["weight"] = weight_grad(m, a, bw)
         if "bias" in names:
             out["bias"] = bw.sum((0, *range(2, b.dim())))
         return out
-
-
-def _conv_weight_grad(m: nn.Module, a: Tensor, b: Tensor) -> Tensor:
-    """The weight gradient of ``m``'s convolution of ``a`` given the output gradient ``b``
-    (summed over the batch), by the kernel autograd uses; padding other than zeros applied first."""
-    padding: Any = m.padding
-    if m.padding_mode != "zeros" or isinstance(padding, str):  # "same" may pad unevenly: pad, then none
-        a = F.pad(
-            a, m._reversed_padding_repeated_twice, mode="constant" if m.padding_mode == "zeros" else m.padding_mode
-        )
-        padding = [0] * (a.dim() - 2)
-    zeros = [0] * (a.dim() - 2)
-    mask = [False, True, False]
-    return torch.ops.aten.convolution_backward(
-        b, a, m.weight, None, m.stride, padding, m.dilation, False, zeros, m.groups, mask
-    )[1]
 
 
 def _affine(b: Tensor, xhat: Tensor, dims: tuple[int, ...], names: set[str]) -> dict[str, Tensor]:
