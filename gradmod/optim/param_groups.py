@@ -101,9 +101,11 @@ def plan(
 ) -> list[Part]:
     """The optimizers to build: the base one (the default group, then the groups of entries
     without an optimizer of their own), then one per entry with its own; each group split in
-    two where ``no_decay`` matches some of its parameters."""
+    two where ``no_decay`` matches some of its parameters. Lists from a config become the tuples
+    torch expects (``betas``), here for every optimizer."""
     params = dict(named)
     names = list(params)
+    base_kwargs = {k: _plain(v) for k, v in base_kwargs.items()}
     if not isinstance(entries, (list, tuple)):
         raise ValueError(f"optimizer.groups: {shown(entries)} must be a list of entries")
     exempt = matching("optimizer.no_decay", list(no_decay), names, "parameter", kinds) if no_decay else set()

@@ -27,7 +27,6 @@ def optimizer(model: nn.Module, spec: Mapping[str, Any]) -> Optimizer:
     base = locate(spec["_target_"], "optimizer")
     kwargs = {k: v for k, v in spec.items() if k not in SPEC_KEYS}
     kwargs.update(spec.get("args") or {})
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
     kwargs = {k: v for k, v in kwargs.items() if not (k in UNSET_IS_DEFAULT and v is None)}
     check_arguments(base, kwargs, "optimizer")
     parts = plan(

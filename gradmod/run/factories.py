@@ -111,7 +111,7 @@ def model_optimizer(cfg: Any, model: nn.Module, device: torch.device | str = "cp
         model.named_parameters(),
         param_kinds(model),
         cls,
-        {k: tuple(v) if isinstance(v, list) else v for k, v in optimizer_arguments(cfg, cls, device).items()},
+        optimizer_arguments(cfg, cls, device),
         no_decay=list(cfg.no_decay),
         entries=list(cfg.groups),
     )
