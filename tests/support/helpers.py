@@ -3,6 +3,7 @@ composed as train.py sees it, train.py run as a user would, and small reference 
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import socket
@@ -16,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from torch import nn
 
+import gradmod
 import gradmod.app.config_store  # noqa: F401  (registers the schemas the YAMLs build on)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,3 +164,18 @@ def trunk_losses(model, seed: int = 0, nan: str | None = None) -> dict[str, torc
     if nan is not None:
         losses[nan] = losses[nan] * float("nan")
     return losses
+
+
+def nan_task_spares_the_state(rules: dict, label: object) -> None:
+    """A step whose task ``t1`` has a nan loss: a nan update on the trunk, no solver error, and
+    the per_loss methods' state as the step before left it."""
+    model = SharedTrunk().double()
+    hooks = gradmod.attach(model, rules)
+    hooks.backward(trunk_losses(model, 0))
+    state = copy.deepcopy(hooks.state_dict())
+    model.zero_grad()
+    hooks.backward(trunk_losses(model, 1, nan="t1"))  # no solver error, no traceback
+    assert torch.isnan(model.trunk[0].weight.grad).all()
+    after = hooks.state_dict()["per_loss"]["methods"]
+    for key, value in state["per_loss"]["methods"].items():
+        assert repr(after[key]) == repr(value), f"{label}: the nan step changed the method's state"

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchjd.aggregation as tja  # the reference (a test dependency, torchjd[full])
-from helpers import SharedTrunk, per_loss_method, trunk_losses
+from helpers import SharedTrunk, nan_task_spares_the_state, per_loss_method, trunk_losses
 from torch import nn
 from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
@@ -61,16 +61,7 @@ def test_a_constant_loss_is_a_task_without_gradient(name):
 def test_a_nan_in_one_task_gives_a_nan_update_and_leaves_the_state_alone(name):
     if not per_loss_method(name):
         pytest.skip(f"{name} is not registered in this build")
-    model = SharedTrunk().double()
-    hooks = gradmod.attach(model, _rule(name))
-    hooks.backward(trunk_losses(model, 0))
-    state = copy.deepcopy(hooks.state_dict())
-    model.zero_grad()
-    hooks.backward(trunk_losses(model, 1, nan="t1"))  # no solver error, no traceback
-    assert torch.isnan(model.trunk[0].weight.grad).all()
-    after = hooks.state_dict()["per_loss"]["methods"]
-    for key, value in state["per_loss"]["methods"].items():
-        assert repr(after[key]) == repr(value), f"{name}: the nan step changed the method's state"
+    nan_task_spares_the_state(_rule(name), name)
 
 
 @pytest.mark.slow
