@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from gradmod.hooks.per_loss.methods import Method
+from gradmod.hooks.per_loss.methods import GramianWeighting, LossWeighting, Method
 from gradmod.hooks.per_loss.record import TaskRecord
 
 
@@ -61,10 +61,7 @@ def check_targets(targets: list) -> None:
 def several_passes(targets: list) -> tuple[Any, str] | None:
     """The first per_loss rule whose method runs one backward per task (a gradient method; a
     loss weighting runs one backward), and how, for messages."""
-    # (a malformed method, without a kind, is refused with the rules)
-    t = next(
-        (t for t in targets if t.stage == "per_loss" and getattr(t.steps[0].fn, "kind", "losses") != "losses"), None
-    )
+    t = next((t for t in targets if t.stage == "per_loss" and not isinstance(t.steps[0].fn, LossWeighting)), None)
     return None if t is None else (t, f"whose method {t.steps[0].name!r} runs one backward per task")
 
 
@@ -76,7 +73,11 @@ def per_loss_rules(targets: list, params: dict[str, nn.Parameter], modules: dict
             continue
         step = t.steps[0]
         if t.rule not in rules:
-            if t.rows is not None and step.fn.kind != "gramian" and not hasattr(step.fn, "aggregate_batch"):
+            if (
+                t.rows is not None
+                and not isinstance(step.fn, GramianWeighting)
+                and not hasattr(step.fn, "aggregate_batch")
+            ):
                 raise ValueError(
                     f"hooks.{t.rule}.rows: only a Gramian method or graddrop has rows; {step.name!r} is "
                     f"{step.fn.kind!r}"
