@@ -1,4 +1,4 @@
-"""Clipped weights out of autograd's graph where the stage forms their gradients itself.
+"""Weights out of autograd's graph where the stage forms their gradients itself.
 
 Autograd computes each layer's batch weight gradient, which the per_sample stage drops for its
 clipped sum: for a convolution about half of its backward. After the first backward (whose
@@ -9,6 +9,12 @@ would leave the graph, its input being the data or token ids, becomes a leaf of 
 weight gradient is not. A gradient that still reaches such a weight came from a use the
 stage does not follow: refused in one line (``accounts.refuse_arrivals``; a probe along one
 direction could miss a use that repeats a followed call).
+
+A weight whose rule keeps autograd's gradient (``scores``, ``log``) on a layer whose
+per-example gradients are formed anyway runs detached too, its output hung from it by
+``hang``: in the backward its gradient is the sum of those per-example gradients, delivered
+through autograd like any other (tensor hooks, DDP's reducer and accumulation see it as usual),
+and autograd's own batch weight gradient is not computed.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 
 def swap(module: nn.Module, names: dict[str, Tensor], ids: set[int]) -> tuple[dict[str, Tensor], list]:
@@ -45,10 +53,16 @@ def in_graph(output: Any) -> Any:
     return None
 
 
-def detach_during(module: nn.Module, names: dict[str, Tensor], ids: Callable[[], set[int]]) -> list:
+def detach_during(
+    module: nn.Module,
+    names: dict[str, Tensor],
+    ids: Callable[[], set[int]],
+    then: Callable[[list[Tensor]], None] | None = None,
+) -> list:
     """Hooks that run ``module``'s forward on detached aliases of those of ``names`` in ``ids()``
     (empty: none), ahead of any other forward hook (so the stage sees the output in the graph);
-    the parameters are back when the forward ends, also by an error."""
+    the parameters are back when the forward ends, also by an error. ``then``: told which
+    ran detached, to ``hang`` the output from them (else it is put back in the graph as a leaf)."""
     open_: list[list] = []
 
     def pre(m: nn.Module, args: tuple) -> None:
@@ -61,8 +75,12 @@ def detach_during(module: nn.Module, names: dict[str, Tensor], ids: Callable[[],
     def post(m: nn.Module, args: tuple, output: Any) -> Any:
         if not open_:
             return None
-        restore(open_.pop())
-        return in_graph(output)
+        swapped = open_.pop()
+        restore(swapped)
+        if then is None:
+            return in_graph(output)
+        then([p for _, _, p in swapped])
+        return None
 
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post, prepend=True, always_call=True)]
 
@@ -78,3 +96,25 @@ def detachable(layers: list) -> set[int]:
             held.setdefault(id(p), []).append(layer)
     ok = lambda x: (x.form.detaches or x.form.captures) and not x.broadcast  # noqa: E731
     return {i for i, holders in held.items() if all(ok(x) for x in holders)}
+
+
+class _Hung(torch.autograd.Function):
+    """``out`` itself (rebased, as by an in-place operation: later in-place ones stay allowed),
+    now also a function of ``params``, whose gradients are ``sums(grad)``."""
+
+    @staticmethod
+    def forward(ctx, sums, out, *params):
+        ctx.sums = sums
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return None, grad, *ctx.sums(grad)
+
+
+def hang(out: Tensor, params: list[Tensor], sums: Callable[[Tensor], list[Tensor]]) -> None:
+    """``out``, computed from detached aliases of ``params``, hung from them in place: its
+    gradient passes through, and ``sums(its gradient)`` are theirs (one per parameter)."""
+    _Hung.apply(sums, out, *params)

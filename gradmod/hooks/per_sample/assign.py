@@ -34,6 +34,7 @@ class Layer:
     broadcast: bool = False  # called without the batch (one row); its output is expanded to the batch
     rows: tuple[int, ...] | None = None  # with broadcast: which output tensors (None: the one output)
     materialised: bool | None = None  # at its last backward: per-example tensors formed (None: none yet)
+    hung: list = field(default_factory=list)  # the parameters its running call took detached (``aliases.hang``)
 
     @property
     def first_in(self) -> Any:
@@ -48,6 +49,8 @@ class Call:
     inputs: Any
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
     grads: list[Tensor | None] = field(default_factory=list)
+    formed: dict[str, Tensor] | None = None  # per-example gradients formed in the backward (hung)
+    sums: dict[str, Tensor] = field(default_factory=dict)  # their sums, autograd's gradients
 
     @classmethod
     def of(cls, layer: Layer, inputs: Any, outs: list[Tensor]) -> Call:

@@ -79,9 +79,16 @@ class PerExample:
         self.sums: dict[Tensor, Tensor] = {}
         self._own: set[Tensor] = set()
 
-    def add(self, form: Form, m: nn.Module, a: Any, b: Any, params: dict[str, Tensor]) -> None:
+    def add(
+        self, form: Form, m: nn.Module, a: Any, b: Any, params: dict[str, Tensor], formed: dict | None = None
+    ) -> None:
+        """``formed``: the call's per-example tensors, formed already (else formed here from ``a``, ``b``)."""
         into = {n: self.sums[p] for n, p in params.items() if p in self._own}
-        for n, g in form.add_per_example(m, a, b, set(params), into).items():
+        if formed is None:
+            formed = form.add_per_example(m, a, b, set(params), into)
+        else:
+            formed = {n: into[n].add_(g) if n in into else g for n, g in formed.items()}
+        for n, g in formed.items():
             p = params[n]
             merge = p in self.sums and n not in into
             self.sums[p] = self.sums[p] + g if merge else g

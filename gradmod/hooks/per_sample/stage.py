@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from gradmod.hooks import registry as R
 from gradmod.hooks.per_sample import position_bias, refusals, tied
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums, refuse_arrivals
-from gradmod.hooks.per_sample.aliases import detach_during, detachable
+from gradmod.hooks.per_sample.aliases import detach_during, detachable, hang
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
 from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
@@ -126,6 +126,8 @@ class PerSampleStage(KeepsScores, Stage):
         self.layers = layers
         self._batch_dependent = {id(p) for x in self.layers if batch_dependent(x.module) for p in x.names.values()}
         self._detached = detachable(self.layers) & self._clipped
+        shared = {id(p) for x in self.layers if x.materialise for p in x.names.values()}
+        hangs = detachable(self.layers) - self._clipped - shared  # autograd's gradient kept: the formed ones' sum
         live = self._trainable  # (its live set is replaced when training freezes or unfreezes)
         detach = lambda: set() if self._verify or not self._following() else self._detached & live.live  # noqa: E731
         for x in self.layers:  # attention records its calls inside its forward; the others may run detached
@@ -135,6 +137,8 @@ class PerSampleStage(KeepsScores, Stage):
                 self._handles += follow(x.module, x.form, x.names, self._following, done, detach)
             elif any(id(p) in self._detached for p in x.names.values()):
                 self._handles += detach_during(x.module, x.names, detach)
+            elif all(id(p) in hangs for p in x.names.values()):
+                self._handles += detach_during(x.module, x.names, self._hangs(x), then=x.hung.extend)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         with all_trainable(params.values()):  # frozen ones too, for when they train
@@ -187,15 +191,49 @@ class PerSampleStage(KeepsScores, Stage):
     def _following(self) -> bool:  # a training forward of the model, not one of the stage's own
         return not self._tracing and followed_forward()
 
-    def _follow(self, layer: Layer, inputs: Any, outs: list[Tensor]) -> None:
-        """A call of ``layer`` to clip at the end of the backward: its output gradients hooked."""
+    def _hangs(self, layer: Layer) -> Callable[[], set[int]]:
+        """Which of a layer's parameters its next call takes detached, its output hung from them:
+        after the first backward, where its last backward formed per-example gradients."""
+
+        def ids() -> set[int]:
+            if self._verify or not layer.materialised or not self._following():
+                return set()
+            return {id(p) for p in layer.names.values()} & self._trainable.live
+
+        return ids
+
+    def _summed(self, call: Call, params: list[Tensor]) -> Callable[[Tensor], list[Tensor]]:
+        """A hung call's parameters' gradients from its output gradient: the sums of their
+        per-example ones, formed here and kept for the end of the backward; the batch's alone
+        where its shapes no longer make per-example tensors the cheaper way."""
+        layer = call.layer
+        order = [next(n for n, p in layer.names.items() if p is q) for q in params]
+        dtype = params[0].dtype
+
+        def sums(grad: Tensor) -> list[Tensor]:
+            m, b = layer.module, grad.detach().to(dtype).movedim(layer.out_dims[0], 0)
+            if layer.form.materialises(m, call.inputs, b):
+                call.formed = layer.form.per_example(m, call.inputs, b, set(order))
+                got = call.sums = {n: g.sum(0) for n, g in call.formed.items()}
+            else:
+                got = layer.form.weighted(m, call.inputs, b, b.new_ones(len(b)), set(order))
+            return [got[n].to(q.dtype) for n, q in zip(order, params)]
+
+        return sums
+
+    def _follow(self, layer: Layer, inputs: Any, outs: list[Tensor], hung: list[Tensor] | None = None) -> None:
+        """A call of ``layer`` to clip at the end of the backward: its output gradients hooked;
+        ``hung``: the parameters it ran detached, whose gradients it now gives (``_summed``)."""
         self._calls.append(call := Call.of(layer, inputs, outs))
+        if hung:
+            hang(outs[0], hung, self._summed(call, hung))
         for k, t in enumerate(outs):
             if t.requires_grad:
                 t.register_hook(self._grad_hook(call, k))
 
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            hung, layer.hung[:] = list(layer.hung), []
             if not self._following() or layer.form.captures:
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient
@@ -204,7 +242,7 @@ class PerSampleStage(KeepsScores, Stage):
                 t.data if isinstance(t, PackedSequence) else t for t in pytree.tree_leaves(output, is_leaf=is_packed)
             ]
             outs = [t for t in outs if isinstance(t, Tensor)]
-            if not any(t.requires_grad for t in outs):
+            if not hung and not any(t.requires_grad for t in outs):
                 return output if layer.broadcast else None
             dtype = next(iter(layer.names.values())).dtype  # autocast: computed in the parameters' dtype
             if layer.form.whole_call:
@@ -215,7 +253,7 @@ class PerSampleStage(KeepsScores, Stage):
                 if layer.broadcast:
                     first = first.expand(self._batch, *first.shape[1:])
                 inputs = detach_input(first, dtype).movedim(layer.first_in, 0)
-            self._follow(layer, inputs, outs)
+            self._follow(layer, inputs, outs, hung)
             return output if layer.broadcast else None
 
         return hook
@@ -278,16 +316,23 @@ class PerSampleStage(KeepsScores, Stage):
         without per-example tensors (with their output gradients), and the others' summed per parameter."""
         seen = Counter(id(c.layer) for c in calls)
         ghost, summed = [], PerExample()
+        hung: dict[nn.Parameter, Tensor] = {}  # the formed gradients' sums, where every call formed them
+        unhung: set[nn.Parameter] = set()
         pairs = tied.shared(calls) & self._trainable.live  # shared weights' cross terms
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
             live = self._trainable.names(c.layer)  # frozen ones take no part
             b, form, names = c.output_grads(), c.layer.form, set(live)
             full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
-            full_ = full_ and not any(id(p) in pairs for p in live.values())
+            full_ = c.formed is not None or full_ and not any(id(p) in pairs for p in live.values())
             c.layer.materialised = full_
             if full_:
-                summed.add(form, c.layer.module, c.inputs, b, live)
+                summed.add(form, c.layer.module, c.inputs, b, live, c.formed)
+                for n, p in live.items():
+                    if n not in c.sums:
+                        unhung.add(p)
+                    else:
+                        hung[p] = c.sums[n] if p not in hung else hung[p] + c.sums[n]
             else:
                 by_name = form.norms2(c.layer.module, c.inputs, b, names)
                 for n, v in by_name.items():
@@ -300,8 +345,9 @@ class PerSampleStage(KeepsScores, Stage):
         for p, g in summed.sums.items():
             rows2 = rows_norm2(g, norms2_dtype)
             norms2[self._rule_of[id(p)].name] += rows2
-            if not self._verify:
-                self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else g)  # (else summed when clipped)
+            if not self._verify:  # (summed when clipped; the hung sums read already)
+                ours = hung[p] if p in hung and p not in unhung else g
+                self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else ours)
         return ghost, summed.sums
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
