@@ -110,7 +110,11 @@ def check_steps(model: nn.Module, inputs, hung: list[int], steps: int = 3) -> li
 
 def test_convolutions_hang_after_the_first_backward_and_stay_right(hung):
     torch.manual_seed(0)
-    assert check_steps(MnistCNN(), lambda: torch.randn(5, 1, 28, 28, dtype=torch.float64), hung) == [0, 2, 2]  # conv1 and conv2 form per-example weights; l1 and l2 take Gram norms
+    assert check_steps(MnistCNN(), lambda: torch.randn(5, 1, 28, 28, dtype=torch.float64), hung) == [
+        0,
+        2,
+        2,
+    ]  # conv1 and conv2 form per-example weights; l1 and l2 take Gram norms
 
 
 def test_an_embedding_and_linear_layers_over_sequences_hang_and_stay_right(hung):
@@ -168,7 +172,7 @@ def test_parameter_hooks_see_every_hung_gradient():
     seen, accumulated = [], []
     model.conv2.weight.register_hook(lambda g: seen.append(g.clone()))
     model.conv2.weight.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
-    for step in range(3):
+    for _ in range(3):
         x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
         hooks.stage("per_sample").see_batch(torch.arange(4), y)
         F.cross_entropy(model(x), y).backward()
