@@ -114,6 +114,25 @@ class _Hung(torch.autograd.Function):
         return None, grad, *ctx.sums(grad)
 
 
+def formed_sums(call: Any, params: list[Tensor]) -> Callable[[Tensor], list[Tensor]]:
+    """A hung call's (``assign.Call``) parameters' gradients from its output gradient: the sums of their
+    per-example ones, formed here and kept on the call for the end of the backward; the
+    batch's alone where its shapes no longer make per-example tensors the cheaper way."""
+    layer = call.layer
+    order = [next(n for n, p in layer.names.items() if p is q) for q in params]
+
+    def sums(grad: Tensor) -> list[Tensor]:
+        m, b = layer.module, grad.detach().to(params[0].dtype).movedim(layer.out_dims[0], 0)
+        if layer.form.materialises(m, call.inputs, b):
+            call.formed = layer.form.per_example(m, call.inputs, b, set(order))
+            got = call.sums = {n: g.sum(0) for n, g in call.formed.items()}
+        else:
+            got = layer.form.weighted(m, call.inputs, b, b.new_ones(len(b)), set(order))
+        return [got[n].to(q.dtype) for n, q in zip(order, params)]
+
+    return sums
+
+
 def hang(out: Tensor, params: list[Tensor], sums: Callable[[Tensor], list[Tensor]]) -> None:
     """``out``, computed from detached aliases of ``params``, hung from them in place: its
     gradient passes through, and ``sums(its gradient)`` are theirs (one per parameter)."""

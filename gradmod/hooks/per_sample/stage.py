@@ -21,14 +21,14 @@ from torch.utils import _pytree as pytree
 from gradmod.hooks import registry as R
 from gradmod.hooks.per_sample import position_bias, refusals, tied
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums, refuse_arrivals
-from gradmod.hooks.per_sample.aliases import detach_during, detachable, hang
+from gradmod.hooks.per_sample.aliases import detach_during, detachable, formed_sums, hang
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
 from gradmod.hooks.per_sample.attention import follow
 from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_options, check_rule, check_targets, per_sample_rules
 from gradmod.hooks.per_sample.scores import KeepsScores, keeper, watch_outputs
-from gradmod.hooks.per_sample.stats import PerSampleClip
+from gradmod.hooks.per_sample.stats import PerSampleClip, record, windows
 from gradmod.hooks.per_sample.trainable import Trainable, all_trainable
 from gradmod.hooks.stage import Core, Loop, Stage
 from gradmod.hooks.tracing import (
@@ -129,7 +129,8 @@ class PerSampleStage(KeepsScores, Stage):
         shared = {id(p) for x in self.layers if x.materialise for p in x.names.values()}
         hangs = detachable(self.layers) - self._clipped - shared  # autograd's gradient kept: the formed ones' sum
         live = self._trainable  # (its live set is replaced when training freezes or unfreezes)
-        detach = lambda: set() if self._verify or not self._following() else self._detached & live.live  # noqa: E731
+        ready = lambda: set() if self._verify or not self._following() else live.live  # may run detached now  # noqa: E731
+        detach = lambda: self._detached & ready()  # noqa: E731
         for x in self.layers:  # attention records its calls inside its forward; the others may run detached
             self._handles.append(x.module.register_forward_hook(self._forward_hook(x), with_kwargs=True))
             done = lambda a, o, x=x: self._follow(x, a, o)  # noqa: E731
@@ -137,8 +138,9 @@ class PerSampleStage(KeepsScores, Stage):
                 self._handles += follow(x.module, x.form, x.names, self._following, done, detach)
             elif any(id(p) in self._detached for p in x.names.values()):
                 self._handles += detach_during(x.module, x.names, detach)
-            elif all(id(p) in hangs for p in x.names.values()):
-                self._handles += detach_during(x.module, x.names, self._hangs(x), then=x.hung.extend)
+            elif all(id(p) in hangs for p in x.names.values()):  # where its last backward formed per-example ones
+                hung = lambda x=x: ready() & {id(p) for p in x.names.values()} if x.materialised else set()  # noqa: E731
+                self._handles += detach_during(x.module, x.names, hung, x.hung.extend)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         with all_trainable(params.values()):  # frozen ones too, for when they train
@@ -191,42 +193,12 @@ class PerSampleStage(KeepsScores, Stage):
     def _following(self) -> bool:  # a training forward of the model, not one of the stage's own
         return not self._tracing and followed_forward()
 
-    def _hangs(self, layer: Layer) -> Callable[[], set[int]]:
-        """Which of a layer's parameters its next call takes detached, its output hung from them:
-        after the first backward, where its last backward formed per-example gradients."""
-
-        def ids() -> set[int]:
-            if self._verify or not layer.materialised or not self._following():
-                return set()
-            return {id(p) for p in layer.names.values()} & self._trainable.live
-
-        return ids
-
-    def _summed(self, call: Call, params: list[Tensor]) -> Callable[[Tensor], list[Tensor]]:
-        """A hung call's parameters' gradients from its output gradient: the sums of their
-        per-example ones, formed here and kept for the end of the backward; the batch's alone
-        where its shapes no longer make per-example tensors the cheaper way."""
-        layer = call.layer
-        order = [next(n for n, p in layer.names.items() if p is q) for q in params]
-        dtype = params[0].dtype
-
-        def sums(grad: Tensor) -> list[Tensor]:
-            m, b = layer.module, grad.detach().to(dtype).movedim(layer.out_dims[0], 0)
-            if layer.form.materialises(m, call.inputs, b):
-                call.formed = layer.form.per_example(m, call.inputs, b, set(order))
-                got = call.sums = {n: g.sum(0) for n, g in call.formed.items()}
-            else:
-                got = layer.form.weighted(m, call.inputs, b, b.new_ones(len(b)), set(order))
-            return [got[n].to(q.dtype) for n, q in zip(order, params)]
-
-        return sums
-
     def _follow(self, layer: Layer, inputs: Any, outs: list[Tensor], hung: list[Tensor] | None = None) -> None:
-        """A call of ``layer`` to clip at the end of the backward: its output gradients hooked;
-        ``hung``: the parameters it ran detached, whose gradients it now gives (``_summed``)."""
+        """A call of ``layer`` to clip at the end of the backward: its output gradients hooked,
+        its output hung from the parameters in ``hung`` (run detached: ``aliases.hang``)."""
         self._calls.append(call := Call.of(layer, inputs, outs))
         if hung:
-            hang(outs[0], hung, self._summed(call, hung))
+            hang(outs[0], hung, formed_sums(call, hung))
         for k, t in enumerate(outs):
             if t.requires_grad:
                 t.register_hook(self._grad_hook(call, k))
@@ -316,8 +288,6 @@ class PerSampleStage(KeepsScores, Stage):
         without per-example tensors (with their output gradients), and the others' summed per parameter."""
         seen = Counter(id(c.layer) for c in calls)
         ghost, summed = [], PerExample()
-        hung: dict[nn.Parameter, Tensor] = {}  # the formed gradients' sums, where every call formed them
-        unhung: set[nn.Parameter] = set()
         pairs = tied.shared(calls) & self._trainable.live  # shared weights' cross terms
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
@@ -327,12 +297,7 @@ class PerSampleStage(KeepsScores, Stage):
             full_ = c.formed is not None or full_ and not any(id(p) in pairs for p in live.values())
             c.layer.materialised = full_
             if full_:
-                summed.add(form, c.layer.module, c.inputs, b, live, c.formed)
-                for n, p in live.items():
-                    if n not in c.sums:
-                        unhung.add(p)
-                    else:
-                        hung[p] = c.sums[n] if p not in hung else hung[p] + c.sums[n]
+                summed.add(form, c.layer.module, c.inputs, b, live, c.formed, c.sums)
             else:
                 by_name = form.norms2(c.layer.module, c.inputs, b, names)
                 for n, v in by_name.items():
@@ -345,23 +310,14 @@ class PerSampleStage(KeepsScores, Stage):
         for p, g in summed.sums.items():
             rows2 = rows_norm2(g, norms2_dtype)
             norms2[self._rule_of[id(p)].name] += rows2
-            if not self._verify:  # (summed when clipped; the hung sums read already)
-                ours = hung[p] if p in hung and p not in unhung else g
-                self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else ours)
+            if not self._verify:  # (summed when clipped; a hung one's sum is at hand)
+                self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else summed.hung.get(p, g))
         return ghost, summed.sums
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
         """The rules' statistics of this backward; ``log`` needs the mean gradient too."""
-        logged = [r.name for r in self.rules if r.log is not None]
-        logs = {name: torch.full_like(norms[name], scale / norms[name].numel()) for name in logged}
-        means = self._weighted(ghost, full, logs) if logs else {}
-        for r in self.rules:
-            if r.clip is not None:
-                r.clip.record.add_norms(norms[r.name], r.clip.max_norm)
-            if r.log is not None:
-                sq = sum(means[p].to(norms[r.name].dtype).square().sum() for p in r.params if p in means)
-                r.log.add_norms(norms[r.name], norms[r.name].new_tensor(0.0) + sq)
-            r.scores.add(norms[r.name]) if r.scores is not None else None  # GraNd, by dataset index
+        logs = {r.name: torch.full_like(norms[r.name], scale / norms[r.name].numel()) for r in self.rules if r.log}
+        record(self.rules, norms, self._weighted(ghost, full, logs) if logs else {})
 
     def _weighted(self, ghost, full, weights: dict[str, Tensor], probe: bool = False) -> dict[nn.Parameter, Tensor]:
         """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B]); ``probe``:
@@ -430,10 +386,7 @@ class PerSampleStage(KeepsScores, Stage):
         return self._plain
 
     def records(self) -> list[tuple[str, Any]]:
-        """(statistics key, window) of each rule's ``per_sample_clip`` and ``log``."""
-        clips = [(f"{r.name}/per_sample_clip", r.clip.record if r.clip else None) for r in self.rules]
-        logs = [(f"{r.name}/log", r.log) for r in self.rules]
-        return [kv for pair in zip(clips, logs) for kv in pair if kv[1] is not None]
+        return windows(self.rules)
 
     def paths(self) -> dict[str, str]:
         """Each parameter's path (``assign.path_of``); {} before the first training forward."""

@@ -108,3 +108,23 @@ class PerSampleLog(SumWindow):
 def per_sample_log(label: str | None = None) -> PerSampleLog:
     """``log`` in a per_sample rule (``label`` is accepted for symmetry; the key is ``<rule>/log``)."""
     return PerSampleLog()
+
+
+def record(rules: list, norms: dict[str, Tensor], means: dict) -> None:
+    """Each rule's statistics of one backward: its clip's norms, its log's (with ``means``, the
+    mean gradient of each logged parameter), its GraNd scores by dataset index."""
+    for r in rules:
+        if r.clip is not None:
+            r.clip.record.add_norms(norms[r.name], r.clip.max_norm)
+        if r.log is not None:
+            sq = sum(means[p].to(norms[r.name].dtype).square().sum() for p in r.params if p in means)
+            r.log.add_norms(norms[r.name], norms[r.name].new_tensor(0.0) + sq)
+        if r.scores is not None:
+            r.scores.add(norms[r.name])
+
+
+def windows(rules: list) -> list[tuple[str, Any]]:
+    """(statistics key, window) of each rule's ``per_sample_clip`` and ``log``."""
+    clips = [(f"{r.name}/per_sample_clip", r.clip.record if r.clip else None) for r in rules]
+    logs = [(f"{r.name}/log", r.log) for r in rules]
+    return [kv for pair in zip(clips, logs) for kv in pair if kv[1] is not None]
