@@ -83,36 +83,54 @@ class Probed:
         self.ours: dict[int, Tensor] = {}  # id -> sum_i <g_i, R>
         self.spread: dict[int, Tensor] = {}  # id -> sum_i |g_i| (the rounding's scale)
         self.unchecked: set[int] = set()
+        self.hung: set[int] = set()  # ids whose followed calls give their gradient (``aliases.hang``)
+        self.given: dict[int, list[Tensor]] = {}  # id -> the gradients those calls gave in this backward
         self.pending: tuple[list[str], Tensor, Any] | None = None  # CUDA: flags read one backward later
 
     def set_up(self, params: list[Tensor]) -> None:
         self.probes = {id(p): probe_for(p, seed) for seed, p in enumerate(params)}
         self.norms = {i: probe_norm(probe) for i, probe in self.probes.items()}  # |R|, read at every check
 
+    def gave(self, p: Tensor, g: Tensor) -> None:
+        self.given.setdefault(id(p), []).append(g)
+
     def arrived(self, p: Tensor, g: Tensor) -> None:
+        """Autograd's whole gradient of ``p``. A hung parameter's is the very tensor its one
+        call gave where nothing else reached it: no probe; else both sides along R."""
+        if id(p) in self.hung:
+            given = self.given.pop(id(p), [])
+            if len(given) == 1 and g is given[0]:
+                return
+            self.ours[id(p)] = probe_dot(sum(given), self.probes[id(p)]) if given else g.new_zeros(())
         self.got[id(p)] = probe_dot(g, self.probes[id(p)])
 
-    def _add(self, p: Tensor, ours: Tensor, spread: Tensor) -> None:
-        self.ours[id(p)] = ours if id(p) not in self.ours else self.ours[id(p)] + ours
+    def _add(self, p: Tensor, ours: Tensor | None, spread: Tensor) -> None:
+        if ours is not None:
+            self.ours[id(p)] = ours if id(p) not in self.ours else self.ours[id(p)] + ours
         self.spread[id(p)] = spread if id(p) not in self.spread else self.spread[id(p)] + spread
 
     def ghost(self, layer, inputs, b, norms2: dict[str, Tensor]) -> None:
-        """A call answered without per-example tensors; ``norms2``: its per-example squared norms."""
+        """A call answered without per-example tensors; ``norms2``: its per-example squared norms
+        (a hung call gave its gradients itself: their spread alone)."""
+        if all(id(layer.names[n]) in self.hung for n in norms2):
+            for n in norms2:
+                self._add(layer.names[n], None, norms2[n].sqrt().sum())
+            return
         probes = {n: self.probes[id(layer.names[n])] for n in norms2}  # the layer's parameters that train
-        dots = ghost_probe(layer.form, layer.module, inputs, b, probes, set(norms2))
+        found = ghost_probe(layer.form, layer.module, inputs, b, probes, set(norms2))
         for n in norms2:
             p = layer.names[n]
-            if dots is None or n not in dots:
+            if found is None or n not in found:
                 self.unchecked.add(id(p))
             else:
-                self._add(p, dots[n], norms2[n].sqrt().sum())
+                self._add(p, found[n], norms2[n].sqrt().sum())
 
     def full(self, p: Tensor, rows2: Tensor, g: Tensor | None = None) -> None:
         """The squared norms ``rows2`` of per-example gradients of ``p`` the stage formed; ``g``:
         those gradients, where no clipped sum reads them (a rule that keeps or logs norms only)."""
         spread = rows2.sqrt().sum()
         self.spread[id(p)] = spread if id(p) not in self.spread else self.spread[id(p)] + spread
-        if g is not None:
+        if g is not None and id(p) not in self.hung:  # (a hung call gave its sum already)
             self.summed(p, g)
 
     def summed(self, p: Tensor, g: Tensor) -> None:
@@ -122,7 +140,7 @@ class Probed:
 
     def check(self, names: dict[int, str], skip: set[int], grad_eps: float) -> None:
         got, ours, spread, unchecked = self.got, self.ours, self.spread, self.unchecked | skip
-        self.got, self.ours, self.spread, self.unchecked = {}, {}, {}, set()
+        self.got, self.ours, self.spread, self.unchecked, self.hung, self.given = {}, {}, {}, set(), set(), {}
         ids = [i for i in got if i in ours and i not in unchecked]
         if not ids:
             return
@@ -130,7 +148,7 @@ class Probed:
         theirs = torch.stack([got[i] for i in ids])
         # rounding: relative to the examples' gradients (sum_i |g_i| >= |g| where nothing escaped),
         # or to the largest where this parameter's are ~0 exactly
-        spreads = torch.stack([spread[i].to(theirs.dtype) for i in ids])
+        spreads = torch.stack([spread[i].to(theirs.dtype) if i in spread else theirs.new_zeros(()) for i in ids])
         scale = torch.maximum(spreads, 1e-3 * spreads.max()) * torch.stack([self.norms[i] for i in ids])
         eps = max(torch.finfo(theirs.dtype).eps, grad_eps)
         flags = (mine - theirs).abs() > _tolerance(eps) * scale + 1e-30

@@ -114,10 +114,10 @@ class _Hung(torch.autograd.Function):
         return None, grad, *ctx.sums(grad)
 
 
-def formed_sums(call: Any, params: list[Tensor]) -> Callable[[Tensor], list[Tensor]]:
-    """A hung call's (``assign.Call``) parameters' gradients from its output gradient: the sums of their
-    per-example ones, formed here and kept on the call for the end of the backward; the
-    batch's alone where its shapes no longer make per-example tensors the cheaper way."""
+def formed_sums(call: Any, params: list[Tensor], gave: Callable[[Tensor, Tensor], None]) -> Callable:
+    """A hung call's (``assign.Call``) parameters' gradients from its output gradient, each
+    told to ``gave``: where the layer forms per-example ones, their sums (the per-example ones
+    kept on the call for the end of the backward), else the batch's, as autograd computes it."""
     layer = call.layer
     order = [next(n for n, p in layer.names.items() if p is q) for q in params]
 
@@ -125,10 +125,13 @@ def formed_sums(call: Any, params: list[Tensor]) -> Callable[[Tensor], list[Tens
         m, b = layer.module, grad.detach().to(params[0].dtype).movedim(layer.out_dims[0], 0)
         if layer.form.materialises(m, call.inputs, b):
             call.formed = layer.form.per_example(m, call.inputs, b, set(order))
-            got = call.sums = {n: g.sum(0) for n, g in call.formed.items()}
+            got = {n: g.sum(0) for n, g in call.formed.items()}
         else:
             got = layer.form.weighted(m, call.inputs, b, b.new_ones(len(b)), set(order))
-        return [got[n].to(q.dtype) for n, q in zip(order, params)]
+        out = [got[n].to(q.dtype) for n, q in zip(order, params)]
+        for q, g in zip(params, out):
+            gave(q, g)
+        return out
 
     return sums
 

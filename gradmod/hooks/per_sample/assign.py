@@ -49,8 +49,7 @@ class Call:
     inputs: Any
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
     grads: list[Tensor | None] = field(default_factory=list)
-    formed: dict[str, Tensor] | None = None  # per-example gradients formed in the backward (hung)
-    sums: dict[str, Tensor] = field(default_factory=dict)  # their sums, autograd's gradients
+    formed: dict[str, Tensor] | None = None  # per-example gradients it formed in the backward
 
     @classmethod
     def of(cls, layer: Layer, inputs: Any, outs: list[Tensor]) -> Call:

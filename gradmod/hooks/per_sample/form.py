@@ -73,24 +73,14 @@ class Inputs:
 
 class PerExample:
     """One backward's per-example tensors, summed per parameter over the calls that use it
-    (tied weights: an embedding and its output layer), in place where a tensor is the stage's own;
-    ``hung``: their sums over the examples, where every call formed them in the backward."""
+    (tied weights: an embedding and its output layer), in place where a tensor is the stage's own."""
 
     def __init__(self) -> None:
         self.sums: dict[Tensor, Tensor] = {}
-        self.hung: dict[Tensor, Tensor] = {}
         self._own: set[Tensor] = set()
-        self._unhung: set[Tensor] = set()
 
-    def add(self, form: Form, m: nn.Module, a: Any, b: Any, params: dict[str, Tensor], formed=None, sums=None) -> None:
-        """``formed``, ``sums``: the call's per-example tensors and their sums, formed in the
-        backward already (else formed here from ``a``, ``b``)."""
-        for n, p in params.items():
-            if sums is None or n not in sums or p in self._unhung:
-                self._unhung.add(p)
-                self.hung.pop(p, None)
-            else:
-                self.hung[p] = sums[n] if p not in self.hung else self.hung[p] + sums[n]
+    def add(self, form: Form, m: nn.Module, a: Any, b: Any, params: dict[str, Tensor], formed=None) -> None:
+        """``formed``: the call's per-example tensors, formed in the backward already (else here)."""
         into = {n: self.sums[p] for n, p in params.items() if p in self._own}
         if formed is None:
             formed = form.add_per_example(m, a, b, set(params), into)

@@ -127,7 +127,7 @@ class PerSampleStage(KeepsScores, Stage):
         self._batch_dependent = {id(p) for x in self.layers if batch_dependent(x.module) for p in x.names.values()}
         self._detached = detachable(self.layers) & self._clipped
         shared = {id(p) for x in self.layers if x.materialise for p in x.names.values()}
-        hangs = detachable(self.layers) - self._clipped - shared  # autograd's gradient kept: the formed ones' sum
+        hangs = detachable(self.layers) - self._clipped - shared  # autograd's gradient kept: the calls give it
         live = self._trainable  # (its live set is replaced when training freezes or unfreezes)
         ready = lambda: set() if self._verify or not self._following() else live.live  # may run detached now  # noqa: E731
         detach = lambda: self._detached & ready()  # noqa: E731
@@ -138,8 +138,8 @@ class PerSampleStage(KeepsScores, Stage):
                 self._handles += follow(x.module, x.form, x.names, self._following, done, detach)
             elif any(id(p) in self._detached for p in x.names.values()):
                 self._handles += detach_during(x.module, x.names, detach)
-            elif all(id(p) in hangs for p in x.names.values()):  # where its last backward formed per-example ones
-                hung = lambda x=x: ready() & {id(p) for p in x.names.values()} if x.materialised else set()  # noqa: E731
+            elif all(id(p) in hangs for p in x.names.values()):
+                hung = lambda x=x: ready() & {id(p) for p in x.names.values()}  # noqa: E731
                 self._handles += detach_during(x.module, x.names, hung, x.hung.extend)
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
@@ -198,7 +198,8 @@ class PerSampleStage(KeepsScores, Stage):
         its output hung from the parameters in ``hung`` (run detached: ``aliases.hang``)."""
         self._calls.append(call := Call.of(layer, inputs, outs))
         if hung:
-            hang(outs[0], hung, formed_sums(call, hung))
+            self._probed.hung.update(id(p) for p in hung)
+            hang(outs[0], hung, formed_sums(call, hung, self._probed.gave))
         for k, t in enumerate(outs):
             if t.requires_grad:
                 t.register_hook(self._grad_hook(call, k))
@@ -297,7 +298,7 @@ class PerSampleStage(KeepsScores, Stage):
             full_ = c.formed is not None or full_ and not any(id(p) in pairs for p in live.values())
             c.layer.materialised = full_
             if full_:
-                summed.add(form, c.layer.module, c.inputs, b, live, c.formed, c.sums)
+                summed.add(form, c.layer.module, c.inputs, b, live, c.formed)
             else:
                 by_name = form.norms2(c.layer.module, c.inputs, b, names)
                 for n, v in by_name.items():
@@ -310,8 +311,8 @@ class PerSampleStage(KeepsScores, Stage):
         for p, g in summed.sums.items():
             rows2 = rows_norm2(g, norms2_dtype)
             norms2[self._rule_of[id(p)].name] += rows2
-            if not self._verify:  # (summed when clipped; a hung one's sum is at hand)
-                self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else summed.hung.get(p, g))
+            if not self._verify:
+                self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else g)  # (else summed when clipped)
         return ghost, summed.sums
 
     def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
