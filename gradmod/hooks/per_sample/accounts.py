@@ -5,7 +5,8 @@ After each backward: every parameter autograd gave a gradient came through a fol
 (``check_covered``). At the first backward: the followed calls' gradients add up to
 autograd's, whole (``check_sums``). At every later one: the same along one random direction
 per parameter (``Probed``, see ``probes``), so a use that starts after the first backward (a
-weight used functionally, or in the loss, from some step on) is refused too.
+weight used functionally, or in the loss, from some step on) is refused too; a hung weight
+(``aliases.hang``) whose gradient is the very tensor its one call gave needs no probe.
 """
 
 from __future__ import annotations

@@ -10,11 +10,13 @@ weight gradient is not. A gradient that still reaches such a weight came from a 
 stage does not follow: refused in one line (``accounts.refuse_arrivals``; a probe along one
 direction could miss a use that repeats a followed call).
 
-A weight whose rule keeps autograd's gradient (``scores``, ``log``) on a layer whose
-per-example gradients are formed anyway runs detached too, its output hung from it by
-``hang``: in the backward its gradient is the sum of those per-example gradients, delivered
-through autograd like any other (tensor hooks, DDP's reducer and accumulation see it as usual),
-and autograd's own batch weight gradient is not computed.
+A weight whose rule keeps autograd's gradient (``scores``, ``log``) runs detached too, its
+layer's output hung from it by ``hang``: in the backward the call gives its gradient, the sum
+of the per-example ones where the layer forms them anyway (autograd's batch weight gradient is
+then not computed besides), else the batch's, as autograd would. It is delivered through
+autograd like any other (tensor hooks, DDP's reducer and accumulation see it as usual); where
+nothing else reached the weight, autograd hands its hook that very tensor, and the probe check
+of that backward is spared (``accounts.Probed.arrived``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ without forming ``g_i`` (a rank-one ``R`` turns a Linear's ``sum_t (u . b_t)(v .
 matrix-vector products). A use outside the followed calls adds ``<e, R>`` to one side only:
 nonzero for any ``e`` but a set of measure zero of directions. Layers without a probe here
 (a registered form that answers without per-example tensors) are checked at the first backward only.
+A weight whose calls give its gradient themselves (``aliases.hang``) needs no probe where the
+gradient autograd hands over is the one tensor its call gave: nothing else reached it.
 """
 
 from __future__ import annotations
