@@ -129,8 +129,8 @@ class PerSampleStage(KeepsScores, Stage):
         shared = {id(p) for x in self.layers if x.materialise for p in x.names.values()}
         hangs = detachable(self.layers) - self._clipped - shared  # autograd's gradient kept: the calls give it
         live = self._trainable  # (its live set is replaced when training freezes or unfreezes)
-        ready = lambda: set() if self._verify or not self._following() else live.live  # may run detached now  # noqa: E731
-        detach = lambda: self._detached & ready()  # noqa: E731
+        ready = lambda: set() if self._verify or not self._following() else live.live  # noqa: E731
+        detach = lambda: self._detached & ready()  # noqa: E731  (ready: what may run detached now)
         for x in self.layers:  # attention records its calls inside its forward; the others may run detached
             self._handles.append(x.module.register_forward_hook(self._forward_hook(x), with_kwargs=True))
             done = lambda a, o, x=x: self._follow(x, a, o)  # noqa: E731
@@ -140,7 +140,7 @@ class PerSampleStage(KeepsScores, Stage):
                 self._handles += detach_during(x.module, x.names, detach)
             elif all(id(p) in hangs for p in x.names.values()):
                 hung = lambda x=x: ready() & {id(p) for p in x.names.values()}  # noqa: E731
-                self._handles += detach_during(x.module, x.names, hung, x.hung.extend)
+                self._handles += detach_during(x.module, x.names, hung, lambda ps, x=x: setattr(x, "hung", ps))
         # after the trace: a lazy module's parameters exist only once a forward ran
         self._probed.set_up(list(params.values()))
         with all_trainable(params.values()):  # frozen ones too, for when they train
@@ -206,7 +206,7 @@ class PerSampleStage(KeepsScores, Stage):
 
     def _forward_hook(self, layer: Layer):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            hung, layer.hung[:] = list(layer.hung), []
+            hung, layer.hung = layer.hung, []
             if not self._following() or layer.form.captures:
                 return None
             if layer.broadcast:  # one row for the whole batch: each example's copy gets its own gradient

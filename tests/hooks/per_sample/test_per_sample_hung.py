@@ -225,3 +225,26 @@ def test_a_batch_too_large_for_per_example_tensors_gets_the_batch_gradient(monke
     assert hung[1:] == [0, 3, 3, 3]
     assert [layer.materialised for layer in stage.layers][:2] == [True, False]
     hooks.remove()
+
+
+def test_a_forward_that_raises_inside_a_hung_layer_leaves_the_next_step_right():
+    """The layer's parameters are back after the error, and its next call hangs once."""
+    torch.manual_seed(0)
+    model = Twice().double()
+    twin = copy.deepcopy(model)
+    hooks = attach(model, SCORES)
+    for step in range(4):
+        x, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+        if step == 2:
+            with pytest.raises(RuntimeError):
+                model.lin(torch.randn(5, 7, dtype=torch.float64))  # the wrong width: F.linear raises
+        hooks.stage("per_sample").see_batch(torch.arange(5), y)
+        F.cross_entropy(model(x), y).backward()
+        hooks.after_backward()
+        twin.zero_grad()
+        F.cross_entropy(twin(x), y).backward()
+        assert model.lin.weight is dict(model.named_parameters())["lin.weight"]
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=f"step {step}, {name}")
+        model.zero_grad()
+    hooks.remove()
