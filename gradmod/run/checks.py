@@ -17,6 +17,7 @@ from typing import Any
 
 from gradmod.hooks import stages  # the stage table, torch-free
 from gradmod.hooks.rule_spec import transform_list  # how a rule's transforms are written, torch-free
+from gradmod.run.host_heap import HOST_HEAPS  # torch-free
 
 MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt", "dann")  # gradmod.models.MODELS
 NORMS = ("batch", "group")  # gradmod.models.NORMS
@@ -146,6 +147,7 @@ def trainer(t: Any) -> None:
         ("strategy", STRATEGIES),
         ("nonfinite", NONFINITE),
         ("data_placement", PLACEMENTS),
+        ("host_heap", HOST_HEAPS),
     ):
         choice(f"trainer.{key}", getattr(t, key), allowed)
     if t.sync_check and (t.precision == "fp16" or t.nonfinite != "warn"):

@@ -220,6 +220,7 @@ class TrainerConfig:
     eval_batch_size: int = 1000  # evaluation is batched (the article used batch 1)
     hook_stage: str = "hook"  # default stage of rules that set none: hook | fused
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    host_heap: str = "keep"  # keep (glibc keeps memory freed by tensors: a step's do not page-fault afresh) | release (the C library's defaults)
     precision: str = "fp32"  # fp32 | bf16 (autocast, no scaler) | fp16 (autocast + GradScaler); docs/reference/robustness.md
     compile: bool = False  # torch.compile the model
     channels_last: bool = False  # channels-last memory format for conv models

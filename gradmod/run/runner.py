@@ -29,7 +29,7 @@ from gradmod.hooks.hookset import HookSet, attach
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import check_logger, make_logger
 from gradmod.reporting.plan import summarize_plan
-from gradmod.run import atomic, dp, endings, preflight
+from gradmod.run import atomic, dp, endings, host_heap, preflight
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.assembly import Parts, build_trainer
 from gradmod.run.config import Config
@@ -299,6 +299,7 @@ def _summary(run: Run, parts: Parts) -> dict[str, Any]:
         "seed": cfg.seed,
         "world_size": trainer.dist.world_size,
         "threads": torch.get_num_threads(),
+        "host_heap": "keep" if host_heap.kept else "release",
         "hook_plan": run.plan,
         "skipped_steps": trainer.skipped,
         "nonfinite_steps": guard.bad_steps,

@@ -15,7 +15,7 @@ from torch import nn
 
 from gradmod.data import Data
 from gradmod.labels import Labels
-from gradmod.run import endings, preflight
+from gradmod.run import endings, host_heap, preflight
 from gradmod.run.config import Config
 from gradmod.run.factories import build_data, build_tasks, model_factory
 from gradmod.training.distributed import Dist
@@ -84,6 +84,8 @@ def place(cfg: Config) -> Dist:
     dist.start()
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    if cfg.trainer.host_heap == "keep" and not host_heap.keep():
+        log.info("trainer.host_heap=keep: the C library is not glibc; its heap keeps its own defaults")
     seed_everything(cfg.seed)
     return dist
 
