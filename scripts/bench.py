@@ -87,6 +87,7 @@ import bench_sharpness as sharpness  # noqa: E402
 from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
 from gradmod.hooks import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
+from gradmod.run import host_heap  # noqa: E402
 from gradmod.run.setup import resolve_device  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402
 from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
@@ -333,6 +334,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile", action="store_true", help="also time gradmod's epoch with torch.compile (slow to compile)"
     )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--host-heap",
+        choices=host_heap.HOST_HEAPS,
+        default="release",
+        help="keep: glibc keeps freed memory in its heap, as the trainer's trainer.host_heap=keep does "
+        "(default release: the C library's defaults)",
+    )
     p.add_argument("--json", default="outputs/bench/bench.json", help="where to write the results")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run: 200/50 images, 1 repeat, no warm-up")
     p.add_argument(
@@ -772,6 +780,7 @@ def machine(device: torch.device) -> dict:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "host_heap": "keep" if host_heap.kept else "release",
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
         "python": platform.python_version(),
@@ -809,6 +818,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.host_heap == "keep":
+        host_heap.keep()
     try:
         device = resolve_device(args.device)
     except ValueError as e:
