@@ -85,7 +85,7 @@ def place(cfg: Config) -> Dist:
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     if cfg.trainer.host_heap == "keep" and not host_heap.keep():
-        log.info("trainer.host_heap=keep: the C library is not glibc; its heap keeps its own defaults")
+        log.info("trainer.host_heap=keep did not take (the C library is not glibc, or refused it): its defaults stay")
     seed_everything(cfg.seed)
     return dist
 
