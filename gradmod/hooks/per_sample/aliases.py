@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 
 def swap(module: nn.Module, names: dict[str, Tensor], ids: set[int]) -> tuple[dict[str, Tensor], list]:
@@ -102,7 +101,8 @@ def detachable(layers: list) -> set[int]:
 
 class _Hung(torch.autograd.Function):
     """``out`` itself (rebased, as by an in-place operation: later in-place ones stay allowed),
-    now also a function of ``params``, whose gradients are ``sums(grad)``."""
+    now also a function of ``params``, whose gradients are ``sums(grad)``: formed without a
+    graph, so a backward that would build one (``create_graph=True``) is refused."""
 
     @staticmethod
     def forward(ctx, sums, out, *params):
@@ -111,8 +111,13 @@ class _Hung(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise ValueError(
+                "per_sample: backward(create_graph=True) after the first step: a rule that keeps "
+                "autograd's gradient (scores, log) forms its layers' weight gradients without a graph; "
+                "call backward without create_graph, or take the second-order term outside such a rule"
+            )
         return None, grad, *ctx.sums(grad)
 
 

@@ -248,3 +248,23 @@ def test_a_forward_that_raises_inside_a_hung_layer_leaves_the_next_step_right():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=f"step {step}, {name}")
         model.zero_grad()
     hooks.remove()
+
+
+def test_a_backward_that_builds_a_graph_through_a_hung_layer_is_one_line():
+    """The hung layers' weight gradients have no graph of their own: create_graph=True is
+    refused in one line, not answered with first-order terms only."""
+    torch.manual_seed(0)
+    model = Twice()
+    hooks = attach(model, SCORES)
+    for step in range(2):
+        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+        hooks.stage("per_sample").see_batch(torch.arange(5), y)
+        loss = F.cross_entropy(model(x), y)
+        if step == 0:
+            loss.backward()
+            hooks.after_backward()
+            continue
+        with pytest.raises(ValueError, match=r"backward\(create_graph=True\) after the first step") as err:
+            torch.autograd.grad(loss, list(model.parameters()), create_graph=True)  # a gradient penalty's start
+        assert "\n" not in str(err.value)
+    hooks.remove()
