@@ -105,10 +105,12 @@ class Probed:
             self.ours[id(p)] = probe_dot(sum(given), self.probes[id(p)]) if given else g.new_zeros(())
         self.got[id(p)] = probe_dot(g, self.probes[id(p)])
 
-    def _add(self, p: Tensor, ours: Tensor | None, spread: Tensor) -> None:
+    def _add(self, p: Tensor, ours: Tensor | None, spread: Tensor | None) -> None:
+        """Add to ``p``'s ``sum_i <g_i, R>`` and ``sum_i |g_i|`` what a call gave (None: nothing)."""
         if ours is not None:
             self.ours[id(p)] = ours if id(p) not in self.ours else self.ours[id(p)] + ours
-        self.spread[id(p)] = spread if id(p) not in self.spread else self.spread[id(p)] + spread
+        if spread is not None:
+            self.spread[id(p)] = spread if id(p) not in self.spread else self.spread[id(p)] + spread
 
     def ghost(self, layer, inputs, b, norms2: dict[str, Tensor]) -> None:
         """A call answered without per-example tensors; ``norms2``: its per-example squared norms
@@ -129,15 +131,13 @@ class Probed:
     def full(self, p: Tensor, rows2: Tensor, g: Tensor | None = None) -> None:
         """The squared norms ``rows2`` of per-example gradients of ``p`` the stage formed; ``g``:
         those gradients, where no clipped sum reads them (a rule that keeps or logs norms only)."""
-        spread = rows2.sqrt().sum()
-        self.spread[id(p)] = spread if id(p) not in self.spread else self.spread[id(p)] + spread
+        self._add(p, None, rows2.sqrt().sum())
         if g is not None and id(p) not in self.hung:  # (a hung call gave its sum already)
             self.summed(p, g)
 
     def summed(self, p: Tensor, g: Tensor) -> None:
         """Their sum over the examples (one pass, beside the clipped sum: not a second read)."""
-        ours = probe_dot(g, self.probes[id(p)])
-        self.ours[id(p)] = ours if id(p) not in self.ours else self.ours[id(p)] + ours
+        self._add(p, probe_dot(g, self.probes[id(p)]), None)
 
     def check(self, names: dict[int, str], skip: set[int], grad_eps: float) -> None:
         got, ours, spread, unchecked = self.got, self.ours, self.spread, self.unchecked | skip
