@@ -88,11 +88,11 @@ def read_scores(cfg: KeepConfig, labels: object) -> Tensor:
     if not one_label_each(labels):
         raise ValueError("data.keep by a score needs one class label per training example; use data.keep.which=random")
     path = score_file(cfg)
-    name, column, _ = SOURCES[str(cfg.score)]
+    name, column, writer = SOURCES[str(cfg.score)]
     header = _header(path)
     if header != HEADERS[name]:
         raise ValueError(
-            f"{path}: its header is {header!r}; {cfg.score} comes from {name} ({SOURCES[str(cfg.score)][2]}), "
+            f"{path}: its header is {header!r}; {cfg.score} comes from {name} ({writer}), "
             f"whose header is {HEADERS[name]!r}"
         )
     try:
