@@ -22,8 +22,6 @@ from gradmod.run import atomic
 from gradmod.run.score_files import SCORES_CSV
 from gradmod.training.callbacks import Callback
 
-HEADER = SCORES_CSV
-
 
 def gathered(rows: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
     """Every rank's rows on every rank (under DDP), sorted by dataset index (a stable sort:
@@ -54,7 +52,7 @@ class ScoresFile(Callback):
         if trainer.resumed_from:  # the epochs the checkpoint finished, from this folder or the checkpoint's
             source = self.path if self.path.exists() else Path(trainer.resumed_from).parent.parent / "scores.csv"
             kept = _rows_up_to(source, len(trainer.history)) if source.exists() else ""
-        atomic.write_text(self.path, HEADER + "\n" + kept)
+        atomic.write_text(self.path, SCORES_CSV + "\n" + kept)
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
         rows = gathered(self.stage.take_scores(), trainer.dist.world_size)
