@@ -54,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # peak_memory, also wh
 
 import peak_memory  # noqa: E402  (beside this script)
 
-from gradmod.hooks import attach, shared_params  # noqa: E402
+from gradmod.hooks import attach  # noqa: E402
+from gradmod.hooks.rules import shared as shared_params  # noqa: E402
 
 # torchjd's batched backward loops over the tasks where torch has no batching rule (attention,
 # on the transformer) and warns at every step; the timings say what it costs.

@@ -24,7 +24,7 @@ BESIDE = {
 }
 MAY_IMPORT = {
     "hooks": {"gradmod.hooks"},
-    "optim": {"gradmod.optim", "gradmod.hooks.globs"},
+    "optim": {"gradmod.optim", "gradmod.hooks.rules.globs"},
     "reporting": {"gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "training": {"gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "integrations": {"gradmod.integrations", "gradmod.hooks", "gradmod.training"} | BESIDE,

@@ -14,7 +14,7 @@ from typing import Any
 _HOMES = {
     "HookSet": "gradmod.hooks.hookset",
     "attach": "gradmod.hooks.hookset",
-    "load_rules": "gradmod.hooks.rules",
+    "load_rules": "gradmod.hooks.rules.targets",
     "GradStats": "gradmod.hooks.stats",
     "Stage": "gradmod.hooks.stage",
 }

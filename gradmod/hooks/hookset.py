@@ -1,6 +1,6 @@
 """``HookSet``: attach the transforms the rules select, keep every handle, run the stages.
 
-A rule (``gradmod.hooks.rules``) with ``params`` transforms each selected parameter's
+A rule (``gradmod.hooks.rules.targets``) with ``params`` transforms each selected parameter's
 gradient; one with ``modules`` the gradient of the module's *output* (the articles'
 ``x.register_hook`` inside ``forward``). Several rules on one tensor chain in config
 order within a stage; the stages act in the order of ``gradmod.hooks.stages.STAGES``
@@ -32,15 +32,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import compatible, stages
 from gradmod.hooks import registry as R
-from gradmod.hooks import rules as selection
 from gradmod.hooks.after_backward_due import AfterBackwardDue
 from gradmod.hooks.losses import named, total
-from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
+from gradmod.hooks.rules import targets as selection
+from gradmod.hooks.rules.targets import DEFAULT_STAGES, Target, build_targets
+from gradmod.hooks.rules.timed import Timed
 from gradmod.hooks.schedules import Length
 from gradmod.hooks.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
 from gradmod.hooks.stage import Core, Loop, Stage
 from gradmod.hooks.stats import take_all
-from gradmod.hooks.timed import Timed
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, list[HookSet]] = weakref.WeakKeyDictionary()

@@ -34,7 +34,7 @@ from functools import cache, cached_property
 from typing import Any, Callable, Mapping
 
 from gradmod.hooks import catalog, stages
-from gradmod.hooks.rule_spec import parse_spec
+from gradmod.hooks.rules.syntax import parse_spec
 from gradmod.hooks.schedules import with_values
 
 KINDS = ("elementwise", "group", "per_sample", "per_loss", "sharpness")

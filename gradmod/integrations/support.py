@@ -10,7 +10,7 @@ from torch import nn
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
 from gradmod.hooks.hookset import HookSet, attach
-from gradmod.hooks.rules import build_targets
+from gradmod.hooks.rules.targets import build_targets
 from gradmod.hooks.schedules import Length
 
 

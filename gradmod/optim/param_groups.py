@@ -2,7 +2,7 @@
 the optimizers to build and their torch parameter groups.
 
 An entry is ``{params: glob(s), exclude: glob(s), lr_scale: x, optimizer: {_target_: ...},
-ARG: value, ...}``: its parameters (globs and selectors of ``gradmod.hooks.globs``, over every
+ARG: value, ...}``: its parameters (globs and selectors of ``gradmod.hooks.rules.globs``, over every
 parameter of the model, trainable now or not) form a group of the base optimizer with the
 entry's arguments, or, with ``optimizer:``, an optimizer of their own. ``lr_scale`` multiplies
 the learning rate the group would otherwise have, so an LR scheduler, which multiplies each
@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 
 from torch import nn
 
-from gradmod.hooks.globs import SELECTORS, ParamKind, matching, select, shown
+from gradmod.hooks.rules.globs import SELECTORS, ParamKind, matching, select, shown
 
 ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer")
 WHAT = "parameter (see model.named_parameters())"

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from torch import nn
 from torch.optim import Optimizer
 
-from gradmod.hooks.globs import param_kinds, shown
+from gradmod.hooks.rules.globs import param_kinds, shown
 from gradmod.optim.combined import CombinedOptimizer
 from gradmod.optim.param_groups import Part, check_arguments, locate, plan
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmod.hooks import stages  # the stage table, torch-free
-from gradmod.hooks.rule_spec import transform_list  # how a rule's transforms are written, torch-free
+from gradmod.hooks.rules.syntax import transform_list  # how a rule's transforms are written, torch-free
 from gradmod.run.host_heap import HOST_HEAPS  # torch-free
 
 MODELS = ("mnist_cnn", "resnet18", "resnet50", "multi_lenet", "char_lm", "tiny_gpt", "dann")  # gradmod.models.MODELS
@@ -175,7 +175,7 @@ def _resume(resume: str | None) -> None:
 def rules(hooks: Mapping[str, Any]) -> None:
     """The shape of each hook rule: a mapping whose transforms are names, mappings or a list
     of them. What they select and their arguments are checked against the model
-    (``gradmod.hooks.rules.build_targets``)."""
+    (``gradmod.hooks.rules.targets.build_targets``)."""
     for name, rule in hooks.items():
         if not isinstance(rule, Mapping):
             raise ValueError(

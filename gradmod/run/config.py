@@ -332,7 +332,7 @@ class PrivacyConfig:
 class RuleConfig:
     """One hook rule as the config holds it: every key present (None when unset), so each can
     be overridden on the command line without ``+`` (``hooks.clip.stage=fused``). The values
-    are checked against the model by ``gradmod.hooks.rules.build_targets``."""
+    are checked against the model by ``gradmod.hooks.rules.targets.build_targets``."""
 
     params: Any = None
     modules: Any = None

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from gradmod.hooks import stages
 from gradmod.hooks import transforms as T
-from gradmod.hooks.rule_spec import transform_list
+from gradmod.hooks.rules.syntax import transform_list
 from gradmod.hooks.schedules import Length, Schedule, is_schedule, parse_schedule
 from gradmod.run.config import Config
 from gradmod.training.loader import poisson_steps, steps_per_epoch

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
-from gradmod.hooks.globs import param_kinds
 from gradmod.hooks.groupnorm import replace_batchnorm
+from gradmod.hooks.rules.globs import param_kinds
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
 from gradmod.optim import CombinedOptimizer

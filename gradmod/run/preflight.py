@@ -12,7 +12,7 @@ a 6 TB allocation (a stray label of 10**9 sizes a shipped model's output layer).
   row per example (or a mapping or tuple of them, one per task's labels) whose classes
   cover every class label, the loss of it is a scalar tensor (or a mapping of named
   scalars) that backpropagates into the model, and the metric applies to the labels; the
-  parameters every loss reaches are noted for ``@shared`` (``gradmod.hooks.shared_params``).
+  parameters every loss reaches are noted for ``@shared`` (``gradmod.hooks.rules.shared``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
-from gradmod.hooks import shared_params, stages
+from gradmod.hooks import stages
+from gradmod.hooks.rules import shared as shared_params
 from gradmod.labels import Labels
 from gradmod.training.tasks import SINGLE, Tasks, by_task, is_class_labels
 

@@ -9,7 +9,8 @@ import torch
 from helpers import CONF, FAST, per_loss_method, run_train
 
 from gradmod.app.cli import run
-from gradmod.hooks import attach, load_rules, shared_params
+from gradmod.hooks import attach, load_rules
+from gradmod.hooks.rules import shared as shared_params
 from gradmod.models import build_model
 
 HOOK_FILES = sorted(p.stem for p in (CONF / "hooks").glob("*.yaml"))

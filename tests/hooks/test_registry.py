@@ -13,7 +13,7 @@ from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import GroupTransform
 from gradmod.hooks.per_loss.methods import Method
-from gradmod.hooks.rules import build_targets
+from gradmod.hooks.rules.targets import build_targets
 
 
 def test_every_shipped_transform_says_its_kind():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradmod.hooks import attach, load_rules
-from gradmod.hooks.rule_files import SHIPPED, shipped_names
+from gradmod.hooks.rules.sources import SHIPPED, shipped_names
 
 CLAMP = {"clip": {"params": "0.*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
 ZERO = {"zero": {"params": "2.*", "transforms": ["zero"]}}

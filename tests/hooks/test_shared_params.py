@@ -9,7 +9,7 @@ from helpers import ROOT, compose_config
 from torch import nn
 
 import gradmod
-from gradmod.hooks import shared_params
+from gradmod.hooks.rules import shared as shared_params
 
 
 class Fork(nn.Module):
@@ -54,7 +54,7 @@ def test_attach_selects_what_find_found_and_refuses_shared_where_no_forward_foun
     with pytest.raises(ValueError) as e:
         gradmod.attach(Fork(), rule)
     assert str(e.value).startswith("hooks.mtl.params: @shared (the parameters every task's loss reaches) is found")
-    assert "gradmod.hooks.shared_params.find(model, losses)" in str(e.value) and "\n" not in str(e.value)
+    assert "gradmod.hooks.rules.shared.find(model, losses)" in str(e.value) and "\n" not in str(e.value)
     model = Fork()
     shared_params.find(model, _losses(model, torch.randn(5, 4)))
     with gradmod.attach(model, {**rule, "clip": {"params": "*", "exclude": "@shared", "transforms": ["zero"]}}) as h:
@@ -87,7 +87,7 @@ SHIPPED = sorted(p.stem for p in (ROOT / "gradmod" / "conf" / "hooks").glob("*.y
 
 
 def test_the_shipped_per_loss_files_select_multi_lenets_trunk():
-    from gradmod.hooks.rules import load_rules
+    from gradmod.hooks.rules.targets import load_rules
     from gradmod.models import MultiLeNet
 
     assert len(SHIPPED) == 21 and "pcgrad" in SHIPPED and "krum" in SHIPPED  # every gradient method

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradmod
-from gradmod.hooks.globs import param_kinds, select
+from gradmod.hooks.rules.globs import param_kinds, select
 from gradmod.models import MnistCNN, TinyGPT
 
 WHAT = "parameter"

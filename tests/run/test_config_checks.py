@@ -14,7 +14,7 @@ from gradmod.run.config import Config, ModelConfig, OptimizerConfig, TrainerConf
 
 def test_restated_names_are_the_registries():
     from gradmod import data, models, weight_init
-    from gradmod.hooks.rules import DEFAULT_STAGES
+    from gradmod.hooks.rules.targets import DEFAULT_STAGES
     from gradmod.training import distributed, loader, nonfinite, precision
 
     assert checks.MODELS == tuple(models.MODELS) and checks.NORMS == tuple(models.NORMS)

@@ -11,7 +11,7 @@ import yaml
 from helpers import CONF
 
 from gradmod.app import help as help_page
-from gradmod.hooks.rules import STAGE_NAMES
+from gradmod.hooks.rules.targets import STAGE_NAMES
 from gradmod.run import config as C
 
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from gradmod.hooks import registry as R
 from gradmod.hooks.fused.group import Freeze
 from gradmod.hooks.fused.trainability import TrainabilitySwitch
-from gradmod.hooks.rules import group_steps, observer_key
+from gradmod.hooks.rules.targets import group_steps, observer_key
 from gradmod.hooks.stage import Core, Stage
 from gradmod.hooks.stats import observe_batch
 

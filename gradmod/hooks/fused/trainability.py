@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradmod.hooks.switched import SWITCHED_OFF
+from gradmod.hooks.rules.switched import SWITCHED_OFF
 
 
 class TrainabilitySwitch:

@@ -23,7 +23,7 @@ from gradmod.hooks import registry as R
 from gradmod.hooks.hook.backward_end import BackwardEnd
 from gradmod.hooks.hook.chain import chain_hook, output_hook
 from gradmod.hooks.hook.ledger import RawLedger
-from gradmod.hooks.rules import observer_key
+from gradmod.hooks.rules.targets import observer_key
 from gradmod.hooks.stage import Core, Stage
 
 

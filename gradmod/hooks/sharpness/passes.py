@@ -35,7 +35,7 @@ class SharpRule:
 
 
 def sharpness_rules(targets: list[Any], params: Mapping[str, nn.Parameter]) -> list[SharpRule]:
-    """The sharpness rules among ``targets`` (``gradmod.hooks.rules.Target``), in config order."""
+    """The sharpness rules among ``targets`` (``gradmod.hooks.rules.targets.Target``), in config order."""
     out: dict[str, SharpRule] = {}
     for t in targets:
         if t.stage == "sharpness":

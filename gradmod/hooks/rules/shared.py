@@ -60,7 +60,7 @@ def matches(where: str, shared: list[str] | None, names: list[str]) -> list[str]
         raise ValueError(
             f"{where}: {SHARED} (the parameters every task's loss reaches) is found from a forward of the "
             "model's tasks, which the trainer runs before attaching; in a loop of your own call "
-            "gradmod.hooks.shared_params.find(model, losses) with one batch's named losses first, or name the "
+            "gradmod.hooks.rules.shared.find(model, losses) with one batch's named losses first, or name the "
             "parameters by glob"
         )
     chosen = set(shared)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 # Resolved: a strict editable install links each file from the checkout.
-SHIPPED = Path(__file__).resolve().parents[1] / "conf" / "hooks"
+SHIPPED = Path(__file__).resolve().parents[2] / "conf" / "hooks"  # gradmod/conf/hooks
 
 
 def shipped_names() -> list[str]:

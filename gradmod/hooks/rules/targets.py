@@ -3,7 +3,7 @@
 A rule is ``{"params": glob(s), "exclude": glob(s), "transforms": [...], "stage": ...}``
 or ``{"modules": glob(s), ...}``; a key set to null is unset. Names are verified, not
 trusted: a pattern that matches nothing is an error listing close names (besides globs, the
-selectors of ``gradmod.hooks.globs``: ``@last_layer``, ``@norms``, ``@matrices``, ...). A rule's stage
+selectors of ``gradmod.hooks.rules.globs``: ``@last_layer``, ``@norms``, ``@matrices``, ...). A rule's stage
 is its own, else the default, unless a transform's kind implies one
 (``gradmod.hooks.stages``); the transforms must all run at that stage.
 """
@@ -17,12 +17,13 @@ from typing import Any, Mapping
 from torch import nn
 
 from gradmod.hooks import registry as R
-from gradmod.hooks import shared_params, stages
-from gradmod.hooks.globs import ParamKind, param_kinds, select
-from gradmod.hooks.rule_spec import parse_spec, transform_list
+from gradmod.hooks import stages
+from gradmod.hooks.rules import shared as shared_params
+from gradmod.hooks.rules.globs import ParamKind, param_kinds, select
+from gradmod.hooks.rules.switched import switched_off
+from gradmod.hooks.rules.syntax import parse_spec, transform_list
+from gradmod.hooks.rules.timed import check_range, rule_window, split_schedules
 from gradmod.hooks.schedules import Active, Length
-from gradmod.hooks.switched import switched_off
-from gradmod.hooks.timed import check_range, rule_window, split_schedules
 
 STAGE_NAMES = stages.names()  # the stages a rule may name, in order
 DEFAULT_STAGES = stages.default_names()  # a rule's stage when it sets none; the others are set per rule
@@ -287,7 +288,7 @@ def load_rules(rules: Mapping[str, Any] | str | Path | list | tuple) -> dict[str
     """Rules from a mapping, a hook config file (a path, or a shipped file's name such as
     ``"clip"``), or a list of these merged by rule name (a name given twice is an error)."""
     if isinstance(rules, (str, Path, list, tuple)):
-        from gradmod.hooks.rule_files import read_rules
+        from gradmod.hooks.rules.sources import read_rules
 
         rules = read_rules(rules)
     if not isinstance(rules, Mapping):

@@ -1,7 +1,7 @@
 """The parameters a live ``freeze`` rule switched off (``requires_grad=False`` while it acts).
 
 They are trainable parameters all the same: attaching again during a window selects them as
-such (``gradmod.hooks.rules``), and their ``requires_grad`` comes back with the rule.
+such (``gradmod.hooks.rules.targets``), and their ``requires_grad`` comes back with the rule.
 """
 
 from __future__ import annotations

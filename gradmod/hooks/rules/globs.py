@@ -1,7 +1,7 @@
 """Which names a rule's patterns select: globs over ``named_parameters()`` or
 ``named_modules()`` names, selectors (``@last_layer``, ``@embeddings``, ``@norms``,
 ``@biases``, ``@matrices``: parameters by the place they hold in the model; ``@shared``: those
-every task's loss reaches, ``gradmod.hooks.shared_params``), and for a pattern
+every task's loss reaches, ``gradmod.hooks.rules.shared``), and for a pattern
 that matches nothing, an error listing close names. Hook rules and optimizer groups resolve
 their globs here, so a selector means one thing in both."""
 
@@ -14,8 +14,8 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 from torch import nn
 
-from gradmod.hooks import shared_params
-from gradmod.hooks.shared_params import SHARED
+from gradmod.hooks.rules import shared as shared_params
+from gradmod.hooks.rules.shared import SHARED
 
 LAST_LAYER = "@last_layer"  # in params or exclude: the last module's parameters (see _matches)
 SELECTORS = {
