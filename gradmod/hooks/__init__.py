@@ -15,7 +15,7 @@ _HOMES = {
     "HookSet": "gradmod.hooks.hookset",
     "attach": "gradmod.hooks.hookset",
     "load_rules": "gradmod.hooks.rules.targets",
-    "GradStats": "gradmod.hooks.stats",
+    "GradStats": "gradmod.hooks.stats.grad_stats",
     "Stage": "gradmod.hooks.stage",
 }
 _MODULES = ("registry", "stages", "transforms")

@@ -47,7 +47,7 @@ SHIPPED = (
     (
         "log",
         "elementwise",
-        "gradmod.hooks.stats:log",
+        "gradmod.hooks.stats.grad_stats:log",
         {"observer": True, "at_stage": {"per_sample": f"{_PER_SAMPLE}:per_sample_log"}},
     ),
     # Per example (the per_sample stage).

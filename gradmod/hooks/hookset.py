@@ -40,7 +40,7 @@ from gradmod.hooks.rules.timed import Timed
 from gradmod.hooks.schedules import Length
 from gradmod.hooks.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
 from gradmod.hooks.stage import Core, Loop, Stage
-from gradmod.hooks.stats import take_all
+from gradmod.hooks.stats.grad_stats import take_all
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, list[HookSet]] = weakref.WeakKeyDictionary()
@@ -216,7 +216,7 @@ class HookSet:
         return [record for stage in self.stages for record in stage.records()]
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
-        """Every ``log`` accumulator's window (and histogram, if one was taken), read
+        """Every ``log`` accumulator's buffer (and histogram, if one was taken), read
         with a single host sync."""
         observers = self.observers()
         timed = self.timed.stats()  # the scheduled values and windows of the last step
@@ -235,11 +235,11 @@ class HookSet:
         return {**out, **timed}
 
     def state_dict(self) -> dict[str, Any]:
-        """What the hooks carry from step to step (the ``log`` windows in progress, the
+        """What the hooks carry from step to step (the ``log`` buffers in progress, the
         stages' own state such as zclip's running mean and variance), for checkpoints:
         resuming with ``load_state_dict`` continues bit for bit."""
         state: dict[str, Any] = {
-            "log_windows": {key: obs.state_dict() for key, obs in self.observers()},
+            "log_windows": {key: obs.state_dict() for key, obs in self.observers()},  # the key checkpoints hold
             "clock": self.timed.clock.state_dict(),
         }
         for stage in self.stages:
@@ -247,16 +247,16 @@ class HookSet:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
-        """Restore ``state_dict()``'s windows; ``device``: where this run's gradients are.
+        """Restore ``state_dict()``'s buffers; ``device``: where this run's gradients are.
         Windows of tensors this HookSet does not observe are ignored."""
         if "clock" in state:  # first: the transforms' values at that step, then the stages' state
             self.timed.clock.load_state_dict(state["clock"])
             self.timed.at(self.timed.clock.t)
             self._tick()
-        windows = state.get("log_windows", {})
+        buffers = state.get("log_windows", {})
         for key, obs in self.observers():
-            if key in windows:
-                obs.load_state_dict(windows[key], device)
+            if key in buffers:
+                obs.load_state_dict(buffers[key], device)
         for stage in self.stages:
             stage.load_state_dict(state, device)
 

@@ -22,7 +22,7 @@ from gradmod.hooks import mesh
 from gradmod.hooks.devices import loops_foreach
 from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
 from gradmod.hooks.sharded import is_sharded
-from gradmod.hooks.stat_rows import BIG
+from gradmod.hooks.stats.rows import BIG
 from gradmod.hooks.validators import number, positive
 
 __all__ = ["BuiltTransform", "OWN_TRANSFORMS", "build", "factory", "names", "parse_spec"]

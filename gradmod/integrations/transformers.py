@@ -4,7 +4,7 @@ In a Trainer step: backward per micro-batch (hook-stage rules run here), unscali
 HF's own ``max_grad_norm`` clipping, ``on_pre_optimizer_step`` (the fused stage runs
 here, once per optimizer step under gradient accumulation), ``optimizer.step()``. The
 rules are attached at ``on_train_begin`` and removed at ``on_train_end``; their state
-(zclip's running statistics, ``log`` windows) travels in HF checkpoints.
+(zclip's running statistics, ``log`` buffers) travels in HF checkpoints.
 
 HF calls user callbacks after its reporting integrations and gives them no Trainer:
 ``add_to(trainer, rules)`` puts the callback first, so the ``grad/<tensor>/<field>``

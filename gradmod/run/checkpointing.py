@@ -1,7 +1,7 @@
 """The checkpoint callback: save every N epochs and/or steps, restore before ``fit``.
 
 A checkpoint holds the model, the Trainer's state (position in the data order, optimizer,
-GradScaler, history), the hooks' state (``log`` windows in progress), every callback's
+GradScaler, history), the hooks' state (``log`` buffers in progress), every callback's
 ``state_dict`` under its key, the RNG states, the config and the hook plan.
 ``gradmod.run.checkpoint_file`` writes and verifies the files.
 """

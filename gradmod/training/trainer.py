@@ -150,7 +150,7 @@ class Trainer:
                 "skipped_steps": self.skipped - self._skipped_before,
                 **({"tasks": test["tasks"]} if "tasks" in test else {}),
             }
-            stats = self.log_point() or self.last_stats  # the latest window: pending now, else the last read
+            stats = self.log_point() or self.last_stats  # the latest buffer: pending now, else the last read
             if stats:
                 record["grad_stats"] = stats
             self.history.append(record)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gradmod.hooks import attach, devices
-from gradmod.hooks.stat_rows import BIG
+from gradmod.hooks.stats.rows import BIG
 from gradmod.testing.opcount import OpCounter
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from gradmod.data import Data
 from gradmod.hooks import attach
 from gradmod.hooks.rules.targets import build_targets
-from gradmod.hooks.stats import GradStats
+from gradmod.hooks.stats.grad_stats import GradStats
 from gradmod.reporting.loggers import CSVLogger, make_logger
 from gradmod.reporting.observe import GradCamProbe, pick_digits
 

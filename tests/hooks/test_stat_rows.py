@@ -1,4 +1,4 @@
-"""`log` statistics computed together (gradmod.hooks.stat_rows): each row against torch's own
+"""`log` statistics computed together (gradmod.hooks.stats.rows): each row against torch's own
 reductions of its tensor, and the same bits in both stages and however pairs are batched."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradmod.hooks import attach
-from gradmod.hooks.stat_rows import BIG, stat_rows
+from gradmod.hooks.stats.rows import BIG, stat_rows
 from gradmod.testing.opcount import OpCounter
 
 CLAMP = {"name": "clamp", "min": -1e-4, "max": 1e-4}
@@ -172,7 +172,7 @@ def test_reading_many_windows_together_gives_each_windows_own_bits():
 
     from gradmod.hooks.fused.group import NormRecord
     from gradmod.hooks.per_loss.record import TaskRecord
-    from gradmod.hooks.stats import GradStats, take_all
+    from gradmod.hooks.stats.grad_stats import GradStats, take_all
 
     g = torch.Generator().manual_seed(0)
     windows: list = []
@@ -208,7 +208,7 @@ def test_windows_of_batches_read_together_give_each_windows_own_bits():
     bits read together as each alone."""
     import copy
 
-    from gradmod.hooks.stats import GradStats, observe_batch, take_all
+    from gradmod.hooks.stats.grad_stats import GradStats, observe_batch, take_all
 
     g = torch.Generator().manual_seed(0)
     windows = [GradStats() for _ in range(4)]

@@ -24,9 +24,9 @@ from torch import Tensor
 
 from gradmod.hooks import mesh
 from gradmod.hooks.sharded import is_sharded, plain
-from gradmod.hooks.stat_rows import BIG
+from gradmod.hooks.stats.buffer import StatBuffer
+from gradmod.hooks.stats.rows import BIG
 from gradmod.hooks.validators import number, positive
-from gradmod.hooks.window import Window
 
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
 
@@ -41,9 +41,9 @@ def total_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
 
 
-class NormRecord(Window):
+class NormRecord(StatBuffer):
     """Per call: total norm before the transform and clip coefficient, kept on the device;
-    a window of 2-column rows folded into a 5-value summary."""
+    a buffer of 2-column rows folded into a 5-value summary."""
 
     def __init__(self):
         super().__init__()
@@ -73,7 +73,7 @@ class NormRecord(Window):
         self._summary = None
 
     def take(self) -> tuple[int, Tensor | None]:
-        out, calls = self._fold(), self.calls  # a summary alone is a window too
+        out, calls = self._fold(), self.calls  # a summary alone is a buffer too
         self._reset()
         return calls, out
 
@@ -97,9 +97,9 @@ class NormRecord(Window):
 
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
         move = (lambda t: t) if device is None else (lambda t: t.to(device))
-        window, rows = state["window"], state.get("rows")
+        buffer, rows = state["window"], state.get("rows")
         self.calls = state["calls"]
-        self._summary = None if window is None else move(window)
+        self._summary = None if buffer is None else move(buffer)
         self._rows = [] if rows is None else list(move(rows).unbind(0))
 
 

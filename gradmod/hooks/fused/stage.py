@@ -28,7 +28,7 @@ from gradmod.hooks.fused.group import Freeze
 from gradmod.hooks.fused.trainability import TrainabilitySwitch
 from gradmod.hooks.rules.targets import group_steps, observer_key
 from gradmod.hooks.stage import Core, Stage
-from gradmod.hooks.stats import observe_batch
+from gradmod.hooks.stats.grad_stats import observe_batch
 
 
 @dataclass

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks.stat_rows import BIG
-from gradmod.hooks.stats import GradStats, observe_batch, observe_pairs
+from gradmod.hooks.stats.grad_stats import GradStats, observe_batch, observe_pairs
+from gradmod.hooks.stats.rows import BIG
 
 Slot = tuple[str, int]  # (rule, position in the rule's transforms)
 

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from gradmod.hooks import registry as R
 from gradmod.hooks.hook.backward_end import BackwardEnd, in_distributed
 from gradmod.hooks.hook.ledger import RawLedger
-from gradmod.hooks.stat_rows import BIG
+from gradmod.hooks.stats.rows import BIG
 
 
 def _checked(rule: str, step: R.BuiltTransform, key: str, g: Tensor) -> Tensor | None:

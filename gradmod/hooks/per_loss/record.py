@@ -1,9 +1,9 @@
 """The per_loss statistics of one rule, kept on the host (the Gramian is there already).
 
-Per backward call (formed when read, for all the calls of a window together): each task's
+Per backward call (formed when read, for all the calls of a buffer together): each task's
 gradient norm ``sqrt(G_ii)``, each pair's cosine ``G_ij / sqrt(G_ii G_jj)``, the fraction of
 pairs that conflict (``G_ij < 0``) and the weights the method gave (for a loss weighting: the
-loss weights; no Gramian). Summed over the calls of a log window; ``HookSet.read_stats``
+loss weights; no Gramian). Summed over the calls of a log buffer; ``HookSet.read_stats``
 reads them as means under
 ``<rule>/<method>``: ``norm/<task>``, ``cos/<a>,<b>``, ``conflict``, ``weight/<task>``.
 """
@@ -33,16 +33,16 @@ class TaskRecord:
 
     def add(self, names: list[str], G: Tensor | None, w: Tensor | list[float] | None) -> None:
         """One call's Gramian and weights, kept on the host (copies of a few values); the
-        statistics of a window's calls are formed together when it is read: numpy's per-op
+        statistics of a buffer's calls are formed together when it is read: numpy's per-op
         cost, paid per call, would be a loss weighting's largest host cost per step."""
-        if names != self.names:  # other tasks: a fresh window
+        if names != self.names:  # other tasks: a fresh buffer
             self.names, self.calls, self._sum, self._pending = list(names), 0, None, []
         self.has_gram, self.has_weights = G is not None, w is not None
         self._pending.append((_host(G), w if isinstance(w, list) else _host(w)))
         self.calls += 1
 
     def _fold(self) -> None:
-        """The pending calls' rows, added to the window's sum one call after another (the
+        """The pending calls' rows, added to the buffer's sum one call after another (the
         same bits however the calls are split between reads and checkpoints)."""
         if not self._pending:
             return

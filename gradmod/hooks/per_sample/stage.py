@@ -28,7 +28,7 @@ from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
 from gradmod.hooks.per_sample.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_options, check_rule, check_targets, per_sample_rules
 from gradmod.hooks.per_sample.scores import KeepsScores, keeper, watch_outputs
-from gradmod.hooks.per_sample.stats import PerSampleClip, record, windows
+from gradmod.hooks.per_sample.stats import PerSampleClip, buffers, record
 from gradmod.hooks.per_sample.trainable import Trainable, all_trainable
 from gradmod.hooks.stage import Core, Loop, Stage
 from gradmod.hooks.tracing import (
@@ -387,7 +387,7 @@ class PerSampleStage(KeepsScores, Stage):
         return self._plain
 
     def records(self) -> list[tuple[str, Any]]:
-        return windows(self.rules)
+        return buffers(self.rules)
 
     def paths(self) -> dict[str, str]:
         """Each parameter's path (``assign.path_of``); {} before the first training forward."""

@@ -1,5 +1,5 @@
 """The per_sample stage's transforms as configured: ``per_sample_clip`` and its record,
-``log``'s per-example statistics. Both keep their windows on the device and are read at
+``log``'s per-example statistics. Both keep their buffers on the device and are read at
 log points by ``HookSet.read_stats`` (keys ``<rule>/per_sample_clip`` and ``<rule>/log``).
 """
 
@@ -10,18 +10,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradmod.hooks.stats.buffer import StatBuffer
 from gradmod.hooks.validators import positive
-from gradmod.hooks.window import Window
 
 
-class SumWindow(Window):
-    """Rows summed over the window."""
+class SumBuffer(StatBuffer):
+    """Rows summed over the buffer."""
 
     def _fold(self) -> Tensor:
         return torch.stack(self._rows).sum(0)
 
 
-class ClipRecord(SumWindow):
+class ClipRecord(SumBuffer):
     """Per backward: examples whose norm exceeded ``max_norm``, examples, the sum and the
     largest of their (unclipped) norms."""
 
@@ -68,12 +68,12 @@ class PerSampleClip:
         )
 
 
-class PerSampleLog(SumWindow):
+class PerSampleLog(SumBuffer):
     """``log`` at the per_sample stage. Per backward of B examples with unclipped
     per-example gradients g_i and their mean g: the norms' p50, p90 and max, and the two
     estimates of the gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et
     al. 2018): ``tr(Sigma) ~ (mean_i |g_i|^2 - |g|^2) B/(B-1)``, ``|G|^2 ~ (B |g|^2 -
-    mean_i |g_i|^2)/(B-1)``. A window reports p50 and p90 averaged over its backward
+    mean_i |g_i|^2)/(B-1)``. A buffer reports p50 and p90 averaged over its backward
     calls, the largest norm, each estimate averaged and ``b_simple`` as their ratio."""
 
     def add_norms(self, norms: Tensor, mean_sq: Tensor) -> None:
@@ -123,8 +123,8 @@ def record(rules: list, norms: dict[str, Tensor], means: dict) -> None:
             r.scores.add(norms[r.name])
 
 
-def windows(rules: list) -> list[tuple[str, Any]]:
-    """(statistics key, window) of each rule's ``per_sample_clip`` and ``log``."""
+def buffers(rules: list) -> list[tuple[str, Any]]:
+    """(statistics key, buffer) of each rule's ``per_sample_clip`` and ``log``."""
     clips = [(f"{r.name}/per_sample_clip", r.clip.record if r.clip else None) for r in rules]
     logs = [(f"{r.name}/log", r.log) for r in rules]
     return [kv for pair in zip(clips, logs) for kv in pair if kv[1] is not None]

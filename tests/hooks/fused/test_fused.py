@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from gradmod.hooks import attach, registry
 from gradmod.hooks import transforms as T
-from gradmod.hooks.stats import GradStats
+from gradmod.hooks.stats.grad_stats import GradStats
 from gradmod.models import MnistCNN
 from gradmod.testing.opcount import OpCounter
 from gradmod.training.trainer import bare_epoch
@@ -167,7 +167,7 @@ def test_stateful_transform_keeps_one_state_per_tensor_in_both_stages():
 def test_log_rows_of_many_tensors_cost_one_op_each_plus_a_few():
     """A regression guard for the `log` cost at the hook stage (it was 27 aten ops per
     call, then 9): the rows of one backward are computed together."""
-    from gradmod.hooks.stat_rows import stat_rows
+    from gradmod.hooks.stats.rows import stat_rows
 
     gs = [torch.randn(32, 32, 3, 3), torch.randn(32), torch.randn(10, 32), torch.randn(10)] * 5
     stat_rows(gs)  # the layout's segment lengths are built once

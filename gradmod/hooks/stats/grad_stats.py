@@ -19,15 +19,15 @@ from torch import Tensor
 
 from gradmod.hooks.mesh import sharded_rows
 from gradmod.hooks.sharded import is_sharded, plain
-from gradmod.hooks.stat_rows import Seen, stat_rows
-from gradmod.hooks.window import Window
+from gradmod.hooks.stats.buffer import StatBuffer
+from gradmod.hooks.stats.rows import Seen, stat_rows
 
 
-class GradStats(Window):
+class GradStats(StatBuffer):
     """The ``log`` transform: statistics of every gradient it sees, accumulated on the
     gradient's device so that observing costs no host sync. ``read()`` syncs once.
 
-    Per window (the calls since the last read): mean L2 norm, smallest and largest value,
+    Per buffer (the calls since the last read): mean L2 norm, smallest and largest value,
     mean of the means, mean fraction of negative entries, total count of non-finite
     entries, and ``any_negative`` (the articles' "are there gradients below zero?").
 
@@ -39,7 +39,7 @@ class GradStats(Window):
 
     With ``histogram`` set (the trainer sets it for the step before a read), the call
     also bins the gradient on the device; the last such call's histogram is read with
-    the window.
+    the buffer.
     """
 
     FIELDS = ("norm", "min", "max", "mean", "frac_negative", "nonfinite", "frac_clipped")
@@ -100,7 +100,7 @@ class GradStats(Window):
     def add_from(self, block: Tensor, j: int) -> None:
         """This call's row is row ``j`` of ``block``, the rows of one batch of observers:
         kept as that reference, so a batch costs no tensor per row (``take_all`` reads the
-        windows of one batch together)."""
+        buffers of one batch together)."""
         self._rows.append((block, j))  # type: ignore[arg-type]
         self.calls += 1
         if len(self._rows) >= self.COMPACT_AT:
@@ -132,7 +132,7 @@ class GradStats(Window):
         return torch.cat([head, counts])
 
     def take(self) -> tuple[int, Tensor | None]:
-        """The pending window (calls, device tensor) and a fresh start; no sync. The
+        """The pending buffer (calls, device tensor) and a fresh start; no sync. The
         tensor is the FIELDS, then ``bin()``'s values when a histogram was taken."""
         return self.take_folded(self._fold() if self._rows else None)
 
@@ -173,16 +173,16 @@ class GradStats(Window):
         return out
 
 
-def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
-    """``[w.take() for w in windows]``, the same values, with the ``log`` windows of equal
+def take_all(buffers: list[StatBuffer]) -> list[tuple[int, Tensor | None]]:
+    """``[w.take() for w in buffers]``, the same values, with the ``log`` buffers of equal
     length folded together: a few ops for all of them, instead of one per pending row of
     each (a read of 400 tensors' 50 rows was 20,000 ops). Windows whose rows all lie in the
     same batches (``add_from``) are gathered from those batches' blocks directly. Folded by
     ``_fold_rows``, as ``_fold`` does."""
-    out: list[tuple[int, Tensor | None] | None] = [None] * len(windows)
+    out: list[tuple[int, Tensor | None] | None] = [None] * len(buffers)
     batched: dict[tuple, list[int]] = {}
     groups: dict[tuple, list[int]] = {}
-    for i, w in enumerate(windows):
+    for i, w in enumerate(buffers):
         if type(w) is not GradStats or len(w._rows) < 2:  # another kind of record, or nothing to fold
             out[i] = w.take()
         elif w._refs_only and type(w._rows[0]) is tuple:  # not compacted nor loaded either
@@ -191,16 +191,16 @@ def take_all(windows: list[Window]) -> list[tuple[int, Tensor | None]]:
             first = w._pending()[0]
             groups.setdefault((len(w._rows), first.shape, first.device, first.dtype), []).append(i)
     for ix in batched.values():
-        blocks = list(map(_first, windows[ix[0]]._rows))  # one per call, of any number of rows
+        blocks = list(map(_first, buffers[ix[0]]._rows))  # one per call, of any number of rows
         starts = [0]
         for b in blocks[:-1]:
             starts.append(starts[-1] + b.shape[0])
         device = blocks[0].device
-        at = torch.tensor([list(map(_second, windows[i]._rows)) for i in ix], device=device)
-        _fold_into(out, windows, ix, torch.cat(blocks)[at + torch.tensor(starts, device=device)])
+        at = torch.tensor([list(map(_second, buffers[i]._rows)) for i in ix], device=device)
+        _fold_into(out, buffers, ix, torch.cat(blocks)[at + torch.tensor(starts, device=device)])
     for ix in groups.values():
-        rows = torch.stack([r for i in ix for r in windows[i]._pending()])
-        _fold_into(out, windows, ix, rows.view(len(ix), len(windows[ix[0]]._rows), -1))
+        rows = torch.stack([r for i in ix for r in buffers[i]._pending()])
+        _fold_into(out, buffers, ix, rows.view(len(ix), len(buffers[ix[0]]._rows), -1))
     return out  # type: ignore[return-value]
 
 
@@ -208,7 +208,7 @@ _first, _second = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def _fold_rows(rows: Tensor) -> Tensor:
-    """[windows, calls (two or more), values] to [windows, values]: sums, except min (column
+    """[buffers, calls (two or more), values] to [buffers, values]: sums, except min (column
     1) and max (column 2). Left to right, so folding in pieces (a resume) gives the same bits."""
     acc = rows[:, 0] + rows[:, 1]
     for c in range(2, rows.shape[1]):
@@ -217,11 +217,11 @@ def _fold_rows(rows: Tensor) -> Tensor:
     return acc
 
 
-def _fold_into(out: list, windows: list[Window], ix: list[int], rows: Tensor) -> None:
-    """``rows`` [windows, calls, values]: each window's rows folded as ``_fold`` does."""
+def _fold_into(out: list, buffers: list[StatBuffer], ix: list[int], rows: Tensor) -> None:
+    """``rows`` [buffers, calls, values]: each buffer's rows folded as ``_fold`` does."""
     acc = _fold_rows(rows)
     for j, i in enumerate(ix):
-        out[i] = windows[i].take_folded(acc[j])
+        out[i] = buffers[i].take_folded(acc[j])
 
 
 def observe_batch(
