@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradmod.hooks.sharded import is_sharded
+from gradmod.hooks.mesh.sharded import is_sharded
 
 _DUE: weakref.WeakSet[AfterBackwardDue] = weakref.WeakSet()  # watches with work due now
 _installed = False  # the one global optimizer-step pre-hook

@@ -34,11 +34,11 @@ from gradmod.hooks import compatible, stages
 from gradmod.hooks import registry as R
 from gradmod.hooks.after_backward_due import AfterBackwardDue
 from gradmod.hooks.losses import named, total
+from gradmod.hooks.mesh.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
 from gradmod.hooks.rules import targets as selection
 from gradmod.hooks.rules.targets import DEFAULT_STAGES, Target, build_targets
 from gradmod.hooks.rules.timed import Timed
 from gradmod.hooks.schedules import Length
-from gradmod.hooks.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
 from gradmod.hooks.stage import Core, Loop, Stage
 from gradmod.hooks.stats.grad_stats import take_all
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, ClassVar, Mapping
 from torch import Tensor, nn
 
 from gradmod.hooks import stages
-from gradmod.hooks.sharded import refuse_sharded
+from gradmod.hooks.mesh.sharded import refuse_sharded
 
 # Sums tensors over the ranks in place, then divides by the number given (1.0: the sum).
 AllReduceSum = Callable[[list[Tensor], float], None]

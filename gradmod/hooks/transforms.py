@@ -18,10 +18,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from gradmod.hooks import mesh
-from gradmod.hooks.devices import loops_foreach
+from gradmod.hooks.mesh import reductions as mesh
+from gradmod.hooks.mesh.devices import loops_foreach
+from gradmod.hooks.mesh.sharded import is_sharded
 from gradmod.hooks.registry import OWN_TRANSFORMS, BuiltTransform, build, factory, names, parse_spec
-from gradmod.hooks.sharded import is_sharded
 from gradmod.hooks.stats.rows import BIG
 from gradmod.hooks.validators import number, positive
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import stages
-from gradmod.hooks.mesh import first_replica, local
+from gradmod.hooks.mesh.reductions import first_replica, local
 
 log = logging.getLogger(__name__)
 

@@ -139,7 +139,7 @@ def _count_host_reads(monkeypatch):
     """Count device-to-host reads made by gradmod's own code (torch's own CPU-side
     reads, e.g. Adam's step counter, are not syncs on a GPU and are not counted). The
     statistics take the path they take on a GPU: no read that is free only on the CPU."""
-    from gradmod.hooks import devices
+    from gradmod.hooks.mesh import devices
 
     monkeypatch.setattr(devices, "_ACCELERATOR_PATHS", [True])
     counts = {"n": 0}

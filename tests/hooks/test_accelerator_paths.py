@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradmod.hooks import attach, devices
+from gradmod.hooks import attach
+from gradmod.hooks.mesh import devices
 from gradmod.hooks.stats.rows import BIG
 from gradmod.testing.opcount import OpCounter
 

@@ -103,7 +103,7 @@ def test_changes_count_nan_to_nan_as_none_on_every_path():
 def test_without_host_reads_the_rows_are_the_same_bits(monkeypatch, finite):
     """CUDA's path (no value read back: every non-finite pass taken) against the CPU's (one
     read, the passes only when a min or max is not finite): the same bits, changes included."""
-    from gradmod.hooks import devices
+    from gradmod.hooks.mesh import devices
 
     before = _tensors() if not finite else [t.nan_to_num(0.0, 0.0, 0.0) for t in _tensors()]
     after = [t.clamp(-0.5, 0.5) for t in before]

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks import mesh
-from gradmod.hooks.sharded import is_sharded, plain
+from gradmod.hooks.mesh import reductions as mesh
+from gradmod.hooks.mesh.sharded import is_sharded, plain
 from gradmod.hooks.stats.buffer import StatBuffer
 from gradmod.hooks.stats.rows import BIG
 from gradmod.hooks.validators import number, positive

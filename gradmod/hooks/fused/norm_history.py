@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks import mesh
 from gradmod.hooks.fused.group import EPS, GroupTransform, total_norm
-from gradmod.hooks.sharded import plain
+from gradmod.hooks.mesh import reductions as mesh
+from gradmod.hooks.mesh.sharded import plain
 from gradmod.hooks.validators import number, positive
 
 

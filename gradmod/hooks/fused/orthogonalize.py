@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradmod.hooks import mesh
 from gradmod.hooks.fused.group import GroupTransform
-from gradmod.hooks.sharded import is_sharded
+from gradmod.hooks.mesh import reductions as mesh
+from gradmod.hooks.mesh.sharded import is_sharded
 from gradmod.hooks.validators import number, positive
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic

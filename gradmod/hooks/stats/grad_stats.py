@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks.mesh import sharded_rows
-from gradmod.hooks.sharded import is_sharded, plain
+from gradmod.hooks.mesh.reductions import sharded_rows
+from gradmod.hooks.mesh.sharded import is_sharded, plain
 from gradmod.hooks.stats.buffer import StatBuffer
 from gradmod.hooks.stats.rows import Seen, stat_rows
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gradmod.hooks.devices import loops_foreach, reads_free
+from gradmod.hooks.mesh.devices import loops_foreach, reads_free
 
 # Entries from which a tensor is reduced alone; ATen's parallel grain (32768), so a row
 # reduction of a smaller tensor runs on one thread whatever the matrix around it.

@@ -630,7 +630,7 @@ def test_bf16_autocast_runs_and_stays_close_to_float32():
 
 
 def test_fsdp_sharded_parameters_are_refused(monkeypatch):
-    import gradmod.hooks.sharded as S
+    import gradmod.hooks.mesh.sharded as S
 
     monkeypatch.setattr(S, "is_sharded", lambda t: True)
     with pytest.raises(ValueError, match="FSDP-sharded"):

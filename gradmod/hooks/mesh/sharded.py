@@ -2,7 +2,7 @@
 and the layouts gradmod refuses.
 
 Each rank holds one piece of such a parameter and of its ``.grad``. Element-wise
-transforms run on the pieces unchanged; reductions go through ``gradmod.hooks.mesh``;
+transforms run on the pieces unchanged; reductions go through ``gradmod.hooks.mesh.reductions``;
 what reads numbers to the host needs the full tensor's values: ``plain`` for a value
 already reduced. Refused, each in one line: tensor hooks on such parameters (FSDP2 never
 fires them), rules attached before the model was sharded, a model that is one stage of a

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradmod.hooks.sharded import is_sharded
+from gradmod.hooks.mesh.sharded import is_sharded
 
 
 def local(t: Tensor) -> Tensor:
