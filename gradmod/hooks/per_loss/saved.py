@@ -1,6 +1,6 @@
 """What the training forwards leave for the per_loss stage's backward.
 
-The first training forward is traced once (``gradmod.hooks.tracing.param_uses``): a Linear with
+The first training forward is traced once (``gradmod.hooks.trace.first_forward.param_uses``): a Linear with
 torch's own forward may be answered from its (input, output gradient) pairs only when every
 use of its weight and bias ran inside its own forward and no other module holds them: not
 attention's ``out_proj`` (used inside ``F.multi_head_attention_forward``), not a weight also
@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradmod.hooks.per_loss.entries import Layer
 from gradmod.hooks.per_loss.loss_rules import LossRule
-from gradmod.hooks.tracing import followed_forward, param_uses
+from gradmod.hooks.trace.first_forward import followed_forward, param_uses
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)  # held, never called
 

@@ -1,7 +1,7 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
 ``stage`` runs it (``sample_rules``: its rules and what they refuse), ``layers`` holds each layer type's form (``register_form`` adds one),
-``assign`` decides (from ``gradmod.hooks.tracing``) which module call answers for each parameter, ``stats``
+``assign`` decides (from ``gradmod.hooks.trace.first_forward``) which module call answers for each parameter, ``stats``
 holds ``per_sample_clip`` and the per-example ``log``; ``replace_batchnorm`` makes a
 BatchNorm model usable.
 """

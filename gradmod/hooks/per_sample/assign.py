@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
-from gradmod.hooks.tracing import PACKED, UNKNOWN, Trace
+from gradmod.hooks.trace.first_forward import PACKED, UNKNOWN, Trace
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gradmod.hooks.tracing import Trace, same_output, trace
+from gradmod.hooks.trace.first_forward import Trace, same_output, trace
 
 
 def _relative(m: nn.Module) -> bool:

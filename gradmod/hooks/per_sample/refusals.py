@@ -10,7 +10,7 @@ from torch import nn
 
 from gradmod.hooks.per_sample.assign import Layer
 from gradmod.hooks.per_sample.replay import FuncForm
-from gradmod.hooks.tracing import Trace
+from gradmod.hooks.trace.first_forward import Trace
 
 
 def _path(model: nn.Module, m: nn.Module) -> str:

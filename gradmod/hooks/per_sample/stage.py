@@ -31,7 +31,7 @@ from gradmod.hooks.per_sample.scores import KeepsScores, keeper, watch_outputs
 from gradmod.hooks.per_sample.stats import PerSampleClip, buffers, record
 from gradmod.hooks.per_sample.trainable import Trainable, all_trainable
 from gradmod.hooks.stage import Core, Loop, Stage
-from gradmod.hooks.tracing import (
+from gradmod.hooks.trace.first_forward import (
     batch_dim,
     batch_size,
     broadcasts_alike,

@@ -24,7 +24,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.output_leaves import PLAIN, alike, kept
+from gradmod.hooks.trace.output_leaves import PLAIN, alike, kept
 
 UNKNOWN = "?"
 PACKED = "packed"  # a PackedSequence where a tensor's shape would be
