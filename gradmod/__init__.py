@@ -26,7 +26,7 @@ _FACE = {
     "load_rules": "gradmod.hooks",
     "register": "gradmod.hooks.registry",
     "GroupTransform": "gradmod.hooks.fused.group",
-    "Method": "gradmod.hooks.per_loss.methods",
+    "Method": "gradmod.hooks.per_loss.methods.bases",
     "Form": "gradmod.hooks.per_sample.form",
     "register_form": "gradmod.hooks.per_sample.layers",
     "optimizer": "gradmod.optim",

@@ -10,12 +10,12 @@ for a transform no rule names.
 """
 
 _T = "gradmod.hooks.transforms"
-_METHODS = "gradmod.hooks.per_loss.methods"
-_WEIGHTINGS = "gradmod.hooks.per_loss.weightings"
-_GRAMIAN = "gradmod.hooks.per_loss.gramian_weightings"
-_AGGREGATORS = "gradmod.hooks.per_loss.aggregators"
-_SIMPLEX = "gradmod.hooks.per_loss.simplex_steps"
-_SCALARIZATIONS = "gradmod.hooks.per_loss.scalarizations"
+_METHODS = "gradmod.hooks.per_loss.methods.bases"
+_WEIGHTINGS = "gradmod.hooks.per_loss.methods.loss_weightings"
+_GRAMIAN = "gradmod.hooks.per_loss.methods.gramian_weightings"
+_AGGREGATORS = "gradmod.hooks.per_loss.methods.aggregators"
+_SIMPLEX = "gradmod.hooks.per_loss.methods.simplex_steps"
+_SCALARIZATIONS = "gradmod.hooks.per_loss.methods.scalarizations"
 _GROUP = "gradmod.hooks.fused.group"
 _HISTORY = "gradmod.hooks.fused.norm_history"
 _PER_SAMPLE = "gradmod.hooks.per_sample.stats"
@@ -67,17 +67,17 @@ SHIPPED = (
     ("dualproj", "per_loss", f"{_GRAMIAN}:DualProj", {}),
     ("cagrad", "per_loss", f"{_GRAMIAN}:CAGrad", {}),
     ("gradvac", "per_loss", f"{_GRAMIAN}:GradVac", {}),
-    ("nash_mtl", "per_loss", "gradmod.hooks.per_loss.nash_mtl:NashMTL", {}),
+    ("nash_mtl", "per_loss", "gradmod.hooks.per_loss.methods.nash_mtl:NashMTL", {}),
     ("config", "per_loss", f"{_AGGREGATORS}:ConFIG", {}),
     ("fairgrad", "per_loss", f"{_AGGREGATORS}:FairGrad", {}),
     ("krum", "per_loss", f"{_AGGREGATORS}:Krum", {}),
-    ("pcd", "per_loss", "gradmod.hooks.per_loss.pcd:PCD", {}),
+    ("pcd", "per_loss", "gradmod.hooks.per_loss.methods.pcd:PCD", {}),
     ("modo", "per_loss", f"{_SIMPLEX}:MoDo", {}),
     ("sdmgrad", "per_loss", f"{_SIMPLEX}:SDMGrad", {}),
     # Smoothing: another method's weights averaged across steps (a Gramian method's, excess_mtl's, a loss weighting's).
     ("crmogm", "per_loss", f"{_SIMPLEX}:CRMOGM", {}),
     # Aggregators: the update from the task gradients themselves.
-    ("graddrop", "per_loss", "gradmod.hooks.per_loss.graddrop:GradDrop", {}),
+    ("graddrop", "per_loss", "gradmod.hooks.per_loss.methods.graddrop:GradDrop", {}),
     ("trimmed_mean", "per_loss", f"{_AGGREGATORS}:TrimmedMean", {}),
     ("excess_mtl", "per_loss", f"{_AGGREGATORS}:ExcessMTL", {}),
     # Loss weightings: from the loss values alone.

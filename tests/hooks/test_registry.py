@@ -12,7 +12,7 @@ from torch import nn
 from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import GroupTransform
-from gradmod.hooks.per_loss.methods import Method
+from gradmod.hooks.per_loss.methods.bases import Method
 from gradmod.hooks.rules.targets import build_targets
 
 
@@ -137,7 +137,7 @@ def test_stages_act_in_the_table_order_and_the_plan_lists_them_so():
 def test_one_door_registers_every_kind_and_exports_the_base_classes():
     import gradmod
     from gradmod.hooks.fused.group import GroupTransform as Group
-    from gradmod.hooks.per_loss.methods import Method
+    from gradmod.hooks.per_loss.methods.bases import Method
     from gradmod.hooks.per_sample.layers import Form, register_form
 
     assert (gradmod.GroupTransform, gradmod.Method, gradmod.Form) == (Group, Method, Form)

@@ -118,7 +118,7 @@ def per_loss_method(name: str | dict) -> bool:
     """Whether this build has the per_loss stage's method ``name`` (pcgrad, mgda, ..., or a
     rule's entry with its arguments: ``{name: krum, n_byzantine: 0}``)."""
     try:
-        from gradmod.hooks.per_loss.methods import is_method
+        from gradmod.hooks.per_loss.methods.bases import is_method
     except ImportError:  # a build without the per_loss stage
         return False
     return is_method(name if isinstance(name, str) else name.get("name"))

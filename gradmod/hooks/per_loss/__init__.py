@@ -4,14 +4,12 @@
 ``entries``), each rule's update from them (``combine``), the rest's backward (``rest``),
 each handed the call's frozen ``backward.Backward``; ``saved`` holds what the forward left,
 ``reach`` the walks of the autograd graph from the losses. ``loss_rules`` groups and checks
-its rules; ``methods`` holds the three base classes (``GramianWeighting``, ``Aggregator``,
-``LossWeighting``), ``gramian_weightings``, ``nash_mtl``, ``graddrop`` and ``weightings``
-the shipped methods (``gradmod.register(name, factory, kind="per_loss")`` adds one of
-one's own).
+its rules; ``methods/`` holds the methods, a file per family
+(``gradmod.register(name, factory, kind="per_loss")`` adds one of one's own).
 """
 
 from gradmod.hooks.per_loss.loss_rules import LossRule
-from gradmod.hooks.per_loss.methods import is_method, names
+from gradmod.hooks.per_loss.methods.bases import is_method, names
 from gradmod.hooks.per_loss.stage import PerLossStage
 
 __all__ = ["LossRule", "PerLossStage", "is_method", "names"]

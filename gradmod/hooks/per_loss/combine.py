@@ -18,7 +18,7 @@ from torch import Tensor
 from gradmod.hooks.per_loss.backward import Backward
 from gradmod.hooks.per_loss.entries import Entry, OutputEntry, Replace
 from gradmod.hooks.per_loss.loss_rules import LossRule
-from gradmod.hooks.per_loss.methods import Aggregator, GramianWeighting, MatrixWeighting
+from gradmod.hooks.per_loss.methods.bases import Aggregator, GramianWeighting, MatrixWeighting
 
 
 def combine(call: Backward, rule: LossRule, entries: list[Entry]) -> Replace:

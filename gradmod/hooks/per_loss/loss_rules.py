@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from gradmod.hooks.per_loss.methods import GramianWeighting, LossWeighting, Method
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, LossWeighting, Method
 from gradmod.hooks.per_loss.record import TaskRecord
 
 

@@ -27,7 +27,7 @@ from gradmod.hooks.per_loss.backward import Backward
 from gradmod.hooks.per_loss.combine import combine
 from gradmod.hooks.per_loss.entries import OutputEntry, Replace
 from gradmod.hooks.per_loss.loss_rules import LossRule
-from gradmod.hooks.per_loss.methods import LossWeighting
+from gradmod.hooks.per_loss.methods.bases import LossWeighting
 from gradmod.hooks.per_loss.reach import SHARED, loss_owners
 
 Root = tuple[Tensor, list[float] | None]  # a tensor and the weights its backward starts from (None: a scalar's 1)

@@ -41,7 +41,7 @@ from gradmod.hooks.per_loss.combine import combine
 from gradmod.hooks.per_loss.entries import Layer, Replace
 from gradmod.hooks.per_loss.in_projection import split_in_projections
 from gradmod.hooks.per_loss.loss_rules import check_targets, per_loss_rules
-from gradmod.hooks.per_loss.methods import LossWeighting
+from gradmod.hooks.per_loss.methods.bases import LossWeighting
 from gradmod.hooks.per_loss.reach import head_edges
 from gradmod.hooks.per_loss.record import TaskRecord
 from gradmod.hooks.per_loss.rest import one_pass, rest_backward

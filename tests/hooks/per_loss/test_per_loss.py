@@ -17,7 +17,7 @@ from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
 
 import gradmod
-from gradmod.hooks.per_loss import methods as M
+from gradmod.hooks.per_loss.methods import bases as M
 
 SEEDED = {"pcgrad", "random", "graddrop", "gradvac"}  # draw from the generator: same seed, same draws
 SOLVER = {"cagrad", "nash_mtl"}  # a numerical solver on both sides: 1e-4
@@ -74,7 +74,7 @@ def test_dual_cone_weights_equal_torchjd_with_many_tasks(name, k):
 def test_bound_qps_meet_the_optimality_conditions():
     """v >= u, the multipliers H v >= 0 on the bounds and 0 off them, on ill-conditioned and
     degenerate H too (repeated, opposite and zero task gradients)."""
-    from gradmod.hooks.per_loss import solvers
+    from gradmod.hooks.per_loss.methods import solvers
 
     rng = np.random.default_rng(0)
     for trial in range(400):
@@ -296,7 +296,7 @@ def test_a_per_task_argument_that_does_not_fit_is_one_line(method, when, words):
 def test_the_weightings_host_adam_equals_torchs_adam_and_resumes_it(weight_decay):
     """uw's and famo's Adam on host floats equals ``torch.optim.Adam`` in float64 to rounding,
     and each resumes from the other's state dict (a checkpoint either way)."""
-    from gradmod.hooks.per_loss.weightings import HostAdam
+    from gradmod.hooks.per_loss.methods.loss_weightings import HostAdam
 
     g = torch.Generator().manual_seed(0)
     start = [0.3, -0.2, 0.0, 1.5]

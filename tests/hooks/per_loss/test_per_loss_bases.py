@@ -11,7 +11,7 @@ from torch import nn
 
 import gradmod
 from gradmod.hooks import registry
-from gradmod.hooks.per_loss.methods import Aggregator, GramianWeighting, LossWeighting
+from gradmod.hooks.per_loss.methods.bases import Aggregator, GramianWeighting, LossWeighting
 
 
 class Shared(nn.Module):

@@ -186,7 +186,7 @@ def test_a_modules_rule_with_a_loss_weighting_weights_the_output_gradient(name):
     model = SharedTrunk().double()
     ref = copy.deepcopy(model)
     hooks = gradmod.attach(model, {"rep": {"modules": "trunk", "stage": "per_loss", "transforms": [name]}})
-    method = gradmod.hooks.per_loss.methods.build(name, {})
+    method = gradmod.hooks.per_loss.methods.bases.build(name, {})
     for step in range(4):
         model.zero_grad()
         ref.zero_grad()
@@ -407,7 +407,7 @@ def test_a_compiled_model_gets_the_eager_models_gradients(rule):
 
 def test_a_malformed_method_is_refused_when_registered_or_attached():
     from gradmod.hooks import registry
-    from gradmod.hooks.per_loss.methods import Method
+    from gradmod.hooks.per_loss.methods.bases import Method
 
     class NotAMethod:
         kind = "gramian"

@@ -18,7 +18,7 @@ from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
 
 import gradmod
-from gradmod.hooks.per_loss import methods as M
+from gradmod.hooks.per_loss.methods import bases as M
 
 
 def _f64(values: list[float]) -> torch.Tensor:
@@ -165,7 +165,7 @@ def test_pcd_equals_torchjd_where_its_tests_know_the_answer(rows, tau, eps):
 def test_pcd_active_set_meets_the_optimality_conditions():
     """``[1, mu]`` with ``mu >= 0``, every constraint held, complementary slackness, on random
     Gramians of 2 to 8 tasks."""
-    from gradmod.hooks.per_loss.pcd import dual_active_set
+    from gradmod.hooks.per_loss.methods.pcd import dual_active_set
 
     g = torch.Generator().manual_seed(0)
     for k in range(2, 9):

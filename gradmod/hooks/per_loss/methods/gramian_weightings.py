@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss import solvers
-from gradmod.hooks.per_loss.methods import GramianWeighting, _check, _needs
+from gradmod.hooks.per_loss.methods import solvers
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _needs
 
 
 class PCGrad(GramianWeighting):

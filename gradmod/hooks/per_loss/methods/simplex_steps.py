@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss import methods as M
-from gradmod.hooks.per_loss.methods import GramianWeighting, _check, _one_per_task, _per_task
+from gradmod.hooks.per_loss.methods import bases as M
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _one_per_task, _per_task
 
 
 def project_onto_simplex(y: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from gradmod.hooks.per_loss.methods import GramianWeighting, _check, _per_task
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _per_task
 
 PRECISION = 10.0 * float(np.finfo(np.float64).eps)  # of a float64 Gramian: below it, a direction is 0
 

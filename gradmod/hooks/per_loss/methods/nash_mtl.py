@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods import GramianWeighting, _check, _needs
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _needs
 
 SOLVED = {0, 10, -1}  # ECOS's exit flags with a solution: optimal, inaccurate, at the iteration limit
 

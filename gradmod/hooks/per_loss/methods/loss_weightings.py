@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods import LossWeighting, _check, _one_per_task, _per_task
+from gradmod.hooks.per_loss.methods.bases import LossWeighting, _check, _one_per_task, _per_task
 
 
 class Mean(LossWeighting):

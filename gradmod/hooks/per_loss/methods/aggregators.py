@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods import (
+from gradmod.hooks.per_loss.methods.bases import (
     Aggregator,
     GramianWeighting,
     MatrixWeighting,

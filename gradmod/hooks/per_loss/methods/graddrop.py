@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods import Aggregator, _one_per_task, _per_task
+from gradmod.hooks.per_loss.methods.bases import Aggregator, _one_per_task, _per_task
 
 
 class GradDrop(Aggregator):

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods import LossWeighting, _check, _one_per_task, _per_task
-from gradmod.hooks.per_loss.weightings import HostAdam
+from gradmod.hooks.per_loss.methods.bases import LossWeighting, _check, _one_per_task, _per_task
+from gradmod.hooks.per_loss.methods.loss_weightings import HostAdam
 
 COS_EPS = 1e-8  # torch's cosine_similarity: each vector over max(|v|, eps)
 PBI_EPS = 1e-12  # torchjd's PBI: under the root of d2, so its gradient stays finite on the direction
