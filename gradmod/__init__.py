@@ -27,8 +27,8 @@ _FACE = {
     "register": "gradmod.hooks.registry",
     "GroupTransform": "gradmod.hooks.fused.group",
     "Method": "gradmod.hooks.per_loss.methods.bases",
-    "Form": "gradmod.hooks.per_sample.form",
-    "register_form": "gradmod.hooks.per_sample.layers",
+    "Form": "gradmod.hooks.per_sample.forms.base",
+    "register_form": "gradmod.hooks.per_sample.forms.layers",
     "optimizer": "gradmod.optim",
 }
 # Named by the privacy guide and by the one line that refuses DP-SGD under another trainer.

@@ -138,7 +138,7 @@ def test_one_door_registers_every_kind_and_exports_the_base_classes():
     import gradmod
     from gradmod.hooks.fused.group import GroupTransform as Group
     from gradmod.hooks.per_loss.methods.bases import Method
-    from gradmod.hooks.per_sample.layers import Form, register_form
+    from gradmod.hooks.per_sample.forms.layers import Form, register_form
 
     assert (gradmod.GroupTransform, gradmod.Method, gradmod.Form) == (Group, Method, Form)
     assert gradmod.register_form is register_form and gradmod.register is registry.register

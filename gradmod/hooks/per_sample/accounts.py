@@ -6,7 +6,7 @@ After each backward: every parameter autograd gave a gradient came through a fol
 autograd's, whole (``check_sums``). At every later one: the same along one random direction
 per parameter (``Probed``, see ``probes``), so a use that starts after the first backward (a
 weight used functionally, or in the loss, from some step on) is refused too; a hung weight
-(``aliases.hang``) whose gradient is the very tensor its one call gave needs no probe.
+(``detached_weights.hang``) whose gradient is the very tensor its one call gave needs no probe.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Probed:
         self.ours: dict[int, Tensor] = {}  # id -> sum_i <g_i, R>
         self.spread: dict[int, Tensor] = {}  # id -> sum_i |g_i| (the rounding's scale)
         self.unchecked: set[int] = set()
-        self.hung: set[int] = set()  # ids whose followed calls give their gradient (``aliases.hang``)
+        self.hung: set[int] = set()  # ids whose followed calls give their gradient (``detached_weights.hang``)
         self.given: dict[int, list[Tensor]] = {}  # id -> the gradients those calls gave in this backward
         self.pending: tuple[list[str], Tensor, Any] | None = None  # CUDA: flags read one backward later
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_sample.layers import FUNC, Form, form_of
+from gradmod.hooks.per_sample.forms.layers import FUNC, Form, form_of
 from gradmod.hooks.trace.first_forward import PACKED, UNKNOWN, Trace
 
 
@@ -34,7 +34,9 @@ class Layer:
     broadcast: bool = False  # called without the batch (one row); its output is expanded to the batch
     rows: tuple[int, ...] | None = None  # with broadcast: which output tensors (None: the one output)
     materialised: bool | None = None  # at its last backward: per-example tensors formed (None: none yet)
-    hung: list = field(default_factory=list)  # the parameters its running call took detached (``aliases.hang``)
+    hung: list = field(
+        default_factory=list
+    )  # the parameters its running call took detached (``detached_weights.hang``)
 
     @property
     def first_in(self) -> Any:
@@ -229,8 +231,8 @@ def path_of(layer: Layer, where: str) -> str:
     form`` (per-example weights from the call's input and output gradient), ``Gram`` (norms
     without them: Gram matrices or ``|a_i||b_i|``, the clipped sum as one matmul), ``replay``
     (an RNN's recurrence replayed once), ``general`` (torch.func over ``where``: the slow path)."""
-    from gradmod.hooks.per_sample.layers import RNNForm
-    from gradmod.hooks.per_sample.replay import FuncForm
+    from gradmod.hooks.per_sample.forms.layers import RNNForm
+    from gradmod.hooks.per_sample.forms.replay import FuncForm
 
     if isinstance(layer.form, FuncForm):
         path = f"general: torch.func over {where}"

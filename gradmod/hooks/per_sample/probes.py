@@ -10,7 +10,7 @@ without forming ``g_i`` (a rank-one ``R`` turns a Linear's ``sum_t (u . b_t)(v .
 matrix-vector products). A use outside the followed calls adds ``<e, R>`` to one side only:
 nonzero for any ``e`` but a set of measure zero of directions. Layers without a probe here
 (a registered form that answers without per-example tensors) are checked at the first backward only.
-A weight whose calls give its gradient themselves (``aliases.hang``) needs no probe where the
+A weight whose calls give its gradient themselves (``detached_weights.hang``) needs no probe where the
 gradient autograd hands over is the one tensor its call gave: nothing else reached it.
 """
 
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradmod.hooks.per_sample import attention
-from gradmod.hooks.per_sample import layers as L
+from gradmod.hooks.per_sample.forms import attention
+from gradmod.hooks.per_sample.forms import layers as L
 
 Probe = tuple[Tensor, ...]  # (u, v): R = u v^T over (dim 0, the rest); (r,): R = r
 

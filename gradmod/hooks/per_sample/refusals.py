@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from gradmod.hooks.per_sample.assign import Layer
-from gradmod.hooks.per_sample.replay import FuncForm
+from gradmod.hooks.per_sample.forms.replay import FuncForm
 from gradmod.hooks.trace.first_forward import Trace
 
 

@@ -1,15 +1,17 @@
 """The per_sample stage: each example's gradient, clipped, summed and noised (DP-SGD).
 
 A forward hook on every module that holds a parameter of a per_sample rule keeps its input (detached)
-and hooks its outputs for their gradients (attention records its projections'). After each backward:
-per rule each example's norm over all the rule's parameters (flat clipping), the factors
-``min(1, C / (|g_i| + 1e-6))``, and ``sum_i c_i g_i`` (one weighted matmul per layer) into the step's
-sums, in place of autograd's ``.grad``. ``finish()`` adds ``N(0, (sigma C)^2)`` once and divides by
-the step's (expected) number of examples. Nothing per example outlives its backward but ``scores``."""
+and hooks its outputs for their gradients (attention records its projections'). Each backward ends in
+its checks (``_check_arrivals``: every gradient came through a followed call; the sums against autograd's
+at the first backward, along probe directions later), around ``_clip_and_accumulate``: per rule each
+example's norm over all the rule's parameters (flat clipping, ``examples``), the factors
+``min(1, C / (|g_i| + 1e-6))`` and ``sum_i c_i g_i`` (one weighted matmul per layer) into the step's sums,
+in place of autograd's ``.grad``. ``finish()``, once a step: ``_add_noise`` (``N(0, (sigma C)^2)``), then
+``_scale`` by the step's (expected) number of examples. Nothing per example outlives its backward but
+``scores``."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,13 +21,15 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.per_sample import position_bias, refusals, tied
+from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums, refuse_arrivals
-from gradmod.hooks.per_sample.aliases import detach_during, detachable, formed_sums, hang
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
-from gradmod.hooks.per_sample.attention import follow
-from gradmod.hooks.per_sample.form import Inputs, PerExample, rows_norm2
-from gradmod.hooks.per_sample.layers import batch_dependent
+from gradmod.hooks.per_sample.detached_weights import detach_during, detachable, formed_sums, hang
+from gradmod.hooks.per_sample.examples import PerExampleSums, Seen
+from gradmod.hooks.per_sample.forms import position_bias
+from gradmod.hooks.per_sample.forms.attention import follow
+from gradmod.hooks.per_sample.forms.base import Inputs
+from gradmod.hooks.per_sample.forms.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_options, check_rule, check_targets, per_sample_rules
 from gradmod.hooks.per_sample.scores import KeepsScores, keeper, watch_outputs
 from gradmod.hooks.per_sample.stats import PerSampleClip, buffers, record
@@ -94,6 +98,7 @@ class PerSampleStage(KeepsScores, Stage):
         self._grad_eps = 0.0  # the coarsest rounding of the output gradients seen (bf16 under autocast)
         self._verify = True  # the first backward checks the followed calls against autograd
         self._probed = Probed()  # every later one along a random direction per parameter
+        self._sums_of = PerExampleSums(self._rule_of, self._trainable, self._probed)
         self._queued = self._tracing = self._broadcast = self._empty = False  # _empty: a zero-example forward ran
         self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
@@ -195,7 +200,7 @@ class PerSampleStage(KeepsScores, Stage):
 
     def _follow(self, layer: Layer, inputs: Any, outs: list[Tensor], hung: list[Tensor] | None = None) -> None:
         """A call of ``layer`` to clip at the end of the backward: its output gradients hooked,
-        its output hung from the parameters in ``hung`` (run detached: ``aliases.hang``)."""
+        its output hung from the parameters in ``hung`` (run detached: ``detached_weights.hang``)."""
         self._calls.append(call := Call.of(layer, inputs, outs))
         if hung:
             self._probed.hung.update(id(p) for p in hung)
@@ -242,133 +247,99 @@ class PerSampleStage(KeepsScores, Stage):
         return hook
 
     def _end_backward(self) -> None:
-        """Clip this backward's per-example gradients into the step's sums."""
+        """Once per backward: every gradient accounted for, then each example's clipped into the step's sums."""
         calls = [c for c in self._calls if any(g is not None for g in c.grads) and self._trainable.names(c.layer)]
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
         got, self._got = self._got, {}
-        covered = {id(p) for c in calls for p in self._trainable.names(c.layer).values()}
-        check_covered(self._names, covered, got, self.layers is not None)
-        refuse_arrivals(got, set() if self._verify else self._detached, self._names)
+        self._check_arrivals(calls, got)
         if not calls:
             return
-        bsz = self._clip(calls, got if self._verify else None)
-        self._verify = self._verify and not bsz
+        seen = self._sums_of.seen(calls, self.rules, self.loss_reduction, self._verify, self._detached)
+        self._empty = self._empty or seen is None  # an empty batch: nothing to clip (the step may still add noise)
+        if seen is not None:
+            if self._verify:  # the first backward: against autograd's whole gradients
+                check_sums(
+                    self._sums_of.weighted(seen, seen.ones()), got, self._names, self._batch_dependent, self._grad_eps
+                )
+            self._clip_and_accumulate(seen, probe=not self._verify)
+            if not self._verify:  # every later one: along each parameter's probe direction
+                self._probed.check(self._names, self._batch_dependent, self._grad_eps)
+            self._record(seen)
+            self._verify = False
         for r in self.rules:  # the batch gradient autograd accumulated is replaced by the sums
             if r.clip is not None:
                 for p in r.params:
                     p.grad = None
-        self.examples += bsz
+        self.examples += seen.batch if seen is not None else 0
 
-    def _clip(self, calls: list[Call], got: dict[int, Tensor | None] | None = None) -> int:
-        bsz = calls[0].batch()
-        if bsz == 0:  # an empty batch: no example, nothing to clip (the step may still add noise)
-            self._empty = True
-            return 0
-        scale = float(bsz) if self.loss_reduction == "mean" else 1.0  # per-example = scale * what b gives
-        dtype = torch.promote_types(calls[0].shapes[0][1], torch.float32)  # norms in float32 or better
-        norms2 = {r.name: torch.zeros(bsz, dtype=dtype, device=calls[0].shapes[0][2]) for r in self.rules}
-        ghost, full = self._norms(calls, norms2)
-        norms = {r: v.sqrt() * scale for r, v in norms2.items()}
+    def _check_arrivals(self, calls: list[Call], got: dict[int, Tensor | None]) -> None:
+        """Every gradient of a rule's parameter came through a call the stage follows."""
+        covered = {id(p) for c in calls for p in self._trainable.names(c.layer).values()}
+        check_covered(self._names, covered, got, self.layers is not None)
+        refuse_arrivals(got, set() if self._verify else self._detached, self._names)
+
+    def _clip_and_accumulate(self, seen: Seen, probe: bool) -> None:
+        """``sum_i min(1, C / (|g_i| + eps)) g_i`` per clipping rule, added to the step's sums;
+        ``probe``: the plain sums along the probe directions in the same pass."""
         clip = {
-            r.name: (r.clip.max_norm / (norms[r.name] + EPS)).clamp(max=1.0) * scale
+            r.name: (r.clip.max_norm / (seen.norms[r.name] + EPS)).clamp(max=1.0) * seen.scale
             for r in self.rules
             if r.clip is not None
         }
-        if got is not None:
-            ones = {r.name: torch.ones_like(norms[r.name]) for r in self.rules}
-            check_sums(self._weighted(ghost, full, ones), got, self._names, self._batch_dependent, self._grad_eps)
-        for p, g in self._weighted(ghost, full, clip, got is None).items():
+        for p, g in self._sums_of.weighted(seen, clip, probe).items():
             self._sums[id(p)] = g if id(p) not in self._sums else self._sums[id(p)] + g
-        if got is None:
-            self._probed.check(self._names, self._batch_dependent, self._grad_eps)
-        self._record(ghost, full, norms, scale)
-        return bsz
 
-    def _norms(self, calls: list[Call], norms2: dict[str, Tensor]) -> tuple[list, dict[nn.Parameter, Tensor]]:
-        """Add each call's squared per-example norms to its rules' ``norms2``. Returns the calls answered
-        without per-example tensors (with their output gradients), and the others' summed per parameter."""
-        seen = Counter(id(c.layer) for c in calls)
-        ghost, summed = [], PerExample()
-        pairs = tied.shared(calls) & self._trainable.live  # shared weights' cross terms
-        norms2_dtype = next(iter(norms2.values())).dtype
-        for c in calls:
-            live = self._trainable.names(c.layer)  # frozen ones take no part
-            b, form, names = c.output_grads(), c.layer.form, set(live)
-            full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
-            full_ = c.formed is not None or full_ and not any(id(p) in pairs for p in live.values())
-            c.layer.materialised = full_
-            if full_:
-                summed.add(form, c.layer.module, c.inputs, b, live, c.formed)
-            else:
-                by_name = form.norms2(c.layer.module, c.inputs, b, names)
-                for n, v in by_name.items():
-                    norms2[self._rule_of[id(c.layer.names[n])].name] += v.to(norms2_dtype)
-                ghost.append((c, b))
-                if not (self._verify or {id(p) for p in live.values()} <= self._detached):  # (else refused)
-                    self._probed.ghost(c.layer, c.inputs, b, by_name)
-        for i in pairs:
-            norms2[self._rule_of[i].name] += tied.cross_norms2(i, ghost, norms2_dtype)
-        for p, g in summed.sums.items():
-            rows2 = rows_norm2(g, norms2_dtype)
-            norms2[self._rule_of[id(p)].name] += rows2
-            if not self._verify:
-                self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else g)  # (else summed when clipped)
-        return ghost, summed.sums
-
-    def _record(self, ghost, full, norms: dict[str, Tensor], scale: float) -> None:
+    def _record(self, seen: Seen) -> None:
         """The rules' statistics of this backward; ``log`` needs the mean gradient too."""
-        logs = {r.name: torch.full_like(norms[r.name], scale / norms[r.name].numel()) for r in self.rules if r.log}
-        record(self.rules, norms, self._weighted(ghost, full, logs) if logs else {})
-
-    def _weighted(self, ghost, full, weights: dict[str, Tensor], probe: bool = False) -> dict[nn.Parameter, Tensor]:
-        """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B]); ``probe``:
-        per-example tensors also summed plainly in the same pass, for the probe check."""
-        out: dict[nn.Parameter, Tensor] = {}
-        for c, b in ghost:
-            by_rule: dict[str, set[str]] = {}
-            for n, p in self._trainable.names(c.layer).items():
-                by_rule.setdefault(self._rule_of[id(p)].name, set()).add(n)
-            for rule, names in by_rule.items():
-                if rule in weights:
-                    for n, g in c.layer.form.weighted(c.layer.module, c.inputs, b, weights[rule], names).items():
-                        p = c.layer.names[n]  # a shared weight's calls add up
-                        out[p] = g.to(p.dtype) if p not in out else out[p] + g.to(p.dtype)
-        for p, g in full.items():
-            rule = self._rule_of[id(p)].name
-            if rule in weights:
-                w = weights[rule].to(g.dtype)
-                both = torch.tensordot(torch.stack([w, torch.ones_like(w)]) if probe else w, g, 1)
-                out[p] = (both[0] if probe else both).to(p.dtype)
-                self._probed.summed(p, both[1]) if probe else None
-        return out
+        norms = seen.norms
+        logs = {r.name: torch.full_like(norms[r.name], seen.scale / norms[r.name].numel()) for r in self.rules if r.log}
+        record(self.rules, norms, self._sums_of.weighted(seen, logs) if logs else {})
 
     def finish(self) -> None:
-        """Once per optimizer step: each clipping rule's params get ``(sum + noise) / n``."""
+        """Once per optimizer step, the DP step's phases (after its checks): each clipping rule's
+        sums get their noise, are reduced over the ranks and scaled by the step's examples."""
+        self._check_step()
+        n = self._divisor()
+        if n is None:
+            return
+        for r in self.rules:
+            if r.clip is not None:
+                params = [p for p in r.params if p.requires_grad]  # a frozen one keeps .grad = None
+                sums = [self._sums.pop(id(p)) if id(p) in self._sums else torch.zeros_like(p) for p in params]
+                self._add_noise(r.clip, sums)
+                if self.reduce is not None:
+                    self.reduce(sums)
+                self._scale(params, sums, n)
+        self._sums.clear()
+        self.examples = 0
+
+    def _check_step(self) -> None:
+        """The step's probes agree, and a rule's parameters were traced (else refused in one line)."""
         self._probed.settle()
         if self.layers is None and not self._empty:
             refusals.refuse_untraced(self.rules, self._names)
+
+    def _divisor(self) -> float | None:
+        """The step's (expected) number of examples; None where none was seen and none is expected
+        (each clipping rule's parameters then get zeros: no size to divide noise by)."""
+        empty, self._empty = self._empty, False
         if not self.examples and self.expected_batch_size is None:
-            for p in [p for r in self.rules if r.clip and self._empty for p in r.params if p.requires_grad]:
-                p.grad = torch.zeros_like(p)  # zero examples, no expected size to divide noise by
-            self._empty = False
-            return  # nothing seen; under Poisson sampling an empty step still gets its noise
-        self._empty = False
-        n = float(self.expected_batch_size or self.examples)
-        for r in self.rules:
-            if r.clip is None:
-                continue
-            params = [p for p in r.params if p.requires_grad]  # a frozen one keeps .grad = None
-            sums = [self._sums.pop(id(p)) if id(p) in self._sums else torch.zeros_like(p) for p in params]
-            std = r.clip.noise_multiplier * r.clip.max_norm
-            if std > 0 and self.draws_noise:
-                for s in sums:
-                    s.add_(torch.randn(s.shape, generator=self.generator, device=s.device, dtype=s.dtype), alpha=std)
-            if self.reduce is not None:
-                self.reduce(sums)
-            for p, s in zip(params, sums):
-                p.grad = s.div_(n)
-        self._sums.clear()
-        self.examples = 0
+            for p in [p for r in self.rules if r.clip and empty for p in r.params if p.requires_grad]:
+                p.grad = torch.zeros_like(p)
+            return None
+        return float(self.expected_batch_size or self.examples)
+
+    def _add_noise(self, clip: PerSampleClip, sums: list[Tensor]) -> None:
+        """``N(0, (sigma C)^2)`` added to each sum, on the ranks that draw noise."""
+        std = clip.noise_multiplier * clip.max_norm
+        if std > 0 and self.draws_noise:
+            for s in sums:
+                s.add_(torch.randn(s.shape, generator=self.generator, device=s.device, dtype=s.dtype), alpha=std)
+
+    @staticmethod
+    def _scale(params: list[nn.Parameter], sums: list[Tensor], n: float) -> None:
+        for p, s in zip(params, sums):
+            p.grad = s.div_(n)
 
     def set_up(self, loop: Loop) -> None:
         """The divisor (Poisson: the expected global batch; else the examples counted, times

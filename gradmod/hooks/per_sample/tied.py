@@ -18,7 +18,7 @@ from itertools import combinations
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_sample.layers import MATERIALISE_MAX, EmbeddingForm, LinearForm, _seq
+from gradmod.hooks.per_sample.forms.layers import MATERIALISE_MAX, EmbeddingForm, LinearForm, _seq
 
 FORMS = (LinearForm, EmbeddingForm)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from gradmod.hooks.per_sample import conv_grads
+from gradmod.hooks.per_sample.forms import conv_grads
 
 CONVS = {
     "conv1d_groups_dilation": (lambda: nn.Conv1d(4, 6, 3, stride=2, groups=2, dilation=2), (4, 11)),

@@ -14,7 +14,7 @@ from helpers import ROOT
 from torch.func import functional_call, grad, vmap
 
 from gradmod.hooks import attach
-from gradmod.hooks.per_sample import layers
+from gradmod.hooks.per_sample.forms import layers
 from gradmod.hooks.stage import Loop
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradmod.hooks.hookset import attach
-from gradmod.hooks.per_sample import layers
-from gradmod.hooks.per_sample.attention import AttentionForm
+from gradmod.hooks.per_sample.forms import layers
+from gradmod.hooks.per_sample.forms.attention import AttentionForm
 
 B, T, S, E = 4, 5, 3, 8
 
@@ -198,7 +198,7 @@ def test_a_memory_without_gradient_keeps_its_projections_followed():
 
 
 def test_a_torch_whose_attention_function_hides_its_projections_is_refused_in_one_line(monkeypatch):
-    from gradmod.hooks.per_sample import attention
+    from gradmod.hooks.per_sample.forms import attention
 
     monkeypatch.setattr(attention, "_MHA_FORWARD", F.multi_head_attention_forward)  # dispatches again
     torch.manual_seed(0)

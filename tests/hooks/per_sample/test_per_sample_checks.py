@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradmod.hooks.hookset import attach
-from gradmod.hooks.per_sample import layers as forms
+from gradmod.hooks.per_sample.forms import layers as forms
 from gradmod.hooks.per_sample.probes import ghost_probe, probe_dot, probe_for
 from tests.hooks.per_sample.test_per_sample_zoo import CASES, labels
 

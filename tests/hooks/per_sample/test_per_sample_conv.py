@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradmod.hooks.hookset import attach
-from gradmod.hooks.per_sample import layers
+from gradmod.hooks.per_sample.forms import layers
 
 CONVS = {
     "conv1d_groups_dilation": (lambda: nn.Conv1d(4, 6, 3, stride=2, groups=2, dilation=2), (4, 11)),

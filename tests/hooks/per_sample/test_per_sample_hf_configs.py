@@ -148,7 +148,7 @@ def test_dropout_inside_a_transformer_encoder_layer_is_right():
 def _scale_norms():
     import importlib
 
-    from gradmod.hooks.per_sample.layers import NAMED_FORMS, SCALE_NORM
+    from gradmod.hooks.per_sample.forms.layers import NAMED_FORMS, SCALE_NORM
 
     found = [nn.RMSNorm]
     for (module, name), form in NAMED_FORMS.items():
@@ -159,7 +159,7 @@ def _scale_norms():
 
 @pytest.mark.parametrize("norm", _scale_norms(), ids=lambda c: c.__name__)
 def test_rmsnorms_answer_in_closed_form_and_right(norm):
-    from gradmod.hooks.per_sample.layers import SCALE_NORM, form_of
+    from gradmod.hooks.per_sample.forms.layers import SCALE_NORM, form_of
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), norm(6), nn.Linear(6, 3))

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradmod.hooks import attach
-from gradmod.hooks.per_sample import layers
 from gradmod.hooks.per_sample import stage as stage_module
+from gradmod.hooks.per_sample.forms import layers
 from gradmod.models import MnistCNN
 
 SCORES = {"s": {"params": "*", "stage": "per_sample", "transforms": ["scores"]}}

@@ -12,7 +12,7 @@ from torch import nn
 
 from gradmod.hooks.hookset import attach
 from gradmod.hooks.per_sample import Form, register_form
-from gradmod.hooks.per_sample import layers as forms
+from gradmod.hooks.per_sample.forms import layers as forms
 
 RTOL = 1e-12
 

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from gradmod.hooks.per_sample.attention import AttentionForm
-from gradmod.hooks.per_sample.conv_grads import (
+from gradmod.hooks.per_sample.forms.attention import AttentionForm
+from gradmod.hooks.per_sample.forms.base import Form, broadcast_weights
+from gradmod.hooks.per_sample.forms.conv_grads import (
     gram_pays,
     output_grads,
     patches,
@@ -32,9 +33,8 @@ from gradmod.hooks.per_sample.conv_grads import (
     weight_grad,
     weight_norms2,
 )
-from gradmod.hooks.per_sample.form import Form, broadcast_weights
-from gradmod.hooks.per_sample.recurrent import RNNForm
-from gradmod.hooks.per_sample.replay import FuncForm
+from gradmod.hooks.per_sample.forms.recurrent import RNNForm
+from gradmod.hooks.per_sample.forms.replay import FuncForm
 
 # Elements of a [B, *param] tensor worth keeping during one backward: below this the
 # per-example weights (one matmul; norms and the weighted sum are then cheap) beat
@@ -59,7 +59,7 @@ def _small(bsz: int, m: nn.Module) -> bool:
 
 class LinearForm(Form):
     fresh = True
-    detaches = True  # runs on detached aliases after the first backward (``aliases``)
+    detaches = True  # runs on detached aliases after the first backward (``detached_weights``)
 
     def add_per_example(self, m, a, b, names, into):
         if "weight" not in into:
@@ -73,7 +73,7 @@ class LinearForm(Form):
     def materialises(self, m, a, b):
         """On sequences, where the per-example weights are small and cost fewer flops than the
         Gram matrices (on 2-D input |a_i||b_i| is cheaper); either way the clipped sum costs
-        one matmul as large as the weight gradient autograd is spared (``aliases``)."""
+        one matmul as large as the weight gradient autograd is spared (``detached_weights``)."""
         A, G = _seq(a, b)
         return a.dim() > 2 and _small(len(a), m) and not gram_pays(A.shape[1], A.shape[2], G.shape[2])
 
@@ -199,7 +199,7 @@ class ScaleNormForm(Form):
 class EmbeddingForm(Form):
     """Rows gathered by index: the gradient of example i adds ``b_it`` to row ``idx_it``."""
 
-    detaches = True  # runs on detached aliases after the first backward (``aliases``)
+    detaches = True  # runs on detached aliases after the first backward (``detached_weights``)
 
     fresh = True
 
@@ -243,7 +243,7 @@ class EmbeddingForm(Form):
 class Conv1DForm(Form):
     """Hugging Face's ``Conv1D``: a Linear whose weight is stored ``[in, out]``."""
 
-    detaches = True  # runs on detached aliases after the first backward (``aliases``)
+    detaches = True  # runs on detached aliases after the first backward (``detached_weights``)
 
     def materialises(self, m, a, b):
         return LINEAR.materialises(m, a, b)

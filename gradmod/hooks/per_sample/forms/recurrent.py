@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from gradmod.hooks.per_sample.form import Form, Inputs
+from gradmod.hooks.per_sample.forms.base import Form, Inputs
 
 
 class RNNForm(Form):

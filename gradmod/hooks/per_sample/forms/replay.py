@@ -10,7 +10,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
-from gradmod.hooks.per_sample.form import Form, Inputs
+from gradmod.hooks.per_sample.forms.base import Form, Inputs
 
 
 def _insert(x: Any, d: int | None) -> Any:

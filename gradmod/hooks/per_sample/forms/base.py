@@ -35,7 +35,7 @@ class Form:
     takes_packed = False  # True (whole_call too): PackedSequence inputs and outputs (dim ``PACKED``)
     fresh = False  # True: ``per_example``'s tensors are new, never views of inputs (the stage adds to them in place)
     captures = False  # True: records calls inside its module's forward (``attention``), children's params too
-    detaches = False  # True: its weights may run detached after the first backward (``aliases``)
+    detaches = False  # True: its weights may run detached after the first backward (``detached_weights``)
 
     def applies(self, m: nn.Module) -> bool:
         """Whether this form answers for ``m`` (False: ``m`` takes the general path)."""

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from gradmod.hooks.per_sample.aliases import in_graph, restore, swap
-from gradmod.hooks.per_sample.form import Form
+from gradmod.hooks.per_sample.detached_weights import in_graph, restore, swap
+from gradmod.hooks.per_sample.forms.base import Form
 
 MATERIALISE_MAX = 1 << 24  # as the Linear's: elements of [B, *param] worth keeping
 
@@ -241,7 +241,7 @@ def probe(m, a: Projections, b: list[Tensor], probes: dict, names) -> dict[str, 
 def follow(m: nn.Module, form: AttentionForm, names: dict[str, Tensor], active, done, detach) -> list:
     """Hooks that record each call of ``m`` while ``active()``: ``done(found, outputs)`` gets its
     projections and their output tensors (whose gradients the caller hooks). The parameters in
-    ``detach()`` (ids; after the first backward) run as detached aliases (``aliases``)."""
+    ``detach()`` (ids; after the first backward) run as detached aliases (``detached_weights``)."""
     dtype = next(iter(names.values())).dtype
     open_: list[tuple[_Record, list]] = []
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradmod.hooks.per_sample.form import rows_norm2
+from gradmod.hooks.per_sample.forms.base import rows_norm2
 
 # Below this many input channels per group the grouped kernel is slower than the matmul of
 # the unfolded input (measured on a CPU: 1 and 3 channels slower, 32 and 64 faster).
