@@ -29,7 +29,9 @@ MAY_IMPORT = {
     "training": {"gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "integrations": {"gradmod.integrations", "gradmod.hooks", "gradmod.training"} | BESIDE,
     "run": {"gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks", "gradmod.optim"} | BESIDE,
-    "app": {"gradmod.app", "gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks", "gradmod.optim"}
+    "analysis": {"gradmod.analysis", "gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
+    "app": {"gradmod.app", "gradmod.analysis", "gradmod.run", "gradmod.training", "gradmod.reporting"}
+    | {"gradmod.hooks", "gradmod.optim"}
     | BESIDE,
 }
 HYDRA_FLOORS = {"app"}  # the one floor (besides ./train.py) that imports hydra and omegaconf
@@ -78,7 +80,14 @@ def test_beside_modules_import_no_floor_above_them():
     for path in beside + list((PKG / "capture").glob("*.py")) + list((PKG / "testing").glob("*.py")):
         imported, name = _imports(path), path.name
         assert not any(i.split(".")[0] in ("hydra", "omegaconf") for i in imported), name
-        floors = ("gradmod.app", "gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.integrations")
+        floors = (
+            "gradmod.app",
+            "gradmod.analysis",
+            "gradmod.run",
+            "gradmod.training",
+            "gradmod.reporting",
+            "gradmod.integrations",
+        )
         assert not any(i.startswith(floors) for i in imported), name
 
 
@@ -218,7 +227,7 @@ def test_no_stage_room_names_another():
 
     bad = []
     for name in stages.names(available_only=False):
-        for path in sorted((PKG / "hooks" / name).glob("*.py")):
+        for path in sorted((PKG / "hooks" / name).rglob("*.py")):
             tree = ast.parse(path.read_text())
             messages = {id(c) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for c in ast.walk(n)}
             others = {
@@ -232,7 +241,7 @@ def test_no_stage_room_names_another():
             rooms = {i.split(".")[2] for i in _imports(path) if i.startswith("gradmod.hooks.") and i.count(".") >= 3}
             others |= (rooms & set(stages.names())) - {name}
             if others:
-                bad.append(f"hooks/{name}/{path.name} names {sorted(others)}")
+                bad.append(f"{path.relative_to(PKG)} names {sorted(others)}")
     assert not bad, "; ".join(bad)
 
 
@@ -330,6 +339,18 @@ def test_modules_and_functions_are_short():
                 if node.end_lineno - start + 1 > FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.name}: {node.end_lineno - start + 1} lines")
     assert not long, "; ".join(long)
+
+
+FOLDER_MODULES = 16  # past this many, a folder wants a shelf (a room of its own), not a longer pile
+
+
+def test_no_folder_is_a_pile():
+    """Every package folder (gradmod's and the benchmarks') holds at most ``FOLDER_MODULES``
+    modules besides its ``__init__``, so growth finds a shelf."""
+    folders = {p.parent for p in [*PKG.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]}
+    counts = {f: len([p for p in f.glob("*.py") if p.name != "__init__.py"]) for f in folders}
+    piles = [f"{f.relative_to(ROOT)}: {n} modules" for f, n in sorted(counts.items()) if n > FOLDER_MODULES]
+    assert not piles, "; ".join(piles)
 
 
 def test_the_hook_tests_mirror_the_stage_rooms():

@@ -5,7 +5,7 @@
 folder joins it through ``--config-dir`` or ``hydra.searchpath``) and run ``job`` on it; ``job``
 checks the config (``validate``) and trains (``gradmod.run.runner.execute``, which settles
 the run's ending once and returns it as a value). Every ending is one line on stderr and
-an exit status (``gradmod.run.endings``): a config error found
+an exit status (``gradmod.run.folder.endings``): a config error found
 while Hydra composes, or bad input found before training, exits 2; a failed file
 operation or an error raised in the user's own code 1 (``train.log`` keeps the
 traceback); a diverged run 3; a signal 128 + its number. A bug in gradmod keeps its
@@ -52,10 +52,10 @@ from gradmod.app.sweep_callback import report_cut_short, stop_asked, stop_sweep
 from gradmod.install import BrokenInstall, gradmod_version
 from gradmod.reporting import sweep_jobs
 from gradmod.reporting.sweep_report import launcher_threads
-from gradmod.training.ranks import env_rank, follower_overrides
+from gradmod.training.distributed.ranks import env_rank, follower_overrides
 
 if TYPE_CHECKING:
-    from gradmod.run import endings
+    from gradmod.run.folder import endings
 
 # Loaded once Hydra has composed the config (torch and the rest of training: seconds), so
 # that a config error is reported in a second; a sweep loads it before its jobs fork.
@@ -223,7 +223,7 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
     the log. A failed job of a sweep keeps its traceback in its train.log, and the sweep's
     console gets its one line (``_sweep_job``); the sweep goes on."""
     runner = _training(lambda: importlib.import_module(TRAINING))  # torch: after Hydra composed the config
-    from gradmod.run.folder import may_write
+    from gradmod.run.folder.claim import may_write
     from gradmod.training.interrupt import Interrupted
 
     with JobFiles(HydraConfig.get(), cfg) as files:
@@ -265,7 +265,7 @@ def _conclude(ending: endings.Ending) -> dict[str, Any]:
 
 
 def _say(e: BaseException) -> None:
-    from gradmod.run import endings
+    from gradmod.run.folder import endings
     from gradmod.training.interrupt import Interrupted
 
     print(("" if isinstance(e, Interrupted) else "error: ") + endings.message(e), file=sys.stderr)
@@ -286,7 +286,7 @@ def _to_log_files(e: BaseException, sweep_job: bool) -> None:
     """The ending's line in the run's log files (the terminal gets it once, from ``job``);
     the traceback too, unless the error is a signal or, outside a sweep, bad input, whose
     line says it all (a sweep's console shows a failed job's line only)."""
-    from gradmod.run import endings
+    from gradmod.run.folder import endings
     from gradmod.training.interrupt import Interrupted
 
     status = endings.exit_status(e)
@@ -308,7 +308,7 @@ def describe(e: BaseException) -> str:
     if isinstance(e, BrokenInstall):
         return str(e)
     if _config_status(e) == 1:  # logging's "Unable to configure handler 'file'" hides the path
-        from gradmod.run import endings
+        from gradmod.run.folder import endings
 
         return endings.describe_os_error(e if isinstance(e, OSError) else e.__cause__)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file:

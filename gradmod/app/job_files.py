@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from gradmod.app.config_store import as_built
-from gradmod.run import atomic
+from gradmod.run.folder import atomic
 
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's job log format
 

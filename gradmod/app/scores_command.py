@@ -1,5 +1,5 @@
 """``gradmod scores RUN``: TracIn self-influence of a finished run's training examples over its
-checkpoints, into the run folder (``gradmod.run.score_report``; docs/guide/scores.md).
+checkpoints, into the run folder (``gradmod.analysis.score_report``; docs/guide/scores.md).
 
 Bad input ends in one line on stderr: exit 2 (not a run folder, no checkpoints, data that is
 not the run's, a value out of range), exit 1 for a file that cannot be read or written.
@@ -41,8 +41,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from gradmod.run import endings
-    from gradmod.run.score_report import score_run
+    from gradmod.analysis.score_report import score_run
+    from gradmod.run.folder import endings
 
     try:
         result = score_run(

@@ -1,1 +1,2 @@
-"""One run: claim its folder, check a resume before the first write, build its objects, write its ending."""
+"""One run: the typed config (``config``, ``checks``), building it (``runner``, ``setup``, ``factories``,
+``assembly``), and its folder (``folder/``: claim, atomic writes, checkpoints, endings)."""

@@ -12,7 +12,6 @@ from torch import Tensor
 
 from gradmod.hooks import stages
 from gradmod.reporting.observe import GradCamProbe
-from gradmod.run.checkpointing import Checkpointer
 from gradmod.run.factories import (
     build_scheduler,
     build_tasks,
@@ -20,6 +19,7 @@ from gradmod.run.factories import (
     model_factory,
     model_optimizer,
 )
+from gradmod.run.folder.checkpointing import Checkpointer
 from gradmod.run.state import Run
 from gradmod.training.callbacks import NonFiniteCallback
 from gradmod.training.divergence import DivergenceCallback

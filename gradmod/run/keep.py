@@ -24,7 +24,7 @@ from torch import Tensor
 
 from gradmod.data import Data
 from gradmod.run.config import KeepConfig
-from gradmod.run.score_files import HEADERS, one_label_each
+from gradmod.run.folder.score_files import HEADERS, one_label_each
 
 log = logging.getLogger(__name__)
 

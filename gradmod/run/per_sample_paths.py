@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmod.reporting import json_text
-from gradmod.run import atomic
+from gradmod.run.folder import atomic
 from gradmod.training.callbacks import Callback
 
 log = logging.getLogger(__name__)

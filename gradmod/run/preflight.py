@@ -149,7 +149,7 @@ def _check_classes(data: Data, task: str, out: Tensor, y: Tensor, key: str) -> N
 def _losses(tasks: Tasks, out: Any, y: Tensor | Labels, key: str) -> Tensor | dict[str, Tensor]:
     """The loss of the two examples; a library's loss (``torch.nn.MSELoss``) that fails on
     these outputs and labels is one line (an error in the user's own loss keeps its frame)."""
-    from gradmod.run.endings import one_line, user_frame
+    from gradmod.run.folder.endings import one_line, user_frame
 
     try:
         with warnings.catch_warnings(record=True) as said:  # torch's broadcast warning before the error

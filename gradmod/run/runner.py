@@ -5,7 +5,7 @@ seed), load the data, build the model (both checked before training: ``setup``),
 hook rules, build the Trainer and its callbacks (``assembly``), restore a checkpoint if
 asked, fit, and write ``summary.json``. What it built is one ``Run`` (``state``). The run
 claims its folder first (lock, no mixing with an earlier run, the resume's config checks:
-``gradmod.run.folder`` and ``gradmod.run.resume``) and writes its first byte there only
+``gradmod.run.folder.claim`` and ``gradmod.run.resume``) and writes its first byte there only
 after the objects are built and the checkpoint restored into them (``_own``): a refused
 resume changes nothing. However it ends, its ending is settled once, here, as a value
 (``endings.Ending``); ``train`` gives Python callers the summary or raises the error.
@@ -29,23 +29,24 @@ from gradmod.hooks.hookset import HookSet, attach
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import check_logger, make_logger
 from gradmod.reporting.plan import summarize_plan
-from gradmod.run import atomic, dp, endings, host_heap, preflight
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run import dp, host_heap, preflight
 from gradmod.run.assembly import Parts, build_trainer
 from gradmod.run.config import Config
-from gradmod.run.files import GradCamCallback, RunFiles
-from gradmod.run.folder import Claim, RunFolder
+from gradmod.run.folder import atomic, endings
+from gradmod.run.folder import checkpoint_file as ckpt
+from gradmod.run.folder.claim import Claim, RunFolder
+from gradmod.run.folder.scores_csv import ScoresFile
+from gradmod.run.folder.writers import GradCamCallback, RunFiles
 from gradmod.run.per_sample_paths import PerSamplePaths
 from gradmod.run.resume import apply_optimizer, check_epochs, compare
-from gradmod.run.scores_csv import ScoresFile
 from gradmod.run.setup import build_model, import_plugins, items, load, place
 from gradmod.run.state import Run
 from gradmod.training.callbacks import EpochLine, SyncCheckCallback
-from gradmod.training.distributed import Dist, env_rank
+from gradmod.training.distributed.peers import peer_lost
+from gradmod.training.distributed.strategy import Dist, env_rank
 from gradmod.training.interrupt import Interrupted, StopOnSignal
 from gradmod.training.loader import steps_per_epoch
 from gradmod.training.nonfinite import Diverged
-from gradmod.training.peers import peer_lost
 from gradmod.training.privacy import PrivacyCallback
 from gradmod.training.speed import SyncCheck
 
@@ -64,10 +65,10 @@ def execute(
     """Train as ``config()`` says (the typed config, checked: an error there is the run's
     ending too) and write the run folder ``out``; returns how the run ended.
 
-    The run owns ``out`` (``gradmod.run.folder``) once every check and restore has passed;
+    The run owns ``out`` (``gradmod.run.folder.claim``) once every check and restore has passed;
     ``on_owned(out)`` then runs before the run's own first write (the command line writes
     ``.hydra/`` and opens ``train.log`` there). Every ending writes ``summary.json``
-    (``gradmod.run.endings``); a run refused before owning the folder writes nothing there.
+    (``gradmod.run.folder.endings``); a run refused before owning the folder writes nothing there.
     SIGINT and SIGTERM stop it cleanly from the start (``StopOnSignal``); what it set up is
     undone in reverse order however it ends."""
     t_start = time.perf_counter()

@@ -15,10 +15,11 @@ from torch import nn
 
 from gradmod.data import Data
 from gradmod.labels import Labels
-from gradmod.run import endings, host_heap, preflight
+from gradmod.run import host_heap, preflight
 from gradmod.run.config import Config
 from gradmod.run.factories import build_data, build_tasks, model_factory
-from gradmod.training.distributed import Dist
+from gradmod.run.folder import endings
+from gradmod.training.distributed.strategy import Dist
 from gradmod.training.loader import batches_per_epoch, placement
 from gradmod.training.precision import check_precision
 from gradmod.training.speed import to_channels_last

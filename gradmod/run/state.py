@@ -13,8 +13,8 @@ from gradmod.data import Data
 from gradmod.hooks.hookset import HookSet
 from gradmod.run.config import Config
 from gradmod.run.dp import Privacy
-from gradmod.run.folder import Claim, RunFolder
-from gradmod.training.distributed import Dist
+from gradmod.run.folder.claim import Claim, RunFolder
+from gradmod.training.distributed.strategy import Dist
 from gradmod.training.interrupt import StopOnSignal
 
 

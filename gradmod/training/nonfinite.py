@@ -57,7 +57,7 @@ def count_nonfinite(tensors: list[Tensor]) -> list[Tensor]:
 
 class Diverged(RuntimeError):
     """The run's numbers became non-finite at optimizer step ``step``: it ends with status
-    ``diverged`` and exit status 3 (``gradmod.run.endings``)."""
+    ``diverged`` and exit status 3 (``gradmod.run.folder.endings``)."""
 
     def __init__(self, message: str, step: int):
         super().__init__(message)

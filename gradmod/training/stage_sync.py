@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradmod.hooks.stage import Loop
-from gradmod.training.distributed import Dist
+from gradmod.training.distributed.strategy import Dist
 
 
 def all_reduce_sum(tensors: list[Tensor], divide: float = 1.0) -> None:

@@ -24,7 +24,7 @@ from gradmod.data import Data
 from gradmod.hooks.losses import total as total_loss
 from gradmod.training.after_step import AfterStepLosses
 from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
-from gradmod.training.distributed import Dist, no_sync
+from gradmod.training.distributed.strategy import Dist, no_sync
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
 from gradmod.training.precision import Precision
 from gradmod.training.stage_sync import StageSync

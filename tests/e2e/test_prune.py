@@ -15,7 +15,7 @@ SAMPLE = ["data=mnist_sample", "trainer.threads=1", "trainer.progress=false"]
 
 @pytest.mark.slow
 def test_the_prune_sweep_keeps_each_scores_hardest_and_reports(tmp_path):
-    from gradmod.run.score_report import score_run
+    from gradmod.analysis.score_report import score_run
 
     scoring = tmp_path / "scoring"
     run_train(scoring, *SAMPLE, "+hooks=scores", "trainer.epochs=2", "seed=0")  # the split is seeded
@@ -55,8 +55,8 @@ def test_the_prune_sweep_keeps_each_scores_hardest_and_reports(tmp_path):
 
 def _kept(job) -> list[int]:
     """The examples a job trained on, from its config rebuilt (the same code path as the run's)."""
-    from gradmod.run import checkpoint_file as ckpt
-    from gradmod.run.self_influence import read_checkpoint, run_data
+    from gradmod.analysis.self_influence import read_checkpoint, run_data
+    from gradmod.run.folder import checkpoint_file as ckpt
 
     config = read_checkpoint(ckpt.checkpoints(job / "checkpoints")[-1])[1]
     return run_data(config, job).dataset_index().tolist()

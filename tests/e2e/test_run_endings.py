@@ -23,8 +23,8 @@ from gradmod.app.cli import run
 from gradmod.app.config_store import validate
 from gradmod.reporting import run_summary, sweep_jobs
 from gradmod.reporting import sweep_report as sweep
-from gradmod.run import checkpoint_file as ckpt
 from gradmod.run import runner
+from gradmod.run.folder import checkpoint_file as ckpt
 from gradmod.training.callbacks import Callback, check_order
 
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
@@ -123,7 +123,7 @@ def test_a_killed_continuation_reads_as_killed_and_resume_auto_continues_it(mine
 
 
 def test_a_running_summary_reads_as_running_while_its_run_holds_the_folder(tmp_path):
-    from gradmod.run.folder import RunFolder
+    from gradmod.run.folder.claim import RunFolder
 
     holder = RunFolder(tmp_path)
     claim = holder.claim(resume=None, start_over=False)

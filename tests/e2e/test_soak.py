@@ -21,7 +21,7 @@ import pytest
 from helpers import RESUMABLE, run_train
 
 from gradmod.reporting import run_summary
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import checkpoint_file as ckpt
 
 KEEP = [*RESUMABLE, "trainer.checkpoint_keep=3"]
 ACTIONS = ("fresh", "auto", "older", "foreign", "changed", "kill", "term", "truncate", "continue_kill", "linked")

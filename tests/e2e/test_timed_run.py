@@ -12,7 +12,7 @@ import torch
 from helpers import ROOT, TINY_FAKE, compose_config, same_params
 
 from gradmod.app.cli import run
-from gradmod.run import checkpoint_file
+from gradmod.run.folder import checkpoint_file
 
 TIMED = [
     *TINY_FAKE,

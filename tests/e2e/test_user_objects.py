@@ -190,7 +190,7 @@ def test_diverged_ends_with_the_first_bad_step_in_process(tmp_path, compose_cfg)
 
 
 def test_every_ending_is_strict_json(tmp_path):
-    from gradmod.run import endings
+    from gradmod.run.folder import endings
     from gradmod.training.interrupt import Interrupted
     from gradmod.training.nonfinite import Diverged
 

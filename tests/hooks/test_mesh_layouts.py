@@ -174,7 +174,7 @@ def gpt_loss(net: nn.Module, rows: slice) -> torch.Tensor:
 def _tiny_gpt(rank: int) -> dict:
     """The trainer's own layout code (``Dist.wrap``) on tiny_gpt: replicate 2 x shard 1 x tp 2,
     its embeddings, norms and head outside tensor parallelism."""
-    from gradmod.training.distributed import Dist
+    from gradmod.training.distributed.strategy import Dist
 
     dist = Dist("fsdp", rank, 4, rank, torch.device("cpu"), tp=2, replicate=2)
     net = dist.wrap(gpt())

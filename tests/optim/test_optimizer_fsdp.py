@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import gradmod
-from gradmod.training.distributed import Dist
+from gradmod.training.distributed.strategy import Dist
 
 SPECS = {
     "sgd_entry": {

@@ -11,7 +11,8 @@ from torch import nn
 import gradmod
 from gradmod.app.config_store import validate
 from gradmod.models import MnistCNN, TinyGPT
-from gradmod.run import endings, runner
+from gradmod.run import runner
+from gradmod.run.folder import endings
 from gradmod.run.resume import apply_optimizer
 
 ADAMW = {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.1}

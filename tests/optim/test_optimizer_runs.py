@@ -8,7 +8,7 @@ from helpers import TINY_FAKE, compose_config
 
 from gradmod.app.cli import run
 from gradmod.app.config_store import validate
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import checkpoint_file as ckpt
 
 MUON_RUN = [
     *TINY_FAKE,

@@ -9,7 +9,8 @@ import warnings
 from helpers import TINY_FAKE, compose_config
 
 from gradmod.app.config_store import validate
-from gradmod.run import endings, runner
+from gradmod.run import runner
+from gradmod.run.folder import endings
 
 
 def test_mse_with_class_labels_is_one_line(tmp_path):
@@ -59,7 +60,7 @@ class NotPlain:
 def test_an_unreadable_checkpoint_is_one_plain_line(tmp_path):
     import pytest
 
-    from gradmod.run import checkpoint_file as ckpt
+    from gradmod.run.folder import checkpoint_file as ckpt
 
     path = ckpt.save(tmp_path, {"step": 5, "thing": NotPlain()}, keep=1)
     with pytest.raises(ckpt.CheckpointError) as e:

@@ -13,7 +13,7 @@ from helpers import RESUMABLE, run_train, same_params
 
 from gradmod.app.cli import run
 from gradmod.reporting import run_summary
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import checkpoint_file as ckpt
 
 # A tiny run: 60 fake 28x28 images in batches of 10 -> 6 steps per epoch.
 
@@ -84,7 +84,7 @@ def test_broken_newest_is_skipped_with_a_warning(tmp_path, caplog, damage):
         torch.save({"step": 3}, bad)
     with pytest.raises(ckpt.CheckpointError):
         ckpt.load(bad)
-    with caplog.at_level(logging.WARNING, logger="gradmod.run.checkpoint_file"):
+    with caplog.at_level(logging.WARNING, logger="gradmod.run.folder.checkpoint_file"):
         path, state = ckpt.latest(tmp_path)
     assert path == good and state["step"] == 2
     assert "skipping" in caplog.text and bad.name in caplog.text
@@ -94,7 +94,7 @@ def test_broken_newest_is_skipped_with_a_warning(tmp_path, caplog, damage):
 
 def test_auto_without_a_checkpoint_warns_where_it_looked(tmp_path, caplog):
     folder = tmp_path / "run" / "checkpoints"
-    with caplog.at_level(logging.WARNING, logger="gradmod.run.checkpoint_file"):
+    with caplog.at_level(logging.WARNING, logger="gradmod.run.folder.checkpoint_file"):
         assert ckpt.find("auto", folder) is None
     [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert str(folder) in record.getMessage() and "hydra.run.dir=<the earlier run folder>" in record.getMessage()

@@ -15,7 +15,8 @@ from gradmod.run.config import Config, ModelConfig, OptimizerConfig, TrainerConf
 def test_restated_names_are_the_registries():
     from gradmod import data, models, weight_init
     from gradmod.hooks.rules.targets import DEFAULT_STAGES
-    from gradmod.training import distributed, loader, nonfinite, precision
+    from gradmod.training import loader, nonfinite, precision
+    from gradmod.training.distributed import strategy as distributed
 
     assert checks.MODELS == tuple(models.MODELS) and checks.NORMS == tuple(models.NORMS)
     assert checks.DATASETS == tuple(data.DATASETS)

@@ -15,7 +15,7 @@ import torch
 from helpers import RESUMABLE, run_train, same_params
 
 from gradmod.app.cli import run
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import checkpoint_file as ckpt
 from gradmod.run.resume import apply_optimizer, compare
 
 

@@ -171,9 +171,9 @@ def _rows(path):
 
 
 def test_a_pruned_run_scores_its_examples_under_their_whole_set_index(tmp_path):
+    from gradmod.analysis.score_report import score_run
     from gradmod.app.cli import run
     from gradmod.run.factories import build_data
-    from gradmod.run.score_report import score_run
 
     tiny = [o for o in TINY_FAKE if not o.startswith("trainer.epochs")]
     keep = ["data.keep.fraction=0.5", "+hooks=scores", "trainer.epochs=1", "trainer.checkpoint_keep=5"]

@@ -9,7 +9,8 @@ import pytest
 from helpers import TINY_FAKE, compose_config
 
 from gradmod.app.config_store import validate
-from gradmod.run import endings, runner
+from gradmod.run import runner
+from gradmod.run.folder import endings
 
 
 @pytest.mark.parametrize(

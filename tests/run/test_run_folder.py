@@ -11,8 +11,8 @@ import pytest
 from helpers import run_train
 
 from gradmod.app.cli import run
-from gradmod.run import checkpoint_file as ckpt
-from gradmod.run.folder import RunFolder
+from gradmod.run.folder import checkpoint_file as ckpt
+from gradmod.run.folder.claim import RunFolder
 
 TINY = [
     "data=fake",

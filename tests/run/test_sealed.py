@@ -18,10 +18,10 @@ from helpers import KEEP, RESUMABLE, ROOT, compose_config
 
 from gradmod.app.cli import run
 from gradmod.app.config_store import validate
-from gradmod.run import checkpoint_file as ckpt
-from gradmod.run import endings
 from gradmod.run.factories import model_optimizer
-from gradmod.run.folder import RunFolder
+from gradmod.run.folder import checkpoint_file as ckpt
+from gradmod.run.folder import endings
+from gradmod.run.folder.claim import RunFolder
 from gradmod.run.resume import apply_optimizer, compare
 
 

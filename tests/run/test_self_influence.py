@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import ROOT, TINY_FAKE, compose_config
 
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import checkpoint_file as ckpt
 
 # 2 epochs of 6 steps, a checkpoint every 4 steps and at each epoch's end (steps 4, 6, 8, 12),
 # a cosine learning rate: each checkpoint has a learning rate of its own.
@@ -23,8 +23,8 @@ RUN = [*TINY_FAKE, "trainer.checkpoint_every_steps=4", "trainer.checkpoint_keep=
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
+    from gradmod.analysis.score_report import score_run
     from gradmod.app.cli import run
-    from gradmod.run.score_report import score_run
 
     out = tmp_path_factory.mktemp("run")
     run(compose_config(*RUN), out)
@@ -45,8 +45,8 @@ def test_a_runs_self_influence_equals_captums_tracincp(scored):
     captum = pytest.importorskip("captum.influence", reason="captum is the reference: pip install -e '.[dev]'")
     from torch.utils.data import TensorDataset
 
+    from gradmod.analysis.self_influence import read_checkpoint, run_data, run_model
     from gradmod.data import as_float
-    from gradmod.run.self_influence import read_checkpoint, run_data, run_model
 
     out, _ = scored
     paths = ckpt.checkpoints(out / "checkpoints")
@@ -142,8 +142,8 @@ def test_self_influence_equals_captums_tracincp(tmp_path):
     captum = pytest.importorskip("captum.influence", reason="captum is the reference: pip install -e '.[dev]'")
     from torch.utils.data import TensorDataset
 
+    from gradmod.analysis.self_influence import read_checkpoint, run_data, run_model, self_influence
     from gradmod.data import as_float
-    from gradmod.run.self_influence import read_checkpoint, run_data, run_model, self_influence
 
     paths = _checkpoints(tmp_path)
     data = run_data(CONFIG, tmp_path)

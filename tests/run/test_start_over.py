@@ -5,7 +5,7 @@ from __future__ import annotations
 from helpers import RESUMABLE, compose_config
 
 from gradmod.app.cli import run
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import checkpoint_file as ckpt
 
 
 def test_start_over_keeps_files_gradmod_did_not_write(tmp_path):

@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gradmod.run import checkpoint_file as checkpoint
+from gradmod.run.folder import checkpoint_file as checkpoint
 from gradmod.training.callbacks import Callback
 from gradmod.training.trainer import Trainer
 

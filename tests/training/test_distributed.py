@@ -21,7 +21,7 @@ from helpers import ROOT, free_port, spawn_ranks, tiny_mlp
 from torch import nn
 
 from gradmod.hooks import attach
-from gradmod.training.distributed import Dist, follower_overrides, unwrap
+from gradmod.training.distributed.strategy import Dist, follower_overrides, unwrap
 from gradmod.training.trainer import bare_epoch
 
 BOUND = 0.05  # small enough that the clamp bites on some entries and not on others

@@ -430,7 +430,7 @@ def test_resnet18_with_group_norm_trains_privately(tmp_path):
 def _ddp_dp_worker(rank: int, world: int, port: int, out: str) -> None:
     import os
 
-    from gradmod.training.distributed import Dist
+    from gradmod.training.distributed.strategy import Dist
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
@@ -614,7 +614,7 @@ def test_a_target_run_extended_keeps_its_noise_and_says_the_target_is_exceeded()
 
 
 def test_interrupted_and_diverged_endings_carry_the_epsilon_spent():
-    from gradmod.run.endings import summary_of
+    from gradmod.run.folder.endings import summary_of
     from gradmod.training.nonfinite import Diverged
 
     error = Diverged("loss nan", step=3)

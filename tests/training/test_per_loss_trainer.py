@@ -14,7 +14,7 @@ from torch import nn
 
 from gradmod.hooks import attach
 from gradmod.labels import Labels
-from gradmod.training.distributed import Dist, unwrap
+from gradmod.training.distributed.strategy import Dist, unwrap
 from gradmod.training.precision import Precision
 from gradmod.training.trainer import Trainer, TrainerSettings
 

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from gradmod.app.cli import run
-from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.config import AdamConfig, SGDConfig
 from gradmod.run.factories import build_optimizer, build_scheduler, default_fused, model_optimizer
+from gradmod.run.folder import checkpoint_file as ckpt
 
 TINY = [
     "data=fake",

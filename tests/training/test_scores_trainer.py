@@ -112,8 +112,8 @@ def test_a_run_writes_scores_csv_and_a_resume_keeps_it(tmp_path):
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     import os
 
-    from gradmod.run.scores_csv import gathered
-    from gradmod.training.distributed import Dist
+    from gradmod.run.folder.scores_csv import gathered
+    from gradmod.training.distributed.strategy import Dist
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
@@ -150,7 +150,7 @@ def test_ddp_ranks_scores_are_gathered_by_index(tmp_path):
     model = MnistCNN()
     hooks = attach(model, SCORES)
     _trainer(model, hooks, batch_size=8).train_epoch(x, y)
-    from gradmod.run.scores_csv import gathered
+    from gradmod.run.folder.scores_csv import gathered
 
     single = gathered(hooks.stage("per_sample").take_scores(), 1)
     for k in ("index", "label"):

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from gradmod.data import Data
 from gradmod.models import TinyGPT, build_model
-from gradmod.training.distributed import Dist, tp_plan
+from gradmod.training.distributed.strategy import Dist, tp_plan
 from gradmod.training.trainer import Trainer, TrainerSettings, evaluate
 
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from gradmod.reporting.loggers import names_file
-from gradmod.run import atomic
-from gradmod.run.score_files import SCORES_CSV
+from gradmod.run.folder import atomic
+from gradmod.run.folder.score_files import SCORES_CSV
 from gradmod.training.callbacks import Callback
 
 

@@ -1,6 +1,6 @@
 """The headers of the two per-example score files a run folder may hold: ``scores.csv`` (written
-each epoch by ``gradmod.run.scores_csv``) and ``self_influence.csv`` (``gradmod scores RUN``,
-``gradmod.run.score_report``); ``data.keep`` reads both (``gradmod.run.keep``)."""
+each epoch by ``gradmod.run.folder.scores_csv``) and ``self_influence.csv`` (``gradmod scores RUN``,
+``gradmod.analysis.score_report``); ``data.keep`` reads both (``gradmod.run.keep``)."""
 
 from torch import Tensor
 

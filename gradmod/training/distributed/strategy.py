@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradmod.training import peers
-from gradmod.training.ranks import env_rank, follower_overrides  # noqa: F401  (importable from here too)
+from gradmod.training.distributed import peers
+from gradmod.training.distributed.ranks import env_rank, follower_overrides  # noqa: F401  (importable from here too)
 
 STRATEGIES = ("single", "ddp", "fsdp")
 

@@ -3,7 +3,7 @@
 ``self_influence.csv`` (``index, label, score``, highest score first), ``hardest.png`` (the
 ``top`` highest-scoring training images with label and the last checkpoint's prediction),
 ``self_influence_hist.png`` and ``self_influence_by_class.png``. The computation is
-``gradmod.run.self_influence``'s; bad input (not a run folder, no checkpoints, data that is
+``gradmod.analysis.self_influence``'s; bad input (not a run folder, no checkpoints, data that is
 not the run's) is a ``ValueError`` of one line, raised before anything is written.
 """
 
@@ -15,10 +15,7 @@ from typing import Any
 
 import torch
 
-from gradmod.reporting.score_plots import plot_hardest, plot_score_histogram, plot_scores_by_class
-from gradmod.run import atomic
-from gradmod.run.score_files import SELF_INFLUENCE_CSV
-from gradmod.run.self_influence import (
+from gradmod.analysis.self_influence import (
     predictions,
     read_checkpoint,
     run_checkpoints,
@@ -26,6 +23,9 @@ from gradmod.run.self_influence import (
     run_model,
     self_influence,
 )
+from gradmod.reporting.score_plots import plot_hardest, plot_score_histogram, plot_scores_by_class
+from gradmod.run.folder import atomic
+from gradmod.run.folder.score_files import SELF_INFLUENCE_CSV
 from gradmod.run.setup import resolve_device
 
 log = logging.getLogger("gradmod.scores")

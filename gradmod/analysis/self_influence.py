@@ -26,10 +26,10 @@ from torch import Tensor, nn
 from gradmod.data import Data, as_float
 from gradmod.hooks import stages
 from gradmod.hooks.hookset import attach
-from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, KeepConfig, ModelConfig
 from gradmod.run.factories import build_data, model_factory
-from gradmod.run.score_files import one_label_each
+from gradmod.run.folder import checkpoint_file as ckpt
+from gradmod.run.folder.score_files import one_label_each
 
 SCORES = {"self_influence": {"params": "*", "transforms": ["scores"]}}  # its kind puts it where examples count
 

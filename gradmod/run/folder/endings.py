@@ -42,15 +42,15 @@ from pathlib import Path
 from typing import Any
 
 from gradmod.reporting import json_text
-from gradmod.run import atomic
-from gradmod.run.folder import RESERVE, may_write
+from gradmod.run.folder import atomic
+from gradmod.run.folder.claim import RESERVE, may_write
+from gradmod.training.distributed.peers import RankLost
 from gradmod.training.interrupt import Interrupted
 from gradmod.training.nonfinite import Diverged
-from gradmod.training.peers import RankLost
 
 STATUSES = ("ok", "failed", "interrupted", "diverged", "refused", "killed")  # and "running", until one of them
 
-_PACKAGE = Path(__file__).resolve().parents[1]  # gradmod/
+_PACKAGE = Path(__file__).resolve().parents[2]  # gradmod/
 _LIBRARIES = tuple({Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 

@@ -9,7 +9,7 @@ states, the position in the data order (the epoch in progress, the batches done 
 the batch-order generator's state at that epoch's start), the RNG states (python, numpy,
 torch, CUDA), the run's history and counters, the config and the hook plan.
 
-Writing goes through ``gradmod.run.atomic`` (a temporary file renamed over the final
+Writing goes through ``gradmod.run.folder.atomic`` (a temporary file renamed over the final
 name), so a crash leaves either the old set of checkpoints or the new one, never a
 half-written ``step-*.pt``; a write that fails (disk full, no permission) raises an
 ``OSError`` naming the checkpoint and leaves the earlier checkpoints untouched.
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradmod.run import atomic
+from gradmod.run.folder import atomic
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A checkpoint holds the model, the Trainer's state (position in the data order, optimizer,
 GradScaler, history), the hooks' state (``log`` buffers in progress), every callback's
 ``state_dict`` under its key, the RNG states, the config and the hook plan.
-``gradmod.run.checkpoint_file`` writes and verifies the files.
+``gradmod.run.folder.checkpoint_file`` writes and verifies the files.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import checkpoint_file as ckpt
 from gradmod.training.callbacks import Callback
 
 log = logging.getLogger(__name__)

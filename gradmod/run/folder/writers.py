@@ -17,7 +17,7 @@ import torch
 from gradmod.reporting import json_text
 from gradmod.reporting.loggers import Logger, names_file
 from gradmod.reporting.observe import GradCamProbe
-from gradmod.run import atomic
+from gradmod.run.folder import atomic
 from gradmod.training.callbacks import Callback
 
 

@@ -32,8 +32,8 @@ from typing import Any
 
 from gradmod.reporting import json_text, run_summary
 from gradmod.reporting.run_summary import in_use
-from gradmod.run import atomic
-from gradmod.run import checkpoint_file as ckpt
+from gradmod.run.folder import atomic
+from gradmod.run.folder import checkpoint_file as ckpt
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """This process's rank as its launcher tells it, without torch: the command line reads it
-before any heavy import (``gradmod.training.distributed`` builds the process group)."""
+before any heavy import (``gradmod.training.distributed.strategy`` builds the process group)."""
 
 from __future__ import annotations
 
