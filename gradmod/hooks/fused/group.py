@@ -33,7 +33,7 @@ EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm, kept for bit-equality
 
 def total_norm(grads: list[Tensor], norm_type: float = 2.0) -> Tensor:
     """The norm of all ``grads`` as one vector: one ``_foreach_norm``, then the norm of the
-    norms. DTensors (any mesh, any layout, several meshes): ``mesh.mesh_norm``, a plain tensor."""
+    norms. DTensors (any mesh, any layout, several meshes): ``reductions.mesh_norm``, a plain tensor."""
     if any(is_sharded(g) for g in grads):
         return mesh.mesh_norm(grads, norm_type)
     norms = torch._foreach_norm(grads, norm_type)
@@ -213,7 +213,7 @@ class AGC(GroupTransform):
 
     def _apply_sharded(self, params: list[Tensor], grads: list[Tensor]) -> None:
         """DTensors, tensor by tensor: unit norms combined over the mesh dimensions that cut
-        a row (``mesh.unit_norms``), each rank scaling its piece's rows."""
+        a row (``reductions.unit_norms``), each rank scaling its piece's rows."""
         with torch.no_grad():
             before = total_norm(grads)
             for p, g in zip(params, grads):

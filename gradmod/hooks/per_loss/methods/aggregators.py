@@ -3,7 +3,7 @@ and Krum from the Gramian, TrimmedMean and ExcessMTL from the task gradients the
 
 Each takes torchjd 0.18's arguments; a list argument (``pref_vector``) has one number per
 loss, in the losses' order. The weights come on the host in float64, as every Gramian
-method's (``methods``).
+method's (``bases``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ A method's base class says what it needs (as torchjd's ``Weighting`` and ``Aggre
   ``trimmed_mean``); a ``MatrixWeighting`` is one whose update is ``J^T w``, its weights
   from ``J`` (``excess_mtl``).
 * ``LossWeighting``: weights from the loss values alone; the update is the gradient of
-  ``sum_i w_i L_i`` (``weightings``).
+  ``sum_i w_i L_i`` (``loss_weightings``).
 
 Weights are computed on the host in float64 (k is small; the Gramian comes over in one
 copy). Random choices draw from the stage's generator, passed in as ``gen``.
