@@ -53,7 +53,6 @@ class StageFacts:
     default: bool  # may be attach(stage=...)'s default for rules that set none
     modules: bool  # modules: rules (a module's output gradient) run here
     needs_after_backward: bool  # HookSet.after_backward() finishes its work before optimizer.step()
-    available: bool = True  # False: the name and order are reserved, the stage is not built yet
     sees: str = ""  # what its transforms act on, for messages
     home: str = ""  # "module:Class" of the Stage that runs it
     # What it combines with (each a phrase for messages where it holds, "" where not):
@@ -164,14 +163,14 @@ def get(name: str) -> StageFacts:
     return _BY_NAME[name]
 
 
-def names(*, available_only: bool = True) -> tuple[str, ...]:
-    """The stage names in order (the reserved ones too with ``available_only=False``)."""
-    return tuple(s.name for s in STAGES if s.available or not available_only)
+def names() -> tuple[str, ...]:
+    """The stage names in order."""
+    return tuple(s.name for s in STAGES)
 
 
 def default_names() -> tuple[str, ...]:
     """The stages a rule may get when it sets none (``attach(stage=...)``)."""
-    return tuple(s.name for s in STAGES if s.default and s.available)
+    return tuple(s.name for s in STAGES if s.default)
 
 
 def order(name: str) -> int:
@@ -187,7 +186,7 @@ def implied_by(kind: str) -> StageFacts | None:
 def counting_examples() -> str:
     """The stage that counts each example's gradient once per step: its rules clip per example
     and add the noise that the privacy accounting reads."""
-    (name,) = (s.name for s in STAGES if s.counts_examples and s.available)
+    (name,) = (s.name for s in STAGES if s.counts_examples)
     return name
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import GroupTransform
 from gradmod.hooks.per_loss.methods import Method
-from gradmod.hooks.rules import build_targets
 
 
 def test_every_shipped_transform_says_its_kind():
@@ -93,19 +91,6 @@ def test_a_plugin_group_transform_runs_fused_over_the_whole_rule():
     with pytest.raises(ValueError, match="group transform 'unit_norm' .* it runs at stage 'fused' only"):
         attach(model, {"u": {"params": "*", "stage": "hook", "transforms": ["unit_norm"]}})
     hooks.remove()
-
-
-def test_a_stage_the_table_reserves_is_refused_until_provided(monkeypatch):
-    reserved = tuple(replace(s, available=False) if s.name == "per_loss" else s for s in stages.STAGES)
-    monkeypatch.setattr(stages, "STAGES", reserved)
-    monkeypatch.setattr(stages, "_BY_NAME", {s.name: s for s in reserved})
-    registry.register("task_weights", lambda: None, kind="per_loss")
-    model = nn.Linear(2, 1)
-    with pytest.raises(
-        ValueError,
-        match="per_loss transform 'task_weights' runs at stage 'per_loss', which this version does not provide",
-    ):
-        build_targets(model, {"r": {"params": "*", "transforms": ["task_weights"]}})
 
 
 def test_a_transform_of_another_stage_is_refused_with_what_runs_there():
