@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +38,7 @@ from gradmod.hooks.losses import named, total
 from gradmod.hooks.rules import DEFAULT_STAGES, Target, build_targets
 from gradmod.hooks.schedules import Length
 from gradmod.hooks.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
-from gradmod.hooks.stage import Core, Loop, Stage
+from gradmod.hooks.stage import Core, Loop, ScoreKeeper, Stage
 from gradmod.hooks.stats import take_all
 from gradmod.hooks.timed import Timed
 
@@ -99,6 +99,14 @@ class HookSet:
     def stage(self, name: str) -> Stage | None:
         """The stage called ``name`` when some rule runs at it, else None."""
         return next((s for s in self.stages if s.name == name), None)
+
+    @property
+    def keeping_scores(self) -> ScoreKeeper | None:
+        """The stage keeping each example's scores (``stages.keeping_scores()``, where a rule
+        holds ``scores``), or None: a loop hands it each batch's dataset indices before the
+        forward (``see_batch``) and reads the rows out (``take_scores``)."""
+        stage = self.stage(stages.keeping_scores())
+        return cast(ScoreKeeper, stage) if stage is not None and stage.keeps_scores else None
 
     @property
     def needs_after_backward(self) -> bool:

@@ -28,8 +28,9 @@ rules may have a window (``windows``). Code outside the rooms asks these facts t
 stage's name: whether a param rule also holds the parameters frozen at attach
 (``follows_frozen``), whether ``HookSet.backward`` hands it several named losses
 (``several_losses``), why a training loop other than gradmod's cannot drive it
-(``foreign_loop``), whether the console's plan marks its rules (``plan_tag``), and which
-stage counts the examples (``counting_examples()``).
+(``foreign_loop``), whether the console's plan marks its rules (``plan_tag``), which
+stage counts the examples (``counting_examples()``), and which keeps each example's scores
+when a rule asks for them (``keeping_scores()``: a loop hands it each batch's dataset indices).
 
 Each row names the class that runs the stage (``home``, a ``gradmod.hooks.stage.Stage``
 in the stage's own folder), loaded on first use: this table stays torch-free for the
@@ -68,6 +69,7 @@ class StageFacts:
     several_losses: bool = False  # HookSet.backward(losses) hands it several named losses
     foreign_loop: str = ""  # why a loop not gradmod's ({trainer}) cannot drive it, for its one line
     plan_tag: bool = False  # the console's plan marks its rules [name]
+    scores: bool = False  # a rule here may keep each example's scores (transforms: [scores]; see_batch, take_scores)
 
 
 STAGES: tuple[StageFacts, ...] = (
@@ -114,6 +116,7 @@ STAGES: tuple[StageFacts, ...] = (
         counts_examples="the privacy accounting counts one gradient per example per step",
         replaces_grad="the batch gradient that the per_sample stage replaces",
         follows_frozen=True,
+        scores=True,
         foreign_loop=(
             "per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: its loop scales the "
             "loss for accumulation and samples fixed-size batches, so neither the clipping nor an epsilon "
@@ -187,6 +190,13 @@ def counting_examples() -> str:
     """The stage that counts each example's gradient once per step: its rules clip per example
     and add the noise that the privacy accounting reads."""
     (name,) = (s.name for s in STAGES if s.counts_examples)
+    return name
+
+
+def keeping_scores() -> str:
+    """The stage whose rules may keep each example's scores (``scores``): a loop tells it which
+    examples each batch holds (``see_batch``) and reads them out (``take_scores``)."""
+    (name,) = (s.name for s in STAGES if s.scores)
     return name
 
 

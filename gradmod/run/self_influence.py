@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
-from gradmod.hooks import stages
 from gradmod.hooks.hookset import attach
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, KeepConfig, ModelConfig
@@ -118,7 +117,7 @@ def squared_norms(
     model.to(device).eval()
     out = torch.zeros(len(y), dtype=torch.float64)
     with attach(model, SCORES) as hooks:
-        stage: Any = hooks.stage(stages.counting_examples())
+        stage = hooks.keeping_scores  # the SCORES rule keeps them
         for start in range(0, len(y), batch_size):
             index = torch.arange(start, min(start + batch_size, len(y)))
             xb, yb = as_float(x[index].to(device)), y[index].to(device)
