@@ -186,7 +186,7 @@ def test_the_loops_over_stages_name_none():
     from gradmod.hooks import stages
 
     names = set(stages.names())
-    for rel in ("hooks/hookset.py", "training/trainer.py", "training/stage_sync.py"):
+    for rel in ("hooks/hookset.py", "training/trainer.py", "training/stage_sync.py", "training/loop_hooks.py"):
         tree = ast.parse((PKG / rel).read_text())
         docs = {
             id(n.body[0].value)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
 from gradmod.hooks.hookset import attach
+from gradmod.hooks.score_columns import GRAND, INDEX
 from gradmod.run import checkpoint_file as ckpt
 from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, KeepConfig, ModelConfig
 from gradmod.run.factories import build_data, model_factory
@@ -126,7 +127,7 @@ def squared_norms(
             hooks.after_backward()
             model.zero_grad(set_to_none=True)
         rows = stage.take_scores()
-    out[rows["index"]] = rows["grand"].square()
+    out[rows[INDEX]] = rows[GRAND].square()
     return out
 
 
