@@ -106,8 +106,7 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_stats: dict[str, Any] = {}  # the latest non-empty read of the `log` statistics
         self.resumed_from = None
-        # The hooks' stages (a HookSet's); None: no hooks, or hooks of one's own without stages.
-        self.staged: StagedHooks | None = hooks if isinstance(hooks, StagedHooks) else None
+        self.staged: StagedHooks | None = hooks if isinstance(hooks, StagedHooks) else None  # None: no stages
         # What the hook stages need from this loop (gradmod.training.stage_sync): DDP's all-reduce
         # or not, the manual means, whether the loss of a micro-batch is divided.
         self.stage_sync = StageSync(
@@ -119,9 +118,8 @@ class Trainer:
         )
         # The stage keeping per-example scores: told each batch's indices in the whole training set.
         self.scores = self.staged.keeping_scores if self.staged is not None else None
-        self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
-        if self.staged is not None and self.staged.wants_step_losses:
-            self.after_step = AfterStepLosses(self.staged, self.net, self.tasks, self.amp)
+        wants = self.staged is not None and self.staged.wants_step_losses  # famo's, gradmod.training.after_step
+        self.after_step = AfterStepLosses(self.staged, self.net, self.tasks, self.amp) if wants else None
 
     def add_callbacks(self, callbacks: Sequence[Any]) -> None:
         """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
