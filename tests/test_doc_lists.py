@@ -12,6 +12,7 @@ import yaml
 from helpers import CONF, ROOT
 
 from gradmod.hooks import registry
+from gradmod.hooks.score_columns import COLUMNS, HEADERS, SCORES_FILE, SELF_INFLUENCE_FILE
 
 GROUPS = ("model", "data", "optimizer", "loss", "scheduler", "init", "logger", "experiment")
 USAGE, TRANSFORMS, SWEEPS, TASKS, MULTITASK = (
@@ -157,3 +158,12 @@ def test_usage_mds_example_error_is_the_one_a_run_prints():
     with pytest.raises(ValueError) as e:
         attach(build_model("mnist_cnn"), {"clip": {"params": "fc*", "transforms": ["zero"]}})
     assert shown.group(1) == f"error: {e.value}"
+
+
+def test_the_score_files_columns_in_the_docs_are_the_sources():
+    """scores.md shows scores.csv's header and lists self_influence.csv's columns, usage.md's
+    table of a run's files lists scores.csv's, as ``gradmod.hooks.score_columns`` holds them."""
+    scores, usage = read("docs/guide/scores.md"), read(USAGE)
+    assert f"\n{HEADERS[SCORES_FILE]}\n" in scores
+    assert f"- `{SELF_INFLUENCE_FILE}`: `{', '.join(COLUMNS[SELF_INFLUENCE_FILE])}`," in scores
+    assert f"| `{SCORES_FILE}` | with a `scores` rule (`+hooks=scores`): `{', '.join(COLUMNS[SCORES_FILE])}`," in usage

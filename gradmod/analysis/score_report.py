@@ -1,10 +1,10 @@
 """``gradmod scores RUN``: a finished run's TracIn self-influence, written into its folder.
 
-``self_influence.csv`` (``index, label, score``, highest score first), ``hardest.png`` (the
-``top`` highest-scoring training images with label and the last checkpoint's prediction),
-``self_influence_hist.png`` and ``self_influence_by_class.png``. The computation is
-``gradmod.analysis.self_influence``'s; bad input (not a run folder, no checkpoints, data that is
-not the run's) is a ``ValueError`` of one line, raised before anything is written.
+``self_influence.csv`` (index, label, score: ``gradmod.hooks.score_columns``; highest score
+first), ``hardest.png`` (the ``top`` highest-scoring training images with label and the last
+checkpoint's prediction), ``self_influence_hist.png`` and ``self_influence_by_class.png``. The
+computation is ``gradmod.analysis.self_influence``'s; bad input (not a run folder, no checkpoints,
+data that is not the run's) is a ``ValueError`` of one line, raised before anything is written.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from gradmod.analysis.self_influence import (
     run_model,
     self_influence,
 )
+from gradmod.hooks.score_columns import HEADERS, SELF_INFLUENCE_FILE
 from gradmod.reporting.score_plots import plot_hardest, plot_score_histogram, plot_scores_by_class
 from gradmod.run.folder import atomic
-from gradmod.run.folder.score_files import SELF_INFLUENCE_CSV
 from gradmod.run.setup import resolve_device
 
 log = logging.getLogger("gradmod.scores")
 
-FILES = ("self_influence.csv", "hardest.png", "self_influence_hist.png", "self_influence_by_class.png")
+FILES = (SELF_INFLUENCE_FILE, "hardest.png", "self_influence_hist.png", "self_influence_by_class.png")
 
 
 def score_run(
@@ -56,7 +56,7 @@ def score_run(
     order = torch.sort(scores, descending=True, stable=True).indices
     index = data.dataset_index()  # a pruned run's examples by their index in the whole set
     lines = "".join(f"{int(index[i])},{int(y[i])},{float(scores[i]):.10g}\n" for i in order.tolist())
-    atomic.write_text(run / "self_influence.csv", SELF_INFLUENCE_CSV + "\n" + lines)
+    atomic.write_text(run / SELF_INFLUENCE_FILE, HEADERS[SELF_INFLUENCE_FILE] + "\n" + lines)
     hardest = order[: min(top, len(order))]
     last = build()
     last.load_state_dict(checkpoints[-1].model)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gradmod.data import Data, as_float
-from gradmod.hooks import stages
 from gradmod.hooks.hookset import attach
+from gradmod.hooks.score_columns import GRAND, INDEX
 from gradmod.run.config import CharTextDataConfig, DataConfig, FakeDataConfig, KeepConfig, ModelConfig
 from gradmod.run.factories import build_data, model_factory
 from gradmod.run.folder import checkpoint_file as ckpt
@@ -118,7 +118,7 @@ def squared_norms(
     model.to(device).eval()
     out = torch.zeros(len(y), dtype=torch.float64)
     with attach(model, SCORES) as hooks:
-        stage: Any = hooks.stage(stages.counting_examples())
+        stage = hooks.keeping_scores  # the SCORES rule keeps them
         for start in range(0, len(y), batch_size):
             index = torch.arange(start, min(start + batch_size, len(y)))
             xb, yb = as_float(x[index].to(device)), y[index].to(device)
@@ -127,7 +127,7 @@ def squared_norms(
             hooks.after_backward()
             model.zero_grad(set_to_none=True)
         rows = stage.take_scores()
-    out[rows["index"]] = rows["grand"].square()
+    out[rows[INDEX]] = rows[GRAND].square()
     return out
 
 

@@ -1,11 +1,11 @@
 """``HookSet``: attach the transforms the rules select, keep every handle, run the stages.
 
-A rule (``gradmod.hooks.rules.targets``) with ``params`` transforms each selected parameter's
-gradient; one with ``modules`` the gradient of the module's *output* (the articles'
-``x.register_hook`` inside ``forward``). Several rules on one tensor chain in config
-order within a stage; the stages act in the order of ``gradmod.hooks.stages.STAGES``
-(``HookSet.chains`` lists that order). Each is a ``gradmod.hooks.stage.Stage`` in a folder
-of its own; ``HookSet`` runs them through that protocol and names none:
+A rule (``gradmod.hooks.rules.targets``) with ``params`` transforms each selected parameter's gradient;
+one with ``modules`` the gradient of the module's *output* (the articles' ``x.register_hook``
+inside ``forward``). Several rules on one tensor chain in config order within a stage; the
+stages act in the order of ``gradmod.hooks.stages.STAGES`` (``HookSet.chains`` lists that
+order). Each is a ``gradmod.hooks.stage.Stage`` in a folder of its own (a ``ScoreKeeper`` where
+it keeps each example's scores); ``HookSet`` runs them through that protocol and names none:
 
 * ``hook``: ``Tensor.register_hook`` on the tensor; each backward's local gradient
   before it is accumulated into ``.grad`` (and before DDP's all-reduce).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +39,7 @@ from gradmod.hooks.rules import targets as selection
 from gradmod.hooks.rules.targets import DEFAULT_STAGES, Target, build_targets
 from gradmod.hooks.rules.timed import Timed
 from gradmod.hooks.schedules import Length
-from gradmod.hooks.stage import Core, Loop, Stage
+from gradmod.hooks.stage import Core, Loop, ScoreKeeper, Stage
 from gradmod.hooks.stats.grad_stats import take_all
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
@@ -71,8 +71,7 @@ class HookSet:
         self.stages: list[Stage] = [
             stages.stage_class(name)(model, targets, self._core) for name in stages.names() if name in at
         ]
-        params = dict(model.named_parameters())
-        modules = dict(model.named_modules())
+        params, modules = dict(model.named_parameters()), dict(model.named_modules())
         # Every tensor this set transforms, so another attach call cannot hook it twice.
         self._owned = [params[t.name] if t.kind == "param" else modules[t.name] for t in targets]
         # fully_shard after attach would leave the rules on parameters no longer in the model.
@@ -101,10 +100,15 @@ class HookSet:
         return next((s for s in self.stages if s.name == name), None)
 
     @property
+    def keeping_scores(self) -> ScoreKeeper | None:
+        """The stage keeping each example's scores (``stages.keeping_scores()``) where a rule holds ``scores``."""
+        stage = self.stage(stages.keeping_scores())
+        return cast(ScoreKeeper, stage) if stage is not None and stage.keeps_scores else None
+
+    @property
     def needs_after_backward(self) -> bool:
-        """Some rule runs at a stage that ``after_backward()`` finishes (per_sample,
-        sharpness, fused: ``Stage.needs_after_backward``), or changes over training (its
-        clock advances there)."""
+        """Some rule runs at a stage that ``after_backward()`` finishes (per_sample, sharpness, fused:
+        ``Stage.needs_after_backward``), or changes over training (its clock advances there)."""
         return bool(self.timed) or any(s.needs_after_backward for s in self.stages)
 
     @property
@@ -116,11 +120,10 @@ class HookSet:
     def backward(
         self, losses: Tensor | Mapping[str, Tensor] | Sequence[Tensor], closure: Callable[[], Any] | None = None
     ) -> None:
-        """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or
-        ordered (a sequence) ones, whose gradients sum into ``.grad``. A stage that runs the
-        backward itself (per_loss: its rules' parameters get the rule's combination of the
-        task gradients, every other parameter the gradient of the sum) takes it over;
-        ``closure``: recomputes the loss, for a stage that needs a second pass."""
+        """Replaces ``loss.backward()``: one scalar loss, or several named (a mapping) or ordered
+        (a sequence) ones, whose gradients sum into ``.grad``. A stage that runs the backward itself
+        (per_loss: its rules' parameters get the rule's combination of the task gradients, every
+        other parameter the gradient of the sum) takes it over; ``closure()``: the loss again, for a second pass."""
         given = losses if isinstance(losses, Tensor) else named(losses)
         # A second forward at moved parameters (and back) is not a step taken without after_backward().
         with self._due.parameters_moved() if self.forward_passes() > 1 else nullcontext():
@@ -153,11 +156,10 @@ class HookSet:
                 stage.after_step(losses)
 
     def after_backward(self) -> bool:
-        """Finish the stages that act after backward, in their order (call before
-        optimizer.step): the per_sample stage's parameters get their clipped, noised mean
-        gradient, then the fused stage transforms the accumulated gradients. Returns True
-        when the optimizer step must be skipped (``zclip(on_spike="skip")`` saw a spike:
-        only then is the host read), False otherwise."""
+        """Finish the stages that act after backward, in their order (call before optimizer.step):
+        the per_sample stage's parameters get their clipped, noised mean gradient, then the fused
+        stage transforms the accumulated gradients. Returns True when the optimizer step must be
+        skipped (``zclip(on_spike="skip")`` saw a spike: only then is the host read), else False."""
         self._due.done()
         if not self._stepped_once:  # optimizer-in-backward hooks registered after attach
             self._stepped_once = True
@@ -188,8 +190,7 @@ class HookSet:
             self._tick()
 
     def set_up(self, loop: Loop) -> None:
-        """Hand every stage what the training loop knows (``gradmod.hooks.stage.Loop``:
-        ranks, examples per step, Poisson sampling, the all-reduce)."""
+        """Hand every stage what the loop knows (``Loop``: ranks, step examples, Poisson sampling, the all-reduce)."""
         for stage in self.stages:
             stage.set_up(loop)
 
@@ -235,9 +236,8 @@ class HookSet:
         return {**out, **timed}
 
     def state_dict(self) -> dict[str, Any]:
-        """What the hooks carry from step to step (the ``log`` buffers in progress, the
-        stages' own state such as zclip's running mean and variance), for checkpoints:
-        resuming with ``load_state_dict`` continues bit for bit."""
+        """What the hooks carry from step to step (the ``log`` buffers in progress, the stages' own
+        state such as zclip's running mean and variance), for checkpoints: a resume is bitwise."""
         state: dict[str, Any] = {
             "log_windows": {key: obs.state_dict() for key, obs in self.observers()},  # the key checkpoints hold
             "clock": self.timed.clock.state_dict(),

@@ -188,7 +188,7 @@ def add_stage_form(name: str, stage: str, factory: Callable[..., Any]) -> None:
     not run at), e.g. ``log`` at the per_sample stage."""
     if name not in entries():
         raise ValueError(f"add_stage_form: transform {name!r} is not registered; register it first")
-    if stage not in stages.names(available_only=False):
+    if stage not in stages.names():
         raise ValueError(f"add_stage_form({name!r}): stage {stage!r}; allowed: {', '.join(stages.names())}")
     if not callable(factory):
         raise TypeError(f"add_stage_form({name!r}): factory must be callable, got {type(factory).__name__}")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Protocol
 
 from torch import Tensor, nn
 
@@ -75,6 +75,17 @@ class Loop:
     step_examples: int | None = None
     poisson: bool = False
     all_reduce_sum: AllReduceSum | None = None
+
+
+class ScoreKeeper(Protocol):
+    """A stage keeping each example's scores (its row's ``scores``, a rule holding ``scores``)."""
+
+    def see_batch(self, index: Tensor, target: Tensor) -> None:
+        """The dataset indices and labels of the examples of the next training forward."""
+
+    def take_scores(self) -> dict[str, Tensor]:
+        """The rows kept since the last take, on the host, by column
+        (``gradmod.hooks.score_columns.KEPT``), and a fresh start."""
 
 
 class Stage(abc.ABC):
@@ -179,6 +190,12 @@ class Stage(abc.ABC):
 
     def set_optimizer(self, optimizer: Any) -> None:  # noqa: B027  (a stage that reads the learning rate acts)
         """The optimizer that steps the rules' parameters (gsam reads its learning rate)."""
+
+    @property
+    def keeps_scores(self) -> bool:
+        """A rule of this stage keeps each example's scores: the stage is a ``ScoreKeeper``
+        (only where its row of the table says ``scores``)."""
+        return False
 
     @property
     def changes_trainability(self) -> bool:

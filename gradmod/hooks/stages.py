@@ -28,8 +28,9 @@ rules may have a window (``windows``). Code outside the rooms asks these facts t
 stage's name: whether a param rule also holds the parameters frozen at attach
 (``follows_frozen``), whether ``HookSet.backward`` hands it several named losses
 (``several_losses``), why a training loop other than gradmod's cannot drive it
-(``foreign_loop``), whether the console's plan marks its rules (``plan_tag``), and which
-stage counts the examples (``counting_examples()``).
+(``foreign_loop``), whether the console's plan marks its rules (``plan_tag``), which
+stage counts the examples (``counting_examples()``), and which keeps each example's scores
+when a rule asks for them (``keeping_scores()``: a loop hands it each batch's dataset indices).
 
 Each row names the class that runs the stage (``home``, a ``gradmod.hooks.stage.Stage``
 in the stage's own folder), loaded on first use: this table stays torch-free for the
@@ -53,7 +54,6 @@ class StageFacts:
     default: bool  # may be attach(stage=...)'s default for rules that set none
     modules: bool  # modules: rules (a module's output gradient) run here
     needs_after_backward: bool  # HookSet.after_backward() finishes its work before optimizer.step()
-    available: bool = True  # False: the name and order are reserved, the stage is not built yet
     sees: str = ""  # what its transforms act on, for messages
     home: str = ""  # "module:Class" of the Stage that runs it
     # What it combines with (each a phrase for messages where it holds, "" where not):
@@ -69,6 +69,7 @@ class StageFacts:
     several_losses: bool = False  # HookSet.backward(losses) hands it several named losses
     foreign_loop: str = ""  # why a loop not gradmod's ({trainer}) cannot drive it, for its one line
     plan_tag: bool = False  # the console's plan marks its rules [name]
+    scores: bool = False  # a rule here may keep each example's scores (transforms: [scores]; see_batch, take_scores)
 
 
 STAGES: tuple[StageFacts, ...] = (
@@ -115,6 +116,7 @@ STAGES: tuple[StageFacts, ...] = (
         counts_examples="the privacy accounting counts one gradient per example per step",
         replaces_grad="the batch gradient that the per_sample stage replaces",
         follows_frozen=True,
+        scores=True,
         foreign_loop=(
             "per_sample rules (per-example clipping, DP-SGD) are refused under {trainer}: its loop scales the "
             "loss for accumulation and samples fixed-size batches, so neither the clipping nor an epsilon "
@@ -164,14 +166,14 @@ def get(name: str) -> StageFacts:
     return _BY_NAME[name]
 
 
-def names(*, available_only: bool = True) -> tuple[str, ...]:
-    """The stage names in order (the reserved ones too with ``available_only=False``)."""
-    return tuple(s.name for s in STAGES if s.available or not available_only)
+def names() -> tuple[str, ...]:
+    """The stage names in order."""
+    return tuple(s.name for s in STAGES)
 
 
 def default_names() -> tuple[str, ...]:
     """The stages a rule may get when it sets none (``attach(stage=...)``)."""
-    return tuple(s.name for s in STAGES if s.default and s.available)
+    return tuple(s.name for s in STAGES if s.default)
 
 
 def order(name: str) -> int:
@@ -187,7 +189,14 @@ def implied_by(kind: str) -> StageFacts | None:
 def counting_examples() -> str:
     """The stage that counts each example's gradient once per step: its rules clip per example
     and add the noise that the privacy accounting reads."""
-    (name,) = (s.name for s in STAGES if s.counts_examples and s.available)
+    (name,) = (s.name for s in STAGES if s.counts_examples)
+    return name
+
+
+def keeping_scores() -> str:
+    """The stage whose rules may keep each example's scores (``scores``): a loop tells it which
+    examples each batch holds (``see_batch``) and reads them out (``take_scores``)."""
+    (name,) = (s.name for s in STAGES if s.scores)
     return name
 
 

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from gradmod.hooks import score_columns  # torch-free
 from gradmod.reporting.loggers import LOGGERS
 from gradmod.run import checks
 from gradmod.run.checks import (
@@ -54,7 +55,7 @@ class ModelConfig:
 
 
 KEEP_WHICH = ("random", "hardest", "easiest")  # gradmod.run.keep
-KEEP_SCORES = ("grand", "el2n", "self_influence")  # scores.csv's columns, self_influence.csv's score
+KEEP_SCORES = tuple(score_columns.SCORES)  # scores.csv's grand and el2n, self_influence.csv's score
 
 
 @dataclass

@@ -23,18 +23,17 @@ import torch
 from torch import Tensor
 
 from gradmod.data import Data
+from gradmod.hooks.score_columns import EPOCH, HEADERS, INDEX, LABEL, SCORES, SCORES_FILE, SELF_INFLUENCE_FILE
 from gradmod.run.config import KeepConfig
-from gradmod.run.folder.score_files import HEADERS, one_label_each
+from gradmod.run.folder.score_files import one_label_each
 
 log = logging.getLogger(__name__)
 
 ELSEWHERE = "scores of another dataset, or of another split of it (data=mnist_sample splits by seed)"
 
-SOURCES = {  # score -> (the file holding it, its column there, what writes that file)
-    "grand": ("scores.csv", "grand", "a run with +hooks=scores"),
-    "el2n": ("scores.csv", "el2n", "a run with +hooks=scores"),
-    "self_influence": ("self_influence.csv", "score", "gradmod scores RUN"),
-}
+WRITERS = {SCORES_FILE: "a run with +hooks=scores", SELF_INFLUENCE_FILE: "gradmod scores RUN"}  # each file's writer
+# score -> (the file holding it, its column there, what writes that file)
+SOURCES = {score: (name, column, WRITERS[name]) for score, (name, column) in SCORES.items()}
 
 
 def keep_share(data: Data, cfg: KeepConfig, seed: int) -> Data:
@@ -104,14 +103,14 @@ def read_scores(cfg: KeepConfig, labels: object) -> Tensor:
     if len(table) == 0:
         raise ValueError(f"{path} holds no scores (its header alone)")
     columns = {c: table[:, i] for i, c in enumerate(header.split(","))}
-    if name == "scores.csv":  # one epoch's rows: the weights move during an epoch, so epochs are not mixed
-        epoch = columns["epoch"].max() if cfg.epoch is None else cfg.epoch
-        rows = columns["epoch"] == epoch
+    if name == SCORES_FILE:  # one epoch's rows: the weights move during an epoch, so epochs are not mixed
+        epoch = columns[EPOCH].max() if cfg.epoch is None else cfg.epoch
+        rows = columns[EPOCH] == epoch
         if not rows.any():
-            epochs = sorted({int(e) for e in columns["epoch"]})
+            epochs = sorted({int(e) for e in columns[EPOCH]})
             raise ValueError(f"{path} has no rows of epoch {cfg.epoch} (data.keep.epoch); its epochs: {epochs}")
         columns = {c: v[rows] for c, v in columns.items()}
-    return _by_example(path, columns["index"], columns["label"], columns[column], labels.cpu())
+    return _by_example(path, columns[INDEX], columns[LABEL], columns[column], labels.cpu())
 
 
 def _by_example(path: Path, index: np.ndarray, label: np.ndarray, value: np.ndarray, labels: Tensor) -> Tensor:

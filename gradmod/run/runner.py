@@ -252,9 +252,9 @@ def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: 
     stack.push(_closing(files.close))
     callbacks = [files, EpochLine(run.cfg.trainer.epochs)]  # the console's line after the record is complete
     callbacks += [GradCamCallback(parts.probe, logger, folder)] if parts.probe is not None else []
-    private = run.hooks.stage(stages.counting_examples())
+    private, scores = run.hooks.stage(stages.counting_examples()), run.hooks.keeping_scores
     callbacks += [PerSamplePaths(folder, run.plan, private)] if private is not None else []
-    callbacks += [ScoresFile(folder, private)] if getattr(private, "keeps_scores", False) else []
+    callbacks += [ScoresFile(folder, scores)] if scores is not None else []
     sync = SyncCheck(run.cfg.trainer.sync_check, run.dist.device)
     stack.callback(sync.allow)
     run.stop.saver = parts.saver

@@ -14,14 +14,13 @@ expected batch size of the step, not the number of examples drawn (which would l
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from gradmod.hooks.stage import Loop
 from gradmod.training.distributed.strategy import Dist
+from gradmod.training.loop_hooks import StagedHooks
 
 
 def all_reduce_sum(tensors: list[Tensor], divide: float = 1.0) -> None:
@@ -48,14 +47,15 @@ def mean_grads_over_ranks(params: list, world: int) -> None:
 class StageSync:
     """A ``HookSet``'s stages, set up for one Trainer: ``ddp_may_reduce`` (False: every
     backward under ``no_sync``), ``divides_step`` (True: micro-batch losses undivided),
-    ``before_finish()`` (the manual means, before ``after_backward``)."""
+    ``before_finish()`` (the manual means, before ``after_backward``). ``hooks``: None for no
+    hooks, or hooks without stages (``gradmod.training.loop_hooks``)."""
 
-    def __init__(self, hooks: Any, dist_: Dist, *, poisson: bool, batch_size: int, accumulate: int):
-        self.stages = list(getattr(hooks, "stages", None) or [])
+    def __init__(self, hooks: StagedHooks | None, dist_: Dist, *, poisson: bool, batch_size: int, accumulate: int):
+        self.stages = list(hooks.stages) if hooks is not None else []
         self.dist = dist_
         self.ddp_may_reduce = all(s.ddp_may_reduce for s in self.stages)
         self.divides_step = any(s.divides_step for s in self.stages)
-        if self.stages:
+        if hooks is not None and self.stages:
             world = dist_.world_size
             hooks.set_up(
                 Loop(

@@ -33,7 +33,6 @@ from gradmod.hooks.losses import total
 from gradmod.labels import Labels
 
 METRICS = ("auto", "accuracy", "rmse", "none")
-LOWER_IS_BETTER = ("rmse",)  # metrics a smaller value of which is better (accuracy: higher)
 SINGLE = ""  # the task name of a single-output, single-label run
 
 

@@ -26,6 +26,7 @@ from gradmod.training.after_step import AfterStepLosses
 from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
 from gradmod.training.distributed.strategy import Dist, no_sync
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
+from gradmod.training.loop_hooks import Hooks, StagedHooks
 from gradmod.training.precision import Precision
 from gradmod.training.stage_sync import StageSync
 from gradmod.training.tasks import CROSS_ENTROPY, Tasks, results, scaled
@@ -58,8 +59,10 @@ class Trainer:
 
     ``net``: what the forward pass runs through (``model`` wrapped in DDP or compiled;
     ``model`` itself by default); ``eval_net``: what evaluation runs through. ``hooks``: a
-    ``HookSet`` whose fused stage runs before each optimizer step. ``dist``: this process's
-    rank and device; each rank trains on its share of every epoch's seeded permutation.
+    ``HookSet`` whose fused stage runs before each optimizer step, or an object of one's own
+    that answers ``gradmod.training.loop_hooks.Hooks`` (what stages answer, ``StagedHooks``,
+    it may leave out). ``dist``: this process's rank and device; each rank trains on its
+    share of every epoch's seeded permutation.
 
     Callbacks may read: ``epoch``, ``step`` (optimizer steps so far), ``batch`` (batches of
     this epoch done), ``history`` (one record per finished epoch), ``last_stats``, ``settings``.
@@ -73,7 +76,7 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         settings: TrainerSettings = TrainerSettings(),
         *,
-        hooks=None,
+        hooks: Hooks | None = None,
         amp: Precision | None = None,
         callbacks: Sequence[Any] = (),
         dist: Dist | None = None,
@@ -103,20 +106,20 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.last_stats: dict[str, Any] = {}  # the latest non-empty read of the `log` statistics
         self.resumed_from = None
+        self.staged: StagedHooks | None = hooks if isinstance(hooks, StagedHooks) else None  # None: no stages
         # What the hook stages need from this loop (gradmod.training.stage_sync): DDP's all-reduce
         # or not, the manual means, whether the loss of a micro-batch is divided.
         self.stage_sync = StageSync(
-            hooks,
+            self.staged,
             self.dist,
             poisson=settings.sampling == "poisson",
             batch_size=settings.batch_size,
             accumulate=settings.accumulate,
         )
         # The stage keeping per-example scores: told each batch's indices in the whole training set.
-        self.scores = next((st for st in getattr(hooks, "stages", None) or [] if getattr(st, "keeps_scores", 0)), None)
-        self.after_step = None  # famo's same-batch losses after each step (gradmod.training.after_step)
-        if getattr(hooks, "wants_step_losses", False):  # a HookSet's; an object of your own may lack it
-            self.after_step = AfterStepLosses(hooks, self.net, self.tasks, self.amp)
+        self.scores = self.staged.keeping_scores if self.staged is not None else None
+        wants = self.staged is not None and self.staged.wants_step_losses  # famo's, gradmod.training.after_step
+        self.after_step = AfterStepLosses(self.staged, self.net, self.tasks, self.amp) if wants else None
 
     def add_callbacks(self, callbacks: Sequence[Any]) -> None:
         """Append ``callbacks``; a ``ValueError`` where the order breaks what they declare
@@ -213,8 +216,7 @@ class Trainer:
             group = 1
         if not self.stage_sync.ddp_may_reduce:  # the stages reduce what they need after backward
             sync = False
-        passes = getattr(self.hooks, "forward_passes", None)  # a HookSet's; an object of your own may lack it
-        if passes is not None and passes() > 1:
+        if self.staged is not None and self.staged.forward_passes() > 1:
             losses = self._two_passes(xb, yb, group, sync)
         else:
             with no_sync(self.net, not sync):
@@ -229,8 +231,9 @@ class Trainer:
 
     def _closure(self, xb: Tensor, yb: Any, group: int, sync: bool) -> Callable[[], Any] | None:
         """The micro-batch's losses recomputed at the current parameters, for a stage's
-        second pass (DDP's forward decides whether its backward all-reduces)."""
-        if getattr(self.hooks, "forward_passes", None) is None:
+        second pass (DDP's forward decides whether its backward all-reduces); None for hooks
+        without stages, whose ``backward`` takes the losses alone."""
+        if self.staged is None:
             return None
 
         def closure():
@@ -359,7 +362,7 @@ def bare_epoch(
     *,
     batch_size: int,
     generator: torch.Generator,
-    hooks=None,
+    hooks: Hooks | None = None,
     on_step: Callable[[int], None] | None = None,
     progress: bool = False,
     accumulate: int = 1,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from gradmod.hooks import attach, registry, stages
 from gradmod.hooks import transforms as T
 from gradmod.hooks.fused.group import GroupTransform
 from gradmod.hooks.per_loss.methods.bases import Method
-from gradmod.hooks.rules.targets import build_targets
+from gradmod.hooks.stage import Stage
 
 
 def test_every_shipped_transform_says_its_kind():
@@ -93,19 +92,6 @@ def test_a_plugin_group_transform_runs_fused_over_the_whole_rule():
     with pytest.raises(ValueError, match="group transform 'unit_norm' .* it runs at stage 'fused' only"):
         attach(model, {"u": {"params": "*", "stage": "hook", "transforms": ["unit_norm"]}})
     hooks.remove()
-
-
-def test_a_stage_the_table_reserves_is_refused_until_provided(monkeypatch):
-    reserved = tuple(replace(s, available=False) if s.name == "per_loss" else s for s in stages.STAGES)
-    monkeypatch.setattr(stages, "STAGES", reserved)
-    monkeypatch.setattr(stages, "_BY_NAME", {s.name: s for s in reserved})
-    registry.register("task_weights", lambda: None, kind="per_loss")
-    model = nn.Linear(2, 1)
-    with pytest.raises(
-        ValueError,
-        match="per_loss transform 'task_weights' runs at stage 'per_loss', which this version does not provide",
-    ):
-        build_targets(model, {"r": {"params": "*", "transforms": ["task_weights"]}})
 
 
 def test_a_transform_of_another_stage_is_refused_with_what_runs_there():
@@ -265,6 +251,27 @@ def test_a_stage_is_reached_by_its_name_only():
     assert hooks.stage("per_sample") is hooks.stages[0] and hooks.stage("fused") is None
     assert not any(hasattr(hooks, name) for name in stages.names()) and not hasattr(hooks, "set_per_sample")
     hooks.remove()
+
+
+def test_the_stage_table_says_which_stage_keeps_scores_and_only_its_class_keeps_them():
+    """What a loop asks of the hooks about scores is a fact of the table (``scores``,
+    ``keeping_scores()``): that stage's class hands them over (``see_batch``, ``take_scores``),
+    every other stage answers ``keeps_scores`` False, and a HookSet reaches the stage by the
+    fact where a rule keeps scores."""
+    assert [s.name for s in stages.STAGES if s.scores] == [stages.keeping_scores()] == ["per_sample"]
+    for facts in stages.STAGES:
+        cls = stages.stage_class(facts.name)
+        keeper = all(callable(getattr(cls, m, None)) for m in ("see_batch", "take_scores"))
+        assert keeper == facts.scores, facts.name
+        assert facts.scores or cls.keeps_scores is Stage.keeps_scores, facts.name
+    model = nn.Linear(3, 2)
+    logged = attach(model, {"l": {"params": "*", "stage": "per_sample", "transforms": ["log"]}})
+    assert logged.stage(stages.keeping_scores()) is not None and logged.keeping_scores is None
+    scored = attach(model, {"s": {"params": "*", "stage": "per_sample", "transforms": ["scores"]}})
+    assert scored.keeping_scores is scored.stage(stages.keeping_scores()) is scored.stages[0]
+    plain = attach(model, {"c": {"params": "*", "transforms": ["sign"]}})
+    assert plain.keeping_scores is None
+    plain.remove()
 
 
 def test_the_catalog_imports_nothing_and_each_row_resolves_to_its_kind():

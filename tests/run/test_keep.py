@@ -13,6 +13,7 @@ import torch
 from helpers import TINY_FAKE, compose_config, run_train
 
 from gradmod.data import Data
+from gradmod.hooks.score_columns import HEADERS, SCORES_FILE, SELF_INFLUENCE_FILE
 from gradmod.run.config import FakeDataConfig, KeepConfig
 from gradmod.run.keep import keep_share
 
@@ -29,7 +30,7 @@ def _scores_csv(folder, data: Data, epochs=(1, 2), seed: int = 0):
     """A scores.csv of every example in ``epochs``, in a shuffled order, with random scores."""
     rng = np.random.default_rng(seed)
     table = {}
-    lines = ["epoch,index,label,grand,el2n"]
+    lines = [HEADERS[SCORES_FILE]]
     for e in epochs:
         grand, el2n = rng.random(len(data.train_y)), rng.random(len(data.train_y))
         table[e] = grand, el2n
@@ -102,7 +103,7 @@ def test_self_influence_csv_by_folder_or_file(tmp_path):
     rng = np.random.default_rng(1)
     score = rng.random(N)
     rows = "".join(f"{i},{int(data.train_y[i])},{float(score[i])!r}\n" for i in rng.permutation(N))
-    (tmp_path / "self_influence.csv").write_text("index,label,score\n" + rows)
+    (tmp_path / "self_influence.csv").write_text(HEADERS[SELF_INFLUENCE_FILE] + "\n" + rows)
     expected = sorted(np.argsort(-score, kind="stable")[:4].tolist())
     for where in (tmp_path, tmp_path / "self_influence.csv"):
         assert _kept(data, fraction=0.1, which="hardest", score="self_influence", scores=str(where)) == expected
@@ -117,7 +118,7 @@ def _refusal(tmp_path, text: str, **keep) -> str:
     return str(e.value)
 
 
-HEADER = "epoch,index,label,grand,el2n\n"
+HEADER = HEADERS[SCORES_FILE] + "\n"
 
 
 def test_bad_score_files_are_one_line_each(tmp_path):
@@ -134,7 +135,8 @@ def test_bad_score_files_are_one_line_each(tmp_path):
     assert "holds no scores (its header alone)" in _refusal(tmp_path, HEADER)
     assert "is not scores.csv's table of numbers" in _refusal(tmp_path, HEADER + "1,0,0,x,1\n")
     assert "not finite" in _refusal(tmp_path, HEADER + rows.replace("0.2", "nan"))
-    assert "its header is 'index,label,score'" in _refusal(tmp_path, "index,label,score\n0,0,1\n")
+    other = HEADERS[SELF_INFLUENCE_FILE]
+    assert f"its header is {other!r}" in _refusal(tmp_path, other + "\n0,0,1\n")
     with pytest.raises(ValueError, match="has no self_influence.csv, which self_influence comes from"):
         keep_share(_data(4), KeepConfig(0.5, "hardest", "self_influence", str(tmp_path)), seed=0)
     with pytest.raises(ValueError, match="is neither a folder nor a file"):

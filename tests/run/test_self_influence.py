@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import ROOT, TINY_FAKE, compose_config
 
+from gradmod.hooks.score_columns import COLUMNS, SELF_INFLUENCE_FILE
 from gradmod.run.folder import checkpoint_file as ckpt
 
 # 2 epochs of 6 steps, a checkpoint every 4 steps and at each epoch's end (steps 4, 6, 8, 12),
@@ -34,7 +35,7 @@ def scored(tmp_path_factory):
 def _scores(out) -> dict[int, tuple[int, float]]:
     with open(out / "self_influence.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["index", "label", "score"]
+    assert tuple(rows[0]) == COLUMNS[SELF_INFLUENCE_FILE]
     scores = [float(r["score"]) for r in rows]
     assert scores == sorted(scores, reverse=True)  # highest first
     return {int(r["index"]): (int(r["label"]), float(r["score"])) for r in rows}

@@ -11,6 +11,7 @@ import torch
 from helpers import RESUMABLE, compose_config, free_port, spawn_ranks
 
 from gradmod.hooks import attach
+from gradmod.hooks.score_columns import COLUMNS, SCORES_FILE
 from gradmod.models import MnistCNN
 from gradmod.training.trainer import Trainer, TrainerSettings
 
@@ -89,7 +90,7 @@ def test_a_run_writes_scores_csv_and_a_resume_keeps_it(tmp_path):
     full = tmp_path / "full"
     _run(full, *base)
     rows = _scores_csv(full)
-    assert list(rows[0]) == ["epoch", "index", "label", "grand", "el2n"]
+    assert tuple(rows[0]) == COLUMNS[SCORES_FILE]
     for epoch in (1, 2):  # every one of the 60 training examples once an epoch, sorted by index
         assert [int(r["index"]) for r in rows if r["epoch"] == str(epoch)] == list(range(60))
     resumed = tmp_path / "resumed"  # from the checkpoint after step 4 (mid-epoch 1): rows of steps 1-4 in it

@@ -109,6 +109,9 @@ class GroupTransform:
 
     name = "group"
     skip = False  # True: apply_ may answer "skip this step", which the loop must read
+    # True: the rule's parameters take no part in the backward while it acts (requires_grad
+    # off, ``gradmod.hooks.fused.trainability``): under DDP the wrapper must find them unused
+    switches_trainability = False
 
     def __init__(self):
         self.record = NormRecord()
@@ -242,6 +245,7 @@ class Freeze(GroupTransform):
     the moments at work). With ``active`` it is a freeze window."""
 
     name = "freeze"
+    switches_trainability = True
 
     def apply_(self, params: list[Tensor], grads: list[Tensor]) -> None:
         for p in params:

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.fused.group import Freeze
 from gradmod.hooks.fused.trainability import TrainabilitySwitch
 from gradmod.hooks.rules.targets import group_steps, observer_key
 from gradmod.hooks.stage import Core, Stage
@@ -40,6 +39,12 @@ class FusedTransform:
     names: list[str]
     params: list[nn.Parameter]
     checked: bool = field(default=False)
+
+    @property
+    def switches_trainability(self) -> bool:
+        """A group transform that says it switches ``requires_grad`` off while it acts (``freeze``)."""
+        first = self.steps[0]
+        return first.kind == "group" and first.fn.switches_trainability
 
     def run(self) -> Tensor | None:
         """Apply in place; a group transform may answer a device bool "skip the step"."""
@@ -128,7 +133,7 @@ class FusedStage(Stage):
         self._groups = [(key, s.fn) for key, _, s in group_steps(self.targets)]
         frozen: dict[str, list[nn.Parameter]] = {}  # freeze rules: requires_grad off while they act
         for step in self._steps:
-            if isinstance(step.steps[0].fn, Freeze):
+            if step.switches_trainability:
                 frozen.setdefault(step.rule, []).extend(step.params)
         self._switch = TrainabilitySwitch(model, frozen, core) if frozen else None
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-COLUMNS = ("index", "label", "grand", "el2n")
+from gradmod.hooks.score_columns import INDEX, KEPT, LABEL
+
 STATE_KEY = "per_sample_scores"  # the pending rows in HookSet.state_dict()
 SEE_BATCH = "call hooks.stage('per_sample').see_batch(index, target) before each training forward (the Trainer does)"
 
@@ -32,7 +33,7 @@ class Scores:
         self._index: Tensor | None = None
         self._target: Tensor | None = None
         self._output: Tensor | None = None
-        self._rows: list[Tensor] = []  # per backward [B, 4] float64: index, label, grand, el2n
+        self._rows: list[Tensor] = []  # per backward [B, 4] float64, the columns of KEPT: index, label, grand, el2n
         self._ended: list[Tensor] = []  # rows of epochs ended (a checkpoint between epochs holds none)
 
     def __call__(self, grad: Tensor) -> None:
@@ -87,10 +88,10 @@ class Scores:
         self._ended, self._rows = self._ended + self._rows, []
 
     def take(self) -> Tensor:
-        """The rows kept since the last take (``[N, 4]``: index, label, grand, el2n), and a fresh start."""
+        """The rows kept since the last take (``[N, 4]``, the columns of ``KEPT``), and a fresh start."""
         rows = self._ended + self._rows
         self._ended, self._rows = [], []
-        return torch.cat(rows) if rows else torch.zeros(0, len(COLUMNS), dtype=torch.float64)
+        return torch.cat(rows) if rows else torch.zeros(0, len(KEPT), dtype=torch.float64)
 
     def pending(self) -> Tensor | None:
         """The rows of the epoch in progress, on the host (a checkpoint's), or None."""
@@ -150,9 +151,9 @@ class KeepsScores:
         """The rows kept since the last take, on the host: ``index`` and ``label`` (int64),
         ``grand`` and ``el2n`` (float64), one entry per example seen (an example seen twice,
         twice); empty without a rule keeping scores."""
-        rows = self.scores.take().cpu() if self.scores is not None else torch.zeros(0, len(COLUMNS))
-        out = dict(zip(COLUMNS, rows.double().unbind(1)))
-        return {k: v.long() if k in ("index", "label") else v for k, v in out.items()}
+        rows = self.scores.take().cpu() if self.scores is not None else torch.zeros(0, len(KEPT))
+        out = dict(zip(KEPT, rows.double().unbind(1)))
+        return {k: v.long() if k in (INDEX, LABEL) else v for k, v in out.items()}
 
     def end_epoch(self) -> None:
         if self.scores is not None:

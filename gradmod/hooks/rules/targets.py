@@ -119,11 +119,6 @@ def _rule_stage(rule: str, spec: Mapping[str, Any], kind: str, names: list[str],
 def _check_forced(rule: str, asked: str | None, kind: str, stage: stages.StageFacts, by: str) -> None:
     """A transform whose kind implies ``stage``: the rule may not ask for another, nor be a modules rule."""
     what = f"{_kind(by)} transform {by!r}"
-    if not stage.available:
-        raise ValueError(
-            f"hooks.{rule}.transforms: {what} runs at stage {stage.name!r}, which this version "
-            f"does not provide; allowed stages: {', '.join(NAMED)}"
-        )
     if kind == "module" and not stage.modules:
         raise ValueError(f"hooks.{rule}: {what} needs params ({stage.sees}), not modules")
     if asked is not None and asked != stage.name:

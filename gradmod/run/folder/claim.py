@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradmod.hooks.score_columns import SCORES_FILE, SELF_INFLUENCE_FILE
 from gradmod.reporting import json_text, run_summary
 from gradmod.reporting.run_summary import in_use
 from gradmod.run.folder import atomic
@@ -51,8 +52,8 @@ OUTPUTS = (
     "tasks.png",
     "frac_clipped.png",
     "gradcam.png",
-    "scores.csv",  # a scores rule's; the rest: gradmod scores RUN's, of the run they came from
-    "self_influence.csv",
+    SCORES_FILE,  # a scores rule's; the rest: gradmod scores RUN's, of the run they came from
+    SELF_INFLUENCE_FILE,
     "hardest.png",
     "self_influence_hist.png",
     "self_influence_by_class.png",

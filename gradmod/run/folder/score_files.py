@@ -1,12 +1,9 @@
-"""The headers of the two per-example score files a run folder may hold: ``scores.csv`` (written
-each epoch by ``gradmod.run.folder.scores_csv``) and ``self_influence.csv`` (``gradmod scores RUN``,
-``gradmod.analysis.score_report``); ``data.keep`` reads both (``gradmod.run.keep``)."""
+"""What the two per-example score files a run folder may hold share: ``scores.csv`` (written each
+epoch by ``gradmod.run.folder.scores_csv``) and ``self_influence.csv`` (``gradmod scores RUN``,
+``gradmod.analysis.score_report``), both read by ``data.keep`` (``gradmod.run.keep``). Their
+columns and headers are ``gradmod.hooks.score_columns``'."""
 
 from torch import Tensor
-
-SCORES_CSV = "epoch,index,label,grand,el2n"
-SELF_INFLUENCE_CSV = "index,label,score"
-HEADERS = {"scores.csv": SCORES_CSV, "self_influence.csv": SELF_INFLUENCE_CSV}
 
 
 def one_label_each(labels: object) -> bool:

@@ -1,5 +1,5 @@
-"""``scores.csv``: each training example's GraNd and EL2N, one row per example and epoch
-(columns ``epoch, index, label, grand, el2n``), from a per_sample rule with ``scores``.
+"""``scores.csv``: each training example's GraNd and EL2N, one row per example and epoch (its
+columns: ``gradmod.hooks.score_columns``), from a per_sample rule with ``scores``.
 
 At each epoch's end the stage's rows are taken (one host read), gathered from every rank
 under DDP (each rank saw its share of the epoch), sorted by dataset index and appended.
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradmod.hooks.score_columns import COLUMNS, EL2N, GRAND, HEADERS, INDEX, LABEL, SCORES_FILE
 from gradmod.reporting.loggers import names_file
 from gradmod.run.folder import atomic
-from gradmod.run.folder.score_files import SCORES_CSV
 from gradmod.training.callbacks import Callback
 
 
@@ -30,12 +30,12 @@ def gathered(rows: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tenso
         parts: list[Any] = [None] * world
         dist.all_gather_object(parts, rows)
         rows = {k: torch.cat([p[k] for p in parts]) for k in rows}
-    order = torch.sort(rows["index"], stable=True).indices
+    order = torch.sort(rows[INDEX], stable=True).indices
     return {k: v[order] for k, v in rows.items()}
 
 
 def csv_lines(epoch: int, rows: dict[str, torch.Tensor]) -> str:
-    columns = zip(rows["index"].tolist(), rows["label"].tolist(), rows["grand"].tolist(), rows["el2n"].tolist())
+    columns = zip(*(rows[c].tolist() for c in (INDEX, LABEL, GRAND, EL2N)))
     return "".join(f"{epoch},{i},{y},{g:.10g},{e:.10g}\n" for i, y, g, e in columns)
 
 
@@ -45,14 +45,14 @@ class ScoresFile(Callback):
     their own that is thrown away)."""
 
     def __init__(self, out: Path, stage: Any):
-        self.path, self.stage = Path(out) / "scores.csv", stage
+        self.path, self.stage = Path(out) / SCORES_FILE, stage
 
     def on_fit_start(self, trainer) -> None:
         kept = ""
         if trainer.resumed_from:  # the epochs the checkpoint finished, from this folder or the checkpoint's
-            source = self.path if self.path.exists() else Path(trainer.resumed_from).parent.parent / "scores.csv"
+            source = self.path if self.path.exists() else Path(trainer.resumed_from).parent.parent / SCORES_FILE
             kept = _rows_up_to(source, len(trainer.history)) if source.exists() else ""
-        atomic.write_text(self.path, SCORES_CSV + "\n" + kept)
+        atomic.write_text(self.path, HEADERS[SCORES_FILE] + "\n" + kept)
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
         rows = gathered(self.stage.take_scores(), trainer.dist.world_size)
@@ -64,7 +64,7 @@ def _rows_up_to(path: Path, epoch: int) -> str:
     """The lines of ``scores.csv`` of epochs up to ``epoch`` (a line cut short is dropped)."""
     with names_file(path):
         lines = path.read_text().splitlines()[1:]
-    return "".join(ln + "\n" for ln in lines if ln.count(",") == 4 and _epoch(ln) <= epoch)
+    return "".join(ln + "\n" for ln in lines if ln.count(",") == len(COLUMNS[SCORES_FILE]) - 1 and _epoch(ln) <= epoch)
 
 
 def _epoch(line: str) -> int:

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmod.hooks import attach
+from gradmod.hooks import attach, registry
+from gradmod.hooks.fused.group import GroupTransform
 from gradmod.testing.opcount import OpCounter
 
 WINDOW = {"f": {"params": ["0.*", "2.*"], "transforms": ["freeze"], "active": {"from": 3, "until": 6}}}
@@ -130,3 +131,34 @@ def test_attaching_again_inside_a_window_and_removing_give_requires_grad_back():
     assert [p.requires_grad for p in m.parameters()] == [False, False, False, False, True, False]
     hooks.remove()
     assert [p.requires_grad for p in m.parameters()] == [True, True, True, True, True, False]
+
+
+def test_a_group_transform_that_says_it_switches_trainability_is_switched_as_freeze_is():
+    """The fused stage takes the fact from the transform (``switches_trainability``), not from
+    its class: one's own group transform that states it gets freeze's switch, one that does not
+    is left alone."""
+
+    class Hold(GroupTransform):
+        switches_trainability = True
+
+        def apply_(self, params, grads):
+            for p in params:
+                p.grad = None
+
+    class Scale(GroupTransform):
+        def apply_(self, params, grads):
+            torch._foreach_mul_(grads, 0.5)
+
+    registry.register("hold", Hold)
+    registry.register("halve", Scale)
+    m = model()
+    hooks = attach(m, {"h": {"params": "0.*", "transforms": ["hold"]}, "s": {"params": "4.*", "transforms": ["halve"]}})
+    assert hooks.changes_trainability
+    m(batch(0)[0])
+    assert [p.requires_grad for p in m.parameters()] == [False, False, True, True, True, True]
+    hooks.remove()
+    assert all(p.requires_grad for p in m.parameters())
+    hooks = attach(m, {"s": {"params": "*", "transforms": ["halve"]}})
+    assert not hooks.changes_trainability
+    m(batch(0)[0])
+    assert all(p.requires_grad for p in m.parameters())
