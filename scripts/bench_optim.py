@@ -13,6 +13,7 @@ element-wise passes; on a CPU without bfloat16 matrix units that is most of the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -25,21 +26,11 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import gradmod  # noqa: E402
 from gradmod.models import build_model  # noqa: E402
+from gradmod.run.config import AdamWConfig, MuonConfig  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402
 
-ADAMW = {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.01}
-MUON = {  # gradmod/conf/optimizer/muon.yaml
-    "_target_": "torch.optim.AdamW",
-    "lr": 3e-4,
-    "betas": [0.9, 0.95],
-    "weight_decay": 0.01,
-    "groups": [
-        {
-            "params": "@matrices",
-            "optimizer": {"_target_": "gradmod.optim.Muon", "lr": 0.02, "momentum": 0.95, "weight_decay": 0.01},
-        }
-    ],
-}
+ADAMW = dataclasses.asdict(AdamWConfig())  # optimizer=adamw, as gradmod.optimizer's spec
+MUON = dataclasses.asdict(MuonConfig())  # optimizer=muon: the recipe's one source
 MODELS = {"tiny_gpt": {"num_classes": 65}, "mnist_cnn": {}}
 
 

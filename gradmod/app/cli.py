@@ -325,7 +325,8 @@ def describe(e: BaseException) -> str:
     more = f"; to append to your config use {hint.group(1)}" if hint else ""
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(cause.object_type):
         return unknown_key(cause.full_key, [f.name for f in dataclasses.fields(cause.object_type)]) + more
-    if isinstance(cause, OmegaConfBaseException) and "is not a ListConfig" in str(cause) and cause.full_key:
+    listed = ("is not a ListConfig", "Cannot merge DictConfig with ListConfig")  # one value, or a mapping
+    if isinstance(cause, OmegaConfBaseException) and any(m in str(cause) for m in listed) and cause.full_key:
         return _not_a_list(cause.full_key)
     if isinstance(cause, OmegaConfBaseException):
         return one_line(cause) + more
@@ -338,7 +339,8 @@ def describe(e: BaseException) -> str:
 
 
 def _not_a_list(key: str) -> str:
-    """``plugins=my_pkg.x``: a list key given one value; show it as a list."""
+    """``plugins=my_pkg.x``, ``optimizer.groups={params: x}``: a list key given one value or
+    one mapping; show it as a list."""
     given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+~").split("=", 1)[0] == key and "=" in a]
     value = given[-1] if given else "a.b"
     return f"{key}={value}: {key} is a list; write {key}=[{value}]"

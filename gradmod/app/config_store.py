@@ -119,25 +119,6 @@ def one_line(e: OmegaConfBaseException) -> str:
     return f"{key}: {msg}" if key and key not in msg else msg
 
 
-def _check_optimizer(opt) -> None:
-    import torch
-
-    from gradmod.run.factories import build_optimizer, locate
-
-    target = opt._target_
-    try:
-        cls = locate(target, "optimizer._target_")
-    except ValueError as e:
-        raise ValueError(f"{e}; e.g. torch.optim.Adam, torch.optim.SGD") from None
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer._target_={target!r} is not a torch.optim.Optimizer")
-    try:  # the constructor checks its own arguments: try them on a dummy parameter
-        build_optimizer(opt, [torch.zeros(1, requires_grad=True)])
-    except Exception as e:
-        cause = e.__cause__ or e
-        raise ValueError(f"optimizer ({target}): {' '.join(str(cause).split())}") from None
-
-
 def _check_data_dir(cfg: DictConfig) -> None:
     if cfg.data.name != "mnist" or cfg.data.get("_target_"):
         return
@@ -195,6 +176,8 @@ def validate(cfg: DictConfig) -> Config:
     except OmegaConfBaseException as e:
         cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None
         raise ValueError(str(cause) if cause else one_line(e)) from None
-    _check_optimizer(obj.optimizer)
+    from gradmod.run.factories import check_optimizer  # torch: after the torch-free checks
+
+    check_optimizer(obj.optimizer)  # the base optimizer and each optimizer.groups entry, before the model
     _check_data_dir(cfg)
     return obj

@@ -1,6 +1,7 @@
 """The update by glob: optimizer groups chosen with the rules' globs and selectors
 (``param_groups``), several optimizers as one (``CombinedOptimizer``), ``optimizer(model,
-spec)`` to build them, and a ``Muon`` that also takes convolution kernels. Imports torch and
+spec)`` to build them (the run's builder too; ``spec.check``: its checks before the model
+exists), and a ``Muon`` that also takes convolution kernels. Imports torch and
 ``gradmod.hooks.rules.globs`` only: usable in one's own loop, Lightning and Hugging Face's Trainer."""
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import stages
+from gradmod.optim.param_groups import describe
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.run.factories import (
     build_scheduler,
     build_tasks,
-    describe_groups,
     model_factory,
     model_optimizer,
 )
@@ -56,7 +56,7 @@ def build_trainer(run: Run) -> Parts:
     )
     optimizer = model_optimizer(cfg.optimizer, model, dist.device)
     if cfg.optimizer.no_decay or cfg.optimizer.groups:
-        log.info("%s", describe_groups(model, optimizer, bool(cfg.optimizer.groups)))
+        log.info("%s", describe(model, optimizer, bool(cfg.optimizer.groups)))
     run.hooks.set_optimizer(optimizer)  # gsam's rho follows its lr, wsam moves after its step
     saver = _saver(run)
     steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, run.sampling)

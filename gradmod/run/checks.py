@@ -92,8 +92,8 @@ def seed(value: int) -> None:
 
 
 def optimizer(opt: Any) -> None:
-    """The optimizer's own values (``OptimizerConfig``); its arguments are tried by torch
-    (``gradmod.app.config_store``)."""
+    """The optimizer's own values (``OptimizerConfig``); its arguments and ``groups`` need torch,
+    and are checked after these (``gradmod.run.factories.check_optimizer``)."""
     if opt.fused and opt.foreach:
         raise ValueError(
             "optimizer.fused=true with optimizer.foreach=true: torch allows one of them; set the other null"

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -24,13 +23,12 @@ from torch.optim import lr_scheduler
 
 from gradmod.data import Data, load_data
 from gradmod.hooks.groupnorm import replace_batchnorm
-from gradmod.hooks.rules.globs import param_kinds
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
-from gradmod.optim import CombinedOptimizer
-from gradmod.optim.param_groups import plan
-from gradmod.optim.spec import build
-from gradmod.run.config import DataConfig, LossConfig, ModelConfig, SchedulerConfig
+from gradmod.optim import optimizer as optimizer_by_spec
+from gradmod.optim.param_groups import check_step, locate, optimizer_class
+from gradmod.optim.spec import BASE_EXAMPLE, check
+from gradmod.run.config import DataConfig, LossConfig, ModelConfig, OptimizerConfig, SchedulerConfig
 from gradmod.run.keep import keep_share
 from gradmod.training.tasks import IGNORE_INDEX, Tasks
 
@@ -38,20 +36,6 @@ DATA_SHAPE = "must return (train, test), each a map-style dataset of (input, lab
 TOTAL_KEYS = ("T_max", "total_steps", "total_iters")  # null: the run's number of optimizer steps
 # Optimizers with a fused CUDA implementation that gives the same updates (torch's docs).
 FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")
-
-
-def locate(path: str, key: str) -> Any:
-    """The object at ``path`` (``package.module.name``); ``key`` names the config entry in errors."""
-    module, _, name = str(path).rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        where = (
-            "; it is imported from the current folder, PYTHONPATH or an installed package"
-            if isinstance(e, ImportError)
-            else ""
-        )
-        raise ValueError(f"{key}={path!r} does not import ({type(e).__name__}: {e}){where}") from None
 
 
 def arguments(cfg: Any) -> dict[str, Any]:
@@ -83,54 +67,31 @@ def default_fused(cls: type, device: torch.device) -> bool | None:
     return None
 
 
-def optimizer_arguments(cfg: Any, cls: type, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """The base optimizer's keyword arguments from the ``optimizer`` node: its keys but
-    ``no_decay``/``groups``/``args`` (whose entries join them), ``fused``/``foreach`` only when
-    set (or chosen by ``default_fused``)."""
-    kwargs = {k: v for k, v in arguments(cfg).items() if k not in ("no_decay", "groups", "args", "fused", "foreach")}
-    kwargs.update(cfg.args)
-    fused = cfg.fused if cfg.fused is not None or cfg.foreach else default_fused(cls, device)
-    for key, value in (("fused", fused), ("foreach", cfg.foreach)):
-        if value is not None:
-            kwargs[key] = value
-    return kwargs
+def optimizer_spec(cfg: OptimizerConfig, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The ``optimizer`` node as ``gradmod.optimizer``'s spec: its keys, ``fused`` chosen by
+    ``default_fused`` when it and ``foreach`` are null."""
+    spec = {"_target_": cfg._target_, **arguments(cfg)}
+    if cfg.fused is None and not cfg.foreach:
+        spec["fused"] = default_fused(optimizer_class(cfg._target_, "optimizer._target_", BASE_EXAMPLE), device)
+    return spec
 
 
-def build_optimizer(cfg: Any, params: Iterable[Any], device: torch.device | str = "cpu") -> torch.optim.Optimizer:
-    """``optimizer._target_`` called with ``params`` (or parameter groups) and the node's other keys."""
-    cls = locate(cfg._target_, "optimizer._target_")
-    return cls(params, **optimizer_arguments(cfg, cls, device))
-
-
-def model_optimizer(cfg: Any, model: nn.Module, device: torch.device | str = "cpu") -> torch.optim.Optimizer:
+def model_optimizer(
+    cfg: OptimizerConfig, model: nn.Module, device: torch.device | str = "cpu"
+) -> torch.optim.Optimizer:
     """The run's optimizer over every parameter of ``model`` (one frozen now and unfrozen later
-    trains), in the groups ``optimizer.groups`` and ``optimizer.no_decay`` make
-    (``gradmod.optim``): one torch optimizer, or several as one."""
-    cls = locate(cfg._target_, "optimizer._target_")
-    parts = plan(
-        model.named_parameters(),
-        param_kinds(model),
-        cls,
-        optimizer_arguments(cfg, cls, device),
-        no_decay=list(cfg.no_decay),
-        entries=list(cfg.groups),
-    )
-    return build(parts)
+    trains), in the groups ``optimizer.groups`` and ``optimizer.no_decay`` make: what
+    ``gradmod.optimizer`` builds of the node, one torch optimizer or several as one."""
+    return optimizer_by_spec(model, optimizer_spec(cfg, device))
 
 
-def describe_groups(model: nn.Module, optimizer: torch.optim.Optimizer, entries: bool) -> str:
-    """The optimizer's parameter groups by name, as ``optimizer.no_decay`` (and
-    ``optimizer.groups``: each group's optimizer and learning rate too) made them."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    held = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
-    parts = []
-    for o in held:
-        for g in o.param_groups:
-            listed = [names[id(p)] for p in g["params"]]
-            shown = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
-            what = f"{type(o).__name__} lr={g['lr']:g} " if entries else ""
-            parts.append(f"{what}weight_decay={g.get('weight_decay', 0.0):g}: {shown}")
-    return f"optimizer groups (optimizer.{'groups' if entries else 'no_decay'}): " + "; ".join(parts)
+def check_optimizer(cfg: OptimizerConfig) -> None:
+    """The ``optimizer`` node checked before the model exists (``gradmod.optim.spec.check``:
+    classes, arguments and values of the base optimizer and of each group entry); the run
+    steps without a closure, so an optimizer that needs one is refused too."""
+    check(optimizer_spec(cfg))
+    base = optimizer_class(cfg._target_, "optimizer._target_", BASE_EXAMPLE)
+    check_step(base, "optimizer._target_", "the run steps it without one")
 
 
 def model_factory(cfg: ModelConfig, data: Data) -> Callable[[], nn.Module]:

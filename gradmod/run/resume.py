@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from gradmod.optim.param_groups import set_base_argument
+from gradmod.optim.spec import PLAN_KEYS
+
 log = logging.getLogger(__name__)
 
 MUST_MATCH = (
@@ -27,9 +30,7 @@ MUST_MATCH = (
     "seed",
     "hooks",
     "init",
-    "optimizer._target_",
-    "optimizer.no_decay",
-    "optimizer.groups",
+    *(f"optimizer.{k}" for k in PLAN_KEYS),  # what decides the optimizers and their groups
     "loss",
     "scheduler",
     "trainer.accumulate",
@@ -101,17 +102,9 @@ def check_epochs(path: Any, state: dict[str, Any], epochs: int) -> None:
 
 def apply_optimizer(optimizer: torch.optim.Optimizer, diffs: dict[str, tuple[Any, Any]]) -> None:
     """Write changed optimizer hyperparameters (``optimizer.lr``, ...) into the param groups,
-    over the values the checkpoint's optimizer state restored, as the groups' markers
-    (``gradmod.optim.param_groups``) say: ``weight_decay`` stays 0 in a ``no_decay`` group, an
-    argument its ``optimizer.groups`` entry set (every one, for an entry's own optimizer) stays,
-    and ``lr`` is multiplied by the group's ``lr_scale``."""
+    over the values the checkpoint's optimizer state restored, into the groups that take them
+    from the base optimizer (``gradmod.optim.param_groups.set_base_argument``)."""
     for key, (_, value) in diffs.items():
         name = key.partition(".")[2]
-        if not key.startswith("optimizer.") or name in NOT_ARGUMENTS:
-            continue
-        for group in optimizer.param_groups:
-            if (name == "weight_decay" and group.get("no_decay")) or name in group.get("entry_args", ()):
-                continue
-            if name in group:
-                new = value * group["lr_scale"] if name == "lr" and "lr_scale" in group else value
-                group[name] = tuple(new) if isinstance(group[name], tuple) else new
+        if key.startswith("optimizer.") and name not in NOT_ARGUMENTS:
+            set_base_argument(optimizer, name, value)

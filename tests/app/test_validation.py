@@ -139,6 +139,13 @@ CASES = [
     ),
     (["+hooks=dp", "hooks.dp.transforms.0.max_norm=inf"], ["per_sample_clip", "max_norm=inf", "finite number"]),
     ([RULE % "{name: noise, std: nan}"], ["noise", "std=nan", "finite number"]),
+    # optimizer.groups, checked before the model is built
+    (["optimizer.groups={params: conv*}"], ["optimizer.groups={params: conv*}", "is a list", "=[{params: conv*}]"]),
+    (["optimizer=muon", "optimizer.groups.0.optimizer.lr=abc"], ["optimizer.groups.0.optimizer.lr", "'abc'", "number"]),
+    (
+        ["optimizer.groups=[{params: conv*, optimizer: {_target_: torch.optim.LBFGS}}]"],
+        ["optimizer.groups.0.optimizer._target_", "LBFGS", "closure", "allowed"],
+    ),
 ]
 if not torch.cuda.is_available():
     CASES.append((["trainer.device=cuda"], ["trainer.device", "cuda", "not available", "cpu"]))

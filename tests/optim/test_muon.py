@@ -4,14 +4,18 @@ format."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from helpers import compose_config
+from helpers import CONF, compose_config
+from omegaconf import OmegaConf
 from torch import nn
 from torch.func import functional_call
 
 from gradmod.app.config_store import validate
 from gradmod.models import MnistCNN, TinyGPT
 from gradmod.optim import CombinedOptimizer
+from gradmod.run.config import MuonConfig
 from gradmod.run.factories import model_optimizer
 
 MUON = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "ns_steps": 5, "weight_decay": 0.01}  # the shipped recipe
@@ -29,6 +33,14 @@ def test_the_shipped_recipe_is_the_reference_one():
     assert type(adamw) is torch.optim.AdamW and isinstance(muon, torch.optim.Muon)
     assert {k: muon.defaults[k] for k in MUON} == MUON and muon.defaults["adjust_lr_fn"] is None  # "original"
     assert {k: adamw.defaults[k] for k in ADAMW} == ADAMW
+
+
+def test_the_recipe_is_written_once_in_the_schema():
+    """optimizer=muon's file names its schema and sets none of the recipe: Python's MuonConfig()
+    and the command line's optimizer=muon are one recipe."""
+    written = OmegaConf.to_container(OmegaConf.load(CONF / "optimizer" / "muon.yaml"))
+    assert set(written) == {"defaults", "_target_"} and written["_target_"] == MuonConfig._target_
+    assert OmegaConf.to_container(compose_config("optimizer=muon").optimizer) == dataclasses.asdict(MuonConfig())
 
 
 def test_muon_on_the_tiny_transformer_equals_torchs_pair_by_hand():

@@ -3,12 +3,15 @@ ones written by hand; lr_scale follows an LR scheduler; bad entries are one line
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from helpers import TINY_FAKE, compose_config
 from torch import nn
 
 import gradmod
+from gradmod.app.cli import describe
 from gradmod.app.config_store import validate
 from gradmod.models import MnistCNN, TinyGPT
 from gradmod.run import runner
@@ -167,6 +170,23 @@ def test_a_resume_leaves_an_entrys_own_optimizer_as_its_entry_set_it():
             [{"params": "@biases", "optimizer": {"_target_": "gradmod.optim.Muon"}}],
             r"^optimizer.groups.0.optimizer \(Muon\): Muon takes matrices and convolution kernels .* shape \(32,\)",
         ),
+        (
+            [{"params": "l1.*", "optimizer": {"_target_": "torch.optim.LBFGS"}}],
+            r"^optimizer.groups.0.optimizer._target_: LBFGS.step needs a closure .*allowed: an optimizer whose step",
+        ),
+        (
+            [{"params": "l1.*", "optimizer": {"_target_": "gradmod.optim.Muon", "lr": "abc"}}],
+            r"^optimizer.groups.0.optimizer.lr: 'abc' must be a finite number >= 0 \(a learning rate\)$",
+        ),
+        (
+            [{"params": "l1.*", "optimizer": {"_target_": "gradmod.optim.Muon", "momentum": "high"}}],
+            r"^optimizer.groups.0.optimizer.momentum: 'high' must be a number \(Muon's default: 0.95\)$",
+        ),
+        (
+            [{"params": "l1.*", "optimizer": {"_target_": "torch.nn.Linear"}}],
+            r"^optimizer.groups.0.optimizer._target_='torch.nn.Linear' is not a torch.optim.Optimizer; e.g. ",
+        ),
+        ({"params": "l1.*"}, r"^optimizer.groups: \{'params': 'l1.\*'\} must be a list of entries, e.g. \["),
     ],
 )
 def test_a_bad_entry_is_one_line(groups, line):
@@ -193,3 +213,95 @@ def test_a_bad_group_from_the_command_line_is_one_line_and_exit_2(tmp_path):
     assert ending.status == "failed" and ending.exit_code == 2
     line = endings.message(ending.error)
     assert "\n" not in line and line.startswith("optimizer.groups.1.params: conv1.weight is matched by")
+
+
+@pytest.mark.parametrize("name", ["Lion", "AdaBelief"])
+def test_a_pytorch_optimizer_class_is_an_entrys_optimizer_as_by_hand(name):
+    """Its ``**kwargs`` become its defaults: its arguments are the ones it names, and any other."""
+    cls = getattr(pytest.importorskip("pytorch_optimizer", reason="pytorch-optimizer is a test dependency"), name)
+    target = f"pytorch_optimizer.{name}"
+    torch.manual_seed(0)
+    model, twin = MnistCNN(1, 10), MnistCNN(1, 10)
+    twin.load_state_dict(model.state_dict())
+    opt = gradmod.optimizer(
+        model, {**ADAMW, "groups": [{"params": "l1.*", "optimizer": {"_target_": target, "lr": 1e-4}}]}
+    )
+    head = [twin.l1.weight, twin.l1.bias]
+    pair = [
+        torch.optim.AdamW([p for p in twin.parameters() if all(p is not q for q in head)], lr=1e-3, weight_decay=0.1),
+        cls(head, lr=1e-4),
+    ]
+    for step in range(3):
+        x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        for o in pair:
+            o.zero_grad()
+        twin(x).square().mean().backward()
+        for o in pair:
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    apply_optimizer(opt, {"optimizer.lr": (1e-3, 5e-4)})  # a resume's new base lr: not the entry's optimizer's
+    assert [g["lr"] for g in opt.param_groups] == [5e-4, 1e-4]
+    base = gradmod.optimizer(model, {"_target_": target, "lr": 1e-4, "weight_decay": 0.1, "no_decay": ["*.bias"]})
+    assert type(base) is cls and [g["weight_decay"] for g in base.param_groups] == [0.1, 0.0]
+
+
+def test_a_mapping_for_groups_on_the_command_line_is_one_line(monkeypatch):
+    override = "optimizer.groups={params: conv*}"
+    monkeypatch.setattr(sys, "argv", ["train.py", override])
+    with pytest.raises(Exception) as e:
+        compose_config(override)
+    assert describe(e.value) == f"{override}: optimizer.groups is a list; write optimizer.groups=[{{params: conv*}}]"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["optimizer.groups=[{params: 'l1.*', momentum: 0.9}]"],
+            r"^optimizer.groups.0.momentum: Adam takes no argument 'momentum'; it takes lr, betas",
+        ),
+        (
+            ["optimizer.groups=[{params: 'l1.*', optimizer: {_target_: torch.optim.Nope}}]"],
+            r"^optimizer.groups.0.optimizer._target_='torch.optim.Nope' does not import \(.*\); e.g. torch.optim.SGD",
+        ),
+        (
+            ["optimizer.groups=[{params: 'l1.*', optimizer: {_target_: torch.optim.LBFGS}}]"],
+            r"^optimizer.groups.0.optimizer._target_: LBFGS.step needs a closure",
+        ),
+        (
+            ["optimizer=muon", "optimizer.groups.0.optimizer.lr=abc"],
+            r"^optimizer.groups.0.optimizer.lr: 'abc' must be a finite number >= 0 \(a learning rate\)$",
+        ),
+        (
+            ["optimizer.groups=[{params: 5}]"],
+            r"^optimizer.groups.0.params: 5 must be a glob or a non-empty list of globs$",
+        ),
+        (
+            ["optimizer.groups=[{params: '@matrix'}]"],
+            r"^optimizer.groups.0.params: '@matrix' is not a selector; allowed: ",
+        ),
+        (["optimizer.groups=[{params: 'l1.*', lr_scale: -1}]"], r"^optimizer.groups.0.lr_scale: -1 must be a finite"),
+        (["optimizer.groups=[{params: 'l1.*', lr: -1}]"], r"^optimizer.groups.0.lr: -1 must be a finite number >= 0"),
+        (
+            ["optimizer.groups=[{params: 'l1.*', betas: [0.9, 1.5]}]"],
+            r"^optimizer.groups.0 \(Adam\): Invalid beta parameter at index 1: 1.5$",
+        ),
+        (
+            ["optimizer=muon", "optimizer.groups.0.optimizer.momentum=-1"],
+            r"^optimizer.groups.0.optimizer \(Muon\): momentum should be >= 0 but is: -1",
+        ),
+    ],
+)
+def test_the_config_check_refuses_a_bad_entry_before_the_model(overrides, line):
+    with pytest.raises(ValueError, match=line) as e:
+        validate(compose_config(*TINY_FAKE, *overrides))
+    assert "\n" not in str(e.value)
+
+
+def test_the_config_check_leaves_what_a_glob_matches_to_the_model():
+    cfg = validate(compose_config(*TINY_FAKE, "optimizer.groups=[{params: 'conv3.*'}]"))
+    with pytest.raises(ValueError, match=r"^optimizer.groups.0.params: 'conv3.\*' matches no parameter"):
+        gradmod.optimizer(MnistCNN(1, 10), {"_target_": cfg.optimizer._target_, "groups": cfg.optimizer.groups})

@@ -10,7 +10,7 @@ from torch import nn
 
 from gradmod.app.cli import run
 from gradmod.run.config import AdamConfig, SGDConfig
-from gradmod.run.factories import build_optimizer, build_scheduler, default_fused, model_optimizer
+from gradmod.run.factories import build_scheduler, default_fused, model_optimizer
 from gradmod.run.folder import checkpoint_file as ckpt
 
 TINY = [
@@ -107,7 +107,7 @@ def test_foreach_equals_the_per_tensor_loop(cfg):
     for foreach in (True, False):
         model = __import__("copy").deepcopy(ref)
         cfg.foreach = foreach
-        opt = build_optimizer(cfg, model.parameters())
+        opt = model_optimizer(cfg, model)
         assert opt.defaults["foreach"] is foreach
         for i in range(5):
             opt.zero_grad()
@@ -124,12 +124,12 @@ def test_fused_default_is_chosen_by_device():
     assert default_fused(torch.optim.SGD, torch.device("cuda")) is True
     assert default_fused(torch.optim.RMSprop, torch.device("cuda")) is None  # no fused kernel: torch decides
     assert default_fused(torch.optim.Adam, torch.device("cpu")) is None
-    assert build_optimizer(AdamConfig(), [nn.Parameter(torch.zeros(2))]).defaults["fused"] is None
+    assert model_optimizer(AdamConfig(), nn.Linear(2, 1)).defaults["fused"] is None
     with pytest.raises(ValueError, match="optimizer.fused=true with optimizer.foreach=true"):
         AdamConfig(fused=True, foreach=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fused optimizers need CUDA")
 def test_fused_adam_is_the_cuda_default():
-    p = nn.Parameter(torch.ones(3, device="cuda"))
-    assert build_optimizer(AdamConfig(), [p], device=p.device).defaults["fused"] is True
+    layer = nn.Linear(3, 1, device="cuda")
+    assert model_optimizer(AdamConfig(), layer, device=layer.weight.device).defaults["fused"] is True
