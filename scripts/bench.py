@@ -17,11 +17,11 @@ Sections:
   epoch  one training epoch with the article's clip hook (clamp to [-0.01, 0.01]):
          article  torchvision MNIST (the bundled sample written in MNIST's file format),
                   DataLoader(batch 100, shuffle) with Resize(28) + ToTensor, loss.item() per step
-         gradmod  gradmod.training.trainer.bare_epoch on device-resident data, clip rule (hook stage)
+         gradmod  gradmod.testing.epochs.bare_epoch on device-resident data, clip rule (hook stage)
          floor    forward, backward, optimizer step on batches already in memory, no hooks
   eval   article's batch-size-1 loop (DataLoader + ToTensor, .item() per image) against
          gradmod.training.trainer.evaluate (batched, trainer.eval_batch_size)
-  step   one epoch of gradmod.training.trainer.bare_epoch with: no hooks; clip as hook stage; clip as
+  step   one epoch of gradmod.testing.epochs.bare_epoch with: no hooks; clip as hook stage; clip as
          fused stage; torch.nn.utils.clip_grad_value_ after backward; global_norm_clip (fused);
          log read every step; log read every 50 steps; clip_logged (log, clamp, log) read every 50 steps
   ops    aten ops dispatched in one optimizer step of each contender (gradmod.testing.opcount.OpCounter),
@@ -84,15 +84,17 @@ import bench_scale as scale  # noqa: E402
 import bench_scores as scores  # noqa: E402
 import bench_sharpness as sharpness  # noqa: E402
 
-from gradmod.data import as_float, load_mnist_sample, write_mnist_raw  # noqa: E402
+from gradmod.data import as_float, load_mnist_sample  # noqa: E402
 from gradmod.hooks import attach  # noqa: E402
 from gradmod.models import MnistCNN  # noqa: E402
 from gradmod.run import host_heap  # noqa: E402
 from gradmod.run.setup import resolve_device  # noqa: E402
+from gradmod.testing.epochs import bare_epoch  # noqa: E402
+from gradmod.testing.mnist_files import write_mnist_raw  # noqa: E402
 from gradmod.testing.opcount import OpCounter  # noqa: E402
 from gradmod.training.nonfinite import NonFiniteGuard  # noqa: E402
 from gradmod.training.speed import compile_model  # noqa: E402
-from gradmod.training.trainer import bare_epoch, evaluate  # noqa: E402
+from gradmod.training.trainer import evaluate  # noqa: E402
 
 BATCH = 100  # the article's batch size
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -0.01, "max": 0.01}]}}
