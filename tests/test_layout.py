@@ -333,6 +333,36 @@ def test_modules_and_functions_are_short():
     assert not long, "; ".join(long)
 
 
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _reads_sys_path(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"
+        for n in ast.walk(tree)
+    )
+
+
+def test_the_benchmarks_are_a_package_beside_the_library():
+    """benchmarks/ (``python -m benchmarks``) imports its own modules as ``benchmarks.<module>``,
+    and neither it nor scripts/ touches ``sys.path``; no module of the library imports a
+    benchmark; a benchmark module reads in one sitting, and imports none back."""
+    own = {p.stem for p in BENCHMARKS.glob("*.py")}
+    bad = [f"{p.relative_to(ROOT)} reads sys.path" for p in sorted(BENCHMARKS.glob("*.py")) if _reads_sys_path(p)]
+    bad += [
+        f"{p.relative_to(ROOT)} reads sys.path" for p in sorted((ROOT / "scripts").glob("*.py")) if _reads_sys_path(p)
+    ]
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        bad += [f"{path.name} imports {name}" for name in _imports(path) if name.split(".")[0] in own]
+        if len(path.read_text().splitlines()) > MODULE_LINES:
+            bad.append(f"{path.name}: {len(path.read_text().splitlines())} lines")
+    for path in sorted(PKG.rglob("*.py")):
+        bad += [f"{path.relative_to(ROOT)} imports {n}" for n in _imports(path) if n.split(".")[0] == "benchmarks"]
+    bad += [f"{m} is on an import circle" for m in _circles(ROOT, BENCHMARKS)]
+    assert not bad, "; ".join(bad)
+
+
 def test_the_hook_tests_mirror_the_stage_rooms():
     """Each stage's room has its tests in a folder of the same name under tests/hooks/, and
     no test of a room's own name lies outside it."""
