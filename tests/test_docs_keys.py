@@ -20,7 +20,7 @@ HOOK_NAME = re.compile(r"(?:\+hooks=\[?|gradmod/conf/hooks/|hooks=)([a-z_]+(?:,[
 CONF_PATH = re.compile(r"(?<![\w/])(gradmod/conf/[a-z_/.-]+\.yaml)")  # NAME.yaml is a placeholder
 # A file of the repository: a path under one of its folders, or a top-level file.
 FILE = re.compile(
-    r"(?<![\w/.:-])((?:gradmod|tests|scripts|docs|examples|\.ci)/[\w./-]*\w|train\.py|pyproject\.toml|"
+    r"(?<![\w/.:-])((?:gradmod|tests|scripts|benchmarks|docs|examples|\.ci)/[\w./-]*\w|train\.py|pyproject\.toml|"
     r"CHANGELOG\.md|LICENSE)(?![\w(])"
 )
 MODULE = re.compile(r"(?<![\w./])(gradmod(?:\.\w+)+)")

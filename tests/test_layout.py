@@ -19,7 +19,6 @@ BESIDE = {
     "gradmod.labels",
     "gradmod.capture",
     "gradmod.weight_init",
-    "gradmod.testing",
     "gradmod.install",
 }
 MAY_IMPORT = {
@@ -28,6 +27,8 @@ MAY_IMPORT = {
     "reporting": {"gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "training": {"gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "integrations": {"gradmod.integrations", "gradmod.hooks", "gradmod.training"} | BESIDE,
+    # the tools of tests and benchmarks (a bare epoch runs the Trainer): no floor imports them
+    "testing": {"gradmod.testing", "gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "run": {"gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks", "gradmod.optim"} | BESIDE,
     "analysis": {"gradmod.analysis", "gradmod.run", "gradmod.training", "gradmod.reporting", "gradmod.hooks"} | BESIDE,
     "app": {"gradmod.app", "gradmod.analysis", "gradmod.run", "gradmod.training", "gradmod.reporting"}
@@ -77,7 +78,7 @@ def test_arrows_point_down(floor):
 
 def test_beside_modules_import_no_floor_above_them():
     beside = [PKG / f"{n}.py" for n in ("models", "data", "labels", "weight_init", "__init__")]
-    for path in beside + list((PKG / "capture").glob("*.py")) + list((PKG / "testing").glob("*.py")):
+    for path in beside + list((PKG / "capture").glob("*.py")):
         imported, name = _imports(path), path.name
         assert not any(i.split(".")[0] in ("hydra", "omegaconf") for i in imported), name
         floors = (
@@ -351,6 +352,36 @@ def test_no_folder_is_a_pile():
     counts = {f: len([p for p in f.glob("*.py") if p.name != "__init__.py"]) for f in folders}
     piles = [f"{f.relative_to(ROOT)}: {n} modules" for f, n in sorted(counts.items()) if n > FOLDER_MODULES]
     assert not piles, "; ".join(piles)
+
+
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def _reads_sys_path(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name) and n.value.id == "sys"
+        for n in ast.walk(tree)
+    )
+
+
+def test_the_benchmarks_are_a_package_beside_the_library():
+    """benchmarks/ (``python -m benchmarks``) imports its own modules as ``benchmarks.<module>``,
+    and neither it nor scripts/ touches ``sys.path``; no module of the library imports a
+    benchmark; a benchmark module reads in one sitting, and imports none back."""
+    own = {p.stem for p in BENCHMARKS.glob("*.py")}
+    bad = [f"{p.relative_to(ROOT)} reads sys.path" for p in sorted(BENCHMARKS.glob("*.py")) if _reads_sys_path(p)]
+    bad += [
+        f"{p.relative_to(ROOT)} reads sys.path" for p in sorted((ROOT / "scripts").glob("*.py")) if _reads_sys_path(p)
+    ]
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        bad += [f"{path.name} imports {name}" for name in _imports(path) if name.split(".")[0] in own]
+        if len(path.read_text().splitlines()) > MODULE_LINES:
+            bad.append(f"{path.name}: {len(path.read_text().splitlines())} lines")
+    for path in sorted(PKG.rglob("*.py")):
+        bad += [f"{path.relative_to(ROOT)} imports {n}" for n in _imports(path) if n.split(".")[0] == "benchmarks"]
+    bad += [f"{m} is on an import circle" for m in _circles(ROOT, BENCHMARKS)]
+    assert not bad, "; ".join(bad)
 
 
 def test_the_hook_tests_mirror_the_stage_rooms():

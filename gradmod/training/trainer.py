@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from gradmod.data import Data
 from gradmod.hooks.losses import total as total_loss
 from gradmod.training.after_step import AfterStepLosses
-from gradmod.training.callbacks import Callback, NonFiniteCallback, check_order
+from gradmod.training.callbacks import check_order
 from gradmod.training.distributed.strategy import Dist, no_sync
 from gradmod.training.loader import batches, batches_per_epoch, poisson_batches, poisson_steps
 from gradmod.training.loop_hooks import Hooks, StagedHooks
@@ -352,45 +352,3 @@ def evaluate(
         model, x, y, CROSS_ENTROPY, batch_size=batch_size, device=device, loader_workers=loader_workers, parts=parts
     )
     return means["loss"], means["metric/"]
-
-
-def bare_epoch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    x: Tensor,
-    y: Tensor,
-    *,
-    batch_size: int,
-    generator: torch.Generator,
-    hooks: Hooks | None = None,
-    on_step: Callable[[int], None] | None = None,
-    progress: bool = False,
-    accumulate: int = 1,
-    part: tuple[int, int] = (0, 1),
-    amp=None,
-    guard=None,
-    device: torch.device | None = None,
-    loader_workers: int | None = None,
-) -> float:
-    """One shuffled pass over (x, y) with a bare ``Trainer``; returns the mean training loss.
-
-    ``hooks`` (a ``HookSet``) runs its fused stage before each optimizer step; ``guard``
-    (a ``NonFiniteGuard``) counts non-finite gradients and may skip a step; ``amp`` sets
-    the precision; ``on_step(i)`` runs after optimizer step ``i`` of this epoch.
-    ``accumulate``, ``part`` (this rank and the world size): see ``Trainer``.
-    """
-
-    class _OnStep(Callback):
-        def on_step_end(self, trainer: Trainer) -> None:
-            on_step(trainer.step)
-
-    callbacks = ([NonFiniteCallback(guard)] if guard is not None else []) + ([_OnStep()] if on_step else [])
-    device = y.device if device is None else device
-    dist = Dist(rank=part[0], world_size=part[1], device=device)
-    settings = TrainerSettings(
-        batch_size=batch_size, accumulate=accumulate, progress=progress, loader_workers=loader_workers, log_every=2**62
-    )  # no log points: the caller reads
-    trainer = Trainer(
-        model, optimizer, settings, hooks=hooks, amp=amp, callbacks=callbacks, dist=dist, generator=generator
-    )
-    return trainer.train_epoch(x, y)

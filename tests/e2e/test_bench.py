@@ -1,29 +1,37 @@
-"""scripts/bench.py --quick: the JSON report's structure (no timed assertions)."""
+"""python -m benchmarks: the JSON report's structure (no timed assertions), the command line,
+and each section's contenders bound to that section's own steps and batch."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
 import torch
+from helpers import ROOT
 
-BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_script", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import (
+    cli,
+    contenders,
+    freeze,
+    mnist,
+    orthogonalize,
+    per_loss,
+    per_sample,
+    ratios,
+    sam_peers,
+    scale,
+    scores,
+    sharpness,
+)
+from benchmarks.timing import paired_ratio
 
 
 def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    bench = _bench()
-    report = bench.main(["--quick", "--json", str(out)])
+    report = cli.main(["--quick", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     expected = (
         {
@@ -42,12 +50,12 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
             "step.log_every_50",
             "step.clip_logged",
         }
-        | {f"per_sample.{n}" for n in bench.per_sample.names(hf=False)}
-        | {f"per_loss.{n}" for n in bench.per_loss.names()}
-        | {f"sharpness.{n}" for n in bench.sharpness.names()}
-        | {f"freeze.{n}" for n in bench.freeze.names()}
-        | {f"orthogonalize.{n}" for n in bench.orthogonalize.names()}
-        | {f"scores.{n}" for n in bench.scores.names()}
+        | {f"per_sample.{n}" for n in per_sample.names(hf=False)}
+        | {f"per_loss.{n}" for n in per_loss.names()}
+        | {f"sharpness.{n}" for n in sharpness.names()}
+        | {f"freeze.{n}" for n in freeze.names()}
+        | {f"orthogonalize.{n}" for n in orthogonalize.names()}
+        | {f"scores.{n}" for n in scores.names()}
     )
     assert set(report["results"]) == expected
     for name, r in report["results"].items():
@@ -78,33 +86,33 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         "per_sample_resnet18gn_over_plain",
         "per_sample_transformer_over_plain",
     }
-    if bench.per_sample.has_opacus():
+    if per_sample.has_opacus():
         targets |= {"per_sample_mnist_over_opacus", "per_sample_mlp_over_opacus", "per_sample_mlp_over_opacus_ghost"}
         targets |= {"per_sample_mha_over_opacus"}
-    for m in bench.sharpness.MODELS:
+    for m in sharpness.MODELS:
         targets |= {f"sharpness_{m}_sam_over_plain", f"sharpness_{m}_every4_over_plain"}
-    targets |= {f"orthogonalize_{m}_over_muon" for m in bench.orthogonalize.MODELS}
+    targets |= {f"orthogonalize_{m}_over_muon" for m in orthogonalize.MODELS}
     targets.add("freeze_resnet18_rule_over_by_hand")
-    targets |= {f"scores_{m}_over_plain" for m in bench.scores.MODELS}
-    gramian = [x for x in bench.per_loss.METHODS if x not in bench.WEIGHTINGS]
-    for m in bench.per_loss.MODELS:
-        targets |= {f"per_loss_{m}_modules_over_plain"} | {f"per_loss_{m}_{x}_over_plain" for x in bench.WEIGHTINGS}
-        if bench.per_loss.has_torchjd():
+    targets |= {f"scores_{m}_over_plain" for m in scores.MODELS}
+    gramian = [x for x in per_loss.METHODS if x not in ratios.WEIGHTINGS]
+    for m in per_loss.MODELS:
+        targets |= {f"per_loss_{m}_modules_over_plain"} | {f"per_loss_{m}_{x}_over_plain" for x in ratios.WEIGHTINGS}
+        if per_loss.has_torchjd():
             targets |= {f"per_loss_{m}_{x}_over_torchjd" for x in gramian}
-        if m in bench.GRAMIAN_OVER_PLAIN:
+        if m in ratios.GRAMIAN_OVER_PLAIN:
             targets |= {f"per_loss_{m}_{x}_over_plain" for x in gramian}
     assert targets <= set(report["ratios"])
-    for m in bench.per_loss.MODELS:  # a loss weighting against the plain step on its own model instance
-        assert {report["ratios"][f"per_loss_{m}_{x}_over_plain"]["denominator"] for x in bench.WEIGHTINGS} == {
-            f"per_loss.{m}.plain_{x}" for x in bench.WEIGHTINGS
+    for m in per_loss.MODELS:  # a loss weighting against the plain step on its own model instance
+        assert {report["ratios"][f"per_loss_{m}_{x}_over_plain"]["denominator"] for x in ratios.WEIGHTINGS} == {
+            f"per_loss.{m}.plain_{x}" for x in ratios.WEIGHTINGS
         }
     for name, r in report["ratios"].items():
         assert isinstance(r["value"], float) and r["value"] > 0 and math.isfinite(r["value"]), name
         num, den = report["results"][r["numerator"]], report["results"][r["denominator"]]
         series = {"median_cpu_s": "cpu_seconds", "median_s": "seconds"}[r["clock"]]
-        paired = bench.paired_ratio(num[series], den[series])
+        paired = paired_ratio(num[series], den[series])
         assert r["value"] == pytest.approx(paired if r["paired"] else num[r["clock"]] / den[r["clock"]])
-        assert r["paired"] == (name in bench.PAIRED)
+        assert r["paired"] == (name in ratios.PAIRED)
         assert ("target" in r) == (name in targets) and (name not in targets or isinstance(r["met"], bool))
     m = report["machine"]
     assert m["cores"] >= 1 and m["torch"] and m["device"] == "cpu" and len(m["load_average_before"]) == 3
@@ -124,37 +132,34 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
 
 
 def test_bench_full_tiles_the_sample_to_mnist_sizes_and_unknown_sections_are_refused(tmp_path):
-    bench = _bench()
-    args = bench.parse_args(["--full", "--device", "cuda", "--epochs", "10"])
+    args = cli.parse_args(["--full", "--device", "cuda", "--epochs", "10"])
     assert (args.train_size, args.test_size, args.epochs) == (60_000, 10_000, 10)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--sections", "epoch,nope"])
-    assert bench.tile(bench.torch.arange(3), 7).tolist() == [0, 1, 2, 0, 1, 2, 0]
+        cli.parse_args(["--sections", "epoch,nope"])
+    assert mnist.tile(torch.arange(3), 7).tolist() == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_scale_section_times_every_contender_beside_its_ops(capsys):
     """The scale section on two small shapes: every contender's ratio to bare and ops per step."""
-    bench = _bench()
-    out = bench.scale.measure(rounds=1, run_steps=1, shapes=((2, 8), (1, 16)))
+    out = scale.measure(rounds=1, run_steps=1, shapes=((2, 8), (1, 16)))
     assert list(out["shapes"]) == ["2x8", "1x16"]
     for s in out["shapes"].values():
         rows = s["contenders"]
-        assert set(rows) == set(bench.scale.CONTENDERS)
+        assert set(rows) == set(scale.CONTENDERS)
         assert rows["bare"]["x_bare"] == 1.0 and rows["bare"]["ops_over_bare"] == 0
         for name, r in rows.items():
             assert r["ms"] > 0 and r["wall_ms"] > 0 and r["ops"] >= rows["bare"]["ops"], name
-            assert ("met" in r) == (name in bench.scale.TARGETS)
+            assert ("met" in r) == (name in scale.TARGETS)
         # clamp_min_ and clamp_max_ over every .grad at the end of backward (and, in the first two
         # backward passes, the raw non-finite count, until the ledger sees nobody takes it)
         assert rows["clamp_hook"]["ops_over_bare"] <= 4
-    print(bench.scale.table(out))
+    print(scale.table(out))
     assert "clip_logged" in capsys.readouterr().out
-    assert bench.parse_args(["--sections", "scale"]).sections == ["scale"]
-    assert "scale" not in bench.parse_args([]).sections  # asked for by name
+    assert cli.parse_args(["--sections", "scale"]).sections == ["scale"]
+    assert "scale" not in cli.parse_args([]).sections  # asked for by name
 
 
 def test_per_sample_contenders_alternate_with_their_ratio_to_the_first():
-    per_sample = _bench().per_sample
     out = per_sample.alternate(["mlp"], rounds=1, steps=1)
     assert set(out) == {"mlp"} and set(out["mlp"]) == {"plain", "gradmod"}
     assert out["mlp"]["plain"][1] == 1.0
@@ -163,7 +168,6 @@ def test_per_sample_contenders_alternate_with_their_ratio_to_the_first():
 
 
 def test_a_weighting_and_its_plain_step_share_one_model_instance():
-    per_loss = _bench().per_loss
     plain, weighted = (per_loss.setup(f"mlp5.{c}_famo", steps=1) for c in ("plain", "gradmod"))
     model = per_loss._SHARED[("mlp5", "famo", 1)][0]
     before = [p.detach().clone() for p in model.parameters()]
@@ -175,7 +179,98 @@ def test_a_weighting_and_its_plain_step_share_one_model_instance():
 
 
 def test_a_paired_ratio_cancels_the_order_of_the_two_runs():
-    bench = _bench()
     # forwards the numerator runs second (0.9 of the other), backwards first (1.1): 0.99 together
-    assert bench.paired_ratio([0.9, 1.1, 0.9, 1.1, 0.9], [1.0] * 5) == pytest.approx((0.9 * 1.1) ** 0.5)
-    assert bench.paired_ratio([2.0], [4.0]) == 0.5  # one repeat (--quick)
+    assert paired_ratio([0.9, 1.1, 0.9, 1.1, 0.9], [1.0] * 5) == pytest.approx((0.9 * 1.1) ** 0.5)
+    assert paired_ratio([2.0], [4.0]) == 0.5  # one repeat (--quick)
+
+
+# section -> (steps per timed run, batch handed to the set-up: "-" where it takes none), full and --quick
+SECTION_RUNS = {
+    "per_sample": ((per_sample.STEPS, "-"), (1, "-")),
+    "per_loss": ((per_loss.STEPS, "-"), (1, "-")),
+    "sharpness": ((sharpness.STEPS, None), (1, 4)),  # None: each model's own batch
+    "freeze": ((freeze.STEPS, freeze.BATCH), (1, 2)),
+    "orthogonalize": ((orthogonalize.STEPS, "-"), (1, "-")),
+    "sam_peers": ((sam_peers.STEPS, None), (1, 4)),
+    "scores": ((scores.STEPS, "-"), (1, "-")),
+}
+
+
+@pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
+def test_each_contender_runs_its_own_sections_steps_and_batch(monkeypatch, tmp_path, quick):
+    """A contender's set-up gets its own section's steps and batch, and its items per run are
+    those steps (what a run's time is divided by): not those of the section built last."""
+    called = {}
+
+    def recorder(section):
+        def setup(name, steps, batch="-", device=None):
+            called[f"{section}.{name}"] = (steps, batch)
+            return lambda: None
+
+        return setup
+
+    for section in SECTION_RUNS:
+        monkeypatch.setattr(f"benchmarks.{section}.setup", recorder(section))
+    args = cli.parse_args([*cli.SECTIONS, "--train-size", "200", "--test-size", "50", *(["--quick"] if quick else [])])
+    table = contenders.contenders(mnist.Bench(args, torch.device("cpu"), str(tmp_path)))
+    assert {name.split(".")[0] for name in table} == set(SECTION_RUNS) | set(mnist.SECTIONS)
+    for name, (setup, items, _) in table.items():
+        section = name.split(".")[0]
+        if section in SECTION_RUNS:
+            setup()
+            steps, batch = SECTION_RUNS[section][quick]
+            assert called[name] == (steps, batch) and items == steps, name
+
+
+def test_the_freeze_section_runs_at_its_own_batch(tmp_path):
+    """``--sections freeze`` outside a smoke run: four steps of batch 16 per contender, the
+    per-step time its median over four."""
+    out = tmp_path / "bench.json"
+    args = ["--repeats", "1", "--warmup", "0", "--train-size", "200", "--test-size", "50", "--json", str(out)]
+    report = cli.main(["--sections", "freeze", *args])
+    assert set(report["results"]) == {f"freeze.{n}" for n in freeze.names()}
+    for r in report["results"].values():
+        assert r["items"] == freeze.STEPS and r["unit"] == "freeze_step"
+        assert r["per_item_ms"] == pytest.approx(1000 * r["median_s"] / freeze.STEPS)
+        assert r["images_per_s"] == pytest.approx(freeze.STEPS * freeze.BATCH / r["median_s"])
+    assert json.loads(out.read_text())["command"] == "python -m benchmarks --sections freeze " + " ".join(args)
+
+
+def test_sections_are_named_positionally_or_by_flag():
+    assert cli.parse_args(["freeze", "scores"]).sections == ["freeze", "scores"]
+    assert cli.parse_args(["--sections", "freeze,scores"]).sections == ["freeze", "scores"]
+    assert cli.parse_args(["freeze", "--quick", "scores,freeze"]).sections == ["freeze", "scores"]
+    assert cli.parse_args(["ops", "--sections", "scale"]).sections == ["ops", "scale"]
+    assert cli.parse_args([]).sections == list(cli.DEFAULT_SECTIONS)
+    assert "positional_sections" not in vars(cli.parse_args(["ops"]))  # bench.json's settings keep their keys
+    with pytest.raises(SystemExit):
+        cli.parse_args(["epoch", "nope"])
+
+
+def test_the_package_runs_with_python_dash_m():
+    """``python -m benchmarks --help`` from the checkout, and a section's contender in a fresh
+    process as its peak memory is measured (``python -m benchmarks.per_sample --peak``)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--sections" in proc.stdout and "SECTION" in proc.stdout and "sam_peers" in proc.stdout
+    assert per_sample.peak_in_subprocess("mlp.plain") >= 0
+
+
+# one model of each default section (all of them: about 40 minutes on 2 loaded cores)
+ONE_EACH = "epoch.*,eval.*,step.none,per_sample.mlp.*,per_loss.mlp5.plain*,per_loss.mlp5.gradmod_upgrad"
+ONE_EACH += ",sharpness.mnist.*,freeze.*,orthogonalize.small.*,scores.mnist.*"
+
+
+@pytest.mark.slow
+def test_every_default_section_runs_outside_a_smoke_run(tmp_path):
+    """The default sections at their own steps and batches (a small MNIST split, one repeat,
+    one model of each section; ``--only``: no peak memory)."""
+    out = tmp_path / "bench.json"
+    args = ["--repeats", "1", "--warmup", "0", "--train-size", "200", "--test-size", "50", "--only", ONE_EACH]
+    report = cli.main([*args, "--json", str(out)])
+    assert {r["section"] for r in report["results"].values()} == set(cli.DEFAULT_SECTIONS) - {"ops"}
+    for name, r in report["results"].items():
+        if r["section"] in SECTION_RUNS:
+            assert r["items"] == SECTION_RUNS[r["section"]][0][0], name

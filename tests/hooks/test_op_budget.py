@@ -8,9 +8,9 @@ import torch
 
 from gradmod.hooks import attach
 from gradmod.models import MnistCNN
+from gradmod.testing.epochs import bare_epoch
 from gradmod.testing.opcount import OpCounter
 from gradmod.training.nonfinite import NonFiniteGuard
-from gradmod.training.trainer import bare_epoch
 
 CLAMP = {"name": "clamp", "min": -0.01, "max": 0.01}
 RULES = {

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gradmod.hooks import attach
 from gradmod.integrations.lightning import GradmodCallback
-from gradmod.training.trainer import bare_epoch
+from gradmod.testing.epochs import bare_epoch
 
 N, BATCH, SEED, BOUND = 64, 8, 3, 0.01
 CLIP = {"clip": {"params": "*", "transforms": [{"name": "clamp", "min": -BOUND, "max": BOUND}]}}

@@ -27,8 +27,8 @@ from gradmod.hooks import attach
 from gradmod.hooks.fused.group import AGC
 from gradmod.models import TinyGPT
 from gradmod.reporting import run_summary
+from gradmod.testing.epochs import bare_epoch
 from gradmod.training.distributed.strategy import Dist
-from gradmod.training.trainer import bare_epoch
 
 MAX_NORM = 0.05  # below the gradient's norm: the clip bites
 BOUND = 0.02

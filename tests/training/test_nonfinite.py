@@ -16,8 +16,8 @@ from torch import nn
 
 from gradmod.app.cli import run
 from gradmod.hooks import attach
+from gradmod.testing.epochs import bare_epoch
 from gradmod.training.nonfinite import NonFiniteError, NonFiniteGuard, count_nonfinite
-from gradmod.training.trainer import bare_epoch
 
 # 1e300 is inf in a float32 gradient (a factor of inf itself is refused when the rule is built)
 INF_AT_CONV2 = {"boom": {"modules": "conv2", "transforms": [{"name": "scale", "factor": 1e300}]}}

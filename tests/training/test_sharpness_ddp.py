@@ -12,8 +12,8 @@ from helpers import free_port, spawn_ranks, tiny_mlp
 from torch import nn
 
 from gradmod.hooks import attach
+from gradmod.testing.epochs import bare_epoch
 from gradmod.training.distributed.strategy import Dist, unwrap
-from gradmod.training.trainer import bare_epoch
 
 RHO, LR, BATCH, WORLD, ACCUMULATE, STEPS = 0.1, 0.5, 4, 2, 2, 2
 RULES = {"sam": {"params": "*", "transforms": [{"name": "sam", "rho": RHO}]}}

@@ -13,9 +13,9 @@ from sam_reference import mlp as _mlp
 import gradmod.hooks as H
 from gradmod.app.cli import run
 from gradmod.run.folder import checkpoint_file as ckpt
+from gradmod.testing.epochs import bare_epoch
 from gradmod.training.loader import batches
 from gradmod.training.precision import Precision
-from gradmod.training.trainer import bare_epoch
 
 
 def _data(n: int = 32):

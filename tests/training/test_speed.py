@@ -16,9 +16,9 @@ from gradmod.hooks import attach
 from gradmod.models import MnistCNN
 from gradmod.run import assembly as train_mod
 from gradmod.run import factories as targets_mod
+from gradmod.testing.epochs import bare_epoch
 from gradmod.training.loader import batches, placement
 from gradmod.training.speed import compile_model, forbid_syncs, to_channels_last
-from gradmod.training.trainer import bare_epoch
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(

@@ -14,8 +14,8 @@ from gradmod.hooks import attach, registry
 from gradmod.hooks import transforms as T
 from gradmod.hooks.stats.grad_stats import GradStats
 from gradmod.models import MnistCNN
+from gradmod.testing.epochs import bare_epoch
 from gradmod.testing.opcount import OpCounter
-from gradmod.training.trainer import bare_epoch
 
 
 def _batch(n: int = 8, seed: int = 0):

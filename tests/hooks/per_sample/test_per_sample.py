@@ -4,13 +4,11 @@ the noise's statistics; its refusals; and that it leaves the model as it was."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import ROOT
 from torch.func import functional_call, grad, vmap
 
 from gradmod.hooks import attach
@@ -187,10 +185,8 @@ def test_loss_reduction_sum_and_accumulation_equal_one_batch():
 def test_opacus_equal_on_its_mnist_example_net():
     opacus = pytest.importorskip("opacus", reason="opacus is the reference (pip install opacus==1.6.0)")
 
-    bench = importlib.util.spec_from_file_location("bench_per_sample", ROOT / "scripts" / "bench_per_sample.py")
-    module = importlib.util.module_from_spec(bench)
-    bench.loader.exec_module(module)
-    SampleConvNet = module.SampleConvNet  # opacus/examples/mnist.py, as the benchmark times it
+    from benchmarks.per_sample import SampleConvNet  # opacus/examples/mnist.py, as the benchmark times it
+
     torch.manual_seed(0)
     ours = SampleConvNet()
     theirs = copy.deepcopy(ours)

@@ -307,12 +307,7 @@ def test_running_statistics_frozen_on_every_kind_of_norm_layer():
 def test_peak_memory_is_plain_plus_one_copy_of_the_moved_parameters():
     """Bytes of live tensors, counted per op (deterministic): SAM's peak over plain's is one
     copy of the parameters, give or take scalars (the first pass's loss)."""
-    import sys
-
-    from helpers import ROOT  # tests/support
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from peak_memory import live_tensor_peak
+    from benchmarks.peak_memory import live_tensor_peak
 
     x, y = torch.randn(64, 6), torch.randint(0, 4, (64,))
 

@@ -1,4 +1,4 @@
-"""The ``per_loss`` section of scripts/bench.py: one multi-task step (forward, backward of
+"""The ``per_loss`` section of ``python -m benchmarks``: one multi-task step (forward, backward of
 several losses, SGD step) by each contender, at batch 64 on one thread:
 
     plain            the sum of the losses, one backward
@@ -24,7 +24,7 @@ A loss weighting adds a few host operations to one ordinary backward: a few perc
 step at most, about what two instances of one model differ by here (where their parameters
 lie in memory). Each is therefore timed against ``plain_<w>``: the plain step on its own
 model, optimizer and batches, its hooks attached but bypassed (``sum(losses).backward()``),
-next to it in every repeat (bench.py's ``paired_ratio`` takes both orders alike).
+next to it in every repeat (``benchmarks.timing.paired_ratio`` takes both orders alike).
 
 Models: ``mlp5``, a 784-512-512 trunk with 5 classification heads (Linear 512-10); ``mlp10``,
 the same trunk with 10 heads; ``trans5``, a 2-layer ``nn.TransformerEncoder`` (width 64, 4
@@ -34,12 +34,11 @@ attention heads, feed-forward 128, 16 tokens, mean-pooled) with 5 heads (Linear 
 Peak memory: each contender runs a few steps in a fresh process; the growth of its peak
 resident set over the set-up is reported.
 
-    python scripts/bench_per_loss.py --peak mlp5.gradmod_upgrad   # what bench.py runs per contender
+    python -m benchmarks.per_loss --peak mlp5.gradmod_upgrad   # what the section runs per contender
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -48,14 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peak_memory, also when imported from elsewhere
-
-import peak_memory  # noqa: E402  (beside this script)
-
-from gradmod.hooks import attach  # noqa: E402
-from gradmod.hooks.rules import shared as shared_params  # noqa: E402
+import gradmod
+from benchmarks import peak_memory
+from gradmod.hooks import attach
+from gradmod.hooks.rules import shared as shared_params
 
 # torchjd's batched backward loops over the tasks where torch has no batching rule (attention,
 # on the transformer) and warns at every step; the timings say what it costs.
@@ -91,7 +86,7 @@ SCALARIZATIONS = (  # loss weightings torchjd has no aggregator for
     "stch",
 )
 WEIGHTINGS = ("sum", "mean", "random", *SCALARIZATIONS)  # one ordinary backward: timed against plain_<w>
-CONF = ROOT / "gradmod" / "conf" / "hooks"
+CONF = Path(gradmod.__file__).resolve().parent / "conf" / "hooks"  # the shipped hook configs
 
 
 def shipped_rule(method: str) -> dict:
@@ -309,7 +304,7 @@ def setup(name: str, steps: int = STEPS) -> Callable[[], None]:
     return run
 
 
-MEMORY = ("upgrad", "mgda", "pcgrad", "mean")  # the methods whose peak memory bench.py measures
+MEMORY = ("upgrad", "mgda", "pcgrad", "mean")  # the methods whose peak memory the section measures
 
 
 def peak_names() -> list[str]:
@@ -325,7 +320,7 @@ def peak(name: str, steps: int = 3) -> int:
 
 def peak_in_subprocess(name: str) -> int:
     """``peak(name)`` in a fresh process."""
-    return peak_memory.in_subprocess(__file__, name)
+    return peak_memory.in_subprocess("benchmarks.per_loss", name)
 
 
 if __name__ == "__main__":

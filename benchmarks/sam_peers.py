@@ -1,4 +1,4 @@
-"""The ``sam_peers`` section of scripts/bench.py: each of gradmod's SAM-family rules against
+"""The ``sam_peers`` section of ``python -m benchmarks``: each of gradmod's SAM-family rules against
 pytorch-optimizer 4.1.0's optimizer for the same method, SGD with momentum, one optimizer
 step at a time, as each library's documentation writes the loop:
 
@@ -17,7 +17,7 @@ On a loaded machine the section's ratios move from run to run (each contender ru
 neighbours' load changes); the two sides of each method taking turns, step block by step
 block, give steadier ones:
 
-    python scripts/bench_sam_peers.py --rounds 7 [--models resnet18] [--methods gsam,looksam]
+    python -m benchmarks.sam_peers --rounds 7 [--models resnet18] [--methods gsam,looksam]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from bench_sharpness import MODELS, model_and_batches
 
+from benchmarks.sharpness import MODELS, model_and_batches
 from gradmod.hooks import attach
 
 STEPS = 5  # optimizer steps per timed run: LookSAM's k
@@ -47,7 +47,7 @@ def names() -> list[str]:
 
 
 def ratios() -> list[tuple]:
-    """(name, numerator, denominator, target, test) for scripts/bench.py's table."""
+    """(name, numerator, denominator, target, test) for the table of ``python -m benchmarks``."""
     out: list[tuple] = []
     for m in MODELS:
         for method in METHODS:

@@ -1,4 +1,4 @@
-"""The ``per_sample`` section of scripts/bench.py: one DP-SGD step (per-example clipping to
+"""The ``per_sample`` section of ``python -m benchmarks``: one DP-SGD step (per-example clipping to
 norm 1, noise multiplier 1, SGD) on Opacus' MNIST example net and a 784-512-512-10 MLP
 (batch 64), torchvision's resnet18 with GroupNorm at 3x32x32 and a small transformer
 (Embedding(1000, 128), two pre-norm blocks of MultiheadAttention(128, 4) and a 512-wide
@@ -13,12 +13,12 @@ MLP, length 64; batch 32), by each contender:
 Peak memory: each contender runs a few steps in a fresh process, and the growth of its
 peak resident set over the set-up is reported (the same measure for every contender).
 
-    python scripts/bench_per_sample.py --peak mlp.gradmod   # what bench.py runs per contender
+    python -m benchmarks.per_sample --peak mlp.gradmod   # what the section runs per contender
 
 Plain against gradmod on a loaded machine, the two taking turns run by run (median of 7 runs
 of 3 steps per model, one thread):
 
-    python scripts/bench_per_sample.py --alternate gpt2,bert,llama,qwen2,t5
+    python -m benchmarks.per_sample --alternate gpt2,bert,llama,qwen2,t5
 """
 
 from __future__ import annotations
@@ -27,20 +27,14 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peak_memory, also when imported from elsewhere
-
-import peak_memory  # noqa: E402  (beside this script)
-
-from gradmod.hooks import attach  # noqa: E402
+from benchmarks import peak_memory
+from gradmod.hooks import attach
 
 BATCH = 64
 STEPS = 10  # optimizer steps per timed run
@@ -309,7 +303,7 @@ def peak(name: str, steps: int = 3) -> int:
 
 def peak_in_subprocess(name: str) -> int:
     """``peak(name)`` in a fresh process."""
-    return peak_memory.in_subprocess(__file__, name)
+    return peak_memory.in_subprocess("benchmarks.per_sample", name)
 
 
 def alternate(models: list[str], contenders: tuple[str, ...] = ("plain", "gradmod"), rounds: int = 7, steps: int = 3):

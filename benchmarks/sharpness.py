@@ -1,4 +1,4 @@
-"""The ``sharpness`` section of scripts/bench.py: SAM's optimizer step against a plain one,
+"""The ``sharpness`` section of ``python -m benchmarks``: SAM's optimizer step against a plain one,
 SGD with momentum, on one thread:
 
     plain        forward, loss.backward(), step
@@ -18,27 +18,20 @@ stage restores them from): at most 1 is the target, give or take 1 KiB of scalar
 first pass's loss is still alive in the second, as the step's reported loss). The growth of the resident set in a
 fresh process is reported beside it (it also holds the heap's fragmentation):
 
-    python scripts/bench_sharpness.py --peak resnet18.sam
+    python -m benchmarks.sharpness --peak resnet18.sam
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # peak_memory, also when imported from elsewhere
-
-import peak_memory  # noqa: E402  (beside this script)
-
-from gradmod.hooks import attach  # noqa: E402
-from gradmod.models import build_model  # noqa: E402
+from benchmarks import peak_memory
+from gradmod.hooks import attach
+from gradmod.models import build_model
 
 STEPS = 4  # optimizer steps per timed run: one two-pass step of every4's
 MODELS = {"mnist": ("mnist_cnn", 1, 28, 100), "resnet18": ("resnet18", 3, 32, 32)}  # name, channels, size, batch
@@ -64,7 +57,7 @@ def param_bytes(model_name: str) -> int:
 
 def model_and_batches(model_name: str, steps: int, batch: int | None, device: str) -> tuple[nn.Module, list]:
     """The model on ``device`` and ``steps`` seeded batches of random images and labels for it
-    (the same for every contender, here and in scripts/bench_sam_peers.py)."""
+    (the same for every contender, here and in benchmarks/sam_peers.py)."""
     _, channels, size, default_batch = MODELS[model_name]
     model = _model(model_name).to(device)
     gen = torch.Generator().manual_seed(1)
@@ -124,7 +117,7 @@ def memory(log=print, resident: bool = True, device: str = "cpu") -> dict[str, d
             name = f"{m}.{c}"
             peaks[name] = {"live_tensor_bytes": peak_memory.live_tensor_peak(setup(name, 2, device=device))}
             if resident:
-                peaks[name]["resident_bytes"] = peak_memory.in_subprocess(__file__, name)
+                peaks[name]["resident_bytes"] = peak_memory.in_subprocess("benchmarks.sharpness", name)
             log(f"  peak memory of {name}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in peaks[name].items()))
         extra = peaks[f"{m}.sam"]["live_tensor_bytes"] - peaks[f"{m}.plain"]["live_tensor_bytes"]
         copy = param_bytes(m)

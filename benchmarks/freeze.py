@@ -1,4 +1,4 @@
-"""The ``freeze`` section of scripts/bench.py: a frozen backbone's step, by a rule and by hand.
+"""The ``freeze`` section of ``python -m benchmarks``: a frozen backbone's step, by a rule and by hand.
 
     plain    requires_grad=False set by hand on every parameter but ``fc``'s; forward,
              loss.backward(), AdamW step (weight decay 0.01)
@@ -14,16 +14,12 @@ gradients and dropped them).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from gradmod.hooks import attach  # noqa: E402
+from gradmod.hooks import attach
 
 STEPS = 4  # optimizer steps per timed run
 BATCH, SIZE = 16, 32

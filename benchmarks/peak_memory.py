@@ -27,21 +27,26 @@ def peak(run: Callable[[], None]) -> int:
     return (status_kib("VmHWM") - before) * 1024
 
 
-def in_subprocess(script: str, name: str) -> int:
-    """``python script --peak name`` (which prints ``{"peak_bytes": n}`` last), read back."""
+ROOT = Path(__file__).resolve().parents[1]  # the checkout that holds benchmarks/
+
+
+def in_subprocess(module: str, name: str) -> int:
+    """``python -m module --peak name`` (which prints ``{"peak_bytes": n}`` last), read back;
+    run from the checkout, so that ``module`` and gradmod are this checkout's."""
     out = subprocess.run(
-        [sys.executable, script, "--peak", name],
+        [sys.executable, "-m", module, "--peak", name],
         capture_output=True,
         text=True,
         check=True,
+        cwd=ROOT,
         env={"OMP_NUM_THREADS": "1", **os.environ},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 
 def main(doc: str, peak: Callable[[str], int]) -> None:
-    """A section script's command line: ``--peak NAME`` prints that contender's peak (one
-    thread) as ``in_subprocess`` reads it; anything else prints the script's ``doc``."""
+    """A section module's command line: ``--peak NAME`` prints that contender's peak (one
+    thread) as ``in_subprocess`` reads it; anything else prints the module's ``doc``."""
     if len(sys.argv) == 3 and sys.argv[1] == "--peak":
         import torch
 

@@ -2,8 +2,8 @@
 on one thread: the aten ops each step dispatches (deterministic) and the median time of the
 optimizer step alone (gradients held fixed), turn by turn, as a ratio to AdamW's.
 
-    python scripts/bench_optim.py             # tiny_gpt and mnist_cnn, 50 steps each
-    python scripts/bench_optim.py --steps 200
+    python -m benchmarks.optim             # tiny_gpt and mnist_cnn, 50 steps each
+    python -m benchmarks.optim --steps 200
 
 Muon's step runs ``ns_steps`` Newton-Schulz iterations per matrix in bfloat16 (about
 ``ns_steps * (4 m^2 n + 2 m^3)`` flops for an m x n matrix, m <= n), where AdamW does a few
@@ -15,19 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
-
-import gradmod  # noqa: E402
-from gradmod.models import build_model  # noqa: E402
-from gradmod.run.config import AdamWConfig, MuonConfig  # noqa: E402
-from gradmod.testing.opcount import OpCounter  # noqa: E402
+import gradmod
+from gradmod.models import build_model
+from gradmod.run.config import AdamWConfig, MuonConfig
+from gradmod.testing.opcount import OpCounter
 
 ADAMW = dataclasses.asdict(AdamWConfig())  # optimizer=adamw, as gradmod.optimizer's spec
 MUON = dataclasses.asdict(MuonConfig())  # optimizer=muon: the recipe's one source

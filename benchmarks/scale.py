@@ -1,4 +1,4 @@
-"""The ``scale`` section of scripts/bench.py: how the cost of each rule grows with the model.
+"""The ``scale`` section of ``python -m benchmarks``: how the cost of each rule grows with the model.
 
 Five MLPs, ``L x w``: L blocks of ``Linear(w, w)`` + ReLU and a 10-way head, batch 32, SGD
 (lr 0.01), one fixed batch, every rule on ``*``. One optimizer step of each contender:
@@ -24,7 +24,7 @@ the deep models' gradients shrink through the denormal range, where CPU arithmet
 for the bare step as much as for the rules, and would hide what the rules cost. Freed memory
 is kept by the allocator (``keep_freed_memory``), so that page faults do not land at random.
 
-    python scripts/bench_scale.py --rounds 3    # this section alone (bench.py --sections scale)
+    python -m benchmarks.scale --rounds 3    # this section alone (python -m benchmarks scale)
 """
 
 from __future__ import annotations
@@ -34,15 +34,11 @@ import copy
 import ctypes
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from gradmod.hooks import attach
 from gradmod.testing.opcount import OpCounter

@@ -1,4 +1,4 @@
-"""The ``scores`` section of scripts/bench.py: a training step that keeps every example's GraNd
+"""The ``scores`` section of ``python -m benchmarks``: a training step that keeps every example's GraNd
 and EL2N against the plain step.
 
     plain   forward, cross-entropy, loss.backward(), Adam step
@@ -6,26 +6,20 @@ and EL2N against the plain step.
             see_batch(index, labels) before the forward, hooks.after_backward() before the step
 
 Models: the MNIST CNN (batch 100, 1x28x28) and torchvision's ResNet-18 with GroupNorm (batch 32,
-3x32x32, scripts/bench_per_sample.py's). No extra backward: the norms come from the per_sample
+3x32x32, benchmarks/per_sample.py's). No extra backward: the norms come from the per_sample
 stage's closed forms and Gram norms, EL2N from the outputs; target <= 1.3x the plain step.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_per_sample import resnet18_gn  # noqa: E402
-
-from gradmod.hooks import attach  # noqa: E402
-from gradmod.models import MnistCNN  # noqa: E402
+from benchmarks.per_sample import resnet18_gn
+from gradmod.hooks import attach
+from gradmod.models import MnistCNN
 
 STEPS = 4  # optimizer steps per timed run
 MODELS = {"mnist": (MnistCNN, (1, 28, 28), 100), "resnet18gn": (resnet18_gn, (3, 32, 32), 32)}

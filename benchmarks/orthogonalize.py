@@ -1,4 +1,4 @@
-"""The ``orthogonalize`` section of scripts/bench.py: the update of a Muon step, by torch and by
+"""The ``orthogonalize`` section of ``python -m benchmarks``: the update of a Muon step, by torch and by
 gradmod, on the same gradients:
 
     muon           torch.optim.Muon(lr=0.02, weight_decay=0).step()
@@ -18,16 +18,12 @@ holds: ``w x w``, ``4w x w`` (tall: transposed in Newton-Schulz) and ``w x 4w``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from gradmod.hooks import attach  # noqa: E402
+from gradmod.hooks import attach
 
 STEPS = 2  # optimizer steps per timed run
 MODELS = {"small": (128, 1024), "medium": (256, 2048), "large": (512, 4096)}  # width on the CPU, on a GPU
