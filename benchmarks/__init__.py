@@ -4,8 +4,8 @@
 one process and forms paired ratios; ``ratios`` holds the reported ratios and their targets;
 ``contenders`` gathers every timed section's contenders; ``memory`` the sections' peak
 memory (``peak_memory``: one contender in a fresh process); ``report`` the machine and the
-table. One module per section family: ``mnist`` (epoch, eval, step), ``ops``, ``scale``,
-``per_sample``, ``per_loss``, ``sharpness``, ``freeze``, ``orthogonalize``, ``sam_peers``,
-``scores``; ``optim`` (Muon's step against AdamW's) runs on its own:
-``python -m benchmarks.optim``.
+table; ``mnist`` (epoch, eval, step) and ``ops`` time the MNIST CNN. ``sections/`` holds the
+sections that also run on their own (``scale``, ``per_sample``, ``per_loss``, ``sharpness``,
+``freeze``, ``orthogonalize``, ``sam_peers``, ``scores``, and ``optim``, Muon's step against
+AdamW's: ``python -m benchmarks.sections.optim``).
 """

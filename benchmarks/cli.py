@@ -14,29 +14,29 @@ Sections (the default: all but scale and sam_peers):
          bare model, and each rule's step (benchmarks/mnist.py)
   ops    aten ops dispatched in one optimizer step of each contender (benchmarks/ops.py)
   scale  how each rule's cost grows with the model: five MLPs (4x64 ... 8x1024 Linear+ReLU blocks), batch 32,
-         one thread, SGD, every rule on "*", ratios to the bare step and ops per step (benchmarks/scale.py)
+         one thread, SGD, every rule on "*", ratios to the bare step and ops per step (benchmarks/sections/scale.py)
   per_sample  one DP-SGD step (clip 1, noise 1) on Opacus' MNIST example net, resnet18-GN, a small transformer and a
          784-512-512-10 MLP: plain step, Opacus (default and ghost mode, if installed), gradmod's
          per_sample stage; and each contender's peak memory, in a fresh process
-         (see benchmarks/per_sample.py)
+         (see benchmarks/sections/per_sample.py)
   per_loss  one multi-task step at batch 64: the sum of the losses (plain), each loss's own backward
          (task_backwards), torchjd 0.18 (mtl_backward + jac_to_grad) and gradmod's per_loss stage with
          the same method, on a 784-512-512 trunk with 5 and 10 heads, a 2-layer transformer encoder
          with 5 and a LeNet-like conv trunk with 2; gradmod's modules mode and famo against plain;
-         each contender's peak memory in a fresh process (see benchmarks/per_loss.py)
+         each contender's peak memory in a fresh process (see benchmarks/sections/per_loss.py)
   sharpness  one SGD step with SAM (two forward and backward passes) and with SAM every 4th step against a
          plain step, on the MNIST CNN (batch 100) and a ResNet-18 (batch 32, 32x32); SAM's extra peak
-         memory over one copy of the parameters (see benchmarks/sharpness.py)
+         memory over one copy of the parameters (see benchmarks/sections/sharpness.py)
   freeze  one AdamW step of torchvision's ResNet-18 (batch 16, 32x32) with all but fc frozen by a freeze
          rule against the same tensors frozen by hand (requires_grad=False), and with nothing frozen
-         (see benchmarks/freeze.py)
+         (see benchmarks/sections/freeze.py)
   orthogonalize  Muon's update: orthogonalize + SGD against torch.optim.Muon on the same gradients,
-         on the matrices of three MLP widths (see benchmarks/orthogonalize.py)
+         on the matrices of three MLP widths (see benchmarks/sections/orthogonalize.py)
   sam_peers  gsam, wsam, looksam (k=5), friendly_sam and centralize+sam against pytorch-optimizer's GSAM, WSAM,
          LookSAM, FriendlySAM and SAM(use_gc=True), SGD steps on the same two models, and LookSAM against a
-         plain step (see benchmarks/sam_peers.py); asked for by name
+         plain step (see benchmarks/sections/sam_peers.py); asked for by name
   scores  one Adam step that keeps every example's GraNd and EL2N (the scores transform) against the plain
-         step, on the MNIST CNN (batch 100) and ResNet-18-GN (batch 32, 32x32) (see benchmarks/scores.py)
+         step, on the MNIST CNN (batch 100) and ResNet-18-GN (batch 32, 32x32) (see benchmarks/sections/scores.py)
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import contenders, memory, ops, report, scale, timing
+from benchmarks import contenders, memory, ops, report, timing
 from benchmarks.mnist import BATCH, Bench
 from benchmarks.ratios import ratios
+from benchmarks.sections import scale
 from gradmod.run import host_heap
 from gradmod.run.setup import resolve_device
 

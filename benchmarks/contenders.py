@@ -12,7 +12,8 @@ import fnmatch
 from functools import partial
 from typing import Callable
 
-from benchmarks import freeze, mnist, orthogonalize, per_loss, per_sample, sam_peers, scores, sharpness
+from benchmarks import mnist
+from benchmarks.sections import freeze, orthogonalize, per_loss, per_sample, sam_peers, scores, sharpness
 from benchmarks.timing import Contenders
 
 # The images in one item of a unit: a step of the MNIST sections holds a batch of 100.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import per_loss, per_sample, sharpness
+from benchmarks.sections import per_loss, per_sample, sharpness
 
 
 def per_sample_memory(log=print) -> dict[str, dict]:

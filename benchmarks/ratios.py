@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import orthogonalize, per_loss, sam_peers, scores, sharpness
+from benchmarks.sections import orthogonalize, per_loss, sam_peers, scores, sharpness
 from benchmarks.timing import clock, paired_ratio
 
 Ratio = tuple  # (name, numerator, denominator, target description or None, test or None)

@@ -12,20 +12,8 @@ import pytest
 import torch
 from helpers import ROOT
 
-from benchmarks import (
-    cli,
-    contenders,
-    freeze,
-    mnist,
-    orthogonalize,
-    per_loss,
-    per_sample,
-    ratios,
-    sam_peers,
-    scale,
-    scores,
-    sharpness,
-)
+from benchmarks import cli, contenders, mnist, ratios
+from benchmarks.sections import freeze, orthogonalize, per_loss, per_sample, sam_peers, scale, scores, sharpness
 from benchmarks.timing import paired_ratio
 
 
@@ -249,7 +237,7 @@ def test_sections_are_named_positionally_or_by_flag():
 
 def test_the_package_runs_with_python_dash_m():
     """``python -m benchmarks --help`` from the checkout, and a section's contender in a fresh
-    process as its peak memory is measured (``python -m benchmarks.per_sample --peak``)."""
+    process as its peak memory is measured (``python -m benchmarks.sections.per_sample --peak``)."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )

@@ -185,7 +185,7 @@ def test_loss_reduction_sum_and_accumulation_equal_one_batch():
 def test_opacus_equal_on_its_mnist_example_net():
     opacus = pytest.importorskip("opacus", reason="opacus is the reference (pip install opacus==1.6.0)")
 
-    from benchmarks.per_sample import SampleConvNet  # opacus/examples/mnist.py, as the benchmark times it
+    from benchmarks.sections.per_sample import SampleConvNet  # opacus/examples/mnist.py, as the benchmark times it
 
     torch.manual_seed(0)
     ours = SampleConvNet()

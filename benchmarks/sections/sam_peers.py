@@ -17,7 +17,7 @@ On a loaded machine the section's ratios move from run to run (each contender ru
 neighbours' load changes); the two sides of each method taking turns, step block by step
 block, give steadier ones:
 
-    python -m benchmarks.sam_peers --rounds 7 [--models resnet18] [--methods gsam,looksam]
+    python -m benchmarks.sections.sam_peers --rounds 7 [--models resnet18] [--methods gsam,looksam]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.sharpness import MODELS, model_and_batches
+from benchmarks.sections.sharpness import MODELS, model_and_batches
 from gradmod.hooks import attach
 
 STEPS = 5  # optimizer steps per timed run: LookSAM's k

@@ -2,8 +2,8 @@
 on one thread: the aten ops each step dispatches (deterministic) and the median time of the
 optimizer step alone (gradients held fixed), turn by turn, as a ratio to AdamW's.
 
-    python -m benchmarks.optim             # tiny_gpt and mnist_cnn, 50 steps each
-    python -m benchmarks.optim --steps 200
+    python -m benchmarks.sections.optim             # tiny_gpt and mnist_cnn, 50 steps each
+    python -m benchmarks.sections.optim --steps 200
 
 Muon's step runs ``ns_steps`` Newton-Schulz iterations per matrix in bfloat16 (about
 ``ns_steps * (4 m^2 n + 2 m^3)`` flops for an m x n matrix, m <= n), where AdamW does a few

@@ -18,7 +18,7 @@ stage restores them from): at most 1 is the target, give or take 1 KiB of scalar
 first pass's loss is still alive in the second, as the step's reported loss). The growth of the resident set in a
 fresh process is reported beside it (it also holds the heap's fragmentation):
 
-    python -m benchmarks.sharpness --peak resnet18.sam
+    python -m benchmarks.sections.sharpness --peak resnet18.sam
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def param_bytes(model_name: str) -> int:
 
 def model_and_batches(model_name: str, steps: int, batch: int | None, device: str) -> tuple[nn.Module, list]:
     """The model on ``device`` and ``steps`` seeded batches of random images and labels for it
-    (the same for every contender, here and in benchmarks/sam_peers.py)."""
+    (the same for every contender, here and in benchmarks/sections/sam_peers.py)."""
     _, channels, size, default_batch = MODELS[model_name]
     model = _model(model_name).to(device)
     gen = torch.Generator().manual_seed(1)
@@ -117,7 +117,7 @@ def memory(log=print, resident: bool = True, device: str = "cpu") -> dict[str, d
             name = f"{m}.{c}"
             peaks[name] = {"live_tensor_bytes": peak_memory.live_tensor_peak(setup(name, 2, device=device))}
             if resident:
-                peaks[name]["resident_bytes"] = peak_memory.in_subprocess("benchmarks.sharpness", name)
+                peaks[name]["resident_bytes"] = peak_memory.in_subprocess("benchmarks.sections.sharpness", name)
             log(f"  peak memory of {name}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in peaks[name].items()))
         extra = peaks[f"{m}.sam"]["live_tensor_bytes"] - peaks[f"{m}.plain"]["live_tensor_bytes"]
         copy = param_bytes(m)

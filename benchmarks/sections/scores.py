@@ -6,7 +6,7 @@ and EL2N against the plain step.
             see_batch(index, labels) before the forward, hooks.after_backward() before the step
 
 Models: the MNIST CNN (batch 100, 1x28x28) and torchvision's ResNet-18 with GroupNorm (batch 32,
-3x32x32, benchmarks/per_sample.py's). No extra backward: the norms come from the per_sample
+3x32x32, benchmarks/sections/per_sample.py's). No extra backward: the norms come from the per_sample
 stage's closed forms and Gram norms, EL2N from the outputs; target <= 1.3x the plain step.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.per_sample import resnet18_gn
+from benchmarks.sections.per_sample import resnet18_gn
 from gradmod.hooks import attach
 from gradmod.models import MnistCNN
 

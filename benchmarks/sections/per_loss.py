@@ -34,7 +34,7 @@ attention heads, feed-forward 128, 16 tokens, mean-pooled) with 5 heads (Linear 
 Peak memory: each contender runs a few steps in a fresh process; the growth of its peak
 resident set over the set-up is reported.
 
-    python -m benchmarks.per_loss --peak mlp5.gradmod_upgrad   # what the section runs per contender
+    python -m benchmarks.sections.per_loss --peak mlp5.gradmod_upgrad   # what the section runs per contender
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def peak(name: str, steps: int = 3) -> int:
 
 def peak_in_subprocess(name: str) -> int:
     """``peak(name)`` in a fresh process."""
-    return peak_memory.in_subprocess("benchmarks.per_loss", name)
+    return peak_memory.in_subprocess("benchmarks.sections.per_loss", name)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ the deep models' gradients shrink through the denormal range, where CPU arithmet
 for the bare step as much as for the rules, and would hide what the rules cost. Freed memory
 is kept by the allocator (``keep_freed_memory``), so that page faults do not land at random.
 
-    python -m benchmarks.scale --rounds 3    # this section alone (python -m benchmarks scale)
+    python -m benchmarks.sections.scale --rounds 3    # this section alone (python -m benchmarks scale)
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ MLP, length 64; batch 32), by each contender:
 Peak memory: each contender runs a few steps in a fresh process, and the growth of its
 peak resident set over the set-up is reported (the same measure for every contender).
 
-    python -m benchmarks.per_sample --peak mlp.gradmod   # what the section runs per contender
+    python -m benchmarks.sections.per_sample --peak mlp.gradmod   # what the section runs per contender
 
 Plain against gradmod on a loaded machine, the two taking turns run by run (median of 7 runs
 of 3 steps per model, one thread):
 
-    python -m benchmarks.per_sample --alternate gpt2,bert,llama,qwen2,t5
+    python -m benchmarks.sections.per_sample --alternate gpt2,bert,llama,qwen2,t5
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def peak(name: str, steps: int = 3) -> int:
 
 def peak_in_subprocess(name: str) -> int:
     """``peak(name)`` in a fresh process."""
-    return peak_memory.in_subprocess("benchmarks.per_sample", name)
+    return peak_memory.in_subprocess("benchmarks.sections.per_sample", name)
 
 
 def alternate(models: list[str], contenders: tuple[str, ...] = ("plain", "gradmod"), rounds: int = 7, steps: int = 3):
