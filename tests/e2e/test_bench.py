@@ -198,7 +198,7 @@ def test_each_contender_runs_its_own_sections_steps_and_batch(monkeypatch, tmp_p
         return setup
 
     for section in SECTION_RUNS:
-        monkeypatch.setattr(f"benchmarks.{section}.setup", recorder(section))
+        monkeypatch.setattr(f"benchmarks.sections.{section}.setup", recorder(section))
     args = cli.parse_args([*cli.SECTIONS, "--train-size", "200", "--test-size", "50", *(["--quick"] if quick else [])])
     table = contenders.contenders(mnist.Bench(args, torch.device("cpu"), str(tmp_path)))
     assert {name.split(".")[0] for name in table} == set(SECTION_RUNS) | set(mnist.SECTIONS)
