@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gradmod.install import repair  # noqa: E402
+from gradmod.install import parse, repair  # noqa: E402
 
 if __name__ == "__main__":
+    parse(sys.argv[1:], prog="python scripts/install_cpu_torch.py", cpu_flag=False)  # --help; an unknown flag: one line
     sys.exit(repair(cpu=True))
