@@ -517,7 +517,8 @@ class Bench:
         return lambda: evaluate(model, self.test_x, self.test_y, batch_size=batch_size)
 
     def contenders(self) -> dict[str, tuple[Callable[[], Callable[[], None]], int, str]]:
-        """name -> (set-up returning the timed run, items per run, item unit)."""
+        """name -> (set-up returning the timed run, items per run, item unit). Each set-up binds
+        its section's ``steps`` and ``batch`` as it is made (a closure would read the last section's)."""
         n, e, t = self.args.train_size, self.args.epochs, self.args.test_size
         table = {
             "epoch.article": (self.article_epoch, n * e, "image"),
@@ -538,42 +539,46 @@ class Bench:
         }
         steps = 1 if self.args.quick else per_sample.STEPS
         for name in per_sample.names(hf=not self.args.quick):  # a smoke run skips the HF models
-            table[f"per_sample.{name}"] = (lambda name=name: per_sample.setup(name, steps), steps, "dp_step")
+            table[f"per_sample.{name}"] = (
+                lambda name=name, steps=steps: per_sample.setup(name, steps),
+                steps,
+                "dp_step",
+            )
         steps = 1 if self.args.quick else per_loss.STEPS
         for name in per_loss.names():
-            table[f"per_loss.{name}"] = (lambda name=name: per_loss.setup(name, steps), steps, "mtl_step")
+            table[f"per_loss.{name}"] = (lambda name=name, steps=steps: per_loss.setup(name, steps), steps, "mtl_step")
         steps, batch = (1, 4) if self.args.quick else (sharpness.STEPS, None)
         for name in sharpness.names():
             table[f"sharpness.{name}"] = (
-                lambda name=name: sharpness.setup(name, steps, batch, self.device),
+                lambda name=name, steps=steps, batch=batch: sharpness.setup(name, steps, batch, self.device),
                 steps,
                 f"{name.split('.')[0]}_step",  # the models' batches differ
             )
         steps, batch = (1, 2) if self.args.quick else (freeze.STEPS, freeze.BATCH)
         for name in freeze.names():
             table[f"freeze.{name}"] = (
-                lambda name=name: freeze.setup(name, steps, batch, str(self.device)),
+                lambda name=name, steps=steps, batch=batch: freeze.setup(name, steps, batch, str(self.device)),
                 steps,
                 "freeze_step",
             )
         steps = 1 if self.args.quick else orthogonalize.STEPS
         for name in orthogonalize.names():
             table[f"orthogonalize.{name}"] = (
-                lambda name=name: orthogonalize.setup(name, steps, str(self.device)),
+                lambda name=name, steps=steps: orthogonalize.setup(name, steps, str(self.device)),
                 steps,
                 "update",
             )
         steps, batch = (1, 4) if self.args.quick else (sam_peers.STEPS, None)
         for name in sam_peers.names():
             table[f"sam_peers.{name}"] = (
-                lambda name=name: sam_peers.setup(name, steps, batch, self.device),
+                lambda name=name, steps=steps, batch=batch: sam_peers.setup(name, steps, batch, self.device),
                 steps,
                 f"{name.split('.')[0]}_step",
             )
         steps = 1 if self.args.quick else scores.STEPS
         for name in scores.names():
             table[f"scores.{name}"] = (
-                lambda name=name: scores.setup(name, steps, str(self.device)),
+                lambda name=name, steps=steps: scores.setup(name, steps, str(self.device)),
                 steps,
                 f"scores_{name.split('.')[0]}_step",
             )

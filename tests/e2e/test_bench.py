@@ -179,3 +179,20 @@ def test_a_paired_ratio_cancels_the_order_of_the_two_runs():
     # forwards the numerator runs second (0.9 of the other), backwards first (1.1): 0.99 together
     assert bench.paired_ratio([0.9, 1.1, 0.9, 1.1, 0.9], [1.0] * 5) == pytest.approx((0.9 * 1.1) ** 0.5)
     assert bench.paired_ratio([2.0], [4.0]) == 0.5  # one repeat (--quick)
+
+
+def test_each_sections_set_up_gets_its_own_steps_and_batch(tmp_path, monkeypatch):
+    """Every contender's set-up is called with the steps (and batch) of its own section, the
+    ones its row counts, not those of the section set up last."""
+    bench = _bench()
+    args = bench.parse_args(["--sections", "per_sample,per_loss,sharpness,freeze,orthogonalize,sam_peers,scores"])
+    made = bench.Bench(args, torch.device("cpu"), str(tmp_path))
+    seen = {}
+    for section in ("per_sample", "per_loss", "sharpness", "freeze", "orthogonalize", "sam_peers", "scores"):
+        module = getattr(bench, section)
+        monkeypatch.setattr(module, "setup", lambda *a, section=section: seen.setdefault(section, a))
+    for name, (setup, items, _) in made.contenders().items():
+        setup()
+        assert seen[name.split(".")[0]][1] == items, name  # its own section's steps per timed run
+    assert seen["freeze"][1:3] == (bench.freeze.STEPS, bench.freeze.BATCH)
+    assert seen["sharpness"][2] is None and seen["sam_peers"][2] is None  # their models' own batches
