@@ -217,3 +217,28 @@ def test_usage_mds_summary_row_and_rule_keys_are_the_codes():
     fields = [f.name for f in dataclasses.fields(RuleConfig)]
     problems += compare(USAGE, "`hooks.<rule>.`", listed.group(1).split("|"), "rule key", fields)
     assert not problems, "\n".join(problems)
+
+
+def test_the_readmes_dev_row_names_every_package_of_the_dev_extra():
+    """The README's table of extras names each package ``.[dev]`` pulls (the other extras it
+    includes have rows of their own)."""
+    import tomllib
+
+    dev = tomllib.loads(read("pyproject.toml"))["project"]["optional-dependencies"]["dev"]
+    names = [re.split(r"[\[<>=!~ ]", d, maxsplit=1)[0] for d in dev]
+    row = next(line for line in read("README.md").splitlines() if line.startswith("| `dev` |"))
+    pulls = row.split("|")[2]
+    missing = [n for n in names if n != "gradmod" and not re.search(rf"\b{re.escape(n)}\b", pulls)]
+    assert not missing, f"README.md: the `dev` row does not name {missing}"
+
+
+def test_your_objects_mds_python_example_of_the_shipped_objects_runs():
+    """The snippet under "## The shipped models and data in Python" runs as written: MNIST's
+    inputs in [0, 1], ``tiny_gpt`` built and its loss taken."""
+    text = read("docs/guide/your_objects.md")
+    block = re.search(r"## The shipped models and data in Python.*?```python\n(.*?)```", text, re.S)
+    assert block, "docs/guide/your_objects.md: no Python example of the shipped models and data"
+    space: dict = {}
+    exec(compile(block.group(1), "your_objects.md", "exec"), space)
+    assert space["as_float"](space["train_x"]).max() == 1.0 and space["train_x"].dtype.is_floating_point is False
+    assert type(space["gpt"]).__name__ == "TinyGPT" and space["loss"].ndim == 0
