@@ -11,13 +11,16 @@ them, ``python -m gradmod.install``. ``repair`` (that command, and
 otherwise it tries its steps in turn: the CPU wheels (``cpu``), the torchvision built for the
 installed torch, a release pair from pip's own indexes. Each step is planned first (``pip
 install --dry-run --report``) and taken only where pip would install a pair of one release
-and one build; the pair it leaves is checked in a fresh interpreter, and a step whose pair
-fails that check is undone (the versions found are put back). Only package metadata is read
-here: no torch import.
+and one build; a step that changes torch's build (a CPU torch for PyPI's CUDA one) says so
+in one line before it installs; the pair it leaves is checked in a fresh interpreter, and a
+step whose pair fails that check is undone (the versions found are put back). What pip says
+while planning is held, and shown only where no working pair could be made. Only package
+metadata is read here: no torch import.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -41,7 +44,8 @@ print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, cuda {
 """
 FAST = ["--retries", "1", "--timeout", "10"]  # an index that cannot be reached fails in seconds
 Pair = tuple["str | None", "str | None"]  # the (torch, torchvision) versions, build labels included
-Run = Callable[[list[str]], int]
+# run(command, quiet=False) -> (exit status, output): quiet holds the output (pip's plans), else it is shown and "".
+Run = Callable[..., "tuple[int, str]"]
 
 
 class BrokenInstall(ImportError):
@@ -100,15 +104,46 @@ def checked_torchvision() -> ModuleType:
     return torchvision
 
 
-def _run(command: list[str]) -> int:
-    return subprocess.run(command).returncode
+def _run(command: list[str], quiet: bool = False) -> tuple[int, str]:
+    if not quiet:
+        return subprocess.run(command).returncode, ""
+    proc = subprocess.run(command, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def build_of(version: str) -> str:
+    """What build a torch version is, by its local label (``+cpu``, ``+cu126``; none: PyPI's)."""
+    label = version.partition("+")[2]
+    cuda = re.fullmatch(r"cu(\d+)(\d)", label)
+    if label == "cpu":
+        return "CPU only"
+    if cuda:
+        return f"CUDA {cuda.group(1)}.{cuda.group(2)}"
+    if label.startswith("rocm"):
+        return f"ROCm {label[4:]}"
+    if label:
+        return label
+    return "PyPI's build, with CUDA on Linux x86_64: several GB of CUDA libraries"
+
+
+def build_change(found: str | None, planned: str | None, cpu: bool = False) -> str | None:
+    """The line to say before a step that changes torch's build (``found`` and ``planned``:
+    torch's versions); None where it keeps the build, or where no torch was installed."""
+    if found is None or planned is None or found.partition("+")[2] == planned.partition("+")[2]:
+        return None
+    keep = (
+        "" if cpu or not found.endswith("+cpu") else "; to stay on the CPU build: python scripts/install_cpu_torch.py"
+    )
+    return (
+        f"this changes torch's build: torch {found} ({build_of(found)}) -> torch {planned} ({build_of(planned)}){keep}"
+    )
 
 
 def repair(cpu: bool = False, run: Run = _run) -> int:
     """Leave a working torch/torchvision pair, or none changed (see the module's docstring);
     returns the exit status. ``run`` runs a command (a test gives its own)."""
     found: Pair = (installed("torch"), installed("torchvision"))
-    if run([sys.executable, "-c", CHECK]) == 0:
+    if run([sys.executable, "-c", CHECK])[0] == 0:
         print("nothing changed")
         return 0
     pip = installed("pip") or "0"
@@ -118,18 +153,25 @@ def repair(cpu: bool = False, run: Run = _run) -> int:
             file=sys.stderr,
         )
         return 1
+    held: list[str] = []  # what pip said while planning: shown only if no pair could be made
     for why, args, wanted in _steps(cpu, found):
-        planned = _plan(args, run)
+        planned, said = _plan(args, run)
+        held += [line for line in said.splitlines() if line.strip()]
         if planned is None or not wanted(planned):
             print(
                 f"- {why}: not to be had here"
                 + (f" (pip would take torch {planned[0]}, torchvision {planned[1]})" if planned else "")
             )
             continue
+        change = build_change(found[0], planned[0], cpu)
+        if change:
+            print(change, flush=True)
         print(f"+ pip {' '.join(args)}", flush=True)
-        if run(_pip(args)) == 0 and run([sys.executable, "-c", CHECK]) == 0:
+        if run(_pip(args))[0] == 0 and run([sys.executable, "-c", CHECK])[0] == 0:
             return 0
         _put_back(found, run)
+    for line in held:  # why the steps were not to be had, in pip's words
+        print(f"  pip, planning: {line}")
     then = "pip install -e . installs PyPI's pair (a CUDA build, which runs on the CPU); " if found[0] is None else ""
     print(
         f"error: no working torch/torchvision pair could be made here; nothing changed (torch {found[0]}, "
@@ -161,17 +203,19 @@ def _pip(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "pip", *args]
 
 
-def _plan(args: list[str], run: Run) -> Pair | None:
-    """The pair ``pip`` with ``args`` would leave (a dry run; None where pip cannot plan it)."""
+def _plan(args: list[str], run: Run) -> tuple[Pair | None, str]:
+    """The pair ``pip`` with ``args`` would leave (a dry run; None where pip cannot plan it),
+    and what pip said (held, not shown)."""
     with tempfile.TemporaryDirectory() as folder:
         report = Path(folder) / "report.json"
-        if run(_pip([args[0], "--dry-run", "-qq", "--report", str(report), *args[1:]])) != 0 or not report.exists():
-            return None
+        code, said = run(_pip([args[0], "--dry-run", "-qq", "--report", str(report), *args[1:]]), quiet=True)
+        if code != 0 or not report.exists():
+            return None, said
         chosen = {
             item["metadata"]["name"].lower(): item["metadata"]["version"]
             for item in json.loads(report.read_text())["install"]
         }
-    return chosen.get("torch", installed("torch")), chosen.get("torchvision", installed("torchvision"))
+    return (chosen.get("torch", installed("torch")), chosen.get("torchvision", installed("torchvision"))), said
 
 
 def _put_back(found: Pair, run: Run) -> None:
@@ -189,5 +233,31 @@ def _put_back(found: Pair, run: Run) -> None:
         )
 
 
+class _OneLine(argparse.ArgumentParser):
+    """argparse's error as one line with the usage in it, exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"error: {message}; usage: {self.format_usage().strip().removeprefix('usage: ')}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse(argv: list[str] | None, prog: str = REPAIR, cpu_flag: bool = True) -> argparse.Namespace:
+    """The command's arguments: ``--cpu`` (the CPU wheels first) where ``cpu_flag``; anything
+    else is one line and exit status 2."""
+    p = _OneLine(
+        prog=prog,
+        description="Leave a working torch/torchvision pair, or the one found unchanged; each step is planned "
+        "with pip's dry run first and checked after (docs/guide/usage.md#torch-without-a-gpu)",
+    )
+    if cpu_flag:
+        p.add_argument("--cpu", action="store_true", help="try the CPU wheels first (download.pytorch.org/whl/cpu)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gradmod.install [--cpu]``."""
+    return repair(cpu=parse(argv).cpu)
+
+
 if __name__ == "__main__":
-    sys.exit(repair(cpu="--cpu" in sys.argv[1:]))
+    sys.exit(main())

@@ -32,4 +32,8 @@ def install_module():
 
 
 if __name__ == "__main__":
-    sys.exit(install_module().repair(cpu=True))
+    install = install_module()
+    install.parse(
+        sys.argv[1:], prog="python scripts/install_cpu_torch.py", cpu_flag=False
+    )  # --help; an unknown flag: one line
+    sys.exit(install.repair(cpu=True))

@@ -14,7 +14,7 @@ from helpers import CONF, ROOT
 from gradmod.hooks import registry
 from gradmod.hooks.score_columns import COLUMNS, HEADERS, SCORES_FILE, SELF_INFLUENCE_FILE
 
-GROUPS = ("model", "data", "optimizer", "loss", "scheduler", "init", "logger", "experiment")
+GROUPS = ("model", "data", "optimizer", "loss", "scheduler", "init", "logger", "experiment", "workload")
 USAGE, TRANSFORMS, SWEEPS, TASKS, MULTITASK = (
     "docs/guide/usage.md",
     "docs/reference/transforms.md",
@@ -86,12 +86,13 @@ def _arguments(name: str) -> list[str]:
 
 
 def test_transforms_md_has_a_row_naming_every_argument_of_each_transform():
-    """Element-wise, group and sharpness transforms in transforms.md; per_loss methods in
-    multitask.md's tables (their arguments there too)."""
+    """Element-wise, group, per_sample and sharpness transforms in transforms.md's table (one
+    table: a row set apart by a blank line is not in it); per_loss methods in multitask.md's
+    tables (their arguments there too)."""
     rows = table_rows(TRANSFORMS, "| name | arguments | gradient becomes |")
     shipped = [n for n in registry.names() if registry.factory(n).__module__.startswith("gradmod.")]
     problems = []
-    here = [n for n in shipped if registry.entry(n).kind in ("elementwise", "group", "sharpness")]
+    here = [n for n in shipped if registry.entry(n).kind in ("elementwise", "group", "per_sample", "sharpness")]
     problems += compare(TRANSFORMS, "the transforms table", list(rows), "transform", here)
     methods = {**table_rows(MULTITASK, "| method | arguments (default) | what it does |")}
     methods.update(table_rows(MULTITASK, "| method | arguments (default) | weights |"))
@@ -167,3 +168,77 @@ def test_the_score_files_columns_in_the_docs_are_the_sources():
     assert f"\n{HEADERS[SCORES_FILE]}\n" in scores
     assert f"- `{SELF_INFLUENCE_FILE}`: `{', '.join(COLUMNS[SELF_INFLUENCE_FILE])}`," in scores
     assert f"| `{SCORES_FILE}` | with a `scores` rule (`+hooks=scores`): `{', '.join(COLUMNS[SCORES_FILE])}`," in usage
+
+
+def test_optimizers_mds_groups_example_builds_as_pasted():
+    """The ``optimizer:`` example under "## Groups" passes the config check and builds on
+    ``model=tiny_gpt``, as a user pastes it."""
+    import gradmod
+    from gradmod.models import TinyGPT
+    from gradmod.optim.spec import check
+
+    text = read("docs/guide/optimizers.md")
+    block = re.search(r"## Groups\s+```yaml\n(.*?)```", text, re.S)
+    assert block, "docs/guide/optimizers.md: no yaml example under ## Groups"
+    spec = yaml.safe_load(block.group(1))["optimizer"]
+    check(spec)
+    opt = gradmod.optimizer(TinyGPT(65), spec)
+    assert [type(o).__name__ for o in opt.optimizers] == ["AdamW", "Muon"]
+
+
+def _summary_keys() -> list[str]:
+    """The keys ``gradmod.run.runner._summary`` writes into a finished run's summary.json."""
+    import ast
+
+    tree = ast.parse((ROOT / "gradmod" / "run" / "runner.py").read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_summary")
+    made = next(n.value for n in ast.walk(body) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
+    keys = [k.value for k in made.keys if isinstance(k, ast.Constant)]
+    for spread in (v for k, v in zip(made.keys, made.values) if k is None):  # **({"privacy": ...} if ... else {})
+        keys += [
+            k.value for d in ast.walk(spread) if isinstance(d, ast.Dict) for k in d.keys if isinstance(k, ast.Constant)
+        ]
+    return keys
+
+
+def test_usage_mds_summary_row_and_rule_keys_are_the_codes():
+    """usage.md's table of a run's files names every key of summary.json, and its list of a
+    rule's keys every key of ``RuleConfig``."""
+    import dataclasses
+
+    from gradmod.run.config import RuleConfig
+
+    row = next(line for line in read(USAGE).splitlines() if line.startswith("| `summary.json` |"))
+    keys = _summary_keys()
+    assert "host_heap" in keys and "privacy" in keys
+    problems = [f"{USAGE}: the summary.json row does not name {k!r}" for k in keys if f"`{k}`" not in row]
+    listed = re.search(r"`hooks\.<rule>\.([\w|]+)`", read(USAGE))
+    assert listed, f"{USAGE}: no `hooks.<rule>.a|b|...` list of a rule's keys"
+    fields = [f.name for f in dataclasses.fields(RuleConfig)]
+    problems += compare(USAGE, "`hooks.<rule>.`", listed.group(1).split("|"), "rule key", fields)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_readmes_dev_row_names_every_package_of_the_dev_extra():
+    """The README's table of extras names each package ``.[dev]`` pulls (the other extras it
+    includes have rows of their own)."""
+    import tomllib
+
+    dev = tomllib.loads(read("pyproject.toml"))["project"]["optional-dependencies"]["dev"]
+    names = [re.split(r"[\[<>=!~ ]", d, maxsplit=1)[0] for d in dev]
+    row = next(line for line in read("README.md").splitlines() if line.startswith("| `dev` |"))
+    pulls = row.split("|")[2]
+    missing = [n for n in names if n != "gradmod" and not re.search(rf"\b{re.escape(n)}\b", pulls)]
+    assert not missing, f"README.md: the `dev` row does not name {missing}"
+
+
+def test_your_objects_mds_python_example_of_the_shipped_objects_runs():
+    """The snippet under "## The shipped models and data in Python" runs as written: MNIST's
+    inputs in [0, 1], ``tiny_gpt`` built and its loss taken."""
+    text = read("docs/guide/your_objects.md")
+    block = re.search(r"## The shipped models and data in Python.*?```python\n(.*?)```", text, re.S)
+    assert block, "docs/guide/your_objects.md: no Python example of the shipped models and data"
+    space: dict = {}
+    exec(compile(block.group(1), "your_objects.md", "exec"), space)
+    assert space["as_float"](space["train_x"]).max() == 1.0 and space["train_x"].dtype.is_floating_point is False
+    assert type(space["gpt"]).__name__ == "TinyGPT" and space["loss"].ndim == 0

@@ -226,8 +226,9 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
     from gradmod.run.folder.claim import may_write
     from gradmod.training.interrupt import Interrupted
 
-    with JobFiles(HydraConfig.get(), cfg) as files:
-        ending = runner.execute(lambda: validate(cfg), out, files.write)
+    hydra_cfg = HydraConfig.get()
+    with JobFiles(hydra_cfg, cfg) as files:
+        ending = runner.execute(lambda: validate(cfg), out, files.write, asked_keys(list(hydra_cfg.overrides.task)))
         e = ending.error
         if e is None:
             return ending
@@ -238,6 +239,20 @@ def _train(cfg: DictConfig, out: str, multirun: bool) -> endings.Ending:
                 files.write(out)
         _to_log_files(e, sweep_job=multirun)
         return ending
+
+
+def asked_keys(overrides: list[str]) -> list[str] | None:
+    """The config keys the command line's ``overrides`` set: ``optimizer.lr=0.1`` sets
+    ``optimizer.lr``, a group (``optimizer=sgd``, ``+hooks=clip``) everything below it. A resume
+    says a difference outside them as a default that moved (``gradmod.run.resume``). None
+    where they do not parse (every difference then counts as asked)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return None
+    return [(o.package or o.key_or_group).replace("/", ".") for o in parsed]
 
 
 def _training(load: Callable[[], Any]) -> Any:

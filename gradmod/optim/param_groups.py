@@ -5,12 +5,14 @@ An entry is ``{params: glob(s), exclude: glob(s), lr_scale: x, optimizer: {_targ
 ARG: value, ...}``: its parameters (globs and selectors of ``gradmod.hooks.rules.globs``, over every
 parameter of the model, trainable now or not) form a group of the base optimizer with the
 entry's arguments, or, with ``optimizer:``, an optimizer of their own. ``lr_scale`` multiplies
-the learning rate the group would otherwise have, so an LR scheduler, which multiplies each
-group's initial rate, keeps the ratio. Parameters no entry matches form the default group.
+the learning rate the group would otherwise have, so an LR scheduler that multiplies each
+group's initial rate (torch's ``LambdaLR``, ``CosineAnnealingLR``, ...; timm's) keeps the ratio. Parameters no entry matches form the default group.
 
 Each group records where it came from (its markers, saved with the optimizer's state):
 ``no_decay`` (weight decay held at 0), ``entry`` (its index), ``entry_args`` (the arguments its
-entry set: a new base value does not replace them) and ``lr_scale``. ``set_base_argument``
+entry set: a new base value does not replace them) and ``entry_lr_scale`` (its ``lr_scale``;
+not a group key ``lr_scale``, which timm's schedulers multiply into the rate they set, a
+second time over a rate already scaled). ``set_base_argument``
 reads them for a resume that changes the base optimizer's arguments (``gradmod.run.resume``);
 ``describe`` is the plan the run prints.
 
@@ -34,6 +36,7 @@ from gradmod.hooks.rules.globs import SELECTORS, ParamKind, matching, select, sh
 from gradmod.optim.combined import CombinedOptimizer
 
 ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer")
+LR_SCALE = "entry_lr_scale"  # a group's marker: its entry's lr_scale (timm's schedulers read "lr_scale")
 WHAT = "parameter (see model.named_parameters())"
 AS_ONE = "several optimizers as one step each without one"  # CombinedOptimizer.step
 
@@ -179,7 +182,7 @@ def entry_plan(i: int, entry: Any, base: type, base_kwargs: Mapping[str, Any]) -
     options = {"entry": i, "entry_args": sorted(set(_signature_chain(cls)[0]) | set(kwargs))}
     if entry.get("lr_scale") is not None:
         kwargs["lr"] = _lr(i, cls, kwargs) * _scale(i, entry["lr_scale"])
-        options["lr_scale"] = float(entry["lr_scale"])
+        options[LR_SCALE] = float(entry["lr_scale"])
     return Entry(cls, kwargs, options, f"optimizer.groups.{i}.optimizer")
 
 
@@ -257,7 +260,7 @@ def _base_entry_options(i: int, entry: Mapping[str, Any], base: type, base_kwarg
         if "lr" in args:
             raise ValueError(f"optimizer.groups.{i}: give lr or lr_scale, not both")
         options["lr"] = _lr(i, base, base_kwargs) * _scale(i, entry["lr_scale"])
-        options["lr_scale"] = float(entry["lr_scale"])
+        options[LR_SCALE] = float(entry["lr_scale"])
     return options
 
 
@@ -332,12 +335,12 @@ def set_base_argument(optimizer: torch.optim.Optimizer, name: str, value: Any) -
     """A new value of the base optimizer's argument ``name`` (a resume's ``optimizer.NAME``),
     written into the groups that take it from the base, as their markers say: ``weight_decay``
     stays 0 in a ``no_decay`` group, an argument its entry set (every one, for an entry's own
-    optimizer) stays, and ``lr`` is multiplied by the group's ``lr_scale``."""
+    optimizer) stays, and ``lr`` is multiplied by the group's ``entry_lr_scale``."""
     for group in optimizer.param_groups:
         if (name == "weight_decay" and group.get("no_decay")) or name in group.get("entry_args", ()):
             continue
         if name in group:
-            new = value * group["lr_scale"] if name == "lr" and "lr_scale" in group else value
+            new = value * group[LR_SCALE] if name == "lr" and LR_SCALE in group else value
             group[name] = tuple(new) if isinstance(group[name], tuple) else new
 
 

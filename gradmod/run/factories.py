@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 from typing import Any, Callable, Mapping
 
 import torch
@@ -26,14 +27,18 @@ from gradmod.hooks.groupnorm import replace_batchnorm
 from gradmod.labels import Labels, class_count
 from gradmod.models import build_model
 from gradmod.optim import optimizer as optimizer_by_spec
-from gradmod.optim.param_groups import check_step, locate, optimizer_class
+from gradmod.optim.param_groups import LR_SCALE, check_step, locate, optimizer_class
 from gradmod.optim.spec import BASE_EXAMPLE, check
 from gradmod.run.config import DataConfig, LossConfig, ModelConfig, OptimizerConfig, SchedulerConfig
 from gradmod.run.keep import keep_share
 from gradmod.training.tasks import IGNORE_INDEX, Tasks
 
+log = logging.getLogger("gradmod.run.runner")  # the run's lines keep the name users filter on
+
 DATA_SHAPE = "must return (train, test), each a map-style dataset of (input, label) pairs or a pair of tensors"
 TOTAL_KEYS = ("T_max", "total_steps", "total_iters")  # null: the run's number of optimizer steps
+# torch's schedulers that set every group's rate from their own arguments, not from its initial rate
+ABSOLUTE_RATES = {lr_scheduler.OneCycleLR: ("max_lr",), lr_scheduler.CyclicLR: ("base_lr", "max_lr")}
 # Optimizers with a fused CUDA implementation that gives the same updates (torch's docs).
 FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")
 
@@ -276,4 +281,26 @@ def build_scheduler(
             f"scheduler._target_={cfg._target_} returned a {type(made).__name__}, "
             "not a torch.optim.lr_scheduler object (no step/state_dict)"
         )
+    dropped = dropped_lr_scales(made, args, optimizer)
+    if dropped:
+        log.warning("%s", dropped)
     return made
+
+
+def dropped_lr_scales(scheduler: Any, args: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """The line to say where ``scheduler`` sets every group's rate from one number of ``args``
+    (OneCycleLR's ``max_lr``, CyclicLR's ``base_lr`` and ``max_lr``), so an ``optimizer.groups``
+    entry's ``lr_scale`` is not applied; None where it is (those arguments are lists, one rate
+    per group) or no group has one."""
+    keys = next((k for cls, k in ABSOLUTE_RATES.items() if isinstance(scheduler, cls)), ())
+    single = [k for k in keys if not isinstance(args.get(k), (list, tuple))]
+    scaled = {g["entry"]: g[LR_SCALE] for g in optimizer.param_groups if g.get(LR_SCALE, 1.0) != 1.0}
+    if not single or not scaled:
+        return None
+    entries = ", ".join(f"optimizer.groups.{i}'s lr_scale={s:g}" for i, s in scaled.items())
+    given = ", ".join(f"{k}={args.get(k)!r}" for k in single)
+    return (
+        f"scheduler: {type(scheduler).__name__} sets every group's rate from {given}, so {entries} is not applied; "
+        f"give {' and '.join(single)} a list, one rate per group ({len(optimizer.param_groups)} groups, "
+        "in the order of the printed optimizer groups)"
+    )

@@ -10,12 +10,17 @@ checkpoint has begun), ``trainer.log_every``, checkpoint keys, ``logger``, and t
 optimizer's hyperparameters, which are written into the restored optimizer's parameter
 groups (``weight_decay`` not into the ``no_decay`` group, which stays at 0; not into what an
 ``optimizer.groups`` entry set itself; ``lr`` times a group's ``lr_scale``).
+
+A difference the command line asked for is an INFO line; one it did not (``asked``: the keys
+its overrides set) is a default that moved since the checkpoint (a shipped default changed
+between releases, or a config file's value), applied all the same, and a WARNING naming the
+key, the checkpoint's value and the new one.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -42,6 +47,8 @@ MUST_MATCH = (
 )
 HOOK_ORDER = "hooks._order_"  # rules on one tensor chain in config order: their order must match too
 NOT_ARGUMENTS = ("_target_", "_partial_")
+RESUME_KEYS = ("trainer.resume", "trainer.resume_accept", "trainer.start_over")  # the resume itself, not a default
+UNSET = "<unset>"  # a key one of the two configs lacks (a key added or removed between releases)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -58,15 +65,20 @@ def _under(key: str, prefixes) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
-def compare(saved: dict[str, Any], new: dict[str, Any], accept=()) -> dict[str, tuple[Any, Any]]:
+def compare(
+    saved: dict[str, Any], new: dict[str, Any], accept=(), asked: Collection[str] | None = None
+) -> dict[str, tuple[Any, Any]]:
     """The differences a resume may apply ({key: (old, new)}); a ``ValueError`` naming every
-    must-match difference that ``accept`` does not name."""
+    must-match difference that ``accept`` does not name. ``asked``: the keys (or prefixes: a
+    group such as ``optimizer``) the command line sets; a difference outside them is a default
+    that moved, said in a WARNING. None: not known (a config built in Python), every
+    difference as asked."""
     saved = saved or {}
     old, cur = _comparable(saved), _comparable(new)
     diffs = {
-        k: (old.get(k, "<unset>"), cur.get(k, "<unset>"))
+        k: (old.get(k, UNSET), cur.get(k, UNSET))
         for k in sorted(old.keys() | cur.keys())
-        if old.get(k, "<unset>") != cur.get(k, "<unset>")
+        if old.get(k, UNSET) != cur.get(k, UNSET)
     }
     must = MUST_MATCH + (("trainer.epochs",) if saved.get("scheduler") else ())  # the schedule's plan
     refused = [k for k in diffs if _under(k, must) and not _under(k, accept)]
@@ -77,8 +89,21 @@ def compare(saved: dict[str, Any], new: dict[str, Any], accept=()) -> dict[str, 
             f"resume with the same values, or accept them with trainer.resume_accept=[{','.join(refused)}]"
         )
     for k, (a, b) in diffs.items():
-        log.info("resume: %s %r -> %r%s", k, a, b, " (accepted)" if _under(k, must) else "")
+        if asked is not None and _moved_default(k, a, b, must, asked):
+            log.warning(
+                "resume: the default %s moved since the checkpoint: %r -> %r, and this command line does not set it; "
+                "the run continues with the new value (give %s=%r to keep the checkpoint's)",
+                *(k, a, b, k, a),
+            )
+        else:
+            log.info("resume: %s %r -> %r%s", k, a, b, " (accepted)" if _under(k, must) else "")
     return diffs
+
+
+def _moved_default(key: str, old: Any, new: Any, must: tuple[str, ...], asked: Collection[str]) -> bool:
+    """A difference no one asked for: a key both configs have, that may change, is not the
+    resume's own, and the command line does not set."""
+    return UNSET not in (old, new) and not _under(key, (*must, *RESUME_KEYS, *asked))
 
 
 def _comparable(config: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -60,7 +60,10 @@ def train(cfg: Config, out: str | Path, on_owned: Callable[[Path], None] | None 
 
 
 def execute(
-    config: Callable[[], Config], out: str | Path, on_owned: Callable[[Path], None] | None = None
+    config: Callable[[], Config],
+    out: str | Path,
+    on_owned: Callable[[Path], None] | None = None,
+    asked: Collection[str] | None = None,
 ) -> endings.Ending:
     """Train as ``config()`` says (the typed config, checked: an error there is the run's
     ending too) and write the run folder ``out``; returns how the run ended.
@@ -70,7 +73,8 @@ def execute(
     ``.hydra/`` and opens ``train.log`` there). Every ending writes ``summary.json``
     (``gradmod.run.folder.endings``); a run refused before owning the folder writes nothing there.
     SIGINT and SIGTERM stop it cleanly from the start (``StopOnSignal``); what it set up is
-    undone in reverse order however it ends."""
+    undone in reverse order however it ends. ``asked``: the keys the command line sets (a
+    resume says a difference outside them in a warning: a default moved; ``gradmod.run.resume``)."""
     t_start = time.perf_counter()
     folder, stop = RunFolder(out), StopOnSignal(folder=Path(out))
     with contextlib.ExitStack() as undo:
@@ -78,7 +82,7 @@ def execute(
         undo.callback(folder.release)
         undo.enter_context(stop.install())
         try:
-            ending = endings.Ending(_fit(_build(config(), folder, stop, t_start, on_owned, undo)))
+            ending = endings.Ending(_fit(_build(config(), folder, stop, t_start, on_owned, undo, asked)))
             _tracked(out, ending.summary)
             return ending
         except BaseException as e:
@@ -113,6 +117,7 @@ def _build(
     t_start: float,
     on_owned: Callable[[Path], None] | None,
     undo: contextlib.ExitStack,
+    asked: Collection[str] | None = None,
 ) -> Run:
     """Everything the run needs before its Trainer, checked, with the folder claimed (no write yet)."""
     import_plugins(cfg.plugins)  # their gradmod.register(...) calls, before any rule is built
@@ -120,7 +125,7 @@ def _build(
     check_logger(dataclasses.asdict(cfg.logger))  # a tracker that cannot take the run: one line, before anything
     dist = place(cfg)
     undo.callback(dist.close)
-    claim, diffs = _claim_shared(cfg, folder, dist)
+    claim, diffs = _claim_shared(cfg, folder, dist, asked)
     data, loader_workers = load(cfg, dist)
     model, named_losses = build_model(cfg, data, dist.device)
     if dist.strategy == "fsdp":
@@ -164,14 +169,16 @@ def _attach(cfg: Config, model: Any, rules: Any, train_size: int, data_size: int
     )
 
 
-def _claim(cfg: Config, folder: RunFolder, world_size: int) -> tuple[Claim, dict[str, Any]]:
+def _claim(
+    cfg: Config, folder: RunFolder, world_size: int, asked: Collection[str] | None = None
+) -> tuple[Claim, dict[str, Any]]:
     """Lock the folder, decide what the run is and check the checkpoint's config (no writes)."""
     t = cfg.trainer
     claim = folder.claim(resume=t.resume, start_over=t.start_over)
     if claim.found is None:
         return claim, {}
     path, state = claim.found
-    diffs = compare(state.get("config"), dataclasses.asdict(cfg), t.resume_accept)
+    diffs = compare(state.get("config"), dataclasses.asdict(cfg), t.resume_accept, asked)
     check_epochs(path, state, t.epochs)
     if state.get("world_size", 1) != world_size:  # each rank's share of the data order
         raise ValueError(
@@ -181,15 +188,17 @@ def _claim(cfg: Config, folder: RunFolder, world_size: int) -> tuple[Claim, dict
     return claim, diffs
 
 
-def _claim_shared(cfg: Config, folder: RunFolder, dist: Dist) -> tuple[Claim, dict[str, Any]]:
+def _claim_shared(
+    cfg: Config, folder: RunFolder, dist: Dist, asked: Collection[str] | None = None
+) -> tuple[Claim, dict[str, Any]]:
     """Rank 0 claims the run folder (the run's folder) and finds the checkpoint; every other
     rank reads the same file from there (a shared file system when ranks span hosts)."""
     if dist.world_size == 1:
-        return _claim(cfg, folder, 1)
+        return _claim(cfg, folder, 1, asked)
     if dist.is_main:
         answer = None  # what the other ranks get if the claim raises: rank 0 refused the run
         try:
-            claim, diffs = _claim(cfg, folder, dist.world_size)
+            claim, diffs = _claim(cfg, folder, dist.world_size, asked)
             answer = (str(claim.found[0].resolve()) if claim.found else None, diffs, claim.run_id)
         finally:
             dist.share(answer)

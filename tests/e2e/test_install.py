@@ -240,6 +240,10 @@ def test_a_broken_pair_is_repaired_by_the_printed_command_or_left_as_it_was(tmp_
         timeout=1800,
     )
     if proc.returncode == 0:
-        assert _pair(python, env).returncode == 0, proc.stdout + proc.stderr
+        pair = _pair(python, env)
+        assert pair.returncode == 0, proc.stdout + proc.stderr
+        assert "ResolutionImpossible" not in proc.stdout + proc.stderr  # pip's planning words: only where it fails
+        said = "this changes torch's build: torch 2.13.0+cpu (CPU only) -> torch "
+        assert said in proc.stdout or "+cpu" in pair.stdout, proc.stdout  # another build is said before it installs
     else:
         assert _torch_dists(venv) == before, proc.stdout + proc.stderr

@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT, TINY_FAKE
 
 import gradmod.install as pair_install
-from gradmod.install import REPAIR, installed, matching_torchvision, one_build
+from gradmod.install import REPAIR, build_change, installed, matching_torchvision, one_build, parse
 
 
 def test_the_torchvision_of_a_torch_release():
@@ -46,9 +46,17 @@ def test_a_torchvision_built_for_another_torch_is_one_line(tmp_path):
     assert "torchvision::nms does not exist" in line and line.endswith(REPAIR)
 
 
+# What pip prints where it cannot plan a step (a torchvision whose torch is not to be had).
+UNPLANNED = (
+    "ERROR: Cannot install torchvision==0.28.0+cpu because these package versions have conflicting dependencies.\n"
+    "ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/dependency-resolution/\n"
+)
+
+
 class FakePip:
     """An environment of one torch and one torchvision, and a pip over it: ``plans`` maps a
-    step's package arguments to the pair pip would install; a pair works when ``works`` says."""
+    step's package arguments to the pair pip would install; a pair works when ``works`` says.
+    Called as ``gradmod.install`` runs a command: ``(exit status, output held where quiet)``."""
 
     def __init__(self, found, plans, works):
         self.state = dict(zip(("torch", "torchvision"), found))
@@ -57,17 +65,18 @@ class FakePip:
     def installed(self, name):
         return "23.2.1" if name == "pip" else self.state.get(name)
 
-    def __call__(self, cmd):
+    def __call__(self, cmd, quiet=False):
         if cmd[1] == "-c":  # the check
-            return 0 if (self.state["torch"], self.state["torchvision"]) in self.works else 1
+            return (0 if (self.state["torch"], self.state["torchvision"]) in self.works else 1), ""
         args = cmd[3:]
         if "--dry-run" in args:
+            assert quiet  # a plan's words are held
             planned = self.plans.get(self._key(args))
             if planned is None:
-                return 1  # an index that cannot be reached: pip finds nothing
+                return 1, UNPLANNED  # an index that cannot be reached, a pair that cannot be: pip finds nothing
             items = [{"metadata": {"name": n, "version": v}} for n, v in zip(("torch", "torchvision"), planned)]
             Path(args[args.index("--report") + 1]).write_text(json.dumps({"install": items}))
-            return 0
+            return 0, ""
         self.installs.append(" ".join(args))
         if args[0] == "uninstall":
             self.state[args[-1]] = None
@@ -76,7 +85,7 @@ class FakePip:
             self.state[name] = version
         else:
             self.state.update(zip(("torch", "torchvision"), self.plans[self._key(args)]))
-        return 0
+        return 0, ""
 
     @staticmethod
     def _key(args):
@@ -106,10 +115,43 @@ def test_a_step_that_would_mix_builds_is_not_taken(monkeypatch, capsys):
     assert "- the CPU wheels: not to be had here (pip would take torch 2.13.0+cpu, torchvision 0.28.0)" in err.out
     assert err.err.startswith("error: no working torch/torchvision pair could be made here; nothing changed")
 
+    assert "\n  pip, planning: ERROR: ResolutionImpossible" in err.out  # pip's reasons, where nothing worked
+    assert err.err.count("\n") == 1
+
     pip = FakePip(("2.13.0+cpu", "0.28.0"), {"torch torchvision": ("2.14.1", "0.29.1")}, {("2.14.1", "0.29.1")})
     assert _repair(monkeypatch, pip, cpu=False) == 0  # pip's own indexes hold a release pair of one build
     assert pip.installs == ["install --upgrade torch torchvision"]
     assert pip.state == {"torch": "2.14.1", "torchvision": "0.29.1"}
+    out = capsys.readouterr()
+    assert "ResolutionImpossible" not in out.out + out.err  # the planning's words stay out of a repair that worked
+    said = out.out.splitlines()
+    change = said.index(f"{build_change('2.13.0+cpu', '2.14.1')}")  # said before it installs
+    assert said[change + 1] == "+ pip install --upgrade torch torchvision"
+
+
+def test_a_change_of_torchs_build_is_one_line_naming_both():
+    assert build_change("2.13.0+cpu", "2.14.1") == (
+        "this changes torch's build: torch 2.13.0+cpu (CPU only) -> torch 2.14.1 (PyPI's build, with CUDA on Linux "
+        "x86_64: several GB of CUDA libraries); to stay on the CPU build: python scripts/install_cpu_torch.py"
+    )
+    assert build_change("2.14.1+cu126", "2.14.1+cpu", cpu=True) == (
+        "this changes torch's build: torch 2.14.1+cu126 (CUDA 12.6) -> torch 2.14.1+cpu (CPU only)"
+    )
+    assert build_change("2.13.0+cpu", "2.13.0+cpu") is None and build_change("2.14.1", "2.14.1") is None
+    assert build_change(None, "2.14.1") is None  # nothing installed: no build changes
+
+
+def test_the_commands_take_cpu_and_refuse_anything_else_in_one_line(capsys):
+    assert parse([]).cpu is False and parse(["--cpu"]).cpu is True
+    for argv, prog, cpu_flag in [
+        (["--bogus"], REPAIR, True),
+        (["--cpu"], "python scripts/install_cpu_torch.py", False),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            parse(argv, prog=prog, cpu_flag=cpu_flag)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: unrecognized arguments: {argv[0]}; usage: {prog}")
 
 
 def test_the_torchvision_built_for_the_torch_is_pinned_to_its_build(monkeypatch):

@@ -3,6 +3,7 @@ ones written by hand; lr_scale follows an LR scheduler; bad entries are one line
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -97,6 +98,25 @@ def test_lr_scale_follows_the_scheduler(make):
         opt.step()
         sched.step()
     assert base != 1e-3  # the schedule moved
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_lr_scale_counts_once_under_a_timm_scheduler(own):
+    """timm's schedulers multiply a group's ``lr_scale`` key into the rate they set: the group's
+    rate is already scaled, so lr x s once, by the hand computation of the schedule."""
+    timm_scheduler = pytest.importorskip("timm.scheduler")
+    model = MnistCNN(1, 10)
+    entry = {"params": "@last_layer", "lr_scale": 0.25}
+    if own:
+        entry["optimizer"] = {"_target_": "torch.optim.Adagrad"}  # its default lr, 0.01, scaled
+    opt = gradmod.optimizer(model, {**ADAMW, "groups": [entry]})
+    sched = timm_scheduler.CosineLRScheduler(opt, t_initial=8, warmup_t=2, warmup_lr_init=0.0)
+    base = 0.01 if own else 1e-3
+    for epoch in range(8):
+        factor = epoch / 2 if epoch < 2 else 0.5 * (1 + math.cos(math.pi * epoch / 8))
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-3 * factor, 0.25 * base * factor], rel=1e-12)
+        opt.step()
+        sched.step(epoch + 1)
 
 
 def test_every_parameter_is_held_and_a_frozen_one_does_not_move():

@@ -1,5 +1,6 @@
-"""The selectors (@embeddings, @norms, @biases, @matrices, @last_layer) on a transformer and a
-CNN, read from the module types; in optimizer groups and in hook rules alike."""
+"""The selectors (@embeddings, @norms, @biases, @vectors, @matrices, @last_layer) on a
+transformer and a CNN, read from the module types and shapes; in optimizer groups and in hook
+rules alike."""
 
 from __future__ import annotations
 
@@ -51,6 +52,47 @@ def test_selectors_on_the_cnn():
     bn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2, 3))
     assert names_of(bn, "@norms") == ["1.weight", "1.bias"]
     assert names_of(bn, "@matrices") == ["0.weight"]
+
+
+class LayerScaleBlock(nn.Module):
+    """A residual block with a layer-scale ``gamma`` (CaiT, ConvNeXt): a 1-D parameter that
+    neither a norm nor a bias holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.fc = nn.Linear(4, 4)
+        self.gamma = nn.Parameter(torch.full((4,), 1e-5))
+
+    def forward(self, x):
+        return x + self.gamma * self.fc(self.norm(x))
+
+
+def test_vectors_are_every_parameter_of_one_dimension_or_none():
+    model = nn.Sequential(LayerScaleBlock(), nn.Linear(4, 2))
+    model.register_parameter("temperature", nn.Parameter(torch.tensor(1.0)))
+    assert names_of(model, "@vectors") == [n for n, p in model.named_parameters() if p.ndim <= 1]
+    shown = ["temperature", "0.gamma", "0.norm.weight", "0.norm.bias", "0.fc.bias", "1.bias"]
+    assert names_of(model, "@vectors") == shown
+    assert "0.gamma" not in names_of(model, ["@biases", "@norms"])  # what @vectors adds for a no_decay rule
+
+
+def test_vectors_as_no_decay_are_timms_weight_decay_groups():
+    """``no_decay: ["@vectors"]`` splits a layer-scale ConvNeXt as timm's ``param_groups_weight_decay`` does
+    (``ndim <= 1 or name.endswith(".bias")``), its ``gamma``s with the biases and norms."""
+    timm = pytest.importorskip("timm")
+    from timm.optim import param_groups_weight_decay
+
+    model = timm.create_model("convnext_atto", pretrained=False, num_classes=10, ls_init_value=1e-6)
+    assert any(n.endswith(".gamma") for n, _ in model.named_parameters())
+    spec = {"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.05, "no_decay": ["@vectors"]}
+    ours = [({id(p) for p in g["params"]}, g["weight_decay"]) for g in gradmod.optimizer(model, spec).param_groups]
+    theirs = [({id(p) for p in g["params"]}, g["weight_decay"]) for g in param_groups_weight_decay(model, 0.05)]
+    assert sorted(ours, key=lambda g: g[1]) == sorted(theirs, key=lambda g: g[1])
+    with gradmod.attach(model, {"v": {"params": "@vectors", "transforms": ["zero"]}}) as hooks:
+        chosen = {d["tensor"] for d in hooks.describe()}
+    vectors = {n for n, p in model.named_parameters() if p.ndim <= 1 or n.endswith(".bias")}
+    assert chosen == vectors  # a rule selects the same parameters
 
 
 def test_a_librarys_own_norm_class_is_a_norm():

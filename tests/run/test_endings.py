@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import RESUMABLE, run_train, same_params
 
-from gradmod.app.cli import run
+from gradmod.app.cli import asked_keys, run
 from gradmod.run.folder import checkpoint_file as ckpt
 from gradmod.run.resume import apply_optimizer, compare
 
@@ -52,6 +52,44 @@ def test_resume_applies_a_new_lr_to_the_optimizer_and_logs_it(tmp_path, compose_
     assert "optimizer.lr 0.001 -> 0.5" in caplog.text and "trainer.log_every 50 -> 3" in caplog.text
     state = ckpt.latest(tmp_path / "checkpoints")[1]
     assert [g["lr"] for g in state["trainer"]["optimizer"]["param_groups"]] == [0.5]
+
+
+def test_a_default_that_moved_is_a_warning_naming_it_and_an_asked_change_is_not(caplog):
+    saved = {"optimizer": {"lr": 0.001, "betas": [0.9, 0.999]}, "trainer": {"log_every": 50, "resume": None}}
+    new = {
+        "optimizer": {"lr": 0.0003, "betas": [0.8, 0.9]},
+        "trainer": {"log_every": 3, "resume": "auto", "host_heap": "keep"},
+    }
+    asked = asked_keys(["trainer.log_every=3", "+trainer.resume=auto", "optimizer.betas=[0.8,0.9]"])
+    assert asked == ["trainer.log_every", "trainer.resume", "optimizer.betas"]
+    with caplog.at_level(logging.INFO, logger="gradmod.run.resume"):
+        diffs = compare(saved, new, asked=asked)
+    assert diffs["optimizer.lr"] == (0.001, 0.0003)  # applied all the same
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "resume: the default optimizer.lr moved since the checkpoint: 0.001 -> 0.0003, and this command line does "
+        "not set it; the run continues with the new value (give optimizer.lr=0.001 to keep the checkpoint's)"
+    ]  # betas and log_every were asked for; resume is the resume's own; host_heap is a key the checkpoint lacks
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gradmod.run.resume"):
+        compare(saved, new, asked=asked_keys(["optimizer=adam"]) + asked)  # a group: every key below it
+        compare(saved, new)  # a config built in Python: what it holds is what it asked
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_resume_on_the_command_line_warns_of_a_default_that_moved(tmp_path, compose_cfg):
+    """A checkpoint whose run had another default lr (as a run of an earlier release would):
+    ``train.py trainer.resume=auto`` continues at today's default and says so in a WARNING."""
+    run(compose_cfg(*RESUMABLE, "trainer.epochs=1", f"data_dir={tmp_path / 'data'}"), tmp_path)
+    path, state = ckpt.latest(tmp_path / "checkpoints")
+    state["config"]["optimizer"]["lr"] = 0.002
+    ckpt.save(tmp_path / "checkpoints", state, keep=2, run=ckpt.run_of(path))
+    proc = run_train(tmp_path, *RESUMABLE, "trainer.resume=auto")
+    assert (
+        "[WARNING] - resume: the default optimizer.lr moved since the checkpoint: 0.002 -> 0.001, and this "
+        "command line does not set it;" in proc.stdout
+    ), proc.stdout[-3000:]
+    assert proc.stdout.count("[WARNING] - resume:") == 1
 
 
 def test_apply_optimizer_writes_every_group():

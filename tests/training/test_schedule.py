@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
 from torch import nn
 
+import gradmod
 from gradmod.app.cli import run
+from gradmod.models import MnistCNN
 from gradmod.run.config import AdamConfig, SGDConfig
 from gradmod.run.factories import build_scheduler, default_fused, model_optimizer
 from gradmod.run.folder import checkpoint_file as ckpt
@@ -56,6 +59,31 @@ def test_shipped_schedules_match_torch(compose_cfg, name):
     }[name]()
     assert ours == _lrs(ref, ref_opt, 60)
     assert len(set(ours)) > 3  # the rate really moves
+
+
+def test_onecycle_says_in_one_line_that_it_drops_an_entrys_lr_scale(compose_cfg, caplog):
+    """OneCycleLR sets every group's rate from max_lr: an entry's lr_scale is lost, and the run says so."""
+    from gradmod.app.config_store import validate
+
+    spec = {"_target_": "torch.optim.SGD", "lr": 0.1, "groups": [{"params": "@last_layer", "lr_scale": 0.1}]}
+
+    def warnings(*over):
+        cfg = validate(compose_cfg("scheduler=onecycle", *over))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gradmod"):
+            build_scheduler(cfg.scheduler, gradmod.optimizer(MnistCNN(1, 10), spec), total_steps=60)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert warnings() == [
+        "scheduler: OneCycleLR sets every group's rate from max_lr=0.01, so optimizer.groups.0's lr_scale=0.1 is "
+        "not applied; give max_lr a list, one rate per group (2 groups, in the order of the printed optimizer groups)"
+    ]
+    assert warnings("scheduler.max_lr=[0.01,0.001]") == []  # a rate per group: the user's own ratio
+    cfg = validate(compose_cfg("scheduler=cosine"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gradmod"):
+        build_scheduler(cfg.scheduler, gradmod.optimizer(MnistCNN(1, 10), spec), total_steps=60)
+    assert not caplog.records  # its rates follow each group's initial one
 
 
 def test_scheduled_run_resumes_bit_identical(compose_cfg, tmp_path):

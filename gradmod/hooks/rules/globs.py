@@ -1,8 +1,8 @@
 """Which names a rule's patterns select: globs over ``named_parameters()`` or
 ``named_modules()`` names, selectors (``@last_layer``, ``@embeddings``, ``@norms``,
-``@biases``, ``@matrices``: parameters by the place they hold in the model; ``@shared``: those
-every task's loss reaches, ``gradmod.hooks.rules.shared``), and for a pattern
-that matches nothing, an error listing close names. Hook rules and optimizer groups resolve
+``@biases``, ``@vectors``, ``@matrices``: parameters by the place they hold in the model or
+their shape; ``@shared``: those every task's loss reaches, ``gradmod.hooks.rules.shared``),
+and for a pattern that matches nothing, an error listing close names. Hook rules and optimizer groups resolve
 their globs here, so a selector means one thing in both."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ SELECTORS = {
     "@embeddings": "the parameters of embedding modules (nn.Embedding, nn.EmbeddingBag)",
     "@norms": "the parameters of normalisation modules (BatchNorm, LayerNorm, GroupNorm, RMSNorm, ...)",
     "@biases": "every parameter named bias",
+    "@vectors": "every parameter of 0 or 1 dimensions (biases, norms' scales, layer-scale gammas)",
     "@matrices": "weights of 2 or more dimensions outside the embeddings and the last layer",
     SHARED: "the parameters every task's loss reaches (a multi-task model's trunk)",
 }
@@ -120,6 +121,8 @@ def _matches(
         raise ValueError(f"{where}: {pattern} needs the model's module types; pass kinds=param_kinds(model)")
     if pattern == "@biases":
         return [n for n in names if n.rpartition(".")[2] == "bias"]
+    if pattern == "@vectors":
+        return [n for n in names if n in kinds and kinds[n].ndim <= 1]
     module = {"@embeddings": "embedding", "@norms": "norm"}.get(pattern)
     if module is not None:
         return [n for n in names if n in kinds and kinds[n].module == module]
