@@ -4,7 +4,7 @@ bar is not seen.
 
 ``Progress(total, unit)`` is told how many units are done (``update``); at most once per
 ``every`` seconds (``EVERY``) it gives a line ``120/600 batches (20%), 1 min 12 s so far, about 4 min 48 s
-left``, and none for work that ends sooner. The estimate is the rate since the first unit
+left``, and none for work that ends sooner (nor once all is done: the work's end says so). The estimate is the rate since the first unit
 ended: the first often holds one-time work (compilation, the per_sample stage's trace), so no
 estimate is given before a second.
 """
@@ -49,8 +49,8 @@ class Progress:
         now = self.clock()
         if self.first is None and done > self.start:
             self.first = (done, now)
-        if now - self.last < self.every or done <= self.start:
-            return None
+        if now - self.last < self.every or done <= self.start or done >= self.total:
+            return None  # (the work's own end says when it is done)
         self.last = now
         pct = f" ({100 * done / self.total:.0f}%)" if self.total else ""
         line = f"{done}/{self.total} {self.unit}{pct}, {duration(now - self.began)} so far"
