@@ -1,8 +1,9 @@
 """``gradmod scores RUN``: TracIn self-influence of a finished run's training examples over its
 checkpoints, into the run folder (``gradmod.analysis.score_report``; docs/guide/scores.md).
 
-Bad input ends in one line on stderr: exit 2 (not a run folder, no checkpoints, data that is
-not the run's, a value out of range), exit 1 for a file that cannot be read or written.
+Bad input ends in one line on stderr: exit 2 (not a run folder, a run still training, no
+checkpoints, one of another model, data that is not the run's, a value out of range), exit 1
+for a file that cannot be read or written. Progress goes to stderr as log lines.
 """
 
 from __future__ import annotations

@@ -3,19 +3,27 @@ output, needs to see that it goes on and how well."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 BOOKKEEPING = ("epoch", "step", "seconds", "train_seconds", "eval_seconds", "skipped_steps", "grad_stats")
 
 
-def epoch_line(numbers: Mapping[str, Any], epochs: int | None = None) -> str:
+def epoch_line(numbers: Mapping[str, Any], epochs: int | None = None, rates: Sequence[float] = ()) -> str:
     """``epoch 2/10: train_loss 0.4123 test_loss 0.3981 test_accuracy 0.8812 epsilon 1.234 (3.1 s)``:
     every number of an epoch's record in its order (losses, test metrics, epsilon: whatever
     the record holds; a mapping's as ``name.key``, each task's) but the bookkeeping;
-    skipped steps where there were some."""
+    skipped steps where there were some. ``rates``: the learning rates of the optimizer's
+    parameter groups; the record's ``lr`` (the first group's) shows every distinct one of
+    them (``lr 0.02/0.0003``)."""
     head = f"epoch {numbers.get('epoch', '?')}" + (f"/{epochs}" if epochs else "")
-    shown = [f"{key} {_number(value)}" for key, value in _flat(numbers)]
+    distinct = list(dict.fromkeys(float(r) for r in rates))
+    shown = [
+        f"lr {'/'.join(_number(r) for r in distinct)}"
+        if key == "lr" and len(distinct) > 1
+        else f"{key} {_number(value)}"
+        for key, value in _flat(numbers)
+    ]
     if numbers.get("skipped_steps"):
         shown.append(f"skipped_steps {numbers['skipped_steps']}")
     seconds = numbers.get("seconds")

@@ -123,23 +123,29 @@ def plot_grid(
     titles: Sequence[str] | None = None,
     title: str | None = None,
 ) -> Path:
-    """Images (N x H x W, or N x 1 x H x W) in rows of ``cols``, each on its own colour scale.
+    """Images (N x H x W, N x 1 x H x W, or N x 3 x H x W in colour) in rows of ``cols``, each on
+    its own colour scale.
 
     Drawn as one mosaic on one axes: each tile is scaled to its own min..max, as a separate
     ``imshow`` would, but 32 axes would make saving the figure many times slower.
     """
     import numpy as np  # local: the top of this module is the curves' section
 
-    tiles = [im.detach().float().cpu().reshape(im.shape[-2:]).numpy() for im in images]
-    h, w = tiles[0].shape
+    tiles = [_tile(im) for im in images]  # H x W, or H x W x 3
+    h, w = tiles[0].shape[:2]
     rows = -(-len(tiles) // cols)
     gap, top = max(1, h // 10), (h // 3 if titles is not None else max(1, h // 10))
-    mosaic = np.full((rows * (h + top), cols * (w + gap)), np.nan)  # NaN: background
+    depth = (4,) if tiles[0].ndim == 3 else ()  # colour: RGBA, the background transparent
+    mosaic = np.full((rows * (h + top), cols * (w + gap), *depth), 0.0 if depth else np.nan)  # NaN: background
     for i, tile in enumerate(tiles):
         r, c = divmod(i, cols)
         span = tile.max() - tile.min()
         y, x = r * (h + top) + top, c * (w + gap)
-        mosaic[y : y + h, x : x + w] = (tile - tile.min()) / span if span > 0 else 0.0
+        scaled = (tile - tile.min()) / span if span > 0 else 0.0
+        if depth:
+            mosaic[y : y + h, x : x + w, :3], mosaic[y : y + h, x : x + w, 3] = scaled, 1.0
+        else:
+            mosaic[y : y + h, x : x + w] = scaled
     scale = 1.6 / max(h, w)
     fig, ax = plt.subplots(figsize=(mosaic.shape[1] * scale, mosaic.shape[0] * scale + (0.5 if title else 0)))
     ax.imshow(mosaic, cmap=plt.get_cmap(cmap).with_extremes(bad="white"), vmin=0, vmax=1, interpolation="nearest")
@@ -147,6 +153,12 @@ def plot_grid(
         r, c = divmod(i, cols)
         ax.text(c * (w + gap) + w / 2, r * (h + top) + top - 1, text, ha="center", va="bottom", fontsize=8)
     return _save_image(fig, ax, path, title)
+
+
+def _tile(im: Any) -> Any:
+    """One image as a numpy array: H x W, or H x W x 3 for a colour one (3 x H x W)."""
+    t = im.detach().float().cpu()
+    return t.permute(1, 2, 0).numpy() if t.dim() == 3 and t.shape[0] == 3 else t.reshape(t.shape[-2:]).numpy()
 
 
 def plot_image(image: Any, path: str | Path, *, cmap: str | None = None, title: str | None = None) -> Path:

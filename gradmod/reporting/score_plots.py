@@ -9,8 +9,16 @@ from typing import Any
 from gradmod.reporting.plots import _save, plot_grid, plt
 
 
+def image_shaped(x: Any) -> bool:
+    """Examples that are images: ``N x C x H x W`` with 1 or 3 channels, or ``N x H x W`` pixels (uint8)."""
+    if x.dim() == 4:
+        return x.shape[1] in (1, 3) and min(x.shape[2:]) > 1
+    return x.dim() == 3 and str(x.dtype) == "torch.uint8" and min(x.shape[1:]) > 1
+
+
 def plot_hardest(images: Any, labels: list[int], preds: list[int], scores: list[float], path: str | Path) -> Path:
-    """The images in the order given (highest score first), titled ``label/prediction``."""
+    """The images in the order given (highest score first), titled ``label/prediction``; colour
+    ones (3 channels) in colour."""
     titles = [f"{y}/{p}" + ("" if y == p else " x") for y, p in zip(labels, preds)]
     return plot_grid(
         images,

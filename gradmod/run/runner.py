@@ -259,7 +259,7 @@ def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: 
     logger.log_plan(run.plan, run.hooks.format_plan())
     files = RunFiles(folder, logger)
     stack.push(_closing(files.close))
-    callbacks = [files, EpochLine(run.cfg.trainer.epochs)]  # the console's line after the record is complete
+    callbacks = [files, EpochLine(run.cfg.trainer.epochs, run.cfg.trainer.compile)]  # after the record is complete
     callbacks += [GradCamCallback(parts.probe, logger, folder)] if parts.probe is not None else []
     private, scores = run.hooks.stage(stages.counting_examples()), run.hooks.keeping_scores
     callbacks += [PerSamplePaths(folder, run.plan, private)] if private is not None else []

@@ -19,9 +19,11 @@ callbacks with one state ``key`` are refused: a checkpoint keeps one state per k
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, ClassVar, Sequence
 
 from gradmod.reporting.console import epoch_line
+from gradmod.reporting.progress import Progress, duration
 from gradmod.training.nonfinite import NonFiniteGuard
 from gradmod.training.speed import SyncCheck
 
@@ -132,11 +134,43 @@ class SyncCheckCallback(Callback):
 
 
 class EpochLine(Callback):
-    """One line per epoch on the console (``gradmod.reporting.console``), a terminal or a
-    redirected file alike; it comes after the callbacks that add to the record (epsilon)."""
+    """The console's lines of an epoch, a terminal or a redirected file alike: in a long one a
+    progress line now and then (``gradmod.reporting.progress``: batches done, about how long is
+    left), then the epoch's line (``gradmod.reporting.console``) with every distinct learning
+    rate of the optimizer's groups; it comes after the callbacks that add to the record
+    (epsilon). ``compiled``: the model runs through ``torch.compile``: a line as the first step
+    starts compiling, and how long that step and the first evaluation took."""
 
-    def __init__(self, epochs: int | None = None):
+    def __init__(self, epochs: int | None = None, compiled: bool = False):
         self.epochs = epochs
+        self.progress: Progress | None = None
+        self.compiling: float | None = None  # compiled: when the fit's first step started, until it ends
+        self.to_tell = ["step", "evaluation"] if compiled else []  # what compiles first, not yet timed
+
+    def on_step_start(self, trainer) -> None:
+        if self.progress is None:  # the epoch's first step (a resumed one starts part way)
+            self.progress = Progress(trainer.epoch_batches, "batches", start=trainer.batch)
+        if self.to_tell[:1] == ["step"] and self.compiling is None:
+            log.info(
+                "torch.compile (trainer.compile=true): compiling the model as its first step runs, forward "
+                "and backward (evaluation compiles at its first batch); this can take minutes"
+            )
+            self.compiling = time.perf_counter()
+
+    def on_step_end(self, trainer) -> None:
+        if self.compiling is not None:
+            took, self.compiling = time.perf_counter() - self.compiling, None
+            log.info("torch.compile: the first step took %s, compilation included", duration(took))
+            self.to_tell.remove("step")
+        line = self.progress.update(trainer.batch) if self.progress is not None else None
+        if line is not None:
+            log.info("epoch %s%s: %s", trainer.epoch, f"/{self.epochs}" if self.epochs else "", line)
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
-        log.info("%s", epoch_line(record, self.epochs))
+        self.progress = None
+        rates = [group["lr"] for group in trainer.optimizer.param_groups if "lr" in group]
+        log.info("%s", epoch_line(record, self.epochs, rates))
+        if self.to_tell == ["evaluation"] and "eval_seconds" in record:
+            took = duration(record["eval_seconds"])
+            log.info("torch.compile: the first evaluation took %s, compilation included", took)
+            self.to_tell.clear()

@@ -65,10 +65,11 @@ class Trainer:
     share of every epoch's seeded permutation.
 
     Callbacks may read: ``epoch``, ``step`` (optimizer steps so far), ``batch`` (batches of
-    this epoch done), ``history`` (one record per finished epoch), ``last_stats``, ``settings``.
+    this epoch done, of ``epoch_batches``), ``history`` (one record per finished epoch), ``last_stats``, ``settings``.
     """
 
     dataset_index: Tensor | None = None  # fit's: positions in a kept share (data.keep) -> whole-set indices
+    epoch_batches = 0  # the (micro-)batches of this rank's epoch in progress
 
     def __init__(
         self,
@@ -173,6 +174,7 @@ class Trainer:
             self.generator.set_state(self.epoch_order)
         start = self.batch
         total, stream = self._stream(x, y, start)
+        self.epoch_batches = total
         for i, (xb, yb, *index) in enumerate(
             tqdm(stream, total=total, initial=start, leave=False, desc="train", disable=not s.progress), start=start + 1
         ):

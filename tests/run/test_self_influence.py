@@ -208,3 +208,130 @@ def test_bad_input_is_one_line_each(tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("error: gradmod scores: "), (name, lines)
         assert re.search(message, lines[0]), (name, lines[0])
         assert not (folders[name] / "self_influence.csv").exists()
+
+
+# -- runs whose examples are not images, checkpoints of another model, runs still training ------
+
+OBJ = "tests.support.user_objects"
+VECTORS = {  # 40 examples of 64 float features each, a linear model: no image anywhere
+    "data": {"name": f"{OBJ}.data", "_target_": f"{OBJ}.data", "args": {"shape": [64], "dtype": "float32"}},
+    "data_dir": "data",
+    "seed": 3,
+    "model": {"name": f"{OBJ}.Tiny", "_target_": f"{OBJ}.Tiny"},
+}
+
+
+def _vector_checkpoints(folder) -> list:
+    """A finished run of the linear model on vectors: two checkpoints and an ending."""
+    from tests.support.user_objects import Tiny
+
+    (folder / ".gradmod").mkdir(parents=True)
+    (folder / ".gradmod" / "run.json").write_text(json.dumps({"run_id": "r2"}) + "\n")
+    (folder / "summary.json").write_text(json.dumps({"status": "ok"}))
+    torch.manual_seed(0)
+    model, paths = Tiny(), []
+    for step in (1, 2):
+        state = {
+            "step": step,
+            "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "trainer": {"optimizer": {"param_groups": [{"lr": 0.1}]}},
+            "config": VECTORS,
+        }
+        paths.append(ckpt.save(folder / "checkpoints", state, keep=10, run="r2"))
+    return paths
+
+
+def test_examples_that_are_not_images_get_every_file_but_hardest_png_and_a_line_saying_why(tmp_path, capsys, caplog):
+    from gradmod.app.scores_command import main
+
+    _vector_checkpoints(tmp_path)
+    with caplog.at_level("INFO", logger="gradmod.scores"):
+        assert main([str(tmp_path), "--device", "cpu", "--top", "4"]) == 0
+    rows = _scores(tmp_path)
+    assert sorted(rows) == list(range(40))
+    for name in ("self_influence_hist.png", "self_influence_by_class.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert not (tmp_path / "hardest.png").exists()
+    said = [r.getMessage() for r in caplog.records if "hardest.png" in r.getMessage()]
+    assert said == [
+        "hardest.png not drawn: the examples are not images (each is 64 float32; images are C x H x W "
+        "with 1 or 3 channels, or H x W pixels)"
+    ]
+    out = capsys.readouterr().out
+    assert out.startswith("highest self-influence") and "hardest.png" not in out
+
+
+def test_colour_images_are_drawn_in_colour(tmp_path):
+    from gradmod.reporting.score_plots import image_shaped, plot_hardest
+
+    images = torch.zeros(3, 3, 8, 8, dtype=torch.uint8)
+    images[:, 0] = 255  # red
+    assert image_shaped(images) and image_shaped(images[:, :1]) and image_shaped(images[:, 0])
+    assert not image_shaped(images.float()[:, 0]) and not image_shaped(torch.zeros(3, 64))
+    path = plot_hardest(images, [0, 1, 2], [0, 1, 1], [3.0, 2.0, 1.0], tmp_path / "hardest.png")
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(path)[..., :3]
+    reddish = (pixels[..., 0] > 0.8) & (pixels[..., 1] < 0.2) & (pixels[..., 2] < 0.2)
+    assert reddish.sum() > 50  # the tiles are red, not grey
+
+
+def test_a_checkpoint_of_another_model_is_one_line_naming_it(tmp_path, capsys):
+    from gradmod.app.scores_command import main
+
+    _vector_checkpoints(tmp_path / "run")
+    other = _checkpoints(tmp_path / "cnn")[0]  # the MNIST CNN's, of another run
+    stray = tmp_path / "run" / "checkpoints" / "step-000000003.pt"
+    stray.write_bytes(other.read_bytes())
+    assert main([str(tmp_path / "run"), "--device", "cpu"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"error: gradmod scores: checkpoint {stray} is not of this run's model ({OBJ}.Tiny): ")
+    assert "it lacks fc.weight, fc.bias" in lines[0]
+    assert not (tmp_path / "run" / "self_influence.csv").exists()
+
+
+def test_a_run_still_training_is_refused_and_one_without_an_ending_warned(tmp_path, capsys, caplog):
+    import fcntl
+
+    from gradmod.app.scores_command import main
+
+    _vector_checkpoints(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "running"}))
+    (tmp_path / ".gradmod" / "lock.pid").write_text("4242\n")
+    with open(tmp_path / ".gradmod" / "lock", "a") as held:  # as the training process holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main([str(tmp_path), "--device", "cpu"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"error: gradmod scores: {tmp_path} is still training (pid 4242 holds its lock): its checkpoints are "
+        "not all there yet and the oldest may still be pruned; score it once the run has ended"
+    ]
+    assert not (tmp_path / "self_influence.csv").exists()
+    with caplog.at_level("INFO", logger="gradmod.scores"):  # the lock released: a run that was killed
+        assert main([str(tmp_path), "--device", "cpu"]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [
+        f"warning: {tmp_path} has no ending (the run was killed while training): scoring the 2 checkpoints it left"
+    ]
+    assert (tmp_path / "self_influence.csv").is_file()
+
+
+def test_scoring_logs_progress_with_what_is_left(tmp_path, caplog, monkeypatch):
+    from gradmod.analysis import score_report
+    from gradmod.reporting import progress
+
+    _vector_checkpoints(tmp_path)
+    monkeypatch.setattr(progress, "EVERY", 0.0)  # a line at every batch
+    with caplog.at_level("INFO", logger="gradmod.scores"):
+        score_report.score_run(tmp_path, batch_size=10, device="cpu")
+    said = [r.getMessage() for r in caplog.records]
+    assert said[1].startswith("checkpoint 1/2: step-000000001.pt (step 1, lr 0.1)")
+    assert any(
+        re.fullmatch(r"checkpoint 2/2: step-000000002\.pt \(step 2, lr 0\.1\); about \d+ s left", s) for s in said
+    )
+    lines = [s for s in said if s.startswith("self-influence: ")]
+    assert re.fullmatch(
+        r"self-influence: 20/80 examples \(25%\), \d+ s so far, about \d+ s left \(checkpoint 1/2\)", lines[1]
+    )
+    assert lines[-1].startswith("self-influence: 70/80 examples (88%)") and lines[-1].endswith("(checkpoint 2/2)")

@@ -74,7 +74,7 @@ def test_inductor_compiled_model_with_hooks_gives_eager_gradients():
     _compare_compiled("inductor")
 
 
-def test_trainer_compile_trains_the_compiled_model_with_hooks(compose_cfg, tmp_path, monkeypatch):
+def test_trainer_compile_trains_the_compiled_model_with_hooks(compose_cfg, tmp_path, monkeypatch, caplog):
     compiled = []
 
     def fake_compile(model):  # the trainer's call, with the fast backend
@@ -93,8 +93,11 @@ def test_trainer_compile_trains_the_compiled_model_with_hooks(compose_cfg, tmp_p
         "+hooks=[clip,log]",
         "data.batch_size=16",
     )
-    summary = run(cfg, tmp_path)
+    with caplog.at_level("INFO", logger="gradmod.training.callbacks"):
+        summary = run(cfg, tmp_path)
     assert len(compiled) == 1
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch.compile")]
+    assert [t.split(":")[0] for t in told] == ["torch.compile (trainer.compile=true)", *["torch.compile"] * 2], told
     stats = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["grad_stats"]
     assert stats["conv1.weight"]["calls"] == 4 and stats["conv1.weight"]["max"] <= 0.01
     assert set(torch.load(tmp_path / "model.pt")) == {n for n, _ in MnistCNN().named_parameters()}

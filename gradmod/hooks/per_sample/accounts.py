@@ -95,6 +95,10 @@ class Probed:
     def gave(self, p: Tensor, g: Tensor) -> None:
         self.given.setdefault(id(p), []).append(g)
 
+    def forget_given(self) -> None:
+        """A backward checked whole (no probe): what its hung calls gave is not the next one's."""
+        self.hung, self.given = set(), {}
+
     def arrived(self, p: Tensor, g: Tensor) -> None:
         """Autograd's whole gradient of ``p``. A hung parameter's is the very tensor its one
         call gave where nothing else reached it: no probe; else both sides along R."""

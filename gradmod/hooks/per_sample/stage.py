@@ -45,6 +45,7 @@ from gradmod.hooks.trace.first_forward import (
     is_packed,
     param_or_none,
 )
+from gradmod.hooks.trace.held import settle
 
 __all__ = ["PerSampleStage", "per_sample_rules"]
 
@@ -104,12 +105,25 @@ class PerSampleStage(KeepsScores, Stage):
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self.scores = keeper(rules)  # GraNd and EL2N by dataset index (``see_batch``, ``take_scores``)
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
+        self._handles.append(model.register_forward_hook(self._forward_end))
         self._handles += watch_outputs(model, self.scores, self._following)
 
+    def _read_trainable(self) -> None:
+        """``requires_grad`` read again: where some parameter was frozen or unfrozen since the last
+        read, nothing trains outside the noisy rule, and the next backward checks against autograd's whole."""
+        if self._trainable.changed():
+            self._trainable.refuse_outside()
+            self._plain, self._verify = None, True
+
+    def _forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Read again when the forward ends: a model's own ``forward`` may freeze or unfreeze a
+        layer after ``_first_forward`` read it; its backward clips what trains in it."""
+        if self.layers is not None and self._following():
+            self._read_trainable()
+
     def _first_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._tracing and followed_forward() and self._trainable.changed():
-            self._trainable.refuse_outside()  # frozen or unfrozen: nothing trains outside the noisy rule
-            self._plain, self._verify = None, True  # and the next backward checks against autograd's whole
+        if not self._tracing and followed_forward():
+            self._read_trainable()
         if self.layers is not None:
             if self._broadcast and followed_forward():  # the size one-row calls are expanded to
                 self._batch = batch_size(module, args, kwargs, self.batch_dim) or 0
@@ -155,6 +169,7 @@ class PerSampleStage(KeepsScores, Stage):
         """The trace, the parameters it covers, the layers answering for them."""
         with all_trainable(p for r in self.rules for p in r.params):  # the uses of frozen ones too
             found, handles = position_bias.traced(module, args, kwargs, set(self._rule_of), self.batch_dim)
+        settle(found.asked if found is not None else {})  # what the model's forward switched itself
         self._handles += handles
         if found is None:
             raise ValueError(
@@ -251,6 +266,8 @@ class PerSampleStage(KeepsScores, Stage):
         calls = [c for c in self._calls if any(g is not None for g in c.grads) and self._trainable.names(c.layer)]
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
         got, self._got = self._got, {}
+        if self._verify:  # no probe check in this one: what hung calls gave is not kept for the next
+            self._probed.forget_given()
         self._check_arrivals(calls, got)
         if not calls:
             return

@@ -1,11 +1,14 @@
-"""Which parameters train in this step, read from ``requires_grad`` at each training forward.
+"""Which parameters train in this step, read from ``requires_grad`` as each training forward
+starts and again as it ends (a model's own ``forward`` may freeze or unfreeze a layer).
 
 Training freezes and unfreezes layers as it goes. A rule selects by its globs the parameters
 frozen at attach too (``rules.build_targets``), and the stage follows every one of them
-from the first forward, so that each backward clips and noises exactly the rule's parameters
-that train now: a frozen one keeps ``.grad = None`` (no noise, no step moves it), one
-unfrozen later is clipped with its rule. With noise, a parameter that trains outside the
-noisy rule would make the privacy claim false: refused in one line before its backward.
+from the first forward (its trace holds them trainable, even where the model's ``forward``
+switches them off: ``trace.held``), so that each backward clips and noises exactly the
+rule's parameters that train now: a frozen one keeps ``.grad = None`` (no noise, no step
+moves it), one unfrozen later is clipped with its rule. With noise, a parameter that trains
+outside the noisy rule would make the privacy claim false: refused in one line before its
+backward.
 """
 
 from __future__ import annotations

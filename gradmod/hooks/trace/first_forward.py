@@ -24,6 +24,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from gradmod.hooks.trace.held import HeldTrainable
 from gradmod.hooks.trace.output_leaves import PLAIN, alike, kept
 
 UNKNOWN = "?"
@@ -56,6 +57,7 @@ class Trace:
     first: dict[int, CallShapes] = field(default_factory=dict)  # id(module) -> its first call's shapes
     output: Any = None  # the model's output (detached), to compare a changed forward with
     rng: Any = None  # the random state the first forward started from
+    asked: dict = field(default_factory=dict)  # the forward's requires_grad switches, held (``held.settle``)
 
 
 class TraceError(ValueError):
@@ -244,7 +246,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declar
     out = Trace(batch, {}, {})
     devices = [x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, Tensor) and x.is_cuda]
     cuda = sorted({x.index or 0 for x in devices})
-    with torch.random.fork_rng(devices=cuda):
+    with torch.random.fork_rng(devices=cuda), HeldTrainable(watched) as held:
         out.rng = (torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in cuda})
         calls = _record(model, args, kwargs, watched, out)
         grown_args, grown_kwargs = pytree.tree_map(lambda x: _grow(x, d, batch), (args, kwargs), is_leaf=is_packed)
@@ -257,6 +259,7 @@ def trace(model: nn.Module, args: tuple, kwargs: dict, watched: set[int], declar
                 "dimension: declare the inputs' batch dimension with attach(batch_dim=...), or make the "
                 "forward take any batch size"
             ) from None
+    out.asked = held.asked
     out.dims = {m: _dims(c, grown.get(m), batch) for m, c in calls.items()}
     out.outs = calls[id(model)][0].outs
     out.first = {m: c[0] for m, c in calls.items()}
