@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, TINY_FAKE
 
 from gradmod.reporting.console import epoch_line
 
@@ -211,7 +211,7 @@ def test_a_compiled_run_says_it_compiles_and_how_long_it_took(caplog):
 def test_a_redirected_run_logs_progress_and_each_groups_rate_to_train_log(tmp_path):
     """``optimizer=muon`` (AdamW 3e-4 and Muon 0.02): train.log and the console get the progress
     lines (the interval set to 0 here) and both rates on each epoch's line."""
-    argv = [str(ROOT / "train.py"), *_TINY, "optimizer=muon", f"hydra.run.dir={tmp_path / 'run'}"]
+    argv = [str(ROOT / "train.py"), *TINY_FAKE, "optimizer=muon", f"hydra.run.dir={tmp_path / 'run'}"]
     code = (
         "import runpy, sys; import gradmod.reporting.progress as p; p.EVERY = 0.0; "
         f"sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -223,17 +223,3 @@ def test_a_redirected_run_logs_progress_and_each_groups_rate_to_train_log(tmp_pa
     for text in (log, proc.stdout + proc.stderr):
         assert re.search(r"epoch 1/2: 2/6 batches \(33%\), \d+ s so far, about \d+ s left", text), text
         assert len(re.findall(r"epoch \d/2: train_loss .* lr 0\.0003/0\.02 \(", text)) == 2, text
-
-
-_TINY = [
-    "data=fake",
-    "data.image_size=28",
-    "data.channels=1",
-    "data.train_size=60",
-    "data.test_size=20",
-    "data.batch_size=10",
-    "trainer.epochs=2",
-    "trainer.device=cpu",
-    "trainer.threads=1",
-    "trainer.progress=false",
-]
