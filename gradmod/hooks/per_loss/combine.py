@@ -1,11 +1,12 @@
 """Each gradient rule's update from its entries' task gradients (the stage's "apply").
 
 A Gramian weighting's: the Gramian ``G_ij = <g_i, g_j>`` summed over the rule's entries (each
-entry's part from its own pieces: a Linear's from its rows), the method's weights from it on
-the host (float64), then each entry's share of ``sum_i w_i g_i``. An aggregator's, and under
-``reduce`` a ``params`` rule's: the task gradients themselves as one ``[k, D]`` matrix
-(averaged over the ranks, then the global batch's Gramian), the update cut back into pieces;
-a non-finite one gives a nan update without asking the aggregator, as a Gramian method's.
+entry's part from its own pieces: a Linear's from its rows; in float64, ``entries.gram``), the
+method's weights from it on the host, then each entry's share of ``sum_i w_i g_i``.
+An aggregator's, and under ``reduce`` a ``params`` rule's: the task gradients themselves as
+one ``[k, D]`` matrix (averaged over the ranks, then the global batch's Gramian), the update
+cut back into pieces; a non-finite one gives a nan update without asking the aggregator, as a
+Gramian method's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.per_loss.backward import Backward
-from gradmod.hooks.per_loss.entries import Entry, OutputEntry, Replace
+from gradmod.hooks.per_loss.entries import Entry, OutputEntry, Replace, gram
 from gradmod.hooks.per_loss.loss_rules import LossRule
 from gradmod.hooks.per_loss.methods.bases import Aggregator, GramianWeighting, MatrixWeighting
 
@@ -29,7 +30,7 @@ def combine(call: Backward, rule: LossRule, entries: list[Entry]) -> Replace:
         _from_jacobian(call, rule, entries, replace)
     elif entries:
         G = _gramian(call, rule, entries)
-        w = weights(call, rule, call.unscaled(G.detach().to("cpu", torch.float64), 2))
+        w = weights(call, rule, call.unscaled(G.detach().cpu(), 2))
         wd = w.to(device=G.device)
         for e in entries:
             e.update(wd, replace)
@@ -44,7 +45,7 @@ def _gramian(call: Backward, rule: LossRule, entries: list[Entry]) -> Tensor:
         if call.reduce is not None:  # the global batch's sums: the mean of the ranks' (each loss a mean)
             S = S.detach().clone()
             call.reduce([S])
-        return S @ S.T
+        return gram(S)
     G = sum(e.gram() for e in entries)
     assert isinstance(G, Tensor)
     if call.reduce is not None:
@@ -78,7 +79,7 @@ def _from_jacobian(call: Backward, rule: LossRule, entries: list[Entry], replace
     if call.reduce is not None and rule.params:
         J = J.detach().clone()
         call.reduce([J])
-    Gh = call.unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
+    Gh = call.unscaled(gram(J.detach()).cpu(), 2)
     if isinstance(rule.method, Aggregator) and not torch.isfinite(Gh).all():
         out = torch.full_like(J[0], math.nan)  # as ``weights``: the aggregator (and its state) left alone
     elif isinstance(rule.method, MatrixWeighting):
