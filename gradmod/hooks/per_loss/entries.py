@@ -11,7 +11,8 @@ task Gramian, its pieces of the Jacobian and its share of the update ``sum_i w_i
 
 Each entry names the inputs the backward differentiates to (``inputs``), and takes their k
 gradients from its place in that list (``take``). Half-precision gradients are taken in
-float32 (the Gramian's sums need the range).
+float32 (the Gramian's sums need the range); ``dtype`` keeps the coarsest they came in, whose
+rounding the Gramian carries (``methods.rounding.precision``).
 
 Each Gramian is float64 (``gram``): a float32 one's products are summed in chunks in float32,
 the chunks' sums in float64, so its rounding stays near float32's epsilon whatever the
@@ -64,12 +65,14 @@ class LinearEntry:
         self.on_rows: list[Tensor] = [getattr(layer.module, n) for n in layer.names]
         self.own: list[Tensor] = []  # no tensor of its own k task gradients
         self.A = self.B = torch.empty(0)
+        self.dtype = torch.float64  # the coarsest of its task gradients' and inputs' dtypes
 
     def take(self, grads: list[Tensor | None]) -> bool:
         """Its calls' output gradients from the backward's; False where none reached it."""
         A, B = [], []
         for (a, _), g in zip(self.layer.calls, grads[self.at : self.at + len(self.inputs)]):
             if g is not None:
+                self.dtype = coarsest(self.dtype, g.dtype, a.dtype)
                 g = _wide(g)
                 A.append(linear_rows(a).to(g.dtype))
                 B.append(out_rows(g))
@@ -116,13 +119,14 @@ class _OwnGrads:
         self.inputs: list[Any] = [source]
         self.on_rows: list[Tensor] = []
         self.g = torch.empty(0)
+        self.dtype = torch.float64  # the dtype its task gradients came in
 
     def take(self, grads: list[Tensor | None]) -> bool:
         """Its k gradients from the backward's; False where no loss reached it."""
         g = grads[self.at]
         if g is None:
             return False
-        self.g = _wide(g)
+        self.dtype, self.g = g.dtype, _wide(g)
         return True
 
     def gram(self) -> Tensor:
@@ -210,6 +214,12 @@ def add_grad(p: Tensor, g: Tensor) -> None:
         p.grad = g.contiguous() if g.is_contiguous() else g.clone(memory_format=torch.contiguous_format)
     else:
         p.grad.add_(g)
+
+
+def coarsest(*dtypes: torch.dtype) -> torch.dtype:
+    """The floating dtype of the largest rounding (an integer input's counts as exact)."""
+    floats = [d for d in dtypes if d.is_floating_point] or [torch.float64]
+    return max(floats, key=lambda d: torch.finfo(d).eps)
 
 
 def _wide(g: Tensor) -> Tensor:

@@ -46,6 +46,7 @@ class Saved:
         self.direct = {id(p): (r, p) for r in grad_rules for p in r.params}
         self.outputs: dict[int, list[Tensor]] = {}  # id(module) -> its outputs: a module rule's, the frontier's
         self.model_outputs: list = []  # the model's outputs' nodes: the trace saw what lies below them
+        self.autocast: torch.dtype | None = None  # autocast's dtype in the last training forward, if on
         self.handles: list[RemovableHandle] = []
         self._traced = self._tracing = False
         if self.owner:
@@ -114,6 +115,8 @@ class Saved:
         outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
         if not self._tracing and _active(outs):
             self.model_outputs += [t.grad_fn for t in outs if t.grad_fn is not None]
+            where = outs[0].device.type
+            self.autocast = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else None
 
     def _save_output(self, m: nn.Module) -> Callable:
         def hook(module, args, output):

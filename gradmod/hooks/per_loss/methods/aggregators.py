@@ -23,6 +23,7 @@ from gradmod.hooks.per_loss.methods.bases import (
     _one_per_task,
     _per_task,
 )
+from gradmod.hooks.per_loss.methods.rounding import rank_rtol, unit
 
 
 class ConFIG(GramianWeighting):
@@ -32,10 +33,12 @@ class ConFIG(GramianWeighting):
 
     From the Gramian: the unit gradients' pseudo-inverse is ``J^T N pinv(N G N)`` (``N`` the
     inverse norms, 0 for a task without gradient), so the direction is ``J^T c`` with
-    ``c = N pinv(N G N) p`` and the update ``J^T c (1^T G c) / (c^T G c)``."""
+    ``c = N pinv(N G N) p`` and the update ``J^T c (1^T G c) / (c^T G c)``. The eigenvalues
+    of ``N G N`` below ``rank_rtol`` of the largest are its rounding, and so is a preference
+    whose part in their span is below it (squared, of ``|p|^2``): unit gradients that sum to
+    0 give no update, as in exact arithmetic (torchjd's float32 normalises the rounding)."""
 
     name = "config"
-    RTOL = 1e-13  # eigenvalues of the unit Gramian kept: above this share of the largest (rounding below)
 
     def __init__(self, pref_vector: list[float] | None = None):
         self.pref_vector = None if pref_vector is None else _per_task("config", "pref_vector", pref_vector, -math.inf)
@@ -46,10 +49,15 @@ class ConFIG(GramianWeighting):
     def weights(self, G, gen):
         k = len(G)
         p = torch.ones(k, dtype=G.dtype) if self.pref_vector is None else torch.tensor(self.pref_vector, dtype=G.dtype)
-        norms = torch.diagonal(G).clamp(min=0.0).sqrt()
+        Gu, norms = unit(G)
         inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
-        Gu = G * torch.outer(inv, inv)
-        c = inv * (torch.linalg.pinv(Gu, rtol=self.RTOL, hermitian=True) @ p)
+        lam, V = torch.linalg.eigh(Gu)
+        rtol = rank_rtol(G)
+        keep = lam > rtol * lam.max()
+        q = V[:, keep].T @ p  # the preference in the span of the unit gradients
+        if not bool(keep.any()) or q @ q <= rtol * (p @ p):
+            return torch.zeros(k, dtype=G.dtype)
+        c = inv * (V[:, keep] @ (q / lam[keep]))
         sq = (c @ G @ c).clamp(min=0.0)
         norm = sq.sqrt().clamp(min=1e-12)  # torch's normalize: the direction over max(|d|, 1e-12)
         return c * (G.sum(0) @ c) / norm**2

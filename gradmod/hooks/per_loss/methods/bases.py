@@ -12,7 +12,9 @@ A method's base class says what it needs (as torchjd's ``Weighting`` and ``Aggre
   ``sum_i w_i L_i`` (``loss_weightings``).
 
 Weights are computed on the host in float64 (k is small; the Gramian comes over in one
-copy). Random choices draw from the stage's generator, passed in as ``gen``.
+copy), from a Gramian whose rounding is the task gradients' dtype's (``rounding``: a method
+that decides a rank reads it there). Random choices draw from the stage's generator, passed
+in as ``gen``.
 ``gradmod.register(name, factory, kind="per_loss")`` adds a method of one's own:
 ``factory(**args)`` builds a ``Method`` (``gradmod.Method``), a subclass of one of the three
 bases, or of ``Method`` itself with ``kind`` naming its base (``gramian``, the default,
@@ -98,7 +100,8 @@ class GramianWeighting(Method):
 
     @abc.abstractmethod
     def weights(self, G: Tensor, gen: torch.Generator) -> Tensor:
-        """The k weights from the k x k Gramian (float64, on the host)."""
+        """The k weights from the k x k Gramian (float64, on the host; its rounding is
+        ``rounding.precision(G)``)."""
 
 
 class Aggregator(Method):

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gradmod.hooks.per_loss.methods import solvers
 from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _needs
+from gradmod.hooks.per_loss.methods.rounding import spectrum
 
 
 class PCGrad(GramianWeighting):
@@ -59,18 +60,21 @@ class MGDA(GramianWeighting):
 
 
 class IMTLG(GramianWeighting):
-    """Impartial MTL (gradient part): equal projections of the update on every task's direction."""
+    """Impartial MTL (gradient part): equal projections of the update on every task's direction,
+    from the Gramian's pseudo-inverse, its rounding taken as 0 (``rounding.spectrum``)."""
 
     name = "imtl_g"
 
     def weights(self, G, gen):
-        v = torch.linalg.pinv(G) @ torch.sqrt(torch.diagonal(G))
+        lam, V = spectrum(G)
+        v = V @ ((V.T @ torch.sqrt(torch.diagonal(G).clamp(min=0.0))) / lam)
         s = v.sum()
         return torch.zeros_like(v) if s.abs() < 1e-12 else v / s
 
 
 class AlignedMTL(GramianWeighting):
-    """Aligned-MTL: the task gradients made orthogonal with equal norms (scaled by an eigenvalue)."""
+    """Aligned-MTL: the task gradients made orthogonal with equal norms (scaled by an eigenvalue),
+    on the Gramian's eigenvalues that are not its rounding (``rounding.spectrum``)."""
 
     name = "aligned_mtl"
     SCALES = ("min", "median", "rmse")
@@ -84,13 +88,9 @@ class AlignedMTL(GramianWeighting):
 
     def weights(self, G, gen):
         k = len(G)
-        lam, V = torch.linalg.eigh(G, UPLO="U")
-        tol = lam.max() * k * torch.finfo(G.dtype).eps
-        rank = int((lam > tol).sum())
-        if rank == 0:
+        lam, V = spectrum(G)
+        if len(lam) == 0:
             return torch.full((k,), 1.0 / k, dtype=G.dtype)
-        order = torch.argsort(lam, descending=True)[:rank]
-        lam, V = lam[order], V[:, order]
         scale = {"min": lam[-1], "median": torch.median(lam), "rmse": lam.mean()}[self.scale_mode]
         B = scale.sqrt() * (V / lam.sqrt()) @ V.T
         return B @ torch.full((k,), 1.0 / k, dtype=G.dtype)
