@@ -19,11 +19,13 @@ from gradmod.hooks.per_loss.methods.bases import (
     GramianWeighting,
     MatrixWeighting,
     _check,
+    _count,
     _needs,
     _one_per_task,
     _per_task,
 )
 from gradmod.hooks.per_loss.methods.rounding import rank_rtol, unit
+from gradmod.hooks.validators import MAX_STEP
 
 
 class ConFIG(GramianWeighting):
@@ -72,7 +74,7 @@ class FairGrad(GramianWeighting):
 
     def __init__(self, alpha: float, max_iters: int | None = None):
         self.alpha = _check("fairgrad", "alpha", alpha, 0.0)
-        self.max_iters = None if max_iters is None else int(_check("fairgrad", "max_iters", max_iters, 1))
+        self.max_iters = None if max_iters is None else _count("fairgrad", "max_iters", max_iters)
         _needs("fairgrad", ["scipy"], 'pip install scipy, or "torchjd[fairgrad]"')
 
     def weights(self, G, gen):
@@ -95,8 +97,8 @@ class Krum(GramianWeighting):
     name = "krum"
 
     def __init__(self, n_byzantine: int, n_selected: int = 1):
-        self.n_byzantine = _whole("krum", "n_byzantine", n_byzantine, 0)
-        self.n_selected = _whole("krum", "n_selected", n_selected, 1)
+        self.n_byzantine = _count("krum", "n_byzantine", n_byzantine, 0, math.inf)
+        self.n_selected = _count("krum", "n_selected", n_selected, 1, math.inf)
 
     def set_tasks(self, names: list[str]) -> None:
         need = max(self.n_byzantine + 3, self.n_selected)
@@ -126,7 +128,7 @@ class TrimmedMean(Aggregator):
     name = "trimmed_mean"
 
     def __init__(self, trim_number: int):
-        self.trim_number = _whole("trimmed_mean", "trim_number", trim_number, 0)
+        self.trim_number = _count("trimmed_mean", "trim_number", trim_number, 0, math.inf)
 
     def set_tasks(self, names: list[str]) -> None:
         if len(names) < 2 * self.trim_number + 1:
@@ -152,8 +154,10 @@ class ExcessMTL(MatrixWeighting):
     per_task_state = True
 
     def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 0):
-        self.robust_step_size = _check("excess_mtl", "robust_step_size", robust_step_size, 0.0, strict=True)
-        self.n_warmup_steps = _whole("excess_mtl", "n_warmup_steps", n_warmup_steps, 0)
+        self.robust_step_size = _check(
+            "excess_mtl", "robust_step_size", robust_step_size, 0.0, strict=True, high=MAX_STEP
+        )
+        self.n_warmup_steps = _count("excess_mtl", "n_warmup_steps", n_warmup_steps, 0, math.inf)
         self.reset()
 
     def reset(self) -> None:
@@ -207,10 +211,3 @@ class ExcessMTL(MatrixWeighting):
 
 
 _TENSORS = ("w", "sq_sum", "baseline", "warmup_sum")  # ExcessMTL's state besides its step count
-
-
-def _whole(method: str, arg: str, value, low: int) -> int:
-    """A whole-number argument ``>= low``, in one line where it is not."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"per_loss method {method!r}: {arg}={value!r} must be a whole number >= {low}")
-    return value

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.validators import in_range
+from gradmod.hooks.validators import MAX_COUNT, count, in_range
 
 BASES: dict[str, type[Method]] = {}  # kind -> its base class, filled below the three bases
 
@@ -178,6 +178,13 @@ def build(name: str, args: Mapping[str, Any]) -> Method:
 def _check(name: str, arg: str, value: Any, low: float, *, strict: bool = False, high: float = math.inf) -> float:
     """A method's numeric argument, checked (``gradmod.hooks.validators.in_range``)."""
     return in_range(f"per_loss method {name!r}", arg, value, low, strict=strict, high=high)
+
+
+def _count(name: str, arg: str, value: Any, low: int = 1, high: float = MAX_COUNT) -> int:
+    """A method's whole-number argument (``gradmod.hooks.validators.count``): an iteration count
+    a step runs through is at most ``MAX_COUNT``; a number of tasks or of steps (``high=inf``)
+    is not bounded so."""
+    return count(f"per_loss method {name!r}", arg, value, low, high)
 
 
 def _per_task(name: str, arg: str, values: Any, low: float, *, high: float = math.inf) -> list[float]:

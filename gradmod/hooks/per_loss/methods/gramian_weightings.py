@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.per_loss.methods import solvers
-from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _needs
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _count, _needs
 from gradmod.hooks.per_loss.methods.rounding import spectrum
+from gradmod.hooks.validators import MAX_STEP
 
 
 class PCGrad(GramianWeighting):
@@ -43,7 +44,7 @@ class MGDA(GramianWeighting):
 
     def __init__(self, epsilon: float = 0.001, max_iters: int = 100):
         self.epsilon = _check("mgda", "epsilon", epsilon, 0.0, strict=True)
-        self.max_iters = int(_check("mgda", "max_iters", max_iters, 1))
+        self.max_iters = _count("mgda", "max_iters", max_iters)
 
     def weights(self, G, gen):
         g, k = G.numpy(), len(G)
@@ -138,7 +139,7 @@ class CAGrad(GramianWeighting):
     RESCALES = (0, 1, 2)
 
     def __init__(self, c: float = 0.5, norm_eps: float = 0.0001, rescale: int = 0):
-        self.c = _check("cagrad", "c", c, 0.0)
+        self.c = _check("cagrad", "c", c, 0.0, high=MAX_STEP)
         self.norm_eps = _check("cagrad", "norm_eps", norm_eps, 0.0)
         if rescale not in self.RESCALES or isinstance(rescale, bool):
             raise ValueError(f"per_loss method 'cagrad': rescale={rescale!r}; allowed: 0, 1, 2")
