@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-MAX_COUNT = 1_000_000  # iterations within one step: more, and a step runs for minutes (or never ends)
+MAX_COUNT = 10_000  # iterations within one step: more, and a step runs for minutes (nash_mtl's 7 ms each)
 MAX_STEP = 1e6  # a step size or a coefficient of one: larger, and a step overflows to inf, then nan
 EXACT = 2**53  # whole numbers up to it are exact in float64: a larger float is no count anyone meant
 LOG_START = 50.0  # a learned log-scale's start (its weight exp(s)): a few steps on, float32 still holds it
