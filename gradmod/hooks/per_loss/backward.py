@@ -16,7 +16,9 @@ class Backward:
     ``losses``: theirs, in that order; ``trainable``: the parameters that train now, in model
     order; ``outputs``: id(module) -> its outputs in this backward's forward (a ``modules:``
     rule's, the frontier's); ``generator``: every random choice's; ``reduce``: the mean over
-    the ranks in place (data parallelism), or None; ``grad_scale``: GradScaler's (fp16), or None."""
+    the ranks in place (data parallelism), or None; ``grad_scale``: GradScaler's (fp16), or None;
+    ``autocast``: the dtype the forward ran its matmuls in under autocast (every task gradient
+    then carries its rounding, whatever its own dtype), or None."""
 
     names: list[str]
     losses: list[Tensor]
@@ -25,6 +27,7 @@ class Backward:
     generator: torch.Generator
     reduce: Callable[[list[Tensor]], None] | None
     grad_scale: Tensor | None
+    autocast: torch.dtype | None = None
 
     def unscaled(self, t: Tensor, power: int) -> Tensor:
         """``t`` without GradScaler's factor (the Gramian has it squared, the losses once)."""

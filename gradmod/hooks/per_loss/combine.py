@@ -1,11 +1,13 @@
 """Each gradient rule's update from its entries' task gradients (the stage's "apply").
 
 A Gramian weighting's: the Gramian ``G_ij = <g_i, g_j>`` summed over the rule's entries (each
-entry's part from its own pieces: a Linear's from its rows), the method's weights from it on
-the host (float64), then each entry's share of ``sum_i w_i g_i``. An aggregator's, and under
-``reduce`` a ``params`` rule's: the task gradients themselves as one ``[k, D]`` matrix
-(averaged over the ranks, then the global batch's Gramian), the update cut back into pieces;
-a non-finite one gives a nan update without asking the aggregator, as a Gramian method's.
+entry's part from its own pieces: a Linear's from its rows; in float64, ``entries.gram``), the
+method's weights from it on the host (told the dtype of the task gradients, whose rounding
+the Gramian carries: ``rounding.formed_in``), then each entry's share of ``sum_i w_i g_i``.
+An aggregator's, and under ``reduce`` a ``params`` rule's: the task gradients themselves as
+one ``[k, D]`` matrix (averaged over the ranks, then the global batch's Gramian), the update
+cut back into pieces; a non-finite one gives a nan update without asking the aggregator, as a
+Gramian method's.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.per_loss.backward import Backward
-from gradmod.hooks.per_loss.entries import Entry, OutputEntry, Replace
+from gradmod.hooks.per_loss.entries import Entry, OutputEntry, Replace, coarsest, gram
 from gradmod.hooks.per_loss.loss_rules import LossRule
 from gradmod.hooks.per_loss.methods.bases import Aggregator, GramianWeighting, MatrixWeighting
+from gradmod.hooks.per_loss.methods.bases.rounding import formed_in
 
 
 def combine(call: Backward, rule: LossRule, entries: list[Entry]) -> Replace:
@@ -29,7 +32,7 @@ def combine(call: Backward, rule: LossRule, entries: list[Entry]) -> Replace:
         _from_jacobian(call, rule, entries, replace)
     elif entries:
         G = _gramian(call, rule, entries)
-        w = weights(call, rule, call.unscaled(G.detach().to("cpu", torch.float64), 2))
+        w = weights(call, rule, call.unscaled(G.detach().cpu(), 2), entries)
         wd = w.to(device=G.device)
         for e in entries:
             e.update(wd, replace)
@@ -44,7 +47,7 @@ def _gramian(call: Backward, rule: LossRule, entries: list[Entry]) -> Tensor:
         if call.reduce is not None:  # the global batch's sums: the mean of the ranks' (each loss a mean)
             S = S.detach().clone()
             call.reduce([S])
-        return S @ S.T
+        return gram(S)
     G = sum(e.gram() for e in entries)
     assert isinstance(G, Tensor)
     if call.reduce is not None:
@@ -54,16 +57,18 @@ def _gramian(call: Backward, rule: LossRule, entries: list[Entry]) -> Tensor:
     return G
 
 
-def weights(call: Backward, rule: LossRule, G: Tensor) -> Tensor:
-    """The method's weights, recorded; a non-finite Gramian (a nan or inf in a task's
-    loss or gradient) gives nan weights without asking the method, whose solver would
-    fail and whose state would keep the nan: the update is nan, and the trainer's
-    non-finite policy (``skip``, ``raise``) and its divergence check act on it as on
-    any other step."""
+def weights(call: Backward, rule: LossRule, G: Tensor, entries: list[Entry]) -> Tensor:
+    """The method's weights, recorded, the Gramian's rounding that of the entries' task
+    gradients' coarsest dtype, or autocast's (``rounding.precision``); a non-finite Gramian
+    (a nan or inf in a task's loss or gradient) gives nan weights without asking the method,
+    whose solver would fail and whose state would keep the nan: the update is nan, and the
+    trainer's non-finite policy (``skip``, ``raise``) and its divergence check act on it as
+    on any other step."""
     if not torch.isfinite(G).all():
         return torch.full((len(G),), math.nan, dtype=G.dtype)
     assert isinstance(rule.method, GramianWeighting)
-    w = rule.method.weights(G, call.generator)
+    with formed_in(coarsest(*(e.dtype for e in entries), call.autocast or torch.float64)):
+        w = rule.method.weights(G, call.generator)
     rule.record.add(call.names, G, w)
     return w
 
@@ -78,7 +83,7 @@ def _from_jacobian(call: Backward, rule: LossRule, entries: list[Entry], replace
     if call.reduce is not None and rule.params:
         J = J.detach().clone()
         call.reduce([J])
-    Gh = call.unscaled((J @ J.T).detach().to("cpu", torch.float64), 2)
+    Gh = call.unscaled(gram(J.detach()).cpu(), 2)
     if isinstance(rule.method, Aggregator) and not torch.isfinite(Gh).all():
         out = torch.full_like(J[0], math.nan)  # as ``weights``: the aggregator (and its state) left alone
     elif isinstance(rule.method, MatrixWeighting):
@@ -89,7 +94,7 @@ def _from_jacobian(call: Backward, rule: LossRule, entries: list[Entry], replace
         out = _aggregate(call, rule, J, [(t, g) for _, t, g in pieces])
         rule.record.add(call.names, Gh, None)
     else:
-        out = torch.tensordot(weights(call, rule, Gh).to(J.device, J.dtype), J, 1)
+        out = torch.tensordot(weights(call, rule, Gh, entries).to(J.device, J.dtype), J, 1)
     at = 0
     for e, t, g in pieces:
         e.put(t, out[at : at + g.shape[1]].view_as(t), replace)

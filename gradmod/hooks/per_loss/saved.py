@@ -46,6 +46,7 @@ class Saved:
         self.direct = {id(p): (r, p) for r in grad_rules for p in r.params}
         self.outputs: dict[int, list[Tensor]] = {}  # id(module) -> its outputs: a module rule's, the frontier's
         self.model_outputs: list = []  # the model's outputs' nodes: the trace saw what lies below them
+        self.autocast: torch.dtype | None = None  # autocast's dtype in the last training forward, if on
         self.handles: list[RemovableHandle] = []
         self._traced = self._tracing = False
         if self.owner:
@@ -114,6 +115,7 @@ class Saved:
         outs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
         if not self._tracing and _active(outs):
             self.model_outputs += [t.grad_fn for t in outs if t.grad_fn is not None]
+            self.autocast = _autocast(outs[0].device.type)
 
     def _save_output(self, m: nn.Module) -> Callable:
         def hook(module, args, output):
@@ -165,6 +167,13 @@ def assign_layers(model: nn.Module, owner: dict[int, Any], uses: dict[int, list]
 def held_by(grad_rules: list[LossRule]) -> dict[int, LossRule]:
     """id(param) -> the gradient rule that holds it."""
     return {id(p): r for r in grad_rules for p in r.params}
+
+
+def _autocast(where: str) -> torch.dtype | None:
+    """The dtype autocast computes in on device type ``where`` now, or None where it is off
+    (or has no autocast: a meta tensor's)."""
+    on = torch.amp.is_autocast_available(where) and torch.is_autocast_enabled(where)
+    return torch.get_autocast_dtype(where) if on else None
 
 
 def frontier_module(model: nn.Module, params: list[nn.Parameter]) -> nn.Module | None:

@@ -163,6 +163,7 @@ class PerLossStage(Stage):
             generator=self.generator,
             reduce=self.reduce,
             grad_scale=self.grad_scale,
+            autocast=self.saved.autocast,
         )
         try:
             self.saved.inside = True

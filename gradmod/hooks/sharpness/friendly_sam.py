@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks.sharpness.perturb import Ascent, Perturbation, sam_direction
-from gradmod.hooks.validators import in_range, positive
+from gradmod.hooks.validators import MAX_STEP, in_range, positive
 
 
 class FriendlySam(Perturbation):
@@ -34,7 +34,7 @@ class FriendlySam(Perturbation):
 
     def __init__(self, rho: float = 0.05, sigma: float = 1.0, lmbda: float = 0.9):
         super().__init__(rho)
-        self.sigma = positive(self.name, "sigma", sigma)
+        self.sigma = positive(self.name, "sigma", sigma, high=MAX_STEP)
         self.lmbda = in_range(f"transform {self.name!r}", "lmbda", lmbda, 0.0, high=1.0)
         self._m: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> momentum
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.sharpness.perturb import EPS, Ascent, Perturbation, global_norm, sam_direction
-from gradmod.hooks.validators import in_range, positive
+from gradmod.hooks.validators import MAX_STEP, in_range, positive
 
 
 def dot(a: list[Tensor], b: list[Tensor]) -> Tensor:
@@ -48,7 +48,7 @@ class Gsam(Perturbation):
         super().__init__(rho)
         self.alpha = in_range(f"transform {self.name!r}", "alpha", alpha, 0.0, high=1.0)
         self.lr_min = positive(self.name, "lr_min", lr_min)
-        self.rho_min = None if rho_min is None else positive(self.name, "rho_min", rho_min)
+        self.rho_min = None if rho_min is None else positive(self.name, "rho_min", rho_min, high=MAX_STEP)
         self.lr_max = None if lr_max is None else positive(self.name, "lr_max", lr_max)
         if (self.rho_min is None) != (self.lr_max is None):
             raise ValueError(

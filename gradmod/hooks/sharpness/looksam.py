@@ -16,6 +16,7 @@ the stage's state (``hooks.state_dict()``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -24,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks.sharpness.gsam import dot
 from gradmod.hooks.sharpness.perturb import EPS, Ascent, Perturbation, sam_direction
-from gradmod.hooks.validators import in_range
+from gradmod.hooks.validators import count, in_range
 
 GV_EPS = 1e-8  # added to ||g_v||, as the reference does
 
@@ -45,9 +46,7 @@ class LookSam(Perturbation):
 
     def __init__(self, rho: float = 0.1, k: int = 10, alpha: float = 0.7):
         super().__init__(rho)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"transform {self.name!r}: k={k!r} must be an integer >= 1 (optimizer steps)")
-        self.k = k
+        self.k = count(f"transform {self.name!r}", "k", k, 1, math.inf)  # optimizer steps
         self.alpha = in_range(f"transform {self.name!r}", "alpha", alpha, 0.0, high=1.0)
         self._gv: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> g_v
 

@@ -21,21 +21,21 @@ theirs, as pytorch-optimizer's ``SAM(use_gc=True)`` does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import Tensor
 
-from gradmod.hooks.validators import positive
+from gradmod.hooks.validators import MAX_STEP, count, positive
 
 EPS = 1e-12  # added to the norm, as davda54/sam and pytorch-optimizer do
 
 
 def _every(transform: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"transform {transform!r}: every={value!r} must be an integer >= 1 (optimizer steps)")
-    return value
+    """Every how many optimizer steps the transform perturbs: a whole number >= 1."""
+    return count(f"transform {transform!r}", "every", value, 1, math.inf)
 
 
 def _unbent(grads: list[Tensor]) -> None:
@@ -76,7 +76,7 @@ class Perturbation:
     stateful: ClassVar[bool] = False
 
     def __init__(self, rho: float, every: int = 1):
-        self.rho = positive(self.name, "rho", rho)
+        self.rho = positive(self.name, "rho", rho, high=MAX_STEP)
         self.every = _every(self.name, every)
 
     def due(self, step: int) -> bool:
@@ -147,7 +147,7 @@ class Asam(Perturbation):
 
     def __init__(self, rho: float, eta: float = 0.0, every: int = 1):
         super().__init__(rho, every)
-        self.eta = positive(self.name, "eta", eta)
+        self.eta = positive(self.name, "eta", eta, high=MAX_STEP)
 
     def direction(self, params: list[Tensor], grads: list[Tensor], at: Ascent) -> tuple[list[Tensor], Tensor]:
         t = torch._foreach_abs(params)

@@ -276,7 +276,7 @@ def test_loss_weightings_equal_torchjd_scalarization_over_100_steps(name, args, 
         ({"name": "graddrop", "leak": 0.5}, "attach", "leak=0.5 must be a list of numbers, one per loss"),
         ({"name": "famo", "min_losses": [0.1, "a", 0.0]}, "attach", "min_losses\\[1\\]='a' must be a finite number"),
         ({"name": "graddrop", "leak": [0.1, 2, 0.0]}, "attach", "leak\\[1\\]=2 must be a number >= 0.0 and <= 1.0"),
-        ({"name": "uw", "init": float("inf")}, "attach", "init=inf must be a finite number"),
+        ({"name": "uw", "init": float("inf")}, "attach", "init=inf must be a number >= -50.0 and <= 50.0"),
     ],
 )
 def test_a_per_task_argument_that_does_not_fit_is_one_line(method, when, words):

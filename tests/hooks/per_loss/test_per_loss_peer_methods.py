@@ -372,7 +372,7 @@ def test_a_nan_in_one_task_gives_a_nan_update_and_leaves_the_state_alone(spec):
             {"name": "krum", "n_byzantine": 1},
             r"hooks\.mtl: per_loss method 'krum': n_byzantine=1, n_selected=1 need at least 4 losses, got 3",
         ),
-        ({"name": "krum", "n_byzantine": -1}, "n_byzantine=-1 must be a whole number >= 0"),
+        ({"name": "krum", "n_byzantine": -1}, "n_byzantine=-1 must be a whole number from 0 to"),
         ({"name": "trimmed_mean", "trim_number": 2}, r"hooks\.mtl: .*trim_number=2 needs at least 5 losses, got 3"),
         ({"name": "pcd", "tau": [0.1]}, r"hooks\.mtl: .*'pcd': tau has 1 values for 2 secondary losses"),
         ({"name": "pcd", "tau": 1.5}, r"tau=1\.5 must be a number >= 0\.0 and <= 1\.0"),

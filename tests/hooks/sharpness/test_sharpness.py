@@ -253,7 +253,7 @@ def test_state_dict_carries_the_step_count():
     "rules, message",
     [
         (_rule(rho=-1), "rho=-1 must be >= 0"),
-        (_rule(rho=0.05, every=0), "every=0 must be an integer >= 1"),
+        (_rule(rho=0.05, every=0), "every=0 must be a whole number from 1 to"),
         (_rule("asam", rho=0.05, eta=float("nan")), "eta=nan must be a finite number"),
         (
             {"s": {"params": "*", "stage": "fused", "transforms": [{"name": "sam", "rho": 0.1}]}},

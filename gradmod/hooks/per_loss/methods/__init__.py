@@ -5,7 +5,8 @@
 
 - Gramian weightings, weights from the k x k task Gramian: ``gramian_weightings`` (PCGrad, MGDA,
   IMTL-G, Aligned-MTL, UPGrad, DualProj, CAGrad, GradVac), ``nash_mtl``, ``pcd``; ``solvers``: the
-  small exact solvers they share.
+  small exact solvers they share; ``rounding``: the rounding a Gramian carries, for those that
+  decide its rank.
 - Aggregators, the update from the task gradients themselves: ``aggregators`` (ConFIG, FairGrad,
   Krum, TrimmedMean, ExcessMTL), ``graddrop``.
 - Loss weightings, weights from the loss values alone: ``loss_weightings`` (mean, sum, fixed,

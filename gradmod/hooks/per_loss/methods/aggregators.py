@@ -19,10 +19,13 @@ from gradmod.hooks.per_loss.methods.bases import (
     GramianWeighting,
     MatrixWeighting,
     _check,
+    _count,
     _needs,
     _one_per_task,
     _per_task,
 )
+from gradmod.hooks.per_loss.methods.bases.rounding import rank_rtol, unit
+from gradmod.hooks.validators import MAX_STEP
 
 
 class ConFIG(GramianWeighting):
@@ -32,10 +35,12 @@ class ConFIG(GramianWeighting):
 
     From the Gramian: the unit gradients' pseudo-inverse is ``J^T N pinv(N G N)`` (``N`` the
     inverse norms, 0 for a task without gradient), so the direction is ``J^T c`` with
-    ``c = N pinv(N G N) p`` and the update ``J^T c (1^T G c) / (c^T G c)``."""
+    ``c = N pinv(N G N) p`` and the update ``J^T c (1^T G c) / (c^T G c)``. The eigenvalues
+    of ``N G N`` below ``rank_rtol`` of the largest are its rounding, and so is a preference
+    whose part in their span is below it (squared, of ``|p|^2``): unit gradients that sum to
+    0 give no update, as in exact arithmetic (torchjd's float32 normalises the rounding)."""
 
     name = "config"
-    RTOL = 1e-13  # eigenvalues of the unit Gramian kept: above this share of the largest (rounding below)
 
     def __init__(self, pref_vector: list[float] | None = None):
         self.pref_vector = None if pref_vector is None else _per_task("config", "pref_vector", pref_vector, -math.inf)
@@ -46,10 +51,15 @@ class ConFIG(GramianWeighting):
     def weights(self, G, gen):
         k = len(G)
         p = torch.ones(k, dtype=G.dtype) if self.pref_vector is None else torch.tensor(self.pref_vector, dtype=G.dtype)
-        norms = torch.diagonal(G).clamp(min=0.0).sqrt()
+        Gu, norms = unit(G)
         inv = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))
-        Gu = G * torch.outer(inv, inv)
-        c = inv * (torch.linalg.pinv(Gu, rtol=self.RTOL, hermitian=True) @ p)
+        lam, V = torch.linalg.eigh(Gu)
+        rtol = rank_rtol(G)
+        keep = lam > rtol * lam.max()
+        q = V[:, keep].T @ p  # the preference in the span of the unit gradients
+        if not bool(keep.any()) or q @ q <= rtol * (p @ p):
+            return torch.zeros(k, dtype=G.dtype)
+        c = inv * (V[:, keep] @ (q / lam[keep]))
         sq = (c @ G @ c).clamp(min=0.0)
         norm = sq.sqrt().clamp(min=1e-12)  # torch's normalize: the direction over max(|d|, 1e-12)
         return c * (G.sum(0) @ c) / norm**2
@@ -64,7 +74,7 @@ class FairGrad(GramianWeighting):
 
     def __init__(self, alpha: float, max_iters: int | None = None):
         self.alpha = _check("fairgrad", "alpha", alpha, 0.0)
-        self.max_iters = None if max_iters is None else int(_check("fairgrad", "max_iters", max_iters, 1))
+        self.max_iters = None if max_iters is None else _count("fairgrad", "max_iters", max_iters)
         _needs("fairgrad", ["scipy"], 'pip install scipy, or "torchjd[fairgrad]"')
 
     def weights(self, G, gen):
@@ -87,8 +97,8 @@ class Krum(GramianWeighting):
     name = "krum"
 
     def __init__(self, n_byzantine: int, n_selected: int = 1):
-        self.n_byzantine = _whole("krum", "n_byzantine", n_byzantine, 0)
-        self.n_selected = _whole("krum", "n_selected", n_selected, 1)
+        self.n_byzantine = _count("krum", "n_byzantine", n_byzantine, 0, math.inf)
+        self.n_selected = _count("krum", "n_selected", n_selected, 1, math.inf)
 
     def set_tasks(self, names: list[str]) -> None:
         need = max(self.n_byzantine + 3, self.n_selected)
@@ -118,7 +128,7 @@ class TrimmedMean(Aggregator):
     name = "trimmed_mean"
 
     def __init__(self, trim_number: int):
-        self.trim_number = _whole("trimmed_mean", "trim_number", trim_number, 0)
+        self.trim_number = _count("trimmed_mean", "trim_number", trim_number, 0, math.inf)
 
     def set_tasks(self, names: list[str]) -> None:
         if len(names) < 2 * self.trim_number + 1:
@@ -144,8 +154,10 @@ class ExcessMTL(MatrixWeighting):
     per_task_state = True
 
     def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 0):
-        self.robust_step_size = _check("excess_mtl", "robust_step_size", robust_step_size, 0.0, strict=True)
-        self.n_warmup_steps = _whole("excess_mtl", "n_warmup_steps", n_warmup_steps, 0)
+        self.robust_step_size = _check(
+            "excess_mtl", "robust_step_size", robust_step_size, 0.0, strict=True, high=MAX_STEP
+        )
+        self.n_warmup_steps = _count("excess_mtl", "n_warmup_steps", n_warmup_steps, 0, math.inf)
         self.reset()
 
     def reset(self) -> None:
@@ -199,10 +211,3 @@ class ExcessMTL(MatrixWeighting):
 
 
 _TENSORS = ("w", "sq_sum", "baseline", "warmup_sum")  # ExcessMTL's state besides its step count
-
-
-def _whole(method: str, arg: str, value, low: int) -> int:
-    """A whole-number argument ``>= low``, in one line where it is not."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"per_loss method {method!r}: {arg}={value!r} must be a whole number >= {low}")
-    return value

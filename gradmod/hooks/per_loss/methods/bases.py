@@ -12,7 +12,9 @@ A method's base class says what it needs (as torchjd's ``Weighting`` and ``Aggre
   ``sum_i w_i L_i`` (``loss_weightings``).
 
 Weights are computed on the host in float64 (k is small; the Gramian comes over in one
-copy). Random choices draw from the stage's generator, passed in as ``gen``.
+copy), from a Gramian whose rounding is the task gradients' dtype's (``rounding``: a method
+that decides a rank reads it there). Random choices draw from the stage's generator, passed
+in as ``gen``.
 ``gradmod.register(name, factory, kind="per_loss")`` adds a method of one's own:
 ``factory(**args)`` builds a ``Method`` (``gradmod.Method``), a subclass of one of the three
 bases, or of ``Method`` itself with ``kind`` naming its base (``gramian``, the default,
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.validators import in_range
+from gradmod.hooks.validators import MAX_COUNT, count, in_range
 
 BASES: dict[str, type[Method]] = {}  # kind -> its base class, filled below the three bases
 
@@ -98,7 +100,8 @@ class GramianWeighting(Method):
 
     @abc.abstractmethod
     def weights(self, G: Tensor, gen: torch.Generator) -> Tensor:
-        """The k weights from the k x k Gramian (float64, on the host)."""
+        """The k weights from the k x k Gramian (float64, on the host; its rounding is
+        ``rounding.precision(G)``)."""
 
 
 class Aggregator(Method):
@@ -175,6 +178,13 @@ def build(name: str, args: Mapping[str, Any]) -> Method:
 def _check(name: str, arg: str, value: Any, low: float, *, strict: bool = False, high: float = math.inf) -> float:
     """A method's numeric argument, checked (``gradmod.hooks.validators.in_range``)."""
     return in_range(f"per_loss method {name!r}", arg, value, low, strict=strict, high=high)
+
+
+def _count(name: str, arg: str, value: Any, low: int = 1, high: float = MAX_COUNT) -> int:
+    """A method's whole-number argument (``gradmod.hooks.validators.count``): an iteration count
+    a step runs through is at most ``MAX_COUNT``; a number of tasks or of steps (``high=inf``)
+    is not bounded so."""
+    return count(f"per_loss method {name!r}", arg, value, low, high)
 
 
 def _per_task(name: str, arg: str, values: Any, low: float, *, high: float = math.inf) -> list[float]:

@@ -10,7 +10,9 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.per_loss.methods import solvers
-from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _needs
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _count, _needs
+from gradmod.hooks.per_loss.methods.bases.rounding import spectrum
+from gradmod.hooks.validators import MAX_STEP
 
 
 class PCGrad(GramianWeighting):
@@ -42,7 +44,7 @@ class MGDA(GramianWeighting):
 
     def __init__(self, epsilon: float = 0.001, max_iters: int = 100):
         self.epsilon = _check("mgda", "epsilon", epsilon, 0.0, strict=True)
-        self.max_iters = int(_check("mgda", "max_iters", max_iters, 1))
+        self.max_iters = _count("mgda", "max_iters", max_iters)
 
     def weights(self, G, gen):
         g, k = G.numpy(), len(G)
@@ -59,18 +61,21 @@ class MGDA(GramianWeighting):
 
 
 class IMTLG(GramianWeighting):
-    """Impartial MTL (gradient part): equal projections of the update on every task's direction."""
+    """Impartial MTL (gradient part): equal projections of the update on every task's direction,
+    from the Gramian's pseudo-inverse, its rounding taken as 0 (``rounding.spectrum``)."""
 
     name = "imtl_g"
 
     def weights(self, G, gen):
-        v = torch.linalg.pinv(G) @ torch.sqrt(torch.diagonal(G))
+        lam, V = spectrum(G)
+        v = V @ ((V.T @ torch.sqrt(torch.diagonal(G).clamp(min=0.0))) / lam)
         s = v.sum()
         return torch.zeros_like(v) if s.abs() < 1e-12 else v / s
 
 
 class AlignedMTL(GramianWeighting):
-    """Aligned-MTL: the task gradients made orthogonal with equal norms (scaled by an eigenvalue)."""
+    """Aligned-MTL: the task gradients made orthogonal with equal norms (scaled by an eigenvalue),
+    on the Gramian's eigenvalues that are not its rounding (``rounding.spectrum``)."""
 
     name = "aligned_mtl"
     SCALES = ("min", "median", "rmse")
@@ -84,13 +89,9 @@ class AlignedMTL(GramianWeighting):
 
     def weights(self, G, gen):
         k = len(G)
-        lam, V = torch.linalg.eigh(G, UPLO="U")
-        tol = lam.max() * k * torch.finfo(G.dtype).eps
-        rank = int((lam > tol).sum())
-        if rank == 0:
+        lam, V = spectrum(G)
+        if len(lam) == 0:
             return torch.full((k,), 1.0 / k, dtype=G.dtype)
-        order = torch.argsort(lam, descending=True)[:rank]
-        lam, V = lam[order], V[:, order]
         scale = {"min": lam[-1], "median": torch.median(lam), "rmse": lam.mean()}[self.scale_mode]
         B = scale.sqrt() * (V / lam.sqrt()) @ V.T
         return B @ torch.full((k,), 1.0 / k, dtype=G.dtype)
@@ -138,7 +139,7 @@ class CAGrad(GramianWeighting):
     RESCALES = (0, 1, 2)
 
     def __init__(self, c: float = 0.5, norm_eps: float = 0.0001, rescale: int = 0):
-        self.c = _check("cagrad", "c", c, 0.0)
+        self.c = _check("cagrad", "c", c, 0.0, high=MAX_STEP)
         self.norm_eps = _check("cagrad", "norm_eps", norm_eps, 0.0)
         if rescale not in self.RESCALES or isinstance(rescale, bool):
             raise ValueError(f"per_loss method 'cagrad': rescale={rescale!r}; allowed: 0, 1, 2")

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.per_loss.methods.bases import LossWeighting, _check, _one_per_task, _per_task
+from gradmod.hooks.validators import LOG_START, LOG_STEP, MAX_STEP
 
 
 class Mean(LossWeighting):
@@ -180,8 +181,8 @@ class UW(LossWeighting):
     per_task_state = True
 
     def __init__(self, lr: float = 0.001, init: float = 0.0):
-        self.lr = _check("uw", "lr", lr, 0.0)
-        self.init = _check("uw", "init", init, -math.inf)
+        self.lr = _check("uw", "lr", lr, 0.0, high=LOG_STEP)
+        self.init = _check("uw", "init", init, -LOG_START, high=LOG_START)
         self._adam: HostAdam | None = None  # its values: the log-variances
 
     @property
@@ -226,8 +227,8 @@ class FAMO(LossWeighting):
         min_losses: list[float] | None = None,
         update_from: str = "same_batch",
     ):
-        self.lr = _check("famo", "lr", lr, 0.0)
-        self.weight_decay = _check("famo", "weight_decay", weight_decay, 0.0)
+        self.lr = _check("famo", "lr", lr, 0.0, high=MAX_STEP)
+        self.weight_decay = _check("famo", "weight_decay", weight_decay, 0.0, high=MAX_STEP)
         self.min_losses = None if min_losses is None else _per_task("famo", "min_losses", min_losses, -math.inf)
         if update_from not in self.UPDATES:
             raise ValueError(f"per_loss method 'famo': update_from={update_from!r}; allowed: {', '.join(self.UPDATES)}")

@@ -3,11 +3,13 @@ convex programs, each handed to ECOS (an optional dependency) as an exponential-
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import Tensor
 
-from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _needs
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _count, _needs
 
 SOLVED = {0, 10, -1}  # ECOS's exit flags with a solution: optimal, inaccurate, at the iteration limit
 
@@ -27,8 +29,8 @@ class NashMTL(GramianWeighting):
             raise ValueError(f"per_loss method 'nash_mtl': heads={heads!r}; allowed: {', '.join(self.HEADS)}")
         self.heads = heads
         self.max_norm = _check("nash_mtl", "max_norm", max_norm, 0.0)
-        self.every = int(_check("nash_mtl", "update_weights_every", update_weights_every, 1))
-        self.niter = int(_check("nash_mtl", "optim_niter", optim_niter, 1))
+        self.every = _count("nash_mtl", "update_weights_every", update_weights_every, 1, math.inf)
+        self.niter = _count("nash_mtl", "optim_niter", optim_niter)
         _needs("nash_mtl", ["ecos"], 'pip install ecos, or "torchjd[nash_mtl]"')
         self.step = 0
         self.alpha: np.ndarray | None = None  # the last weights (float32, as the reference keeps them)

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _per_task
-
-PRECISION = 10.0 * float(np.finfo(np.float64).eps)  # of a float64 Gramian: below it, a direction is 0
+from gradmod.hooks.per_loss.methods.bases.rounding import precision
 
 
 class PCD(GramianWeighting):
@@ -46,6 +45,7 @@ class PCD(GramianWeighting):
             )
 
     def weights(self, G, gen):
+        tol = 10.0 * precision(G)  # the Gramian's relative rounding (torchjd's): below it, a direction is 0
         g = G.numpy()
         k = len(g)
         taus = np.asarray(self.tau if isinstance(self.tau, list) else [self.tau] * (k - 1), dtype=np.float64)
@@ -54,9 +54,9 @@ class PCD(GramianWeighting):
         w = np.zeros(k)
         if sq[0] > 0.0:  # a primary loss without gradient: no update
             Gn = g * np.outer(s, s)
-            mu = dual_active_set(Gn, taus, dependence_tol=max(1e-9, PRECISION))
+            mu = dual_active_set(Gn, taus, dependence_tol=max(1e-9, tol))
             d2 = mu @ Gn @ mu  # |d|^2 of the normalised direction, and the scale of its rounding
-            if d2 > PRECISION * (np.abs(mu) @ np.sqrt(np.diagonal(Gn))) ** 2:
+            if d2 > tol * (np.abs(mu) @ np.sqrt(np.diagonal(Gn))) ** 2:
                 w = mu * s * math.sqrt(sq[0] / d2)
         return torch.from_numpy(w).to(G.dtype)
 

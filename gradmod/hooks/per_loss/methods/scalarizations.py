@@ -18,6 +18,7 @@ from torch import Tensor
 
 from gradmod.hooks.per_loss.methods.bases import LossWeighting, _check, _one_per_task, _per_task
 from gradmod.hooks.per_loss.methods.loss_weightings import HostAdam
+from gradmod.hooks.validators import LOG_START, LOG_STEP, MAX_STEP
 
 COS_EPS = 1e-8  # torch's cosine_similarity: each vector over max(|v|, eps)
 PBI_EPS = 1e-12  # torchjd's PBI: under the root of d2, so its gradient stays finite on the direction
@@ -62,7 +63,7 @@ class COSMOS(_Preferring):
     name = "cosmos"
 
     def __init__(self, lambda_: float, weights: Any, concentration: float = 1.0):
-        self.lambda_ = _check("cosmos", "lambda_", lambda_, 0.0)
+        self.lambda_ = _check("cosmos", "lambda_", lambda_, 0.0, high=MAX_STEP)
         super().__init__(weights, concentration, None)
 
     def loss_weights(self, losses, gen):
@@ -86,8 +87,8 @@ class IMTLL(LossWeighting):
     per_task_state = True
 
     def __init__(self, lr: float = 0.001, init: float = 0.0):
-        self.lr = _check("imtll", "lr", lr, 0.0)
-        self.init = _check("imtll", "init", init, -math.inf)
+        self.lr = _check("imtll", "lr", lr, 0.0, high=LOG_STEP)
+        self.init = _check("imtll", "init", init, -LOG_START, high=LOG_START)
         self._adam: HostAdam | None = None  # its values: the log-scales
 
     @property
@@ -119,7 +120,7 @@ class PBI(_Preferring):
     name = "pbi"
 
     def __init__(self, theta: float, weights: Any, reference: list[float] | None = None, concentration: float = 1.0):
-        self.theta = _check("pbi", "theta", theta, 0.0)
+        self.theta = _check("pbi", "theta", theta, 0.0, high=MAX_STEP)
         super().__init__(weights, concentration, reference)
 
     def loss_weights(self, losses, gen):

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from gradmod.hooks.per_loss.methods import bases as M
-from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _one_per_task, _per_task
+from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _count, _one_per_task, _per_task
+from gradmod.hooks.validators import MAX_STEP
 
 
 def project_onto_simplex(y: Tensor) -> Tensor:
@@ -41,8 +42,8 @@ class MoDo(GramianWeighting):
     per_task_state = True
 
     def __init__(self, gamma: float = 0.1, rho: float = 0.1):
-        self.gamma = _check("modo", "gamma", gamma, 0.0, strict=True)
-        self.rho = _check("modo", "rho", rho, 0.0)
+        self.gamma = _check("modo", "gamma", gamma, 0.0, strict=True, high=MAX_STEP)
+        self.rho = _check("modo", "rho", rho, 0.0, high=MAX_STEP)
         self.w: Tensor | None = None  # the weights, float64 on the host
 
     def weights(self, G, gen):
@@ -77,10 +78,10 @@ class SDMGrad(GramianWeighting):
         lambda_: float = 0.3,
         pref_vector: list[float] | None = None,
     ):
-        self.lr = _check("sdmgrad", "lr", lr, 0.0, strict=True)
+        self.lr = _check("sdmgrad", "lr", lr, 0.0, strict=True, high=MAX_STEP)
         self.momentum = _check("sdmgrad", "momentum", momentum, 0.0, high=math.nextafter(1.0, 0.0))
-        self.n_iter = int(_check("sdmgrad", "n_iter", n_iter, 1))
-        self.lambda_ = _check("sdmgrad", "lambda_", lambda_, 0.0)
+        self.n_iter = _count("sdmgrad", "n_iter", n_iter)
+        self.lambda_ = _check("sdmgrad", "lambda_", lambda_, 0.0, high=MAX_STEP)
         self.pref_vector = None if pref_vector is None else _per_task("sdmgrad", "pref_vector", pref_vector, -math.inf)
         self.w: Tensor | None = None  # the weights, float64 on the host
 
