@@ -21,7 +21,7 @@ from gradmod.hooks.per_loss.backward import Backward
 from gradmod.hooks.per_loss.entries import Entry, OutputEntry, Replace, coarsest, gram
 from gradmod.hooks.per_loss.loss_rules import LossRule
 from gradmod.hooks.per_loss.methods.bases import Aggregator, GramianWeighting, MatrixWeighting
-from gradmod.hooks.per_loss.methods.bases.rounding import formed_in
+from gradmod.hooks.per_loss.methods.rounding import formed_in
 
 
 def combine(call: Backward, rule: LossRule, entries: list[Entry]) -> Replace:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torchjd.aggregation as tja  # the reference implementation (a test dependency, torchjd[full])
-from gradmod.hooks.per_loss.methods.bases.rounding import formed_in
 from peer_matrices import named
 from torch import nn
 
 import gradmod
 from gradmod.hooks.per_loss.entries import gram
 from gradmod.hooks.per_loss.methods import bases as M
+from gradmod.hooks.per_loss.methods.rounding import formed_in
 
 RANKED = [
     ("config", {}, tja.ConFIG),

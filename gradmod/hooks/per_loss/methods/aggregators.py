@@ -24,7 +24,7 @@ from gradmod.hooks.per_loss.methods.bases import (
     _one_per_task,
     _per_task,
 )
-from gradmod.hooks.per_loss.methods.bases.rounding import rank_rtol, unit
+from gradmod.hooks.per_loss.methods.rounding import rank_rtol, unit
 from gradmod.hooks.validators import MAX_STEP
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from gradmod.hooks.per_loss.methods import solvers
 from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _count, _needs
-from gradmod.hooks.per_loss.methods.bases.rounding import spectrum
+from gradmod.hooks.per_loss.methods.rounding import spectrum
 from gradmod.hooks.validators import MAX_STEP
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gradmod.hooks.per_loss.methods.bases import GramianWeighting, _check, _per_task
-from gradmod.hooks.per_loss.methods.bases.rounding import precision
+from gradmod.hooks.per_loss.methods.rounding import precision
 
 
 class PCD(GramianWeighting):
