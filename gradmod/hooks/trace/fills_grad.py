@@ -10,16 +10,19 @@ the backward of the loss that holds the penalty then carries the penalty's gradi
 the rules act on it.
 
 The engine tells, per node, whether the backward in progress runs it
-(``torch._C._will_engine_execute_node``): a parameter's AccumulateGrad node runs in a backward
-that accumulates into it, never under autograd.grad (which raises for a leaf whose gradient it
-captures, and answers False for the others). The answer is the same for every hook of one
-backward (one graph task), so it is asked once per graph task: a hook pays a lookup of the
-task's id (no tensor op).
+(``torch._C._will_engine_execute_node``): an AccumulateGrad node runs in a backward that
+accumulates into its tensor, never under autograd.grad (which raises for a leaf whose gradient
+it captures, and answers False for the others). So the first AccumulateGrad node with an answer
+decides: the model's parameters' first (a plain backward answers True for any in its graph),
+then, where none of them is in this backward's graph (a weight the per_sample stage runs
+detached, an FSDP2 parameter whose unsharded copy the forward used), the leaves below the
+node running now. The answer is the same for every hook of one backward (one graph task), so
+it is asked once per graph task: a hook pays a lookup of the task's id (no tensor op).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -48,20 +51,50 @@ class FillsGrad:
         return self._fills
 
     def _ask(self) -> bool:
+        found = _first_answer(self._param_nodes())
+        if found is None:  # no parameter of the model in this backward's graph: the leaves below this hook
+            here = torch._C._current_autograd_node()
+            found = None if here is None else _first_answer(_leaves_below(here))
+        return bool(found)
+
+    def _param_nodes(self) -> Iterator[Any]:
         for p in self._params:
-            if not p.requires_grad:
-                continue
-            node = self._nodes.get(id(p))
-            if node is None:
-                node = self._nodes[id(p)] = _accumulator(p)
-            try:
-                if _will_run(node):
-                    return True
-            except RuntimeError:  # autograd.grad captures this parameter's gradient: nothing accumulates
-                return False
-        return False
+            if p.requires_grad:
+                node = self._nodes.get(id(p))
+                if node is None:
+                    node = self._nodes[id(p)] = _accumulator(p)
+                yield node
+
+
+def _first_answer(nodes: Iterable[Any]) -> bool | None:
+    """True at the first AccumulateGrad node the backward in progress runs, False at the first
+    whose gradient autograd.grad captures, None where every one is outside this backward."""
+    for node in nodes:
+        try:
+            if _will_run(node):
+                return True
+        except RuntimeError:  # autograd.grad captures this leaf's gradient: nothing accumulates
+            return False
+    return None
+
+
+def _leaves_below(start: Any) -> Iterator[Any]:
+    """The AccumulateGrad nodes of the graph under ``start``, depth first, each once."""
+    seen, todo = {start}, [start]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, _ACCUMULATE):
+            yield node
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
 
 
 def _accumulator(p: Tensor) -> Any:
     """The AccumulateGrad node that writes ``p.grad``."""
     return get_gradient_edge(p).node
+
+
+_ACCUMULATE = type(_accumulator(torch.zeros((), requires_grad=True)))
