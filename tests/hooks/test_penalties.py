@@ -12,55 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from penalties import LAM, PENALTIES, Net, batch
 from torch import nn
 
 from gradmod.hooks import attach
 
-LAM, TOL = 0.3, 1e-6
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return 3 * torch.randn(16, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g)
-
-
-def param_penalty(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``L + lam ||dL/dtheta||^2`` over the parameters that train."""
-    loss = F.cross_entropy(model(x), y)
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, params, create_graph=True)
-    return loss + LAM * sum(g.square().sum() for g in grads)
-
-
-def input_penalty(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``L + lam mean_i ||d sum f(x) / dx_i||^2`` (R1's form, on the data)."""
-    x = x.detach().requires_grad_()
-    out = model(x)
-    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-    return F.cross_entropy(out, y) + LAM * gx.square().sum(1).mean()
-
-
-def wgan_gp(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A critic's loss ``f(fake) - f(real)`` (first output) plus ``lam (||d f(x_hat) / dx_hat|| - 1)^2``
-    on interpolates ``x_hat`` of the real and fake batches."""
-    fake = 0.5 * x.flip(0) + 1.0
-    eps = torch.rand(len(x), 1, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
-    mix = (eps * x + (1 - eps) * fake).requires_grad_()
-    (g,) = torch.autograd.grad(model(mix)[:, 0].sum(), mix, create_graph=True)
-    gp = (g.norm(dim=1) - 1).square().mean()
-    return model(fake)[:, 0].mean() - model(x)[:, 0].mean() + LAM * gp
-
-
-PENALTIES = {"param": param_penalty, "input": input_penalty, "wgan_gp": wgan_gp}
+TOL = 1e-6
 
 
 def _net() -> nn.Module:
@@ -75,7 +32,7 @@ def _raw(penalty, twin: nn.Module | None = None, on_fc1_output=None) -> tuple[to
     twin = twin or _net()
     outputs: list[torch.Tensor] = []
     handle = twin.fc1.register_forward_hook(lambda m, a, out: outputs.append(out))
-    total = penalty(twin, *_batch())
+    total = penalty(twin, *batch())
     handle.remove()
     if on_fc1_output is not None:
         for out in outputs:
@@ -91,7 +48,7 @@ def _max_error(got: list, want: list) -> float:
 def _gradmod(rules: dict, penalty, backward=None) -> tuple[nn.Module, object, torch.Tensor]:
     model = _net()
     hooks = attach(model, rules)
-    total = penalty(model, *_batch())
+    total = penalty(model, *batch())
     (backward or (lambda t: t.backward()))(total)
     hooks.after_backward()
     return model, hooks, total
@@ -151,7 +108,7 @@ def test_log_observes_the_final_gradient_once_per_backward(kind):
 def test_autograd_grad_alone_is_torchs_and_leaves_no_statistic_or_raw_gradient():
     """With or without create_graph: no transform, no ``log`` row, nothing for the non-finite count."""
     rules = {"c": {"params": "*", "transforms": ["log", {"name": "clamp", "bound": BOUND}, "log"]}}
-    x, y = _batch()
+    x, y = batch()
     twin = _net()
     want = torch.autograd.grad(F.cross_entropy(twin(x), y), list(twin.parameters()))
     model = _net()
@@ -226,7 +183,7 @@ def test_freeze_takes_its_parameters_out_and_the_penalty_covers_the_rest(kind):
         for p, g in zip(twin.fc2.parameters(), raw):
             p.grad = g
         ref_opt.step()
-        PENALTIES[kind](model, *_batch()).backward()
+        PENALTIES[kind](model, *batch()).backward()
         hooks.after_backward()
         assert model.fc1.weight.grad is None and model.fc1.bias.grad is None
         assert _max_error([p.grad for p in model.fc2.parameters()], raw) <= TOL
@@ -249,10 +206,10 @@ def test_sam_takes_both_passes_of_the_loss_with_its_penalty(kind):
     _, want = _raw(PENALTIES[kind], twin)
     rules = {"s": {"params": "*", "transforms": [{"name": "sam", "rho": rho}]}}
     start = [p.detach().clone() for p in _net().parameters()]
-    penalty, batch = PENALTIES[kind], _batch()
+    penalty, xy = PENALTIES[kind], batch()
     model = _net()
     hooks = attach(model, rules)
-    hooks.backward(penalty(model, *batch), closure=lambda: penalty(model, *batch))
+    hooks.backward(penalty(model, *xy), closure=lambda: penalty(model, *xy))
     hooks.after_backward()
     assert _max_error([p.grad for p in model.parameters()], want) <= TOL
     assert _max_error(want, g) > 1e-4
@@ -292,7 +249,7 @@ def _pcgrad(ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
 def test_a_penalty_inside_one_tasks_loss_enters_that_tasks_gradient():
     """per_loss pcgrad on the trunk: each task's gradient of its whole loss (task a's with its
     penalty's), projected by hand; the heads get the gradient of the sum."""
-    x, y = _batch()
+    x, y = batch()
     twin = TwoTasks().double()
     losses = _task_losses(twin, x, y)
     trunk, heads = list(twin.trunk.parameters()), [*twin.a.parameters(), *twin.b.parameters()]
