@@ -268,3 +268,13 @@ def test_a_penalty_inside_one_tasks_loss_enters_that_tasks_gradient():
     got = [*model.trunk.parameters(), *model.a.parameters(), *model.b.parameters()]
     assert _max_error([p.grad for p in got], want) <= TOL
     hooks.remove()
+
+
+def test_the_guides_example_runs(capsys):
+    """docs/guide/penalties.md's WGAN-GP loop: one ``log`` call a step."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guide" / "penalties.md").read_text()
+    code = text.split("```python\n")[1].split("```")[0]
+    exec(compile(code, "penalties.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "5"
