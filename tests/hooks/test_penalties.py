@@ -278,3 +278,27 @@ def test_the_guides_example_runs(capsys):
     code = text.split("```python\n")[1].split("```")[0]
     exec(compile(code, "penalties.md", "exec"), {})
     assert capsys.readouterr().out.strip() == "5"
+
+
+def test_a_hooked_model_deep_copies_and_a_lazy_models_parameters_are_asked_once_they_exist():
+    """A stage's bound-method hooks copy with the model (as before); a lazy module's parameters,
+    uninitialised at attach, are asked once they exist."""
+    import copy
+
+    model = _net()
+    hooks = attach(model, {"s": {"params": "*", "stage": "per_sample", "transforms": ["scores"]}})
+    copy.deepcopy(model)
+    hooks.remove()
+    lazy = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 3)).double()
+    hooks = attach(lazy, {"c": {"modules": "2", "transforms": [{"name": "clamp", "bound": 1e-3}]}})
+    x, y = batch()
+    got = {}
+    for hooked in (True, False):
+        loss = F.cross_entropy(lazy(x), y)
+        got[hooked] = torch.autograd.grad(loss, [lazy[0].weight], retain_graph=True)[0]
+        loss.backward()
+        got[hooked, "grad"] = lazy[0].weight.grad
+        lazy.zero_grad(set_to_none=True)
+        hooks.remove()
+    assert torch.equal(got[True], got[False])  # autograd.grad: torch's
+    assert not torch.allclose(got[True, "grad"], got[False, "grad"])  # the backward: clamped

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.parameter import is_lazy
 
 _task_id = torch._C._current_graph_task_id
 _will_run = torch._C._will_engine_execute_node
@@ -36,13 +37,19 @@ _will_run = torch._C._will_engine_execute_node
 class FillsGrad:
     """``fills()``: whether the backward in progress accumulates into the ``.grad`` of one of
     ``params`` (a model's parameters) rather than handing gradients back (autograd.grad).
-    Their AccumulateGrad nodes are taken once here (a parameter frozen now: when it trains);
-    holding them keeps the ones autograd uses."""
+    Their AccumulateGrad nodes are taken once here (a parameter frozen now, or a lazy module's:
+    when it trains); holding them keeps the ones autograd uses."""
 
     def __init__(self, params: Iterable[Tensor]):
         self._params = list(dict.fromkeys(params))  # a tied parameter once
-        self._nodes: dict[int, Any] = {id(p): _accumulator(p) for p in self._params if p.requires_grad}
+        self._nodes: dict[int, Any] = {id(p): _accumulator(p) for p in self._params if _trains(p)}
         self._task, self._fills = -2, False
+
+    def __getstate__(self) -> dict[str, Any]:  # a deep copy of a hooked model: the nodes of the copies
+        return {"params": self._params}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["params"])
 
     def __call__(self) -> bool:
         task = _task_id()
@@ -59,7 +66,7 @@ class FillsGrad:
 
     def _param_nodes(self) -> Iterator[Any]:
         for p in self._params:
-            if p.requires_grad:
+            if _trains(p):
                 node = self._nodes.get(id(p))
                 if node is None:
                     node = self._nodes[id(p)] = _accumulator(p)
@@ -90,6 +97,11 @@ def _leaves_below(start: Any) -> Iterator[Any]:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)
+
+
+def _trains(p: Tensor) -> bool:
+    """``p`` takes a gradient (a lazy module's parameter once it is materialised)."""
+    return p.requires_grad and not is_lazy(p)
 
 
 def _accumulator(p: Tensor) -> Any:
