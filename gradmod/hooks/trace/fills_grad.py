@@ -1,7 +1,7 @@
 """Which backward is running: the one that fills ``.grad``, or a gradient a loss takes of itself.
 
-A rule acts on the gradient that trains the model: the backward that accumulates into the
-parameters' ``.grad`` (``loss.backward()``, ``hooks.backward``, ``backward(inputs=...)``). A
+A rule acts on the gradient that trains the model: a backward that accumulates into ``.grad``
+(``loss.backward()``, ``hooks.backward``, ``backward(inputs=...)``). A
 ``torch.autograd.grad(...)`` inside the loss (a gradient penalty, a Hessian-vector product)
 hands its gradients back instead, and the tensor hooks on its way fire all the same: a
 parameter's as autograd.grad captures its gradient, a module output's as the gradient passes.
@@ -35,8 +35,9 @@ _will_run = torch._C._will_engine_execute_node
 
 
 class FillsGrad:
-    """``fills()``: whether the backward in progress accumulates into the ``.grad`` of one of
-    ``params`` (a model's parameters) rather than handing gradients back (autograd.grad).
+    """Called in a hook: whether the backward in progress accumulates into ``.grad`` (one of
+    ``params``, a model's parameters, or a leaf below the hook) rather than handing gradients
+    back (autograd.grad).
     Their AccumulateGrad nodes are taken once here (a parameter frozen now, or a lazy module's:
     when it trains); holding them keeps the ones autograd uses."""
 
