@@ -41,6 +41,7 @@ from gradmod.hooks.rules.timed import Timed
 from gradmod.hooks.schedules import Length
 from gradmod.hooks.stage import Core, Loop, ScoreKeeper, Stage
 from gradmod.hooks.stats.grad_stats import take_all
+from gradmod.hooks.trace.fills_grad import FillsGrad
 
 # model -> its live HookSets, so attaching again replaces rather than doubles the hooks.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, list[HookSet]] = weakref.WeakKeyDictionary()
@@ -62,7 +63,7 @@ class HookSet:
         length: Length | None = None,
     ):
         self.targets = targets
-        self._core = Core(loss_reduction, batch_dim=batch_dim)
+        self._core = Core(loss_reduction, batch_dim=batch_dim, fills_grad=FillsGrad(model.parameters()))
         # The step clock, the scheduled arguments and the windows (rules that change over training).
         self.timed = Timed(targets, {t.rule: t.active for t in targets if t.active is not None}, length or Length())
         self._core.windows = frozenset(self.timed.windows)
@@ -113,8 +114,7 @@ class HookSet:
 
     @property
     def changes_trainability(self) -> bool:
-        """Some rule switches ``requires_grad`` during training (``freeze``): build DDP with
-        ``find_unused_parameters=True``."""
+        """Some rule switches ``requires_grad`` in training (``freeze``): DDP needs ``find_unused_parameters=True``."""
         return any(s.changes_trainability for s in self.stages)
 
     def backward(

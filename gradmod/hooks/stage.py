@@ -50,7 +50,10 @@ class Core:
     more at each ``HookSet.after_backward()`` (the clock a schedule reads); ``windows``: the
     rules with an ``active`` window, ``inactive``: those outside it now (they do nothing);
     ``batch_dim``: the dimension of the model's inputs that holds the examples (None: 0, or
-    1 for a model with ``batch_first = False``)."""
+    1 for a model with ``batch_first = False``); ``fills_grad()``: whether the backward in
+    progress fills the model's ``.grad`` (the gradient that trains it, on which rules act) rather
+    than returning a gradient a loss takes of itself (``torch.autograd.grad``), asked in hooks
+    (``gradmod.hooks.trace.fills_grad``)."""
 
     loss_reduction: str = "mean"
     grad_scale: Tensor | None = None
@@ -58,6 +61,7 @@ class Core:
     windows: frozenset[str] = frozenset()
     inactive: frozenset[str] = frozenset()
     batch_dim: int | None = None
+    fills_grad: Callable[[], bool] = lambda: True
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,21 @@ a 6 TB allocation (a stray label of 10**9 sizes a shipped model's output layer).
   row per example (or a mapping or tuple of them, one per task's labels) whose classes
   cover every class label, the loss of it is a scalar tensor (or a mapping of named
   scalars) that backpropagates into the model, and the metric applies to the labels; the
-  parameters every loss reaches are noted for ``@shared`` (``gradmod.hooks.rules.shared``).
+  parameters every loss reaches are noted for ``@shared`` (``gradmod.hooks.rules.shared``);
+  with ``trainer.compile=true``, a loss (or forward) that differentiates a gradient it takes
+  of itself through the model (a gradient penalty), which a compiled model cannot, is refused.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from gradmod.data import Data, as_float
 from gradmod.hooks import stages
@@ -55,27 +60,77 @@ def check_data(data: Data, model_key: str | None) -> None:
         )
 
 
-def check_model(model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss_key: str) -> tuple[bool, str]:
+def check_model(
+    model: nn.Module, data: Data, tasks: Tasks, model_key: str, loss_key: str, compiled: bool = False
+) -> tuple[bool, str]:
     """One forward, loss and metric of two training examples, as the first step would compute
-    them; returns (whether the loss is several named losses, the metrics for the log)."""
+    them; returns (whether the loss is several named losses, the metrics for the log).
+    ``compiled``: the model will be compiled (``trainer.compile=true``)."""
     device = next(model.parameters()).device
     x, y = as_float(data.train_x[:2].to(device)), data.train_y[:2].to(device)
     training = model.training
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model.eval()  # no batch-norm statistics change
         try:
-            out = _forward(model, x, data, model_key)
-            pairs = _pairs(out, y, model_key)
-            for task, (o, t) in pairs.items():
-                _check_classes(data, task, o, t, model_key)
-            tasks.check(out, y, loss_key)  # a loss that does not fit a task's targets
-            losses = _losses(tasks, out, y, loss_key)
+            with _double_backward(model) as seen:
+                out = _forward(model, x, data, model_key)
+                pairs = _pairs(out, y, model_key)
+                for task, (o, t) in pairs.items():
+                    _check_classes(data, task, o, t, model_key)
+                tasks.check(out, y, loss_key)  # a loss that does not fit a task's targets
+                losses = _losses(tasks, out, y, loss_key)
+            if compiled and seen:
+                raise ValueError(
+                    f"trainer.compile=true: {loss_key} (or {model_key}'s forward) differentiates a gradient it "
+                    "takes of itself through the model (torch.autograd.grad with create_graph=True: a gradient "
+                    "penalty), which a compiled model's backward cannot (torch.compile runs no double backward); "
+                    "set trainer.compile=false"
+                )
             _check_loss(losses, loss_key, len(x))
             shared_params.find(model, losses)  # what @shared in a rule stands for
             tasks.metrics(out, y)  # a metric that does not apply to the labels fails here
             return not isinstance(losses, Tensor), tasks.describe(out, y)
         finally:
             model.train(training)
+
+
+@contextmanager
+def _double_backward(model: nn.Module) -> Iterator[list[bool]]:
+    """Inside: whether a backward that builds a graph (``create_graph=True``) ran into the forward
+    of ``model`` or a module of it (beyond the gradient of its output): a gradient differentiated again."""
+    seen: list[bool] = []
+    mine = {id(m) for m in model.modules()}
+
+    def into(grad_fn: Any) -> Any:
+        def hook(grad: Tensor) -> None:
+            if torch.is_grad_enabled() and not seen and _runs_below(grad_fn):
+                seen.append(True)
+
+        return hook
+
+    def on_output(module: nn.Module, args: Any, output: Any) -> None:
+        for t in pytree.tree_leaves(output) if id(module) in mine else ():
+            if isinstance(t, Tensor) and t.grad_fn is not None:
+                t.register_hook(into(t.grad_fn))
+
+    handle = nn.modules.module.register_module_forward_hook(on_output)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _runs_below(grad_fn: Any) -> bool:
+    """The backward in progress runs a node under ``grad_fn`` (it goes into the module)."""
+    for node, _ in grad_fn.next_functions:
+        if node is None:
+            continue
+        try:
+            if torch._C._will_engine_execute_node(node):
+                return True
+        except RuntimeError:  # autograd.grad captures a parameter's gradient there
+            return True
+    return False
 
 
 def check_per_loss(targets: list[Any], named_losses: bool, strategy: str, loss_key: str) -> None:

@@ -116,7 +116,7 @@ def build_model(cfg: Config, data: Data, device: torch.device) -> tuple[nn.Modul
         to_channels_last(model)  # same Parameter objects: attach before or after is the same
     key = f"model._target_={cfg.model._target_}" if cfg.model._target_ else f"model.name={cfg.model.name}"
     named_losses, metrics = preflight.check_model(
-        model, data, build_tasks(cfg.loss, cfg.metric), key, f"loss._target_={cfg.loss._target_}"
+        model, data, build_tasks(cfg.loss, cfg.metric), key, f"loss._target_={cfg.loss._target_}", cfg.trainer.compile
     )
     if named_losses or not metrics.endswith("accuracy"):
         log.info("%s", metrics)  # the classification default goes without saying

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import warnings
 
+import pytest
+import torch
 from helpers import TINY_FAKE, compose_config
 
 from gradmod.app.config_store import validate
@@ -84,3 +86,41 @@ def test_a_long_glob_is_cut_in_its_line():
     line = str(e.value)
     assert line.startswith("hooks.r.params: 'layerlayer") and "(5,003 characters) matches no parameter" in line
     assert len(line) < 300
+
+
+def test_a_compiled_model_under_a_loss_that_differentiates_its_own_gradient_is_one_line(tmp_path):
+    """trainer.compile=true with a gradient penalty through the model: refused before training,
+    naming the switch (torch.compile runs no double backward)."""
+    loss = "loss._target_=tests.support.user_objects.ParamPenaltyLoss"
+    ending = runner.execute(lambda: validate(compose_config(*TINY_FAKE, loss, "trainer.compile=true")), tmp_path / "a")
+    assert ending.status == "failed" and ending.exit_code == 2
+    line = endings.message(ending.error)
+    assert "\n" not in line and line.startswith("trainer.compile=true:") and "trainer.compile=false" in line
+    assert json.loads((tmp_path / "a" / "summary.json").read_text()).get("steps", 0) == 0  # before the first step
+
+
+@pytest.mark.parametrize(
+    "loss, refused",
+    [("ParamPenaltyLoss", True), ("OutputPenaltyLoss", False), ("vector_loss", False)],
+)
+def test_only_a_gradient_differentiated_again_into_the_model_is_refused_under_compile(loss, refused):
+    """A penalty on the output's gradient alone never runs into the model (no double backward of a
+    compiled graph): it passes, as a plain loss does; without compile every loss passes."""
+    import user_objects
+
+    from gradmod.data import Data
+    from gradmod.run import preflight
+    from gradmod.training.tasks import Tasks
+
+    torch.manual_seed(0)
+    model = user_objects.Tiny()
+    (x, y), (tx, ty) = user_objects.data()
+    fn = getattr(user_objects, loss)
+    tasks = Tasks(fn() if isinstance(fn, type) else lambda o, t: fn(o, t).mean())
+    data = Data("user", x, y, tx, ty, num_classes=4)
+    preflight.check_model(model, data, tasks, "model", "loss")  # not compiled: no refusal
+    if refused:
+        with pytest.raises(ValueError, match="trainer.compile=false"):
+            preflight.check_model(model, data, tasks, "model", "loss", compiled=True)
+    else:
+        preflight.check_model(model, data, tasks, "model", "loss", compiled=True)

@@ -114,3 +114,38 @@ class NanLossAt:
         self.calls += 1
         loss = F.cross_entropy(output, target)
         return loss * float("nan") if self.calls == self.at else loss
+
+
+class ParamPenaltyLoss:
+    """Cross-entropy plus ``lam`` times the squared norm of its own gradient of the parameters
+    behind the output (found from its graph): a loss that differentiates a gradient it takes of itself."""
+
+    def __init__(self, lam: float = 0.1):
+        self.lam = lam
+
+    def __call__(self, output, target):
+        ce = F.cross_entropy(output, target)
+        seen, todo, params = set(), [output.grad_fn], []
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if hasattr(node, "variable"):
+                params.append(node.variable)
+            todo += [n for n, _ in node.next_functions]
+        grads = torch.autograd.grad(ce, params, create_graph=True)
+        return ce + self.lam * sum(g.square().sum() for g in grads)
+
+
+class OutputPenaltyLoss:
+    """Cross-entropy plus ``lam`` times the squared norm of its gradient of the output alone
+    (differentiated again, yet never into the model)."""
+
+    def __init__(self, lam: float = 0.1):
+        self.lam = lam
+
+    def __call__(self, output, target):
+        ce = F.cross_entropy(output, target)
+        (g,) = torch.autograd.grad(ce, output, create_graph=True)
+        return ce + self.lam * g.square().sum()

@@ -188,6 +188,17 @@ def _observe(end: BackwardEnd, seen: list, result: Tensor, param: nn.Parameter |
     end.add(seen, result, param)
 
 
+def on_filling(hook, fills_grad):
+    """``hook`` in the backward that fills ``.grad`` only (``fills_grad()``: ``Core.fills_grad``):
+    under a gradient the loss takes of itself (``torch.autograd.grad``, a gradient penalty) the
+    gradient passes as torch gives it, untransformed, unobserved, uncounted."""
+
+    def filling_hook(grad: Tensor) -> Tensor | None:
+        return hook(grad) if fills_grad() else None
+
+    return filling_hook
+
+
 def output_hook(chain, rules: list[str], module: str):
     """A ``modules:`` rule's forward hook: ``chain`` on the tensor the module returns, or on
     each tensor of a flat tuple or list. Other outputs (a dict, a nested tuple) would be

@@ -5,7 +5,9 @@
 2. attach: one hook per tensor (a parameter, or a module's output through a forward hook),
    chaining the transforms of every rule on it in config order (``chain``).
 3. backward: autograd's own; each hook transforms the local gradient before it is
-   accumulated into ``.grad`` (and before DDP's all-reduce); what a chain may leave for
+   accumulated into ``.grad`` (and before DDP's all-reduce), in the backward that fills
+   ``.grad`` only (``on_filling``: a ``torch.autograd.grad`` inside the loss gets torch's
+   gradient, and its penalty's gradient reaches the hooks in that backward); what a chain may leave for
    the end of backward (a deferred chain, ``log`` observations) waits in the stage's
    ``BackwardEnd``; a raw gradient a chain replaced waits in its ``RawLedger`` for the
    non-finite count (``take_raw_parts``).
@@ -21,7 +23,7 @@ from torch import Tensor, nn
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.hook.backward_end import BackwardEnd
-from gradmod.hooks.hook.chain import chain_hook, output_hook
+from gradmod.hooks.hook.chain import chain_hook, on_filling, output_hook
 from gradmod.hooks.hook.ledger import RawLedger
 from gradmod.hooks.rules.targets import observer_key
 from gradmod.hooks.stage import Core, Stage
@@ -45,11 +47,11 @@ class HookStage(Stage):
         for key, (t, steps) in hooked.items():
             if t.kind == "param":
                 chain = chain_hook(steps, core, key, params[t.name], self.ledger, self.backward_end)
-                self._handles.append(params[t.name].register_hook(chain))
+                self._handles.append(params[t.name].register_hook(on_filling(chain, core.fills_grad)))
             else:
                 rules = list(dict.fromkeys(rule for rule, _ in steps))
                 chain = chain_hook(steps, core, key, None, self.ledger, self.backward_end)
-                hook = output_hook(chain, rules, t.name)
+                hook = output_hook(on_filling(chain, core.fills_grad), rules, t.name)
                 self._handles.append(modules[t.name].register_forward_hook(hook))
 
     def records(self) -> list[tuple[str, Any]]:

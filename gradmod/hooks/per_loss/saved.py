@@ -36,10 +36,13 @@ class Saved:
     ``rules``: every per_loss rule (a ``modules:`` rule's outputs are saved), ``grad_rules``
     those whose method needs the task gradients; ``owner``: id(param) -> the gradient rule
     that holds it; ``inside``: True while the stage runs its own backward passes (a Linear's
-    output refuses any other)."""
+    output refuses any other that fills ``.grad``: ``fills_grad()``, ``Core.fills_grad``; a
+    gradient the loss takes of itself, ``torch.autograd.grad``, passes)."""
 
-    def __init__(self, model: nn.Module, rules: list[LossRule], grad_rules: list[LossRule]):
-        self.model, self.owner = model, held_by(grad_rules)
+    def __init__(
+        self, model: nn.Module, rules: list[LossRule], grad_rules: list[LossRule], fills_grad: Callable[[], bool]
+    ):
+        self.model, self.owner, self.fills_grad = model, held_by(grad_rules), fills_grad
         self.inside = False
         self.layers: list[Layer] = []
         # Until the first training forward is traced, every parameter is answered directly.
@@ -132,7 +135,7 @@ class Saved:
 
     def _guard(self, rule: LossRule) -> Callable:
         def hook(g):
-            if not self.inside:
+            if not self.inside and self.fills_grad():
                 raise RuntimeError(
                     f"hooks.{rule.name}: a per_loss rule needs its losses through "
                     "hooks.backward(losses), not loss.backward()"

@@ -100,7 +100,7 @@ class PerLossStage(Stage):
                 f"hooks.{weighting[1]}: only one per_loss rule may weight the losses of the parameters "
                 f"outside the rules (heads: weighted), and hooks.{weighting[0]} does"
             )
-        self.saved = Saved(model, self.rules, self.grad_rules)
+        self.saved = Saved(model, self.rules, self.grad_rules, core.fills_grad)
         self._handles = split_in_projections(model, set(self.saved.owner)) if self.saved.owner else []
         self.tasks: list[str] | None = None  # the losses' names at the first backward, in order
         self._told: list[str] | None = None  # the names the methods last got (Method.set_tasks)

@@ -99,3 +99,18 @@ def refuse_untraced(rules: list, names: dict[int, str]) -> None:
             f"per_sample: {stray!r} got a gradient, but the attached model never ran a training "
             "forward to set the stage up; call the model you attached (not one of its parts)"
         )
+
+
+def refuse_own_gradient(rules: list, where: str) -> None:
+    """A gradient the loss takes of itself and differentiates again (``torch.autograd.grad(...,
+    create_graph=True)``: a gradient penalty) runs through ``where``, which a rule follows: the
+    penalty's gradient reaches the weights through their use in that backward too, which no layer
+    input times output gradient gives, so no example's gradient can be formed (nor clipped, noised,
+    scored). Refused as the penalty is taken, before the step's backward."""
+    keys = " and ".join(f"hooks.{r.name}" for r in rules)
+    raise ValueError(
+        f"per_sample: the loss takes a gradient of itself through {where} (torch.autograd.grad with "
+        f"create_graph=True: a gradient penalty), which {keys} cannot split per example: the penalty's gradient "
+        "reaches the weights through that backward, not as a layer input times an output gradient; take the "
+        "penalty outside the rule's layers, or train without the per_sample rule"
+    )

@@ -81,6 +81,7 @@ class PerSampleStage(KeepsScores, Stage):
         check_options(loss_reduction, batch_dim)
         rules = per_sample_rules(targets, dict(model.named_parameters()))
         self.model, self.rules, self.loss_reduction, self.batch_dim = model, rules, loss_reduction, batch_dim
+        self._fills = core.fills_grad  # the backward that fills .grad, not a gradient the loss takes of itself
         self.divides_step = any(r.clip is not None for r in rules)  # else autograd's mean stays, as in a plain loop
         self.expected_batch_size: float | None = None
         self.generator: torch.Generator | None = None
@@ -193,12 +194,22 @@ class PerSampleStage(KeepsScores, Stage):
         first backward, along the parameter's probe direction at every later one."""
 
         def hook(g: Tensor) -> None:
+            if not self._fills():
+                return self._own_gradient(p)
             self._got[id(p)] = g if self._verify else None
             if not self._verify:
                 self._probed.arrived(p, g)
             self._queue()
 
         return hook
+
+    def _own_gradient(self, at: Tensor | Layer) -> None:
+        """Inside a gradient the loss takes of itself (``torch.autograd.grad``) nothing is recorded:
+        torch's gradient; one that builds a graph (a gradient penalty) through ``at`` (a rule's
+        parameter, or a layer the stage follows) is refused."""
+        if torch.is_grad_enabled():
+            names = [self._names[id(q)] for q in (at.names.values() if isinstance(at, Layer) else [at])]
+            refusals.refuse_own_gradient(self.rules, ", ".join(map(repr, names)))
 
     def _queue(self) -> None:
         if not self._queued:
@@ -219,7 +230,8 @@ class PerSampleStage(KeepsScores, Stage):
         self._calls.append(call := Call.of(layer, inputs, outs))
         if hung:
             self._probed.hung.update(id(p) for p in hung)
-            hang(outs[0], hung, formed_sums(call, hung, self._probed.gave))
+            gave = lambda q, g: self._probed.gave(q, g) if self._fills() else None  # noqa: E731
+            hang(outs[0], hung, formed_sums(call, hung, gave))
         for k, t in enumerate(outs):
             if t.requires_grad:
                 t.register_hook(self._grad_hook(call, k))
@@ -253,6 +265,8 @@ class PerSampleStage(KeepsScores, Stage):
 
     def _grad_hook(self, call: Call, k: int):
         def hook(g: Tensor) -> None:
+            if not self._fills():
+                return self._own_gradient(call.layer)
             dtype = next(iter(call.layer.names.values())).dtype
             if g.is_floating_point():  # autocast's bf16 gradients round more: the sum check allows for it
                 self._grad_eps = max(self._grad_eps, torch.finfo(g.dtype).eps)

@@ -4,7 +4,8 @@
    most; FSDP2-sharded parameters refused. It runs the backward itself (its row of
    ``gradmod.hooks.stages``), so ``attach`` refuses a rule of a stage that cannot follow it.
 2. attach: the rules' parameters, and a guard on each rule's first parameter that refuses
-   a backward reaching it outside ``HookSet.backward`` (it would silently be plain).
+   a backward reaching it outside ``HookSet.backward`` (it would silently be plain); a
+   ``torch.autograd.grad`` inside the loss (a gradient penalty) fills no ``.grad`` and passes.
 3. backward (``HookSet.backward(loss, closure=fn)``, ``fn()`` recomputing the loss at the
    current parameters). On an optimizer step where a rule is due (``every``, ``k``):
 
@@ -100,7 +101,7 @@ class SharpnessStage(Stage):
 
     def _guard(self, rule: str) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
-            if not self.inside:
+            if not self.inside and self.core.fills_grad():  # torch.autograd.grad in the loss: the user's
                 raise RuntimeError(
                     f"hooks.{rule}: a sharpness rule needs its loss through hooks.backward(loss, "
                     "closure=fn), not loss.backward()"

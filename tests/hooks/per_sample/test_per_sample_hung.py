@@ -250,9 +250,12 @@ def test_a_forward_that_raises_inside_a_hung_layer_leaves_the_next_step_right():
     hooks.remove()
 
 
-def test_a_backward_that_builds_a_graph_through_a_hung_layer_is_one_line():
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("how", ["backward", "autograd.grad"])
+def test_a_backward_that_builds_a_graph_through_a_hung_layer_is_one_line(how):
     """The hung layers' weight gradients have no graph of their own: create_graph=True is
-    refused in one line, not answered with first-order terms only."""
+    refused in one line, not answered with first-order terms only (a gradient the loss takes of
+    itself, a penalty's start, is refused as it is taken)."""
     torch.manual_seed(0)
     model = Twice()
     hooks = attach(model, SCORES)
@@ -264,7 +267,11 @@ def test_a_backward_that_builds_a_graph_through_a_hung_layer_is_one_line():
             loss.backward()
             hooks.after_backward()
             continue
-        with pytest.raises(ValueError, match=r"backward\(create_graph=True\) after the first step") as err:
-            torch.autograd.grad(loss, list(model.parameters()), create_graph=True)  # a gradient penalty's start
+        want = r"backward\(create_graph=True\) after the first step" if how == "backward" else "a gradient of itself"
+        with pytest.raises(ValueError, match=want) as err:
+            if how == "backward":
+                loss.backward(create_graph=True)
+            else:
+                torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
         assert "\n" not in str(err.value)
     hooks.remove()
