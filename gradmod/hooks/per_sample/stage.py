@@ -117,8 +117,7 @@ class PerSampleStage(KeepsScores, Stage):
             self._plain, self._verify = None, True
 
     def _forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        """Read again when the forward ends: a model's own ``forward`` may freeze or unfreeze a
-        layer after ``_first_forward`` read it; its backward clips what trains in it."""
+        """Read again at the forward's end: the model's ``forward`` may have (un)frozen a layer since."""
         if self.layers is not None and self._following():
             self._read_trainable()
 
@@ -204,9 +203,8 @@ class PerSampleStage(KeepsScores, Stage):
         return hook
 
     def _own_gradient(self, at: Tensor | Layer) -> None:
-        """Inside a gradient the loss takes of itself (``torch.autograd.grad``) nothing is recorded:
-        torch's gradient; one that builds a graph (a gradient penalty) through ``at`` (a rule's
-        parameter, or a layer the stage follows) is refused."""
+        """Inside a gradient the loss takes of itself (``torch.autograd.grad``) nothing is recorded; one
+        that builds a graph (a gradient penalty) through ``at`` (a rule's parameter or layer) is refused."""
         if torch.is_grad_enabled():
             names = [self._names[id(q)] for q in (at.names.values() if isinstance(at, Layer) else [at])]
             refusals.refuse_own_gradient(self.rules, ", ".join(map(repr, names)))
