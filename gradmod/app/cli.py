@@ -335,6 +335,8 @@ def describe(e: BaseException) -> str:
         return f"cannot parse override {e.override!r}: {str(e).splitlines()[0]}"
     if str(e).startswith("Multiple values for hooks"):
         return _hooks_twice()
+    if own := re.search(r"In 'optimizer/([^']+)'.*Key '([^']+)' not in 'OptimizerConfig'", str(e), re.S):
+        return _own_optimizer_file(*own.groups())
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
     hint = re.search(r"To append to your config use (\S+)", str(e))  # Hydra's hint, where adding can work
     more = f"; to append to your config use {hint.group(1)}" if hint else ""
@@ -351,6 +353,15 @@ def describe(e: BaseException) -> str:
         if ln.strip() and not ln.strip().startswith(("full_key:", "object_type=", "reference_type="))
     ]
     return "; ".join(lines)
+
+
+def _own_optimizer_file(name: str, key: str) -> str:
+    """An ``optimizer/NAME.yaml`` of one's own with a key the base schema lacks (Adam's ``betas``)."""
+    return (
+        f"optimizer/{name}: {key!r} is not a key every optimizer takes; begin the file with "
+        f"'defaults: [/schema/optimizer/adam@_here_, _self_]' (or adamw, sgd, muon) for that optimizer's keys, "
+        f"or give it as args.{key}"
+    )
 
 
 def _not_a_list(key: str) -> str:

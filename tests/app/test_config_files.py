@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from helpers import ROOT
 
 from gradmod.app import config_files
@@ -109,3 +110,23 @@ def test_help_lists_a_plugins_transforms(tmp_path):
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if "flip_plugin(" in ln)
     assert line.split() == ["flip_plugin(p=1.0)", "Negate", "the", "gradient", "with", "probability", "p."]
+
+
+def test_an_own_optimizer_file_is_told_its_schema_line_and_composes_with_it(tmp_path):
+    """``optimizer/mine.yaml`` with Adam's ``betas``: one line that gives the schema line; with
+    that line the file composes, its ``betas`` kept."""
+    (tmp_path / "optimizer").mkdir()
+    body = "_target_: torch.optim.Adam\nlr: 0.001\nbetas: [0.9, 0.99]\n"
+    (tmp_path / "optimizer" / "mine.yaml").write_text(body)
+    (tmp_path / "optimizer" / "mine2.yaml").write_text("defaults: [/schema/optimizer/adam@_here_, _self_]\n" + body)
+
+    def run(*args):
+        cmd = [sys.executable, str(ROOT / "train.py"), "--config-dir", str(tmp_path), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+    refused = run("optimizer=mine", "trainer.epochs=1")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "'defaults: [/schema/optimizer/adam@_here_, _self_]'" in refused.stderr
+    composed = run("optimizer=mine2", "--cfg", "job")
+    assert composed.returncode == 0, composed.stderr
+    assert yaml.safe_load(composed.stdout)["optimizer"]["betas"] == [0.9, 0.99]
