@@ -126,7 +126,7 @@ def _bounded_log():
             assert len(stats) == 5
         if step in (100, 1000):
             counts[step] = live_tensors()
-    assert counts[1000] == counts[100]
+    assert counts[1000] <= counts[100]  # no growth (an earlier test's tensors may be freed in between)
     assert all(obs.calls == 0 and obs._sum is None for _, obs in hooks.observers())
     hooks.remove()
 
