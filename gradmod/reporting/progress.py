@@ -3,10 +3,10 @@ so that a log file shows the work goes on and about when it ends, where a termin
 bar is not seen.
 
 ``Progress(total, unit)`` is told how many units are done (``update``); at most once per
-``every`` seconds (``EVERY``) it gives a line ``120/600 batches (20%), 1 min 12 s so far, about 4 min 48 s
-left``, and none for work that ends sooner (nor once all is done: the work's end says so). The estimate is the rate since the first unit
-ended: the first often holds one-time work (compilation, the per_sample stage's trace), so no
-estimate is given before a second.
+``every`` seconds (``EVERY``) it gives a line ``120/600 batches (20%), 1 min 12 s so far, about
+4 min 48 s left``, and none for work that ends sooner (nor once all is done: the work's end says
+so). The estimate is the rate since the first unit ended: the first often holds one-time work
+(compilation, the per_sample stage's trace), so no estimate is given before a second.
 """
 
 from __future__ import annotations
