@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from gradmod.hooks.rules.globs import SELECTORS, ParamKind, matching, select, shown
+from gradmod.hooks.rules.globs import SELECTORS, ParamKind, matching, patterns, select, shown
 from gradmod.optim.combined import CombinedOptimizer
 
 ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer")
@@ -174,7 +174,7 @@ def entry_plan(i: int, entry: Any, base: type, base_kwargs: Mapping[str, Any]) -
         )
     for key in ("params", "exclude"):
         if entry.get(key) is not None:
-            _patterns(f"optimizer.groups.{i}.{key}", entry[key])
+            _check_patterns(f"optimizer.groups.{i}.{key}", entry[key])
     if entry.get("optimizer") is None:
         return Entry(None, {}, _base_entry_options(i, entry, base, base_kwargs), f"optimizer.groups.{i}")
     cls, kwargs = _own_optimizer(i, entry)
@@ -240,12 +240,9 @@ def _entry_names(
     return picked
 
 
-def _patterns(where: str, value: Any) -> None:
+def _check_patterns(where: str, value: Any) -> None:
     """A glob, a selector or a non-empty list of them (what they match is the model's)."""
-    listed = [value] if isinstance(value, str) else value
-    if not isinstance(listed, (list, tuple)) or not listed or not all(isinstance(v, str) and v for v in listed):
-        raise ValueError(f"{where}: {shown(value)} must be a glob or a non-empty list of globs")
-    for pattern in listed:
+    for pattern in patterns(where, value):
         if pattern.startswith("@") and pattern not in SELECTORS:
             raise ValueError(f"{where}: {pattern!r} is not a selector; allowed: {', '.join(SELECTORS)}")
 

@@ -58,7 +58,8 @@ def _module_kind(module: nn.Module) -> str:
     return "other"
 
 
-def _patterns(where: str, value: Any) -> list[str]:
+def patterns(where: str, value: Any) -> list[str]:
+    """A glob or a non-empty list of globs, as a list (else one line naming ``where``)."""
     if isinstance(value, str):
         value = [value]
     if (
@@ -141,7 +142,7 @@ def matching(
     """The names a glob or list of globs (``value``, at config key ``where``) matches; a
     pattern matching nothing is an error naming ``where``."""
     chosen: set[str] = set()
-    for pattern in _patterns(where, value):
+    for pattern in patterns(where, value):
         hits = _matches(where, pattern, names, what, kinds, shared)
         if not hits and pattern == SHARED:
             raise ValueError(
