@@ -97,6 +97,9 @@ SHIPPED = (
     ("autoclip", "group", f"{_HISTORY}:AutoClip", {}),
     ("freeze", "group", f"{_GROUP}:Freeze", {}),
     ("orthogonalize", "group", "gradmod.hooks.fused.orthogonalize:Orthogonalize", {}),
+    # Penalty: a term of the loss's own gradient, added before the backward that fills .grad.
+    ("grad_penalty", "penalty", "gradmod.hooks.penalty.terms:GradPenalty", {}),
+    ("input_grad_penalty", "penalty", "gradmod.hooks.penalty.terms:InputGradPenalty", {}),
     # Sharpness: how a rule's parameters move before the second forward and backward.
     ("sam", "sharpness", f"{_SHARPNESS}:Sam", {}),
     ("asam", "sharpness", f"{_SHARPNESS}:Asam", {}),

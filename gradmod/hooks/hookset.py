@@ -124,13 +124,19 @@ class HookSet:
         (a sequence) ones, whose gradients sum into ``.grad``. A stage that runs the backward itself
         (per_loss: its rules' parameters get the rule's combination of the task gradients, every
         other parameter the gradient of the sum) takes it over; ``closure()``: the loss again, for a second pass."""
-        given = losses if isinstance(losses, Tensor) else named(losses)
-        # A second forward at moved parameters (and back) is not a step taken without after_backward().
-        with self._due.parameters_moved() if self.forward_passes() > 1 else nullcontext():
-            for stage in self.stages:
-                if stage.backward(given, closure):
-                    return
-        total(given).backward()
+        given: Any = losses if isinstance(losses, Tensor) else named(losses)
+        self._core.through_backward = True
+        try:
+            for stage in self.stages:  # a penalty's term, before any backward
+                given, closure = stage.penalize(given, closure)
+            # A second forward at moved parameters (and back) is not a step taken without after_backward().
+            with self._due.parameters_moved() if self.forward_passes() > 1 else nullcontext():
+                for stage in self.stages:
+                    if stage.backward(given, closure):
+                        return
+            total(given).backward()
+        finally:
+            self._core.through_backward = False
 
     def forward_passes(self) -> int:
         """Forward passes each micro-batch of this optimizer step takes (``Stage.forward_passes``):
@@ -208,6 +214,13 @@ class HookSet:
         """Under fp16, the loss scale of the next backward (a device tensor): hook-stage
         transforms then see the unscaled gradient, as in fp32."""
         self._core.grad_scale = scale
+
+    def set_loss_divisor(self, divisor: float) -> None:
+        """What the loop divides each micro-batch's loss by (their number in an optimizer step):
+        a penalty rule takes its term of the micro-batch's own loss."""
+        if not divisor > 0:
+            raise ValueError(f"set_loss_divisor: divisor={divisor!r} must be > 0")
+        self._core.loss_divisor = float(divisor)
 
     def observers(self) -> list[tuple[str, Any]]:
         """(statistics key, accumulator) of every stage, in stage order: each ``log``

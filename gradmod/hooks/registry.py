@@ -16,6 +16,8 @@ builds and so at which stage it may run (``gradmod.hooks.stages``):
 * ``per_loss``: read by the per_loss stage on each loss's gradient; implies ``per_loss``.
 * ``sharpness``: how the sharpness stage perturbs a rule's parameters before its second
   forward and backward (``sam``, ``asam``: ``gradmod.hooks.sharpness``); implies ``sharpness``.
+* ``penalty``: a term the loss gains from its own gradient (``grad_penalty``,
+  ``input_grad_penalty``: ``gradmod.hooks.penalty``); implies ``penalty``.
 
 An entry may also have a form at another stage (``add_stage_form``): ``log`` is
 element-wise, and at the per_sample stage keeps per-example statistics instead.
@@ -37,7 +39,7 @@ from gradmod.hooks import catalog, stages
 from gradmod.hooks.rules.syntax import parse_spec
 from gradmod.hooks.schedules import with_values
 
-KINDS = ("elementwise", "group", "per_sample", "per_loss", "sharpness")
+KINDS = ("elementwise", "group", "per_sample", "per_loss", "sharpness", "penalty")
 
 # How a transform of one's own gets a name (train.py imports the modules named in plugins).
 OWN_TRANSFORMS = "a transform of your own is registered with gradmod.register, in a module given as plugins=[my_pkg.x]"

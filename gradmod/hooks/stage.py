@@ -10,7 +10,8 @@ reads, in its ``stage.py``, as its phases:
    one line what it cannot do, before anything is attached. What it combines with are facts
    in its row of the table, which ``gradmod.hooks.compatible`` checks once for all stages;
 2. ``__init__(model, targets, core)``: attach (hooks on tensors or modules);
-3. ``backward(losses, closure)``: run the backward itself, or leave it to ``HookSet``
+3. ``penalize(losses, closure)``: add a term to the loss (a penalty stage), then
+   ``backward(losses, closure)``: run the backward itself, or leave it to ``HookSet``
    (``forward_passes``: whether the closure's second forward runs this step);
 4. ``finish()``: in ``HookSet.after_backward``, in stage order, before ``optimizer.step()``;
 5. ``records()``, ``take_raw_parts()`` (for the non-finite count), ``state_dict()``,
@@ -50,7 +51,8 @@ class Core:
     more at each ``HookSet.after_backward()`` (the clock a schedule reads); ``windows``: the
     rules with an ``active`` window, ``inactive``: those outside it now (they do nothing);
     ``batch_dim``: the dimension of the model's inputs that holds the examples (None: 0, or
-    1 for a model with ``batch_first = False``); ``fills_grad()``: whether the backward in
+    1 for a model with ``batch_first = False``); ``through_backward``: ``HookSet.backward`` is
+    running; ``loss_divisor``: what a loop divides each micro-batch's loss by (``HookSet.set_loss_divisor``); ``fills_grad()``: whether the backward in
     progress fills the model's ``.grad`` (the gradient that trains it, on which rules act) rather
     than returning a gradient a loss takes of itself (``torch.autograd.grad``), asked in hooks
     (``gradmod.hooks.trace.fills_grad``)."""
@@ -62,6 +64,8 @@ class Core:
     inactive: frozenset[str] = frozenset()
     batch_dim: int | None = None
     fills_grad: Callable[[], bool] = lambda: True
+    through_backward: bool = False  # HookSet.backward is running (a guard tells it from loss.backward())
+    loss_divisor: float = 1.0  # the loop divides each micro-batch's loss by this (their number in a step)
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,11 @@ class Stage(abc.ABC):
     @abc.abstractmethod
     def __init__(self, model: nn.Module, targets: list, core: Core):
         """Attach this stage's rules (``targets``: every rule's, in config order)."""
+
+    def penalize(self, losses: Any, closure: Callable[[], Any] | None) -> tuple[Any, Callable[[], Any] | None]:
+        """The losses with this stage's terms added, and the closure whose losses gain theirs
+        (a penalty stage: its row's ``penalizes``); most stages hand both back as they are."""
+        return losses, closure
 
     def backward(self, losses: Tensor | Mapping[str, Tensor], closure: Callable[[], Any] | None = None) -> bool:
         """Run the step's backward of ``losses`` (one scalar, or several by name) itself and

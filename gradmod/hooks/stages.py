@@ -3,6 +3,9 @@
 ``STAGES`` lists them in the order they finish writing a gradient, which is the order of
 the plan (``HookSet.describe``) and of ``HookSet.after_backward``:
 
+* ``penalty``: a term the loss gains from its own gradient (``grad_penalty``,
+  ``input_grad_penalty``), added in ``HookSet.backward`` before the backward that fills
+  ``.grad``, which every other stage then sees (``gradmod.hooks.penalty``).
 * ``hook``: ``Tensor.register_hook`` on the parameter (or a module's output); each
   backward's local gradient, before it is accumulated into ``.grad``.
 * ``per_loss``: several losses' gradients of the rule's parameters (or of a module's
@@ -69,10 +72,31 @@ class StageFacts:
     several_losses: bool = False  # HookSet.backward(losses) hands it several named losses
     foreign_loop: str = ""  # why a loop not gradmod's ({trainer}) cannot drive it, for its one line
     plan_tag: bool = False  # the console's plan marks its rules [name]
+    model_input: bool = False  # its modules rules read a module's input, not its output (@input: the model's)
+    penalizes: str = ""  # it adds a term to the loss before the backward that fills .grad: what the term is
     scores: bool = False  # a rule here may keep each example's scores (transforms: [scores]; see_batch, take_scores)
 
 
 STAGES: tuple[StageFacts, ...] = (
+    StageFacts(
+        "penalty",
+        ("penalty",),
+        "penalty",
+        default=False,
+        modules=True,
+        needs_after_backward=True,
+        sees="the loss's own gradient, differentiated (a term added to the loss)",
+        home="gradmod.hooks.penalty.stage:PenaltyStage",
+        windows=True,
+        model_input=True,
+        penalizes="a term of the loss's own gradient, added before the backward that fills .grad",
+        foreign_loop=(
+            "penalty rules add a term of the loss's own gradient in hooks.backward(loss), and {trainer} "
+            "calls backward on the loss itself; train with gradmod's trainer (gradmod +hooks=grad_penalty), "
+            "or add the term in your own loss (docs/guide/penalties.md)"
+        ),
+        plan_tag=True,
+    ),
     StageFacts(
         "hook",
         ("elementwise",),

@@ -4,7 +4,7 @@
 backward, the work due before ``optimizer.step()``, the ``log`` statistics, and under fp16
 the loss scale. ``StagedHooks``: what a ``HookSet`` answers beyond that, from its stages
 (``gradmod.hooks.stage.Stage``): the stages themselves (DDP's reduction and the step's
-divisor, ``gradmod.training.stage_sync``), the loop's facts (``set_up``), the forward passes
+divisor, ``gradmod.training.stage_sync``), the loop's facts (``set_up``, ``set_loss_divisor``), the forward passes
 of a micro-batch (a second one through ``backward``'s closure), the step's losses after the
 optimizer step, and the stage keeping each example's scores.
 
@@ -66,6 +66,9 @@ class StagedHooks(Protocol):
 
     def set_up(self, loop: Loop) -> None:
         """What the loop knows (ranks, examples per step, the all-reduce)."""
+
+    def set_loss_divisor(self, divisor: float) -> None:
+        """What each micro-batch's loss is divided by (a penalty is each micro-batch's own)."""
 
     @property
     def keeping_scores(self) -> ScoreKeeper | None:

@@ -218,6 +218,8 @@ class Trainer:
             group = 1
         if not self.stage_sync.ddp_may_reduce:  # the stages reduce what they need after backward
             sync = False
+        if self.staged is not None:
+            self.staged.set_loss_divisor(group)
         if self.staged is not None and self.staged.forward_passes() > 1:
             losses = self._two_passes(xb, yb, group, sync)
         else:

@@ -27,6 +27,8 @@ SELECTORS = {
     "@matrices": "weights of 2 or more dimensions outside the embeddings and the last layer",
     SHARED: "the parameters every task's loss reaches (a multi-task model's trunk)",
 }
+INPUT = "@input"  # in a modules rule: the model itself, whose input a penalty differentiates
+MODULE_SELECTORS = {INPUT: "the model itself (its input's gradient: input_grad_penalty)"}
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm)
 NORM_NAME = re.compile(r"Norm(\dd)?$")  # a library's own norm class: LlamaRMSNorm, T5LayerNorm, LayerNorm2d
@@ -109,11 +111,18 @@ def _matches(
     ``kinds`` (``param_kinds(model)``) but for ``@last_layer`` and ``@shared`` (``shared``:
     what ``shared_params.find`` found, None where it has not run)."""
     if not pattern.startswith("@"):
-        return fnmatch.filter(names, pattern)
+        return fnmatch.filter([n for n in names if n], pattern)  # "" (the model itself) only as @input
+    if pattern in MODULE_SELECTORS and not what.startswith("parameter"):
+        return [n for n in names if n == ""]
+    if pattern in MODULE_SELECTORS:
+        raise ValueError(f"{where}: {pattern} is {MODULE_SELECTORS[pattern]}, for a modules rule")
     if pattern not in SELECTORS:
-        raise ValueError(f"{where}: {pattern!r} is not a selector; allowed: {', '.join(SELECTORS)}")
+        allowed = SELECTORS if what.startswith("parameter") else MODULE_SELECTORS
+        raise ValueError(f"{where}: {pattern!r} is not a selector; allowed: {', '.join(allowed)}")
     if not what.startswith("parameter"):
-        raise ValueError(f"{where}: {pattern} selects parameters; a modules rule names its modules by their globs")
+        raise ValueError(
+            f"{where}: {pattern} selects parameters; a modules rule names its modules by their globs or {INPUT}"
+        )
     if pattern == LAST_LAYER:
         return last_layer(names)
     if pattern == SHARED:

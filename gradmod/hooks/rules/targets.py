@@ -45,8 +45,13 @@ class Target:
 
     @property
     def key(self) -> str:
-        """The tensor's name in plans and statistics: a module's output is ``name:output``."""
-        return self.name if self.kind == "param" else f"{self.name}:output"
+        """The tensor's name in plans and statistics: a module's output is ``name:output``, its
+        input (where the stage reads inputs) ``name:input``, the model's ``@input``."""
+        if self.kind == "param":
+            return self.name
+        if stages.get(self.stage).model_input:
+            return f"{self.name}:input" if self.name else "@input"
+        return f"{self.name}:output"
 
 
 def build_targets(
@@ -61,7 +66,7 @@ def build_targets(
         raise ValueError(f"hooks must be a mapping of rule name to rule, got {type(rules).__name__}")
     params = [n for n, p in model.named_parameters() if p.requires_grad or switched_off(p)]
     every = [n for n, _ in model.named_parameters()]  # frozen ones too: a follows_frozen stage's rule covers them
-    modules = [n for n, _ in model.named_modules() if n]
+    modules = [n for n, _ in model.named_modules()]  # "" (the model itself) only as @input
     kinds = param_kinds(model)  # what the selectors (@norms, @matrices, ...) read
     found = shared_params.found(model)  # what @shared stands for
     targets: list[Target] = []
@@ -183,6 +188,11 @@ def _rule_targets(
         kinds,
         shared=every_task,  # what @shared stands for
     )
+    if "" in names and not stages.get(stage).model_input:
+        raise ValueError(
+            f"hooks.{rule}.modules: @input (the model's input) is for a "
+            f"{' or '.join(s.name for s in stages.STAGES if s.model_input)} rule; name modules by their globs"
+        )
     if stages.get(stage).follows_frozen and kind == "param":
         names += _frozen_too(rule, spec, params, every, kinds)
     window = rule_window(rule, spec, length)
@@ -336,8 +346,9 @@ def format_plan(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "hook plan: no rules"
     width = max(len(d["tensor"]) for d in rows)
+    stage_width = max(5, *(len(d["stage"]) for d in rows))
     lines = [
-        f"  {d['tensor']:<{width}}  {d['stage']:<5}  {d['rule']}: {' -> '.join(d['transforms'])}"
+        f"  {d['tensor']:<{width}}  {d['stage']:<{stage_width}}  {d['rule']}: {' -> '.join(d['transforms'])}"
         + (f"  (active steps {d['active']})" if "active" in d else "")
         for d in rows
     ]
