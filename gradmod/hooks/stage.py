@@ -162,8 +162,13 @@ class Stage(abc.ABC):
 
     def penalize(self, losses: Any, closure: Callable[[], Any] | None) -> tuple[Any, Callable[[], Any] | None]:
         """The losses with this stage's terms added, and the closure whose losses gain theirs
-        (a penalty stage: its row's ``penalizes``); most stages hand both back as they are."""
+        (the penalty stage); most stages hand both back as they are."""
         return losses, closure
+
+    def double_backward(self) -> str | None:
+        """The first rule whose work differentiates the model's backward again (a penalty's
+        double backward: no compiled model can), or None."""
+        return None
 
     def backward(self, losses: Tensor | Mapping[str, Tensor], closure: Callable[[], Any] | None = None) -> bool:
         """Run the step's backward of ``losses`` (one scalar, or several by name) itself and

@@ -73,7 +73,6 @@ class StageFacts:
     foreign_loop: str = ""  # why a loop not gradmod's ({trainer}) cannot drive it, for its one line
     plan_tag: bool = False  # the console's plan marks its rules [name]
     model_input: bool = False  # its modules rules read a module's input, not its output (@input: the model's)
-    penalizes: str = ""  # it adds a term to the loss before the backward that fills .grad: what the term is
     scores: bool = False  # a rule here may keep each example's scores (transforms: [scores]; see_batch, take_scores)
 
 
@@ -89,7 +88,6 @@ STAGES: tuple[StageFacts, ...] = (
         home="gradmod.hooks.penalty.stage:PenaltyStage",
         windows=True,
         model_input=True,
-        penalizes="a term of the loss's own gradient, added before the backward that fills .grad",
         foreign_loop=(
             "penalty rules add a term of the loss's own gradient in hooks.backward(loss), and {trainer} "
             "calls backward on the loss itself; train with gradmod's trainer (gradmod +hooks=grad_penalty), "

@@ -44,10 +44,23 @@ class Parts:
     probe: GradCamProbe | None
 
 
+def _refuse_compiled_penalty(run: Run) -> None:
+    """A rule that differentiates the model's backward again (an exact penalty), which a compiled model's cannot."""
+    rule = next((r for stage in run.hooks.stages if (r := stage.double_backward()) is not None), None)
+    if rule is not None:
+        raise ValueError(
+            f"trainer.compile=true: hooks.{rule} adds a term of the loss's own gradient by a double backward "
+            "through the model, which a compiled model's backward cannot (torch.compile runs no double backward); "
+            "set trainer.compile=false (or the rule's method: finite_difference, two plain passes)"
+        )
+
+
 def build_trainer(run: Run) -> Parts:
     """The Trainer with the callbacks a checkpoint restores."""
     cfg, t, dist, model = run.cfg, run.cfg.trainer, run.dist, run.model
     wrapped = dist.wrap(model, find_unused=run.hooks.changes_trainability)
+    if t.compile:
+        _refuse_compiled_penalty(run)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
     net = compile_model(wrapped) if t.compile else wrapped
     many = dist.world_size > 1

@@ -8,7 +8,7 @@ next backward adds its input: the penalty is over all of them."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor, nn

@@ -124,6 +124,9 @@ class PenaltyStage(Stage):
 
         return hook
 
+    def double_backward(self) -> str | None:
+        return next((r.name for r in self.rules.values() if not _finite_difference(r.term)), None)
+
     def due(self) -> list[PenaltyRule]:
         """The rules that take their term on the optimizer step in progress."""
         return [r for r in self.rules.values() if self._due_now(r)()]
