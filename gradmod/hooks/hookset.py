@@ -135,6 +135,11 @@ class HookSet:
                     if stage.backward(given, closure):
                         return
             total(given).backward()
+        except RuntimeError as e:
+            line = next((line for stage in self.stages if (line := stage.refusal(e)) is not None), None)
+            if line is None:
+                raise
+            raise ValueError(line) from None
         finally:
             self._core.through_backward = False
 

@@ -165,6 +165,11 @@ class Stage(abc.ABC):
         (the penalty stage); most stages hand both back as they are."""
         return losses, closure
 
+    def refusal(self, error: RuntimeError) -> str | None:
+        """The one line for an error torch raised in the step's backward that this stage's work
+        caused and the user can change (an op with no double backward), or None."""
+        return None
+
     def double_backward(self) -> str | None:
         """The first rule whose work differentiates the model's backward again (a penalty's
         double backward: no compiled model can), or None."""

@@ -26,11 +26,13 @@ unscaled loss and scaled as the loss is, so it is each micro-batch's own.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradmod.hooks import stages
 from gradmod.hooks.losses import named, total
@@ -88,7 +90,7 @@ class PenaltyStage(Stage):
                     f"{t.rule!r} splits it into {split}; use one of them (a penalty of your own can sit inside one "
                     "task's loss: docs/guide/penalties.md)"
                 )
-        fd = next((t for t in targets if t.stage == cls.name and _finite_difference(t.steps[0].fn)), None)
+        fd = next((t for t in targets if t.stage == cls.name and not t.steps[0].fn.exact), None)
         other = next((t for t in targets if stages.get(t.stage).runs_backward), None)
         if fd is not None and other is not None:
             raise ValueError(
@@ -111,6 +113,7 @@ class PenaltyStage(Stage):
                 rule.inputs.append(Inputs(t.rule, modules[t.name], where, self._due_now(rule)))
         # A backward filling .grad outside hooks.backward would silently leave the penalty out.
         self._handles = [r.params[0].register_hook(self._guard(r.name)) for r in self.rules.values() if r.params]
+        self._handles += _math_attention(model, lambda: any(r.term.exact for r in self.due()))
 
     def _due_now(self, rule: PenaltyRule) -> Callable[[], bool]:
         return lambda: rule.name not in self.core.inactive and rule.term.due(self.core.step)
@@ -124,8 +127,20 @@ class PenaltyStage(Stage):
 
         return hook
 
+    def refusal(self, error: RuntimeError) -> str | None:
+        """An op of the model with no double backward in torch: one line naming it, else None."""
+        found = re.search(r"derivative for (\S+) is not implemented", str(error))
+        rule = self.double_backward()
+        if found is None or rule is None:
+            return None
+        return (
+            f"hooks.{rule}: torch has no double backward for {found.group(1)}, which the model's forward runs, so "
+            "its exact penalty cannot be differentiated; select parameters or modules before that layer, or use "
+            "grad_penalty's method: finite_difference"
+        )
+
     def double_backward(self) -> str | None:
-        return next((r.name for r in self.rules.values() if not _finite_difference(r.term)), None)
+        return next((r.name for r in self.rules.values() if r.term.exact), None)
 
     def due(self) -> list[PenaltyRule]:
         """The rules that take their term on the optimizer step in progress."""
@@ -133,11 +148,11 @@ class PenaltyStage(Stage):
 
     def forward_passes(self) -> int:
         """2 where a finite-difference rule is due (its closure's forward), else 1."""
-        return 2 if any(_finite_difference(r.term) for r in self.due()) else 1
+        return 2 if any(not r.term.exact for r in self.due()) else 1
 
     def penalize(self, losses: Tensor | Mapping[str, Tensor], closure: Callable[[], Any] | None) -> tuple[Any, Any]:
         """``losses`` with the due exact rules' terms added, and the closure whose loss gains its own."""
-        due = [r for r in self.due() if not _finite_difference(r.term)]
+        due = [r for r in self.due() if r.term.exact]
         if not due:
             for r in self.rules.values():
                 for i in r.inputs:
@@ -188,7 +203,7 @@ class PenaltyStage(Stage):
 
     def backward(self, losses: Tensor | Mapping[str, Tensor], closure: Callable[[], Any] | None = None) -> bool:
         """Where a finite-difference rule is due: both passes, run here; else the backward is HookSet's."""
-        fd = [r for r in self.due() if _finite_difference(r.term)]
+        fd = [r for r in self.due() if not r.term.exact]
         if not fd:
             return False
         if not callable(closure):
@@ -254,8 +269,22 @@ class _Mix:
     saved: list[Tensor]
 
 
-def _finite_difference(term: Any) -> bool:
-    return isinstance(term, GradPenalty) and term.method == "finite_difference"
+def _math_attention(model: nn.Module, due: Callable[[], bool]) -> list[Any]:
+    """Hooks that run the model's training forwards of a due step on torch's math attention
+    kernel, the one whose backward can be differentiated again (the fused kernels' cannot)."""
+    held: list[Any] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled() and module.training and due():
+            kernel = sdpa_kernel([SDPBackend.MATH])
+            kernel.__enter__()
+            held.append(kernel)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        if held:
+            held.pop().__exit__(None, None, None)
+
+    return [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]
 
 
 def _term(term: Penalty, grads: list[Tensor], c: Tensor | float, core: Core) -> Tensor:

@@ -42,6 +42,11 @@ class Penalty:
     name = "penalty"
     needs = "params"  # the rule kind that names what the gradient is taken of
 
+    @property
+    def exact(self) -> bool:
+        """Its term is differentiated by a double backward (not a finite difference)."""
+        return True
+
     def due(self, step: int) -> bool:
         """Taken at this optimizer step (steps done so far: ``step``)."""
         return step % self.every == 0 and self.weight > 0
@@ -62,6 +67,10 @@ class GradPenalty(Penalty):
     radius: float = 0.01
 
     name = "grad_penalty"
+
+    @property
+    def exact(self) -> bool:
+        return self.method == "exact"
 
     def __post_init__(self) -> None:
         super().__post_init__()
