@@ -253,6 +253,7 @@ NAMES_A_STAGE = {
     ("gradmod/hooks/registry.py", "per_loss"),
     ("gradmod/hooks/registry.py", "per_sample"),
     ("gradmod/hooks/registry.py", "sharpness"),
+    ("gradmod/hooks/registry.py", "penalty"),
     # torch optimizers' own fused= argument
     ("gradmod/optim/spec.py", "fused"),
     ("gradmod/run/factories.py", "fused"),

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gradmod.hooks import stages
 from gradmod.hooks.mesh.sharded import is_sharded
 
 _DUE: weakref.WeakSet[AfterBackwardDue] = weakref.WeakSet()  # watches with work due now
@@ -115,3 +116,15 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return  # step(closure): the step's last backward (and after_backward) run inside, as Lightning's do
     for watch in list(_DUE):
         watch.before_step(optimizer)
+
+
+def sentinels(targets: list[Any], params: dict[str, nn.Parameter], timed: Any) -> dict[str, tuple[str, nn.Parameter]]:
+    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes,
+    or whose transforms follow the step clock it advances."""
+    changing = {t.rule for t in targets if t.active is not None or any(s.schedules for s in t.steps)}
+    changing |= {t.rule for t in targets for s in t.steps if any(s is c for c in timed.clocked)}
+    out: dict[str, tuple[str, nn.Parameter]] = {}
+    for t in targets:
+        if t.kind == "param" and (stages.get(t.stage).needs_after_backward or t.rule in changing):
+            out.setdefault(t.rule, (t.stage, params[t.name]))
+    return out

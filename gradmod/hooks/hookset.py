@@ -7,6 +7,8 @@ stages act in the order of ``gradmod.hooks.stages.STAGES`` (``HookSet.chains`` l
 order). Each is a ``gradmod.hooks.stage.Stage`` in a folder of its own (a ``ScoreKeeper`` where
 it keeps each example's scores); ``HookSet`` runs them through that protocol and names none:
 
+* ``penalty``: ``backward(loss)`` first adds a term of the loss's own gradient to the loss
+  (``grad_penalty``, ``input_grad_penalty``: ``gradmod.hooks.penalty``).
 * ``hook``: ``Tensor.register_hook`` on the tensor; each backward's local gradient
   before it is accumulated into ``.grad`` (and before DDP's all-reduce).
 * ``per_loss``: ``backward(losses)`` with several named losses: the rule's parameters get
@@ -31,12 +33,11 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import compatible, stages
-from gradmod.hooks import registry as R
-from gradmod.hooks.after_backward_due import AfterBackwardDue
+from gradmod.hooks.after_backward_due import AfterBackwardDue, sentinels
 from gradmod.hooks.losses import named, total
 from gradmod.hooks.mesh.sharded import refuse_optimizer_in_backward, refuse_pipeline_stage, watch
 from gradmod.hooks.rules import targets as selection
-from gradmod.hooks.rules.targets import DEFAULT_STAGES, Target, build_targets
+from gradmod.hooks.rules.targets import Target, build_targets, check_options
 from gradmod.hooks.rules.timed import Timed
 from gradmod.hooks.schedules import Length
 from gradmod.hooks.stage import Core, Loop, ScoreKeeper, Stage
@@ -80,7 +81,7 @@ class HookSet:
         self._keys = {t.key for t in targets}
         self._params = {t.name: params[t.name] for t in targets if t.kind == "param"}
         self._stepped_once = False
-        self._due = AfterBackwardDue(model, _sentinels(targets, params, self.timed))  # a forgotten after_backward()
+        self._due = AfterBackwardDue(model, sentinels(targets, params, self.timed))  # a forgotten after_backward()
         for obj in self._owned:
             _OWNERS[obj] = self
 
@@ -221,8 +222,7 @@ class HookSet:
         self._core.grad_scale = scale
 
     def set_loss_divisor(self, divisor: float) -> None:
-        """What the loop divides each micro-batch's loss by (their number in an optimizer step):
-        a penalty rule takes its term of the micro-batch's own loss."""
+        """What the loop divides each micro-batch's loss by: a penalty is the micro-batch's own."""
         if not divisor > 0:
             raise ValueError(f"set_loss_divisor: divisor={divisor!r} must be > 0")
         self._core.loss_divisor = float(divisor)
@@ -323,20 +323,6 @@ class HookSet:
         self.remove()
 
 
-def _sentinels(
-    targets: list[Target], params: dict[str, nn.Parameter], timed: Timed
-) -> dict[str, tuple[str, nn.Parameter]]:
-    """rule -> (stage, its first parameter) for the rules ``after_backward()`` finishes,
-    or whose transforms follow the step clock it advances."""
-    changing = {t.rule for t in targets if t.active is not None or any(s.schedules for s in t.steps)}
-    changing |= {t.rule for t in targets for s in t.steps if any(s is c for c in timed.clocked)}
-    out: dict[str, tuple[str, nn.Parameter]] = {}
-    for t in targets:
-        if t.kind == "param" and (stages.get(t.stage).needs_after_backward or t.rule in changing):
-            out.setdefault(t.rule, (t.stage, params[t.name]))
-    return out
-
-
 def attach(
     model: nn.Module,
     rules: Mapping[str, Mapping[str, Any]] | None,
@@ -362,7 +348,7 @@ def attach(
     optimizer steps, for schedules and windows given in ``dur`` or ``ep`` (refused in one
     line without them).
     """
-    _check_options(stage, loss_reduction, batch_dim, total_steps, steps_per_epoch)
+    check_options(stage, loss_reduction, batch_dim, total_steps, steps_per_epoch)
     length = Length(steps_per_epoch=steps_per_epoch, total_steps=total_steps)
     targets = build_targets(model, rules, stage, length)  # validate everything before touching the model
     at = {t.stage for t in targets}
@@ -381,25 +367,6 @@ def attach(
     hooks = HookSet(model, targets, loss_reduction, batch_dim, length)
     _ATTACHED[model] = [h for h in previous if h not in replaced] + [hooks]
     return hooks
-
-
-def _check_options(
-    stage: str, loss_reduction: str, batch_dim: int | None, total_steps: int | None, steps_per_epoch: int | None
-) -> None:
-    """``attach``'s own arguments, each refused in one line."""
-    for name, n in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"attach: {name}={n!r} must be an int >= 1 (optimizer steps), or None")
-    if stage not in DEFAULT_STAGES:
-        hint = ""
-        if stage in stages.names():  # a stage of its own: a rule sets it, or a transform's kind implies it
-            implied = [n for kind in (stages.get(stage).implied_by,) if kind for n in R.names(kind)]
-            hint = f"; {stage} is set per rule" + (f" (or implied by {', '.join(implied[:3])})" if implied else "")
-        raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
-    if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
-        raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")
 
 
 def _refuse_overlap(model: nn.Module, targets: list[Target], replaced: list[HookSet]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,8 +45,9 @@ class Parts:
     probe: GradCamProbe | None
 
 
-def _refuse_compiled_penalty(run: Run) -> None:
-    """A rule that differentiates the model's backward again (an exact penalty), which a compiled model's cannot."""
+def _compilable(wrapped: Any, run: Run) -> Any:
+    """``wrapped``, where no rule differentiates the model's backward again (an exact penalty),
+    which a compiled model's backward cannot."""
     rule = next((r for stage in run.hooks.stages if (r := stage.double_backward()) is not None), None)
     if rule is not None:
         raise ValueError(
@@ -53,16 +55,15 @@ def _refuse_compiled_penalty(run: Run) -> None:
             "through the model, which a compiled model's backward cannot (torch.compile runs no double backward); "
             "set trainer.compile=false (or the rule's method: finite_difference, two plain passes)"
         )
+    return wrapped
 
 
 def build_trainer(run: Run) -> Parts:
     """The Trainer with the callbacks a checkpoint restores."""
     cfg, t, dist, model = run.cfg, run.cfg.trainer, run.dist, run.model
     wrapped = dist.wrap(model, find_unused=run.hooks.changes_trainability)
-    if t.compile:
-        _refuse_compiled_penalty(run)
     # Hooks are attached to the plain model already; the compiled module shares its parameters.
-    net = compile_model(wrapped) if t.compile else wrapped
+    net = compile_model(_compilable(wrapped, run)) if t.compile else wrapped
     many = dist.world_size > 1
     guard = NonFiniteGuard(
         model, run.hooks, t.nonfinite, world_sum=_world_sum if many else None, sharded=many and dist.strategy == "fsdp"

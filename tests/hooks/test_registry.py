@@ -33,12 +33,14 @@ def test_every_shipped_transform_says_its_kind():
 
 
 def test_stage_table_order_and_kinds():
-    assert [s.name for s in stages.STAGES] == ["hook", "per_loss", "per_sample", "sharpness", "fused"]
-    assert stages.names() == ("hook", "per_loss", "per_sample", "sharpness", "fused")
+    assert [s.name for s in stages.STAGES] == ["penalty", "hook", "per_loss", "per_sample", "sharpness", "fused"]
+    assert stages.names() == ("penalty", "hook", "per_loss", "per_sample", "sharpness", "fused")
+    assert stages.order("penalty") < stages.order("hook")  # the term is in the loss before any gradient
     assert stages.default_names() == ("hook", "fused")
     assert stages.order("hook") < stages.order("per_loss") < stages.order("per_sample") < stages.order("fused")
     assert stages.order("per_sample") < stages.order("sharpness") < stages.order("fused")
-    assert {k: stages.implied_by(k).name for k in ("group", "per_sample", "per_loss", "sharpness")} == {
+    assert {k: stages.implied_by(k).name for k in ("group", "per_sample", "per_loss", "sharpness", "penalty")} == {
+        "penalty": "penalty",
         "group": "fused",
         "per_sample": "per_sample",
         "per_loss": "per_loss",

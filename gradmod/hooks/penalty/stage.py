@@ -38,8 +38,7 @@ from gradmod.hooks import stages
 from gradmod.hooks.losses import named, total
 from gradmod.hooks.penalty.inputs import Inputs
 from gradmod.hooks.penalty.terms import GradPenalty, InputGradPenalty, Penalty
-from gradmod.hooks.sharpness.batchnorm import running_stats_frozen
-from gradmod.hooks.sharpness.passes import accumulate, set_aside
+from gradmod.hooks.second_pass import accumulate, running_stats_frozen, set_aside
 from gradmod.hooks.stage import Core, Stage
 
 

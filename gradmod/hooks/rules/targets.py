@@ -353,3 +353,22 @@ def format_plan(rows: list[dict[str, Any]]) -> str:
         for d in rows
     ]
     return "hook plan:\n" + "\n".join(lines)
+
+
+def check_options(
+    stage: str, loss_reduction: str, batch_dim: int | None, total_steps: int | None, steps_per_epoch: int | None
+) -> None:
+    """``attach``'s own arguments, each refused in one line."""
+    for name, n in (("total_steps", total_steps), ("steps_per_epoch", steps_per_epoch)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"attach: {name}={n!r} must be an int >= 1 (optimizer steps), or None")
+    if stage not in DEFAULT_STAGES:
+        hint = ""
+        if stage in stages.names():  # a stage of its own: a rule sets it, or a transform's kind implies it
+            implied = [n for kind in (stages.get(stage).implied_by,) if kind for n in R.names(kind)]
+            hint = f"; {stage} is set per rule" + (f" (or implied by {', '.join(implied[:3])})" if implied else "")
+        raise ValueError(f"stage {stage!r} is not a default stage; allowed: {', '.join(DEFAULT_STAGES)}{hint}")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction={loss_reduction!r}; allowed: mean, sum")
+    if batch_dim is not None and (isinstance(batch_dim, bool) or not isinstance(batch_dim, int) or batch_dim < 0):
+        raise ValueError(f"batch_dim={batch_dim!r}; allowed: an int >= 0 (the inputs' batch dimension)")

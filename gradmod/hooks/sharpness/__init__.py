@@ -4,11 +4,11 @@ LookSAM, Friendly SAM) by glob.
 ``perturb`` holds the base of the transforms and ``sam``, ``asam`` (the shift ``e`` of a
 rule's parameters); ``gsam``, ``wsam``, ``looksam``, ``friendly_sam`` one each;
 ``centralize`` the form of ``centralize`` before the ascent; ``stage`` the two passes,
-``passes`` what they hold; ``batchnorm`` what keeps the second pass out of the running
-statistics.
+``passes`` what they hold (``gradmod.hooks.second_pass``: what keeps the second pass out of
+``.grad`` and the running statistics).
 """
 
-from gradmod.hooks.sharpness.batchnorm import running_stats_frozen
+from gradmod.hooks.second_pass import running_stats_frozen
 from gradmod.hooks.sharpness.friendly_sam import FriendlySam
 from gradmod.hooks.sharpness.gsam import Gsam
 from gradmod.hooks.sharpness.looksam import LookSam

@@ -1,11 +1,9 @@
-"""What the sharpness stage's passes hold: the rules, each due rule's first-pass
-gradients, and ``.grad`` set aside while a backward writes a gradient that must stand alone."""
+"""What the sharpness stage's passes hold: the rules and each due rule's first-pass gradients."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from torch import Tensor, nn
 
@@ -68,28 +66,3 @@ class Taken:
     def second(self) -> list[Tensor]:
         """The gradients the second pass left in ``.grad`` (zeros where it reached none)."""
         return [p.grad if p.grad is not None else p.detach().new_zeros(p.shape) for p in self.params]
-
-
-@contextmanager
-def set_aside(params: list[Tensor]) -> Iterator[list[Tensor | None]]:
-    """Inside, ``params`` have no ``.grad`` (a backward's gradient stands alone); on the way
-    out each gets back the entry of the yielded list (what it held, unless ``accumulate``
-    added to it), also when the body raised."""
-    held = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield held
-    finally:
-        for p, g in zip(params, held):
-            p.grad = g
-
-
-def accumulate(params: list[Tensor], held: list[Tensor | None]) -> None:
-    """Add each parameter's ``.grad`` (this backward's) into what ``set_aside`` held, as
-    autograd accumulates: in place where something is held, else the new tensor itself."""
-    for i, p in enumerate(params):
-        g = p.grad
-        if g is not None:
-            h = held[i]
-            held[i] = g if h is None else h.add_(g)

@@ -46,8 +46,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.losses import named, total
-from gradmod.hooks.sharpness.batchnorm import running_stats_frozen
-from gradmod.hooks.sharpness.passes import SharpRule, Taken, accumulate, set_aside, sharpness_rules
+from gradmod.hooks.second_pass import accumulate, running_stats_frozen, set_aside
+from gradmod.hooks.sharpness.passes import SharpRule, Taken, sharpness_rules
 from gradmod.hooks.stage import Core, Loop, Stage
 
 

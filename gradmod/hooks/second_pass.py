@@ -1,4 +1,8 @@
-"""The second pass runs at perturbed parameters: its batch statistics must not enter the
+"""What a stage that runs a second forward and backward at moved parameters needs (sharpness,
+a penalty's finite difference): ``.grad`` set aside while a backward writes a gradient that
+must stand alone (``set_aside``, ``accumulate``), and the running statistics kept out of it.
+
+The second pass runs at perturbed parameters: its batch statistics must not enter the
 running statistics that evaluation uses.
 
 During the second forward a BatchNorm layer (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``)
@@ -18,7 +22,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -47,3 +51,28 @@ def running_stats_frozen(model: nn.Module) -> Iterator[None]:
                 m.momentum = momentum
                 for n, saved in buffers:
                     getattr(m, n).copy_(saved)
+
+
+@contextmanager
+def set_aside(params: list[Tensor]) -> Iterator[list[Tensor | None]]:
+    """Inside, ``params`` have no ``.grad`` (a backward's gradient stands alone); on the way
+    out each gets back the entry of the yielded list (what it held, unless ``accumulate``
+    added to it), also when the body raised."""
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield held
+    finally:
+        for p, g in zip(params, held):
+            p.grad = g
+
+
+def accumulate(params: list[Tensor], held: list[Tensor | None]) -> None:
+    """Add each parameter's ``.grad`` (this backward's) into what ``set_aside`` held, as
+    autograd accumulates: in place where something is held, else the new tensor itself."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is not None:
+            h = held[i]
+            held[i] = g if h is None else h.add_(g)
