@@ -86,13 +86,13 @@ def _arguments(name: str) -> list[str]:
 
 
 def test_transforms_md_has_a_row_naming_every_argument_of_each_transform():
-    """Element-wise, group, per_sample and sharpness transforms in transforms.md's table (one
+    """Element-wise, group, per_sample, sharpness and penalty transforms in transforms.md's table (one
     table: a row set apart by a blank line is not in it); per_loss methods in multitask.md's
     tables (their arguments there too)."""
     rows = table_rows(TRANSFORMS, "| name | arguments | gradient becomes |")
     shipped = [n for n in registry.names() if registry.factory(n).__module__.startswith("gradmod.")]
     problems = []
-    here = [n for n in shipped if registry.entry(n).kind in ("elementwise", "group", "per_sample", "sharpness")]
+    here = [n for n in shipped if registry.entry(n).kind in ("elementwise", "group", "per_sample", "sharpness", "penalty")]
     problems += compare(TRANSFORMS, "the transforms table", list(rows), "transform", here)
     methods = {**table_rows(MULTITASK, "| method | arguments (default) | what it does |")}
     methods.update(table_rows(MULTITASK, "| method | arguments (default) | weights |"))
