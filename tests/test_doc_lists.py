@@ -92,7 +92,9 @@ def test_transforms_md_has_a_row_naming_every_argument_of_each_transform():
     rows = table_rows(TRANSFORMS, "| name | arguments | gradient becomes |")
     shipped = [n for n in registry.names() if registry.factory(n).__module__.startswith("gradmod.")]
     problems = []
-    here = [n for n in shipped if registry.entry(n).kind in ("elementwise", "group", "per_sample", "sharpness", "penalty")]
+    here = [
+        n for n in shipped if registry.entry(n).kind in ("elementwise", "group", "per_sample", "sharpness", "penalty")
+    ]
     problems += compare(TRANSFORMS, "the transforms table", list(rows), "transform", here)
     methods = {**table_rows(MULTITASK, "| method | arguments (default) | what it does |")}
     methods.update(table_rows(MULTITASK, "| method | arguments (default) | weights |"))

@@ -89,9 +89,9 @@ STAGES: tuple[StageFacts, ...] = (
         windows=True,
         model_input=True,
         foreign_loop=(
-            "penalty rules add a term of the loss's own gradient in hooks.backward(loss), and {trainer} "
-            "calls backward on the loss itself; train with gradmod's trainer (gradmod +hooks=grad_penalty), "
-            "or add the term in your own loss (docs/guide/penalties.md)"
+            "penalty rules (a term of the loss's own gradient) are refused under {trainer}: it calls backward "
+            "on the loss itself, and the term is added in hooks.backward(loss); train with gradmod's trainer "
+            "(gradmod +hooks=grad_penalty), or add the term in your own loss (docs/guide/penalties.md)"
         ),
         plan_tag=True,
     ),

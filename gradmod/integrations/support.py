@@ -55,9 +55,8 @@ def attach_for(
     _refuse_shared(trainer, model, rules, stage, *shared, Length(steps_per_epoch, total_steps))
     hooks = attach(model, rules, stage=stage, replace=False, total_steps=total_steps, steps_per_epoch=steps_per_epoch)
     for facts in (s for s in stages.STAGES if s.foreign_loop):  # a stage a foreign loop cannot drive
-        stage = hooks.stage(facts.name)
-        if stage is not None:
-            rule = stage.rules[0].name
+        rule = next((t.rule for t in hooks.targets if t.stage == facts.name), None)
+        if rule is not None:
             hooks.remove()
             raise ValueError(f"hooks.{rule}: " + facts.foreign_loop.format(trainer=trainer))
     skipping = [t.rule for t in hooks.targets for s in t.steps if s.kind == "group" and s.fn.skip]

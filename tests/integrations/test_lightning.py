@@ -132,6 +132,13 @@ def test_sam_rules_are_refused_in_one_line_at_setup(tmp_path):
         _lightning(tmp_path, [GradmodCallback(SAM)])
 
 
+def test_penalty_rules_are_refused_in_one_line_at_setup(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"^hooks.grad_penalty: penalty rules \(a term [^\n]*\) are refused under Lightning: [^\n]*$"
+    ):
+        _lightning(tmp_path, [GradmodCallback("grad_penalty")])
+
+
 class ManualSam(Module):
     """SAM under Lightning's manual optimisation: the rules attached in the module, the
     closure recomputing the batch's loss."""

@@ -75,3 +75,43 @@ def test_a_per_sample_rule_with_a_penalty_is_one_line_at_the_first_step(rule):
     assert "\n" not in line and line.startswith("per_sample: the loss takes a gradient of itself")
     assert trainer.step == 0
     hooks.remove()
+
+
+@pytest.mark.parametrize("rule", ["grad_penalty", "input_grad_penalty"])
+def test_a_shipped_penalty_under_accumulation_is_each_micro_batchs_own(rule):
+    """Two micro-batches of 8 make one step: each one's loss with its own penalty, halved."""
+    x, y = batch()
+    spec = {
+        "grad_penalty": {"params": "fc1.*", "transforms": [{"name": "grad_penalty", "weight": 0.3}]},
+        "input_grad_penalty": {"modules": "@input", "transforms": [{"name": "input_grad_penalty", "weight": 0.3}]},
+    }[rule]
+    model, seen = _net(), _Grads()
+    hooks = attach(model, {"p": spec})
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainerSettings(batch_size=8, accumulate=2, log_every=2**62),
+        hooks=hooks,
+        callbacks=[seen],
+        loss_fn=F.cross_entropy,
+        generator=torch.Generator().manual_seed(7),
+    )
+    trainer.train_epoch(x, y)
+    hooks.remove()
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(7))  # the trainer's shuffle
+    twin = _net()
+    for part in (order[:8], order[8:]):
+        xb, yb = x[part], y[part]
+        if rule == "input_grad_penalty":
+            xb = xb.clone().requires_grad_()
+        loss = F.cross_entropy(twin(xb), yb)
+        wrt = list(twin.fc1.parameters()) if rule == "grad_penalty" else [xb]
+        grads = torch.autograd.grad(loss, wrt, create_graph=True)
+        if rule == "grad_penalty":
+            term = sum(g.square().sum() for g in grads)
+        else:
+            term = (8 * grads[0]).square().sum(1).mean()  # each example's own loss's input gradient
+        ((loss + 0.3 * term) / 2).backward()
+    (got,) = seen.seen
+    want = [p.grad for p in twin.parameters()]
+    assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 1e-10

@@ -49,7 +49,9 @@ def _example_term(loss_of, x, y, power):
     """mean_i ||d loss_i / d x_i||^power, one example at a time (no batch trick)."""
     terms = []
     for i in range(len(y)):
-        xi = x[i : i + 1] if x.requires_grad else x[i : i + 1].detach().requires_grad_()  # a hidden input keeps its graph
+        xi = (
+            x[i : i + 1] if x.requires_grad else x[i : i + 1].detach().requires_grad_()
+        )  # a hidden input keeps its graph
         (g,) = torch.autograd.grad(loss_of(xi, y[i : i + 1]), xi, create_graph=True)
         terms.append(g.norm() ** power)
     return torch.stack(terms).mean()
@@ -245,7 +247,9 @@ def test_finite_difference_equals_its_hand_loop_and_approaches_the_exact_gradien
     x, y = batch()
     model, twin, exact = _net(), _net(), _net()
     r = 1e-4
-    hooks = attach(model, {"gp": {"params": "*", "transforms": [_gp(power=power, method="finite_difference", radius=r)]}})
+    hooks = attach(
+        model, {"gp": {"params": "*", "transforms": [_gp(power=power, method="finite_difference", radius=r)]}}
+    )
 
     def closure():
         return F.cross_entropy(model(x), y)
@@ -289,7 +293,10 @@ def test_a_loss_backward_outside_hooks_backward_is_refused():
         ({"params": "*", "transforms": [_ip()]}, r"input_grad_penalty on a module's input \(give modules"),
         ({"params": "@input", "transforms": [_gp()]}, r"@input is the model itself .* for a modules rule"),
         ({"modules": "@input", "transforms": [{"name": "clamp", "bound": 1.0}]}, r"@input .* is for a penalty rule"),
-        ({"params": "*", "transforms": [_gp(), {"name": "clamp", "bound": 1.0}]}, r"'clamp' cannot run at stage 'penalty'"),
+        (
+            {"params": "*", "transforms": [_gp(), {"name": "clamp", "bound": 1.0}]},
+            r"'clamp' cannot run at stage 'penalty'",
+        ),
     ],
 )
 def test_bad_penalty_rules_are_one_line(rule, words):
