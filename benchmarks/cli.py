@@ -37,6 +37,9 @@ Sections (the default: all but scale and sam_peers):
          plain step (see benchmarks/sections/sam_peers.py); asked for by name
   scores  one Adam step that keeps every example's GraNd and EL2N (the scores transform) against the plain
          step, on the MNIST CNN (batch 100) and ResNet-18-GN (batch 32, 32x32) (see benchmarks/sections/scores.py)
+  penalty  one Adam step with grad_penalty and input_grad_penalty against the same penalty written by hand and
+         against a plain step, on a 784-1024-1024-10 MLP (batch 64) and the MNIST CNN (batch 100)
+         (see benchmarks/sections/penalty.py)
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from gradmod.run.setup import resolve_device
 
 SECTIONS = (
     *("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "orthogonalize", "scores"),
+    "penalty",
     *("scale", "sam_peers"),
 )
 DEFAULT_SECTIONS = SECTIONS[:-2]  # scale and sam_peers take long: asked for by name

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Callable
 
 from benchmarks import mnist
-from benchmarks.sections import freeze, orthogonalize, per_loss, per_sample, sam_peers, scores, sharpness
+from benchmarks.sections import freeze, orthogonalize, penalty, per_loss, per_sample, sam_peers, scores, sharpness
 from benchmarks.timing import Contenders
 
 # The images in one item of a unit: a step of the MNIST sections holds a batch of 100.
@@ -25,6 +25,7 @@ UNIT_IMAGES = {
 }
 UNIT_IMAGES |= {f"{m}_step": batch for m, (_, _, _, batch) in sharpness.MODELS.items()}  # the sharpness section
 UNIT_IMAGES |= {f"scores_{m}_step": batch for m, (_, _, batch) in scores.MODELS.items()}
+UNIT_IMAGES |= {f"penalty_{m}_step": batch for m, (_, batch) in penalty.MODELS.items()}
 
 
 def section(name: str, names: list[str], setup: Callable, steps: int, unit: str | Callable[[str], str]) -> Contenders:
@@ -61,6 +62,9 @@ def sections(bench: mnist.Bench) -> Contenders:
     steps = 1 if quick else scores.STEPS
     run = partial(scores.setup, steps=steps, device=str(device))
     table |= section("scores", scores.names(), run, steps, lambda n: f"scores_{_model_step(n)}")
+    steps = 1 if quick else penalty.STEPS
+    run = partial(penalty.setup, steps=steps, device=str(device))
+    table |= section("penalty", penalty.names(), run, steps, lambda n: f"penalty_{_model_step(n)}")
     return table | mnist.compiled(bench)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.sections import orthogonalize, per_loss, sam_peers, scores, sharpness
+from benchmarks.sections import orthogonalize, penalty, per_loss, sam_peers, scores, sharpness
 from benchmarks.timing import clock, paired_ratio
 
 Ratio = tuple  # (name, numerator, denominator, target description or None, test or None)
@@ -194,6 +194,24 @@ SCORES = [  # keeping each example's scores: no extra backward, <= 1.3x the plai
     (f"scores_{m}_over_plain", f"scores.{m}.scores", f"scores.{m}.plain", "<= 1.3", lambda r: r <= 1.3)
     for m in scores.MODELS
 ]
+PENALTY = [  # a shipped penalty against the same penalty by hand (<= 1.05x), and its cost over a plain step
+    *(
+        (
+            f"penalty_{m}_{rule}_over_{hand}",
+            f"penalty.{m}.{rule}",
+            f"penalty.{m}.{hand}",
+            "<= 1.05",
+            lambda r: r <= 1.05,
+        )
+        for m in penalty.MODELS
+        for rule, hand in (("grad_penalty", "hand_gp"), ("input_grad_penalty", "hand_ip"))
+    ),
+    *(
+        (f"penalty_{m}_{rule}_over_plain", f"penalty.{m}.{rule}", f"penalty.{m}.plain", None, None)
+        for m in penalty.MODELS
+        for rule in ("grad_penalty", "input_grad_penalty")
+    ),
+]
 RATIOS: list[Ratio] = [
     *MNIST,
     *PER_SAMPLE,
@@ -203,6 +221,7 @@ RATIOS: list[Ratio] = [
     *ORTHOGONALIZE,
     *sam_peers.ratios(),  # each rule <= 1.05x the library's step; LookSAM at k=5 <= 1.3x a plain one
     *SCORES,
+    *PENALTY,
 ]
 # Ratios of two contenders on one model instance, run next to each other in every repeat: a
 # few percent apart, so from the repeats' own ratios (``paired_ratio``).
