@@ -204,12 +204,12 @@ PENALTY = [  # a shipped penalty against the same penalty by hand (<= 1.05x), an
             lambda r: r <= 1.05,
         )
         for m in penalty.MODELS
-        for rule, hand in (("grad_penalty", "hand_gp"), ("input_grad_penalty", "hand_ip"))
+        for rule, hand in penalty.PAIRS
     ),
     *(
         (f"penalty_{m}_{rule}_over_plain", f"penalty.{m}.{rule}", f"penalty.{m}.plain", None, None)
         for m in penalty.MODELS
-        for rule in ("grad_penalty", "input_grad_penalty")
+        for rule, _ in penalty.PAIRS
     ),
 ]
 RATIOS: list[Ratio] = [

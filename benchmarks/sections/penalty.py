@@ -35,6 +35,7 @@ MODELS = {
     "mnist": (MnistCNN, 100),
 }
 CONTENDERS = ("plain", "hand_gp", "grad_penalty", "hand_ip", "input_grad_penalty")
+PAIRS = (("grad_penalty", "hand_gp"), ("input_grad_penalty", "hand_ip"))  # each rule and its hand-written loop
 RULES = {
     "grad_penalty": {"gp": {"params": "*", "transforms": [{"name": "grad_penalty", "weight": W}]}},
     "input_grad_penalty": {"ip": {"modules": "@input", "transforms": [{"name": "input_grad_penalty", "weight": W}]}},

@@ -13,7 +13,17 @@ import torch
 from helpers import ROOT
 
 from benchmarks import cli, contenders, mnist, ratios
-from benchmarks.sections import freeze, orthogonalize, per_loss, per_sample, sam_peers, scale, scores, sharpness
+from benchmarks.sections import (
+    freeze,
+    orthogonalize,
+    penalty,
+    per_loss,
+    per_sample,
+    sam_peers,
+    scale,
+    scores,
+    sharpness,
+)
 from benchmarks.timing import paired_ratio
 
 
@@ -44,6 +54,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
         | {f"freeze.{n}" for n in freeze.names()}
         | {f"orthogonalize.{n}" for n in orthogonalize.names()}
         | {f"scores.{n}" for n in scores.names()}
+        | {f"penalty.{n}" for n in penalty.names()}
     )
     assert set(report["results"]) == expected
     for name, r in report["results"].items():
@@ -63,6 +74,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
                 "freeze": 1,
                 "orthogonalize": 1,
                 "scores": 1,
+                "penalty": 1,
             }[r["section"]]
         )
     targets = {
@@ -82,6 +94,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     targets |= {f"orthogonalize_{m}_over_muon" for m in orthogonalize.MODELS}
     targets.add("freeze_resnet18_rule_over_by_hand")
     targets |= {f"scores_{m}_over_plain" for m in scores.MODELS}
+    targets |= {f"penalty_{m}_{r}_over_{h}" for m in penalty.MODELS for r, h in penalty.PAIRS}
     gramian = [x for x in per_loss.METHODS if x not in ratios.WEIGHTINGS]
     for m in per_loss.MODELS:
         targets |= {f"per_loss_{m}_modules_over_plain"} | {f"per_loss_{m}_{x}_over_plain" for x in ratios.WEIGHTINGS}
@@ -181,6 +194,7 @@ SECTION_RUNS = {
     "orthogonalize": ((orthogonalize.STEPS, "-"), (1, "-")),
     "sam_peers": ((sam_peers.STEPS, None), (1, 4)),
     "scores": ((scores.STEPS, "-"), (1, "-")),
+    "penalty": ((penalty.STEPS, "-"), (1, "-")),
 }
 
 
