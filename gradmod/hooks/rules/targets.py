@@ -197,7 +197,8 @@ def _rule_targets(
         names += _frozen_too(rule, spec, params, every, kinds)
     window = rule_window(rule, spec, length)
     if window is not None and not stages.get(stage).windows:
-        windowed = " or ".join(s.name for s in stages.STAGES if s.windows)
+        *some, last = (s.name for s in stages.STAGES if s.windows)
+        windowed = f"{', '.join(some)} or {last}" if some else last
         raise ValueError(
             f"hooks.{rule}.active: a window is for rules at stage {windowed}; a {stage} rule acts every step"
         )

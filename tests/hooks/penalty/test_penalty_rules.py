@@ -175,6 +175,25 @@ def test_every_takes_the_penalty_lazily_at_its_weight_times_the_interval():
     _close(list(model.parameters()), list(twin.parameters()))
 
 
+def test_a_window_takes_the_penalty_only_inside_it():
+    x, y = batch()
+    model, twin = _net(), _net()
+    hooks = attach(model, {"gp": {"params": "*", "transforms": [_gp()], "active": {"until": 2}}})
+    opt, ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    for step in range(4):
+        hooks.backward(F.cross_entropy(model(x), y))
+        hooks.after_backward()
+        opt.step()
+        opt.zero_grad()
+        loss = F.cross_entropy(twin(x), y)
+        if step < 2:
+            loss = loss + W * _param_term(loss, list(twin.parameters()), 2)
+        loss.backward()
+        ref.step()
+        ref.zero_grad()
+    _close(list(model.parameters()), list(twin.parameters()))
+
+
 def test_a_scheduled_weight_follows_the_step_clock():
     x, y = batch()
     model, twin = _net(), _net()
