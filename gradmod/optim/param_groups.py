@@ -34,6 +34,7 @@ from torch import nn
 
 from gradmod.hooks.rules.globs import SELECTORS, ParamKind, matching, patterns, select, shown
 from gradmod.optim.combined import CombinedOptimizer
+from gradmod.optim.layer_decay import depths, factor_of
 
 ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer")
 LR_SCALE = "entry_lr_scale"  # a group's marker: its entry's lr_scale (timm's schedulers read "lr_scale")
@@ -194,10 +195,12 @@ def plan(
     *,
     no_decay: Any = (),
     entries: Any = (),
+    layer_decay: Any = None,
 ) -> list[Part]:
     """The optimizers to build: the base one (the default group, then the groups of entries
     without an optimizer of their own), then one per entry with its own; each group split in
-    two where ``no_decay`` matches some of its parameters. Lists from a config become the tuples
+    two where ``no_decay`` matches some of its parameters, and by depth with ``layer_decay``
+    (``gradmod.optim.layer_decay``). Lists from a config become the tuples
     torch expects (``betas``), here for every optimizer."""
     params = dict(named)
     names = list(params)
@@ -222,7 +225,33 @@ def plan(
                 f"optimizer.no_decay: {part.where}._target_ ({part.cls.__name__}) has no weight_decay to hold at 0; "
                 "leave its parameters out of no_decay"
             )
+    factor = factor_of(layer_decay)
+    if factor is not None:
+        depth = depths(layer_decay, names, kinds)
+        for part in parts:
+            part.groups = [g for group in part.groups for g in _by_depth(group, part, depth, factor, params)]
     return [p for p in parts if p.groups]
+
+
+def _by_depth(
+    group: dict[str, Any], part: Part, depth: Mapping[str, int], factor: float, params: Mapping[str, nn.Parameter]
+) -> list[dict[str, Any]]:
+    """``group`` split by depth, shallowest first: each at ``factor ** (top - depth)`` times the
+    group's rate (marked ``depth``; its ``entry_lr_scale`` times that factor, for a resume)."""
+    name = {id(p): n for n, p in params.items()}
+    top = max(depth.values())
+    lr = group.get("lr", part.kwargs.get("lr", default_of(part.cls, "lr")))
+    if not isinstance(lr, (int, float)):
+        raise ValueError(f"optimizer.layer_decay: {part.where} ({part.cls.__name__}) has no learning rate to decay")
+    found = sorted({depth[name[id(p)]] for p in group["params"]})
+    groups = []
+    for d in found:
+        scale = factor ** (top - d)
+        mine = [p for p in group["params"] if depth[name[id(p)]] == d]
+        groups.append(
+            {**group, "params": mine, "lr": lr * scale, LR_SCALE: group.get(LR_SCALE, 1.0) * scale, "depth": d}
+        )
+    return groups
 
 
 def _entry_names(
@@ -343,7 +372,7 @@ def set_base_argument(optimizer: torch.optim.Optimizer, name: str, value: Any) -
 
 def describe(model: nn.Module, optimizer: torch.optim.Optimizer, entries: bool) -> str:
     """The optimizer's parameter groups by name, as ``optimizer.no_decay`` (and
-    ``optimizer.groups``: each group's optimizer and learning rate too) made them."""
+    ``optimizer.groups`` or ``optimizer.layer_decay``: each group's optimizer, learning rate and depth too) made them."""
     names = {id(p): n for n, p in model.named_parameters()}
     held = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
     parts = []
@@ -351,6 +380,8 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, entries: bool) 
         for g in o.param_groups:
             listed = [names[id(p)] for p in g["params"]]
             listing = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
-            what = f"{type(o).__name__} lr={g['lr']:g} " if entries else ""
-            parts.append(f"{what}weight_decay={g.get('weight_decay', 0.0):g}: {listing}")
-    return f"optimizer groups (optimizer.{'groups' if entries else 'no_decay'}): " + "; ".join(parts)
+            what = f"{type(o).__name__} lr={g['lr']:g} " if entries or "depth" in g else ""
+            where = f"depth {g['depth']} " if "depth" in g else ""
+            parts.append(f"{where}{what}weight_decay={g.get('weight_decay', 0.0):g}: {listing}")
+    made = "groups" if entries else "layer_decay" if any("depth" in g for g in optimizer.param_groups) else "no_decay"
+    return f"optimizer groups (optimizer.{made}): " + "; ".join(parts)

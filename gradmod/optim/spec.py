@@ -1,5 +1,5 @@
 """``gradmod.optimizer(model, spec)``: the optimizer a spec describes (a mapping like the
-config's ``optimizer`` node: ``_target_``, its arguments, ``no_decay``, ``groups``), for one's
+config's ``optimizer`` node: ``_target_``, its arguments, ``no_decay``, ``groups``, ``layer_decay``), for one's
 own loop, Lightning's ``configure_optimizers`` and ``transformers.Trainer(optimizers=...)``.
 One torch optimizer, or a ``CombinedOptimizer`` when an entry has an optimizer of its own.
 ``check(spec)``: what can be refused before the model exists, as the run's config check does."""
@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from gradmod.hooks.rules.globs import param_kinds, shown
 from gradmod.optim.combined import CombinedOptimizer
+from gradmod.optim.layer_decay import factor_of
 from gradmod.optim.param_groups import (
     AS_ONE,
     Part,
@@ -26,9 +27,9 @@ from gradmod.optim.param_groups import (
     plan,
 )
 
-SPEC_KEYS = ("_target_", "_partial_", "args", "no_decay", "groups")
+SPEC_KEYS = ("_target_", "_partial_", "args", "no_decay", "groups", "layer_decay")
 UNSET_IS_DEFAULT = ("fused", "foreach")  # null: torch's own choice (left out of the call)
-PLAN_KEYS = ("_target_", "no_decay", "groups")  # what decides the optimizers and their groups
+PLAN_KEYS = ("_target_", "no_decay", "groups", "layer_decay")  # what decides the optimizers and their groups
 BASE_EXAMPLE = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 
 
@@ -44,6 +45,7 @@ def optimizer(model: nn.Module, spec: Mapping[str, Any]) -> Optimizer:
         kwargs,
         no_decay=spec.get("no_decay") or (),
         entries=spec.get("groups") or [],
+        layer_decay=spec.get("layer_decay"),
     )
     return build(parts)
 
@@ -68,6 +70,7 @@ def check(spec: Mapping[str, Any]) -> None:
     optimizer is tried on a dummy parameter, so its constructor checks its values too). What an
     entry's globs match is the model's: ``optimizer`` finds it."""
     base, kwargs = base_of(spec)
+    factor_of(spec.get("layer_decay"))
     _made(base, [torch.zeros(1, requires_grad=True)], kwargs, "optimizer")
     entries = [entry_plan(i, e, base, kwargs) for i, e in enumerate(entries_of(spec.get("groups") or []))]
     for entry in entries:

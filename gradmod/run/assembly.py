@@ -55,7 +55,7 @@ def build_trainer(run: Run) -> Parts:
         model, run.hooks, t.nonfinite, world_sum=_world_sum if many else None, sharded=many and dist.strategy == "fsdp"
     )
     optimizer = model_optimizer(cfg.optimizer, model, dist.device)
-    if cfg.optimizer.no_decay or cfg.optimizer.groups:
+    if cfg.optimizer.no_decay or cfg.optimizer.groups or cfg.optimizer.layer_decay is not None:
         log.info("%s", describe(model, optimizer, bool(cfg.optimizer.groups)))
     run.hooks.set_optimizer(optimizer)  # gsam's rho follows its lr, wsam moves after its step
     saver = _saver(run)
