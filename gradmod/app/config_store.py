@@ -30,6 +30,8 @@ from gradmod.run.config import (
     Config,
     DataConfig,
     FakeDataConfig,
+    LambConfig,
+    LarsConfig,
     MLflowLoggerConfig,
     MuonConfig,
     RuleConfig,
@@ -49,6 +51,8 @@ def register() -> None:
     cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
     cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
     cs.store(group="schema/optimizer", name="muon", node=MuonConfig)
+    cs.store(group="schema/optimizer", name="lars", node=LarsConfig)
+    cs.store(group="schema/optimizer", name="lamb", node=LambConfig)
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)
     cs.store(group="schema/logger", name="mlflow", node=MLflowLoggerConfig)
     cs.store(group="schema", name="rule", node=RuleConfig)  # a hook file's rules: defaults [/schema/rule@NAME]

@@ -83,7 +83,7 @@ def _read(names: list[str]) -> dict[str, int]:
     for b in blocks.values():
         if b is not None:
             stacks.setdefault(b[0], len(stacks))
-    ranks = sorted({(stacks[b[0]], *b[1]) for b in blocks.values() if b is not None})
+    ranks = sorted({(stacks[b[0]],) + b[1] for b in blocks.values() if b is not None})
     rank = {key: i + 1 for i, key in enumerate(ranks)}
     head = set(last_layer(names))
     found: dict[str, int] = {}
@@ -91,7 +91,7 @@ def _read(names: list[str]) -> dict[str, int]:
     for n in names:
         b = blocks[n]
         if b is not None:
-            current = rank[(stacks[b[0]], *b[1])]
+            current = rank[(stacks[b[0]],) + b[1]]
         found[n] = len(ranks) + 1 if n in head and b is None else current
     return _dense(found)
 

@@ -35,8 +35,10 @@ from torch import nn
 from gradmod.hooks.rules.globs import SELECTORS, ParamKind, matching, patterns, select, shown
 from gradmod.optim.combined import CombinedOptimizer
 from gradmod.optim.layer_decay import depths, factor_of
+from gradmod.optim.trust_ratio import KEY as TRUST
+from gradmod.optim.trust_ratio import settings
 
-ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer")
+ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer", "trust_ratio")
 LR_SCALE = "entry_lr_scale"  # a group's marker: its entry's lr_scale (timm's schedulers read "lr_scale")
 WHAT = "parameter (see model.named_parameters())"
 AS_ONE = "several optimizers as one step each without one"  # CombinedOptimizer.step
@@ -176,11 +178,13 @@ def entry_plan(i: int, entry: Any, base: type, base_kwargs: Mapping[str, Any]) -
     for key in ("params", "exclude"):
         if entry.get(key) is not None:
             _check_patterns(f"optimizer.groups.{i}.{key}", entry[key])
+    trust = {} if entry.get(TRUST) is None else {TRUST: settings(f"optimizer.groups.{i}.{TRUST}", entry[TRUST])}
     if entry.get("optimizer") is None:
-        return Entry(None, {}, _base_entry_options(i, entry, base, base_kwargs), f"optimizer.groups.{i}")
+        options = {**_base_entry_options(i, entry, base, base_kwargs), **trust}
+        return Entry(None, {}, options, f"optimizer.groups.{i}")
     cls, kwargs = _own_optimizer(i, entry)
     # every argument of its own optimizer is the entry's: a resume's new base value changes none
-    options = {"entry": i, "entry_args": sorted(set(_signature_chain(cls)[0]) | set(kwargs))}
+    options = {"entry": i, "entry_args": sorted(set(_signature_chain(cls)[0]) | set(kwargs)), **trust}
     if entry.get("lr_scale") is not None:
         kwargs["lr"] = _lr(i, cls, kwargs) * _scale(i, entry["lr_scale"])
         options[LR_SCALE] = float(entry["lr_scale"])

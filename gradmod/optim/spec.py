@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmod.hooks.rules.globs import param_kinds, shown
+from gradmod.optim import trust_ratio
 from gradmod.optim.combined import CombinedOptimizer
 from gradmod.optim.layer_decay import factor_of
 from gradmod.optim.param_groups import (
@@ -91,6 +92,8 @@ def build(parts: list[Part]) -> Optimizer:
         for part in parts:
             check_step(part.cls, f"{part.where}._target_", AS_ONE)
     made = [_made(part.cls, part.groups, part.kwargs, part.where) for part in parts]
+    for opt in made:
+        trust_ratio.attach(opt)
     return made[0] if len(made) == 1 else CombinedOptimizer(made)
 
 
