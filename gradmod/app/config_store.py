@@ -30,14 +30,13 @@ from gradmod.run.config import (
     Config,
     DataConfig,
     FakeDataConfig,
-    LambConfig,
-    LarsConfig,
     MLflowLoggerConfig,
     MuonConfig,
     RuleConfig,
     SGDConfig,
     TensorBoardLoggerConfig,
 )
+from gradmod.run.optimizer_presets import LambConfig, LarsConfig, MuonSplitConfig
 
 
 def register() -> None:
@@ -52,6 +51,7 @@ def register() -> None:
     cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
     cs.store(group="schema/optimizer", name="muon", node=MuonConfig)
     cs.store(group="schema/optimizer", name="lars", node=LarsConfig)
+    cs.store(group="schema/optimizer", name="muon_split", node=MuonSplitConfig)
     cs.store(group="schema/optimizer", name="lamb", node=LambConfig)
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)
     cs.store(group="schema/logger", name="mlflow", node=MLflowLoggerConfig)

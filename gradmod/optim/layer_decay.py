@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from gradmod.hooks.rules.globs import ParamKind, last_layer, matching, shown
 
 KEY = "optimizer.layer_decay"
+LR_SCALE = "entry_lr_scale"  # a group's marker: the factor of the base lr it trains at (timm's schedulers read "lr_scale")
 LIST_FORM = f'{KEY}={{factor: 0.75, depths: ["stem.*", "blocks.0.*", ..., "head.*"]}}'
 NUMBERED = re.compile(r"^layer(\d+)$")  # torchvision's ResNet: layer1 ... layer4
 
@@ -116,3 +117,19 @@ def _dense(found: dict[str, int]) -> dict[str, int]:
     """Depths numbered 0, 1, ... with none empty (timm numbers its groups so)."""
     order = {d: i for i, d in enumerate(sorted(set(found.values())))}
     return {n: order[d] for n, d in found.items()}
+
+
+def by_depth(
+    group: dict[str, Any], lr: float, depth: Mapping[str, int], factor: float, name: Mapping[int, str]
+) -> list[dict[str, Any]]:
+    """``group`` (at rate ``lr``) split by depth, shallowest first: each at ``factor ** (top - depth)``
+    times ``lr``, marked ``depth``, its ``entry_lr_scale`` times that factor (for a resume)."""
+    top = max(depth.values())
+    groups = []
+    for d in sorted({depth[name[id(p)]] for p in group["params"]}):
+        scale = factor ** (top - d)
+        mine = [p for p in group["params"] if depth[name[id(p)]] == d]
+        groups.append(
+            {**group, "params": mine, "lr": lr * scale, LR_SCALE: group.get(LR_SCALE, 1.0) * scale, "depth": d}
+        )
+    return groups

@@ -34,12 +34,11 @@ from torch import nn
 
 from gradmod.hooks.rules.globs import SELECTORS, ParamKind, matching, patterns, select, shown
 from gradmod.optim.combined import CombinedOptimizer
-from gradmod.optim.layer_decay import depths, factor_of
+from gradmod.optim.layer_decay import LR_SCALE, by_depth, depths, factor_of
 from gradmod.optim.trust_ratio import KEY as TRUST
 from gradmod.optim.trust_ratio import settings
 
 ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer", "trust_ratio")
-LR_SCALE = "entry_lr_scale"  # a group's marker: its entry's lr_scale (timm's schedulers read "lr_scale")
 WHAT = "parameter (see model.named_parameters())"
 AS_ONE = "several optimizers as one step each without one"  # CombinedOptimizer.step
 
@@ -229,33 +228,36 @@ def plan(
                 f"optimizer.no_decay: {part.where}._target_ ({part.cls.__name__}) has no weight_decay to hold at 0; "
                 "leave its parameters out of no_decay"
             )
+    for part in parts:  # an optimizer that reads a matrix's shape (Muon) is told which are stored (in, out)
+        if getattr(part.cls, "reads_transposed", False):
+            part.groups = [g for group in part.groups for g in _by_layout(group, params, kinds)]
     factor = factor_of(layer_decay)
     if factor is not None:
-        depth = depths(layer_decay, names, kinds)
+        depth, name = depths(layer_decay, names, kinds), {id(p): n for n, p in params.items()}
         for part in parts:
-            part.groups = [g for group in part.groups for g in _by_depth(group, part, depth, factor, params)]
+            part.groups = [
+                g for group in part.groups for g in by_depth(group, _group_lr(part, group), depth, factor, name)
+            ]
     return [p for p in parts if p.groups]
 
 
-def _by_depth(
-    group: dict[str, Any], part: Part, depth: Mapping[str, int], factor: float, params: Mapping[str, nn.Parameter]
+def _by_layout(
+    group: dict[str, Any], params: Mapping[str, nn.Parameter], kinds: Mapping[str, ParamKind]
 ) -> list[dict[str, Any]]:
-    """``group`` split by depth, shallowest first: each at ``factor ** (top - depth)`` times the
-    group's rate (marked ``depth``; its ``entry_lr_scale`` times that factor, for a resume)."""
-    name = {id(p): n for n, p in params.items()}
-    top = max(depth.values())
+    """``group`` split in two where some of its weights are stored transposed (marked ``transposed``)."""
+    flipped = {id(p) for n, p in params.items() if n in kinds and kinds[n].transposed}
+    groups = [
+        {**group, "params": [p for p in group["params"] if id(p) not in flipped]},
+        {**group, "params": [p for p in group["params"] if id(p) in flipped], "transposed": True},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _group_lr(part: Part, group: Mapping[str, Any]) -> float:
     lr = group.get("lr", part.kwargs.get("lr", default_of(part.cls, "lr")))
     if not isinstance(lr, (int, float)):
         raise ValueError(f"optimizer.layer_decay: {part.where} ({part.cls.__name__}) has no learning rate to decay")
-    found = sorted({depth[name[id(p)]] for p in group["params"]})
-    groups = []
-    for d in found:
-        scale = factor ** (top - d)
-        mine = [p for p in group["params"] if depth[name[id(p)]] == d]
-        groups.append(
-            {**group, "params": mine, "lr": lr * scale, LR_SCALE: group.get(LR_SCALE, 1.0) * scale, "depth": d}
-        )
-    return groups
+    return float(lr)
 
 
 def _entry_names(

@@ -78,8 +78,10 @@ def check(spec: Mapping[str, Any]) -> None:
         if entry.cls is None:  # the base optimizer given the entry's arguments, for its constructor's checks
             args = {k: entry.options[k] for k in (*entry.options["entry_args"], "lr") if k in entry.options}
             _made(base, [torch.zeros(1, requires_grad=True)], {**kwargs, **args}, entry.where)
-        else:  # a matrix: Muon takes nothing else
-            _made(entry.cls, [torch.zeros(2, 2, requires_grad=True)], entry.kwargs, entry.where)
+        else:  # a matrix: Muon takes nothing else (with rows for every block of its split)
+            k = entry.kwargs.get("split", 1)
+            rows = 2 * (k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else 1)
+            _made(entry.cls, [torch.zeros(rows, 2, requires_grad=True)], entry.kwargs, entry.where)
     if any(e.cls is not None for e in entries):
         check_step(base, "optimizer._target_", AS_ONE)
 

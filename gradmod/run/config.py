@@ -216,44 +216,6 @@ class MuonConfig(AdamWConfig):
 
 
 @dataclass
-class LarsConfig(SGDConfig):
-    """``optimizer=lars``: SGD with momentum whose matrices and kernels (every parameter but
-    ``@vectors``: biases, norms, layer-scale gammas) step by LARS's trust ratio ``eta ||w|| /
-    (||g|| + wd ||w||)``, their weight decay inside it; the vectors plain SGD without decay, as
-    pytorch-optimizer's ``LARS`` (SimCLR's eta 0.001, weight decay 1e-6; docs/guide/optimizers.md)."""
-
-    lr: float = 0.1
-    groups: List[Any] = field(
-        default_factory=lambda: [
-            {
-                "params": "*",
-                "exclude": "@vectors",
-                "trust_ratio": {"eta": 0.001, "mode": "scale", "weight_decay": 1e-6},
-            }
-        ]
-    )
-
-
-@dataclass
-class LambConfig(AdamConfig):
-    """``optimizer=lamb``: Adam without bias correction, decoupled weight decay 0.01, and LAMB's trust
-    ratio ``min(||w||, 10) / (||u|| + eps)`` on the step of every parameter but ``@vectors`` (biases,
-    norms: no ratio, no decay), as pytorch-optimizer's ``Lamb`` (docs/guide/optimizers.md)."""
-
-    _target_: str = "gradmod.optim.Adam"
-    eps: float = 1e-6
-    weight_decay: float = 0.01
-    decoupled_weight_decay: bool = True
-    bias_correction: bool = False
-    no_decay: List[str] = field(default_factory=lambda: ["@vectors"])
-    groups: List[Any] = field(
-        default_factory=lambda: [
-            {"params": "*", "exclude": "@vectors", "trust_ratio": {"of": "update", "clamp": 10.0, "eps": 1e-6}}
-        ]
-    )
-
-
-@dataclass
 class TrainerConfig:
     epochs: int = 10  # the article's 10 epochs
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N

@@ -39,6 +39,7 @@ class ParamKind(NamedTuple):
     module: str  # the type of the module that holds it: "embedding" | "norm" | "other"
     ndim: int
     no_weight_decay: bool = False  # matched by the model's own no_weight_decay() (timm's convention)
+    transposed: bool = False  # a weight stored (in, out): Hugging Face's Conv1D (GPT-2's c_attn, c_fc)
 
 
 def param_kinds(model: nn.Module) -> dict[str, ParamKind]:
@@ -50,7 +51,8 @@ def param_kinds(model: nn.Module) -> dict[str, ParamKind]:
         kind = _module_kind(module)
         for name, p in module.named_parameters(recurse=False):
             full = f"{prefix}.{name}" if prefix else name
-            kinds[full] = ParamKind(kind, p.ndim, any(fnmatch.fnmatchcase(full, g) for g in own))
+            flipped = name == "weight" and type(module).__name__ == "Conv1D" and p.ndim == 2
+            kinds[full] = ParamKind(kind, p.ndim, any(fnmatch.fnmatchcase(full, g) for g in own), flipped)
     return kinds
 
 
