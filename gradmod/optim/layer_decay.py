@@ -20,7 +20,9 @@ from typing import Any, Mapping
 from gradmod.hooks.rules.globs import ParamKind, last_layer, matching, shown
 
 KEY = "optimizer.layer_decay"
-LR_SCALE = "entry_lr_scale"  # a group's marker: the factor of the base lr it trains at (timm's schedulers read "lr_scale")
+LR_SCALE = (
+    "entry_lr_scale"  # a group's marker: the factor of the base lr it trains at (timm's schedulers read "lr_scale")
+)
 LIST_FORM = f'{KEY}={{factor: 0.75, depths: ["stem.*", "blocks.0.*", ..., "head.*"]}}'
 NUMBERED = re.compile(r"^layer(\d+)$")  # torchvision's ResNet: layer1 ... layer4
 
