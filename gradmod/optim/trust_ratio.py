@@ -67,7 +67,10 @@ def attach(optimizer: torch.optim.Optimizer) -> None:
     """The hooks that apply the groups' ``trust_ratio`` around ``optimizer.step()`` (none if no group has one)."""
     if not any(g.get(KEY) for g in optimizer.param_groups):
         return
-    held: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # group index -> (params, their decayed weights)
+    # of: update: each weight before the step, in a buffer kept from step to step (not in the state:
+    # a checkpoint need not hold it), and its norm after the step's decoupled decay
+    before_step: dict[int, Tensor] = {}
+    held: dict[int, tuple[list[Tensor], list[Tensor], Tensor, float]] = {}
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         held.clear()
@@ -78,16 +81,20 @@ def attach(optimizer: torch.optim.Optimizer) -> None:
                 continue
             if tr["of"] == "grad":
                 scale_grads(params, [p.grad for p in params], float(group["lr"]), tr)  # type: ignore[misc]
-            else:  # the weight after a decoupled decay, which the step's own decay gives too
-                decay = group.get("weight_decay", 0.0) if group.get("decoupled_weight_decay") else 0.0
-                with torch.no_grad():
-                    held[i] = (params, torch._foreach_mul(params, 1.0 - float(group["lr"]) * decay))
+                continue
+            decay = group.get("weight_decay", 0.0) if group.get("decoupled_weight_decay") else 0.0
+            kept = 1.0 - float(group["lr"]) * decay  # the weight after the step's own decay: kept * w
+            with torch.no_grad():
+                bufs = [before_step.setdefault(id(p), torch.empty_like(p)) for p in params]
+                torch._foreach_copy_(bufs, params)
+                norms = torch.stack(torch._foreach_norm(params)) * kept
+            held[i] = (params, bufs, norms, kept)
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for i, (params, weights) in held.items():
+        for i, (params, bufs, norms, kept) in held.items():
             group = opt.param_groups[i]
             with torch.no_grad():
-                scale_update(params, weights, float(group["lr"]), group[KEY])
+                scale_update(params, bufs, norms, kept, float(group["lr"]), group[KEY])
         held.clear()
 
     optimizer.register_step_pre_hook(before)
@@ -109,15 +116,16 @@ def scale_grads(params: list[Tensor], grads: list[Tensor], lr: float, tr: Mappin
     torch._foreach_mul_(grads, ratio.unbind())
 
 
-def scale_update(params: list[Tensor], weights: list[Tensor], lr: float, tr: Mapping[str, Any]) -> None:
-    """LAMB's ratio on the step just taken: ``w + ratio * (p - w)``, ``w`` the decayed weight."""
-    step = torch._foreach_sub(params, weights)  # -lr * u
-    w = torch.stack(torch._foreach_norm(weights))
-    if tr["clamp"] is not None:
-        w = w.clamp(max=tr["clamp"])
-    u = torch.stack(torch._foreach_norm(step)) / lr if lr else torch.zeros_like(w)
+def scale_update(
+    params: list[Tensor], bufs: list[Tensor], norms: Tensor, kept: float, lr: float, tr: Mapping[str, Any]
+) -> None:
+    """LAMB's ratio on the step just taken: ``w + ratio * (p - w)``, ``w = kept * bufs`` the decayed
+    weight (``norms``: its norms); in place, ``bufs`` as scratch."""
+    torch._foreach_add_(bufs, params, alpha=-1.0 / kept)  # (w - p) / kept = lr * u / kept, in one pass
+    w = norms if tr["clamp"] is None else norms.clamp(max=tr["clamp"])
+    u = torch.stack(torch._foreach_norm(bufs)) * (kept / lr) if lr else torch.zeros_like(w)
     ratio = torch.where((w != 0) & (u != 0), tr["eta"] * w / (u + tr["eps"]), 1.0)
     if tr["mode"] == "clip":
         ratio = ratio.clamp(max=1.0)
-    torch._foreach_mul_(step, (ratio - 1.0).unbind())
-    torch._foreach_add_(params, step)
+    torch._foreach_mul_(bufs, ((1.0 - ratio) * kept).unbind())  # p + (1 - ratio)(w - p) = w + ratio (p - w)
+    torch._foreach_add_(params, bufs)
