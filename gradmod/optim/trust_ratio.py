@@ -127,5 +127,5 @@ def scale_update(
     ratio = torch.where((w != 0) & (u != 0), tr["eta"] * w / (u + tr["eps"]), 1.0)
     if tr["mode"] == "clip":
         ratio = ratio.clamp(max=1.0)
-    torch._foreach_mul_(bufs, ((1.0 - ratio) * kept).unbind())  # p + (1 - ratio)(w - p) = w + ratio (p - w)
-    torch._foreach_add_(params, bufs)
+    # p + (1 - ratio)(w - p) = w + ratio (p - w), in one pass (a 0-dim factor per tensor)
+    torch._foreach_addcmul_(params, bufs, list(((1.0 - ratio) * kept).unbind()))
