@@ -1,8 +1,10 @@
 """Optimizer groups by glob: ``optimizer.groups`` entries and ``optimizer.no_decay`` turned into
-the optimizers to build and their torch parameter groups.
+the optimizers to build and their torch parameter groups; ``optimizer.layer_decay`` splits them by
+depth (``gradmod.optim.layer_decay``), an entry's ``trust_ratio`` marks its groups
+(``gradmod.optim.trust_ratio``).
 
 An entry is ``{params: glob(s), exclude: glob(s), lr_scale: x, optimizer: {_target_: ...},
-ARG: value, ...}``: its parameters (globs and selectors of ``gradmod.hooks.rules.globs``, over every
+trust_ratio: {...}, ARG: value, ...}``: its parameters (globs and selectors of ``gradmod.hooks.rules.globs``, over every
 parameter of the model, trainable now or not) form a group of the base optimizer with the
 entry's arguments, or, with ``optimizer:``, an optimizer of their own. ``lr_scale`` multiplies
 the learning rate the group would otherwise have, so an LR scheduler that multiplies each

@@ -192,7 +192,7 @@ def test_bad_layer_decay_is_one_line(value, line):
 
 
 def test_a_bad_factor_from_the_command_line_is_one_line_and_exit_2(tmp_path):
-    cfg = compose_config(*TINY_FAKE, "+optimizer.layer_decay=1.5")
+    cfg = compose_config(*TINY_FAKE, "optimizer.layer_decay=1.5")
     ending = runner.execute(lambda: validate(cfg), tmp_path / "run")
     assert ending.status == "failed" and ending.exit_code == 2
     line = endings.message(ending.error)
