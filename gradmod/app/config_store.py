@@ -36,6 +36,7 @@ from gradmod.run.config import (
     SGDConfig,
     TensorBoardLoggerConfig,
 )
+from gradmod.run.optimizer_presets import LambConfig, LarsConfig, MuonSplitConfig
 
 
 def register() -> None:
@@ -49,6 +50,9 @@ def register() -> None:
     cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
     cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
     cs.store(group="schema/optimizer", name="muon", node=MuonConfig)
+    cs.store(group="schema/optimizer", name="lars", node=LarsConfig)
+    cs.store(group="schema/optimizer", name="muon_split", node=MuonSplitConfig)
+    cs.store(group="schema/optimizer", name="lamb", node=LambConfig)
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)
     cs.store(group="schema/logger", name="mlflow", node=MLflowLoggerConfig)
     cs.store(group="schema", name="rule", node=RuleConfig)  # a hook file's rules: defaults [/schema/rule@NAME]

@@ -1,8 +1,10 @@
 """Optimizer groups by glob: ``optimizer.groups`` entries and ``optimizer.no_decay`` turned into
-the optimizers to build and their torch parameter groups.
+the optimizers to build and their torch parameter groups; ``optimizer.layer_decay`` splits them by
+depth (``gradmod.optim.layer_decay``), an entry's ``trust_ratio`` marks its groups
+(``gradmod.optim.trust_ratio``).
 
 An entry is ``{params: glob(s), exclude: glob(s), lr_scale: x, optimizer: {_target_: ...},
-ARG: value, ...}``: its parameters (globs and selectors of ``gradmod.hooks.rules.globs``, over every
+trust_ratio: {...}, ARG: value, ...}``: its parameters (globs and selectors of ``gradmod.hooks.rules.globs``, over every
 parameter of the model, trainable now or not) form a group of the base optimizer with the
 entry's arguments, or, with ``optimizer:``, an optimizer of their own. ``lr_scale`` multiplies
 the learning rate the group would otherwise have, so an LR scheduler that multiplies each
@@ -34,9 +36,11 @@ from torch import nn
 
 from gradmod.hooks.rules.globs import SELECTORS, ParamKind, matching, patterns, select, shown
 from gradmod.optim.combined import CombinedOptimizer
+from gradmod.optim.layer_decay import LR_SCALE, by_depth, depths, factor_of
+from gradmod.optim.trust_ratio import KEY as TRUST
+from gradmod.optim.trust_ratio import settings
 
-ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer")
-LR_SCALE = "entry_lr_scale"  # a group's marker: its entry's lr_scale (timm's schedulers read "lr_scale")
+ENTRY_KEYS = ("params", "exclude", "lr_scale", "optimizer", "trust_ratio")
 WHAT = "parameter (see model.named_parameters())"
 AS_ONE = "several optimizers as one step each without one"  # CombinedOptimizer.step
 
@@ -175,11 +179,13 @@ def entry_plan(i: int, entry: Any, base: type, base_kwargs: Mapping[str, Any]) -
     for key in ("params", "exclude"):
         if entry.get(key) is not None:
             _check_patterns(f"optimizer.groups.{i}.{key}", entry[key])
+    trust = {} if entry.get(TRUST) is None else {TRUST: settings(f"optimizer.groups.{i}.{TRUST}", entry[TRUST])}
     if entry.get("optimizer") is None:
-        return Entry(None, {}, _base_entry_options(i, entry, base, base_kwargs), f"optimizer.groups.{i}")
+        options = {**_base_entry_options(i, entry, base, base_kwargs), **trust}
+        return Entry(None, {}, options, f"optimizer.groups.{i}")
     cls, kwargs = _own_optimizer(i, entry)
     # every argument of its own optimizer is the entry's: a resume's new base value changes none
-    options = {"entry": i, "entry_args": sorted(set(_signature_chain(cls)[0]) | set(kwargs))}
+    options = {"entry": i, "entry_args": sorted(set(_signature_chain(cls)[0]) | set(kwargs)), **trust}
     if entry.get("lr_scale") is not None:
         kwargs["lr"] = _lr(i, cls, kwargs) * _scale(i, entry["lr_scale"])
         options[LR_SCALE] = float(entry["lr_scale"])
@@ -194,10 +200,12 @@ def plan(
     *,
     no_decay: Any = (),
     entries: Any = (),
+    layer_decay: Any = None,
 ) -> list[Part]:
     """The optimizers to build: the base one (the default group, then the groups of entries
     without an optimizer of their own), then one per entry with its own; each group split in
-    two where ``no_decay`` matches some of its parameters. Lists from a config become the tuples
+    two where ``no_decay`` matches some of its parameters, and by depth with ``layer_decay``
+    (``gradmod.optim.layer_decay``). Lists from a config become the tuples
     torch expects (``betas``), here for every optimizer."""
     params = dict(named)
     names = list(params)
@@ -222,7 +230,36 @@ def plan(
                 f"optimizer.no_decay: {part.where}._target_ ({part.cls.__name__}) has no weight_decay to hold at 0; "
                 "leave its parameters out of no_decay"
             )
+    for part in parts:  # an optimizer that reads a matrix's shape (Muon) is told which are stored (in, out)
+        if getattr(part.cls, "reads_transposed", False):
+            part.groups = [g for group in part.groups for g in _by_layout(group, params, kinds)]
+    factor = factor_of(layer_decay)
+    if factor is not None:
+        depth, name = depths(layer_decay, names, kinds), {id(p): n for n, p in params.items()}
+        for part in parts:
+            part.groups = [
+                g for group in part.groups for g in by_depth(group, _group_lr(part, group), depth, factor, name)
+            ]
     return [p for p in parts if p.groups]
+
+
+def _by_layout(
+    group: dict[str, Any], params: Mapping[str, nn.Parameter], kinds: Mapping[str, ParamKind]
+) -> list[dict[str, Any]]:
+    """``group`` split in two where some of its weights are stored transposed (marked ``transposed``)."""
+    flipped = {id(p) for n, p in params.items() if n in kinds and kinds[n].transposed}
+    groups = [
+        {**group, "params": [p for p in group["params"] if id(p) not in flipped]},
+        {**group, "params": [p for p in group["params"] if id(p) in flipped], "transposed": True},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _group_lr(part: Part, group: Mapping[str, Any]) -> float:
+    lr = group.get("lr", part.kwargs.get("lr", default_of(part.cls, "lr")))
+    if not isinstance(lr, (int, float)):
+        raise ValueError(f"optimizer.layer_decay: {part.where} ({part.cls.__name__}) has no learning rate to decay")
+    return float(lr)
 
 
 def _entry_names(
@@ -343,7 +380,7 @@ def set_base_argument(optimizer: torch.optim.Optimizer, name: str, value: Any) -
 
 def describe(model: nn.Module, optimizer: torch.optim.Optimizer, entries: bool) -> str:
     """The optimizer's parameter groups by name, as ``optimizer.no_decay`` (and
-    ``optimizer.groups``: each group's optimizer and learning rate too) made them."""
+    ``optimizer.groups`` or ``optimizer.layer_decay``: each group's optimizer, learning rate and depth too) made them."""
     names = {id(p): n for n, p in model.named_parameters()}
     held = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
     parts = []
@@ -351,6 +388,8 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, entries: bool) 
         for g in o.param_groups:
             listed = [names[id(p)] for p in g["params"]]
             listing = ", ".join(listed[:6]) + (f", ... ({len(listed)} in all)" if len(listed) > 6 else "")
-            what = f"{type(o).__name__} lr={g['lr']:g} " if entries else ""
-            parts.append(f"{what}weight_decay={g.get('weight_decay', 0.0):g}: {listing}")
-    return f"optimizer groups (optimizer.{'groups' if entries else 'no_decay'}): " + "; ".join(parts)
+            what = f"{type(o).__name__} lr={g['lr']:g} " if entries or "depth" in g else ""
+            where = f"depth {g['depth']} " if "depth" in g else ""
+            parts.append(f"{where}{what}weight_decay={g.get('weight_decay', 0.0):g}: {listing}")
+    made = "groups" if entries else "layer_decay" if any("depth" in g for g in optimizer.param_groups) else "no_decay"
+    return f"optimizer groups (optimizer.{made}): " + "; ".join(parts)

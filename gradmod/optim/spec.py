@@ -1,5 +1,5 @@
 """``gradmod.optimizer(model, spec)``: the optimizer a spec describes (a mapping like the
-config's ``optimizer`` node: ``_target_``, its arguments, ``no_decay``, ``groups``), for one's
+config's ``optimizer`` node: ``_target_``, its arguments, ``no_decay``, ``groups``, ``layer_decay``), for one's
 own loop, Lightning's ``configure_optimizers`` and ``transformers.Trainer(optimizers=...)``.
 One torch optimizer, or a ``CombinedOptimizer`` when an entry has an optimizer of its own.
 ``check(spec)``: what can be refused before the model exists, as the run's config check does."""
@@ -13,7 +13,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmod.hooks.rules.globs import param_kinds, shown
+from gradmod.optim import trust_ratio
 from gradmod.optim.combined import CombinedOptimizer
+from gradmod.optim.layer_decay import factor_of
 from gradmod.optim.param_groups import (
     AS_ONE,
     Part,
@@ -26,9 +28,9 @@ from gradmod.optim.param_groups import (
     plan,
 )
 
-SPEC_KEYS = ("_target_", "_partial_", "args", "no_decay", "groups")
+SPEC_KEYS = ("_target_", "_partial_", "args", "no_decay", "groups", "layer_decay")
 UNSET_IS_DEFAULT = ("fused", "foreach")  # null: torch's own choice (left out of the call)
-PLAN_KEYS = ("_target_", "no_decay", "groups")  # what decides the optimizers and their groups
+PLAN_KEYS = ("_target_", "no_decay", "groups", "layer_decay")  # what decides the optimizers and their groups
 BASE_EXAMPLE = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 
 
@@ -44,6 +46,7 @@ def optimizer(model: nn.Module, spec: Mapping[str, Any]) -> Optimizer:
         kwargs,
         no_decay=spec.get("no_decay") or (),
         entries=spec.get("groups") or [],
+        layer_decay=spec.get("layer_decay"),
     )
     return build(parts)
 
@@ -68,14 +71,17 @@ def check(spec: Mapping[str, Any]) -> None:
     optimizer is tried on a dummy parameter, so its constructor checks its values too). What an
     entry's globs match is the model's: ``optimizer`` finds it."""
     base, kwargs = base_of(spec)
+    factor_of(spec.get("layer_decay"))
     _made(base, [torch.zeros(1, requires_grad=True)], kwargs, "optimizer")
     entries = [entry_plan(i, e, base, kwargs) for i, e in enumerate(entries_of(spec.get("groups") or []))]
     for entry in entries:
         if entry.cls is None:  # the base optimizer given the entry's arguments, for its constructor's checks
             args = {k: entry.options[k] for k in (*entry.options["entry_args"], "lr") if k in entry.options}
             _made(base, [torch.zeros(1, requires_grad=True)], {**kwargs, **args}, entry.where)
-        else:  # a matrix: Muon takes nothing else
-            _made(entry.cls, [torch.zeros(2, 2, requires_grad=True)], entry.kwargs, entry.where)
+        else:  # a matrix: Muon takes nothing else (with rows for every block of its split)
+            k = entry.kwargs.get("split", 1)
+            rows = 2 * (k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else 1)
+            _made(entry.cls, [torch.zeros(rows, 2, requires_grad=True)], entry.kwargs, entry.where)
     if any(e.cls is not None for e in entries):
         check_step(base, "optimizer._target_", AS_ONE)
 
@@ -88,6 +94,8 @@ def build(parts: list[Part]) -> Optimizer:
         for part in parts:
             check_step(part.cls, f"{part.where}._target_", AS_ONE)
     made = [_made(part.cls, part.groups, part.kwargs, part.where) for part in parts]
+    for opt in made:
+        trust_ratio.attach(opt)
     return made[0] if len(made) == 1 else CombinedOptimizer(made)
 
 

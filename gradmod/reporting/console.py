@@ -15,14 +15,19 @@ def epoch_line(numbers: Mapping[str, Any], epochs: int | None = None, rates: Seq
     the record holds; a mapping's as ``name.key``, each task's) but the bookkeeping;
     skipped steps where there were some. ``rates``: the learning rates of the optimizer's
     parameter groups; the record's ``lr`` (the first group's) shows every distinct one of
-    them (``lr 0.02/0.0003``)."""
+    them (``lr 0.02/0.0003``), or, where the record names them (``lr_groups``), each by name
+    (``lr adamw=0.0003 muon=0.02 muon.adjusted=0.04``)."""
     head = f"epoch {numbers.get('epoch', '?')}" + (f"/{epochs}" if epochs else "")
     distinct = list(dict.fromkeys(float(r) for r in rates))
+    named = numbers.get("lr_groups") or {}
     shown = [
-        f"lr {'/'.join(_number(r) for r in distinct)}"
+        "lr " + " ".join(f"{name}={_number(r)}" for name, r in named.items())
+        if key == "lr" and named
+        else f"lr {'/'.join(_number(r) for r in distinct)}"
         if key == "lr" and len(distinct) > 1
         else f"{key} {_number(value)}"
         for key, value in _flat(numbers)
+        if not key.startswith("lr_groups.")
     ]
     if numbers.get("skipped_steps"):
         shown.append(f"skipped_steps {numbers['skipped_steps']}")

@@ -33,8 +33,10 @@ class Logger:
 
 
 def flat_tasks(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The record with ``tasks: {name: {field: v}}`` as columns ``name/field``."""
-    out = {k: v for k, v in record.items() if k != "tasks"}
+    """The record with ``tasks: {name: {field: v}}`` as columns ``name/field``, and each group's
+    rate (``lr_groups``) as ``lr/name``."""
+    out = {k: v for k, v in record.items() if k not in ("tasks", "lr_groups")}
     for task, values in record.get("tasks", {}).items():
         out.update({f"{task}/{field}": v for field, v in values.items()})
+    out.update({f"lr/{name}": rate for name, rate in (record.get("lr_groups") or {}).items()})
     return out

@@ -148,6 +148,8 @@ class TensorBoardLogger(Logger):
         ):
             if record.get(field) is not None:
                 self.writer.add_scalar(tag, record[field], step)
+        for name, rate in (record.get("lr_groups") or {}).items():
+            self.writer.add_scalar(f"lr/{name}", rate, step)
         for task, values in record.get("tasks", {}).items():
             for field, value in values.items():
                 if value is not None:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from gradmod.hooks import stages
 from gradmod.optim.param_groups import describe
+from gradmod.optim.rates import group_rates
 from gradmod.reporting.observe import GradCamProbe
 from gradmod.run.factories import (
     build_scheduler,
@@ -69,12 +70,12 @@ def build_trainer(run: Run) -> Parts:
         model, run.hooks, t.nonfinite, world_sum=_world_sum if many else None, sharded=many and dist.strategy == "fsdp"
     )
     optimizer = model_optimizer(cfg.optimizer, model, dist.device)
-    if cfg.optimizer.no_decay or cfg.optimizer.groups:
+    if cfg.optimizer.no_decay or cfg.optimizer.groups or cfg.optimizer.layer_decay is not None:
         log.info("%s", describe(model, optimizer, bool(cfg.optimizer.groups)))
     run.hooks.set_optimizer(optimizer)  # gsam's rho follows its lr, wsam moves after its step
     saver = _saver(run)
     steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, run.sampling)
-    schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
+    schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs), group_rates)
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
     callbacks = [NonFiniteCallback(guard), diverged, schedule]
     callbacks += [_privacy(run)] if run.privacy is not None else []

@@ -147,6 +147,7 @@ class OptimizerConfig:
     no_decay: List[str] = field(default_factory=list)  # globs over parameter names: weight_decay 0 for these
     # entries {params, exclude, lr_scale, optimizer: {_target_, ...}, ARG: value}: groups by glob (gradmod.optim)
     groups: List[Any] = field(default_factory=list)
+    layer_decay: Any = None  # a factor in (0, 1]: lr x factor ** (top - depth), depth read from the names (gradmod.optim)
     fused: Optional[bool] = None  # None: fused on CUDA where torch has it (build.default_fused), else torch's default
     foreach: Optional[bool] = None  # None: torch's default
     args: Dict[str, Any] = field(default_factory=dict)  # a user optimizer's other arguments (+optimizer.KEY=...)

@@ -3,7 +3,7 @@ the metrics (the objects are built from ``scheduler._target_`` by ``gradmod.run.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.optim import lr_scheduler
@@ -33,13 +33,17 @@ def learning_rate(optimizer: torch.optim.Optimizer) -> float:
 class SchedulerCallback(Callback):
     """Steps ``scheduler`` after every optimizer step (skipped steps too, so the schedule
     follows the step count) and puts the rate into each epoch's record (``lr``: the
-    rate of the first parameter group for the next step), so metrics and loggers get it."""
+    rate of the first parameter group for the next step; ``lr_groups``: every group's by name where
+    there are several, Muon's adjusted rate too), so metrics and loggers get it."""
 
     key = "scheduler"
     before = {"Checkpointer": "a checkpoint holds the schedule's state after the step it records"}
 
-    def __init__(self, scheduler: lr_scheduler.LRScheduler | None):
+    def __init__(
+        self, scheduler: lr_scheduler.LRScheduler | None, rates: Callable[[Any], dict[str, float]] | None = None
+    ):
         self.scheduler = scheduler
+        self.rates = rates  # the groups' rates by name (gradmod.optim.rates): a record's lr_groups
 
     def on_step_end(self, trainer) -> None:
         if self.scheduler is not None:
@@ -47,6 +51,9 @@ class SchedulerCallback(Callback):
 
     def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
         record["lr"] = learning_rate(trainer.optimizer)  # the rate the next step will use
+        named = self.rates(trainer.optimizer) if self.rates is not None else {}
+        if len(named) > 1:
+            record["lr_groups"] = named
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict() if self.scheduler is not None else {}

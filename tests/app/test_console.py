@@ -210,7 +210,7 @@ def test_a_compiled_run_says_it_compiles_and_how_long_it_took(caplog):
 
 def test_a_redirected_run_logs_progress_and_each_groups_rate_to_train_log(tmp_path):
     """``optimizer=muon`` (AdamW 3e-4 and Muon 0.02): train.log and the console get the progress
-    lines (the interval set to 0 here) and both rates on each epoch's line."""
+    lines (the interval set to 0 here) and each group's rate by name on each epoch's line."""
     argv = [str(ROOT / "train.py"), *TINY_FAKE, "optimizer=muon", f"hydra.run.dir={tmp_path / 'run'}"]
     code = (
         "import runpy, sys; import gradmod.reporting.progress as p; p.EVERY = 0.0; "
@@ -222,4 +222,8 @@ def test_a_redirected_run_logs_progress_and_each_groups_rate_to_train_log(tmp_pa
     log = (tmp_path / "run" / "train.log").read_text()
     for text in (log, proc.stdout + proc.stderr):
         assert re.search(r"epoch 1/2: 2/6 batches \(33%\), \d+ s so far, about \d+ s left", text), text
-        assert len(re.findall(r"epoch \d/2: train_loss .* lr 0\.0003/0\.02 \(", text)) == 2, text
+        # each group's rate by name, Muon's adjusted one (conv1's 32 x 9 matrix: 0.02 x sqrt(32 / 9)) too
+        assert (
+            len(re.findall(r"epoch \d/2: train_loss .* lr adamw=0\.0003 muon=0\.02 muon\.adjusted=0\.03771 \(", text))
+            == 2
+        ), text

@@ -1,7 +1,7 @@
 """Which names a rule's patterns select: globs over ``named_parameters()`` or
 ``named_modules()`` names, selectors (``@last_layer``, ``@embeddings``, ``@norms``,
-``@biases``, ``@vectors``, ``@matrices``: parameters by the place they hold in the model or
-their shape; ``@shared``: those every task's loss reaches, ``gradmod.hooks.rules.shared``),
+``@biases``, ``@vectors``, ``@matrices``, ``@no_weight_decay``: parameters by the place they hold in
+the model, their shape or the model's own list; ``@shared``: those every task's loss reaches, ``gradmod.hooks.rules.shared``),
 and for a pattern that matches nothing, an error listing close names. Hook rules and optimizer groups resolve
 their globs here, so a selector means one thing in both."""
 
@@ -25,6 +25,7 @@ SELECTORS = {
     "@biases": "every parameter named bias",
     "@vectors": "every parameter of 0 or 1 dimensions (biases, norms' scales, layer-scale gammas)",
     "@matrices": "weights of 2 or more dimensions outside the embeddings and the last layer",
+    "@no_weight_decay": "the names (globs) the model's own no_weight_decay() gives (timm's models: pos_embed, cls_token)",
     SHARED: "the parameters every task's loss reaches (a multi-task model's trunk)",
 }
 INPUT = "@input"  # in a modules rule: the model itself, whose input a penalty differentiates
@@ -39,17 +40,31 @@ class ParamKind(NamedTuple):
 
     module: str  # the type of the module that holds it: "embedding" | "norm" | "other"
     ndim: int
+    no_weight_decay: bool = False  # matched by the model's own no_weight_decay() (timm's convention)
+    transposed: bool = False  # a weight stored (in, out): Hugging Face's Conv1D (GPT-2's c_attn, c_fc)
 
 
 def param_kinds(model: nn.Module) -> dict[str, ParamKind]:
     """Parameter name -> its ``ParamKind``, for every name ``model.named_parameters()`` may give
     (a tied parameter under each of its names)."""
     kinds = {}
+    own = own_no_weight_decay(model)
     for prefix, module in model.named_modules(remove_duplicate=False):
         kind = _module_kind(module)
         for name, p in module.named_parameters(recurse=False):
-            kinds[f"{prefix}.{name}" if prefix else name] = ParamKind(kind, p.ndim)
+            full = f"{prefix}.{name}" if prefix else name
+            flipped = name == "weight" and type(module).__name__ == "Conv1D" and p.ndim == 2
+            kinds[full] = ParamKind(kind, p.ndim, any(fnmatch.fnmatchcase(full, g) for g in own), flipped)
     return kinds
+
+
+def own_no_weight_decay(model: nn.Module) -> list[str]:
+    """The globs ``model.no_weight_decay()`` gives (timm's models, BEiT's, DeiT's), [] where it has none;
+    timm matches them with fnmatch, as here."""
+    method = getattr(model, "no_weight_decay", None)
+    if not callable(method):
+        return []
+    return [str(g) for g in method() or ()]
 
 
 def _module_kind(module: nn.Module) -> str:
@@ -88,6 +103,8 @@ def name_hint(pattern: str, names: list[str]) -> str:
 
 def _no_match(where: str, pattern: str, names: list[str], what: str) -> ValueError:
     hint = "the model has none of them" if pattern in SELECTORS else name_hint(pattern, names)
+    if pattern == "@no_weight_decay":
+        hint = "the model has no no_weight_decay() method, or its names match none of its parameters"
     return ValueError(f"{where}: {shown(pattern)} matches no {what}; {hint}")
 
 
@@ -133,6 +150,8 @@ def _matches(
         return [n for n in names if n.rpartition(".")[2] == "bias"]
     if pattern == "@vectors":
         return [n for n in names if n in kinds and kinds[n].ndim <= 1]
+    if pattern == "@no_weight_decay":
+        return [n for n in names if n in kinds and kinds[n].no_weight_decay]
     module = {"@embeddings": "embedding", "@norms": "norm"}.get(pattern)
     if module is not None:
         return [n for n in names if n in kinds and kinds[n].module == module]
