@@ -78,7 +78,7 @@ def compare(
     diffs = {
         k: (old.get(k, UNSET), cur.get(k, UNSET))
         for k in sorted(old.keys() | cur.keys())
-        if old.get(k, UNSET) != cur.get(k, UNSET)
+        if not _same(old.get(k, UNSET), cur.get(k, UNSET))
     }
     must = MUST_MATCH + (("trainer.epochs",) if saved.get("scheduler") else ())  # the schedule's plan
     refused = [k for k in diffs if _under(k, must) and not _under(k, accept)]
@@ -98,6 +98,11 @@ def compare(
         else:
             log.info("resume: %s %r -> %r%s", k, a, b, " (accepted)" if _under(k, must) else "")
     return diffs
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Equal, or a key one config lacks that the other leaves unset (a key added since the checkpoint)."""
+    return old == new or (old is UNSET and new is None) or (new is UNSET and old is None)
 
 
 def _moved_default(key: str, old: Any, new: Any, must: tuple[str, ...], asked: Collection[str]) -> bool:

@@ -100,6 +100,13 @@ def test_apply_optimizer_writes_every_group():
     assert [(g["lr"], g["betas"]) for g in opt.param_groups] == [(0.2, (0.8, 0.9))] * 2
 
 
+def test_a_key_added_since_the_checkpoint_and_left_unset_matches():
+    saved = {"optimizer": {"lr": 0.1, "groups": None}}  # a checkpoint written before optimizer.layer_decay
+    assert compare(saved, {"optimizer": {"lr": 0.1, "groups": None, "layer_decay": None}}) == {}
+    with pytest.raises(ValueError, match=r"optimizer\.layer_decay: '<unset>' -> 0\.75"):
+        compare(saved, {"optimizer": {"lr": 0.1, "groups": None, "layer_decay": 0.75}})
+
+
 def test_disk_full_while_checkpointing_is_a_failed_summary_naming_the_path(tmp_path, compose_cfg, monkeypatch):
     calls, fsync = [0], ckpt.os.fsync
 
