@@ -46,6 +46,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from gradmod.app import config_files, interrupted_at_start
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
+from gradmod.app.hydra_versions import main_options
 from gradmod.app.isolated import preload, run_isolated
 from gradmod.app.job_files import JobFiles
 from gradmod.app.sweep_callback import report_cut_short, stop_asked, stop_sweep
@@ -88,7 +89,7 @@ def main(conf: str | Path = CONF) -> None:
         sys.exit(2)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
     try:
-        hydra.main(version_base="1.3", config_path=str(Path(conf).resolve()), config_name="config")(job)()
+        hydra.main(config_path=str(Path(conf).resolve()), config_name="config", **main_options())(job)()
     except Exception as e:  # job ends its own errors (it exits); these are Hydra's and OmegaConf's
         jobs = report_cut_short()  # a sweep the sweeper ended by raising: what ran, reported
         code = _config_status(e)
