@@ -15,8 +15,6 @@ import textwrap
 import tokenize
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from gradmod.app.hydra_versions import register_resolver
 from gradmod.hooks import stages
 from gradmod.run import config as schemas

@@ -28,6 +28,7 @@ def register_resolver(name: str, resolver: Callable[..., Any]) -> None:
     """``OmegaConf.register_resolver`` (2.4; 2.3's of that name is an older, other one), or
     2.3's ``register_new_resolver``."""
     if "replace" in inspect.signature(OmegaConf.register_resolver).parameters:
-        OmegaConf.register_resolver(name, resolver, replace=True, use_cache=False)
+        register: Any = OmegaConf.register_resolver  # typed as 2.3's
+        register(name, resolver, replace=True, use_cache=False)
     else:
         OmegaConf.register_new_resolver(name, resolver, replace=True, use_cache=False)
