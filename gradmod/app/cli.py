@@ -49,6 +49,7 @@ from gradmod.app.help import register_help
 from gradmod.app.hydra_versions import main_options
 from gradmod.app.isolated import preload, run_isolated
 from gradmod.app.job_files import JobFiles
+from gradmod.app.launchers import job_threads
 from gradmod.app.sweep_callback import report_cut_short, stop_asked, stop_sweep
 from gradmod.install import BrokenInstall, gradmod_version
 from gradmod.reporting import sweep_jobs
@@ -123,8 +124,8 @@ def job(cfg: DictConfig) -> float | None:
         _refuse_no_folder(hydra_cfg.run.dir)
         return _conclude(_train(cfg, out, multirun=False))["test_accuracy"]
     if not cfg.trainer.threads:
-        # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
-        threads = launcher_threads(hydra_cfg.launcher)
+        # Jobs side by side (joblib, submitit_local) share the cores; a SLURM job has its cpus_per_task.
+        threads = launcher_threads(hydra_cfg.launcher) or job_threads()
         if threads:
             cfg.trainer.threads = threads
     return _sweep_job(cfg, hydra_cfg, out)["test_accuracy"]

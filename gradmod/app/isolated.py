@@ -21,6 +21,7 @@ deadlock.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import logging
@@ -42,10 +43,12 @@ def run_isolated(target: Callable[..., ChildResult], args: tuple) -> ChildResult
     where that is safe (``fork_is_safe``), else a fresh interpreter: ``target`` must be a
     module-level function and ``args`` picklable."""
     read_end, write_end = os.pipe()
+    parent = os.getpid()
     if fork_is_safe():
         pid = os.fork()
         if pid == 0:  # the child: answer through the pipe, then leave without the parent's atexit work
             os.close(read_end)
+            _die_with(parent)
             _child(lambda: target(*args), write_end)
         child = None
     else:
@@ -75,7 +78,7 @@ def _spawn(target: Callable[..., ChildResult], args: tuple, write_end: int) -> s
     """A fresh Python running ``target(*args)``, its answer to ``write_end``; the console,
     the environment and the working folder are the parent's."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _BOOT, str(write_end)], stdin=subprocess.PIPE, pass_fds=(write_end,)
+        [sys.executable, "-c", _BOOT, str(write_end), str(os.getpid())], stdin=subprocess.PIPE, pass_fds=(write_end,)
     )
     assert child.stdin is not None
     with child.stdin:
@@ -87,6 +90,7 @@ def _spawn(target: Callable[..., ChildResult], args: tuple, write_end: int) -> s
 def _spawned() -> None:
     """The fresh interpreter's side of ``_spawn``."""
     write_end = int(sys.argv[1])
+    _die_with(int(sys.argv[2]))
     sys.argv, target, args = pickle.load(sys.stdin.buffer)
     _child(lambda: target(*args), write_end)
 
@@ -131,6 +135,18 @@ def fork_is_safe() -> bool:
     if now is None or _AT_IMPORT is None:
         return False
     return not _unexplained(now)
+
+
+def _die_with(parent: int) -> None:
+    """SIGTERM to this child when ``parent``, the launcher's process that waits for it, dies
+    (a submitit job process or a Ray worker killed): its training stops (``interrupted``)
+    instead of going on unreported after the sweep. Linux only (prctl)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # it died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _child(fn: Callable[[], ChildResult], write_end: int) -> None:

@@ -1,0 +1,105 @@
+"""Sweeps on launchers whose own process for a job can die (submitit's, Ray's): the report
+against the job folders, one line naming the job that did not end ok, each job's threads
+its share of the cores."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+from gradmod.app import launchers
+from gradmod.reporting import sweep_jobs
+
+TINY = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=64",
+    "data.test_size=32",
+    "trainer.epochs=1",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+    "model._target_=tests.support.sweep_models.waits",
+]
+
+
+def rows(sweep_dir: Path) -> list[dict[str, str]]:
+    with open(sweep_dir / "sweep.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def start_sweep(sweep: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={sweep}", *TINY, *overrides]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kill_when_written(pid_file: Path, proc: subprocess.Popen, timeout: float = 300) -> int:
+    """SIGKILL to the process whose pid the waiting job wrote; returns that pid."""
+    deadline = time.monotonic() + timeout
+    while not pid_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    pid = int(pid_file.read_text())
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def check_against_folders(sweep: Path, killed: str) -> None:
+    """The report's rows against the job folders: ok jobs with their own summaries' numbers,
+    the killed job with no complete run in its folder."""
+    for row in rows(sweep):
+        folder = sweep / row["job"]
+        if row["job"] == killed:
+            assert row["status"] == "killed"
+            summary = folder / "summary.json"
+            assert not summary.exists() or json.loads(summary.read_text())["status"] != "ok"
+        else:
+            summary = json.loads((folder / "summary.json").read_text())
+            assert row["status"] == summary["status"] == "ok"
+            assert float(row["test_accuracy"]) == pytest.approx(summary["test_accuracy"])
+
+
+@pytest.mark.slow  # three jobs at once under submitit's local executor (about 40 s on 2 cores)
+def test_submitit_local_job_process_killed_is_named_and_its_siblings_report(tmp_path):
+    sweep, pid_file = tmp_path / "sweep", tmp_path / "job.pid"
+    proc = start_sweep(
+        sweep, "hydra/launcher=submitit_local", f"+model.pid_file={pid_file}", "+model.wait=false,true,false"
+    )
+    kill_when_written(pid_file, proc)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr and "UncompletedJobError" not in stderr
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "job 1 killed: submitit job " in errors[0], stderr
+    check_against_folders(sweep, killed="1")
+    for job in ("0", "2"):  # three jobs at once on these cores: a share each, not every core
+        threads = json.loads((sweep / job / "summary.json").read_text())["threads"]
+        assert threads == launchers.share(3)
+
+
+def test_a_lost_job_is_killed_or_ok_by_what_its_folder_holds(tmp_path):
+    sweep = tmp_path
+    before_start = launchers.settle_lost(sweep, 0, ["seed=0"], "submitit job 7_0", RuntimeError("gone"))
+    record = sweep_jobs.start(sweep, 1, sweep / "1", ["seed=1"])
+    (sweep / "1").mkdir()
+    (sweep / "1" / "summary.json").write_text(json.dumps({"status": "ok", "test_accuracy": 0.5}))
+    finished = launchers.settle_lost(sweep, 1, ["seed=1"], "ray worker", RuntimeError("gone"))
+    sweep_jobs.start(sweep, 2, sweep / "2", ["seed=2"])  # started, its folder holds no complete run
+    died = launchers.settle_lost(sweep, 2, ["seed=2"], "ray worker", RuntimeError("gone"))
+    sweep_jobs.finish(sweep, sweep_jobs.start(sweep, 3, sweep / "3", ["seed=3"]), "failed", None, "ValueError: x")
+    said = launchers.settle_lost(sweep, 3, ["seed=3"], "ray worker", RuntimeError("gone"))
+    assert (before_start, finished, died, said) == ("killed", "ok", "killed", "failed")
+    records = {r["num"]: r for r in sweep_jobs.read(sweep, ended=True)}
+    assert records[0]["error"].startswith("submitit job 7_0 died before the job ended")
+    assert records[1]["test_accuracy"] == 0.5
+    assert record["started"] <= records[1]["ended"]
