@@ -127,6 +127,13 @@ def _unexplained(now: set[int]) -> set[int]:
     return now - _AT_IMPORT - {t.native_id for t in threading.enumerate()}
 
 
+def never_fork() -> None:
+    """Spawn every job's child from this process: it runs threads of its own that started
+    before gradmod was imported (a Ray worker's), which the check below cannot see."""
+    global _AT_IMPORT
+    _AT_IMPORT = None
+
+
 def fork_is_safe() -> bool:
     """Whether this process may fork a child that runs torch: no native thread started since
     import but Python's own (a forked child inherits none of them, and OpenMP's pool in it

@@ -137,20 +137,30 @@ class SubmititEndings:
         return returns
 
 
+RAY = {  # hydra/launcher=ray (the `ray` extra); docs/guide/sweeps.md
+    "_target_": f"{PLUGINS}.ray.RayLauncher",
+    "address": "auto",  # auto: the cluster running here (ray start --head), else one started for the sweep; or HOST:PORT
+    "num_cpus": 1,  # cores each job reserves on its node: its torch threads
+    "num_gpus": 0,  # GPUs each job reserves
+    "init": {},  # more ray.init() arguments, e.g. {runtime_env: {working_dir: .}}
+}
+
+
 def register() -> None:
-    """Put gradmod's launchers in place of submitit's under submitit's own names. Hydra's
-    plugin scan runs each plugin's config module and stores its nodes, on the first use of
-    ``Plugins``: it runs here first (a fraction of a second, no heavy import), so that these
-    nodes, stored after, are the ones composed."""
-    try:
-        from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
-    except ImportError:  # the `sweeps` extra not installed: Hydra names the launcher missing
-        return
+    """``hydra/launcher=ray``, and gradmod's launchers in place of submitit's under
+    submitit's own names. Hydra's plugin scan runs each plugin's config module and stores
+    its nodes, on the first use of ``Plugins``: it runs here first (a fraction of a second,
+    no heavy import), so that these nodes, stored after, are the ones composed."""
     from hydra.core.config_store import ConfigStore
     from hydra.core.plugins import Plugins
 
     Plugins.instance()
     cs = ConfigStore.instance()
+    cs.store(group="hydra/launcher", name="ray", node=RAY, provider="gradmod")
+    try:
+        from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+    except ImportError:  # the `sweeps` extra not installed: Hydra names the launcher missing
+        return
     for name, node in (("submitit_local", LocalQueueConf), ("submitit_slurm", SlurmQueueConf)):
         target = f"{PLUGINS}.submitit.{'SubmititLocal' if name.endswith('local') else 'SubmititSlurm'}"
         cs.store(group="hydra/launcher", name=name, node=node(_target_=target), provider="gradmod")

@@ -37,9 +37,12 @@ def rows(sweep_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+RAY_LOCAL = {"RAY_AUTH_MODE": "disabled"}  # a cluster on localhost for this test: no token to hand around
+
+
 def start_sweep(sweep: Path, *overrides: str) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={sweep}", *TINY, *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **RAY_LOCAL}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -103,3 +106,70 @@ def test_a_lost_job_is_killed_or_ok_by_what_its_folder_holds(tmp_path):
     assert records[0]["error"].startswith("submitit job 7_0 died before the job ended")
     assert records[1]["test_accuracy"] == 0.5
     assert record["started"] <= records[1]["ended"]
+
+
+@pytest.fixture
+def ray_cluster():
+    """A real local Ray cluster of 2 CPUs (``ray start --head --block``, its own temp folder);
+    ended by the id of the process this fixture started."""
+    pytest.importorskip("ray")
+    import shutil
+    import socket
+    import tempfile
+
+    from helpers import free_port
+
+    port, temp = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
+    ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--num-cpus=2"]
+    ray += [f"--temp-dir={temp}", "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--block"]
+    env = {**os.environ, **RAY_LOCAL}
+    head = subprocess.Popen(ray, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not start"
+            time.sleep(0.5)
+    yield f"127.0.0.1:{port}"
+    os.killpg(head.pid, signal.SIGTERM)  # the group of the head this fixture started
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.ray  # a real Ray cluster (the `ray` extra): about 60 s on 2 cores
+def test_ray_worker_killed_mid_job_is_named_and_its_siblings_report(tmp_path, ray_cluster):
+    sweep, pid_file = tmp_path / "sweep", tmp_path / "job.pid"
+    proc = start_sweep(
+        sweep,
+        "hydra/launcher=ray",
+        f"hydra.launcher.address={ray_cluster}",
+        f"+model.pid_file={pid_file}",
+        "+model.wait=false,true,false",
+    )
+    kill_when_written(pid_file, proc)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr and "WorkerCrashedError" not in stderr
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "job 1 killed: its Ray worker died" in errors[0], stderr
+    check_against_folders(sweep, killed="1")
+    for job in ("0", "2"):
+        assert json.loads((sweep / job / "summary.json").read_text())["threads"] == 1  # num_cpus: 1
+
+
+def test_an_unreachable_ray_address_is_one_line(tmp_path):
+    from helpers import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    proc = start_sweep(tmp_path, "hydra/launcher=ray", f"hydra.launcher.address={address}", "seed=0,1")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        f"error: hydra.launcher.address={address}: no Ray cluster answers there (Connection refused); start one "
+        "with: ray start --head, or give hydra.launcher.address=auto"
+    ]
