@@ -49,7 +49,7 @@ from gradmod.app.help import register_help
 from gradmod.app.hydra_versions import main_options
 from gradmod.app.isolated import preload, run_isolated
 from gradmod.app.job_files import JobFiles
-from gradmod.app.launchers import job_threads
+from gradmod.app.launchers import PLUGIN_EXTRAS, job_threads
 from gradmod.app.sweep_callback import report_cut_short, stop_asked, stop_sweep
 from gradmod.install import BrokenInstall, gradmod_version
 from gradmod.reporting import sweep_jobs
@@ -330,6 +330,9 @@ def describe(e: BaseException) -> str:
         return endings.describe_os_error(e if isinstance(e, OSError) else e.__cause__)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")
+        if f"{group}/{name}" in PLUGIN_EXTRAS:  # a Hydra plugin's option, its package not installed
+            extra = PLUGIN_EXTRAS[f"{group}/{name}"]
+            return f"{group}={name} needs the `{extra}` extra: pip install 'gradmod[{extra}]'"
         options = e.options if e.options is not None else _group_options(group, str(e))
         if options is not None:
             return f"{group}={name}: no such option; allowed: {', '.join(options)}"

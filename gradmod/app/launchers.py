@@ -28,6 +28,13 @@ from gradmod.training.distributed.ranks import node_cores
 log = logging.getLogger(__name__)
 
 PLUGINS = "hydra_plugins.gradmod_launchers"  # where Hydra accepts a launcher's class
+# The options that Hydra plugins from gradmod's extras add (missing: named with their extra).
+PLUGIN_EXTRAS = {
+    "hydra/launcher/joblib": "sweeps",
+    "hydra/launcher/submitit_local": "sweeps",
+    "hydra/launcher/submitit_slurm": "sweeps",
+    "hydra/sweeper/optuna": "sweeps",
+}
 JOB_THREADS = "GRADMOD_JOB_THREADS"  # the launcher's share of the cores for each job it starts at once
 
 

@@ -173,3 +173,24 @@ def test_an_unreachable_ray_address_is_one_line(tmp_path):
         f"error: hydra.launcher.address={address}: no Ray cluster answers there (Connection refused); start one "
         "with: ray start --head, or give hydra.launcher.address=auto"
     ]
+
+
+def test_a_launcher_whose_extra_is_missing_names_the_extra(tmp_path):
+    from hydra.errors import MissingConfigException
+
+    from gradmod.app.cli import describe
+
+    missing = MissingConfigException("Could not load 'hydra/launcher/submitit_local'", "hydra/launcher/submitit_local")
+    assert describe(missing) == (
+        "hydra/launcher=submitit_local needs the `sweeps` extra: pip install 'gradmod[sweeps]'"
+    )
+    no_ray = tmp_path / "shim" / "ray"  # `import ray` fails, as without the extra
+    no_ray.mkdir(parents=True)
+    (no_ray / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra/launcher=ray"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(no_ray.parent), str(ROOT)])}
+    proc = subprocess.run([*cmd, *TINY, "seed=0,1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: hydra/launcher=ray needs Ray, which the `ray` extra installs: pip install 'gradmod[ray]'"
+    )
