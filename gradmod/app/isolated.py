@@ -145,15 +145,16 @@ def fork_is_safe() -> bool:
 
 
 def _die_with(parent: int) -> None:
-    """SIGTERM to this child when ``parent``, the launcher's process that waits for it, dies
-    (a submitit job process or a Ray worker killed): its training stops (``interrupted``)
-    instead of going on unreported after the sweep. Linux only (prctl)."""
+    """SIGKILL to this child when ``parent``, the launcher's process that waits for it, dies
+    (a submitit job process or a Ray worker killed): its training ends with it, as that
+    process's own would, instead of going on unreported after the sweep (Ray, besides, sends
+    its own signals to a dead worker's children). Linux only (prctl)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux
         return
     if os.getppid() != parent:  # it died before the call
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _child(fn: Callable[[], ChildResult], write_end: int) -> None:

@@ -70,7 +70,7 @@ def settle_lost(sweep_dir: str | Path, num: int, overrides: Sequence[str], who: 
     if summary is not None:
         sweep_jobs.finish(sweep_dir, record, "ok", summary)
         return "ok"
-    why = f"{who} died before the job ended (killed by a signal, or the machine lost); its training stopped with it"
+    why = f"{who} died before the job ended (killed by a signal, or the machine lost); its training ended with it"
     log.info("job %s: %s: %s", num, who, " ".join(f"{type(error).__name__}: {error}".split())[:2000])
     sweep_jobs.finish(sweep_dir, record, "killed", None, why)
     return "killed"
