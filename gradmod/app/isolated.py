@@ -5,8 +5,8 @@ joblib launcher the jobs run in a loky pool, which breaks as a whole when one of
 processes dies: the healthy jobs are lost and no report is written; under the Optuna
 sweeper the trials run in the sweeper's own process, which holds the study. So the
 launcher's process (a loky worker, the basic launcher's own process, the sweeper's, a
-submitit task) starts a child that does the training and waits for it; the launcher never
-sees the child die.
+submitit task, a Ray worker) starts a child that does the training and waits for it; the
+launcher never sees the child die, and the child does not outlive it (``_die_with``).
 
 ``fork`` where it is safe: the child inherits the composed config and the logging Hydra set
 up for the job (``train.log``), and does not import torch again. A fork is only safe while

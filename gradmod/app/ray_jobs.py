@@ -57,7 +57,6 @@ def connect(ray: Any, address: str | None, init: dict[str, Any]) -> bool:
         except ConnectionError:  # no cluster runs here: one for this sweep
             ray.init(**quiet)
             return True
-    _reachable(address)
     try:
         ray.init(address=address, **quiet)
     except Exception as e:
@@ -116,8 +115,11 @@ class RayJobs:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        address = self.params.get("address")
+        if address and address != AUTO:
+            _reachable(address)  # before Ray is imported: the line says what is wrong first
         ray = import_ray()
-        started = connect(ray, self.params.get("address"), dict(self.params.get("init") or {}))
+        started = connect(ray, address, dict(self.params.get("init") or {}))
         try:
             return self._run(ray, job_overrides, initial_job_idx)
         finally:
