@@ -13,6 +13,7 @@ dead process, ends with it (``isolated``): nothing trains on unreported.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -163,11 +164,13 @@ def register() -> None:
 
     Plugins.instance()
     cs = ConfigStore.instance()
-    cs.store(group="hydra/launcher", name="ray", node=RAY, provider="gradmod")
+    # Hydra 1.4 asks a store over another's node to say so (1.3 replaces without the word).
+    replace = {"replace": True} if "replace" in inspect.signature(cs.store).parameters else {}
+    cs.store(group="hydra/launcher", name="ray", node=RAY, provider="gradmod", **replace)
     try:
         from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
     except ImportError:  # the `sweeps` extra not installed: Hydra names the launcher missing
         return
     for name, node in (("submitit_local", LocalQueueConf), ("submitit_slurm", SlurmQueueConf)):
         target = f"{PLUGINS}.submitit.{'SubmititLocal' if name.endswith('local') else 'SubmititSlurm'}"
-        cs.store(group="hydra/launcher", name=name, node=node(_target_=target), provider="gradmod")
+        cs.store(group="hydra/launcher", name=name, node=node(_target_=target), provider="gradmod", **replace)
