@@ -141,6 +141,7 @@ class RayJobs:
             with open_dict(config):
                 config.hydra.job.id = f"ray_{num}"
                 config.hydra.job.num = num
+                config.hydra.sweep.dir = str(sweep_dir.resolve())  # a worker's working folder is not ours
             refs.append(task.remote(self.hydra_context, config, self.task_function, Singleton.get_state()))
         returns = []
         for num, overrides, ref in zip(range(first, first + len(refs)), job_overrides, refs):
