@@ -194,3 +194,15 @@ def test_a_launcher_whose_extra_is_missing_names_the_extra(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: hydra/launcher=ray needs Ray, which the `ray` extra installs: pip install 'gradmod[ray]'"
     )
+
+
+def test_a_jobs_threads_from_its_launchers_environment():
+    from gradmod.training.distributed.ranks import node_cores
+
+    assert launchers.job_threads({"SLURM_CPUS_PER_TASK": "1"}) == 1  # a SLURM job's cpus_per_task
+    assert launchers.job_threads({"SLURM_CPUS_PER_TASK": "4096"}) == node_cores()  # capped by what it may use
+    assert (
+        launchers.job_threads({launchers.JOB_THREADS: "1", "SLURM_CPUS_PER_TASK": "2"}) == 1
+    )  # submitit_local's share
+    assert launchers.job_threads({}) == 0  # torch's own choice
+    assert launchers.share(3, cores=2) == 1 and launchers.share(2, cores=16) == 8
