@@ -46,8 +46,10 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from gradmod.app import config_files, interrupted_at_start
 from gradmod.app.config_store import one_line, unknown_key, validate
 from gradmod.app.help import register_help
+from gradmod.app.hydra_versions import main_options
 from gradmod.app.isolated import preload, run_isolated
 from gradmod.app.job_files import JobFiles
+from gradmod.app.launchers import PLUGIN_EXTRAS, job_threads
 from gradmod.app.sweep_callback import report_cut_short, stop_asked, stop_sweep
 from gradmod.install import BrokenInstall, gradmod_version
 from gradmod.reporting import sweep_jobs
@@ -88,7 +90,7 @@ def main(conf: str | Path = CONF) -> None:
         sys.exit(2)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own lines
     try:
-        hydra.main(version_base="1.3", config_path=str(Path(conf).resolve()), config_name="config")(job)()
+        hydra.main(config_path=str(Path(conf).resolve()), config_name="config", **main_options())(job)()
     except Exception as e:  # job ends its own errors (it exits); these are Hydra's and OmegaConf's
         jobs = report_cut_short()  # a sweep the sweeper ended by raising: what ran, reported
         code = _config_status(e)
@@ -122,8 +124,8 @@ def job(cfg: DictConfig) -> float | None:
         _refuse_no_folder(hydra_cfg.run.dir)
         return _conclude(_train(cfg, out, multirun=False))["test_accuracy"]
     if not cfg.trainer.threads:
-        # Jobs running side by side (joblib) share the cores: cores // n_jobs threads each.
-        threads = launcher_threads(hydra_cfg.launcher)
+        # Jobs side by side (joblib, submitit_local) share the cores; a SLURM job has its cpus_per_task.
+        threads = launcher_threads(hydra_cfg.launcher) or job_threads()
         if threads:
             cfg.trainer.threads = threads
     return _sweep_job(cfg, hydra_cfg, out)["test_accuracy"]
@@ -328,6 +330,9 @@ def describe(e: BaseException) -> str:
         return endings.describe_os_error(e if isinstance(e, OSError) else e.__cause__)
     if isinstance(e, MissingConfigException) and e.missing_cfg_file:
         group, _, name = e.missing_cfg_file.rpartition("/")
+        if f"{group}/{name}" in PLUGIN_EXTRAS:  # a Hydra plugin's option, its package not installed
+            extra = PLUGIN_EXTRAS[f"{group}/{name}"]
+            return f"{group}={name} needs the `{extra}` extra: pip install 'gradmod[{extra}]'"
         options = e.options if e.options is not None else _group_options(group, str(e))
         if options is not None:
             return f"{group}={name}: no such option; allowed: {', '.join(options)}"

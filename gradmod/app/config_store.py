@@ -23,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from gradmod.app import launchers
 from gradmod.run.config import (
     AdamConfig,
     AdamWConfig,
@@ -56,6 +57,7 @@ def register() -> None:
     cs.store(group="schema/logger", name="tensorboard", node=TensorBoardLoggerConfig)
     cs.store(group="schema/logger", name="mlflow", node=MLflowLoggerConfig)
     cs.store(group="schema", name="rule", node=RuleConfig)  # a hook file's rules: defaults [/schema/rule@NAME]
+    launchers.register()  # submitit's launchers, every ending reported
 
 
 register()

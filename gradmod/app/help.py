@@ -15,8 +15,7 @@ import textwrap
 import tokenize
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
+from gradmod.app.hydra_versions import register_resolver
 from gradmod.hooks import stages
 from gradmod.run import config as schemas
 
@@ -184,4 +183,4 @@ def register_help(conf: str | Path, page: bool = True, argv: list[str] = ()) -> 
             raise ValueError(f"gradmod_help:{name}: no such section; allowed: {', '.join(sections)}")
         return "\n".join(sections[name]()) if page else ""
 
-    OmegaConf.register_new_resolver("gradmod_help", section, replace=True, use_cache=False)
+    register_resolver("gradmod_help", section)

@@ -5,8 +5,8 @@ joblib launcher the jobs run in a loky pool, which breaks as a whole when one of
 processes dies: the healthy jobs are lost and no report is written; under the Optuna
 sweeper the trials run in the sweeper's own process, which holds the study. So the
 launcher's process (a loky worker, the basic launcher's own process, the sweeper's, a
-submitit task) starts a child that does the training and waits for it; the launcher never
-sees the child die.
+submitit task, a Ray worker) starts a child that does the training and waits for it; the
+launcher never sees the child die, and the child does not outlive it (``_die_with``).
 
 ``fork`` where it is safe: the child inherits the composed config and the logging Hydra set
 up for the job (``train.log``), and does not import torch again. A fork is only safe while
@@ -21,6 +21,7 @@ deadlock.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import logging
@@ -42,10 +43,12 @@ def run_isolated(target: Callable[..., ChildResult], args: tuple) -> ChildResult
     where that is safe (``fork_is_safe``), else a fresh interpreter: ``target`` must be a
     module-level function and ``args`` picklable."""
     read_end, write_end = os.pipe()
+    parent = os.getpid()
     if fork_is_safe():
         pid = os.fork()
         if pid == 0:  # the child: answer through the pipe, then leave without the parent's atexit work
             os.close(read_end)
+            _die_with(parent)
             _child(lambda: target(*args), write_end)
         child = None
     else:
@@ -75,7 +78,7 @@ def _spawn(target: Callable[..., ChildResult], args: tuple, write_end: int) -> s
     """A fresh Python running ``target(*args)``, its answer to ``write_end``; the console,
     the environment and the working folder are the parent's."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _BOOT, str(write_end)], stdin=subprocess.PIPE, pass_fds=(write_end,)
+        [sys.executable, "-c", _BOOT, str(write_end), str(os.getpid())], stdin=subprocess.PIPE, pass_fds=(write_end,)
     )
     assert child.stdin is not None
     with child.stdin:
@@ -87,6 +90,7 @@ def _spawn(target: Callable[..., ChildResult], args: tuple, write_end: int) -> s
 def _spawned() -> None:
     """The fresh interpreter's side of ``_spawn``."""
     write_end = int(sys.argv[1])
+    _die_with(int(sys.argv[2]))
     sys.argv, target, args = pickle.load(sys.stdin.buffer)
     _child(lambda: target(*args), write_end)
 
@@ -123,6 +127,13 @@ def _unexplained(now: set[int]) -> set[int]:
     return now - _AT_IMPORT - {t.native_id for t in threading.enumerate()}
 
 
+def never_fork() -> None:
+    """Spawn every job's child from this process: it runs threads of its own that started
+    before gradmod was imported (a Ray worker's), which the check below cannot see."""
+    global _AT_IMPORT
+    _AT_IMPORT = None
+
+
 def fork_is_safe() -> bool:
     """Whether this process may fork a child that runs torch: no native thread started since
     import but Python's own (a forked child inherits none of them, and OpenMP's pool in it
@@ -131,6 +142,19 @@ def fork_is_safe() -> bool:
     if now is None or _AT_IMPORT is None:
         return False
     return not _unexplained(now)
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL to this child when ``parent``, the launcher's process that waits for it, dies
+    (a submitit job process or a Ray worker killed): its training ends with it, as that
+    process's own would, instead of going on unreported after the sweep (Ray, besides, sends
+    its own signals to a dead worker's children). Linux only (prctl)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # it died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _child(fn: Callable[[], ChildResult], write_end: int) -> None:

@@ -42,6 +42,15 @@ class SweepReport(Callback):
             except ValueError as e:
                 print(f"error: {e}", file=sys.stderr)
                 raise SystemExit(2) from None
+        storage = config.hydra.sweeper.get("storage")
+        if storage and str(config.hydra.sweeper.get("_target_", "")).endswith("OptunaSweeper"):
+            from gradmod.app.optuna_storage import StorageError, prepare
+
+            try:
+                prepare(str(storage))  # before the sweeper opens it (optuna 2.10 under SQLAlchemy 2)
+            except StorageError as e:
+                print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
         sweep_jobs.clear(sweep_dir)
         _OPEN[:] = [sweep_dir]
         jobs = planned_jobs(config)

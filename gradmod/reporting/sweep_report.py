@@ -61,8 +61,11 @@ FILES = {"csv": "sweep.csv", "md": "sweep.md", "png": "sweep_curves.png"}
 def launcher_threads(launcher: Mapping[str, Any] | None, cores: int | None = None) -> int:
     """Torch threads for one job of a sweep: ``cores // n_jobs`` under the joblib launcher
     (which runs ``n_jobs`` jobs at once; -1 is every core, -2 all but one, as in joblib),
-    0 (torch's default) for launchers that run one job at a time on this machine."""
+    a Ray job's ``num_cpus``; 0 for the others (torch's default, or the share their
+    environment gives: ``gradmod.app.launchers.job_threads``)."""
     target = str((launcher or {}).get("_target_", ""))
+    if target.endswith("RayLauncher"):  # the cores Ray reserves for each job
+        return int(float(launcher.get("num_cpus") or 0))
     if not target.endswith("JoblibLauncher"):
         return 0
     if cores is None:

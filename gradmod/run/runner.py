@@ -27,6 +27,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from gradmod.hooks import stages
 from gradmod.hooks.hookset import HookSet, attach
 from gradmod.reporting import json_text
+from gradmod.reporting.logger_base import Logger
 from gradmod.reporting.loggers import check_logger, make_logger
 from gradmod.reporting.plan import summarize_plan
 from gradmod.run import dp, host_heap, preflight
@@ -253,8 +254,13 @@ def _own(run: Run) -> Path:
 def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: Parts) -> None:
     """The callbacks that write files or watch the run, after the restored ones, in their
     declared order; what they open closes with ``stack``."""
-    chosen = dataclasses.asdict(run.cfg.logger) if run.dist.is_main else None  # the other ranks: csv, thrown away
-    logger = make_logger(chosen, folder, config=dataclasses.asdict(run.cfg), run=run.claim.run_id)
+    logger = (  # rank 0 alone logs: an experiment tracker gets one run, not one per rank
+        make_logger(
+            dataclasses.asdict(run.cfg.logger), folder, config=dataclasses.asdict(run.cfg), run=run.claim.run_id
+        )
+        if run.dist.is_main
+        else Logger()
+    )
     stack.push(_closing(logger.close))
     logger.log_plan(run.plan, run.hooks.format_plan())
     files = RunFiles(folder, logger)

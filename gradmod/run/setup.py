@@ -19,6 +19,7 @@ from gradmod.run import host_heap, preflight
 from gradmod.run.config import Config
 from gradmod.run.factories import build_data, build_tasks, model_factory
 from gradmod.run.folder import endings
+from gradmod.training.distributed.ranks import rank_threads
 from gradmod.training.distributed.strategy import Dist
 from gradmod.training.loader import batches_per_epoch, placement
 from gradmod.training.precision import check_precision
@@ -83,8 +84,9 @@ def place(cfg: Config) -> Dist:
     if dist.strategy == "fsdp" and cfg.capture.gradcam:  # the probe copies the whole model's weights
         raise ValueError("capture.gradcam=true with trainer.strategy=fsdp is not supported; use trainer.strategy=ddp")
     dist.start()
-    if cfg.trainer.threads:
-        torch.set_num_threads(cfg.trainer.threads)
+    threads = cfg.trainer.threads or rank_threads()  # a rank's share of its node, where torchrun set none
+    if threads:
+        torch.set_num_threads(threads)
     if cfg.trainer.host_heap == "keep" and not host_heap.keep():
         log.info("trainer.host_heap=keep did not take (the C library is not glibc, or refused it): its defaults stay")
     seed_everything(cfg.seed)

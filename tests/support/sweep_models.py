@@ -28,3 +28,16 @@ def dies_once(marker: str) -> nn.Module:
     except FileExistsError:
         return tiny()
     return tiny(die=True)
+
+
+def waits(pid_file: str = "", wait: bool = False) -> nn.Module:
+    """``tiny``; ``wait=true``: writes the pid of the launcher's process that runs this job
+    (the training's parent) to ``pid_file`` and sleeps until a test kills that process."""
+    if wait:
+        import time
+
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getppid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        time.sleep(120)
+    return tiny()

@@ -22,6 +22,7 @@ from torch import nn
 
 from gradmod.hooks import attach
 from gradmod.testing.epochs import bare_epoch
+from gradmod.training.distributed.ranks import rank_threads
 from gradmod.training.distributed.strategy import Dist, follower_overrides, unwrap
 
 BOUND = 0.05  # small enough that the clamp bites on some entries and not on others
@@ -237,6 +238,63 @@ def test_follower_overrides():
     assert follower_overrides(["train.py"], {}) == []
     assert "hydra.output_subdir=null" in follower_overrides(["train.py"], {"RANK": "1"})
     assert follower_overrides(["train.py", "-m"], {"RANK": "1"}) == []
+
+
+def test_rank_threads_share_the_node_where_torchrun_set_none():
+    torchrun_one_a_node = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}
+    assert rank_threads(torchrun_one_a_node, cores=16) == 16  # the node's cores, its one rank's
+    assert rank_threads({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, cores=16) == 4
+    assert rank_threads({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, cores=2) == 1  # at least one
+    assert rank_threads({**torchrun_one_a_node, "OMP_NUM_THREADS": "3"}, cores=16) == 0  # the user's: kept
+    assert rank_threads({}, cores=16) == 0  # one process: torch's own choice
+
+
+TORCHRUN_RUN = [
+    "trainer.strategy=ddp",
+    "+hooks=clip",
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=64",
+    "data.test_size=33",
+    "data.batch_size=16",
+    "trainer.epochs=1",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+]
+
+
+@pytest.mark.slow  # three torchrun launches (about 25 s on 2 cores)
+def test_two_nodes_of_one_rank_equal_one_node_of_two_bitwise(tmp_path):
+    """``--nnodes=2 --nproc_per_node=1`` (two torchrun agents meeting on localhost, each
+    "node" one core of this host, as taskset pins it) trains the same weights, bit for bit,
+    as ``--nnodes=1 --nproc_per_node=2``; each rank took its node's cores (1), set by
+    gradmod where torchrun sets no OMP_NUM_THREADS; rank 0 alone wrote the run folder."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(ROOT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    port = free_port()
+    nodes = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir()
+        pin = ["taskset", "-c", str(node % (os.cpu_count() or 1))]
+        cmd = [*pin, *torchrun, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}"]
+        cmd += ["--master_addr=127.0.0.1", f"--master_port={port}", str(ROOT / "train.py")]
+        cmd += [*TORCHRUN_RUN, f"hydra.run.dir={tmp_path / 'two_nodes'}"]
+        nodes.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [p.communicate(timeout=600)[0].decode() for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs
+    one = [*torchrun, "--nnodes=1", "--nproc_per_node=2", f"--master_port={free_port()}", str(ROOT / "train.py")]
+    one += [*TORCHRUN_RUN, f"hydra.run.dir={tmp_path / 'one_node'}"]
+    proc = subprocess.run(one, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    two, single = (torch.load(tmp_path / d / "model.pt") for d in ("two_nodes", "one_node"))
+    assert two.keys() == single.keys() and all(torch.equal(two[k], single[k]) for k in two)
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("two_nodes", "one_node")]
+    assert [s["world_size"] for s in summaries] == [2, 2]
+    assert [s["threads"] for s in summaries] == [1, 1]  # one core a node / one rank; torchrun's 1
+    assert [sorted(p.name for p in (tmp_path / f"node{n}").iterdir()) for n in (0, 1)] == [[], []]
 
 
 @pytest.mark.slow
