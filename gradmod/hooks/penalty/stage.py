@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from gradmod.hooks import registry as R
 from gradmod.hooks import stages
 from gradmod.hooks.losses import named, total
 from gradmod.hooks.penalty.inputs import Inputs
@@ -68,8 +69,8 @@ class PenaltyStage(Stage):
                 f"hooks.{rule}.transforms: a penalty rule holds one penalty (grad_penalty or input_grad_penalty), "
                 f"got {', '.join(names)}; put the others in rules of their own"
             )
-        want = {"grad_penalty": "param", "input_grad_penalty": "module"}.get(names[0])
-        if want is not None and want != kind:
+        term = R.entry(names[0]).factory
+        if isinstance(term, type) and issubclass(term, Penalty) and term.needs != kind:
             raise ValueError(
                 f"hooks.{rule}: grad_penalty takes the loss's gradient on parameters (give params), "
                 "input_grad_penalty on a module's input (give modules; @input: the model's)"

@@ -40,7 +40,7 @@ class Penalty:
             raise ValueError(f"{self.name}: every={self.every!r} must be an int >= 1 (optimizer steps)")
 
     name = "penalty"
-    needs = "params"  # the rule kind that names what the gradient is taken of
+    needs = "param"  # the rule kind that names what the gradient is taken of (a params rule)
 
     @property
     def exact(self) -> bool:
@@ -85,4 +85,4 @@ class InputGradPenalty(Penalty):
     """``weight * mean_i ||d l_i / d x_i||^power``, ``x`` each selected module's input."""
 
     name = "input_grad_penalty"
-    needs = "modules"
+    needs = "module"  # a modules rule: their inputs
