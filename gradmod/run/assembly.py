@@ -22,6 +22,7 @@ from gradmod.run.factories import (
 from gradmod.run.folder.checkpointing import Checkpointer
 from gradmod.run.state import Run
 from gradmod.training.callbacks import NonFiniteCallback
+from gradmod.training.curvature import Curvature
 from gradmod.training.divergence import DivergenceCallback
 from gradmod.training.loader import steps_per_epoch
 from gradmod.training.nonfinite import NonFiniteGuard
@@ -42,6 +43,7 @@ class Parts:
     saver: Checkpointer
     guard: NonFiniteGuard
     probe: GradCamProbe | None
+    curvature: Curvature | None = None  # the curvature rules' estimates
 
 
 def build_trainer(run: Run) -> Parts:
@@ -64,6 +66,8 @@ def build_trainer(run: Run) -> Parts:
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
     callbacks = [NonFiniteCallback(guard), diverged, schedule]
     callbacks += [_privacy(run)] if run.privacy is not None else []
+    curvature = Curvature(run.curvature) if run.curvature else None
+    callbacks += [curvature] if curvature is not None else []
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
     probe = _probe(run) if cfg.capture.gradcam else None
     settings = TrainerSettings(
@@ -93,7 +97,7 @@ def build_trainer(run: Run) -> Parts:
         eval_net=model if net is wrapped else net,
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-    return Parts(trainer, saver, guard, probe)
+    return Parts(trainer, saver, guard, probe, curvature)
 
 
 def _saver(run: Run) -> Checkpointer:
