@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,10 +65,7 @@ def build_trainer(run: Run) -> Parts:
     steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, run.sampling)
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs))
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
-    callbacks = [NonFiniteCallback(guard), diverged, schedule]
-    callbacks += [_privacy(run)] if run.privacy is not None else []
-    curvature = Curvature(run.curvature) if run.curvature else None
-    callbacks += [curvature] if curvature is not None else []
+    callbacks = [NonFiniteCallback(guard), diverged, schedule, *_observers(run)]
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
     probe = _probe(run) if cfg.capture.gradcam else None
     settings = TrainerSettings(
@@ -97,7 +95,13 @@ def build_trainer(run: Run) -> Parts:
         eval_net=model if net is wrapped else net,
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-    return Parts(trainer, saver, guard, probe, curvature)
+    return Parts(trainer, saver, guard, probe, next((c for c in callbacks if isinstance(c, Curvature)), None))
+
+
+def _observers(run: Run) -> list[Any]:
+    """DP-SGD's accountant where a rule adds noise; the curvature rules' estimates."""
+    out: list[Any] = [_privacy(run)] if run.privacy is not None else []
+    return out + ([Curvature(run.curvature)] if run.curvature else [])
 
 
 def _saver(run: Run) -> Checkpointer:

@@ -77,19 +77,25 @@ def _read(name: str, spec: Mapping[str, Any], listed: list[Any]) -> CurvatureRul
         raise ValueError(f"{where}: curvature observes and transforms nothing; give it a rule of its own")
     others = sorted(k for k in ("modules", "active", "stage", "rows") if spec.get(k) is not None)
     if others:
-        raise ValueError(f"{where}: a curvature rule takes params and exclude (globs); {', '.join(others)} is not allowed")
+        raise ValueError(
+            f"{where}: a curvature rule takes params and exclude (globs); {', '.join(others)} is not allowed"
+        )
     args = {k: v for k, v in (listed[0] if isinstance(listed[0], Mapping) else {}).items() if k != "name"}
     known = {f.name for f in fields(CurvatureRule)} - {"rule", "params", "exclude"}
     unknown = sorted(set(args) - known)
     if unknown:
-        raise ValueError(f"{where}: curvature has no argument {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"{where}: curvature has no argument {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+        )
     rule = CurvatureRule(name, spec.get("params") or "*", spec.get("exclude"), **args)
     for key in ("every", "batch"):
         value = getattr(rule, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             what = "optimizer steps between two estimates" if key == "every" else "training examples in the probe batch"
             raise ValueError(f"{where}: {key}={value!r} must be an int >= 1 ({what})")
-    check(per=rule.per, k=rule.k, iterations=rule.iterations, probes=rule.probes, mode=rule.mode, tol=rule.tol, rule=name)
+    check(
+        per=rule.per, k=rule.k, iterations=rule.iterations, probes=rule.probes, mode=rule.mode, tol=rule.tol, rule=name
+    )
     return rule
 
 

@@ -2,7 +2,7 @@
 
 The CSV holds every estimate so far, one row per estimate and group (``step, lr, rule, group,
 top1.., trace, trace_se, hvps``), rewritten whole at each epoch's end (a resumed run's rows come
-back with the callback's state); the picture (``gradmod.reporting.curvature_plot``) is drawn at
+back with the callback's state); the picture (``gradmod.reporting.lens.curvature_plot``) is drawn at
 the end."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gradmod.reporting.curvature_plot import plot_curvature
+from gradmod.reporting.lens.curvature_plot import plot_curvature
 from gradmod.reporting.loggers import names_file
 from gradmod.run.folder import atomic
 from gradmod.training.callbacks import Callback
@@ -23,7 +23,10 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         columns += [k for k in r if k not in columns]
     lines = [",".join(columns)]
-    lines += [",".join("" if r.get(c) is None else f"{r[c]:.10g}" if isinstance(r[c], float) else str(r[c]) for c in columns) for r in rows]
+    lines += [
+        ",".join("" if r.get(c) is None else f"{r[c]:.10g}" if isinstance(r[c], float) else str(r[c]) for c in columns)
+        for r in rows
+    ]
     return "\n".join(lines) + "\n"
 
 
