@@ -32,9 +32,8 @@ from gradmod.hooks.rules import globs
 def chosen(model: nn.Module, params: Any) -> list[str]:
     """The parameter names the globs select (model order); one line for a glob matching nothing."""
     names = [n for n, _ in model.named_parameters()]
-    return globs.select(
-        "influence", {"params": params}, names, "parameter", globs.param_kinds(model), prefix="--params"
-    )
+    picked = globs.matching("--params", params, names, "parameter", globs.param_kinds(model))
+    return [n for n in names if n in picked]
 
 
 def per_example(model: nn.Module, names: Sequence[str], x: Tensor, y: Tensor) -> Tensor:
