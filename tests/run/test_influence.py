@@ -166,3 +166,51 @@ def test_bad_input_is_one_line_each(tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("error: gradmod influence: "), (rest, lines)
         assert re.search(message, lines[0]), (rest, lines[0])
         assert not (folder / "influence.csv").exists()
+
+
+@pytest.mark.slow
+def test_on_the_mnist_cnn_projected_ranks_as_captums_exact(tmp_path):
+    """A run of the MNIST CNN on the bundled digits (2 checkpoints): ``--projection 1024`` against
+    Captum's exact scores of every training example, Spearman over the top 100 >= 0.9 for each of
+    4 test examples."""
+    from helpers import FAST, compose_config
+
+    from gradmod.analysis.influence import influence, projection_error
+    from gradmod.analysis.self_influence import read_checkpoint, run_data, run_model
+    from gradmod.app.config_store import validate
+    from gradmod.data import as_float
+    from gradmod.run import runner
+
+    cfg = compose_config(*FAST, "trainer.checkpoint_every_steps=20", "trainer.checkpoint_keep=10")
+    assert runner.execute(lambda: validate(cfg), tmp_path).status == "ok"
+    paths = ckpt.checkpoints(tmp_path / "checkpoints")
+    read = [read_checkpoint(p) for p in paths]
+    config = read[-1][1]
+    data = run_data(config, tmp_path)
+    captum = pytest.importorskip("captum.influence")
+    from torch.utils.data import TensorDataset
+
+    def load(m, path):
+        checkpoint, _ = read_checkpoint(path)
+        m.load_state_dict(checkpoint.model)
+        m.eval()
+        return checkpoint.lr
+
+    build = run_model(config, data)
+    tracin = captum.TracInCP(
+        build(),
+        TensorDataset(as_float(data.train_x), data.train_y),
+        [str(p) for p in paths],
+        load,
+        loss_fn=torch.nn.CrossEntropyLoss(reduction="sum"),
+        batch_size=100,
+        sample_wise_grads_per_batch=True,
+    )
+    tests = [0, 1, 2, 3]
+    exact = tracin.influence((as_float(data.test_x[tests]), data.test_y[tests]), show_progress=False).double()
+    checkpoints = [c for c, _ in read]
+    projected = influence(
+        build, checkpoints, (data.train_x, data.train_y), (data.test_x[tests], data.test_y[tests]), projection=1024
+    )
+    error = projection_error(exact, projected, top=100)
+    assert error["spearman_min"] >= 0.9, error
