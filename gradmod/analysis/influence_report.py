@@ -74,74 +74,62 @@ def influence_run(
     """Score ``run``'s training examples on its test examples; returns what was written, the
     proponents and opponents, and, projected, the projection's error against exact."""
     check_options(test, hardest, k, batch_size, projection, check)
-    run = Path(run)
-    read = [read_checkpoint(p) for p in run_checkpoints(run, "influence")]  # all verified before the long part
-    checkpoints, config = [c for c, _ in read], own_config(run, read)
-    data = run_data(config, run, data_dir)
-    build, where = run_model(config, data), resolve_device(device)
-    check_weights(build(), checkpoints, config["model"].get("_target_") or config["model"].get("name") or "?")
-    chosen(build(), params)  # a glob matching nothing: one line, before the long part
-    n_train = len(data.train_y)
-    if 2 * k > n_train:
-        raise ValueError(
-            f"--k {k}: the training set has {n_train} examples; k proponents and k opponents need k <= {n_train // 2}"
-        )
+    run, where = Path(run), resolve_device(device)
+    checkpoints, data, build = _read_run(run, data_dir, params, k)
     last = build()
     last.load_state_dict(checkpoints[-1].model)
     tests = _tests(data, test, hardest, last, where, batch_size)
     warn_unended(run, len(checkpoints))
     train, queried = (data.train_x, data.train_y), (data.test_x[tests], data.test_y[tests])
     how = "exact" if projection is None else f"projected to {projection} dimensions"
-    log.info(
-        "influence (%s) of %d training examples on %d test examples over %d checkpoints of %s",
-        how,
-        n_train,
-        len(tests),
-        len(checkpoints),
-        run,
-    )
-    scores = influence(
-        build,
-        checkpoints,
-        train,
-        queried,
-        params=params,
-        projection=projection,
-        seed=seed,
-        batch_size=batch_size,
-        device=where,
-        progress=_progress(checkpoints, n_train),
-    )
-    error = None
-    if projection is not None:
-        error = _projection_check(build, checkpoints, train, queried, scores, params, check, seed, batch_size, where)
-    index = data.dataset_index()
+    log.info("influence (%s) of %d training examples on %d test examples over %d checkpoints of %s",
+             how, len(train[1]), len(tests), len(checkpoints), run)  # fmt: skip
+    progress = _progress(checkpoints, len(train[1]))
+    kw = {"params": params, "seed": seed, "batch_size": batch_size, "device": where}
+    scores = influence(build, checkpoints, train, queried, projection=projection, progress=progress, **kw)
+    error = None if projection is None else _projection_check(build, checkpoints, train, queried, scores, check, kw)
     top = torch.topk(scores, k, dim=1).indices, torch.topk(-scores, k, dim=1).indices
-    lines = []
-    for row, t in enumerate(tests.tolist()):
-        chosen_rows = torch.cat([top[0][row], top[1][row].flip(0)])  # highest first, most harmful last
-        lines += [
-            f"{t},{int(index[i])},{int(data.train_y[i])},{float(scores[row, i]):.10g}\n" for i in chosen_rows.tolist()
-        ]
-    atomic.write_text(run / CSV, HEADER + "\n" + "".join(lines))  # first: the result
+    _write_csv(run, data, tests, scores, top)  # first: the result
     preds = predictions(last, queried[0], batch_size=batch_size, device=where).tolist()
     files = [CSV, *_figure(run, data, tests, preds, top, scores, k)]
+    index = data.dataset_index()
+    rows = [
+        {"index": t, "label": int(data.test_y[t]), "prediction": p}
+        | {"proponents": [int(index[i]) for i in top[0][row].tolist()]}
+        | {"opponents": [int(index[i]) for i in top[1][row].tolist()]}
+        for row, (t, p) in enumerate(zip(tests.tolist(), preds))
+    ]
     return {
         "run": str(run),
         "checkpoints": [c.path.name for c in checkpoints],
-        "tests": [
-            {
-                "index": t,
-                "label": int(data.test_y[t]),
-                "prediction": p,
-                "proponents": [int(index[i]) for i in top[0][row].tolist()],
-                "opponents": [int(index[i]) for i in top[1][row].tolist()],
-            }
-            for row, (t, p) in enumerate(zip(tests.tolist(), preds))
-        ],
+        "tests": rows,
         "projection": error,
         "files": [str(run / f) for f in files],
     }
+
+
+def _read_run(run: Path, data_dir: str | None, params: Any, k: int):
+    """(checkpoints, data, model factory), each checked before the long part: every checkpoint
+    verified and of the run's model, the data the run's, the globs matching, ``k`` in range."""
+    read = [read_checkpoint(p) for p in run_checkpoints(run, "influence")]
+    checkpoints, config = [c for c, _ in read], own_config(run, read)
+    data = run_data(config, run, data_dir)
+    build = run_model(config, data)
+    check_weights(build(), checkpoints, config["model"].get("_target_") or config["model"].get("name") or "?")
+    chosen(build(), params)
+    n = len(data.train_y)
+    if 2 * k > n:
+        raise ValueError(f"--k {k}: the training set has {n} examples; k proponents and k opponents need k <= {n // 2}")
+    return checkpoints, data, build
+
+
+def _write_csv(run: Path, data, tests, scores, top) -> None:
+    """influence.csv: each test example's proponents (highest first), then its opponents (most harmful last)."""
+    index, lines = data.dataset_index(), []
+    for row, t in enumerate(tests.tolist()):
+        picked = torch.cat([top[0][row], top[1][row].flip(0)])
+        lines += [f"{t},{int(index[i])},{int(data.train_y[i])},{float(scores[row, i]):.10g}\n" for i in picked.tolist()]
+    atomic.write_text(run / CSV, HEADER + "\n" + "".join(lines))
 
 
 def _tests(data, test: list[int] | None, hardest: int, last, where, batch_size: int) -> torch.Tensor:
@@ -161,22 +149,12 @@ def _tests(data, test: list[int] | None, hardest: int, last, where, batch_size: 
     return torch.sort(torch.cat(losses), descending=True, stable=True).indices[: min(hardest, n)]
 
 
-def _projection_check(
-    build, checkpoints, train, queried, scores, params, check, seed, batch_size, where
-) -> dict[str, float]:
+def _projection_check(build, checkpoints, train, queried, scores, check: int, kw: dict[str, Any]) -> dict[str, Any]:
     """The projected scores against exact ones on ``check`` training examples drawn with ``seed``."""
     n = len(train[1])
-    some = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: min(check, n)].sort().values
+    some = torch.randperm(n, generator=torch.Generator().manual_seed(kw["seed"]))[: min(check, n)].sort().values
     log.info("projection check: exact scores of %d training examples", len(some))
-    exact = influence(
-        build,
-        checkpoints,
-        (train[0][some], train[1][some]),
-        queried,
-        params=params,
-        batch_size=batch_size,
-        device=where,
-    )
+    exact = influence(build, checkpoints, (train[0][some], train[1][some]), queried, **kw)
     error = projection_error(exact, scores[:, some]) | {"examples": len(some)}
     log.info(
         "projection against exact: Spearman over the top 100 %.3f (lowest of the test examples), mean %.3f; "

@@ -96,6 +96,26 @@ def curvature(
     return out
 
 
+def curvature_rule(
+    every: int = 100,
+    k: int = 1,
+    iterations: int = 20,
+    probes: int = 0,
+    per: str = "glob",
+    batch: int = 100,
+    tol: float = 1e-3,
+    mode: str = "eval",
+    seed: int = 0,
+) -> Any:
+    """The ``curvature`` transform's entry: its arguments (``gradmod/conf/hooks/curvature.yaml``).
+    It transforms no gradient; gradmod's trainer takes its rule out of the ones it attaches and
+    estimates every ``every`` steps (``gradmod.training.curvature``): attached as a transform, it is refused."""
+    raise ValueError(
+        "curvature is not a gradient transform: gradmod's trainer runs a curvature rule every N steps "
+        "(+hooks=curvature); in your own loop call gradmod.hooks.curvature(model, loss_fn, (x, y), params)"
+    )
+
+
 def check(*, per: str, k: int, iterations: int, probes: int, mode: str, tol: float, rule: str) -> None:
     """The estimate's arguments, each refused in one line naming what is allowed."""
     where = f"hooks.{rule}"
