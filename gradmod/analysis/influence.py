@@ -10,7 +10,7 @@ a negative one raised it (an opponent).
 Each example's gradient is one ``torch.func.vmap`` of ``grad`` over a batch (``per_example``);
 the test examples' are formed once per checkpoint and the training set streams past them. With
 ``projection=d`` both sides are multiplied by one Gaussian matrix (``P x d``, entries of variance
-``1/d``, drawn per checkpoint from ``seed``): the dot products are kept in expectation
+``1/d``, drawn once from ``seed``): the dot products are kept in expectation
 (Johnson-Lindenstrauss) with a relative error of about ``sqrt(2/d)``, and the scores cost ``d``
 instead of ``P`` per pair.
 """
@@ -74,6 +74,7 @@ def influence(
     device = device or torch.device("cpu")
     (train_x, train_y), (test_x, test_y) = train, test
     scores = torch.zeros(len(test_y), len(train_y), dtype=torch.float64)
+    proj: Tensor | None = None
     for k, c in enumerate(checkpoints):
         if progress is not None:
             progress(k, c, 0)
@@ -82,7 +83,8 @@ def influence(
         model.to(device).eval()
         names = chosen(model, params)
         gt = per_example(model, names, as_float(test_x.to(device)), test_y.to(device))
-        proj = None if projection is None else projection_matrix(gt.shape[1], projection, seed + k, gt)
+        if projection is not None and (proj is None or proj.shape[0] != gt.shape[1]):
+            proj = projection_matrix(gt.shape[1], projection, seed, gt)  # one for every checkpoint: drawn once
         gt = gt if proj is None else gt @ proj
         for start in range(0, len(train_y), batch_size):
             stop = min(start + batch_size, len(train_y))
