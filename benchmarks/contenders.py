@@ -74,7 +74,7 @@ def sections(bench: mnist.Bench) -> Contenders:
     steps, batch = (2, 4) if quick else (curvature.EVERY, None)
     run = partial(curvature.setup, steps=steps, device=str(device), batch=batch)
     table |= section("curvature", curvature.names(), run, steps, _model_step)
-    run = partial(influence.setup, train=50 if quick else influence.TRAIN, device=str(device))
+    run = partial(influence.setup, steps=1, batch=50 if quick else None, device=str(device))
     table |= section("influence", influence.names(), run, 1, "influence_run")
     return table | mnist.compiled(bench)
 

@@ -45,9 +45,10 @@ def _checkpoints(folder: Path) -> list[Checkpoint]:
     return out
 
 
-def setup(name: str, train: int = TRAIN, device: str = "cpu") -> Callable[[], None]:
-    """The contender's run: every score of ``train`` training examples on the test examples."""
-    contender = name.split(".")[1]
+def setup(name: str, steps: int = 1, batch: int | None = None, device: str = "cpu") -> Callable[[], None]:
+    """The contender's run (``steps``: one): every score of ``batch`` training examples (None:
+    ``TRAIN``) on the test examples."""
+    contender, train = name.split(".")[1], batch or TRAIN
     folder = Path(tempfile.mkdtemp(prefix="influence-bench-"))
     checkpoints = _checkpoints(folder)
     gen = torch.Generator().manual_seed(1)

@@ -13,7 +13,17 @@ import torch
 from helpers import ROOT
 
 from benchmarks import cli, contenders, mnist, ratios
-from benchmarks.sections import freeze, orthogonalize, per_loss, per_sample, sam_peers, scale, scores, sharpness
+from benchmarks.sections import (
+    curvature,
+    freeze,
+    orthogonalize,
+    per_loss,
+    per_sample,
+    sam_peers,
+    scale,
+    scores,
+    sharpness,
+)
 from benchmarks.timing import paired_ratio
 
 
@@ -181,6 +191,8 @@ SECTION_RUNS = {
     "orthogonalize": ((orthogonalize.STEPS, "-"), (1, "-")),
     "sam_peers": ((sam_peers.STEPS, None), (1, 4)),
     "scores": ((scores.STEPS, "-"), (1, "-")),
+    "curvature": ((curvature.EVERY, None), (2, 4)),
+    "influence": ((1, None), (1, 50)),
 }
 
 
