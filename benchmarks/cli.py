@@ -9,7 +9,7 @@ Everything runs in one process (``benchmarks.timing``): each repeat runs every c
 once, in an order that rotates from repeat to repeat; each ratio divides two medians
 measured in this same process (``benchmarks.ratios``).
 
-Sections (the default: all but scale and sam_peers):
+Sections (the default: all but scale, sam_peers, curvature and influence):
   epoch, eval, step  the MNIST CNN: the article's pipeline, gradmod's epoch and evaluation, the
          bare model, and each rule's step (benchmarks/mnist.py)
   ops    aten ops dispatched in one optimizer step of each contender (benchmarks/ops.py)
@@ -40,6 +40,11 @@ Sections (the default: all but scale and sam_peers):
   penalty  one Adam step with grad_penalty and input_grad_penalty against the same penalty written by hand and
          against a plain step, on a 784-1024-1024-10 MLP (batch 64) and the MNIST CNN (batch 100)
          (see benchmarks/sections/penalty.py)
+  curvature  100 SGD steps with one curvature estimate (the shipped rule at every: 100) against 100 plain ones,
+         on the MNIST CNN and ResNet-18 (see benchmarks/sections/curvature.py); asked for by name
+  influence  TracIn influence of 1,000 training examples on 8 test examples over 2 checkpoints of the MNIST
+         CNN: gradmod exact and projected against Captum's TracInCP (sample_wise_grads_per_batch)
+         (see benchmarks/sections/influence.py); asked for by name
 """
 
 from __future__ import annotations
@@ -63,9 +68,9 @@ from gradmod.run.setup import resolve_device
 SECTIONS = (
     *("epoch", "eval", "step", "ops", "per_sample", "per_loss", "sharpness", "freeze", "orthogonalize", "scores"),
     "penalty",
-    *("scale", "sam_peers"),
+    *("scale", "sam_peers", "curvature", "influence"),
 )
-DEFAULT_SECTIONS = SECTIONS[:-2]  # scale and sam_peers take long: asked for by name
+DEFAULT_SECTIONS = SECTIONS[:-4]  # scale, sam_peers, curvature and influence take long: asked for by name
 
 
 def parser() -> argparse.ArgumentParser:
@@ -99,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sections",
         default=None,
-        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but scale and sam_peers)",
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but scale, sam_peers, curvature and influence)",
     )
     p.add_argument(
         "--compile", action="store_true", help="also time gradmod's epoch with torch.compile (slow to compile)"

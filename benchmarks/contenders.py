@@ -13,7 +13,18 @@ from functools import partial
 from typing import Callable
 
 from benchmarks import mnist
-from benchmarks.sections import freeze, orthogonalize, penalty, per_loss, per_sample, sam_peers, scores, sharpness
+from benchmarks.sections import (
+    curvature,
+    freeze,
+    influence,
+    orthogonalize,
+    penalty,
+    per_loss,
+    per_sample,
+    sam_peers,
+    scores,
+    sharpness,
+)
 from benchmarks.timing import Contenders
 
 # The images in one item of a unit: a step of the MNIST sections holds a batch of 100.
@@ -65,6 +76,11 @@ def sections(bench: mnist.Bench) -> Contenders:
     steps = 1 if quick else penalty.STEPS
     run = partial(penalty.setup, steps=steps, device=str(device))
     table |= section("penalty", penalty.names(), run, steps, lambda n: f"penalty_{_model_step(n)}")
+    steps, batch = (2, 4) if quick else (curvature.EVERY, None)
+    run = partial(curvature.setup, steps=steps, device=str(device), batch=batch)
+    table |= section("curvature", curvature.names(), run, steps, _model_step)
+    run = partial(influence.setup, steps=1, batch=50 if quick else None, device=str(device))
+    table |= section("influence", influence.names(), run, 1, "influence_run")
     return table | mnist.compiled(bench)
 
 

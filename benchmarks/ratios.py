@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.sections import orthogonalize, penalty, per_loss, sam_peers, scores, sharpness
+from benchmarks.sections import curvature, orthogonalize, penalty, per_loss, sam_peers, scores, sharpness
 from benchmarks.timing import clock, paired_ratio
 
 Ratio = tuple  # (name, numerator, denominator, target description or None, test or None)
@@ -212,6 +212,32 @@ PENALTY = [  # a shipped penalty against the same penalty by hand (<= 1.05x), an
         for rule, _ in penalty.PAIRS
     ),
 ]
+CURVATURE = [  # a run at every: 100: <= 1.10x a plain one
+    (
+        f"curvature_{m}_every100_over_plain",
+        f"curvature.{m}.every100",
+        f"curvature.{m}.plain",
+        "<= 1.10",
+        lambda r: r <= 1.10,
+    )
+    for m in curvature.MODELS
+]
+INFLUENCE = [  # exact TracIn influence: <= 0.5x Captum's sample-wise mode
+    (
+        "influence_mnist_over_captum_swg",
+        "influence.mnist.gradmod",
+        "influence.mnist.captum_swg",
+        "<= 0.5",
+        lambda r: r <= 0.5,
+    ),
+    (
+        "influence_mnist_projected_over_captum_swg",
+        "influence.mnist.projected",
+        "influence.mnist.captum_swg",
+        None,
+        None,
+    ),
+]
 RATIOS: list[Ratio] = [
     *MNIST,
     *PER_SAMPLE,
@@ -222,6 +248,8 @@ RATIOS: list[Ratio] = [
     *sam_peers.ratios(),  # each rule <= 1.05x the library's step; LookSAM at k=5 <= 1.3x a plain one
     *SCORES,
     *PENALTY,
+    *CURVATURE,
+    *INFLUENCE,
 ]
 # Ratios of two contenders on one model instance, run next to each other in every repeat: a
 # few percent apart, so from the repeats' own ratios (``paired_ratio``).

@@ -84,14 +84,16 @@ def _result(name: str, s: list[float], cpu: list[float], contender, device: torc
 
 def clock(result: dict) -> str:
     """The median a ratio divides: the per_loss section's single-threaded steps, and the
-    sharpness, sam_peers, freeze, orthogonalize and scores sections' on the CPU, compare CPU time (on a shared machine
+    sharpness, sam_peers, freeze, orthogonalize, scores, curvature and influence sections' on the CPU, compare CPU time (on a shared machine
     wall time mostly measures the neighbours); the rest wall time."""
     if result["section"] == "per_loss" and result["unit"] == "mtl_step":
         return "median_cpu_s"
     on_cpu = result.get("device") == "cpu"
     return (
         "median_cpu_s"
-        if result["section"] in ("sharpness", "sam_peers", "freeze", "orthogonalize", "scores") and on_cpu
+        if result["section"]
+        in ("sharpness", "sam_peers", "freeze", "orthogonalize", "scores", "curvature", "influence")
+        and on_cpu
         else "median_s"
     )
 

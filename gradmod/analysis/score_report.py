@@ -49,7 +49,7 @@ def score_run(
     run = Path(run)
     paths = run_checkpoints(run)
     read = [read_checkpoint(p) for p in paths]  # every checkpoint verified before the long part
-    checkpoints, config = [c for c, _ in read], _own_config(run, read)
+    checkpoints, config = [c for c, _ in read], own_config(run, read)
     data = run_data(config, run, data_dir)
     build, where = run_model(config, data), resolve_device(device)
     check_weights(build(), checkpoints, config["model"].get("_target_") or config["model"].get("name") or "?")
@@ -79,7 +79,7 @@ def score_run(
     }
 
 
-def _own_config(run: Path, read: list[tuple[Checkpoint, dict[str, Any]]]) -> dict[str, Any]:
+def own_config(run: Path, read: list[tuple[Checkpoint, dict[str, Any]]]) -> dict[str, Any]:
     """The config of the newest checkpoint of the folder's own run (its ``.gradmod/run.json``),
     else of the newest: the model and data every checkpoint is scored with."""
     try:

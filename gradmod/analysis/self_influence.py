@@ -49,8 +49,9 @@ class Checkpoint:
     model: dict[str, Tensor]
 
 
-def run_checkpoints(run: Path) -> list[Path]:
-    """The run's checkpoints, oldest first; a ``ValueError`` naming what is missing."""
+def run_checkpoints(run: Path, what: str = "self-influence") -> list[Path]:
+    """The run's checkpoints, oldest first; a ``ValueError`` naming what is missing (``what``
+    needs them)."""
     run = Path(run)
     if not run.is_dir():
         raise ValueError(f"{run} is not a folder; give the run folder a gradmod run wrote")
@@ -60,7 +61,7 @@ def run_checkpoints(run: Path) -> list[Path]:
     found = ckpt.checkpoints(run / "checkpoints")
     if not found:
         raise ValueError(
-            f"{run} has no checkpoints (checkpoints/step-*.pt); self-influence needs the run's checkpoints: "
+            f"{run} has no checkpoints (checkpoints/step-*.pt); {what} needs the run's checkpoints: "
             "train with trainer.checkpoint_every=1 and trainer.checkpoint_keep=EPOCHS to keep one per epoch"
         )
     return found

@@ -78,6 +78,10 @@ def main(conf: str | Path = CONF) -> None:
         from gradmod.app.scores_command import main as scores
 
         sys.exit(scores(sys.argv[2:]))
+    if sys.argv[1:2] == ["influence"]:  # gradmod influence RUN: the same, test examples' proponents and opponents
+        from gradmod.app.influence_command import main as influence
+
+        sys.exit(influence(sys.argv[2:]))
     if "--version" in sys.argv[1:]:  # gradmod's, not Hydra's (which would answer it)
         print(f"gradmod {gradmod_version()} (Python {sys.version.split()[0]})")
         sys.exit(0)

@@ -17,6 +17,7 @@ _HOMES = {
     "load_rules": "gradmod.hooks.rules.targets",
     "GradStats": "gradmod.hooks.stats.grad_stats",
     "Stage": "gradmod.hooks.stage",
+    "curvature": "gradmod.hooks.hessian.estimate",
 }
 _MODULES = ("registry", "stages", "transforms")
 __all__ = sorted([*_HOMES, *_MODULES])

@@ -50,6 +50,8 @@ SHIPPED = (
         "gradmod.hooks.stats.grad_stats:log",
         {"observer": True, "at_stage": {"per_sample": f"{_PER_SAMPLE}:per_sample_log"}},
     ),
+    # An observer of the loss, not of a gradient: gradmod's trainer runs its rule every N steps.
+    ("curvature", "elementwise", "gradmod.hooks.hessian.estimate:curvature_rule", {}),
     # Per example (the per_sample stage).
     ("per_sample_clip", "per_sample", f"{_PER_SAMPLE}:PerSampleClip", {}),
     ("scores", "per_sample", "gradmod.hooks.per_sample.scores:Scores", {}),

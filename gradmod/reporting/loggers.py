@@ -154,6 +154,9 @@ class TensorBoardLogger(Logger):
             for field, value in values.items():
                 if value is not None:
                     self.writer.add_scalar(f"{field.replace('test_', '')}/test/{task}", value, step)
+        for key, value in record.items():  # a curvature rule's latest estimate: <rule>/<group>/top1, trace, ...
+            if key.count("/") == 2 and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
     def log_stats(self, epoch: int, step: int, stats: Mapping[str, Mapping[str, Any]]) -> None:

@@ -24,6 +24,7 @@ from gradmod.run.factories import (
 from gradmod.run.folder.checkpointing import Checkpointer
 from gradmod.run.state import Run
 from gradmod.training.callbacks import NonFiniteCallback
+from gradmod.training.curvature import Curvature
 from gradmod.training.divergence import DivergenceCallback
 from gradmod.training.loader import steps_per_epoch
 from gradmod.training.nonfinite import NonFiniteGuard
@@ -44,6 +45,7 @@ class Parts:
     saver: Checkpointer
     guard: NonFiniteGuard
     probe: GradCamProbe | None
+    curvature: Curvature | None = None  # the curvature rules' estimates
 
 
 def _compilable(wrapped: Any, run: Run) -> Any:
@@ -77,8 +79,7 @@ def build_trainer(run: Run) -> Parts:
     steps = steps_per_epoch(len(run.data.train_y), cfg.data.batch_size, dist.data_size, t.accumulate, run.sampling)
     schedule = SchedulerCallback(build_scheduler(cfg.scheduler, optimizer, steps * t.epochs), group_rates)
     diverged = DivergenceCallback(p for group in optimizer.param_groups for p in group["params"])
-    callbacks = [NonFiniteCallback(guard), diverged, schedule]
-    callbacks += [_privacy(run)] if run.privacy is not None else []
+    callbacks = [NonFiniteCallback(guard), diverged, schedule, *_observers(run)]
     # Grad-CAM's copy of the model is built now: after the restore it would draw from the restored RNG.
     probe = _probe(run) if cfg.capture.gradcam else None
     settings = TrainerSettings(
@@ -108,7 +109,13 @@ def build_trainer(run: Run) -> Parts:
         eval_net=model if net is wrapped else net,
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-    return Parts(trainer, saver, guard, probe)
+    return Parts(trainer, saver, guard, probe, next((c for c in callbacks if isinstance(c, Curvature)), None))
+
+
+def _observers(run: Run) -> list[Any]:
+    """DP-SGD's accountant where a rule adds noise; the curvature rules' estimates."""
+    out: list[Any] = [_privacy(run)] if run.privacy is not None else []
+    return out + ([Curvature(run.curvature)] if run.curvature else [])
 
 
 def _saver(run: Run) -> Checkpointer:

@@ -36,6 +36,7 @@ from gradmod.run.config import Config
 from gradmod.run.folder import atomic, endings
 from gradmod.run.folder import checkpoint_file as ckpt
 from gradmod.run.folder.claim import Claim, RunFolder
+from gradmod.run.folder.curvature_csv import CurvatureFiles
 from gradmod.run.folder.scores_csv import ScoresFile
 from gradmod.run.folder.writers import GradCamCallback, RunFiles
 from gradmod.run.per_sample_paths import PerSamplePaths
@@ -43,6 +44,7 @@ from gradmod.run.resume import apply_optimizer, check_epochs, compare
 from gradmod.run.setup import build_model, import_plugins, items, load, place
 from gradmod.run.state import Run
 from gradmod.training.callbacks import EpochLine, SyncCheckCallback
+from gradmod.training.curvature import check_rules, split_rules
 from gradmod.training.distributed.peers import peer_lost
 from gradmod.training.distributed.strategy import Dist, env_rank
 from gradmod.training.interrupt import Interrupted, StopOnSignal
@@ -133,6 +135,8 @@ def _build(
         dist.wrap(model)  # fully_shard replaces the parameters (same names): attach to the new ones
     resumed = claim.found[1].get("callbacks", {}).get(PrivacyCallback.key) if claim.found else None
     rules, privacy = dp.prepare(cfg, len(data.train_y), dist.data_size, resumed, privacy_plan)
+    rules, curvature = split_rules(rules)  # observers of the loss, not of a gradient: a callback's
+    check_rules(curvature, model)
     hooks = _attach(cfg, model, rules, len(data.train_y), dist.data_size, privacy_plan.sampling)
     undo.callback(hooks.remove)
     preflight.check_per_loss(hooks.targets, named_losses, dist.strategy, f"loss._target_={cfg.loss._target_}")
@@ -152,6 +156,7 @@ def _build(
         sampling=privacy_plan.sampling,
         diffs=diffs,
         on_owned=on_owned,
+        curvature=curvature,
     )
 
 
@@ -270,6 +275,7 @@ def _file_callbacks(run: Run, stack: contextlib.ExitStack, folder: Path, parts: 
     private, scores = run.hooks.stage(stages.counting_examples()), run.hooks.keeping_scores
     callbacks += [PerSamplePaths(folder, run.plan, private)] if private is not None else []
     callbacks += [ScoresFile(folder, scores)] if scores is not None else []
+    callbacks += [CurvatureFiles(folder, parts.curvature)] if parts.curvature is not None else []
     sync = SyncCheck(run.cfg.trainer.sync_check, run.dist.device)
     stack.callback(sync.allow)
     run.stop.saver = parts.saver

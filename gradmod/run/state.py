@@ -38,3 +38,4 @@ class Run:
     sampling: str = "shuffle"  # how batches are drawn: data.sampling resolved (gradmod.run.dp.Plan)
     diffs: dict[str, Any] = field(default_factory=dict)  # what the resume changes (gradmod.run.resume.compare)
     on_owned: Callable[[Path], None] | None = None  # the caller's first writes, once the run owns its folder
+    curvature: list[Any] = field(default_factory=list)  # the curvature rules (gradmod.training.curvature)

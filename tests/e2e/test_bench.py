@@ -14,6 +14,7 @@ from helpers import ROOT
 
 from benchmarks import cli, contenders, mnist, ratios
 from benchmarks.sections import (
+    curvature,
     freeze,
     orthogonalize,
     penalty,
@@ -195,6 +196,8 @@ SECTION_RUNS = {
     "sam_peers": ((sam_peers.STEPS, None), (1, 4)),
     "scores": ((scores.STEPS, "-"), (1, "-")),
     "penalty": ((penalty.STEPS, "-"), (1, "-")),
+    "curvature": ((curvature.EVERY, None), (2, 4)),
+    "influence": ((1, None), (1, 50)),
 }
 
 

@@ -42,6 +42,8 @@ def _applies(hooks: str, model: str) -> bool:
     grl reverses the dann model's domain gradient; min_zero is the articles' hook on conv weights."""
     if _per_loss(hooks):
         return model == "multi_lenet"
+    if hooks == "curvature":  # it observes the loss: the trainer runs it, attach refuses it (below)
+        return False
     if hooks == "sam_on":
         return model.startswith("resnet")
     if hooks == "grl":
@@ -98,6 +100,13 @@ def test_every_hook_config_composes_and_attaches_to_every_model(compose_cfg, hoo
             assert not cfg.hooks and not hs.chains
         else:
             assert hs.chains, f"hooks={hooks} selects nothing on {model}"
+
+
+def test_the_curvature_config_attached_as_transforms_is_one_clear_error(compose_cfg):
+    cfg = compose_cfg("+hooks=curvature")
+    net = build_model(cfg.model.name, in_channels=1, num_classes=10, image_size=28, norm=cfg.model.norm)
+    with pytest.raises(ValueError, match=r"curvature is not a gradient transform: .* gradmod.hooks.curvature\("):
+        attach(net, cfg.hooks, stage=cfg.trainer.hook_stage)
 
 
 def test_hook_configs_compose_together_and_overrides_reach_the_rule(compose_cfg):

@@ -390,7 +390,9 @@ def test_a_per_loss_methods_argument_follows_its_schedule_and_keeps_its_state():
 
 def test_a_window_on_a_stage_that_cannot_skip_a_step_is_refused():
     rules = {"m": {"params": "0.*", "transforms": ["pcgrad"], "active": {"until": 3}}}
-    with pytest.raises(ValueError, match=r"^hooks.m.active: a window is for rules at stage penalty, hook or fused; a per_loss"):
+    with pytest.raises(
+        ValueError, match=r"^hooks.m.active: a window is for rules at stage penalty, hook or fused; a per_loss"
+    ):
         attach(model(), rules)
 
 

@@ -52,6 +52,8 @@ OUTPUTS = (
     "tasks.png",
     "frac_clipped.png",
     "gradcam.png",
+    "curvature.csv",  # a curvature rule's
+    "curvature.png",
     SCORES_FILE,  # a scores rule's; the rest: gradmod scores RUN's, of the run they came from
     SELF_INFLUENCE_FILE,
     "hardest.png",

@@ -1,0 +1,87 @@
+"""The ``curvature`` section of ``python -m benchmarks``: what a curvature rule at ``every: 100`` adds
+to training, and one estimate's cost in Hessian-vector products.
+
+    plain     100 SGD steps (momentum 0.9, lr 0.01)
+    every100  the same 100 steps and one estimate (the shipped rule's settings: the top eigenvalue
+              of every parameter by Lanczos, at most 20 steps to a relative residual of 1e-3, on a
+              fixed probe batch of the training batch's size, warm-started from the last estimate as
+              a run's are)
+
+Models: the MNIST CNN (batch 100 of 28x28) and torchvision's ResNet-18 with BatchNorm (batch 32 of
+3x32x32). ``every100`` over ``plain`` is the cost of a run at ``every: 100``; target <= 1.10. Asked
+for by name (it runs 100 steps per contender).
+
+    python -m benchmarks.sections.curvature      # alone: the products an estimate took, per model
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from gradmod.hooks import curvature
+from gradmod.models import build_model
+
+EVERY = 100  # optimizer steps per timed run: one estimate's period
+MODELS = {"mnist": ("mnist_cnn", 1, 28, 100), "resnet18": ("resnet18", 3, 32, 32)}  # name, channels, size, batch
+CONTENDERS = ("plain", "every100")
+SETTINGS = {"k": 1, "iterations": 20, "tol": 1e-3}  # gradmod/conf/hooks/curvature.yaml's
+
+
+def names() -> list[str]:
+    return [f"{m}.{c}" for m in MODELS for c in CONTENDERS]
+
+
+def _model_and_batches(model_name: str, device: str, batch: int | None):
+    name, channels, size, default = MODELS[model_name]
+    torch.manual_seed(0)
+    model = build_model(name, in_channels=channels, num_classes=10, image_size=size).to(device)
+    gen = torch.Generator().manual_seed(1)
+    n = batch or default
+    batches = [
+        (
+            torch.randn(n, channels, size, size, generator=gen).to(device),
+            torch.randint(0, 10, (n,), generator=gen).to(device),
+        )
+        for _ in range(4)
+    ]
+    return model, batches
+
+
+def setup(name: str, steps: int = EVERY, device: str = "cpu", batch: int | None = None) -> Callable[[], None]:
+    """Build the contender (untimed: a first estimate, the next one's warm start) and return its
+    timed run of ``steps`` optimizer steps."""
+    model_name, contender = name.split(".")
+    model, batches = _model_and_batches(model_name, device, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    probe = batches[0]
+    warm = {"last": curvature(model, F.cross_entropy, probe, "*", **SETTINGS)} if contender == "every100" else {}
+
+    def run():
+        model.train()
+        if contender == "every100":
+            warm["last"] = curvature(model, F.cross_entropy, probe, "*", warm=warm["last"], **SETTINGS)
+        for i in range(steps):
+            x, y = batches[i % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    return run
+
+
+def products(model_name: str, device: str = "cpu") -> tuple[int, int]:
+    """(products of a cold estimate, of the next one warm-started after 100 steps)."""
+    model, batches = _model_and_batches(model_name, device, None)
+    cold = curvature(model, F.cross_entropy, batches[0], "*", **SETTINGS)
+    setup_run = setup(f"{model_name}.plain", device=device)
+    setup_run()
+    warm = curvature(model, F.cross_entropy, batches[0], "*", warm=cold, **SETTINGS)
+    return cold["*"].hvps, warm["*"].hvps
+
+
+if __name__ == "__main__":
+    for m in MODELS:
+        print(m, "products of an estimate (cold, warm):", products(m))

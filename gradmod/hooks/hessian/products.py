@@ -1,0 +1,51 @@
+"""Hessian-vector products of one loss by double backward, per group of parameters.
+
+The gradient is taken once with its graph (``create_graph=True``); each product is then one
+backward through that graph, ``d(g_S . v)/d w_S``: the block of the Hessian that the group's
+parameters ``S`` span. Vectors are flat, in the parameters' dtype and device, in the group's order.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+class HessianProducts:
+    """``hvp(group, v)`` for the groups of ``params`` (name -> tensor) of the scalar ``loss``;
+    ``count``: the products taken so far (the cost of an estimate)."""
+
+    def __init__(self, loss: Tensor, params: dict[str, Tensor], groups: dict[str, Sequence[str]]):
+        names = list(params)
+        grads = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True, allow_unused=True)
+        self._grad = dict(zip(names, grads))
+        self._params, self._groups = params, {g: list(ns) for g, ns in groups.items()}
+        self.count = 0
+        missing = [n for n in names if self._grad[n] is None]
+        if missing:
+            raise ValueError(
+                f"curvature: the loss does not reach {', '.join(missing[:3])}"
+                + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                + "; select parameters the loss depends on"
+            )
+
+    def size(self, group: str) -> int:
+        return sum(self._params[n].numel() for n in self._groups[group])
+
+    def like(self, group: str) -> Tensor:
+        """A flat zero vector of the group's size, dtype and device."""
+        first = self._params[self._groups[group][0]]
+        return torch.zeros(self.size(group), dtype=first.dtype, device=first.device)
+
+    def hvp(self, group: str, v: Tensor) -> Tensor:
+        """``H_SS v`` for the group ``S``, flat."""
+        names = self._groups[group]
+        parts = v.split([self._params[n].numel() for n in names])
+        dot = sum((self._grad[n] * p.view_as(self._grad[n])).sum() for n, p in zip(names, parts))
+        out = torch.autograd.grad(dot, [self._params[n] for n in names], retain_graph=True, allow_unused=True)
+        self.count += 1
+        return torch.cat(
+            [(o if o is not None else torch.zeros_like(self._params[n])).reshape(-1) for n, o in zip(names, out)]
+        )
