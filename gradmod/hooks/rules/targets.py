@@ -188,20 +188,10 @@ def _rule_targets(
         kinds,
         shared=every_task,  # what @shared stands for
     )
-    if "" in names and not stages.get(stage).model_input:
-        raise ValueError(
-            f"hooks.{rule}.modules: @input (the model's input) is for a "
-            f"{' or '.join(s.name for s in stages.STAGES if s.model_input)} rule; name modules by their globs"
-        )
     if stages.get(stage).follows_frozen and kind == "param":
         names += _frozen_too(rule, spec, params, every, kinds)
     window = rule_window(rule, spec, length)
-    if window is not None and not stages.get(stage).windows:
-        *some, last = (s.name for s in stages.STAGES if s.windows)
-        windowed = f"{', '.join(some)} or {last}" if some else last
-        raise ValueError(
-            f"hooks.{rule}.active: a window is for rules at stage {windowed}; a {stage} rule acts every step"
-        )
+    _check_at_stage(rule, stage, "" in names, window is not None)
     timed = [(n, *split_schedules(a, f"hooks.{rule}.transforms.{i}", length)) for i, (n, a) in enumerate(parsed)]
     shared: dict[int, R.BuiltTransform] = {}  # a group or per-example step: one instance for all the rule's tensors
     targets = []
@@ -215,6 +205,21 @@ def _rule_targets(
         shared.update((i, st) for i, st in enumerate(steps) if _shared(st))
         targets.append(Target(rule, kind, name, stage, _label_observers(steps, stage), spec.get("rows"), window))
     return targets
+
+
+def _check_at_stage(rule: str, stage: str, model_input: bool, windowed: bool) -> None:
+    """What only some stages take: the model's input (@input), a window (``active``)."""
+    if model_input and not stages.get(stage).model_input:
+        raise ValueError(
+            f"hooks.{rule}.modules: @input (the model's input) is for a "
+            f"{' or '.join(s.name for s in stages.STAGES if s.model_input)} rule; name modules by their globs"
+        )
+    if windowed and not stages.get(stage).windows:
+        *some, last = (s.name for s in stages.STAGES if s.windows)
+        allowed = f"{', '.join(some)} or {last}" if some else last
+        raise ValueError(
+            f"hooks.{rule}.active: a window is for rules at stage {allowed}; a {stage} rule acts every step"
+        )
 
 
 def _frozen_too(
