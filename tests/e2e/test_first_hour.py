@@ -285,7 +285,7 @@ def test_help_page_lists_hooks_transforms_real_groups_and_examples():
     for hook in (ROOT / "gradmod" / "conf" / "hooks").glob("*.yaml"):
         assert re.search(rf"^  {hook.stem}\s+\S", page, re.M), hook.stem
     assert (
-        "  optimizer: adam, adamw, muon, sgd\n" in page
+        "  optimizer: adam, adamw, lamb, lars, muon, muon_split, sgd\n" in page
         and "  model: char_lm, dann, mnist_cnn, multi_lenet, resnet18, resnet50, tiny_gpt\n" in page
     )
     assert page.count("\n  gradmod ") >= 3  # the examples, as the console script
