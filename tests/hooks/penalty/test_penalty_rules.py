@@ -156,61 +156,41 @@ def test_input_grad_penalty_on_a_gru_equals_one_example_at_a_time():
     _close(_grads(model), _grads(twin))
 
 
-def test_every_takes_the_penalty_lazily_at_its_weight_times_the_interval():
+def _steps_equal_a_hand_loop(rule: dict, weight_at, steps: int, **attach_kw) -> None:
+    """``steps`` SGD steps of a penalty rule against a hand loop whose step ``t`` adds
+    ``weight_at(t) * ||dL/dtheta||^2`` (none at 0)."""
     x, y = batch()
     model, twin = _net(), _net()
-    hooks = attach(model, {"gp": {"params": "*", "transforms": [_gp(every=3)]}})
+    hooks = attach(model, {"gp": rule}, **attach_kw)
     opt, ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
-    for step in range(5):
+    for step in range(steps):
         hooks.backward(F.cross_entropy(model(x), y))
         hooks.after_backward()
         opt.step()
         opt.zero_grad()
         loss = F.cross_entropy(twin(x), y)
-        if step % 3 == 0:
-            loss = loss + 3 * W * _param_term(loss, list(twin.parameters()), 2)
+        if weight_at(step):
+            loss = loss + weight_at(step) * _param_term(loss, list(twin.parameters()), 2)
         loss.backward()
-        ref.step()
-        ref.zero_grad()
-    _close(list(model.parameters()), list(twin.parameters()))
-
-
-def test_a_window_takes_the_penalty_only_inside_it():
-    x, y = batch()
-    model, twin = _net(), _net()
-    hooks = attach(model, {"gp": {"params": "*", "transforms": [_gp()], "active": {"until": 2}}})
-    opt, ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
-    for step in range(4):
-        hooks.backward(F.cross_entropy(model(x), y))
-        hooks.after_backward()
-        opt.step()
-        opt.zero_grad()
-        loss = F.cross_entropy(twin(x), y)
-        if step < 2:
-            loss = loss + W * _param_term(loss, list(twin.parameters()), 2)
-        loss.backward()
-        ref.step()
-        ref.zero_grad()
-    _close(list(model.parameters()), list(twin.parameters()))
-
-
-def test_a_scheduled_weight_follows_the_step_clock():
-    x, y = batch()
-    model, twin = _net(), _net()
-    weight = {"schedule": "linear", "start": 0.1, "end": 0.4, "until": "3ba"}
-    hooks = attach(model, {"gp": {"params": "*", "transforms": [_gp(weight=weight)]}}, total_steps=4)
-    opt, ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
-    for step in range(4):
-        hooks.backward(F.cross_entropy(model(x), y))
-        hooks.after_backward()
-        opt.step()
-        opt.zero_grad()
-        loss = F.cross_entropy(twin(x), y)
-        w = 0.1 + 0.3 * min(step, 3) / 3
-        (loss + w * _param_term(loss, list(twin.parameters()), 2)).backward()
         ref.step()
         ref.zero_grad()
     _close(list(model.parameters()), list(twin.parameters()), 1e-9)
+
+
+def test_every_takes_the_penalty_lazily_at_its_weight_times_the_interval():
+    rule = {"params": "*", "transforms": [_gp(every=3)]}
+    _steps_equal_a_hand_loop(rule, lambda t: 3 * W if t % 3 == 0 else 0, 5)
+
+
+def test_a_window_takes_the_penalty_only_inside_it():
+    rule = {"params": "*", "transforms": [_gp()], "active": {"until": 2}}
+    _steps_equal_a_hand_loop(rule, lambda t: W if t < 2 else 0, 4)
+
+
+def test_a_scheduled_weight_follows_the_step_clock():
+    weight = {"schedule": "linear", "start": 0.1, "end": 0.4, "until": "3ba"}
+    rule = {"params": "*", "transforms": [_gp(weight=weight)]}
+    _steps_equal_a_hand_loop(rule, lambda t: 0.1 + 0.3 * min(t, 3) / 3, 4, total_steps=4)
 
 
 def test_the_penalty_is_each_micro_batchs_own_under_a_loss_divisor():
