@@ -52,9 +52,10 @@ class Core:
     rules with an ``active`` window, ``inactive``: those outside it now (they do nothing);
     ``batch_dim``: the dimension of the model's inputs that holds the examples (None: 0, or
     1 for a model with ``batch_first = False``); ``through_backward``: ``HookSet.backward`` is
-    running; ``loss_divisor``: what a loop divides each micro-batch's loss by (``HookSet.set_loss_divisor``); ``fills_grad()``: whether the backward in
-    progress fills the model's ``.grad`` (the gradient that trains it, on which rules act) rather
-    than returning a gradient a loss takes of itself (``torch.autograd.grad``), asked in hooks
+    running; ``loss_divisor``: what a loop divides each micro-batch's loss by
+    (``HookSet.set_loss_divisor``); ``fills_grad()``: whether the backward in progress fills
+    the model's ``.grad`` (the gradient that trains it, on which rules act) rather than
+    returning a gradient a loss takes of itself (``torch.autograd.grad``), asked in hooks
     (``gradmod.hooks.trace.fills_grad``)."""
 
     loss_reduction: str = "mean"
