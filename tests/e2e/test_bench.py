@@ -265,7 +265,7 @@ def test_the_package_runs_with_python_dash_m():
 
 # one model of each default section (all of them: about 40 minutes on 2 loaded cores)
 ONE_EACH = "epoch.*,eval.*,step.none,per_sample.mlp.*,per_loss.mlp5.plain*,per_loss.mlp5.gradmod_upgrad"
-ONE_EACH += ",sharpness.mnist.*,freeze.*,orthogonalize.small.*,scores.mnist.*"
+ONE_EACH += ",sharpness.mnist.*,freeze.*,orthogonalize.small.*,scores.mnist.*,penalty.mlp.*"
 
 
 @pytest.mark.slow
