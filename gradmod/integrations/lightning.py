@@ -6,16 +6,19 @@ removes them in ``teardown`` of every stage (fit, validate, test, predict), so n
 stays attached outside the Trainer. The fused stage runs in ``on_before_optimizer_step``
 (Lightning calls it after AMP unscaling and before its own ``gradient_clip_val``); the
 ``log`` transform's statistics go to the Trainer's loggers every ``log_every_n_steps``.
-Several callbacks share one model when their rules select different tensors.
+Several callbacks share one model when their rules select different tensors. A curvature
+rule is estimated, not attached (``gradmod.integrations.curvature_probe``): on the first training
+batch's ``(x, y)``, with the loss ``loss_fn(module(x), y)``; its values go to the loggers too.
 Needs ``pip install "gradmod[lightning]"``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from gradmod.hooks import HookSet, load_rules, stages
+from gradmod.integrations.curvature_probe import Probe
 from gradmod.integrations.support import attach_for, flat_stats, refuse_private, sources
 
 try:
@@ -33,6 +36,9 @@ class GradmodCallback(Callback):
     ``steps_per_epoch``: the run's length in optimizer steps for schedules and windows in
     ``dur`` or ``ep`` (default: the Trainer's ``max_steps``, else its estimate). The step
     clock is the Trainer's ``global_step``, so a resumed fit continues the schedules.
+    ``loss_fn``: the loss a curvature rule estimates, ``loss_fn(module(x), y)`` on the first
+    ``batch`` examples of the first training batch ``(x, y, ...)``; its estimates are
+    ``curvature_rows``.
     """
 
     def __init__(
@@ -42,10 +48,17 @@ class GradmodCallback(Callback):
         log_every: int | None = None,
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
     ):
         self.rules, self.stage, self.log_every = load_rules(rules), stage, log_every
         self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
         refuse_private("Lightning", self.rules, stage)  # when the callback is made, not at fit()
+        self.probe, self.loss_fn = Probe(self.rules), loss_fn
+        if self.probe and loss_fn is None:
+            raise ValueError(
+                f"hooks.{self.probe.estimates.rules[0].rule}: a curvature rule under Lightning needs its loss: "
+                "GradmodCallback(rules, loss_fn=F.cross_entropy) estimates loss_fn(module(x), y)"
+            )
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
         self._state: dict[str, Any] = {}  # rule state to restore at the next training start
@@ -65,8 +78,9 @@ class GradmodCallback(Callback):
                 if isinstance(cb, GradmodCallback) and cb is not self and cb.hooks is not None
             }
             total, per_epoch = self._length(trainer)
+            self.probe.check(pl_module)
             self.hooks = attach_for(
-                "Lightning", pl_module, self.rules, self.stage, scaled, (self.sources, peers), total, per_epoch
+                "Lightning", pl_module, self.probe.rest, self.stage, scaled, (self.sources, peers), total, per_epoch
             )
 
     def _length(self, trainer) -> tuple[int | None, int | None]:
@@ -86,9 +100,28 @@ class GradmodCallback(Callback):
                     per_epoch = estimate // epochs
         return total, per_epoch
 
+    @property
+    def curvature_rows(self) -> list[dict[str, Any]]:
+        """One row per curvature estimate and group: ``{step, lr, rule, group, top1.., trace, trace_se, hvps}``."""
+        return self.probe.estimates.rows
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.hooks is not None and self.hooks.timed:
             self.hooks.set_step(int(trainer.global_step))  # accumulated micro-batches share it
+        if self.probe:
+            self.probe.keep(batch)
+            if trainer.global_step == 0:
+                self._curvature(trainer, pl_module)  # before the first optimizer step
+
+    def _curvature(self, trainer, pl_module) -> None:
+        """The curvature rules due at this step, their values to every logger."""
+        if not isinstance(self.probe.batch, (list, tuple)) or len(self.probe.batch) < 2:
+            rule = self.probe.estimates.rules[0].rule
+            raise ValueError(f"hooks.{rule}: under Lightning the probe batch is (x, y, ...); the first batch is not")
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        now = self.probe.run(pl_module, self.loss_fn, trainer.global_step, optimizer, lambda b: (b[0], b[1]))
+        for logger in trainer.loggers if now else ():
+            logger.log_metrics(now, step=trainer.global_step)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._read_at = trainer.global_step
@@ -102,6 +135,8 @@ class GradmodCallback(Callback):
             self.hooks.after_backward()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.probe:
+            self._curvature(trainer, pl_module)  # after the optimizer step (once per step)
         every, step = self.log_every or trainer.log_every_n_steps, trainer.global_step
         if self.hooks is None or not self.hooks.observers() or step % every or step == self._read_at:
             return

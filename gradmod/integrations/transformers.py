@@ -10,6 +10,10 @@ HF calls user callbacks after its reporting integrations and gives them no Train
 ``add_to(trainer, rules)`` puts the callback first, so the ``grad/<tensor>/<field>``
 entries its ``on_log`` adds reach ``report_to`` and ``state.log_history``; the console
 gets one line per log instead of them (``ConsoleLine``).
+
+A curvature rule is estimated, not attached (``gradmod.integrations.curvature_probe``): on the first
+``inputs`` dict the model is called with, its loss the model's own (the output's ``loss``);
+each estimate makes HF log at its step, its values joining that log.
 Needs ``pip install "gradmod[transformers]"``.
 """
 
@@ -25,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gradmod.hooks import HookSet, load_rules, stages
+from gradmod.integrations.curvature_probe import Probe
 from gradmod.integrations.support import attach_for, flat_stats, refuse_private, sources, stats_line
 
 try:
@@ -48,7 +53,8 @@ class GradmodCallback(TrainerCallback, ExportableState):
     (default: ``logging_steps``); each read is one host sync. ``total_steps``,
     ``steps_per_epoch``: the run's length for schedules and windows in ``dur`` or ``ep``
     (default: HF's ``max_steps`` and its steps per epoch). The step clock is HF's
-    ``global_step``, so a resumed train continues the schedules.
+    ``global_step``, so a resumed train continues the schedules. A curvature rule's
+    estimates are ``curvature_rows``.
     """
 
     def __init__(
@@ -65,6 +71,14 @@ class GradmodCallback(TrainerCallback, ExportableState):
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
         self.rule_state: dict[str, Any] = {}  # HF sets it from a checkpoint (JSON-ready form)
+        self.probe = Probe(self.rules)
+        self._pending: dict[str, Any] = {}  # curvature values for the next log
+        self._catch: Any = None  # the forward pre-hook that keeps the first inputs
+
+    @property
+    def curvature_rows(self) -> list[dict[str, Any]]:
+        """One row per curvature estimate and group: ``{step, lr, rule, group, top1.., trace, trace_se, hvps}``."""
+        return self.probe.estimates.rows
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._detach(model)  # a train() that raised never reached on_train_end
@@ -75,8 +89,10 @@ class GradmodCallback(TrainerCallback, ExportableState):
         epochs = math.ceil(getattr(state, "num_train_epochs", 0) or 0)
         if per_epoch is None and total and epochs and total % epochs == 0:
             per_epoch = total // epochs
+        self.probe.check(model)
+        rest = self.probe.rest  # the curvature rules are estimated, not attached
         hooks = attach_for(
-            "Transformers' Trainer", model, self.rules, self.stage, args.fp16, (self.sources, peers), total, per_epoch
+            "Transformers' Trainer", model, rest, self.stage, args.fp16, (self.sources, peers), total, per_epoch
         )
         if any(stages.get(s.name).in_place for s in hooks.stages) and args.max_grad_norm and args.max_grad_norm > 0:
             warnings.warn(
@@ -89,21 +105,46 @@ class GradmodCallback(TrainerCallback, ExportableState):
             hooks.load_state_dict(_from_json(self.rule_state), next(model.parameters()).device)
             self.rule_state = {}
         _warn_shared_checkpoint(self, model, args)
+        if self.probe and self.probe.batch is None:
+            self._catch = model.register_forward_pre_hook(self._keep, with_kwargs=True)
+
+    def _keep(self, module, args, kwargs) -> None:
+        """The Trainer's first call ``model(**inputs)``: its inputs are the probe batch."""
+        self.probe.keep(dict(kwargs))
+        self._catch.remove()
+        self._catch = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.hooks is not None and self.hooks.timed:
             self.hooks.set_step(int(state.global_step))  # accumulated micro-batches share it
 
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.hooks is not None and self.hooks.needs_after_backward:
             _unscale_once(optimizer)
             self.hooks.after_backward()
+        if self.probe and state.global_step == 0:  # the weights before the first optimizer step
+            now = self._curvature(state, model, optimizer)
+            if now:  # no log event comes at step 0: a record of its own in log_history
+                state.log_history.append({**now, "step": 0})
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        now = self._curvature(state, model, optimizer) if self.probe else {}
+        if now:
+            self._pending |= now
+            control.should_log = True  # HF logs at the estimate's step; on_log adds its values
+
+    def _curvature(self, state, model, optimizer) -> dict[str, Any]:
+        return self.probe.run(model, _own_loss, state.global_step, optimizer, lambda b: (b, None), lambda b: model(**b))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         every = self.log_every or state.logging_steps
-        if self.hooks is None or logs is None or not self.hooks.observers() or state.global_step % every:
+        if logs is None:
             return
-        flat = flat_stats(self.hooks)
+        flat, self._pending = dict(self._pending), {}
+        if self.hooks is not None and self.hooks.observers() and not state.global_step % every:
+            flat |= flat_stats(self.hooks)
+        if not flat:
+            return
         logs.update(flat)  # the dict the reporting integrations receive after this callback
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(flat)
@@ -116,6 +157,9 @@ class GradmodCallback(TrainerCallback, ExportableState):
             self.rule_state = _to_json(self.hooks.state_dict())
             self.hooks.remove()
             self.hooks = None
+        if self._catch is not None:
+            self._catch.remove()
+            self._catch = None
         if model in _TRAINING:
             _TRAINING[model].discard(self)
 
@@ -179,6 +223,14 @@ def _before_printer(callbacks: list, line: ConsoleLine) -> None:
     printers = [i for i, cb in enumerate(callbacks) if isinstance(cb, (ProgressCallback, PrinterCallback))]
     if not any(isinstance(cb, ConsoleLine) for cb in callbacks):
         callbacks.insert(printers[0] if printers else len(callbacks), line)
+
+
+def _own_loss(output: Any, _: Any) -> Any:
+    """The loss a curvature rule estimates under HF: the model's own, its output's ``loss``."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError("curvature under Transformers' Trainer: the model returns no loss; give its inputs labels")
+    return loss
 
 
 def _unscale_once(optimizer) -> None:

@@ -105,52 +105,41 @@ def check_rules(rules: list[CurvatureRule], model: torch.nn.Module) -> None:
         select_groups(model, r.params, r.exclude, r.per, r.rule)
 
 
-class Curvature(Callback):
-    """Estimates at the first step (0) and every ``every`` steps after; ``rows``: one per
-    estimate and group, ``{step, lr, rule, group, top1.., trace, trace_se, hvps}``."""
-
-    key = "curvature"
+class Estimates:
+    """The estimates of some curvature rules in any loop (gradmod's trainer, the Lightning and
+    Transformers callbacks): ``rows``, one per estimate and group, ``{step, lr, rule, group,
+    top1.., trace, trace_se, hvps}``; ``latest``, each group's newest values by
+    ``<rule>/<group>/<field>``; the eigenvectors that warm-start the next estimate."""
 
     def __init__(self, rules: list[CurvatureRule]):
         self.rules = rules
         self.rows: list[dict[str, Any]] = []
+        self.latest: dict[str, Any] = {}
         self._warm: dict[str, dict[str, GroupCurvature]] = {}
-        self._latest: dict[str, Any] = {}
 
-    def on_fit_start(self, trainer) -> None:
-        self._latest = {k: None for r in self.rules for k in self._columns(r, trainer.model)}
-        if trainer.step == 0:
-            self._estimate(trainer, [r for r in self.rules])
+    def due(self, step: int) -> list[CurvatureRule]:
+        return [r for r in self.rules if step % r.every == 0]
 
-    def on_step_end(self, trainer) -> None:
-        due = [r for r in self.rules if trainer.step % r.every == 0]
-        if due:
-            self._estimate(trainer, due)
+    def columns(self, model) -> dict[str, None]:
+        """Every ``<rule>/<group>/<field>`` key the rules will fill, empty."""
+        out = {}
+        for r in self.rules:
+            groups = select_groups(model, r.params, r.exclude, r.per, r.rule)
+            fields_ = [*(f"top{i + 1}" for i in range(r.k)), *(("trace", "trace_se") if r.probes else ()), "hvps"]
+            out |= {f"{r.rule}/{g}/{f}": None for g in groups for f in fields_}
+        return out
 
-    def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
-        record.update(self._latest)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rows": list(self.rows)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rows = list(state.get("rows", []))
-
-    def _columns(self, r: CurvatureRule, model) -> list[str]:
-        groups = select_groups(model, r.params, r.exclude, r.per, r.rule)
-        fields_ = [*(f"top{i + 1}" for i in range(r.k)), *(("trace", "trace_se") if r.probes else ()), "hvps"]
-        return [f"{r.rule}/{g}/{f}" for g in groups for f in fields_]
-
-    def _estimate(self, trainer, due: list[CurvatureRule]) -> None:
-        lr = next((float(g["lr"]) for g in trainer.optimizer.param_groups if "lr" in g), math.nan)
+    def estimate(self, due: list[CurvatureRule], model, loss_fn, probe, step: int, lr: float, forward=None) -> dict:
+        """Each rule in ``due`` on ``probe(rule)`` (its probe batch, ``(x, y)``), with
+        ``loss_fn(forward(x), y)`` (``forward``: default ``model(x)``); a line each in the log;
+        returns this estimate's values by ``<rule>/<group>/<field>``."""
+        now = {}
         for r in due:
             began = time.perf_counter()
-            x, y = trainer.data.train_x[: r.batch], trainer.data.train_y[: r.batch]
-            batch = (as_float(x.to(trainer.device)), y.to(trainer.device) if hasattr(y, "to") else y)
             got = curvature(
-                trainer.model,
-                lambda out, target: total(trainer.tasks.losses(out, target)),
-                batch,
+                model,
+                loss_fn,
+                probe(r),
                 r.params,
                 exclude=r.exclude,
                 per=r.per,
@@ -158,19 +147,75 @@ class Curvature(Callback):
                 iterations=r.iterations,
                 probes=r.probes,
                 tol=r.tol,
-                seed=r.seed + trainer.step,
+                seed=r.seed + step,
                 mode=r.mode,
                 warm=self._warm.get(r.rule),
                 rule=r.rule,
+                forward=forward,
             )
             self._warm[r.rule] = got
             for group, g in got.items():
-                row = {"step": trainer.step, "lr": lr, "rule": r.rule, "group": group, "hvps": g.hvps}
+                row = {"step": step, "lr": lr, "rule": r.rule, "group": group, "hvps": g.hvps}
                 row |= {f"top{i + 1}": v for i, v in enumerate(g.eigenvalues)}
                 row |= {"trace": g.trace, "trace_se": g.trace_se} if r.probes else {}
                 self.rows.append(row)
-                self._latest |= {f"{r.rule}/{group}/{k}": v for k, v in row.items() if k not in _KEYS}
-            log.info("%s", _line(r, trainer.step, lr, got, time.perf_counter() - began))
+                now |= {f"{r.rule}/{group}/{k}": v for k, v in row.items() if k not in _KEYS}
+            log.info("%s", _line(r, step, lr, got, time.perf_counter() - began))
+        self.latest |= now
+        return now
+
+
+class Curvature(Callback):
+    """gradmod's trainer: estimates at the first step (0) and every ``every`` steps after, on the
+    first ``batch`` training examples; ``rows`` as ``Estimates``'."""
+
+    key = "curvature"
+
+    def __init__(self, rules: list[CurvatureRule]):
+        self.rules = rules
+        self.estimates = Estimates(rules)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return self.estimates.rows
+
+    def on_fit_start(self, trainer) -> None:
+        self.estimates.latest = self.estimates.columns(trainer.model)
+        if trainer.step == 0:
+            self._estimate(trainer, list(self.rules))
+
+    def on_step_end(self, trainer) -> None:
+        due = self.estimates.due(trainer.step)
+        if due:
+            self._estimate(trainer, due)
+
+    def on_epoch_end(self, trainer, record: dict[str, Any]) -> None:
+        record.update(self.estimates.latest)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": list(self.rows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.estimates.rows = list(state.get("rows", []))
+
+    def _estimate(self, trainer, due: list[CurvatureRule]) -> None:
+        def probe(r: CurvatureRule) -> tuple[Any, Any]:
+            x, y = trainer.data.train_x[: r.batch], trainer.data.train_y[: r.batch]
+            return as_float(x.to(trainer.device)), y.to(trainer.device) if hasattr(y, "to") else y
+
+        self.estimates.estimate(
+            due,
+            trainer.model,
+            lambda out, target: total(trainer.tasks.losses(out, target)),
+            probe,
+            trainer.step,
+            first_lr(trainer.optimizer),
+        )
+
+
+def first_lr(optimizer) -> float:
+    """The first parameter group's learning rate (NaN without one)."""
+    return next((float(g["lr"]) for g in getattr(optimizer, "param_groups", ()) if "lr" in g), math.nan)
 
 
 _KEYS = ("step", "lr", "rule", "group")

@@ -199,3 +199,79 @@ def test_a_schedule_follows_the_global_step_under_accumulation(tmp_path):
     ours = _lightning(tmp_path, [callback], accumulate_grad_batches=2)  # 8 batches: 4 steps, the whole run
     _equal(ours, _lightning(tmp_path, [ClipByHand()], accumulate_grad_batches=2))
     assert callback._state["clock"]["t"] == 4
+
+
+CURVATURE = {
+    "curv": {
+        "params": ["net.0.*", "net.2.bias"],
+        "transforms": [{"name": "curvature", "every": 2, "k": 2, "iterations": 200, "tol": 1e-10, "batch": 5}],
+    }
+}
+
+
+def _fit64(tmp_path, callbacks=(), logger=False) -> tuple[Module, dict[str, torch.Tensor]]:
+    """4 SGD steps in float64 (batches of 8 in gradmod's epoch order); the module and its first weights."""
+    x, y = _data()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED)).tolist()
+    module = Module(_net().double())
+    first = {k: v.clone() for k, v in module.state_dict().items()}
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, DataLoader(TensorDataset(x.double(), y), batch_size=BATCH, sampler=order))
+    return module, first
+
+
+def test_a_curvature_rule_estimates_the_exact_hessian_and_leaves_training_as_it_was(tmp_path):
+    """Estimates at steps 0, 2 and 4 (the last): those at 0 and 4 against eigvalsh of torch.func's
+    Hessian at the first and the final weights, on the first batch's first 5 examples."""
+    from helpers import hessian_top
+    from lightning.pytorch.loggers import CSVLogger
+
+    callback = GradmodCallback([CURVATURE, CLIP], loss_fn=F.cross_entropy)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    module, first = _fit64(tmp_path, [callback], logger)
+    plain, _ = _fit64(tmp_path, [GradmodCallback(CLIP)])
+    _equal(module.state_dict(), plain.state_dict())  # bit for bit: the estimates changed nothing
+    rows = callback.curvature_rows
+    assert [(r["step"], r["group"]) for r in rows] == [(s, g) for s in (0, 2, 4) for g in ("net.0.*", "net.2.bias")]
+    x, y = _data()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED))[:5]
+    probe = x.double()[order], y[order]
+    names = {"net.0.*": ["net.0.weight", "net.0.bias"], "net.2.bias": ["net.2.bias"]}
+    worst = 0.0
+    for step, weights in ((0, first), (4, module.state_dict())):
+        reference = Module(_net().double())
+        reference.load_state_dict(weights)
+        for row in (r for r in rows if r["step"] == step):
+            k = min(2, sum(reference.get_parameter(n).numel() for n in names[row["group"]]))
+            exact = hessian_top(
+                reference, lambda call: F.cross_entropy(call(probe[0]), probe[1]), names[row["group"]], k
+            )
+            got = [row[f"top{i + 1}"] for i in range(k)]
+            worst = max(worst, *(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, exact)))
+            assert got == pytest.approx(exact, rel=1e-8, abs=1e-10), (step, row["group"], got, exact)
+    print(f"largest relative error {worst:.2e}")
+    logged = [r for r in csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")) if r["curv/net.0.*/top1"]]
+    assert [(int(r["step"]), float(r["curv/net.0.*/top1"])) for r in logged] == [
+        (r["step"], r["top1"]) for r in rows if r["group"] == "net.0.*"
+    ]
+
+
+def test_a_curvature_rule_without_a_loss_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^hooks.curv: a curvature rule under Lightning needs its loss: [^\n]*$"):
+        GradmodCallback(CURVATURE)
+
+
+def test_a_curvature_glob_matching_nothing_is_refused_in_one_line_at_setup(tmp_path):
+    rules = {"curv": {"params": "conv*", "transforms": ["curvature"]}}
+    with pytest.raises(ValueError, match=r"^hooks.curv.params: 'conv\*' matches no trainable parameter[^\n]*$"):
+        _fit64(tmp_path, [GradmodCallback(rules, loss_fn=F.cross_entropy)])

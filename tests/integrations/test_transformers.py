@@ -55,7 +55,7 @@ class Recorder(TrainerCallback):
         self.grad_max.append(max(p.grad.abs().max().item() for p in model.parameters()))
 
 
-def trainer(tmp_path, callbacks=(), **overrides) -> Trainer:
+def trainer(tmp_path, callbacks=(), model=None, dataset=None, **overrides) -> Trainer:
     args = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=BATCH,
@@ -72,7 +72,10 @@ def trainer(tmp_path, callbacks=(), **overrides) -> Trainer:
         disable_tqdm=True,
     )
     return Trainer(
-        model=Tiny(), args=TrainingArguments(**{**args, **overrides}), train_dataset=Data(), callbacks=list(callbacks)
+        model=model or Tiny(),
+        args=TrainingArguments(**{**args, **overrides}),
+        train_dataset=dataset or Data(),
+        callbacks=list(callbacks),
     )
 
 
@@ -308,3 +311,61 @@ def test_a_schedule_follows_hfs_global_step_and_resumes(tmp_path):
     add_to(resumed, RAMP)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))  # the clock: HF's global step
     assert all(torch.equal(p, q) for p, q in zip(params(ours), params(resumed)))
+
+
+CURVATURE = {
+    "curv": {
+        "params": ["net.0.*", "net.2.bias"],
+        "transforms": [{"name": "curvature", "every": 2, "k": 2, "iterations": 200, "tol": 1e-10, "batch": 5}],
+    }
+}
+
+
+def _float64(tmp_path, rules) -> tuple[Trainer, GradmodCallback, list[torch.Tensor]]:
+    data = Data()
+    data.x = data.x.double()
+    t = trainer(tmp_path, model=Tiny().double(), dataset=data)
+    callback = add_to(t, rules)
+    first = params(t)
+    t.train()
+    return t, callback, first
+
+
+def test_a_curvature_rule_estimates_the_exact_hessian_and_leaves_training_as_it_was(tmp_path):
+    """Estimates at steps 0, 2 and 4 (the last; 2 micro-batches a step): those at 0 and 4 against
+    eigvalsh of torch.func's Hessian of the model's own loss at the first and the final weights,
+    on the first 5 examples of the first inputs; log_history carries each at its step."""
+    from helpers import hessian_top
+
+    ours, callback, first = _float64(tmp_path, [CURVATURE, GNC])
+    plain, _, _ = _float64(tmp_path, GNC)
+    assert all(torch.equal(p, q) for p, q in zip(params(ours), params(plain)))  # bit for bit
+    rows = callback.curvature_rows
+    assert [(r["step"], r["group"]) for r in rows] == [(s, g) for s in (0, 2, 4) for g in ("net.0.*", "net.2.bias")]
+    probe = callback.probe.batch
+    assert probe["x"].shape == (5, 6) and all((Data().x.double() == row).all(1).any() for row in probe["x"])
+    names = {"net.0.*": ["net.0.weight", "net.0.bias"], "net.2.bias": ["net.2.bias"]}
+    worst = 0.0
+    for step, weights in ((0, first), (4, params(ours))):
+        reference = Tiny().double()
+        with torch.no_grad():
+            for p, w in zip(reference.parameters(), weights):
+                p.copy_(w)
+        for row in (r for r in rows if r["step"] == step):
+            k = min(2, sum(reference.get_parameter(n).numel() for n in names[row["group"]]))
+            exact = hessian_top(reference, lambda call: call(**probe)["loss"], names[row["group"]], k)
+            got = [row[f"top{i + 1}"] for i in range(k)]
+            worst = max(worst, *(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, exact)))
+            assert got == pytest.approx(exact, rel=1e-8, abs=1e-10), (step, row["group"], got, exact)
+    print(f"largest relative error {worst:.2e}")
+    history = [r for r in ours.state.log_history if "curv/net.0.*/top1" in r]
+    assert [(r["step"], r["curv/net.0.*/top1"]) for r in history] == [
+        (r["step"], r["top1"]) for r in rows if r["group"] == "net.0.*"
+    ]
+
+
+def test_a_curvature_glob_matching_nothing_is_refused_in_one_line_at_train_begin(tmp_path):
+    t = trainer(tmp_path)
+    add_to(t, {"curv": {"params": "conv*", "transforms": ["curvature"]}})
+    with pytest.raises(ValueError, match=r"^hooks.curv.params: 'conv\*' matches no trainable parameter[^\n]*$"):
+        t.train()

@@ -179,3 +179,20 @@ def nan_task_spares_the_state(rules: dict, label: object) -> None:
     after = hooks.state_dict()["per_loss"]["methods"]
     for key, value in state["per_loss"]["methods"].items():
         assert repr(after[key]) == repr(value), f"{label}: the nan step changed the method's state"
+
+
+def hessian_top(model: nn.Module, loss, names: list[str], k: int) -> list[float]:
+    """The ``k`` largest eigenvalues of the Hessian of ``loss(model_output_fn)`` over ``names``
+    (flattened in that order) at the model's weights, by ``torch.linalg.eigvalsh(torch.func.hessian)``:
+    ``loss(call)`` gets ``call(*args, **kwargs)``, the model run at the moved weights."""
+    from torch.func import functional_call, hessian
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    sizes = [params[n].numel() for n in names]
+
+    def of(flat):
+        moved = dict(params) | {n: v.view_as(params[n]) for n, v in zip(names, flat.split(sizes))}
+        return loss(lambda *args, **kwargs: functional_call(model, moved, args, kwargs))
+
+    h = hessian(of)(torch.cat([params[n].reshape(-1) for n in names]))
+    return torch.linalg.eigvalsh(h.double()).flip(0)[:k].tolist()

@@ -63,13 +63,15 @@ def curvature(
     mode: str = "eval",
     warm: Mapping[str, GroupCurvature] | None = None,
     rule: str = "curvature",
+    forward: Callable[[Any], Any] | None = None,
 ) -> dict[str, GroupCurvature]:
     """group -> ``GroupCurvature`` of ``loss_fn(model(x), y)`` at ``batch = (x, y)``.
 
     ``k`` eigenvalues by at most ``iterations`` Lanczos steps each (stopping once their
     residuals are below ``tol`` of their size), the trace from ``probes`` Rademacher probes
     (0: none); the random start and probes come from ``seed``; ``warm``: a previous estimate
-    whose eigenvectors start this one; ``rule``: the name messages give (``hooks.<rule>``)."""
+    whose eigenvectors start this one; ``rule``: the name messages give (``hooks.<rule>``);
+    ``forward``: how the model takes ``x`` (default ``model(x)``; e.g. ``lambda kw: model(**kw)``)."""
     check(per=per, k=k, iterations=iterations, probes=probes, mode=mode, tol=tol, rule=rule)
     groups = select_groups(model, params, exclude, per, rule)
     named = dict(model.named_parameters())
@@ -78,7 +80,8 @@ def curvature(
     out = {}
     with _untouched(model, mode):
         x, y = batch
-        products = HessianProducts(_scalar(loss_fn(model(x), y)), chosen, groups)
+        pred = model(x) if forward is None else forward(x)
+        products = HessianProducts(_scalar(loss_fn(pred, y)), chosen, groups)
         for group, names in groups.items():
             before = products.count
             matvec = lambda v, g=group: products.hvp(g, v)  # noqa: E731
@@ -108,11 +111,12 @@ def curvature_rule(
     seed: int = 0,
 ) -> Any:
     """The ``curvature`` transform's entry: its arguments (``gradmod/conf/hooks/curvature.yaml``).
-    It transforms no gradient; gradmod's trainer takes its rule out of the ones it attaches and
-    estimates every ``every`` steps (``gradmod.training.curvature``): attached as a transform, it is refused."""
+    It transforms no gradient; gradmod's trainer and the Lightning and Transformers callbacks take its
+    rule out of the ones they attach and estimate every ``every`` steps (``gradmod.training.curvature``):
+    attached as a transform, it is refused."""
     raise ValueError(
-        "curvature is not a gradient transform: gradmod's trainer runs a curvature rule every N steps "
-        "(+hooks=curvature); in your own loop call gradmod.hooks.curvature(model, loss_fn, (x, y), params)"
+        "curvature is not a gradient transform: gradmod's trainer and its Lightning and Transformers callbacks "
+        "run a curvature rule every N steps (+hooks=curvature); in your own loop call gradmod.hooks.curvature(model, loss_fn, (x, y), params)"
     )
 
 

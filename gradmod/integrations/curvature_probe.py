@@ -1,0 +1,58 @@
+"""The curvature rule in the Lightning and Transformers callbacks (``gradmod.training.curvature``).
+
+A callback given a curvature rule takes it out of the rules it attaches (``split_rules``), keeps
+the first ``batch`` examples of the first training batch the loop sees as the probe batch, and
+estimates at step 0 (before the first optimizer step) and after every ``every``-th optimizer step
+(``Estimates``: ``gradmod.hooks.curvature``, which leaves training as it was)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from gradmod.training.curvature import Estimates, check_rules, first_lr, split_rules
+
+
+class Probe:
+    """``rest``: the rules to attach; ``estimates``: the curvature rules' rows and latest values."""
+
+    def __init__(self, rules: Mapping[str, Any]):
+        rest, found = split_rules(rules)
+        self.rest: dict[str, Any] = rest or {}
+        self.estimates = Estimates(found)
+        self.batch: Any = None  # the first training batch's first examples
+        self.at: int | None = None  # the step of the last estimate
+
+    def __bool__(self) -> bool:
+        return bool(self.estimates.rules)
+
+    def check(self, model: torch.nn.Module) -> None:
+        check_rules(self.estimates.rules, model)
+
+    def keep(self, batch: Any) -> None:
+        """The first batch seen, cut to the largest ``batch`` of the rules (copied: the loop's is its own)."""
+        if self and self.batch is None:
+            self.batch = head(batch, max(r.batch for r in self.estimates.rules))
+
+    def run(self, model, loss_fn, step: int, optimizer, take: Callable[[Any], Any], forward=None) -> dict[str, Any]:
+        """The rules due at ``step`` (once a step), each on ``take(head(batch, rule.batch))``;
+        this estimate's values by ``<rule>/<group>/<field>`` ({} when none was due)."""
+        due = self.estimates.due(step) if self.batch is not None and step != self.at else []
+        if not due:
+            return {}
+        self.at = step
+        probe = lambda r: take(head(self.batch, r.batch))  # noqa: E731
+        return self.estimates.estimate(due, model, loss_fn, probe, step, first_lr(optimizer), forward)
+
+
+def head(value: Any, n: int) -> Any:
+    """The first ``n`` examples of a batch: tensors cut along their first dimension, mappings,
+    lists and tuples through; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[:n].detach().clone() if value.dim() else value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: head(v, n) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(head(v, n) for v in value) if type(value) in (list, tuple) else [head(v, n) for v in value]
+    return value
