@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from gradmod.analysis.influence import chosen, influence, projection_error
-from gradmod.analysis.score_report import own_config
+from gradmod.analysis.score_report import checkpoint_progress, own_config
 from gradmod.analysis.self_influence import (
-    Checkpoint,
     check_weights,
     predictions,
     read_checkpoint,
@@ -34,7 +33,6 @@ from gradmod.analysis.self_influence import (
 )
 from gradmod.data import as_float
 from gradmod.reporting.lens.influence_plot import plot_influence
-from gradmod.reporting.progress import Progress, duration
 from gradmod.reporting.score_plots import image_shaped
 from gradmod.run.folder import atomic
 from gradmod.run.setup import resolve_device
@@ -84,7 +82,7 @@ def influence_run(
     how = "exact" if projection is None else f"projected to {projection} dimensions"
     log.info("influence (%s) of %d training examples on %d test examples over %d checkpoints of %s",
              how, len(train[1]), len(tests), len(checkpoints), run)  # fmt: skip
-    progress = _progress(checkpoints, len(train[1]))
+    progress = checkpoint_progress(checkpoints, len(train[1]), "influence", "training examples")
     kw = {"params": params, "seed": seed, "batch_size": batch_size, "device": where}
     scores = influence(build, checkpoints, train, queried, projection=projection, progress=progress, **kw)
     error = None if projection is None else _projection_check(build, checkpoints, train, queried, scores, check, kw)
@@ -164,23 +162,6 @@ def _projection_check(build, checkpoints, train, queried, scores, check: int, kw
         error["relative_error"],
     )
     return error
-
-
-def _progress(checkpoints: list[Checkpoint], examples: int):
-    n = len(checkpoints)
-    progress = Progress(n * examples, "training examples")
-
-    def tell(k: int, c: Checkpoint, done: int) -> None:
-        if done == 0:
-            left = progress.left(k * examples)
-            more = f"; about {duration(left)} left" if left is not None else ""
-            log.info("checkpoint %d/%d: %s (step %d, lr %g)%s", k + 1, n, c.path.name, c.step, c.lr, more)
-            return
-        line = progress.update(k * examples + done)
-        if line is not None:
-            log.info("influence: %s (checkpoint %d/%d)", line, k + 1, n)
-
-    return tell
 
 
 def _figure(run: Path, data, tests, preds: list[int], top, scores, k: int) -> list[str]:

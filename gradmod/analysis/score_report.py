@@ -57,7 +57,7 @@ def score_run(
     x, y = data.train_x, data.train_y
     log.info("self-influence of %d training examples over %d checkpoints of %s", len(y), len(checkpoints), run)
     scores = self_influence(
-        build, checkpoints, x, y, batch_size=batch_size, device=where, progress=_progress(checkpoints, len(y))
+        build, checkpoints, x, y, batch_size=batch_size, device=where, progress=checkpoint_progress(checkpoints, len(y))
     )
     order = torch.sort(scores, descending=True, stable=True).indices
     index = data.dataset_index()  # a pruned run's examples by their index in the whole set
@@ -90,10 +90,13 @@ def own_config(run: Path, read: list[tuple[Checkpoint, dict[str, Any]]]) -> dict
     return own[-1] if own else read[-1][1]
 
 
-def _progress(checkpoints: list[Checkpoint], examples: int):
-    """The per-checkpoint lines, and a progress line now and then with what is left of all."""
+def checkpoint_progress(
+    checkpoints: list[Checkpoint], examples: int, what: str = "self-influence", unit: str = "examples"
+):
+    """The per-checkpoint lines, and a progress line now and then with what is left of all
+    (``what``: the work, as the lines name it; ``unit``: what ``examples`` counts)."""
     n = len(checkpoints)
-    progress = Progress(n * examples, "examples")
+    progress = Progress(n * examples, unit)
 
     def tell(k: int, c: Checkpoint, done: int) -> None:
         if done == 0:
@@ -103,7 +106,7 @@ def _progress(checkpoints: list[Checkpoint], examples: int):
             return
         line = progress.update(k * examples + done)
         if line is not None:
-            log.info("self-influence: %s (checkpoint %d/%d)", line, k + 1, n)
+            log.info("%s: %s (checkpoint %d/%d)", what, line, k + 1, n)
 
     return tell
 
