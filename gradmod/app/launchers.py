@@ -40,7 +40,7 @@ JOB_THREADS = "GRADMOD_JOB_THREADS"  # the launcher's share of the cores for eac
 
 
 def share(jobs: int, cores: int | None = None) -> int:
-    """Threads for each of ``jobs`` running at once on this machine's cores (at least 1)."""
+    """Threads for each of ``jobs`` running at once on the local host's cores (at least 1)."""
     return max(1, (node_cores() if cores is None else cores) // max(1, jobs))
 
 
@@ -128,7 +128,7 @@ class SubmititEndings:
             for n, o in zip(nums, job_overrides)
         ]
         saved = os.environ.get(JOB_THREADS)
-        if self._EXECUTOR == "local":  # every job of the batch at once on this machine: a share each
+        if self._EXECUTOR == "local":  # every job of the batch at once on the local host: a share each
             os.environ[JOB_THREADS] = str(share(len(job_overrides)))
         try:
             jobs = executor.map_array(self, *zip(*args))

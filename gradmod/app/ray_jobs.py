@@ -27,7 +27,7 @@ from gradmod.app.launchers import lost_return, settle_lost
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"  # a cluster running on this machine (ray start --head), else a local one for the sweep
+AUTO = "auto"  # a cluster running on the local host (ray start --head), else a local one for the sweep
 
 
 def stop(message: str) -> None:
