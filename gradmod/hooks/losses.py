@@ -22,3 +22,8 @@ def named(losses: Any) -> dict[str, Tensor]:
     if not by_name or not all(isinstance(x, Tensor) and x.dim() == 0 for x in by_name.values()):
         raise ValueError("HookSet.backward: give one scalar loss, or a non-empty mapping or sequence of scalar losses")
     return by_name
+
+
+def summed(losses: Any) -> Tensor:
+    """What a closure returned: one scalar loss, or the sum of a mapping's or a sequence's."""
+    return total(losses if isinstance(losses, Tensor) else named(losses))

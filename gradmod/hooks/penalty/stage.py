@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gradmod.hooks import registry as R
 from gradmod.hooks import stages
-from gradmod.hooks.losses import named, total
+from gradmod.hooks.losses import summed, total
 from gradmod.hooks.penalty.inputs import Inputs
 from gradmod.hooks.penalty.terms import GradPenalty, InputGradPenalty, Penalty
 from gradmod.hooks.second_pass import accumulate, running_stats_frozen, set_aside
@@ -169,7 +169,7 @@ class PenaltyStage(Stage):
         return out, lambda: self._again(closure(), due)
 
     def _again(self, losses: Any, due: list[PenaltyRule]) -> Tensor:
-        loss = total(losses if isinstance(losses, Tensor) else named(losses))
+        loss = summed(losses)
         return loss + self._added(loss, due)
 
     def _scale(self) -> Tensor | float:
@@ -223,7 +223,7 @@ class PenaltyStage(Stage):
                 p.grad = None
             try:
                 with running_stats_frozen(self.model):
-                    _summed(closure()).backward()
+                    summed(closure()).backward()
             finally:
                 with torch.no_grad():
                     torch._foreach_copy_(mix.moved, mix.saved)
@@ -301,7 +301,3 @@ def _term(term: Penalty, grads: list[Tensor], c: Tensor | float, core: Core) -> 
         return c * term.scale * out
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) / c
     return c * term.scale * norm.pow(term.power)
-
-
-def _summed(losses: Any) -> Tensor:
-    return total(losses if isinstance(losses, Tensor) else named(losses))

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import registry as R
-from gradmod.hooks.losses import named, total
+from gradmod.hooks.losses import summed, total
 from gradmod.hooks.second_pass import accumulate, running_stats_frozen, set_aside
 from gradmod.hooks.sharpness.passes import SharpRule, Taken, sharpness_rules
 from gradmod.hooks.stage import Core, Loop, Stage
@@ -162,7 +162,7 @@ class SharpnessStage(Stage):
         self.inside = True
         try:
             if due:
-                self._two_passes(total(losses), lambda: _summed(closure()).backward(), due)
+                self._two_passes(total(losses), lambda: summed(closure()).backward(), due)
             else:
                 self._one_pass(total(losses))
         finally:
@@ -282,8 +282,3 @@ class SharpnessStage(Stage):
         if self._opt_handle is not None:
             self._opt_handle.remove()
             self._opt_handle = None
-
-
-def _summed(losses: Any) -> Tensor:
-    """What the closure returned: one scalar loss, or the sum of a mapping's or a sequence's."""
-    return total(losses if isinstance(losses, Tensor) else named(losses))
