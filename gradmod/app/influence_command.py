@@ -13,18 +13,12 @@ import argparse
 import logging
 import sys
 
+from gradmod.app.command_lines import parser, reported
+
 USAGE = (
     "gradmod influence RUN [--test I,J,...|--hardest N] [--k K] [--params GLOB ...] [--projection D] "
     "[--check N] [--data-dir DIR] [--batch-size N] [--device auto|cpu|cuda] [--seed S]"
 )
-
-
-class _OneLine(argparse.ArgumentParser):
-    """argparse's error as the command's one line (its usage in it), exit status 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        print(f"error: gradmod influence: {message}; usage: {USAGE}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _indices(text: str) -> list[int]:
@@ -35,10 +29,10 @@ def _indices(text: str) -> list[int]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = _OneLine(
-        prog="gradmod influence",
-        usage=USAGE,
-        description="TracIn influence of a run's training examples on test examples over its checkpoints "
+    p = parser(
+        "influence",
+        USAGE,
+        "TracIn influence of a run's training examples on test examples over its checkpoints "
         "(sum over checkpoints of lr x test gradient . training gradient): the k most helpful and most harmful "
         "training examples of each, into influence.csv and influence.png in the run folder",
     )
@@ -70,10 +64,10 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from gradmod.analysis.influence_report import influence_run
-    from gradmod.run.folder import endings
 
-    try:
-        result = influence_run(
+    result = reported(
+        "influence",
+        lambda: influence_run(
             args.run,
             test=args.test,
             hardest=args.hardest,
@@ -85,13 +79,10 @@ def main(argv: list[str]) -> int:
             batch_size=args.batch_size,
             device=args.device,
             seed=args.seed,
-        )
-    except ValueError as e:
-        print(f"error: gradmod influence: {endings.one_line(str(e))}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: gradmod influence: {endings.describe_os_error(e)}", file=sys.stderr)
-        return 1
+        ),
+    )
+    if isinstance(result, int):
+        return result
     for t in result["tests"]:
         print(
             f"test {t['index']} ({t['label']}/{t['prediction']}): proponents {', '.join(map(str, t['proponents']))}; "

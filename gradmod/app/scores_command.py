@@ -12,22 +12,16 @@ import argparse
 import logging
 import sys
 
+from gradmod.app.command_lines import parser, reported
+
 USAGE = "gradmod scores RUN [--data-dir DIR] [--batch-size N] [--top K] [--device auto|cpu|cuda]"
 
 
-class _OneLine(argparse.ArgumentParser):
-    """argparse's error as the command's one line (its usage in it), exit status 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        print(f"error: gradmod scores: {message}; usage: {USAGE}", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = _OneLine(
-        prog="gradmod scores",
-        usage=USAGE,
-        description="TracIn self-influence of a run's training examples over its checkpoints "
+    p = parser(
+        "scores",
+        USAGE,
+        "TracIn self-influence of a run's training examples over its checkpoints "
         "(sum over checkpoints of lr x |loss gradient|^2): self_influence.csv, hardest.png and two plots "
         "in the run folder",
     )
@@ -43,18 +37,15 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from gradmod.analysis.score_report import score_run
-    from gradmod.run.folder import endings
 
-    try:
-        result = score_run(
+    result = reported(
+        "scores",
+        lambda: score_run(
             args.run, data_dir=args.data_dir, batch_size=args.batch_size, top=args.top, device=args.device
-        )
-    except ValueError as e:
-        print(f"error: gradmod scores: {endings.one_line(str(e))}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: gradmod scores: {endings.describe_os_error(e)}", file=sys.stderr)
-        return 1
+        ),
+    )
+    if isinstance(result, int):
+        return result
     top = ", ".join(f"{t['index']} ({t['label']}/{t['prediction']})" for t in result["top"][:8])
     print(f"highest self-influence (index (label/prediction)): {top}")
     print("mean by class: " + ", ".join(f"{c}: {m:.3g}" for c, m in result["mean_by_class"].items()))
