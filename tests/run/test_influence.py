@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from helpers import checkpoint_folder
 
 from gradmod.run.folder import checkpoint_file as ckpt
 
@@ -18,26 +19,7 @@ CONFIG = {"data": FAKE, "data_dir": "data", "seed": 3, "model": {"name": "mnist_
 
 
 def _checkpoints(folder, rates=(0.3, 0.02, 0.1)) -> list:
-    """A run folder with one checkpoint per learning rate, weights moved a little each time."""
-    from gradmod.models import MnistCNN
-
-    (folder / ".gradmod").mkdir(parents=True)
-    (folder / ".gradmod" / "run.json").write_text(json.dumps({"run_id": "r1"}) + "\n")
-    torch.manual_seed(0)
-    model = MnistCNN()
-    paths = []
-    for step, lr in enumerate(rates, start=1):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p), alpha=0.05)
-        state = {
-            "step": step,
-            "model": {k: v.clone() for k, v in model.state_dict().items()},
-            "trainer": {"optimizer": {"param_groups": [{"lr": lr}]}},
-            "config": CONFIG,
-        }
-        paths.append(ckpt.save(folder / "checkpoints", state, keep=10, run="r1"))
-    return paths
+    return checkpoint_folder(folder, CONFIG, rates)
 
 
 def _captum(folder, paths, layers=None):

@@ -196,3 +196,30 @@ def hessian_top(model: nn.Module, loss, names: list[str], k: int) -> list[float]
 
     h = hessian(of)(torch.cat([params[n].reshape(-1) for n in names]))
     return torch.linalg.eigvalsh(h.double()).flip(0)[:k].tolist()
+
+
+def checkpoint_folder(folder: Path, config: dict, rates: tuple[float, ...]) -> list:
+    """A run folder (run id ``r1``) with one checkpoint of the MNIST CNN per learning rate in
+    ``rates``, its weights moved a little each time, each holding ``config``."""
+    import json
+
+    from gradmod.models import MnistCNN
+    from gradmod.run.folder import checkpoint_file as ckpt
+
+    (folder / ".gradmod").mkdir(parents=True)
+    (folder / ".gradmod" / "run.json").write_text(json.dumps({"run_id": "r1"}) + "\n")
+    torch.manual_seed(0)
+    model = MnistCNN()
+    paths = []
+    for step, lr in enumerate(rates, start=1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.05)
+        state = {
+            "step": step,
+            "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "trainer": {"optimizer": {"param_groups": [{"lr": lr}]}},
+            "config": config,
+        }
+        paths.append(ckpt.save(folder / "checkpoints", state, keep=10, run="r1"))
+    return paths
