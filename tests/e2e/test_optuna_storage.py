@@ -5,23 +5,12 @@ cannot be opened is one line."""
 from __future__ import annotations
 
 import pytest
-from helpers import run_train
+from helpers import SWEEP_JOB, run_train
 from omegaconf import OmegaConf
 
 from gradmod.app.optuna_storage import StorageError, prepare
 
-TINY = [
-    "data=fake",
-    "data.image_size=28",
-    "data.channels=1",
-    "data.train_size=64",
-    "data.test_size=32",
-    "trainer.epochs=1",
-    "trainer.device=cpu",
-    "trainer.progress=false",
-    "trainer.threads=1",
-    "experiment=clip_optuna",
-]
+TINY = [*SWEEP_JOB, "trainer.epochs=1", "trainer.threads=1", "experiment=clip_optuna"]
 
 
 def test_a_storage_that_cannot_be_opened_is_one_line(tmp_path):

@@ -10,22 +10,12 @@ import statistics
 from pathlib import Path
 
 import pytest
-from helpers import run_train
+from helpers import SWEEP_JOB, run_train
 from omegaconf import OmegaConf
 
 from gradmod.reporting import sweep_report as sweep
 
-TINY = [
-    "data=fake",
-    "data.image_size=28",
-    "data.channels=1",
-    "data.train_size=64",
-    "data.test_size=32",
-    "trainer.epochs=2",
-    "trainer.device=cpu",
-    "trainer.progress=false",
-    "trainer.threads=1",
-]
+TINY = [*SWEEP_JOB, "trainer.epochs=2", "trainer.threads=1"]
 DIES = ["model._target_=tests.support.sweep_models.tiny"]  # +model.die=true: SIGKILL while the model is built
 
 

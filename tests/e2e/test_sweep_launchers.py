@@ -14,22 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, SWEEP_JOB
 
 from gradmod.app import launchers
 from gradmod.reporting import sweep_jobs
 
-TINY = [
-    "data=fake",
-    "data.image_size=28",
-    "data.channels=1",
-    "data.train_size=64",
-    "data.test_size=32",
-    "trainer.epochs=1",
-    "trainer.device=cpu",
-    "trainer.progress=false",
-    "model._target_=tests.support.sweep_models.waits",
-]
+TINY = [*SWEEP_JOB, "trainer.epochs=1", "model._target_=tests.support.sweep_models.waits"]
 
 
 def rows(sweep_dir: Path) -> list[dict[str, str]]:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import FAST, ROOT, run_train
+from helpers import FAST, ROOT, SWEEP_JOB, run_train
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
@@ -19,17 +19,7 @@ from gradmod.hooks import attach
 from gradmod.models import build_model
 from gradmod.reporting import sweep_report as sweep
 
-# Tiny random 28x28 images: a job costs well under a second once Python is up.
-TINY = [
-    "data=fake",
-    "data.image_size=28",
-    "data.channels=1",
-    "data.train_size=64",
-    "data.test_size=32",
-    "trainer.epochs=2",
-    "trainer.device=cpu",
-    "trainer.progress=false",
-]
+TINY = [*SWEEP_JOB, "trainer.epochs=2"]
 BOUND = "hooks.clip.transforms.0.bound"  # the Optuna example's tuned key: the clip rule's own bound
 
 

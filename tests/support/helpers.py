@@ -38,6 +38,17 @@ TINY_FAKE = [
     "trainer.progress=false",
     "trainer.threads=1",
 ]
+# A sweep job on tiny random 28x28 images (a job costs well under a second once Python is up);
+# each sweep test adds its epochs, threads and model.
+SWEEP_JOB = [
+    "data=fake",
+    "data.image_size=28",
+    "data.channels=1",
+    "data.train_size=64",
+    "data.test_size=32",
+    "trainer.device=cpu",
+    "trainer.progress=false",
+]
 # The resume tests' run: that, with a checkpoint every 4 steps.
 RESUMABLE = [*TINY_FAKE, "trainer.checkpoint_every_steps=4", "+hooks=[clip,log]"]
 
