@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 LAM = 0.3
 
@@ -52,3 +53,15 @@ def wgan_gp(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 PENALTIES = {"param": param_penalty, "input": input_penalty, "wgan_gp": wgan_gp}
+
+
+def per_example_input_penalty(model: nn.Module, x: torch.Tensor, y: torch.Tensor, weight: float, power: int = 2):
+    """``torch.func``: each example's gradient of its own ``loss_i + weight ||d loss_i / d x_i||^power``
+    (``vmap`` over ``grad``), by parameter name, ``[B, *param]``."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def penalized(ps, xi, yi):
+        loss_of = lambda inp: F.cross_entropy(functional_call(model, ps, (inp[None],)), yi[None])  # noqa: E731
+        return loss_of(xi) + weight * grad(loss_of)(xi).norm() ** power
+
+    return vmap(grad(penalized), in_dims=(None, 0, 0))(params, x, y)

@@ -1,13 +1,14 @@
 """The Trainer with a loss that takes a gradient of itself (a gradient penalty): a hook rule acts on
 the gradient of the whole loss, the penalty computed from torch's gradient; a per_sample rule is one
-line at the first step (float64, against a hand-written step)."""
+line at the first step, but for the shipped input_grad_penalty, which DP-SGD clips per example
+(float64, against a hand-written step and ``torch.func``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from penalties import Net, batch
+from penalties import Net, batch, per_example_input_penalty
 from user_objects import ParamPenaltyLoss
 
 from gradmod.hooks import attach
@@ -114,4 +115,34 @@ def test_a_shipped_penalty_under_accumulation_is_each_micro_batchs_own(rule):
         ((loss + 0.3 * term) / 2).backward()
     (got,) = seen.seen
     want = [p.grad for p in twin.parameters()]
+    assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 1e-10
+
+
+def test_dp_with_the_input_penalty_under_accumulation_clips_each_examples_penalized_gradient():
+    """Two micro-batches of 8, one step: every example's gradient of its own penalized loss
+    (``torch.func``), clipped, summed over both and divided by the 16 examples."""
+    x, y = batch()
+    rules = {
+        "p": {"modules": "@input", "transforms": [{"name": "input_grad_penalty", "weight": 0.3}]},
+        "dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": 0.5}]},
+    }
+    model, seen = _net(), _Grads()
+    hooks = attach(model, rules)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainerSettings(batch_size=8, accumulate=2, log_every=2**62),
+        hooks=hooks,
+        callbacks=[seen],
+        loss_fn=F.cross_entropy,
+        generator=torch.Generator().manual_seed(7),
+    )
+    trainer.train_epoch(x, y)
+    hooks.remove()
+    per = per_example_input_penalty(_net(), x, y, 0.3)  # (the order of the examples does not matter)
+    norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+    factor = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    assert bool((norms > 0.5).any())  # the clip bites
+    want = [torch.tensordot(factor, per[n], 1) / 16 for n, _ in model.named_parameters()]
+    (got,) = seen.seen
     assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 1e-10

@@ -37,7 +37,8 @@ class Inputs:
         if not x.requires_grad:
             x = x.detach().requires_grad_()
             args = (*args[:at], x, *args[at + 1 :])
-        self.taken.append(x)
+        if not any(t is x for t in self.taken):  # a tensor given twice is one input (its gradient sums both uses)
+            self.taken.append(x)
         return args, kwargs
 
     def take(self) -> list[Tensor]:

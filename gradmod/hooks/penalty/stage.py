@@ -2,8 +2,9 @@
 
 1. ``check_rule``: one penalty per rule, ``grad_penalty`` on params, ``input_grad_penalty``
    on modules (``@input``: the model's input); ``check``: no rule that splits the loss into
-   tasks (per_loss) or into examples (per_sample) beside it (refused in one line), and the
-   finite-difference form beside no other stage that runs its own passes.
+   tasks (per_loss) beside it, nor into examples (per_sample) beside a grad_penalty (each
+   refused in one line; an input's term is each example's own, which per_sample follows), and
+   the finite-difference form beside no other stage that runs its own passes.
 2. attach: a forward pre-hook on each input rule's modules (``inputs.Inputs``), and a guard on
    each params rule's first parameter that refuses a backward filling ``.grad`` outside
    ``HookSet.backward`` (the penalty would silently be missing).
@@ -80,15 +81,17 @@ class PenaltyStage(Stage):
     def check(cls, model: nn.Module, targets: list) -> None:
         """No stage that splits the loss beside a penalty; the finite difference beside no other passes."""
         super().check(model, targets)
-        mine = next(t for t in targets if t.stage == cls.name)
+        mine = [t for t in targets if t.stage == cls.name]
+        whole = next((t for t in mine if t.kind == "param"), mine[0])  # per example, only an input's term
         for t in targets:
             facts = stages.get(t.stage)
-            if facts.several_losses or facts.counts_examples:
+            if facts.several_losses or (facts.counts_examples and whole.kind == "param"):
                 split = "tasks" if facts.several_losses else "examples"
+                hint = "task's loss" if facts.several_losses else "example's loss: input_grad_penalty"
                 raise ValueError(
-                    f"hooks.{mine.rule}: a penalty rule takes the gradient of the whole loss, and {t.stage} rule "
-                    f"{t.rule!r} splits it into {split}; use one of them (a penalty of your own can sit inside one "
-                    "task's loss: docs/guide/penalties.md)"
+                    f"hooks.{whole.rule}: a penalty rule takes the gradient of the whole loss, and {t.stage} rule "
+                    f"{t.rule!r} splits it into {split}; use one of them (a penalty can sit inside one {hint}, "
+                    "docs/guide/penalties.md)"
                 )
         fd = next((t for t in targets if t.stage == cls.name and not t.steps[0].fn.exact), None)
         other = next((t for t in targets if stages.get(t.stage).runs_backward), None)

@@ -52,6 +52,7 @@ class Call:
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]]
     grads: list[Tensor | None] = field(default_factory=list)
     formed: dict[str, Tensor] | None = None  # per-example gradients it formed in the backward
+    only: frozenset[str] | None = None  # the local names it gives a part of (None: all its layer's)
 
     @classmethod
     def of(cls, layer: Layer, inputs: Any, outs: list[Tensor]) -> Call:
@@ -59,6 +60,12 @@ class Call:
         dtype = next(iter(layer.names.values())).dtype
         shapes = [(t.shape, dtype if t.is_floating_point() else t.dtype, t.device) for t in outs]
         return cls(layer, inputs, shapes, [None] * len(outs))
+
+    @property
+    def names(self) -> dict[str, nn.Parameter]:
+        """The parameters it gives a part of (local name -> parameter)."""
+        names = self.layer.names
+        return names if self.only is None else {n: p for n, p in names.items() if n in self.only}
 
     def output_grads(self):
         """The output gradient(s) (outputs that got none count as zeros): for a recording form

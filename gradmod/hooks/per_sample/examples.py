@@ -66,7 +66,7 @@ class PerExampleSums:
         pairs = tied.shared(calls) & self._trainable.live  # shared weights' cross terms
         norms2_dtype = next(iter(norms2.values())).dtype
         for c in calls:
-            live = self._trainable.names(c.layer)  # frozen ones take no part
+            live = self._live(c)  # frozen ones take no part
             b, form, names = c.output_grads(), c.layer.form, set(live)
             full_ = c.layer.materialise or seen[id(c.layer)] > 1 or form.materialises(c.layer.module, c.inputs, b)
             full_ = c.formed is not None or full_ and not any(id(p) in pairs for p in live.values())
@@ -89,13 +89,18 @@ class PerExampleSums:
                 self._probed.full(p, rows2, None if self._rule_of[id(p)].clip else g)  # (else summed when clipped)
         return ghost, summed.sums
 
+    def _live(self, c: Call) -> dict[str, nn.Parameter]:
+        """The call's parameters that train now, of those it gives a part of (``Call.only``)."""
+        live = self._trainable.names(c.layer)
+        return live if c.only is None else {n: p for n, p in live.items() if n in c.names}
+
     def weighted(self, seen: Seen, weights: dict[str, Tensor], probe: bool = False) -> dict[nn.Parameter, Tensor]:
         """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B]); ``probe``:
         per-example tensors also summed plainly in the same pass, for the probe check."""
         out: dict[nn.Parameter, Tensor] = {}
         for c, b in seen.ghost:
             by_rule: dict[str, set[str]] = {}
-            for n, p in self._trainable.names(c.layer).items():
+            for n, p in self._live(c).items():
                 by_rule.setdefault(self._rule_of[id(p)].name, set()).add(n)
             for rule, names in by_rule.items():
                 if rule in weights:

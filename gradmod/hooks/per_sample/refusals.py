@@ -101,16 +101,25 @@ def refuse_untraced(rules: list, names: dict[int, str]) -> None:
         )
 
 
-def refuse_own_gradient(rules: list, where: str) -> None:
+def refuse_own_gradient(rules: list, where: str, model: nn.Module, layer: nn.Module | None = None) -> None:
     """A gradient the loss takes of itself and differentiates again (``torch.autograd.grad(...,
     create_graph=True)``: a gradient penalty) runs through ``where``, which a rule follows: the
     penalty's gradient reaches the weights through their use in that backward too, which no layer
     input times output gradient gives, so no example's gradient can be formed (nor clipped, noised,
-    scored). Refused as the penalty is taken, before the step's backward."""
+    scored). Refused as the penalty is taken, before the step's backward. ``layer``: where an
+    input-gradient penalty's part is formed (``second_order``), the layer of a form that gives none."""
     keys = " and ".join(f"hooks.{r.name}" for r in rules)
+    if layer is not None:
+        raise ValueError(
+            f"per_sample: the input-gradient penalty's backward runs through module {_path(model, layer)!r} "
+            f"({type(layer).__name__}; parameters {where}), whose per-example form has no part for a gradient "
+            f"taken through it (Linear, Conv and Conv1D layers do); leave its parameters out of {keys}, or "
+            "penalize the input of a module after it"
+        )
     raise ValueError(
         f"per_sample: the loss takes a gradient of itself through {where} (torch.autograd.grad with "
         f"create_graph=True: a gradient penalty), which {keys} cannot split per example: the penalty's gradient "
         "reaches the weights through that backward, not as a layer input times an output gradient; take the "
-        "penalty outside the rule's layers, or train without the per_sample rule"
+        "penalty outside the rule's layers, use the input_grad_penalty rule for a penalty on an input, or train "
+        "without the per_sample rule"
     )

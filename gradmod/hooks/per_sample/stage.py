@@ -6,9 +6,9 @@ its checks (``_check_arrivals``: every gradient came through a followed call; th
 at the first backward, along probe directions later), around ``_clip_and_accumulate``: per rule each
 example's norm over all the rule's parameters (flat clipping, ``examples``), the factors
 ``min(1, C / (|g_i| + 1e-6))`` and ``sum_i c_i g_i`` (one weighted matmul per layer) into the step's sums,
-in place of autograd's ``.grad``. ``finish()``, once a step: ``_add_noise`` (``N(0, (sigma C)^2)``), then
-``_scale`` by the step's (expected) number of examples. Nothing per example outlives its backward but
-``scores``."""
+in place of autograd's ``.grad``. ``finish()``, once a step: the noise (``N(0, (sigma C)^2)``), then the
+division by the step's (expected) examples. Nothing per example outlives its backward but ``scores``.
+An input-gradient penalty's part through the loss's own backward comes as calls too (``second_order``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
 from gradmod.hooks import registry as R
+from gradmod.hooks import stages
 from gradmod.hooks.per_sample import refusals
 from gradmod.hooks.per_sample.accounts import Probed, check_covered, check_sums, refuse_arrivals
 from gradmod.hooks.per_sample.assign import Call, Layer, assign, paths_of
@@ -32,6 +33,7 @@ from gradmod.hooks.per_sample.forms.base import Inputs
 from gradmod.hooks.per_sample.forms.layers import batch_dependent
 from gradmod.hooks.per_sample.sample_rules import check_options, check_rule, check_targets, per_sample_rules
 from gradmod.hooks.per_sample.scores import KeepsScores, keeper, watch_outputs
+from gradmod.hooks.per_sample.second_order import SecondOrder
 from gradmod.hooks.per_sample.stats import PerSampleClip, buffers, record
 from gradmod.hooks.per_sample.trainable import Trainable, all_trainable
 from gradmod.hooks.stage import Core, Loop, Stage
@@ -105,6 +107,8 @@ class PerSampleStage(KeepsScores, Stage):
         self._batch = 0  # this forward's batch size, where a one-row call is expanded to it
         self.layers: list[Layer] | None = None  # set up at the first training forward
         self.scores = keeper(rules)  # GraNd and EL2N by dataset index (``see_batch``, ``take_scores``)
+        inputs = any(t.kind == "module" and stages.get(t.stage).differentiates_inputs for t in targets)
+        self._second = SecondOrder(self._fills) if inputs else None  # an input-gradient penalty's part
         self._handles = [model.register_forward_pre_hook(self._first_forward, with_kwargs=True)]
         self._handles.append(model.register_forward_hook(self._forward_end))
         self._handles += watch_outputs(model, self.scores, self._following)
@@ -147,6 +151,7 @@ class PerSampleStage(KeepsScores, Stage):
         self._detached = detachable(self.layers) & self._clipped
         shared = {id(p) for x in self.layers if x.materialise for p in x.names.values()}
         hangs = detachable(self.layers) - self._clipped - shared  # autograd's gradient kept: the calls give it
+        hangs = hangs if self._second is None else set()  # (they would give no penalty's part)
         live = self._trainable  # (its live set is replaced when training freezes or unfreezes)
         ready = lambda: set() if self._verify or not self._following() else live.live  # noqa: E731
         detach = lambda: self._detached & ready()  # noqa: E731  (ready: what may run detached now)
@@ -204,10 +209,12 @@ class PerSampleStage(KeepsScores, Stage):
 
     def _own_gradient(self, at: Tensor | Layer) -> None:
         """Inside a gradient the loss takes of itself (``torch.autograd.grad``) nothing is recorded; one
-        that builds a graph (a gradient penalty) through ``at`` (a rule's parameter or layer) is refused."""
+        that builds a graph (a gradient penalty) through ``at`` (a rule's parameter or layer) is refused,
+        but where an input-gradient penalty's part is formed (``second_order``)."""
         if torch.is_grad_enabled():
-            names = [self._names[id(q)] for q in (at.names.values() if isinstance(at, Layer) else [at])]
-            refusals.refuse_own_gradient(self.rules, ", ".join(map(repr, names)))
+            names = ", ".join(repr(self._names[id(q)]) for q in (at.names.values() if isinstance(at, Layer) else [at]))
+            layer = at.module if self._second is not None and isinstance(at, Layer) else None
+            refusals.refuse_own_gradient(self.rules, names, self.model, layer)
 
     def _queue(self) -> None:
         if not self._queued:
@@ -257,6 +264,8 @@ class PerSampleStage(KeepsScores, Stage):
                     first = first.expand(self._batch, *first.shape[1:])
                 inputs = detach_input(first, dtype).movedim(layer.first_in, 0)
             self._follow(layer, inputs, outs, hung)
+            if self._second is not None and not layer.form.whole_call:
+                self._second.watch(self._calls[-1], first)
             return output if layer.broadcast else None
 
         return hook
@@ -264,6 +273,8 @@ class PerSampleStage(KeepsScores, Stage):
     def _grad_hook(self, call: Call, k: int):
         def hook(g: Tensor) -> None:
             if not self._fills():
+                if torch.is_grad_enabled() and self._second is not None and self._second.output_grad(call, g):
+                    return None
                 return self._own_gradient(call.layer)
             dtype = next(iter(call.layer.names.values())).dtype
             if g.is_floating_point():  # autocast's bf16 gradients round more: the sum check allows for it
@@ -276,6 +287,8 @@ class PerSampleStage(KeepsScores, Stage):
     def _end_backward(self) -> None:
         """Once per backward: every gradient accounted for, then each example's clipped into the step's sums."""
         calls = [c for c in self._calls if any(g is not None for g in c.grads) and self._trainable.names(c.layer)]
+        if self._second is not None:  # each layer's part through the loss's own backward, a call of its own
+            calls += [c for c in self._second.calls() if "weight" in self._trainable.names(c.layer)]
         self._calls, self._queued = [], False  # calls without gradients were not in this backward
         got, self._got = self._got, {}
         if self._verify:  # no probe check in this one: what hung calls gave is not kept for the next
@@ -327,7 +340,9 @@ class PerSampleStage(KeepsScores, Stage):
     def finish(self) -> None:
         """Once per optimizer step, the DP step's phases (after its checks): each clipping rule's
         sums get their noise, are reduced over the ranks and scaled by the step's examples."""
-        self._check_step()
+        self._probed.settle()  # the step's probes agree
+        if self.layers is None and not self._empty:  # a rule's parameters were traced
+            refusals.refuse_untraced(self.rules, self._names)
         n = self._divisor()
         if n is None:
             return
@@ -335,18 +350,14 @@ class PerSampleStage(KeepsScores, Stage):
             if r.clip is not None:
                 params = [p for p in r.params if p.requires_grad]  # a frozen one keeps .grad = None
                 sums = [self._sums.pop(id(p)) if id(p) in self._sums else torch.zeros_like(p) for p in params]
-                self._add_noise(r.clip, sums)
+                if self.draws_noise:
+                    r.clip.add_noise(sums, self.generator)
                 if self.reduce is not None:
                     self.reduce(sums)
-                self._scale(params, sums, n)
+                for p, s in zip(params, sums):
+                    p.grad = s.div_(n)
         self._sums.clear()
         self.examples = 0
-
-    def _check_step(self) -> None:
-        """The step's probes agree, and a rule's parameters were traced (else refused in one line)."""
-        self._probed.settle()
-        if self.layers is None and not self._empty:
-            refusals.refuse_untraced(self.rules, self._names)
 
     def _divisor(self) -> float | None:
         """The step's (expected) number of examples; None where none was seen and none is expected
@@ -357,18 +368,6 @@ class PerSampleStage(KeepsScores, Stage):
                 p.grad = torch.zeros_like(p)
             return None
         return float(self.expected_batch_size or self.examples)
-
-    def _add_noise(self, clip: PerSampleClip, sums: list[Tensor]) -> None:
-        """``N(0, (sigma C)^2)`` added to each sum, on the ranks that draw noise."""
-        std = clip.noise_multiplier * clip.max_norm
-        if std > 0 and self.draws_noise:
-            for s in sums:
-                s.add_(torch.randn(s.shape, generator=self.generator, device=s.device, dtype=s.dtype), alpha=std)
-
-    @staticmethod
-    def _scale(params: list[nn.Parameter], sums: list[Tensor], n: float) -> None:
-        for p, s in zip(params, sums):
-            p.grad = s.div_(n)
 
     def set_up(self, loop: Loop) -> None:
         """The divisor (Poisson: the expected global batch; else the examples counted, times

@@ -67,6 +67,13 @@ class PerSampleClip:
             "(set up by attach), not on a batch gradient"
         )
 
+    def add_noise(self, sums: list[Tensor], generator: torch.Generator | None) -> None:
+        """``N(0, (sigma C)^2)`` added to each of the step's clipped sums."""
+        std = self.noise_multiplier * self.max_norm
+        if std > 0:
+            for s in sums:
+                s.add_(torch.randn(s.shape, generator=generator, device=s.device, dtype=s.dtype), alpha=std)
+
 
 class PerSampleLog(SumBuffer):
     """``log`` at the per_sample stage. Per backward of B examples with unclipped

@@ -28,7 +28,7 @@ def shared(calls: list) -> set[int]:
     whose calls need no per-example tensors for another shared parameter."""
     uses: dict[int, list] = {}
     for c in calls:
-        for n, p in c.layer.names.items():
+        for n, p in c.names.items():
             uses.setdefault(id(p), []).append((c, n))
     many = {i for i, u in uses.items() if len(u) > 1}
     found = {
@@ -39,7 +39,7 @@ def shared(calls: list) -> set[int]:
     }
     found = {i for i in found if _pays([c for c, _ in uses[i]])}
     while True:  # a call that also uses a shared parameter outside ``found`` forms its tensors anyway
-        drop = {i for i in found for c, _ in uses[i] if any(id(q) in many - found for q in c.layer.names.values())}
+        drop = {i for i in found for c, _ in uses[i] if any(id(q) in many - found for q in c.names.values())}
         if not drop:
             return found
         found -= drop
@@ -91,5 +91,5 @@ def _dot(x: tuple, y: tuple) -> Tensor:
 
 def cross_norms2(param: int, calls: list[tuple], dtype: torch.dtype) -> Tensor:
     """``2 sum_{k<l} <g_k, g_l>`` per example over the ``calls`` ((call, output gradient)) of ``param`` (its id)."""
-    ops = [_operands(c, b, n) for c, b in calls for n, p in c.layer.names.items() if id(p) == param]
+    ops = [_operands(c, b, n) for c, b in calls for n, p in c.names.items() if id(p) == param]
     return sum((2 * _dot(x, y).to(dtype) for x, y in combinations(ops, 2)), torch.zeros((), dtype=dtype))

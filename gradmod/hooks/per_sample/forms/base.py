@@ -36,6 +36,7 @@ class Form:
     fresh = False  # True: ``per_example``'s tensors are new, never views of inputs (the stage adds to them in place)
     captures = False  # True: records calls inside its module's forward (``attention``), children's params too
     detaches = False  # True: its weights may run detached after the first backward (``detached_weights``)
+    second_order = False  # True: ``y`` is bilinear in ``weight`` and the input (``second_order``)
 
     def applies(self, m: nn.Module) -> bool:
         """Whether this form answers for ``m`` (False: ``m`` takes the general path)."""

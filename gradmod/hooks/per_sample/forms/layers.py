@@ -60,6 +60,7 @@ def _small(bsz: int, m: nn.Module) -> bool:
 class LinearForm(Form):
     fresh = True
     detaches = True  # runs on detached aliases after the first backward (``detached_weights``)
+    second_order = True
 
     def add_per_example(self, m, a, b, names, into):
         if "weight" not in into:
@@ -115,6 +116,7 @@ class ConvForm(Form):
     gradient as ``[B, groups, O_g, L]``; the weight gradient of example i is their product."""
 
     detaches = True
+    second_order = True
 
     def materialises(self, m, a, b):
         """Where the per-example weights are small and the Gram matrices would not cost less:
@@ -244,6 +246,7 @@ class Conv1DForm(Form):
     """Hugging Face's ``Conv1D``: a Linear whose weight is stored ``[in, out]``."""
 
     detaches = True  # runs on detached aliases after the first backward (``detached_weights``)
+    second_order = True
 
     def materialises(self, m, a, b):
         return LINEAR.materialises(m, a, b)
