@@ -38,8 +38,8 @@ Sections (the default: all but scale, sam_peers, curvature and influence):
   scores  one Adam step that keeps every example's GraNd and EL2N (the scores transform) against the plain
          step, on the MNIST CNN (batch 100) and ResNet-18-GN (batch 32, 32x32) (see benchmarks/sections/scores.py)
   penalty  one Adam step with grad_penalty and input_grad_penalty against the same penalty written by hand and
-         against a plain step, on a 784-1024-1024-10 MLP (batch 64) and the MNIST CNN (batch 100)
-         (see benchmarks/sections/penalty.py)
+         against a plain step, and DP-SGD with input_grad_penalty against torch.func's per-example step, on a
+         784-1024-1024-10 MLP (batch 64) and the MNIST CNN (batch 100) (see benchmarks/sections/penalty.py)
   curvature  100 SGD steps with one curvature estimate (the shipped rule at every: 100) against 100 plain ones,
          on the MNIST CNN and ResNet-18 (see benchmarks/sections/curvature.py); asked for by name
   influence  TracIn influence of 1,000 training examples on 8 test examples over 2 checkpoints of the MNIST

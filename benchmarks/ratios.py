@@ -211,6 +211,11 @@ PENALTY = [  # a shipped penalty against the same penalty by hand (<= 1.05x), an
         for m in penalty.MODELS
         for rule, _ in penalty.PAIRS
     ),
+    *(
+        (f"penalty_{m}_{rule}_over_{base}", f"penalty.{m}.{rule}", f"penalty.{m}.{base}", None, None)
+        for m in penalty.MODELS
+        for rule, base in penalty.DP_PAIRS
+    ),
 ]
 CURVATURE = [  # a run at every: 100: <= 1.10x a plain one
     (
