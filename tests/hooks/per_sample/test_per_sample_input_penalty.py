@@ -67,6 +67,52 @@ class AttentionNet(nn.Module):
         return self.fc2(self.attn(h, h, h, need_weights=False)[0].mean(1))
 
 
+class Twice(nn.Module):
+    """fc2 called twice in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))))
+
+
+class Tied(nn.Module):
+    """One weight held by two Linear modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.fc2.weight = self.fc1.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class GroupedConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 6, 3, groups=2, dilation=2, padding=2, padding_mode="circular")
+        self.fc = nn.Linear(6 * 5 * 5, 3)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
+class HFConv1D(nn.Module):
+    """Hugging Face's Conv1D (GPT-2's Linear, its weight stored [in, out])."""
+
+    def __init__(self):
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.a, self.b = Conv1D(8, 6), Conv1D(3, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
 def _model(cls, seed=0):
     torch.manual_seed(seed)
     return cls().double()
@@ -130,6 +176,14 @@ def test_dp_clip_with_an_input_gradient_penalty_equals_vmap_of_grad(cls, shape, 
     model, (x, y) = _model(cls), _batch(shape)
     want = _clipped_mean(_per_example(model, x, y, power), len(y))
     _dp_step(model, _rules(power=power), x, y).remove()
+    _close(model, want)
+
+
+@pytest.mark.parametrize(("cls", "shape"), [(Twice, (6,)), (Tied, (6,)), (GroupedConv, (4, 5, 5)), (HFConv1D, (6,))])
+def test_layers_called_twice_tied_grouped_and_conv1d_equal_vmap_of_grad(cls, shape):
+    model, (x, y) = _model(cls), _batch(shape)
+    want = _clipped_mean(_per_example(model, x, y, 2), len(y))
+    _dp_step(model, _rules(), x, y).remove()
     _close(model, want)
 
 
