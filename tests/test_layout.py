@@ -255,6 +255,7 @@ NAMES_A_STAGE = {
     ("gradmod/hooks/registry.py", "sharpness"),
     ("gradmod/hooks/registry.py", "penalty"),
     # torch optimizers' own fused= argument
+    ("gradmod/optim/lamb.py", "fused"),
     ("gradmod/optim/spec.py", "fused"),
     ("gradmod/run/factories.py", "fused"),
     # the config's default trainer.hook_stage, as a user reads and overrides it

@@ -13,7 +13,9 @@ it, and ``w`` is the decayed weight, as pytorch-optimizer's ``Lamb``. Adam witho
 then steps as LAMB (``optimizer=lamb``). ``clip``: the ratio at most 1 (timm's ``trust_clip``).
 
 Both act through the optimizer's step hooks (``register_step_pre_hook``), so any optimizer, a
-scheduler and ``GradScaler`` (which unscales before the step) see one optimizer."""
+scheduler and ``GradScaler`` (which unscales before the step) see one optimizer; but
+``gradmod.optim.Adam`` takes ``of: update`` inside its own step (``gradmod.optim.lamb``: no copy of
+the weights, fewer passes), where the group fits, and the hooks leave those groups alone."""
 
 from __future__ import annotations
 
@@ -71,11 +73,14 @@ def attach(optimizer: torch.optim.Optimizer) -> None:
     # a checkpoint need not hold it), and its norm after the step's decoupled decay
     before_step: dict[int, Tensor] = {}
     held: dict[int, tuple[list[Tensor], list[Tensor], Tensor, float]] = {}
+    inside = getattr(optimizer, "takes_trust_ratio", None)  # gradmod.optim.Adam's LAMB groups
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         held.clear()
         for i, group in enumerate(opt.param_groups):
             tr = group.get(KEY)
+            if tr and inside is not None and inside(group):
+                continue
             params = [p for p in group["params"] if p.grad is not None] if tr else []
             if not params:
                 continue
