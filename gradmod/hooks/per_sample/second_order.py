@@ -79,7 +79,3 @@ class SecondOrder:
         self._delta.clear()
         self._gbar.clear()
         return out
-
-    def forget(self) -> None:
-        self._delta.clear()
-        self._gbar.clear()
