@@ -50,7 +50,7 @@ CASES = [
     (["+hooks=grad_penalty", "hooks.grad_penalty.transforms.0.every=0"], ["every=0", ">= 1"]),
     (["+hooks=grad_penalty", "hooks.grad_penalty.transforms.0.weight=-1"], ["weight=-1", ">= 0"]),
     (["+hooks=grad_penalty", "trainer.compile=true"], ["trainer.compile=true", "double backward", "compile=false"]),
-    (["+hooks=[input_grad_penalty,dp]"], ["hooks.input_grad_penalty", "whole loss", "examples"]),
+    (["+hooks=[grad_penalty,dp]"], ["hooks.grad_penalty", "whole loss", "examples", "input_grad_penalty"]),
     (["+hooks=[clip,nope]"], ["hooks=nope", "allowed", "clip", "min_zero"]),
     (["foo=[1"], ["foo=[1", "parse"]),
     (["optimizer._target_=torch.optim.Nope"], ["optimizer._target_", "torch.optim.Nope", "torch.optim.Adam"]),
