@@ -2,7 +2,8 @@
 test examples against Captum's.
 
     gradmod       gradmod.analysis.influence.influence, exact (each example's gradient by
-                  torch.func.vmap(grad), test gradients once per checkpoint, a matrix product per batch)
+                  torch.func.vmap(grad), test gradients once per checkpoint, the dot products per batch,
+                  summed over the parameter blocks)
     projected     the same, the gradients projected to 1024 dimensions
     captum_swg    captum.influence.TracInCP(..., sample_wise_grads_per_batch=True).influence
                   (per-example gradients from its layer hooks; loss reduction "sum")

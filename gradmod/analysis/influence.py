@@ -36,8 +36,9 @@ def chosen(model: nn.Module, params: Any) -> list[str]:
     return [n for n in names if n in picked]
 
 
-def per_example(model: nn.Module, names: Sequence[str], x: Tensor, y: Tensor) -> Tensor:
-    """``[len(x), P]``: each example's own loss gradient over ``names``, flattened in that order."""
+def per_example(model: nn.Module, names: Sequence[str], x: Tensor, y: Tensor) -> list[Tensor]:
+    """Each example's own loss gradient over ``names``: a ``[len(x), numel]`` block per name, in that
+    order (views of what vmap gives: gluing them into one ``[len(x), P]`` matrix would copy it)."""
     params = {n: p.detach() for n, p in model.named_parameters()}
     buffers = {n: b.detach() for n, b in model.named_buffers()}
     rest = {n: p for n, p in params.items() if n not in names}
@@ -47,7 +48,24 @@ def per_example(model: nn.Module, names: Sequence[str], x: Tensor, y: Tensor) ->
         return F.cross_entropy(out, yi.unsqueeze(0))
 
     g = vmap(grad(loss), in_dims=(None, 0, 0))({n: params[n] for n in names}, x, y)
-    return torch.cat([g[n].reshape(len(x), -1) for n in names], 1)
+    return [g[n].reshape(len(x), -1) for n in names]
+
+
+def dots(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    """``[rows of a, rows of b]``: the rows' dot products over the blocks together."""
+    out = a[0] @ b[0].T
+    for p, q in zip(a[1:], b[1:]):
+        out.addmm_(p, q.T)
+    return out
+
+
+def project(blocks: list[Tensor], proj: Tensor) -> list[Tensor]:
+    """The gradients (blocks along ``P``) times ``proj`` (``[P, d]``): one ``[rows, d]`` block."""
+    rows = proj.split([b.shape[1] for b in blocks])
+    out = blocks[0] @ rows[0]
+    for b, r in zip(blocks[1:], rows[1:]):
+        out.addmm_(b, r)
+    return [out]
 
 
 def projection_matrix(size: int, d: int, seed: int, like: Tensor) -> Tensor:
@@ -83,14 +101,15 @@ def influence(
         model.to(device).eval()
         names = chosen(model, params)
         gt = per_example(model, names, as_float(test_x.to(device)), test_y.to(device))
-        if projection is not None and (proj is None or proj.shape[0] != gt.shape[1]):
-            proj = projection_matrix(gt.shape[1], projection, seed, gt)  # one for every checkpoint: drawn once
-        gt = gt if proj is None else gt @ proj
+        size = sum(b.shape[1] for b in gt)
+        if projection is not None and (proj is None or proj.shape[0] != size):
+            proj = projection_matrix(size, projection, seed, gt[0])  # one for every checkpoint: drawn once
+        gt = gt if proj is None else project(gt, proj)
         for start in range(0, len(train_y), batch_size):
             stop = min(start + batch_size, len(train_y))
             g = per_example(model, names, as_float(train_x[start:stop].to(device)), train_y[start:stop].to(device))
-            g = g if proj is None else g @ proj
-            scores[:, start:stop] += c.lr * (gt @ g.T).double().cpu()
+            g = g if proj is None else project(g, proj)
+            scores[:, start:stop] += c.lr * dots(gt, g).double().cpu()
             if progress is not None:
                 progress(k, c, stop)
     return scores

@@ -8,7 +8,8 @@ stays attached outside the Trainer. The fused stage runs in ``on_before_optimize
 ``log`` transform's statistics go to the Trainer's loggers every ``log_every_n_steps``.
 Several callbacks share one model when their rules select different tensors. A curvature
 rule is estimated, not attached (``gradmod.integrations.curvature_probe``): on the first training
-batch's ``(x, y)``, with the loss ``loss_fn(module(x), y)``; its values go to the loggers too.
+batch's ``(x, y)``, with the loss ``loss_fn(module(x), y)``; its values go to the loggers too, and
+its rows and probe batch travel in the callback's checkpoint state.
 Needs ``pip install "gradmod[lightning]"``.
 """
 
@@ -38,7 +39,7 @@ class GradmodCallback(Callback):
     clock is the Trainer's ``global_step``, so a resumed fit continues the schedules.
     ``loss_fn``: the loss a curvature rule estimates, ``loss_fn(module(x), y)`` on the first
     ``batch`` examples of the first training batch ``(x, y, ...)``; its estimates are
-    ``curvature_rows``.
+    ``curvature_rows``, kept with the probe batch in checkpoints (a resumed fit continues them).
     """
 
     def __init__(
@@ -156,7 +157,12 @@ class GradmodCallback(Callback):
         self.teardown(trainer, pl_module, "exception")  # Lightning skips teardown when a stage fails
 
     def state_dict(self) -> dict[str, Any]:
-        return self.hooks.state_dict() if self.hooks is not None and not self._state else self._state
+        state = self.hooks.state_dict() if self.hooks is not None and not self._state else self._state
+        return {**state, "curvature": self.probe.state_dict()} if self.probe else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._state = dict(state)  # applied in on_train_start
+        state = dict(state)
+        if self.probe and "curvature" in state:  # the rows so far and the probe batch
+            self.probe.load_state_dict(state["curvature"])
+        state.pop("curvature", None)
+        self._state = state  # the rules' state, applied in on_train_start

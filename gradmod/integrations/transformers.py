@@ -13,7 +13,9 @@ gets one line per log instead of them (``ConsoleLine``).
 
 A curvature rule is estimated, not attached (``gradmod.integrations.curvature_probe``): on the first
 ``inputs`` dict the model is called with, its loss the model's own (the output's ``loss``);
-each estimate makes HF log at its step, its values joining that log.
+each estimate makes HF log at its step, its values joining that log; the one before the first
+step is logged through the Trainer (``Trainer.log``, which ``add_to`` gives the callback). Its rows
+and probe batch travel in checkpoints with the rules' state.
 Needs ``pip install "gradmod[transformers]"``.
 """
 
@@ -23,7 +25,7 @@ import math
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -71,7 +73,10 @@ class GradmodCallback(TrainerCallback, ExportableState):
         self.sources = sources(rules)  # for the line that refuses two callbacks on one tensor
         self.hooks: HookSet | None = None
         self.rule_state: dict[str, Any] = {}  # HF sets it from a checkpoint (JSON-ready form)
+        self.curvature_state: dict[str, Any] = {}  # likewise: the curvature rows and probe batch
         self.probe = Probe(self.rules)
+        self._trainer: Callable[[], Any] = lambda: None  # add_to's Trainer (weakly), to log step 0
+        self._logging_step0 = False
         self._pending: dict[str, Any] = {}  # curvature values for the next log
         self._catch: Any = None  # the forward pre-hook that keeps the first inputs
 
@@ -104,9 +109,21 @@ class GradmodCallback(TrainerCallback, ExportableState):
         if self.rule_state:
             hooks.load_state_dict(_from_json(self.rule_state), next(model.parameters()).device)
             self.rule_state = {}
+        self._restore_curvature(state)
         _warn_shared_checkpoint(self, model, args)
         if self.probe and self.probe.batch is None:
             self._catch = model.register_forward_pre_hook(self._keep, with_kwargs=True)
+
+    def _restore_curvature(self, state) -> None:
+        if self.curvature_state:
+            self.probe.load_state_dict(_from_json(self.curvature_state))
+            self.curvature_state = {}
+        elif self.probe and state.global_step > 0 and not self.probe.estimates.rows:
+            warnings.warn(
+                f"resuming at step {state.global_step} without the curvature rows before it: "
+                "TrainingArguments(restore_callback_states_from_checkpoint=True) restores them and the probe batch",
+                stacklevel=3,
+            )
 
     def _keep(self, module, args, kwargs) -> None:
         """The Trainer's first call ``model(**inputs)``: its inputs are the probe batch."""
@@ -124,8 +141,8 @@ class GradmodCallback(TrainerCallback, ExportableState):
             self.hooks.after_backward()
         if self.probe and state.global_step == 0:  # the weights before the first optimizer step
             now = self._curvature(state, model, optimizer)
-            if now:  # no log event comes at step 0: a record of its own in log_history
-                state.log_history.append({**now, "step": 0})
+            if now:  # no log event comes at step 0: a log of its own
+                self._log_step0(state, now)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         now = self._curvature(state, model, optimizer) if self.probe else {}
@@ -133,12 +150,25 @@ class GradmodCallback(TrainerCallback, ExportableState):
             self._pending |= now
             control.should_log = True  # HF logs at the estimate's step; on_log adds its values
 
+    def _log_step0(self, state, now: dict[str, Any]) -> None:
+        """Through ``Trainer.log`` (``log_history`` and every callback's ``on_log``, so ``report_to``'s
+        integrations); without add_to's Trainer, a ``log_history`` record only."""
+        trainer = self._trainer()
+        if trainer is None:
+            state.log_history.append({**now, "step": 0})
+            return
+        self._logging_step0 = True  # on_log passes these values through, reading no rule statistics
+        try:
+            trainer.log(dict(now))
+        finally:
+            self._logging_step0 = False
+
     def _curvature(self, state, model, optimizer) -> dict[str, Any]:
         return self.probe.run(model, _own_loss, state.global_step, optimizer, lambda b: (b, None), lambda b: model(**b))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         every = self.log_every or state.logging_steps
-        if logs is None:
+        if logs is None or self._logging_step0:
             return
         flat, self._pending = dict(self._pending), {}
         if self.hooks is not None and self.hooks.observers() and not state.global_step % every:
@@ -175,8 +205,13 @@ class GradmodCallback(TrainerCallback, ExportableState):
                 "total_steps": self.total_steps,
                 "steps_per_epoch": self.steps_per_epoch,
             },
-            "attributes": {"rule_state": live},
+            "attributes": {"rule_state": live, "curvature_state": self._curvature_json()},
         }
+
+    def _curvature_json(self) -> dict[str, Any]:
+        if not self.probe:
+            return {}
+        return self.curvature_state or _to_json(self.probe.state_dict())  # restored, not yet applied: as it came
 
 
 def add_to(
@@ -191,6 +226,7 @@ def add_to(
     integrations, so its ``grad/...`` entries reach them; also after a checkpoint restore,
     which HF does by re-creating the callback at the end of the list."""
     callback = GradmodCallback(rules, stage, log_every, total_steps, steps_per_epoch)
+    callback._trainer = weakref.ref(trainer)
     trainer.callback_handler.callbacks.insert(0, callback)
     _before_printer(trainer.callback_handler.callbacks, ConsoleLine())
     load = getattr(trainer, "_load_callback_state", None)
@@ -200,6 +236,8 @@ def add_to(
             load()
             handler = trainer.callback_handler
             ours = [cb for cb in handler.callbacks if isinstance(cb, GradmodCallback)]
+            for cb in ours:  # HF's restore made them anew
+                cb._trainer = weakref.ref(trainer)
             handler.callbacks = ours + [cb for cb in handler.callbacks if not isinstance(cb, GradmodCallback)]
 
         load_then_put_first.keeps_gradmod_first = True
@@ -274,4 +312,6 @@ def _from_json(value: Any) -> Any:
         if "__tensor__" in value:
             return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
         return {k: _from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
     return value

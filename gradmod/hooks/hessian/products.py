@@ -42,9 +42,10 @@ class HessianProducts:
     def hvp(self, group: str, v: Tensor) -> Tensor:
         """``H_SS v`` for the group ``S``, flat."""
         names = self._groups[group]
-        parts = v.split([self._params[n].numel() for n in names])
-        dot = sum((self._grad[n] * p.view_as(self._grad[n])).sum() for n, p in zip(names, parts))
-        out = torch.autograd.grad(dot, [self._params[n] for n in names], retain_graph=True, allow_unused=True)
+        parts = [p.view_as(self._grad[n]) for n, p in zip(names, v.split([self._params[n].numel() for n in names]))]
+        grads, params = [self._grad[n] for n in names], [self._params[n] for n in names]
+        # v as the gradients' cotangent: the backward of g_S . v without forming the dot's graph
+        out = torch.autograd.grad(grads, params, grad_outputs=parts, retain_graph=True, allow_unused=True)
         self.count += 1
         return torch.cat(
             [(o if o is not None else torch.zeros_like(self._params[n])).reshape(-1) for n, o in zip(names, out)]
