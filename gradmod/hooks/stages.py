@@ -73,9 +73,7 @@ class StageFacts:
     foreign_loop: str = ""  # why a loop not gradmod's ({trainer}) cannot drive it, for its one line
     plan_tag: bool = False  # the console's plan marks its rules [name]
     model_input: bool = False  # its modules rules read a module's input, not its output (@input: the model's)
-    differentiates_inputs: bool = (
-        False  # its modules rules differentiate the loss by a module's input (per_sample follows)
-    )
+    differentiates_inputs: bool = False  # its modules rules differentiate the loss by a module's input
     scores: bool = False  # a rule here may keep each example's scores (transforms: [scores]; see_batch, take_scores)
 
 
