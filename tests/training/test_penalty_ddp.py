@@ -1,5 +1,6 @@
 """The penalty rules under DDP (two gloo processes through gradmod's own path): each rank's loss
-gains its own term, DDP averages the gradients of the whole losses, as a hand-written loop does."""
+gains its own term, DDP averages the gradients of the whole losses, as a hand-written loop does;
+beside DP-SGD's clip, each example's penalized gradient is clipped and the ranks' sums averaged."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import free_port, spawn_ranks
+from penalties import per_example_input_penalty
 from test_distributed import BATCH, LR, tiny_data, tiny_model
 
 from gradmod.hooks import attach
 from gradmod.testing.epochs import bare_epoch
 from gradmod.training.distributed.strategy import Dist, unwrap
 
-W = 0.3
+W, C = 0.3, 0.5
 RULES = {
     "grad_penalty": {"p": {"params": "0.*", "transforms": [{"name": "grad_penalty", "weight": W}]}},
     "input_grad_penalty": {"p": {"modules": "@input", "transforms": [{"name": "input_grad_penalty", "weight": W}]}},
+    "dp_input_grad_penalty": {
+        "p": {"modules": "@input", "transforms": [{"name": "input_grad_penalty", "weight": W}]},
+        "dp": {"params": "*", "transforms": [{"name": "per_sample_clip", "max_norm": C}]},
+    },
 }
 
 
@@ -47,6 +53,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 def _expected(rule: str, world: int) -> dict[str, torch.Tensor]:
     model = tiny_model()
     x, y = tiny_data(world * BATCH)
+    if rule.startswith("dp_"):  # every example's own penalized gradient (torch.func), clipped, their mean
+        per = per_example_input_penalty(model, x, y, W)
+        norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
+        factor = (C / (norms + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            return {n: p - LR * torch.tensordot(factor, per[n], 1) / len(y) for n, p in model.named_parameters()}
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(5))
     total = [torch.zeros_like(p) for p in model.parameters()]
     for r in range(world):
