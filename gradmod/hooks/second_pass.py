@@ -1,6 +1,7 @@
 """What a stage that runs a second forward and backward at moved parameters needs (sharpness,
-a penalty's finite difference): ``.grad`` set aside while a backward writes a gradient that
-must stand alone (``set_aside``, ``accumulate``), and the running statistics kept out of it.
+a penalty's finite difference): the parameters' copies to move them back (``Copies``), ``.grad``
+set aside while a backward writes a gradient that must stand alone (``set_aside``,
+``accumulate``), and the running statistics kept out of it.
 
 The second pass runs at perturbed parameters: its batch statistics must not enter the
 running statistics that evaluation uses.
@@ -24,8 +25,29 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.utils.weak import WeakIdKeyDictionary
 
 STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class Copies:
+    """Parameters copied, before they move, into buffers kept from step to step: a fresh copy each
+    step would cost its allocation and page faults, as much again as the copy itself."""
+
+    def __init__(self) -> None:
+        self._saved = WeakIdKeyDictionary()  # parameter -> its buffer
+
+    def of(self, params: list[Tensor]) -> list[Tensor]:
+        """``params``' values now, in their buffers."""
+        out = []
+        for p in params:
+            buf = self._saved.get(p)
+            if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
+                buf = self._saved[p] = torch.empty_like(p)
+            out.append(buf)
+        if out:
+            torch._foreach_copy_(out, [p.detach() for p in params])
+        return out
 
 
 @contextmanager

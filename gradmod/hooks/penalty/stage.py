@@ -40,7 +40,7 @@ from gradmod.hooks import stages
 from gradmod.hooks.losses import summed, total
 from gradmod.hooks.penalty.inputs import Inputs
 from gradmod.hooks.penalty.terms import GradPenalty, InputGradPenalty, Penalty
-from gradmod.hooks.second_pass import accumulate, running_stats_frozen, set_aside
+from gradmod.hooks.second_pass import Copies, accumulate, running_stats_frozen, set_aside
 from gradmod.hooks.stage import Core, Stage
 
 
@@ -103,6 +103,7 @@ class PenaltyStage(Stage):
 
     def __init__(self, model: nn.Module, targets: list, core: Core):
         self.model, self.core = model, core
+        self._copies = Copies()  # the finite difference's moved parameters, to move them back
         params, modules = dict(model.named_parameters()), dict(model.named_modules())
         self.rules: dict[str, PenaltyRule] = {}
         for t in targets:
@@ -240,7 +241,7 @@ class PenaltyStage(Stage):
     def _move(self, fd: list[PenaltyRule]) -> _Mix:
         """Move each rule's parameters by ``radius * g_S / ||g_S||``; the weight ``a`` of the second pass."""
         c = self._scale()
-        a, moved, saved = 0.0, [], []
+        a, steps = 0.0, []
         for r in fd:
             ps = [p for p in r.trainable() if p.grad is not None]
             if not ps:
@@ -250,13 +251,15 @@ class PenaltyStage(Stage):
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ps]))
             per = 1.0 if term.power == 1 else 2 * float(norm / c)  # d||g||^p / d||g||
             a += term.scale * per / term.radius
-            step = term.radius / float(norm.clamp_min(torch.finfo(norm.dtype).tiny))
-            saved += [p.detach().clone() for p in ps]
-            moved += ps
+            steps.append((ps, term.radius / float(norm.clamp_min(torch.finfo(norm.dtype).tiny))))
+        moved = [p for ps, _ in steps for p in ps]
+        saved = self._copies.of(moved)  # every rule's, before any moves
+        for ps, step in steps:
             torch._foreach_add_(ps, [p.grad for p in ps], alpha=step)
         return _Mix(a, moved, saved)
 
     def remove(self) -> None:
+        self._copies = Copies()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -42,11 +42,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gradmod.hooks import registry as R
 from gradmod.hooks.losses import summed, total
-from gradmod.hooks.second_pass import accumulate, running_stats_frozen, set_aside
+from gradmod.hooks.second_pass import Copies, accumulate, running_stats_frozen, set_aside
 from gradmod.hooks.sharpness.passes import SharpRule, Taken, sharpness_rules
 from gradmod.hooks.stage import Core, Loop, Stage
 
@@ -95,7 +94,7 @@ class SharpnessStage(Stage):
         self.fresh = True  # no backward yet in the optimizer step in progress
         self.optimizer: torch.optim.Optimizer | None = None
         self._opt_handle: Any = None
-        self._saved = WeakIdKeyDictionary()  # parameter -> the buffer it is copied into before it moves
+        self._copies = Copies()  # each moved parameter's buffer, to move it back
         # A backward that reaches a rule outside hooks.backward would silently be plain.
         self._handles = [r.params[0].register_hook(self._guard(r.name)) for r in self.rules]
 
@@ -236,25 +235,12 @@ class SharpnessStage(Stage):
         rule with its own norm and rho; returns (the moved parameters, their copies)."""
         steps = [(t, *t.rule.transform.direction(t.params, t.grads, self._at(t.rule))) for t in taken]
         moved = [p for t in taken for p in t.params]
-        saved = self._copies(moved)
+        saved = self._copies.of(moved)
         for t, d, scale in steps:
             torch._foreach_addcmul_(t.params, d, [scale] * len(t.params))
             if not t.rule.transform.combines:
                 t.grads = []  # the first pass's gradients are not needed after the move
         return moved, saved
-
-    def _copies(self, params: list[Tensor]) -> list[Tensor]:
-        """``params`` copied into buffers kept from step to step: a fresh copy each step would
-        cost its allocation and page faults, as much again as the copy itself."""
-        out = []
-        for p in params:
-            buf = self._saved.get(p)
-            if buf is None or buf.shape != p.shape or buf.dtype != p.dtype or buf.device != p.device:
-                buf = self._saved[p] = torch.empty_like(p)
-            out.append(buf)
-        if out:
-            torch._foreach_copy_(out, [p.detach() for p in params])
-        return out
 
     def finish(self) -> None:
         """The optimizer step's gradient is complete (``after_backward``): count the step."""
@@ -275,7 +261,7 @@ class SharpnessStage(Stage):
                 r.transform.load_state_dict(mine.get("rules", {}).get(r.name, {}), params)
 
     def remove(self) -> None:
-        self._saved = WeakIdKeyDictionary()
+        self._copies = Copies()
         for h in self._handles:
             h.remove()
         self._handles.clear()
