@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import hessian_top
+from helpers import hessian_top, hf_args
 from torch import nn
 
 N, BATCH = 64, 8
@@ -121,21 +121,9 @@ class _Data(torch.utils.data.Dataset):
 def _hf(folder, **overrides):
     from transformers import Trainer, TrainingArguments
 
-    args = dict(
-        output_dir=str(folder),
-        per_device_train_batch_size=BATCH,
-        max_steps=4,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        report_to="none",
-        use_cpu=True,
-        logging_steps=2,
-        save_strategy="no",
-        disable_tqdm=True,
+    return Trainer(
+        model=_Tiny(), args=TrainingArguments(**hf_args(folder, BATCH, max_steps=4, **overrides)), train_dataset=_Data()
     )
-    return Trainer(model=_Tiny(), args=TrainingArguments(**{**args, **overrides}), train_dataset=_Data())
 
 
 def test_hf_rows_and_probe_batch_resume_from_a_checkpoint(tmp_path):

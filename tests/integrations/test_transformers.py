@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import hf_args
 from torch import nn
 
 pytest.importorskip("transformers", reason='Transformers is not installed (pip install "gradmod[transformers]")')
@@ -56,24 +57,11 @@ class Recorder(TrainerCallback):
 
 
 def trainer(tmp_path, callbacks=(), model=None, dataset=None, **overrides) -> Trainer:
-    args = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUMULATE,
-        num_train_epochs=1,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        report_to="none",
-        use_cpu=True,
-        logging_steps=2,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
     return Trainer(
         model=model or Tiny(),
-        args=TrainingArguments(**{**args, **overrides}),
+        args=TrainingArguments(
+            **hf_args(tmp_path, BATCH, gradient_accumulation_steps=ACCUMULATE, num_train_epochs=1, **overrides)
+        ),
         train_dataset=dataset or Data(),
         callbacks=list(callbacks),
     )

@@ -234,3 +234,22 @@ def checkpoint_folder(folder: Path, config: dict, rates: tuple[float, ...]) -> l
         }
         paths.append(ckpt.save(folder / "checkpoints", state, keep=10, run="r1"))
     return paths
+
+
+def hf_args(folder, batch: int, **overrides) -> dict:
+    """Hugging Face ``TrainingArguments`` keywords for a tiny run on the CPU: SGD at a constant rate
+    0.5, no clipping, a log every 2 steps, nothing saved or reported (``overrides`` change any)."""
+    args = dict(
+        output_dir=str(folder),
+        per_device_train_batch_size=batch,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    return {**args, **overrides}

@@ -78,6 +78,19 @@ def test_a_per_sample_rule_with_a_penalty_is_one_line_at_the_first_step(rule):
     hooks.remove()
 
 
+def _micro_batches(model, hooks, seen) -> Trainer:
+    """Two micro-batches of 8 a step, the examples shuffled by seed 7."""
+    return Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TrainerSettings(batch_size=8, accumulate=2, log_every=2**62),
+        hooks=hooks,
+        callbacks=[seen],
+        loss_fn=F.cross_entropy,
+        generator=torch.Generator().manual_seed(7),
+    )
+
+
 @pytest.mark.parametrize("rule", ["grad_penalty", "input_grad_penalty"])
 def test_a_shipped_penalty_under_accumulation_is_each_micro_batchs_own(rule):
     """Two micro-batches of 8 make one step: each one's loss with its own penalty, halved."""
@@ -88,16 +101,7 @@ def test_a_shipped_penalty_under_accumulation_is_each_micro_batchs_own(rule):
     }[rule]
     model, seen = _net(), _Grads()
     hooks = attach(model, {"p": spec})
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        TrainerSettings(batch_size=8, accumulate=2, log_every=2**62),
-        hooks=hooks,
-        callbacks=[seen],
-        loss_fn=F.cross_entropy,
-        generator=torch.Generator().manual_seed(7),
-    )
-    trainer.train_epoch(x, y)
+    _micro_batches(model, hooks, seen).train_epoch(x, y)
     hooks.remove()
     order = torch.randperm(16, generator=torch.Generator().manual_seed(7))  # the trainer's shuffle
     twin = _net()
@@ -128,16 +132,7 @@ def test_dp_with_the_input_penalty_under_accumulation_clips_each_examples_penali
     }
     model, seen = _net(), _Grads()
     hooks = attach(model, rules)
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        TrainerSettings(batch_size=8, accumulate=2, log_every=2**62),
-        hooks=hooks,
-        callbacks=[seen],
-        loss_fn=F.cross_entropy,
-        generator=torch.Generator().manual_seed(7),
-    )
-    trainer.train_epoch(x, y)
+    _micro_batches(model, hooks, seen).train_epoch(x, y)
     hooks.remove()
     per = per_example_input_penalty(_net(), x, y, 0.3)  # (the order of the examples does not matter)
     norms = torch.cat([g.flatten(1) for g in per.values()], 1).norm(dim=1)
