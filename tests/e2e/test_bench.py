@@ -28,6 +28,7 @@ from benchmarks.sections import (
 from benchmarks.timing import paired_ratio
 
 
+@pytest.mark.slow  # every default section's contenders, about 100 s on 2 cores
 def test_quick_bench_writes_a_complete_report(tmp_path, capsys):
     out = tmp_path / "bench.json"
     report = cli.main(["--quick", "--json", str(out)])
