@@ -44,16 +44,17 @@ def _stamp(url: str, engine: Any) -> None:
     from optuna.storages._rdb import models
     from optuna.storages._rdb.storage import _VersionManager
     from optuna.version import __version__ as optuna_version
-    from sqlalchemy import orm
+    from sqlalchemy import insert, select
 
     logging.getLogger("alembic").setLevel(logging.WARN)
     models.BaseModel.metadata.create_all(engine)
     manager = object.__new__(_VersionManager)  # its script only: its __init__ stamps uncommitted
     manager.url, manager.engine = url, engine
-    with orm.Session(engine) as session, session.begin():
-        if models.VersionInfoModel.find(session) is None:
-            session.add(models.VersionInfoModel(schema_version=models.SCHEMA_VERSION, library_version=optuna_version))
-    with engine.begin() as connection:
+    versions = models.VersionInfoModel.__table__
+    with engine.begin() as connection:  # one transaction for the version record and the stamp
+        if connection.execute(select(versions)).first() is None:
+            row = {"schema_version": models.SCHEMA_VERSION, "library_version": optuna_version}
+            connection.execute(insert(versions).values(version_info_id=1, **row))
         context = alembic.migration.MigrationContext.configure(connection)
         if context.get_current_revision() is None:
             script = manager._create_alembic_script()

@@ -113,7 +113,7 @@ def ray_cluster():
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--num-cpus=2"]
     ray += [f"--temp-dir={temp}", "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--block"]
     env = {**os.environ, **RAY_LOCAL}
-    head = subprocess.Popen(ray, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head = subprocess.Popen(ray, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=os.setsid)
     deadline = time.monotonic() + 120
     while True:
         try:
