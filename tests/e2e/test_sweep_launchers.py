@@ -62,19 +62,25 @@ def check_against_folders(sweep: Path, killed: str) -> None:
             assert float(row["test_accuracy"]) == pytest.approx(summary["test_accuracy"])
 
 
+def _job_one_killed(proc, pid_file, sweep, exception: str, line: str) -> None:
+    """Job 1's process killed once it wrote ``pid_file``: the sweep exits 1 with one ``error:`` line
+    (``line`` in it), no traceback nor the launcher's ``exception``, and its folders agree."""
+    kill_when_written(pid_file, proc)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr and exception not in stderr
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and line in errors[0], stderr
+    check_against_folders(sweep, killed="1")
+
+
 @pytest.mark.slow  # three jobs at once under submitit's local executor (about 40 s on 2 cores)
 def test_submitit_local_job_process_killed_is_named_and_its_siblings_report(tmp_path):
     sweep, pid_file = tmp_path / "sweep", tmp_path / "job.pid"
     proc = start_sweep(
         sweep, "hydra/launcher=submitit_local", f"+model.pid_file={pid_file}", "+model.wait=false,true,false"
     )
-    kill_when_written(pid_file, proc)
-    _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 1, stderr
-    assert "Traceback" not in stderr and "UncompletedJobError" not in stderr
-    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "job 1 killed: submitit job " in errors[0], stderr
-    check_against_folders(sweep, killed="1")
+    _job_one_killed(proc, pid_file, sweep, "UncompletedJobError", "job 1 killed: submitit job ")
     for job in ("0", "2"):  # three jobs at once on these cores: a share each, not every core
         threads = json.loads((sweep / job / "summary.json").read_text())["threads"]
         assert threads == launchers.share(3)
@@ -141,13 +147,7 @@ def test_ray_worker_killed_mid_job_is_named_and_its_siblings_report(tmp_path, ra
         f"+model.pid_file={pid_file}",
         "+model.wait=false,true,false",
     )
-    kill_when_written(pid_file, proc)
-    _, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 1, stderr
-    assert "Traceback" not in stderr and "WorkerCrashedError" not in stderr
-    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "job 1 killed: its Ray worker died" in errors[0], stderr
-    check_against_folders(sweep, killed="1")
+    _job_one_killed(proc, pid_file, sweep, "WorkerCrashedError", "job 1 killed: its Ray worker died")
     for job in ("0", "2"):
         assert json.loads((sweep / job / "summary.json").read_text())["threads"] == 1  # num_cpus: 1
 

@@ -309,18 +309,8 @@ def test_torchrun_two_ranks_end_to_end(tmp_path):
         "--master_port",
         str(free_port()),
         str(ROOT / "train.py"),
-        "trainer.strategy=ddp",
-        "+hooks=clip",
+        *TORCHRUN_RUN,
         f"hydra.run.dir={run_dir}",
-        "data=fake",
-        "data.image_size=28",
-        "data.channels=1",
-        "data.train_size=64",
-        "data.test_size=33",
-        "data.batch_size=16",
-        "trainer.epochs=1",
-        "trainer.device=cpu",
-        "trainer.progress=false",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
