@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import hessian_top, hf_args
+from helpers import hessian_top, hf_args, lightning_args
 from torch import nn
 
 N, BATCH = 64, 8
@@ -72,16 +72,7 @@ def test_lightning_rows_and_probe_batch_resume_from_a_checkpoint(tmp_path):
 
     def fit(callback, steps, order, ckpt=None) -> Module:
         module = Module()
-        trainer = L.Trainer(
-            max_steps=steps,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-            callbacks=[callback],
-        )
+        trainer = L.Trainer(**lightning_args(tmp_path, max_steps=steps, callbacks=[callback]))
         trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order), ckpt_path=ckpt)
         if ckpt is None:
             trainer.save_checkpoint(tmp_path / "half.ckpt")

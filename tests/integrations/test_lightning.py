@@ -9,7 +9,7 @@ import lightning as L  # the optional extra gradmod[lightning], part of gradmod[
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_mlp
+from helpers import lightning_args, tiny_mlp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -50,18 +50,7 @@ def _lightning(tmp_path, callbacks=(), **trainer_args) -> dict[str, torch.Tensor
     x, y = _data()
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED)).tolist()  # gradmod's epoch order
     module = Module(_net())
-    trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=trainer_args.pop("logger", False),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=list(callbacks),
-        **trainer_args,
-    )
+    trainer = L.Trainer(**lightning_args(tmp_path, max_epochs=1, callbacks=list(callbacks), **trainer_args))
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order))
     return {k: v.clone() for k, v in module.net.state_dict().items()}
 
@@ -165,16 +154,7 @@ def test_sam_under_manual_optimisation_equals_gradmods_trainer(tmp_path):
     x, y = _data()
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED)).tolist()
     module = ManualSam(_net())
-    trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = L.Trainer(**lightning_args(tmp_path, max_epochs=1))
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=order))
     _equal({k: v.clone() for k, v in module.net.state_dict().items()}, _gradmod(SAM, "hook"))
 
@@ -215,17 +195,7 @@ def _fit64(tmp_path, callbacks=(), logger=False) -> tuple[Module, dict[str, torc
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED)).tolist()
     module = Module(_net().double())
     first = {k: v.clone() for k, v in module.state_dict().items()}
-    trainer = L.Trainer(
-        max_steps=4,
-        accelerator="cpu",
-        devices=1,
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=list(callbacks),
-    )
+    trainer = L.Trainer(**lightning_args(tmp_path, max_steps=4, logger=logger, callbacks=list(callbacks)))
     trainer.fit(module, DataLoader(TensorDataset(x.double(), y), batch_size=BATCH, sampler=order))
     return module, first
 

@@ -10,6 +10,7 @@ import lightning as L  # the optional extra gradmod[lightning], part of gradmod[
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import lightning_args
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, TensorDataset
@@ -70,17 +71,7 @@ def loader() -> DataLoader:
 
 
 def trainer(tmp_path, callbacks, epochs: int = 1) -> L.Trainer:
-    return L.Trainer(
-        max_epochs=epochs,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-    )
+    return L.Trainer(**lightning_args(tmp_path, max_epochs=epochs, callbacks=callbacks))
 
 
 def plain_gradients(module: Module) -> bool:
@@ -220,17 +211,14 @@ def test_log_reads_once_per_step_under_accumulation(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     t = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=CSVLogger(tmp_path, name="run", version=0),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        accumulate_grad_batches=2,
-        log_every_n_steps=1,
-        callbacks=[GradmodCallback("log", log_every=2)],
+        **lightning_args(
+            tmp_path,
+            max_epochs=1,
+            logger=CSVLogger(tmp_path, name="run", version=0),
+            accumulate_grad_batches=2,
+            log_every_n_steps=1,
+            callbacks=[GradmodCallback("log", log_every=2)],
+        )
     )
     t.fit(Module(), DataLoader(TensorDataset(torch.randn(64, 6), torch.randint(3, (64,))), batch_size=BATCH))
     rows = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import lightning_args
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -52,15 +53,7 @@ def test_lightning_trains_as_a_plain_loop_with_the_same_optimizers():
             return {"optimizer": opt, "lr_scheduler": {"scheduler": halving(opt), "interval": "step"}}
 
     module = Module()
-    L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, DataLoader(TensorDataset(*data()), batch_size=BATCH))
+    L.Trainer(**lightning_args(max_epochs=1)).fit(module, DataLoader(TensorDataset(*data()), batch_size=BATCH))
 
     plain = net()
     pair = [

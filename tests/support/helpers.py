@@ -253,3 +253,18 @@ def hf_args(folder, batch: int, **overrides) -> dict:
         disable_tqdm=True,
     )
     return {**args, **overrides}
+
+
+def lightning_args(root=None, **overrides) -> dict:
+    """Lightning ``Trainer`` keywords for a quiet run on one CPU: no logger, checkpoint, progress bar
+    or model summary, files under ``root`` (``overrides`` change any)."""
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    return {**args, **overrides}

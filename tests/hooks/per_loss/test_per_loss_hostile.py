@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchjd.aggregation as tja  # the reference (a test dependency, torchjd[full])
-from helpers import SharedTrunk, nan_task_spares_the_state, per_loss_method, trunk_losses
+from helpers import SharedTrunk, lightning_args, nan_task_spares_the_state, per_loss_method, trunk_losses
 from torch import nn
 from torchjd.autojac import backward as tj_backward
 from torchjd.autojac import jac_to_grad
@@ -365,14 +365,11 @@ def test_per_loss_rules_are_refused_when_lightning_sets_up(tmp_path):
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 6), torch.randint(0, 3, (8,))))
     trainer = L.Trainer(
-        max_epochs=1,
-        callbacks=[GradmodCallback({"mtl": {"params": "net.trunk.*", "transforms": ["upgrad"]}})],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        accelerator="cpu",
+        **lightning_args(
+            str(tmp_path),
+            max_epochs=1,
+            callbacks=[GradmodCallback({"mtl": {"params": "net.trunk.*", "transforms": ["upgrad"]}})],
+        )
     )
     with pytest.raises(ValueError, match=r"^hooks\.mtl: per_loss rules combine"):
         trainer.fit(Module(), data)
