@@ -7,8 +7,9 @@ hook rules not applied (the plain loss gradient, as Captum's ``TracInCP.influenc
 reference the tests compare with). A positive score: a step on i lowered t's loss (a proponent);
 a negative one raised it (an opponent).
 
-Each example's gradient is one ``torch.func.vmap`` of ``grad`` over a batch (``per_example``);
-the test examples' are formed once per checkpoint and the training set streams past them. With
+Each example's gradient comes a batch at a time from ``gradmod.analysis.example_grads`` (the
+layers' per-example forms, else ``torch.func.vmap`` of ``grad``); the test examples' are formed
+once per checkpoint and the training set streams past them. With
 ``projection=d`` both sides are multiplied by one Gaussian matrix (``P x d``, entries of variance
 ``1/d``, drawn once from ``seed``): the dot products are kept in expectation
 (Johnson-Lindenstrauss) with a relative error of about ``sqrt(2/d)``, and the scores cost ``d``
@@ -17,13 +18,12 @@ instead of ``P`` per pair.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
 
+from gradmod.analysis.example_grads import ExampleGrads, channels_last
 from gradmod.analysis.self_influence import Checkpoint
 from gradmod.data import as_float
 from gradmod.hooks.rules import globs
@@ -34,21 +34,6 @@ def chosen(model: nn.Module, params: Any) -> list[str]:
     names = [n for n, _ in model.named_parameters()]
     picked = globs.matching("--params", params, names, "parameter", globs.param_kinds(model))
     return [n for n in names if n in picked]
-
-
-def per_example(model: nn.Module, names: Sequence[str], x: Tensor, y: Tensor) -> list[Tensor]:
-    """Each example's own loss gradient over ``names``: a ``[len(x), numel]`` block per name, in that
-    order (views of what vmap gives: gluing them into one ``[len(x), P]`` matrix would copy it)."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    buffers = {n: b.detach() for n, b in model.named_buffers()}
-    rest = {n: p for n, p in params.items() if n not in names}
-
-    def loss(own: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        out = functional_call(model, ({**rest, **own}, buffers), (xi.unsqueeze(0),))
-        return F.cross_entropy(out, yi.unsqueeze(0))
-
-    g = vmap(grad(loss), in_dims=(None, 0, 0))({n: params[n] for n in names}, x, y)
-    return [g[n].reshape(len(x), -1) for n in names]
 
 
 def dots(a: list[Tensor], b: list[Tensor]) -> Tensor:
@@ -99,15 +84,17 @@ def influence(
         model = build()
         model.load_state_dict(c.model)
         model.to(device).eval()
+        channels_last(model)
         names = chosen(model, params)
-        gt = per_example(model, names, as_float(test_x.to(device)), test_y.to(device))
+        per_example = ExampleGrads(model, names)
+        gt = per_example(as_float(test_x.to(device)), test_y.to(device))
         size = sum(b.shape[1] for b in gt)
         if projection is not None and (proj is None or proj.shape[0] != size):
             proj = projection_matrix(size, projection, seed, gt[0])  # one for every checkpoint: drawn once
         gt = gt if proj is None else project(gt, proj)
         for start in range(0, len(train_y), batch_size):
             stop = min(start + batch_size, len(train_y))
-            g = per_example(model, names, as_float(train_x[start:stop].to(device)), train_y[start:stop].to(device))
+            g = per_example(as_float(train_x[start:stop].to(device)), train_y[start:stop].to(device))
             g = g if proj is None else project(g, proj)
             scores[:, start:stop] += c.lr * dots(gt, g).double().cpu()
             if progress is not None:

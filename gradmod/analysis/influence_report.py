@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gradmod.analysis.influence import chosen, influence, projection_error
-from gradmod.analysis.score_report import checkpoint_progress, own_config
+from gradmod.analysis.score_report import checkpoint_progress, heap_as_the_run, own_config
 from gradmod.analysis.self_influence import (
     check_weights,
     predictions,
@@ -111,6 +111,7 @@ def _read_run(run: Path, data_dir: str | None, params: Any, k: int):
     verified and of the run's model, the data the run's, the globs matching, ``k`` in range."""
     read = [read_checkpoint(p) for p in run_checkpoints(run, "influence")]
     checkpoints, config = [c for c, _ in read], own_config(run, read)
+    heap_as_the_run(config)
     data = run_data(config, run, data_dir)
     build = run_model(config, data)
     check_weights(build(), checkpoints, config["model"].get("_target_") or config["model"].get("name") or "?")

@@ -32,6 +32,7 @@ from gradmod.analysis.self_influence import (
 from gradmod.hooks.score_columns import HEADERS, SELF_INFLUENCE_FILE
 from gradmod.reporting.progress import Progress, duration
 from gradmod.reporting.score_plots import image_shaped, plot_hardest, plot_score_histogram, plot_scores_by_class
+from gradmod.run import host_heap
 from gradmod.run.folder import atomic
 from gradmod.run.folder import checkpoint_file as ckpt
 from gradmod.run.setup import resolve_device
@@ -50,6 +51,7 @@ def score_run(
     paths = run_checkpoints(run)
     read = [read_checkpoint(p) for p in paths]  # every checkpoint verified before the long part
     checkpoints, config = [c for c, _ in read], own_config(run, read)
+    heap_as_the_run(config)
     data = run_data(config, run, data_dir)
     build, where = run_model(config, data), resolve_device(device)
     check_weights(build(), checkpoints, config["model"].get("_target_") or config["model"].get("name") or "?")
@@ -88,6 +90,13 @@ def own_config(run: Path, read: list[tuple[Checkpoint, dict[str, Any]]]) -> dict
         owner = None
     own = [config for c, config in read if owner is not None and ckpt.run_of(c.path) == owner]
     return own[-1] if own else read[-1][1]
+
+
+def heap_as_the_run(config: dict[str, Any]) -> None:
+    """The host heap as the run's trainer set it (``trainer.host_heap``, keep by default): each
+    batch then reuses the memory of the one before instead of page-faulting afresh."""
+    if (config.get("trainer") or {}).get("host_heap", "keep") == "keep":
+        host_heap.keep()
 
 
 def checkpoint_progress(
