@@ -260,6 +260,8 @@ NAMES_A_STAGE = {
     ("gradmod/run/factories.py", "fused"),
     # the config's default trainer.hook_stage, as a user reads and overrides it
     ("gradmod/run/config.py", "hook"),
+    # the layers' per-example forms (the per_sample room's), which influence reads for each example's gradient
+    ("gradmod/analysis/example_grads.py", "per_sample"),
 }
 
 

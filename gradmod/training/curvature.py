@@ -43,7 +43,7 @@ class CurvatureRule:
     probes: int = 0
     per: str = "glob"
     batch: int = 100
-    tol: float = 1e-3
+    tol: float = 5e-3
     mode: str = "eval"
     seed: int = 0
 

@@ -106,7 +106,7 @@ def curvature_rule(
     probes: int = 0,
     per: str = "glob",
     batch: int = 100,
-    tol: float = 1e-3,
+    tol: float = 5e-3,
     mode: str = "eval",
     seed: int = 0,
 ) -> Any:
@@ -169,7 +169,9 @@ def _scalar(loss: Any) -> Tensor:
 def _start(like: Tensor, warm: GroupCurvature | None, generator: torch.Generator) -> Tensor:
     """A random start, or the last estimate's eigenvectors plus a little of one (any direction
     the eigenvectors miss is still reached)."""
-    noise = torch.randn(like.numel(), generator=generator, dtype=torch.float64).to(like.dtype).to(like.device)
+    # drawn on the host in the vector's own precision (a float64 draw of ResNet-18's 11M took 0.3 s, 5x this)
+    dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+    noise = torch.randn(like.numel(), generator=generator, dtype=dtype).to(like.device, like.dtype)
     if warm is None or warm.vectors is None or warm.vectors.shape[-1] != like.numel():
         return noise
     prev = warm.vectors.to(like.device, like.dtype).sum(0)

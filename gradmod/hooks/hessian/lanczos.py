@@ -42,8 +42,8 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, k: int, iteration
         w = matvec(v)
         alphas.append(float(torch.dot(w, v)))
         stack = basis[:step]
-        for _ in range(2):  # twice is enough (Kahan-Parlett)
-            w = w - stack.T @ (stack @ w)
+        for _ in range(2):  # twice is enough (Kahan-Parlett); in place: no temporary as large as the basis's row
+            w.addmv_(stack.T, stack @ w, alpha=-1)
         beta = float(w.norm())
         values, vectors = _ritz(alphas, betas)
         top = min(k, step)
