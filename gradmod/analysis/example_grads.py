@@ -1,7 +1,7 @@
 """Each example's own loss gradient over some parameters, as ``[B, numel]`` blocks, one per name.
 
 Two ways to the same numbers. Where every selected parameter belongs to layers with a per-example
-form (Linear, convolutions, HF ``Conv1D``, Embedding, the norms; BatchNorm in eval mode here), one
+form (Linear, convolutions, HF ``Conv1D``, Embedding, the norms, BatchNorm in eval mode), one
 batched forward records each call's input, one backward gives each call's output gradient, and the
 form turns the pair into each example's gradient (``gradmod.hooks.per_sample.forms``: the products
 Captum's sample-wise mode forms too). Else, and wherever that path does not give what
@@ -24,22 +24,7 @@ from gradmod.hooks.per_sample.forms.base import Form
 
 log = logging.getLogger("gradmod.scores")
 
-
-class EvalBatchNormForm(Form):
-    """BatchNorm on its running statistics (eval mode): an affine map of each example alone."""
-
-    def per_example(self, m, a, b, names):
-        xhat = F.batch_norm(a, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)
-        dims = tuple(range(2, b.dim()))  # channels are dim 1
-        out = {}
-        if "weight" in names:
-            out["weight"] = (b * xhat).sum(dims) if dims else b * xhat
-        if "bias" in names:
-            out["bias"] = b.sum(dims) if dims else b
-        return out
-
-
-EVAL_BATCH_NORM = EvalBatchNormForm()
+EVAL_BATCH_NORM = layers.EvalBatchNormForm()
 Plan = dict[nn.Module, tuple[Form, dict[str, str]]]  # layer -> (its form, local name -> selected name)
 
 

@@ -184,6 +184,16 @@ class GroupNormForm(Form):
         return out
 
 
+class EvalBatchNormForm(Form):
+    """BatchNorm on its running statistics (eval mode): an affine map of each example alone. Not in
+    ``FORMS``: a BatchNorm that trains normalises by the batch, mixing its examples (DP-SGD's stage
+    refuses it); influence, which reads models in eval mode, takes it (``gradmod.analysis.example_grads``)."""
+
+    def per_example(self, m, a, b, names):
+        xhat = F.batch_norm(a, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)
+        return _affine(b, xhat, tuple(range(2, b.dim())), names)  # channels are dim 1
+
+
 class ScaleNormForm(Form):
     """A norm whose output is ``weight * normalised(x)``, no bias (RMSNorm: torch's, Llama's,
     T5's): ``normalised(x)`` is the module's own forward with the weight set to ones, so its
