@@ -187,7 +187,7 @@ class GroupNormForm(Form):
 class EvalBatchNormForm(Form):
     """BatchNorm on its running statistics (eval mode): an affine map of each example alone. Not in
     ``FORMS``: a BatchNorm that trains normalises by the batch, mixing its examples (DP-SGD's stage
-    refuses it); influence, which reads models in eval mode, takes it (``gradmod.analysis.example_grads``)."""
+    refuses it); influence, which reads models in eval mode, takes it."""
 
     def per_example(self, m, a, b, names):
         xhat = F.batch_norm(a, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)
