@@ -139,16 +139,26 @@ class ExampleGrads:
         if self._layout and x.dim() == 4:  # images in the layout of the model's weights
             x = x.contiguous(memory_format=torch.channels_last)
         if self._plan is None:
-            return by_vmap(self.model, self.names, x, y)
+            return self._by_vmap(x, y)
         formed = by_forms(self.model, self._plan, self.names, x, y)
         if not self._checked or formed is None:
             self._checked = True
-            reference = by_vmap(self.model, self.names, x, y)
+            reference = self._by_vmap(x, y)
             if formed is None or not all(_close(f, r) for f, r in zip(formed, reference)):
                 log.info("per-example gradients by torch.func: the layers' forms do not give them for this model")
                 self._plan = None
                 return reference
         return formed
+
+    def _by_vmap(self, x: Tensor, y: Tensor) -> list[Tensor]:
+        try:
+            return by_vmap(self.model, self.names, x, y)
+        except RuntimeError as e:  # torch's own words, in one line
+            raise ValueError(
+                f"each example's gradient of this model: torch.func.vmap cannot batch it ({str(e).splitlines()[0]}); "
+                "influence takes models whose layers have per-example forms (Linear, convolutions, Embedding, "
+                "the norms) or that vmap can batch"
+            ) from None
 
 
 def _close(a: Tensor, b: Tensor) -> bool:
