@@ -92,7 +92,7 @@ class PerExampleSums:
     def _live(self, c: Call) -> dict[str, nn.Parameter]:
         """The call's parameters that train now, of those it gives a part of (``Call.only``)."""
         live = self._trainable.names(c.layer)
-        return live if c.only is None else {n: p for n, p in live.items() if n in c.names}
+        return live if c.only is None else {n: p for n, p in live.items() if n in c.only}
 
     def weighted(self, seen: Seen, weights: dict[str, Tensor], probe: bool = False) -> dict[nn.Parameter, Tensor]:
         """``sum_i w_i g_i`` for each parameter of the rules in ``weights`` (rule -> [B]); ``probe``:
