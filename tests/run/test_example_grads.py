@@ -73,6 +73,15 @@ def _eval(model: nn.Module) -> nn.Module:
     return model
 
 
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.gru, self.out = nn.Embedding(10, 6), nn.GRU(6, 6, batch_first=True), nn.Linear(6, 10)
+
+    def forward(self, x):
+        return self.out(self.gru(self.emb(x))[0][:, -1])
+
+
 class Residual(nn.Module):
     """ResNet's basic block, small: ReLUs in place on BatchNorms' outputs, a skip connection."""
 
@@ -140,15 +149,6 @@ def test_where_the_forms_cannot_give_it_vmap_does(model, caplog):
         _check(model, [_tokens(5), _tokens(4)], forms=False)
     if not isinstance(model, Attending):  # no form to try: nothing to say
         assert "by torch.func" in caplog.text
-
-
-class Recurrent(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.gru, self.out = nn.Embedding(10, 6), nn.GRU(6, 6, batch_first=True), nn.Linear(6, 10)
-
-    def forward(self, x):
-        return self.out(self.gru(self.emb(x))[0][:, -1])
 
 
 def test_a_model_neither_path_can_take_is_one_line():
