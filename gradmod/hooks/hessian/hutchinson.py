@@ -10,6 +10,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from gradmod.hooks.hessian.dots import dot
+
 
 class Trace(NamedTuple):
     value: float
@@ -22,7 +24,7 @@ def hutchinson(matvec: Callable[[Tensor], Tensor], like: Tensor, probes: int, ge
     samples = []
     for _ in range(probes):
         z = torch.randint(0, 2, (like.numel(),), generator=generator).to(like.dtype).mul_(2).sub_(1).to(like.device)
-        samples.append(float(torch.dot(z, matvec(z))))
+        samples.append(dot(z, matvec(z)))
     mean = sum(samples) / len(samples)
     if len(samples) < 2:
         return Trace(mean, math.nan)

@@ -4,8 +4,8 @@ Each step is one product; the tridiagonal matrix's eigenvalues (float64, on the 
 Ritz values, and the iteration stops once the ``k`` largest have residuals below ``tol`` times
 their size (a warm start from the last estimate's eigenvectors gets there in a few steps), when
 the Krylov space is exhausted (the operator's rank is reached), or after ``iterations`` steps.
-Full reorthogonalisation keeps the basis orthogonal in floating point, so no ghost copies of an
-eigenvalue appear; it holds one vector per step.
+Each new vector is projected off the whole basis twice, so no ghost copies of an eigenvalue appear;
+it holds one vector per step. Inner products accumulate in float64 (``gradmod.hooks.hessian.dots``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
+
+from gradmod.hooks.hessian.dots import dots, norm
 
 
 class Ritz(NamedTuple):
@@ -25,34 +27,42 @@ class Ritz(NamedTuple):
 
 
 def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, k: int, iterations: int, tol: float) -> Ritz:
-    """The ``k`` largest eigenvalues of the symmetric ``matvec`` from the nonzero ``start``."""
+    """The ``k`` largest eigenvalues of the symmetric ``matvec`` (a new tensor each call) from the
+    nonzero ``start``."""
     n = start.numel()
     limit = min(iterations, n)
     # The basis in rows of one matrix, written in place and doubled when full: stacking a list at
     # each step would copy every vector again (ResNet-18: 11M parameters, gigabytes per estimate).
     basis = start.new_empty(min(limit, 8), n)
+    torch.div(start, norm(start), out=basis[0])
     alphas: list[float] = []
     betas: list[float] = []
-    v = start / start.norm()
     values, vectors = torch.zeros(0, dtype=torch.float64), torch.zeros(0, 0, dtype=torch.float64)
     for step in range(1, limit + 1):
-        if step > len(basis):
-            basis = torch.cat([basis, basis.new_empty(min(limit, 2 * len(basis)) - len(basis), n)])
-        basis[step - 1] = v
-        w = matvec(v)
-        alphas.append(float(torch.dot(w, v)))
         stack = basis[:step]
-        for _ in range(2):  # twice is enough (Kahan-Parlett); in place: no temporary as large as the basis's row
-            w.addmv_(stack.T, stack @ w, alpha=-1)
-        beta = float(w.norm())
+        w = matvec(basis[step - 1])
+        c = dots(stack, w)  # the projections; the last is alpha = v . H v
+        alphas.append(float(c[-1]))
+        w.addmv_(stack.T, c.to(w.dtype), alpha=-1)
+        # twice is enough (Kahan-Parlett): one pass leaves w about eps |Hv| / beta off the basis,
+        # far from orthogonal once beta is small; the second pass's last projection corrects
+        # alpha (as ARPACK does)
+        again = dots(stack, w)
+        alphas[-1] += float(again[-1])
+        w.addmv_(stack.T, again.to(w.dtype), alpha=-1)
+        beta = norm(w)
         values, vectors = _ritz(alphas, betas)
         top = min(k, step)
         residual = beta * vectors[-1, -top:].abs()
         scale = values[-top:].abs().clamp_min(1e-30)
         if beta <= 1e-12 * max(1.0, float(values.abs().max())) or (step >= k and bool((residual <= tol * scale).all())):
             break
+        if step == limit:
+            break
         betas.append(beta)
-        v = w / beta
+        if step == len(basis):
+            basis = torch.cat([basis, basis.new_empty(min(limit, 2 * len(basis)) - len(basis), n)])
+        torch.div(w, beta, out=basis[step])
     top = min(k, len(alphas))
     order = torch.arange(len(alphas) - 1, len(alphas) - 1 - top, -1)
     ritz = (vectors[:, order].T.to(start.dtype).to(start.device)) @ basis[: len(alphas)]
