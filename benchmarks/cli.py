@@ -61,7 +61,7 @@ import torch
 from benchmarks import contenders, memory, ops, report, timing
 from benchmarks.mnist import BATCH, Bench
 from benchmarks.ratios import ratios
-from benchmarks.sections import scale
+from benchmarks.sections import curvature, scale
 from gradmod.run import host_heap
 from gradmod.run.setup import resolve_device
 
@@ -170,6 +170,7 @@ def run(args: argparse.Namespace, device: torch.device, command: str) -> dict:
         # Peak memory first (fresh processes, before this one grows): a failure shows early.
         peaks = memory.measure(args.sections, device, whole=not args.quick and not args.only)
         table = contenders.contenders(bench) if timed else {}
+        curvature.PRODUCTS.clear()
         results = timing.measure(table, device, args.repeats, args.warmup, contenders.UNIT_IMAGES) if timed else {}
         rounds = (2, 2) if args.quick else (args.scale_rounds, scale.RUN_STEPS)
         scaled = scale.measure(*rounds) if "scale" in args.sections else {}
@@ -187,6 +188,7 @@ def run(args: argparse.Namespace, device: torch.device, command: str) -> dict:
         "ops": counted,
         "memory": peaks,
         "scale": scaled,
+        "curvature_products": dict(curvature.PRODUCTS),
     }
 
 
@@ -210,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(scale.table(out["scale"]))
     for line in report.memory_lines(out["memory"]):
         print(line)
+    for model, counts in out["curvature_products"].items():
+        print(f"curvature.{model}: products per estimate, in the order they ran (warm-up runs first): {counts}")
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -242,6 +242,18 @@ def test_the_freeze_section_runs_at_its_own_batch(tmp_path):
     assert json.loads(out.read_text())["command"] == "python -m benchmarks --sections freeze " + " ".join(args)
 
 
+def test_the_curvature_section_reports_each_estimates_products(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    report = cli.main(["curvature", "--quick", "--only", "curvature.mnist.*", "--json", str(out)])
+    counts = report["curvature_products"]["mnist"]  # --quick: one repeat, no warm-up
+    assert len(counts) == 1 and 1 <= counts[0] <= curvature.SETTINGS["iterations"]
+    assert json.loads(out.read_text())["curvature_products"] == {"mnist": counts}
+    assert (
+        f"curvature.mnist: products per estimate, in the order they ran (warm-up runs first): {counts}"
+        in capsys.readouterr().out
+    )
+
+
 def test_sections_are_named_positionally_or_by_flag():
     assert cli.parse_args(["freeze", "scores"]).sections == ["freeze", "scores"]
     assert cli.parse_args(["--sections", "freeze,scores"]).sections == ["freeze", "scores"]
