@@ -12,11 +12,14 @@ Models: the MNIST CNN (batch 100 of 28x28) and torchvision's ResNet-18 with Batc
 for by name (it runs 100 steps per contender). The products each timed estimate took are printed
 under the table and kept in the report (``curvature_products``): the ratio of a repeat follows them.
 
-    python -m benchmarks.sections.curvature      # alone: the products an estimate took, per model
+    python -m benchmarks.sections.curvature [MODEL ...]   # alone: each estimate's cost, timed apart
+                                                          # from the drift between runs (interleaved)
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -75,16 +78,60 @@ def setup(name: str, steps: int = EVERY, device: str = "cpu", batch: int | None 
     return run
 
 
-def products(model_name: str, device: str = "cpu") -> tuple[int, int]:
-    """(products of a cold estimate, of the next one warm-started after 100 steps)."""
-    model, batches = _model_and_batches(model_name, device, None)
-    cold = curvature(model, F.cross_entropy, batches[0], "*", **SETTINGS)
-    setup_run = setup(f"{model_name}.plain", device=device)
-    setup_run()
-    warm = curvature(model, F.cross_entropy, batches[0], "*", warm=cold, **SETTINGS)
-    return cold["*"].hvps, warm["*"].hvps
+def interleaved(
+    model_name: str, rounds: int = 4, every: int = EVERY, window: int = 10, device: str = "cpu"
+) -> list[dict]:
+    """An estimate's cost apart from the machine's drift between timed runs: two copies of the model
+    train side by side in alternating windows of ``window`` steps, the second estimating (warm) before
+    each ``every`` steps. Per round: the estimate's products and CPU seconds, the plain copy's CPU
+    seconds per step, the estimating copy's steps over the plain copy's (what an estimate leaves
+    behind), and what a run at ``every`` then costs: 1 + the estimate over ``every`` plain steps."""
+    pair = [_model_and_batches(model_name, device, None) for _ in range(2)]
+    opts = [torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) for model, _ in pair]
+    probe = pair[1][1][0]
+    last = curvature(pair[1][0], F.cross_entropy, probe, "*", **SETTINGS)
+    done = [0, 0]
+
+    def steps(which: int, n: int) -> float:
+        (model, batches), opt = pair[which], opts[which]
+        model.train()
+        start = time.process_time()
+        for _ in range(n):
+            x, y = batches[done[which] % len(batches)]
+            done[which] += 1
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return time.process_time() - start
+
+    out = []
+    for _ in range(rounds):
+        start = time.process_time()
+        last = curvature(pair[1][0], F.cross_entropy, probe, "*", warm=last, **SETTINGS)
+        estimate = time.process_time() - start
+        plain = estimating = 0.0
+        for _ in range(every // window):
+            plain += steps(0, window)
+            estimating += steps(1, window)
+        step = plain / (every // window * window)
+        out.append(
+            {
+                "products": last["*"].hvps,
+                "estimate_s": estimate,
+                "plain_step_s": step,
+                "after": estimating / plain,
+                "every": 1 + estimate / (every * step),
+            }
+        )
+    return out
 
 
 if __name__ == "__main__":
-    for m in MODELS:
-        print(m, "products of an estimate (cold, warm):", products(m))
+    for m in sys.argv[1:] or list(MODELS):
+        for r, row in enumerate(interleaved(m), 1):
+            print(
+                f"{m} estimate {r} (step {r * EVERY - EVERY}): {row['products']} products, {row['estimate_s']:.2f} s "
+                f"= {row['estimate_s'] / row['plain_step_s']:.1f} plain steps of {row['plain_step_s']:.3f} s; "
+                f"the steps after it {row['after']:.3f}x the plain copy's; every: {EVERY} costs {row['every']:.3f}x",
+                flush=True,
+            )

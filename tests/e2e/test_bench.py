@@ -254,6 +254,15 @@ def test_the_curvature_section_reports_each_estimates_products(tmp_path, capsys)
     )
 
 
+def test_the_interleaved_curvature_cost_is_one_plus_the_estimate_over_the_plain_steps():
+    rows = curvature.interleaved("mnist", rounds=2, every=4, window=2)
+    assert len(rows) == 2
+    for row in rows:
+        assert 1 <= row["products"] <= curvature.SETTINGS["iterations"]
+        assert row["estimate_s"] > 0 and row["plain_step_s"] > 0 and row["after"] > 0
+        assert row["every"] == pytest.approx(1 + row["estimate_s"] / (4 * row["plain_step_s"]))
+
+
 def test_sections_are_named_positionally_or_by_flag():
     assert cli.parse_args(["freeze", "scores"]).sections == ["freeze", "scores"]
     assert cli.parse_args(["--sections", "freeze,scores"]).sections == ["freeze", "scores"]
