@@ -13,7 +13,7 @@ for by name (it runs 100 steps per contender). The products each timed estimate 
 under the table and kept in the report (``curvature_products``): the ratio of a repeat follows them.
 
     python -m benchmarks.sections.curvature [MODEL ...]   # alone: each estimate's cost, timed apart
-                                                          # from the drift between runs (interleaved)
+                                                          # from the drift between runs (one thread)
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from gradmod.hooks import curvature
 from gradmod.models import build_model
+from gradmod.run import host_heap
 
 EVERY = 100  # optimizer steps per timed run: one estimate's period
 MODELS = {"mnist": ("mnist_cnn", 1, 28, 100), "resnet18": ("resnet18", 3, 32, 32)}  # name, channels, size, batch
@@ -127,6 +128,8 @@ def interleaved(
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # as the ratios in docs/performance.md are read: one thread, the trainer's heap
+    host_heap.keep()
     for m in sys.argv[1:] or list(MODELS):
         for r, row in enumerate(interleaved(m), 1):
             print(
