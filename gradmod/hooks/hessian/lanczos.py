@@ -55,9 +55,8 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, k: int, iteration
         top = min(k, step)
         residual = beta * vectors[-1, -top:].abs()
         scale = values[-top:].abs().clamp_min(1e-30)
-        if beta <= 1e-12 * max(1.0, float(values.abs().max())) or (step >= k and bool((residual <= tol * scale).all())):
-            break
-        if step == limit:
+        exhausted = beta <= 1e-12 * max(1.0, float(values.abs().max()))
+        if step == limit or exhausted or (step >= k and bool((residual <= tol * scale).all())):
             break
         betas.append(beta)
         if step == len(basis):
