@@ -66,17 +66,22 @@ def setup(name: str, steps: int = EVERY, device: str = "cpu", batch: int | None 
     warm = {"last": curvature(model, F.cross_entropy, probe, "*", **SETTINGS)} if contender == "every100" else {}
 
     def run():
-        model.train()
         if contender == "every100":
             warm["last"] = curvature(model, F.cross_entropy, probe, "*", warm=warm["last"], **SETTINGS)
             PRODUCTS.setdefault(model_name, []).append(warm["last"]["*"].hvps)
-        for i in range(steps):
-            x, y = batches[i % len(batches)]
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+        _train(model, opt, batches, steps)
 
     return run
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, steps: int, first: int = 0) -> None:
+    """``steps`` SGD steps on the batches in turn, from the ``first``-th."""
+    model.train()
+    for i in range(first, first + steps):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
 
 
 def interleaved(
@@ -94,15 +99,9 @@ def interleaved(
     done = [0, 0]
 
     def steps(which: int, n: int) -> float:
-        (model, batches), opt = pair[which], opts[which]
-        model.train()
-        start = time.process_time()
-        for _ in range(n):
-            x, y = batches[done[which] % len(batches)]
-            done[which] += 1
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
+        (model, batches), start = pair[which], time.process_time()
+        _train(model, opts[which], batches, n, done[which])
+        done[which] += n
         return time.process_time() - start
 
     out = []
