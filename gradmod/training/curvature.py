@@ -1,6 +1,7 @@
 """The curvature rule in training: every ``every`` optimizer steps, the top Hessian eigenvalues
 and the trace of the training loss over the rule's parameters (``gradmod.hooks.curvature``), on a
-fixed probe batch (the first ``batch`` training examples), with a line each in the log.
+fixed probe batch (the first ``batch`` training examples, one training batch's worth unless
+given), with a line each in the log.
 
 A rule whose one transform is ``curvature`` observes, it transforms no gradient: ``split_rules``
 takes it out of the rules ``attach`` gets, so the training steps between estimates run as
@@ -42,7 +43,7 @@ class CurvatureRule:
     iterations: int = 20
     probes: int = 0
     per: str = "glob"
-    batch: int = 100
+    batch: int | None = None  # None: one training batch's worth, so an estimate costs the same steps at any batch size
     tol: float = 5e-3
     mode: str = "eval"
     seed: int = 0
@@ -90,6 +91,8 @@ def _read(name: str, spec: Mapping[str, Any], listed: list[Any]) -> CurvatureRul
     rule = CurvatureRule(name, spec.get("params") or "*", spec.get("exclude"), **args)
     for key in ("every", "batch"):
         value = getattr(rule, key)
+        if key == "batch" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             what = "optimizer steps between two estimates" if key == "every" else "training examples in the probe batch"
             raise ValueError(f"{where}: {key}={value!r} must be an int >= 1 ({what})")
@@ -167,7 +170,7 @@ class Estimates:
 
 class Curvature(Callback):
     """gradmod's trainer: estimates at the first step (0) and every ``every`` steps after, on the
-    first ``batch`` training examples; ``rows`` as ``Estimates``'."""
+    first ``batch`` training examples (default: one training batch's worth); ``rows`` as ``Estimates``'."""
 
     key = "curvature"
 
@@ -200,7 +203,8 @@ class Curvature(Callback):
 
     def _estimate(self, trainer, due: list[CurvatureRule]) -> None:
         def probe(r: CurvatureRule) -> tuple[Any, Any]:
-            x, y = trainer.data.train_x[: r.batch], trainer.data.train_y[: r.batch]
+            n = r.batch or trainer.settings.batch_size
+            x, y = trainer.data.train_x[:n], trainer.data.train_y[:n]
             return as_float(x.to(trainer.device)), y.to(trainer.device) if hasattr(y, "to") else y
 
         self.estimates.estimate(

@@ -44,38 +44,68 @@ def _rows(path):
         return list(csv.DictReader(f))
 
 
-def test_the_estimates_are_the_hessians_of_the_runs_weights(runs):
-    """The last estimate (step 12, the run's last) against eigvalsh of torch.func.hessian at the
-    weights model.pt holds, on the same probe batch (the first 16 training examples), eval mode."""
+def _exact(folder, overrides, group_names, n):
+    """group -> the exact Hessian (float64) of the loss on the first ``n`` training examples at the
+    weights model.pt holds, eval mode, over the parameters ``group_names[group]`` picks."""
+    import dataclasses
+
     from gradmod.analysis.self_influence import run_data, run_model
     from gradmod.data import as_float
 
-    folder = runs["curvature"]
-    rows = _rows(folder / "curvature.csv")
-    assert sorted({int(r["step"]) for r in rows}) == [0, 4, 8, 12]
-    assert {r["group"] for r in rows} == {"conv1.*", "conv2.bias"}
-    import dataclasses
-
-    config = dataclasses.asdict(validate(compose_config(*TINY_FAKE, *RULE)))
+    config = dataclasses.asdict(validate(compose_config(*TINY_FAKE, *overrides)))
     data = run_data(config, folder)
     model = run_model(config, data)()
     model.load_state_dict(torch.load(folder / "model.pt"))
     model.eval()
-    x, y = as_float(data.train_x[:16]), data.train_y[:16]
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    for row in (r for r in rows if int(r["step"]) == 12):
-        names = [n for n in params if (n.startswith("conv1.") if row["group"] == "conv1.*" else n == "conv2.bias")]
-        sizes = [params[n].numel() for n in names]
+    x, y = as_float(data.train_x[:n]), data.train_y[:n]
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    out = {}
+    for group, picks in group_names.items():
+        names = [name for name in params if picks(name)]
+        sizes = [params[name].numel() for name in names]
 
         def loss(flat, names=names, sizes=sizes):
-            moved = dict(params) | {n: v.view_as(params[n]) for n, v in zip(names, flat.split(sizes))}
+            moved = dict(params) | {name: v.view_as(params[name]) for name, v in zip(names, flat.split(sizes))}
             return F.cross_entropy(functional_call(model, moved, (x,)), y)
 
-        h = hessian(loss)(torch.cat([params[n].reshape(-1) for n in names])).double()
-        exact = torch.linalg.eigvalsh(h).flip(0)[:2].tolist()
+        out[group] = hessian(loss)(torch.cat([params[name].reshape(-1) for name in names])).double()
+    return out
+
+
+def test_the_estimates_are_the_hessians_of_the_runs_weights(runs):
+    """The last estimate (step 12, the run's last) against eigvalsh of torch.func.hessian at the
+    weights model.pt holds, on the same probe batch (the first 16 training examples), eval mode."""
+    folder = runs["curvature"]
+    rows = _rows(folder / "curvature.csv")
+    assert sorted({int(r["step"]) for r in rows}) == [0, 4, 8, 12]
+    assert {r["group"] for r in rows} == {"conv1.*", "conv2.bias"}
+    picks = {"conv1.*": lambda n: n.startswith("conv1."), "conv2.bias": lambda n: n == "conv2.bias"}
+    exact = _exact(folder, RULE, picks, 16)
+    for row in (r for r in rows if int(r["step"]) == 12):
+        h = exact[row["group"]]
+        top = torch.linalg.eigvalsh(h).flip(0)[:2].tolist()
         got = [float(row["top1"]), float(row["top2"])]
-        assert got == pytest.approx(exact, rel=1e-4, abs=1e-6), (row["group"], got, exact)
+        assert got == pytest.approx(top, rel=1e-4, abs=1e-6), (row["group"], got, top)
         assert abs(float(row["trace"]) - float(h.trace())) <= 3 * float(row["trace_se"])
+
+
+def test_the_probe_batch_is_one_training_batch_unless_given(tmp_path):
+    """Without ``batch`` the probe is the first data.batch_size (10) training examples, so an
+    estimate costs the same number of training steps at any batch size; not all 60."""
+    rule = [
+        "+hooks=curvature",
+        "hooks.curvature.params=conv2.bias",
+        "hooks.curvature.transforms.0.every=12",
+        "hooks.curvature.transforms.0.tol=1e-9",
+    ]
+    ending = runner.execute(lambda: validate(compose_config(*TINY_FAKE, *rule)), tmp_path)
+    assert ending.status == "ok", ending.error
+    last = _rows(tmp_path / "curvature.csv")[-1]
+    assert last["step"] == "12"  # the run's last step: at the weights model.pt holds
+    got = float(last["top1"])
+    one, every = (_exact(tmp_path, rule, {"b": lambda n: n == "conv2.bias"}, n)["b"] for n in (10, 60))
+    assert got == pytest.approx(float(torch.linalg.eigvalsh(one)[-1]), rel=1e-6)
+    assert got != pytest.approx(float(torch.linalg.eigvalsh(every)[-1]), rel=1e-3)
 
 
 def test_training_is_unchanged_and_the_metrics_carry_the_latest_estimate(runs):

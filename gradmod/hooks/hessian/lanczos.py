@@ -27,8 +27,8 @@ class Ritz(NamedTuple):
 
 
 def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, k: int, iterations: int, tol: float) -> Ritz:
-    """The ``k`` largest eigenvalues of the symmetric ``matvec`` (a new tensor each call) from the
-    nonzero ``start``."""
+    """The ``k`` largest eigenvalues of the symmetric ``matvec`` from the nonzero ``start``
+    (``matvec``'s result is changed in place and not kept past the next call)."""
     n = start.numel()
     limit = min(iterations, n)
     # The basis in rows of one matrix, written in place and doubled when full: stacking a list at
