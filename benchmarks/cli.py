@@ -41,7 +41,8 @@ Sections (the default: all but scale, sam_peers, curvature and influence):
          against a plain step, and DP-SGD with input_grad_penalty against torch.func's per-example step, on a
          784-1024-1024-10 MLP (batch 64) and the MNIST CNN (batch 100) (see benchmarks/sections/penalty.py)
   curvature  100 SGD steps with one curvature estimate (the shipped rule at every: 100) against 100 plain ones,
-         on the MNIST CNN and ResNet-18 (see benchmarks/sections/curvature.py); asked for by name
+         and a whole run of 500 steps at every: 100 beside a plain copy (its target), on the MNIST CNN
+         and ResNet-18 (see benchmarks/sections/curvature.py); asked for by name
   influence  TracIn influence of 1,000 training examples on 8 test examples over 2 checkpoints of the MNIST
          CNN: gradmod exact and projected against Captum's TracInCP (sample_wise_grads_per_batch)
          (see benchmarks/sections/influence.py); asked for by name
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace, device: torch.device, command: str) -> dict:
         results = timing.measure(table, device, args.repeats, args.warmup, contenders.UNIT_IMAGES) if timed else {}
         rounds = (2, 2) if args.quick else (args.scale_rounds, scale.RUN_STEPS)
         scaled = scale.measure(*rounds) if "scale" in args.sections else {}
+        runs = curvature.runs(args.only, str(device), args.quick) if "curvature" in args.sections else {}
     return {
         "machine": {
             **report.machine(device),
@@ -184,11 +186,12 @@ def run(args: argparse.Namespace, device: torch.device, command: str) -> dict:
         | {"batch_size": BATCH, "steps_per_epoch": bench.steps},
         "command": command,
         "results": results,
-        "ratios": ratios(results, device),
+        "ratios": ratios(results, device) | curvature.run_ratios(runs),
         "ops": counted,
         "memory": peaks,
         "scale": scaled,
         "curvature_products": dict(curvature.PRODUCTS),
+        "curvature_runs": runs,
     }
 
 
@@ -214,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(line)
     for model, counts in out["curvature_products"].items():
         print(f"curvature.{model}: products per estimate, in the order they ran (warm-up runs first): {counts}")
+    for model, measured in out["curvature_runs"].items():
+        print("\n".join(curvature.lines(model, measured)))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -6,18 +6,21 @@ to training, and one estimate's cost in Hessian-vector products.
               of every parameter by Lanczos, at most 20 steps to a relative residual of 5e-3, on a
               fixed probe batch of the training batch's size, warm-started from the last estimate as
               a run's are)
+    run       a whole run of 500 steps at ``every: 100`` (6 estimates, the first cold) beside a plain
+              copy in alternating windows of 10 steps (``run_cost``): the target, <= 1.10x
 
 Models: the MNIST CNN (batch 100 of 28x28) and torchvision's ResNet-18 with BatchNorm (batch 32 of
-3x32x32). ``every100`` over ``plain`` is the cost of a run at ``every: 100``; target <= 1.10. Asked
-for by name (it runs 100 steps per contender). The products each timed estimate took are printed
-under the table and kept in the report (``curvature_products``): the ratio of a repeat follows them.
+3x32x32). ``every100`` over ``plain`` is one window's cost, its estimate warm; blocks of a minute
+each drift by several percent on a shared machine, which the run's alternating windows cancel. Asked
+for by name. The products each estimate took are printed and kept in the report
+(``curvature_products``, ``curvature_runs``).
 
-    python -m benchmarks.sections.curvature [MODEL ...]   # alone: each estimate's cost, timed apart
-                                                          # from the drift between runs (one thread)
+    python -m benchmarks.sections.curvature [MODEL ...]   # alone: the run (one thread)
 """
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 import time
 from collections.abc import Callable
@@ -84,45 +87,82 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, st
         opt.step()
 
 
-def interleaved(
-    model_name: str, rounds: int = 4, every: int = EVERY, window: int = 10, device: str = "cpu"
-) -> list[dict]:
-    """An estimate's cost apart from the machine's drift between timed runs: two copies of the model
-    train side by side in alternating windows of ``window`` steps, the second estimating (warm) before
-    each ``every`` steps. Per round: the estimate's products and CPU seconds, the plain copy's CPU
-    seconds per step, the estimating copy's steps over the plain copy's (what an estimate leaves
-    behind), and what a run at ``every`` then costs: 1 + the estimate over ``every`` plain steps."""
+def run_cost(model_name: str, rounds: int = 5, every: int = EVERY, window: int = 10, device: str = "cpu") -> dict:
+    """What a run of ``rounds * every`` steps at ``every`` costs, apart from the machine's drift: two
+    copies of the model train side by side in alternating windows of ``window`` steps, the second
+    estimating as gradmod's trainer does (cold at step 0, then warm after every ``every``-th step, the
+    last one included). ``estimates``: each one's step, products and CPU seconds (also in plain steps);
+    ``after``: the estimating copy's steps over the plain copy's (what estimates leave behind); ``ratio``:
+    the run's CPU time (its steps and estimates) over the plain copy's."""
     pair = [_model_and_batches(model_name, device, None) for _ in range(2)]
     opts = [torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) for model, _ in pair]
-    probe = pair[1][1][0]
-    last = curvature(pair[1][0], F.cross_entropy, probe, "*", **SETTINGS)
-    done = [0, 0]
+    probe, clock = pair[1][1][0], [0.0, 0.0]
+    last: dict | None = None
 
-    def steps(which: int, n: int) -> float:
-        (model, batches), start = pair[which], time.process_time()
-        _train(model, opts[which], batches, n, done[which])
-        done[which] += n
-        return time.process_time() - start
-
-    out = []
-    for _ in range(rounds):
+    def estimate(step: int) -> dict:
+        nonlocal last
         start = time.process_time()
         last = curvature(pair[1][0], F.cross_entropy, probe, "*", warm=last, **SETTINGS)
-        estimate = time.process_time() - start
-        plain = estimating = 0.0
-        for _ in range(every // window):
-            plain += steps(0, window)
-            estimating += steps(1, window)
-        step = plain / (every // window * window)
-        out.append(
-            {
-                "products": last["*"].hvps,
-                "estimate_s": estimate,
-                "plain_step_s": step,
-                "after": estimating / plain,
-                "every": 1 + estimate / (every * step),
-            }
-        )
+        return {"step": step, "products": last["*"].hvps, "estimate_s": time.process_time() - start}
+
+    estimates = [estimate(0)]
+    for r in range(rounds):
+        for w in range(every // window):
+            for which in (0, 1):
+                start = time.process_time()
+                _train(pair[which][0], opts[which], pair[which][1], window, r * every + w * window)
+                clock[which] += time.process_time() - start
+        estimates.append(estimate((r + 1) * every))
+    step = clock[0] / (rounds * (every // window) * window)
+    for row in estimates:
+        row["plain_steps"] = row["estimate_s"] / step
+    spent = clock[1] + sum(row["estimate_s"] for row in estimates)
+    return {
+        "every": every,
+        "estimates": estimates,
+        "plain_step_s": step,
+        "after": clock[1] / clock[0],
+        "ratio": spent / clock[0],
+    }
+
+
+def runs(only: str, device: str, quick: bool) -> dict[str, dict]:
+    """``run_cost`` of each model ``--only``'s patterns name as ``curvature.<model>.run`` (all where
+    none); ``--quick``: one round of 4 steps."""
+    patterns = [p for p in only.split(",") if p]
+    chosen = [m for m in MODELS if not patterns or any(fnmatch.fnmatch(f"curvature.{m}.run", p) for p in patterns)]
+    settings = {"rounds": 1, "every": 4, "window": 2} if quick else {}
+    return {m: run_cost(m, device=device, **settings) for m in chosen}
+
+
+def run_ratios(measured: dict[str, dict]) -> dict[str, dict]:
+    """The report's ratio of each measured run: the run over its plain copy, target <= 1.10."""
+    return {
+        f"curvature_{m}_run_over_plain": {
+            "value": run["ratio"],
+            "numerator": f"curvature.{m}.run",
+            "denominator": f"curvature.{m}.plain_copy",
+            "clock": "median_cpu_s",
+            "paired": True,
+            "target": "<= 1.10",
+            "met": run["ratio"] <= 1.10,
+        }
+        for m, run in measured.items()
+    }
+
+
+def lines(model_name: str, run: dict) -> list[str]:
+    """The run's estimates, one line each, then its cost."""
+    out = [
+        f"curvature.{model_name} estimate at step {row['step']}: {row['products']} products, "
+        f"{row['estimate_s']:.2f} s = {row['plain_steps']:.1f} plain steps of {run['plain_step_s']:.3f} s"
+        for row in run["estimates"]
+    ]
+    steps = run["estimates"][-1]["step"]
+    out.append(
+        f"curvature.{model_name} run of {steps} steps at every: {run['every']} ({len(run['estimates'])} estimates): "
+        f"{run['ratio']:.3f}x the plain copy's CPU time (its steps alone {run['after']:.3f}x)"
+    )
     return out
 
 
@@ -130,10 +170,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)  # as the ratios in docs/performance.md are read: one thread, the trainer's heap
     host_heap.keep()
     for m in sys.argv[1:] or list(MODELS):
-        for r, row in enumerate(interleaved(m), 1):
-            print(
-                f"{m} estimate {r} (step {r * EVERY - EVERY}): {row['products']} products, {row['estimate_s']:.2f} s "
-                f"= {row['estimate_s'] / row['plain_step_s']:.1f} plain steps of {row['plain_step_s']:.3f} s; "
-                f"the steps after it {row['after']:.3f}x the plain copy's; every: {EVERY} costs {row['every']:.3f}x",
-                flush=True,
-            )
+        print("\n".join(lines(m, run_cost(m))), flush=True)

@@ -242,25 +242,32 @@ def test_the_freeze_section_runs_at_its_own_batch(tmp_path):
     assert json.loads(out.read_text())["command"] == "python -m benchmarks --sections freeze " + " ".join(args)
 
 
-def test_the_curvature_section_reports_each_estimates_products(tmp_path, capsys):
+def test_the_curvature_section_reports_each_estimates_products_and_a_whole_run(tmp_path, capsys):
     out = tmp_path / "bench.json"
     report = cli.main(["curvature", "--quick", "--only", "curvature.mnist.*", "--json", str(out)])
     counts = report["curvature_products"]["mnist"]  # --quick: one repeat, no warm-up
     assert len(counts) == 1 and 1 <= counts[0] <= curvature.SETTINGS["iterations"]
-    assert json.loads(out.read_text())["curvature_products"] == {"mnist": counts}
-    assert (
-        f"curvature.mnist: products per estimate, in the order they ran (warm-up runs first): {counts}"
-        in capsys.readouterr().out
-    )
+    written = json.loads(out.read_text())
+    assert written["curvature_products"] == {"mnist": counts}
+    assert list(written["curvature_runs"]) == ["mnist"]  # --only's pattern names the run too
+    ratio = written["ratios"]["curvature_mnist_run_over_plain"]
+    assert ratio["value"] == written["curvature_runs"]["mnist"]["ratio"] and ratio["target"] == "<= 1.10"
+    printed = capsys.readouterr().out
+    assert f"curvature.mnist: products per estimate, in the order they ran (warm-up runs first): {counts}" in printed
+    assert "curvature.mnist run of 4 steps at every: 4 (2 estimates): " in printed
 
 
-def test_the_interleaved_curvature_cost_is_one_plus_the_estimate_over_the_plain_steps():
-    rows = curvature.interleaved("mnist", rounds=2, every=4, window=2)
-    assert len(rows) == 2
-    for row in rows:
+def test_a_runs_cost_is_its_steps_and_estimates_over_the_plain_copys_steps():
+    """As gradmod's trainer estimates: cold at step 0, then after every ``every``-th step, the last too."""
+    run = curvature.run_cost("mnist", rounds=2, every=4, window=2)
+    assert [row["step"] for row in run["estimates"]] == [0, 4, 8]
+    for row in run["estimates"]:
         assert 1 <= row["products"] <= curvature.SETTINGS["iterations"]
-        assert row["estimate_s"] > 0 and row["plain_step_s"] > 0 and row["after"] > 0
-        assert row["every"] == pytest.approx(1 + row["estimate_s"] / (4 * row["plain_step_s"]))
+        assert row["plain_steps"] == pytest.approx(row["estimate_s"] / run["plain_step_s"])
+    plain = run["plain_step_s"] * 8
+    spent = run["after"] * plain + sum(row["estimate_s"] for row in run["estimates"])
+    assert run["ratio"] == pytest.approx(spent / plain)
+    assert run["ratio"] > run["after"] > 0
 
 
 def test_sections_are_named_positionally_or_by_flag():

@@ -37,9 +37,13 @@ class HessianProducts:
         return sum(self._params[n].numel() for n in self._groups[group])
 
     def like(self, group: str) -> Tensor:
-        """A flat zero vector of the group's size, dtype and device."""
+        """A flat vector of the group's size, dtype and device, its values not set."""
         first = self._params[self._groups[group][0]]
-        return torch.zeros(self.size(group), dtype=first.dtype, device=first.device)
+        return torch.empty(self.size(group), dtype=first.dtype, device=first.device)
+
+    def gradient(self, group: str) -> Tensor:
+        """The loss's gradient over the group, flat (detached, a new tensor)."""
+        return torch.cat([self._grad[n].detach().reshape(-1) for n in self._groups[group]])
 
     def hvp(self, group: str, v: Tensor) -> Tensor:
         """``H_SS v`` for the group ``S``, flat: one buffer per group, written again by the next
