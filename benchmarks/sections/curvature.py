@@ -142,8 +142,8 @@ def run_ratios(measured: dict[str, dict]) -> dict[str, dict]:
             "value": run["ratio"],
             "numerator": f"curvature.{m}.run",
             "denominator": f"curvature.{m}.plain_copy",
-            "clock": "median_cpu_s",
-            "paired": True,
+            "clock": "process_time",  # one run, its windows alternating with the plain copy's
+            "paired": False,
             "target": "<= 1.10",
             "met": run["ratio"] <= 1.10,
         }

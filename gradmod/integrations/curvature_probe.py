@@ -2,8 +2,9 @@
 
 A callback given a curvature rule takes it out of the rules it attaches (``split_rules``), keeps
 the first ``batch`` examples (all by default) of the first training batch the loop sees as the
-probe batch, and estimates at step 0 (before the first optimizer step) and after every ``every``-th optimizer step
-(``Estimates``: ``gradmod.hooks.curvature``, which leaves training as it was).
+probe batch, and estimates at step 0 (before the first optimizer step) and after every
+``every``-th optimizer step (``Estimates``: ``gradmod.hooks.curvature``, which leaves training as
+it was).
 
 ``state_dict`` is what a checkpoint keeps: the rows, the probe batch (a resumed run estimates on
 the same examples, not on the first batch it sees) and the step of the last estimate. The
@@ -39,7 +40,7 @@ class Probe:
         """The first batch seen, cut to the largest ``batch`` of the rules (copied: the loop's is its own)."""
         if self and self.batch is None:
             sizes = [r.batch for r in self.estimates.rules]
-            self.batch = head(batch, None if None in sizes else max(sizes))
+            self.batch = head(batch, None if None in sizes else max(n for n in sizes if n is not None))
 
     def run(self, model, loss_fn, step: int, optimizer, take: Callable[[Any], Any], forward=None) -> dict[str, Any]:
         """The rules due at ``step`` (once a step), each on ``take(head(batch, rule.batch))`` on the
@@ -63,8 +64,8 @@ class Probe:
 
 
 def head(value: Any, n: int | None, device: torch.device | None = None) -> Any:
-    """The first ``n`` examples of a batch (all with ``None``; on ``device`` if given): tensors cut along their first
-    dimension, mappings, lists and tuples through; anything else as it is."""
+    """The first ``n`` examples of a batch (all with ``None``; on ``device`` if given): tensors cut
+    along their first dimension, mappings, lists and tuples through; anything else as it is."""
     if isinstance(value, torch.Tensor):
         cut = (value[:n] if value.dim() else value).detach()
         return cut.clone() if device is None else cut.to(device, copy=True)

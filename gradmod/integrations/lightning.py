@@ -103,7 +103,7 @@ class GradmodCallback(Callback):
 
     @property
     def curvature_rows(self) -> list[dict[str, Any]]:
-        """One row per curvature estimate and group: ``{step, lr, rule, group, top1.., trace, trace_se, hvps}``."""
+        """One row per curvature estimate and group: ``{step, lr, rule, group, top1.., trace, trace_se, hvps, residual}``."""
         return self.probe.estimates.rows
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -82,7 +82,7 @@ class GradmodCallback(TrainerCallback, ExportableState):
 
     @property
     def curvature_rows(self) -> list[dict[str, Any]]:
-        """One row per curvature estimate and group: ``{step, lr, rule, group, top1.., trace, trace_se, hvps}``."""
+        """One row per curvature estimate and group: ``{step, lr, rule, group, top1.., trace, trace_se, hvps, residual}``."""
         return self.probe.estimates.rows
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):

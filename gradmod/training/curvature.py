@@ -6,9 +6,10 @@ given), with a line each in the log.
 A rule whose one transform is ``curvature`` observes, it transforms no gradient: ``split_rules``
 takes it out of the rules ``attach`` gets, so the training steps between estimates run as
 without it. Each estimate is a row (step, learning rate, the groups' eigenvalues, trace, standard
-error, products); the epoch's record carries the latest as ``<rule>/<group>/top1...``,
-``trace``, ``trace_se`` and ``hvps`` (so metrics.csv, TensorBoard and MLflow have them). The
-rows live in the callback's state, so a resumed run draws all of them.
+error, products, residual); the epoch's record carries the latest as ``<rule>/<group>/top1...``,
+``trace``, ``trace_se``, ``hvps`` and ``residual`` (so metrics.csv, TensorBoard and MLflow have
+them). An estimate whose Lanczos stopped at ``iterations`` before its residual fell below ``tol``
+says so in its log line. The rows live in the callback's state, so a resumed run draws all of them.
 """
 
 from __future__ import annotations
@@ -89,13 +90,16 @@ def _read(name: str, spec: Mapping[str, Any], listed: list[Any]) -> CurvatureRul
             f"{where}: curvature has no argument {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
         )
     rule = CurvatureRule(name, spec.get("params") or "*", spec.get("exclude"), **args)
-    for key in ("every", "batch"):
+    for key, what in (
+        ("every", "optimizer steps between two estimates"),
+        ("batch", "training examples in the probe batch"),
+    ):
         value = getattr(rule, key)
         if key == "batch" and value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            what = "optimizer steps between two estimates" if key == "every" else "training examples in the probe batch"
-            raise ValueError(f"{where}: {key}={value!r} must be an int >= 1 ({what})")
+            also = " or null (one training batch)" if key == "batch" else ""
+            raise ValueError(f"{where}: {key}={value!r} must be an int >= 1 ({what}){also}")
     check(
         per=rule.per, k=rule.k, iterations=rule.iterations, probes=rule.probes, mode=rule.mode, tol=rule.tol, rule=name
     )
@@ -111,7 +115,7 @@ def check_rules(rules: list[CurvatureRule], model: torch.nn.Module) -> None:
 class Estimates:
     """The estimates of some curvature rules in any loop (gradmod's trainer, the Lightning and
     Transformers callbacks): ``rows``, one per estimate and group, ``{step, lr, rule, group,
-    top1.., trace, trace_se, hvps}``; ``latest``, each group's newest values by
+    top1.., trace, trace_se, hvps, residual}``; ``latest``, each group's newest values by
     ``<rule>/<group>/<field>``; the eigenvectors that warm-start the next estimate."""
 
     def __init__(self, rules: list[CurvatureRule]):
@@ -128,7 +132,12 @@ class Estimates:
         out = {}
         for r in self.rules:
             groups = select_groups(model, r.params, r.exclude, r.per, r.rule)
-            fields_ = [*(f"top{i + 1}" for i in range(r.k)), *(("trace", "trace_se") if r.probes else ()), "hvps"]
+            fields_ = [
+                *(f"top{i + 1}" for i in range(r.k)),
+                *(("trace", "trace_se") if r.probes else ()),
+                "hvps",
+                "residual",
+            ]
             out |= {f"{r.rule}/{g}/{f}": None for g in groups for f in fields_}
         return out
 
@@ -158,7 +167,7 @@ class Estimates:
             )
             self._warm[r.rule] = got
             for group, g in got.items():
-                row = {"step": step, "lr": lr, "rule": r.rule, "group": group, "hvps": g.hvps}
+                row = {"step": step, "lr": lr, "rule": r.rule, "group": group, "hvps": g.hvps, "residual": g.residual}
                 row |= {f"top{i + 1}": v for i, v in enumerate(g.eigenvalues)}
                 row |= {"trace": g.trace, "trace_se": g.trace_se} if r.probes else {}
                 self.rows.append(row)
@@ -226,10 +235,14 @@ _KEYS = ("step", "lr", "rule", "group")
 
 
 def _line(r: CurvatureRule, step: int, lr: float, got: Mapping[str, GroupCurvature], seconds: float) -> str:
-    """``curvature at step 200 (2/lr 20): * top 12.3, trace 512 +- 30; 14 products in 0.8 s``."""
+    """``curvature at step 200 (2/lr 20): * top 12.3, trace 512 +- 30; 14 products in 0.8 s``; a group
+    whose residual stayed above ``tol``: ``* top 12.3 (not converged in 20 Lanczos steps: residual 0.012 of
+    the value, tol 0.005)``."""
     parts = []
     for group, g in got.items():
         text = f"{group} top {', '.join(f'{v:.4g}' for v in g.eigenvalues)}"
+        if g.residual > r.tol:
+            text += f" (not converged in {r.iterations} Lanczos steps: residual {g.residual:.2g} of the value, tol {r.tol:g})"
         if g.trace is not None:
             text += f", trace {g.trace:.4g} +- {g.trace_se:.2g}"
         parts.append(text)

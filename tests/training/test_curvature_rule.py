@@ -128,6 +128,10 @@ def test_training_is_unchanged_and_the_metrics_carry_the_latest_estimate(runs):
             "hooks.curvature: every=0 must be an int >= 1 (optimizer steps between",
         ),
         (
+            "hooks.curvature.transforms.0.batch=0",
+            "hooks.curvature: batch=0 must be an int >= 1 (training examples in the probe batch) or null",
+        ),
+        (
             "hooks.curvature.params=fc*",
             "hooks.curvature.params: 'fc*' matches no trainable parameter; names look like: conv1.weight",
         ),
@@ -142,3 +146,25 @@ def test_bad_input_is_one_line(tmp_path, override, line):
     message = endings.message(ending.error)
     assert message.startswith(line) and "\n" not in message, message
     assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_an_estimate_says_when_lanczos_stopped_before_its_tolerance(caplog):
+    """Capped at one Lanczos step the residual stays above ``tol``: the row keeps it and the log
+    line says so; converged, the residual is within ``tol`` and the line says nothing of it."""
+    from gradmod.training.curvature import CurvatureRule, Estimates
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    batch = (torch.randn(16, 5), torch.randint(0, 3, (16,)))
+    capped = CurvatureRule("capped", iterations=1, tol=1e-3)
+    full = CurvatureRule("full", iterations=60, tol=1e-3)
+    estimates = Estimates([capped, full])
+    with caplog.at_level("INFO", logger="gradmod.curvature"):
+        estimates.estimate([capped, full], model, F.cross_entropy, lambda r: batch, step=0, lr=0.1)
+    rows = {r["rule"]: r for r in estimates.rows}
+    assert rows["capped"]["residual"] > 1e-3 and rows["full"]["residual"] <= 1e-3
+    assert estimates.latest["capped/*/residual"] == rows["capped"]["residual"]
+    lines = {r.getMessage().split(" ")[0]: r.getMessage() for r in caplog.records}
+    assert "(not converged in 1 Lanczos steps: residual " in lines["capped"] and "tol 0.001)" in lines["capped"]
+    assert "not converged" not in lines["full"]
+

@@ -38,7 +38,8 @@ MODES = ("eval", "train")
 class GroupCurvature:
     """One group's estimate: its parameters, the ``k`` largest eigenvalues (largest first), the
     trace and its standard error (None without probes), the products it cost, the eigenvectors
-    (flat, a row each: the next estimate's warm start)."""
+    (flat, a row each: the next estimate's warm start), and the largest of the eigenvalues'
+    residuals over their size (at most ``tol`` where Lanczos converged within ``iterations``)."""
 
     params: list[str]
     eigenvalues: list[float]
@@ -46,6 +47,7 @@ class GroupCurvature:
     trace_se: float | None
     hvps: int
     vectors: Tensor | None = field(default=None, repr=False)
+    residual: float = math.nan
 
 
 def curvature(
@@ -89,14 +91,9 @@ def curvature(
             start = _start(products, group, (warm or {}).get(group), generator)
             ritz = lanczos(matvec, start, k, iterations, tol)
             trace = hutchinson(matvec, start, probes, generator) if probes else None
-            out[group] = GroupCurvature(
-                names,
-                ritz.values,
-                None if trace is None else trace.value,
-                None if trace is None else trace.standard_error,
-                products.count - before,
-                ritz.vectors.detach(),
-            )
+            value, se = (None, None) if trace is None else trace
+            hvps = products.count - before
+            out[group] = GroupCurvature(names, ritz.values, value, se, hvps, ritz.vectors.detach(), max(ritz.residuals))
     return out
 
 

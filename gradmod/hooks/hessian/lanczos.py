@@ -19,11 +19,13 @@ from gradmod.hooks.hessian.dots import dots, norm
 
 
 class Ritz(NamedTuple):
-    """The ``k`` largest Ritz values (largest first), their vectors (rows), the steps taken."""
+    """The ``k`` largest Ritz values (largest first), their vectors (rows), the steps taken, and
+    each value's residual over its size (at most ``tol`` once converged)."""
 
     values: list[float]
     vectors: Tensor
     steps: int
+    residuals: list[float]
 
 
 def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, k: int, iterations: int, tol: float) -> Ritz:
@@ -65,7 +67,8 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, k: int, iteration
     top = min(k, len(alphas))
     order = torch.arange(len(alphas) - 1, len(alphas) - 1 - top, -1)
     ritz = (vectors[:, order].T.to(start.dtype).to(start.device)) @ basis[: len(alphas)]
-    return Ritz([float(values[i]) for i in order], ritz, len(alphas))
+    relative = (beta * vectors[-1, order].abs() / values[order].abs().clamp_min(1e-30)).tolist()
+    return Ritz([float(values[i]) for i in order], ritz, len(alphas), relative)
 
 
 def _ritz(alphas: list[float], betas: list[float]) -> tuple[Tensor, Tensor]:

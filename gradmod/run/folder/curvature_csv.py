@@ -1,7 +1,7 @@
 """``curvature.csv`` and ``curvature.png``: a curvature rule's estimates in the run folder.
 
 The CSV holds every estimate so far, one row per estimate and group (``step, lr, rule, group,
-top1.., trace, trace_se, hvps``), rewritten whole at each epoch's end (a resumed run's rows come
+top1.., trace, trace_se, hvps, residual``), rewritten whole at each epoch's end (a resumed run's rows come
 back with the callback's state); the picture (``gradmod.reporting.lens.curvature_plot``) is drawn at
 the end."""
 
