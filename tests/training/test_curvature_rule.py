@@ -167,4 +167,3 @@ def test_an_estimate_says_when_lanczos_stopped_before_its_tolerance(caplog):
     lines = {r.getMessage().split(" ")[0]: r.getMessage() for r in caplog.records}
     assert "(not converged in 1 Lanczos steps: residual " in lines["capped"] and "tol 0.001)" in lines["capped"]
     assert "not converged" not in lines["full"]
-
