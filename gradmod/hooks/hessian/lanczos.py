@@ -64,10 +64,9 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, k: int, iteration
         if step == len(basis):
             basis = torch.cat([basis, basis.new_empty(min(limit, 2 * len(basis)) - len(basis), n)])
         torch.div(w, beta, out=basis[step])
-    top = min(k, len(alphas))
-    order = torch.arange(len(alphas) - 1, len(alphas) - 1 - top, -1)
+    order = torch.arange(len(alphas) - 1, len(alphas) - 1 - top, -1)  # the last step's top, largest first
     ritz = (vectors[:, order].T.to(start.dtype).to(start.device)) @ basis[: len(alphas)]
-    relative = (beta * vectors[-1, order].abs() / values[order].abs().clamp_min(1e-30)).tolist()
+    relative = (residual / scale).flip(0).tolist()  # the last step's test, in the same order
     return Ritz([float(values[i]) for i in order], ritz, len(alphas), relative)
 
 
