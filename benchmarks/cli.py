@@ -61,7 +61,7 @@ import torch
 
 from benchmarks import contenders, memory, ops, report, timing
 from benchmarks.mnist import BATCH, Bench
-from benchmarks.ratios import ratios
+from benchmarks.ratios import ratios, run_ratios
 from benchmarks.sections import curvature, scale
 from gradmod.run import host_heap
 from gradmod.run.setup import resolve_device
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace, device: torch.device, command: str) -> dict:
         | {"batch_size": BATCH, "steps_per_epoch": bench.steps},
         "command": command,
         "results": results,
-        "ratios": ratios(results, device) | curvature.run_ratios(runs),
+        "ratios": ratios(results, device) | run_ratios(runs),
         "ops": counted,
         "memory": peaks,
         "scale": scaled,

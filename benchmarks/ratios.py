@@ -217,7 +217,7 @@ PENALTY = [  # a shipped penalty against the same penalty by hand (<= 1.05x), an
         for rule, base in penalty.DP_PAIRS
     ),
 ]
-CURVATURE = [  # one window of 100 steps and its estimate; the target is a whole run's (curvature.run_ratios)
+CURVATURE = [  # one window of 100 steps and its estimate; the target is a whole run's (RUN_TARGET)
     (f"curvature_{m}_every100_over_plain", f"curvature.{m}.every100", f"curvature.{m}.plain", None, None)
     for m in curvature.MODELS
 ]
@@ -254,6 +254,26 @@ RATIOS: list[Ratio] = [
 # few percent apart, so from the repeats' own ratios (``paired_ratio``).
 PAIRED = {f"per_loss_{m}_{x}_over_plain" for m in per_loss.MODELS for x in WEIGHTINGS}
 PAIRED |= {f"orthogonalize_{m}_over_muon" for m in orthogonalize.MODELS}
+
+
+RUN_TARGET = ("<= 1.10", lambda r: r <= 1.10)  # a whole run at every: 100 against its plain copy (curvature.run_cost)
+
+
+def run_ratios(runs: dict[str, dict]) -> dict[str, dict]:
+    """The ratio of each measured curvature run (``curvature.runs``): one interleaved run, not repeats."""
+    target, test = RUN_TARGET
+    return {
+        f"curvature_{m}_run_over_plain": {
+            "value": run["ratio"],
+            "numerator": f"curvature.{m}.run",
+            "denominator": f"curvature.{m}.plain_copy",
+            "clock": "process_time",
+            "paired": False,
+            "target": target,
+            "met": bool(test(run["ratio"])),
+        }
+        for m, run in runs.items()
+    }
 
 
 def ratios(results: dict[str, dict], device: torch.device) -> dict[str, dict]:

@@ -135,22 +135,6 @@ def runs(only: str, device: str, quick: bool) -> dict[str, dict]:
     return {m: run_cost(m, device=device, **settings) for m in chosen}
 
 
-def run_ratios(measured: dict[str, dict]) -> dict[str, dict]:
-    """The report's ratio of each measured run: the run over its plain copy, target <= 1.10."""
-    return {
-        f"curvature_{m}_run_over_plain": {
-            "value": run["ratio"],
-            "numerator": f"curvature.{m}.run",
-            "denominator": f"curvature.{m}.plain_copy",
-            "clock": "process_time",  # one run, its windows alternating with the plain copy's
-            "paired": False,
-            "target": "<= 1.10",
-            "met": run["ratio"] <= 1.10,
-        }
-        for m, run in measured.items()
-    }
-
-
 def lines(model_name: str, run: dict) -> list[str]:
     """The run's estimates, one line each, then its cost."""
     out = [
