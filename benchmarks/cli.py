@@ -41,7 +41,7 @@ Sections (the default: all but scale, sam_peers, curvature and influence):
          against a plain step, and DP-SGD with input_grad_penalty against torch.func's per-example step, on a
          784-1024-1024-10 MLP (batch 64) and the MNIST CNN (batch 100) (see benchmarks/sections/penalty.py)
   curvature  100 SGD steps with one curvature estimate (the shipped rule at every: 100) against 100 plain ones,
-         and a whole run of 500 steps at every: 100 beside a plain copy (its target), on the MNIST CNN
+         and a whole run of 2,000 steps at every: 100 beside a plain copy (its target), on the MNIST CNN
          and ResNet-18 (see benchmarks/sections/curvature.py); asked for by name
   influence  TracIn influence of 1,000 training examples on 8 test examples over 2 checkpoints of the MNIST
          CNN: gradmod exact and projected against Captum's TracInCP (sample_wise_grads_per_batch)

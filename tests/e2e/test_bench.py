@@ -268,6 +268,9 @@ def test_a_runs_cost_is_its_steps_and_estimates_over_the_plain_copys_steps():
     spent = run["after"] * plain + sum(row["estimate_s"] for row in run["estimates"])
     assert run["ratio"] == pytest.approx(spent / plain)
     assert run["ratio"] > run["after"] > 0
+    ratios = [row["run_ratio"] for row in run["estimates"]]
+    assert ratios[0] is None and ratios[-1] == run["ratio"]  # nothing trained before the cold one
+    assert all(r > 0 for r in ratios[1:])
 
 
 def test_sections_are_named_positionally_or_by_flag():
