@@ -35,7 +35,7 @@ from gradmod.models import build_model
 from gradmod.run import host_heap
 
 EVERY = 100  # optimizer steps per timed run: one estimate's period
-ROUNDS = 20  # periods in the timed run: 2,000 steps (the MNIST article trains 6,000; a CIFAR-10 epoch is 1,563)
+ROUNDS = 20  # periods in the timed run: 2,000 steps (the MNIST article trains 6,000; CIFAR-10 at batch 32: 1,563 an epoch)
 MODELS = {"mnist": ("mnist_cnn", 1, 28, 100), "resnet18": ("resnet18", 3, 32, 32)}  # name, channels, size, batch
 CONTENDERS = ("plain", "every100")
 SETTINGS = {"k": 1, "iterations": 20, "tol": 5e-3}  # gradmod/conf/hooks/curvature.yaml's
