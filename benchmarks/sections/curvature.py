@@ -8,7 +8,7 @@ to training, and one estimate's cost in Hessian-vector products.
               a run's are)
     run       a whole run of 2,000 steps at ``every: 100`` (21 estimates, the first cold) beside a
               plain copy in alternating windows of 10 steps (``run_cost``): the target, <= 1.10x; each
-              estimate's line also gives the run's ratio up to it (at 500 steps: the two first
+              estimate's line also gives the run's ratio up to it (at 500 steps: the first two
               estimates, 10 to 20 plain steps each, still weigh)
 
 Models: the MNIST CNN (batch 100 of 28x28) and torchvision's ResNet-18 with BatchNorm (batch 32 of
@@ -35,7 +35,7 @@ from gradmod.models import build_model
 from gradmod.run import host_heap
 
 EVERY = 100  # optimizer steps per timed run: one estimate's period
-ROUNDS = 20  # periods in the timed run: 2,000 steps (the MNIST article trains 6,000; CIFAR-10 at batch 32: 1,563 an epoch)
+ROUNDS = 20  # periods in the timed run: 2,000 steps (the MNIST article trains 6,000; a CIFAR-10 epoch: 1,563)
 MODELS = {"mnist": ("mnist_cnn", 1, 28, 100), "resnet18": ("resnet18", 3, 32, 32)}  # name, channels, size, batch
 CONTENDERS = ("plain", "every100")
 SETTINGS = {"k": 1, "iterations": 20, "tol": 5e-3}  # gradmod/conf/hooks/curvature.yaml's
