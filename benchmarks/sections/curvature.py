@@ -128,7 +128,7 @@ def run_cost(model_name: str, rounds: int = ROUNDS, every: int = EVERY, window: 
         "estimates": estimates,
         "plain_step_s": step,
         "after": clock[1] / clock[0],
-        "ratio": (clock[1] + spent) / clock[0],
+        "ratio": estimates[-1]["run_ratio"],  # the last estimate closes the run
     }
 
 
@@ -146,7 +146,7 @@ def lines(model_name: str, run: dict) -> list[str]:
     out = [
         f"curvature.{model_name} estimate at step {row['step']}: {row['products']} products, "
         f"{row['estimate_s']:.2f} s = {row['plain_steps']:.1f} plain steps of {run['plain_step_s']:.3f} s"
-        + (f"; the run so far {row['run_ratio']:.3f}x" if row.get("run_ratio") is not None else "")
+        + (f"; the run so far {row['run_ratio']:.3f}x" if row["run_ratio"] is not None else "")
         for row in run["estimates"]
     ]
     steps = run["estimates"][-1]["step"]
