@@ -90,16 +90,15 @@ def _read(name: str, spec: Mapping[str, Any], listed: list[Any]) -> CurvatureRul
             f"{where}: curvature has no argument {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
         )
     rule = CurvatureRule(name, spec.get("params") or "*", spec.get("exclude"), **args)
-    for key, what in (
-        ("every", "optimizer steps between two estimates"),
-        ("batch", "training examples in the probe batch"),
+    for key, what, null in (
+        ("every", "optimizer steps between two estimates", ""),
+        ("batch", "training examples in the probe batch", " or null (one training batch)"),
     ):
         value = getattr(rule, key)
-        if key == "batch" and value is None:
+        if value is None and null:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            also = " or null (one training batch)" if key == "batch" else ""
-            raise ValueError(f"{where}: {key}={value!r} must be an int >= 1 ({what}){also}")
+            raise ValueError(f"{where}: {key}={value!r} must be an int >= 1 ({what}){null}")
     check(
         per=rule.per, k=rule.k, iterations=rule.iterations, probes=rule.probes, mode=rule.mode, tol=rule.tol, rule=name
     )
